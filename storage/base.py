@@ -1,0 +1,167 @@
+"""The one small protocol every object store implements.
+
+Why this small: every backend (a POSIX directory, any S3-compatible endpoint)
+and every wrapper (retry, dry-run, metering, fault injection in tests) has to
+implement all of it, and one contract test suite has to cover it. Anything a
+caller can build from these calls (recursive copy, read-to-bytes, ...) lives
+in helper functions, not in the protocol.
+
+Keys are ``/``-separated, relative to the store's root URL, never start with
+``/`` and never contain an empty, ``.`` or ``..`` segment.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import BinaryIO, Protocol, runtime_checkable
+
+from .errors import InvalidKey
+
+#: S3's limit on keys in one DeleteObjects call; stores batch to this size.
+MAX_DELETE_BATCH = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    """What a listing or stat knows about one object.
+
+    ``mtime`` is seconds since the epoch (UTC). ``etag`` is the backend's
+    change token (S3 ETag; ``None`` on POSIX). ``checksum`` is a full-object
+    checksum the store itself keeps, as ``"crc64nvme:<base64>"``, or ``None``
+    when the store keeps none (or only a composite one, which is useless for
+    comparing whole objects).
+    """
+
+    key: str
+    size: int
+    mtime: float | None = None
+    etag: str | None = None
+    checksum: str | None = None
+
+
+@dataclass(slots=True)
+class DeleteResult:
+    """Outcome of :meth:`Store.delete_many`.
+
+    ``deleted`` holds only keys whose deletion the store confirmed (a key that
+    was already absent counts as deleted: deletes are idempotent). ``failed``
+    maps each key the store refused to its reason. ``markers_only`` lists
+    deleted keys for which a versioned bucket only added a delete marker, so
+    no space was freed.
+    """
+
+    deleted: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+    markers_only: list[str] = field(default_factory=list)
+
+    def merge(self, other: DeleteResult) -> None:
+        self.deleted.extend(other.deleted)
+        self.failed.update(other.failed)
+        self.markers_only.extend(other.markers_only)
+
+
+@runtime_checkable
+class Store(Protocol):
+    """An object store rooted at ``url``.
+
+    Contract (checked by ``tests/test_store_contract.py`` for every store):
+
+    * ``list(prefix)`` yields every object whose key starts with ``prefix``,
+      recursively, each exactly once, in no particular order. A prefix that
+      matches nothing yields nothing; a root that does not exist at all
+      (missing bucket or directory) raises :class:`~.errors.NotFound`.
+    * ``stat(key)`` returns the object's info or raises ``NotFound``.
+    * ``open_read(key)`` returns a binary stream positioned at byte 0 that
+      reads the object with bounded memory; raises ``NotFound``.
+    * ``write(key, data)`` stores ``data`` (bytes or a readable binary
+      stream, read to EOF) atomically: readers see the old object or the whole
+      new one, never a part. With ``if_absent=True`` it raises
+      :class:`~.errors.AlreadyExists` when the key exists, and that check and
+      the write are one atomic step.
+    * ``delete_many(keys)`` deletes in batches of at most
+      :data:`MAX_DELETE_BATCH` and reports per key; it never raises for a
+      single key's failure.
+    """
+
+    url: str
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]: ...
+
+    def stat(self, key: str) -> ObjectInfo: ...
+
+    def open_read(self, key: str) -> BinaryIO: ...
+
+    def write(self, key: str, data: bytes | BinaryIO, *, if_absent: bool = False) -> ObjectInfo: ...
+
+    def delete_many(self, keys: Sequence[str]) -> DeleteResult: ...
+
+
+def key_problem(key: str) -> str | None:
+    """Return why ``key`` is unsafe as a store key, or ``None`` when it is fine."""
+    if not key:
+        return "key is empty"
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        return f"key {key.encode('utf-8', 'surrogateescape')!r} is not valid UTF-8"
+    if "\x00" in key:
+        return f"key {key!r} contains a NUL byte"
+    if key.startswith("/"):
+        return f"key {key!r} is absolute"
+    if "\\" in key:
+        return f"key {key!r} contains a backslash"
+    parts = key.split("/")
+    if any(p in ("", ".", "..") for p in parts[:-1]) or parts[-1] in (".", ".."):
+        return f"key {key!r} has an empty, '.' or '..' segment"
+    return None
+
+
+def validate_key(key: str) -> str:
+    """Return ``key`` unchanged or raise :class:`InvalidKey` saying why."""
+    problem = key_problem(key)
+    if problem is not None:
+        raise InvalidKey(f"{problem}; store keys are relative, '/'-separated UTF-8 paths", key=key)
+    return key
+
+
+def join_key(*parts: str) -> str:
+    """Join key parts with ``/``, ignoring empty parts and stray slashes."""
+    return "/".join(p.strip("/") for p in parts if p.strip("/"))
+
+
+def read_bytes(store: Store, key: str, *, limit: int | None = None) -> bytes:
+    """Read a whole (small) object. With ``limit``, refuse objects larger than it.
+
+    Used for marker and metadata files; raises ``ValueError`` naming the key
+    when the object exceeds ``limit`` bytes, so a huge file mistaken for
+    metadata cannot exhaust memory.
+    """
+    with store.open_read(key) as fh:
+        if limit is None:
+            return fh.read()
+        data = fh.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"{key}: larger than {limit} bytes, too large for a metadata file")
+    return data
+
+
+def iter_chunks(stream: BinaryIO, chunk_size: int = 8 << 20) -> Iterator[bytes]:
+    """Yield ``stream``'s contents in chunks of at most ``chunk_size`` bytes."""
+    while True:
+        chunk = stream.read(chunk_size)
+        if not chunk:
+            return
+        yield chunk
+
+
+def as_stream(data: bytes | BinaryIO) -> BinaryIO:
+    """Wrap ``bytes`` in a stream; return streams unchanged."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return io.BytesIO(bytes(data))
+    return data
+
+
+def total_size(infos: Iterable[ObjectInfo]) -> int:
+    return sum(i.size for i in infos)

@@ -1,0 +1,67 @@
+"""The few exceptions that cross the storage boundary.
+
+Backends translate their native errors (``OSError``, ``botocore`` client
+errors, ...) into these classes and keep the original as ``__cause__``. Code
+above ``storage/`` catches only these. ``is_transient`` is the single place
+that decides what a caller (a Prefect task's retry policy, say) may retry.
+"""
+
+from __future__ import annotations
+
+
+class CkptierError(Exception):
+    """Base of every error ckptier raises on purpose.
+
+    The message is one line meant for a person: it names the thing, the
+    value and what to do. The command line prints it without a traceback.
+    """
+
+
+class ConfigError(CkptierError, ValueError):
+    """A setting, URL or file the user gave is wrong."""
+
+
+class StoreError(CkptierError):
+    """An object store could not do what was asked."""
+
+    def __init__(self, message: str, *, url: str | None = None, key: str | None = None) -> None:
+        super().__init__(message)
+        self.url = url
+        self.key = key
+
+
+class NotFound(StoreError):
+    """The object, bucket or directory does not exist."""
+
+
+class AlreadyExists(StoreError):
+    """A conditional create found the object already there (HTTP 412)."""
+
+
+class AccessDenied(StoreError):
+    """Credentials are missing, wrong or lack permission."""
+
+
+class Unavailable(StoreError):
+    """The store is unreachable, throttling (SlowDown) or failing with 5xx.
+
+    The only storage error that is worth retrying.
+    """
+
+
+class InvalidKey(StoreError):
+    """A key is unsafe or malformed: not UTF-8, absolute, or contains ``..``."""
+
+
+class IntegrityError(StoreError):
+    """Bytes read back do not match what was expected (size or checksum)."""
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Return True when retrying the operation that raised ``exc`` may succeed.
+
+    Only :class:`Unavailable` is transient. Everything else (a missing object,
+    wrong credentials, a failed precondition, corrupt bytes) will fail the
+    same way again and must not be retried blindly.
+    """
+    return isinstance(exc, Unavailable)

@@ -1,0 +1,149 @@
+"""A store over a local or POSIX-mounted directory."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import BinaryIO
+
+from .base import DeleteResult, ObjectInfo, as_stream, validate_key
+from .errors import AccessDenied, AlreadyExists, NotFound, StoreError, Unavailable
+
+#: Prefix of the temporary files ``write`` creates beside their target.
+TEMP_PREFIX = ".ckptier-tmp-"
+
+
+def _translate(exc: OSError, url: str, key: str | None) -> StoreError:
+    where = f"{url}/{key}" if key else url
+    if isinstance(exc, FileNotFoundError) or exc.errno == errno.ENOTDIR:
+        return NotFound(f"{where}: no such file or directory", url=url, key=key)
+    if isinstance(exc, PermissionError):
+        return AccessDenied(f"{where}: permission denied; check the file's owner and mode", url=url, key=key)
+    if exc.errno in (errno.EIO, errno.ESTALE, errno.ETIMEDOUT, errno.EAGAIN):
+        return Unavailable(f"{where}: {exc.strerror} (I/O error; retry or check the mount)", url=url, key=key)
+    return StoreError(f"{where}: {exc.strerror or exc}", url=url, key=key)
+
+
+class LocalStore:
+    """Objects are files below ``root``; keys are their relative paths.
+
+    Writes go to a temporary file in the target directory, are fsynced and
+    renamed into place, so readers never see a partial file. ``if_absent``
+    uses ``link()``, which fails atomically when the target exists.
+    Temporary files (``.ckptier-tmp-*``) are skipped by ``list``.
+    """
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root).absolute()
+        self.url = self.root.as_uri()
+
+    def __repr__(self) -> str:
+        return f"LocalStore({str(self.root)!r})"
+
+    def _path(self, key: str) -> Path:
+        return self.root / validate_key(key)
+
+    def _info(self, key: str, st: os.stat_result) -> ObjectInfo:
+        return ObjectInfo(key=key, size=st.st_size, mtime=st.st_mtime, etag=None)
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        if not self.root.is_dir():
+            raise NotFound(f"{self.url}: directory does not exist; check the path", url=self.url)
+        # Start the walk at the deepest directory the prefix names.
+        head, _, _ = prefix.rpartition("/")
+        start = self.root / head if head else self.root
+        stack = [(str(start), head + "/" if head else "")]
+        while stack:
+            path, rel = stack.pop()
+            try:
+                entries = os.scandir(path)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                raise _translate(exc, self.url, rel.rstrip("/") or None) from exc
+            with entries:
+                for entry in entries:
+                    key = rel + entry.name
+                    if entry.name.startswith(TEMP_PREFIX):
+                        continue
+                    if entry.is_dir(follow_symlinks=False):
+                        if key.startswith(prefix) or prefix.startswith(key + "/"):
+                            stack.append((entry.path, key + "/"))
+                    elif key.startswith(prefix) and entry.is_file():
+                        try:
+                            st = entry.stat()
+                        except FileNotFoundError:
+                            continue  # deleted while listing
+                        yield self._info(key, st)
+
+    def stat(self, key: str) -> ObjectInfo:
+        path = self._path(key)
+        try:
+            st = path.stat()
+        except OSError as exc:
+            raise _translate(exc, self.url, key) from exc
+        if not path.is_file():
+            raise NotFound(f"{self.url}/{key}: not a file", url=self.url, key=key)
+        return self._info(key, st)
+
+    def open_read(self, key: str) -> BinaryIO:
+        try:
+            return open(self._path(key), "rb")  # noqa: SIM115 - caller closes
+        except OSError as exc:
+            raise _translate(exc, self.url, key) from exc
+
+    def write(self, key: str, data: bytes | BinaryIO, *, if_absent: bool = False) -> ObjectInfo:
+        path = self._path(key)
+        src = as_stream(data)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if if_absent and path.exists():
+                raise AlreadyExists(f"{self.url}/{key}: already exists", url=self.url, key=key)
+            fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=path.parent)
+            try:
+                with os.fdopen(fd, "wb") as out:
+                    shutil.copyfileobj(src, out, 8 << 20)
+                    out.flush()
+                    os.fsync(out.fileno())
+                if if_absent:
+                    try:
+                        os.link(tmp, path)
+                    except FileExistsError:
+                        raise AlreadyExists(f"{self.url}/{key}: already exists", url=self.url, key=key) from None
+                    os.unlink(tmp)
+                else:
+                    os.replace(tmp, path)
+            except BaseException:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+                raise
+            return self._info(key, path.stat())
+        except OSError as exc:
+            raise _translate(exc, self.url, key) from exc
+
+    def delete_many(self, keys: Sequence[str]) -> DeleteResult:
+        result = DeleteResult()
+        for key in keys:
+            try:
+                os.unlink(self._path(key))
+            except FileNotFoundError:
+                result.deleted.append(key)
+            except (OSError, StoreError) as exc:
+                result.failed[key] = str(exc.strerror if isinstance(exc, OSError) else exc)
+            else:
+                result.deleted.append(key)
+                self._prune_empty_dirs(self._path(key).parent)
+        return result
+
+    def _prune_empty_dirs(self, directory: Path) -> None:
+        """Remove directories left empty by a delete, up to (not including) root."""
+        while directory != self.root and self.root in directory.parents:
+            try:
+                directory.rmdir()
+            except OSError:
+                return
+            directory = directory.parent

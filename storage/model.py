@@ -1,0 +1,180 @@
+"""Domain types shared by format recognition, the catalog and the tasks.
+
+Plain frozen dataclasses: no I/O, no ORM. The catalog converts its rows into
+:class:`CheckpointRecord`; pure cores (retention, verification planning,
+drill choice) take these records as input.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+
+
+class State(enum.StrEnum):
+    """Lifecycle of a checkpoint in the catalog.
+
+    ``incomplete``: files seen but the format's commit evidence is missing (a
+    save in flight, or a torn one). ``committed``: commit evidence present,
+    bytes not yet proven. ``verified``: every file's bytes matched.
+    ``corrupt``: a file is missing, truncated or has the wrong hash; kept as
+    evidence, never auto-deleted. ``deleted``: removed by ckptier on purpose
+    (a tombstone).
+    """
+
+    INCOMPLETE = "incomplete"
+    COMMITTED = "committed"
+    VERIFIED = "verified"
+    CORRUPT = "corrupt"
+    DELETED = "deleted"
+
+
+class Format(enum.StrEnum):
+    """Checkpoint layouts ckptier recognises (see DESIGN.md, Formats)."""
+
+    GUIDE = "guide"  # {job}/step-{step:08d}/rank-{rank:04d}/*.pt + metadata.json
+    DCP = "dcp"  # torch.distributed.checkpoint: *.distcp + .metadata
+    HF = "hf-trainer"  # checkpoint-{N}/ + trainer_state.json
+    LIGHTNING = "lightning"  # epoch=E-step=S.ckpt
+    PATTERN = "pattern"  # user-configured pattern + settle time
+
+
+class Tier(enum.StrEnum):
+    HOT = "hot"
+    ARCHIVE = "archive"
+
+
+@dataclass(frozen=True, slots=True)
+class FileRef:
+    """One file of a checkpoint as storage lists it.
+
+    ``key`` is relative to the store root; ``relpath`` is relative to the
+    checkpoint's ``prefix`` (for single-file formats, the file name).
+    """
+
+    key: str
+    relpath: str
+    size: int
+    mtime: float | None = None
+    etag: str | None = None
+    checksum: str | None = None
+
+
+@dataclass(frozen=True)
+class Found:
+    """A checkpoint recognised in a listing.
+
+    ``prefix`` is the key prefix (directory) holding the checkpoint, relative
+    to the store root; for single-file formats it is the file's key.
+    ``committed`` says whether the format's commit evidence is present and
+    ``reason`` says what that evidence is, or what is missing.
+    ``expected_sha256`` maps relpath to a hex digest when the format records
+    expected hashes (the guide's metadata.json). ``recorded_loss`` is the
+    training loss the checkpoint's own metadata recorded, if any.
+    """
+
+    job: str
+    step: int
+    format: Format
+    prefix: str
+    files: tuple[FileRef, ...]
+    committed: bool
+    reason: str
+    expected_sha256: Mapping[str, str] = field(default_factory=dict)
+    recorded_loss: float | None = None
+
+    @property
+    def bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    @property
+    def saved_at(self) -> float | None:
+        """Newest mtime among the files (epoch seconds), if known."""
+        times = [f.mtime for f in self.files if f.mtime is not None]
+        return max(times) if times else None
+
+
+@dataclass(frozen=True, slots=True)
+class Unrecognised:
+    """A key (or prefix) that no format claimed, and why."""
+
+    key: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Recognition:
+    """Everything format recognition made of one listing."""
+
+    checkpoints: tuple[Found, ...]
+    unrecognised: tuple[Unrecognised, ...]
+    objects: int
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """A file of a cataloged checkpoint."""
+
+    relpath: str
+    size: int
+    mtime: float | None
+    etag: str | None
+    crc64nvme: str | None  # base64, recorded by the first verification
+    sha256_expected: str | None  # hex, from the format's own metadata
+    status: str | None  # None (never verified), "ok", "corrupt", "error"
+    detail: str | None
+
+
+@dataclass(frozen=True)
+class CopyRecord:
+    """Where a checkpoint's bytes live. ``state`` is one of
+    ``present``, ``missing``, ``deleted``, ``degraded``."""
+
+    tier: Tier
+    url: str
+    state: str
+    stored_bytes: int | None
+    verified_at: datetime | None
+    codec: str | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointRecord:
+    """The catalog's view of one checkpoint (the input of pure decisions).
+
+    Times are timezone-aware UTC. ``saved_at`` is when the save finished as
+    far as storage tells (newest file mtime); ``missing_since`` is set when a
+    scan no longer found it in the hot store.
+    """
+
+    id: int
+    job: str
+    step: int
+    format: Format
+    state: State
+    location: str  # URL of the checkpoint in the hot store (dir or file)
+    bytes: int
+    saved_at: datetime | None
+    first_seen: datetime
+    last_seen: datetime
+    missing_since: datetime | None
+    verified_at: datetime | None
+    state_reason: str | None
+    recorded_loss: float | None = None
+    generation: int = 0
+    files: tuple[FileRecord, ...] = ()
+    copies: tuple[CopyRecord, ...] = ()
+
+    @property
+    def tiers(self) -> tuple[str, ...]:
+        """Tiers holding a present (or degraded) copy, hot first."""
+        present = {c.tier for c in self.copies if c.state in ("present", "degraded")}
+        return tuple(t.value for t in (Tier.HOT, Tier.ARCHIVE) if t in present)
+
+    def has_verified_archive(self) -> bool:
+        return any(
+            c.tier == Tier.ARCHIVE and c.state == "present" and c.verified_at is not None
+            for c in self.copies
+        )
