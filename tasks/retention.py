@@ -1,0 +1,642 @@
+"""Retention: which checkpoints to keep, promote to the archive, or delete.
+
+Pure code, no I/O and no clock: :func:`plan_retention` takes the catalog's
+records, a :class:`Policy` and ``now`` and returns a :class:`Plan` with a
+reason for every decision. Deleting and promoting happen elsewhere; they
+carry out a plan, they never decide.
+
+A policy is a handful of small rules (restic/Orbax style); a checkpoint is
+kept when *any* rule keeps it. On top of the rules the plan enforces safety
+invariants that no policy can switch off:
+
+* the newest verified checkpoint of a job (highest step) is never deleted;
+* at least ``min_verified`` verified checkpoints keep a hot copy;
+* saves in flight (incomplete, younger than ``grace``) are kept and never
+  counted; stale incomplete ones are kept for review unless the policy sets
+  ``delete_stale_incomplete``;
+* committed-but-unverified checkpoints are kept until verification proves
+  their bytes; corrupt ones are kept as evidence;
+* a milestone is never deleted without a verified archive copy, and then
+  only its hot copy (``scope="hot-copy"``);
+* archive copies are never deleted by retention;
+* checkpoints missing from the hot store are never planned for deletion
+  (there is nothing to delete) and are reported;
+* when too many of a job's checkpoints are missing from the hot store (a
+  listing that shrank: wrong prefix, wrong bucket), every deletion of that
+  job is suspended and :attr:`Plan.refused` says why.
+
+Checkpoints in state ``deleted`` (tombstones) are excluded from the plan.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from ckptier.storage.errors import ConfigError
+from ckptier.storage.model import CheckpointRecord, State, Tier
+
+Action = Literal["keep", "promote", "delete"]
+Scope = Literal["checkpoint", "hot-copy"]
+HotAfterArchive = Literal["delete", "keep"]
+
+_UNIT_SECONDS = {"w": 604800, "d": 86400, "h": 3600, "m": 60, "s": 1}
+_DURATION_RE = re.compile(r"^(?:\d+[wdhms])+$")
+_DURATION_PART_RE = re.compile(r"(\d+)([wdhms])")
+
+
+def parse_duration(text: str) -> timedelta:
+    """Parse ``"36h"``, ``"7d"``, ``"2w"``, ``"1d12h"``, ``"90s"`` into a timedelta.
+
+    Units: ``w`` weeks, ``d`` days, ``h`` hours, ``m`` minutes, ``s`` seconds;
+    parts may be combined, largest first or not. Raises :class:`ConfigError`
+    (a ``ValueError``) on anything else.
+    """
+    s = text.strip().lower() if isinstance(text, str) else ""
+    if not s or not _DURATION_RE.match(s):
+        raise ConfigError(
+            f"duration {text!r} is not understood: write a number and a unit "
+            f"(s, m, h, d, w), e.g. '36h', '7d' or '1d12h'"
+        )
+    seconds = sum(int(n) * _UNIT_SECONDS[u] for n, u in _DURATION_PART_RE.findall(s))
+    return timedelta(seconds=seconds)
+
+
+def format_duration(delta: timedelta) -> str:
+    """The shortest exact spelling of ``delta`` in the units of :func:`parse_duration`."""
+    total = int(delta.total_seconds())
+    if total == 0:
+        return "0s"
+    parts = []
+    for unit, size in _UNIT_SECONDS.items():
+        n, total = divmod(total, size)
+        if n:
+            parts.append(f"{n}{unit}")
+    return "".join(parts)
+
+
+def is_log_milestone(step: int) -> bool:
+    """True for the 1-2-5 series: 1, 2, 5, 10, 20, 50, 100, 200, 500, ..."""
+    if step <= 0:
+        return False
+    while step % 10 == 0:
+        step //= 10
+    return step in (1, 2, 5)
+
+
+def _time_of(c: CheckpointRecord) -> datetime:
+    """When a checkpoint was saved: ``saved_at``, else when first seen."""
+    return c.saved_at if c.saved_at is not None else c.first_seen
+
+
+def _newest_first(cs: Iterable[CheckpointRecord]) -> list[CheckpointRecord]:
+    """Order by step, then save time, then id, newest first (deterministic)."""
+    return sorted(cs, key=lambda c: (c.step, _time_of(c), c.id), reverse=True)
+
+
+def _verified(cs: Iterable[CheckpointRecord]) -> list[CheckpointRecord]:
+    return [c for c in cs if c.state == State.VERIFIED]
+
+
+# --------------------------------------------------------------------------- rules
+
+
+@runtime_checkable
+class Rule(Protocol):
+    """One retention rule.
+
+    ``keeps`` receives the live (not ``deleted``) checkpoints of ONE job in
+    any order and returns ``{checkpoint id: reason}`` for those it keeps. It
+    is pure: same input, same answer; ``now`` is the only notion of time.
+    """
+
+    def keeps(self, checkpoints: Sequence[CheckpointRecord], now: datetime) -> dict[int, str]: ...
+
+
+@dataclass(frozen=True)
+class KeepLast:
+    """Keep the ``n`` newest (highest step) *verified* checkpoints."""
+
+    n: int
+
+    def __post_init__(self) -> None:
+        if self.n < 0:
+            raise ConfigError(f"keep_last = {self.n}: must be ≥ 0, e.g. keep_last = 3")
+
+    def __str__(self) -> str:
+        return f"keep_last {self.n}"
+
+    def keeps(self, checkpoints: Sequence[CheckpointRecord], now: datetime) -> dict[int, str]:
+        chosen = _newest_first(_verified(checkpoints))[: self.n]
+        return {c.id: f"keep_last {self.n}: #{i + 1} newest verified" for i, c in enumerate(chosen)}
+
+
+@dataclass(frozen=True)
+class Milestones:
+    """Keep verified checkpoints at milestone steps, long term.
+
+    Exactly one of: ``log=True`` (the 1-2-5 series 1, 2, 5, 10, 20, 50, ...),
+    ``every`` (steps that are positive multiples of ``every``) or ``steps``
+    (an explicit set). Milestones are what gets promoted to the archive.
+    """
+
+    steps: tuple[int, ...] = ()
+    log: bool = False
+    every: int | None = None
+
+    def __post_init__(self) -> None:
+        given = sum([bool(self.steps), self.log, self.every is not None])
+        if given != 1:
+            raise ConfigError(
+                f"milestones: give exactly one of log, every or steps (got {given}); "
+                f"e.g. milestones = \"log\""
+            )
+        if self.every is not None and self.every <= 0:
+            raise ConfigError(f"milestones every_n_steps = {self.every}: must be > 0, e.g. 10000")
+        if any(s < 0 for s in self.steps):
+            raise ConfigError(f"milestones steps {list(self.steps)}: steps must be ≥ 0")
+
+    def __str__(self) -> str:
+        if self.log:
+            return "milestones log (1-2-5 series)"
+        if self.every is not None:
+            return f"milestones every {self.every} steps"
+        return "milestones at steps " + ", ".join(str(s) for s in sorted(self.steps))
+
+    def is_milestone(self, step: int) -> bool:
+        if self.log:
+            return is_log_milestone(step)
+        if self.every is not None:
+            return step > 0 and step % self.every == 0
+        return step in self.steps
+
+    def keeps(self, checkpoints: Sequence[CheckpointRecord], now: datetime) -> dict[int, str]:
+        return {
+            c.id: f"{self}: step {c.step} is a milestone"
+            for c in _verified(checkpoints)
+            if self.is_milestone(c.step)
+        }
+
+
+@dataclass(frozen=True)
+class KeepWithin:
+    """Keep every verified checkpoint saved within ``duration`` before ``now``."""
+
+    duration: timedelta
+
+    def __post_init__(self) -> None:
+        if self.duration <= timedelta(0):
+            raise ConfigError(f"keep_within = {format_duration(self.duration)!r}: must be > 0, e.g. '36h'")
+
+    def __str__(self) -> str:
+        return f"keep_within {format_duration(self.duration)}"
+
+    def keeps(self, checkpoints: Sequence[CheckpointRecord], now: datetime) -> dict[int, str]:
+        cutoff = now - self.duration
+        return {
+            c.id: f"{self}: saved {_time_of(c).isoformat()}"
+            for c in _verified(checkpoints)
+            if _time_of(c) >= cutoff
+        }
+
+
+def _keep_buckets(
+    checkpoints: Sequence[CheckpointRecord], n: int, label: str, bucket: Any
+) -> dict[int, str]:
+    """Newest verified checkpoint of each of the newest ``n`` buckets that have one."""
+    out: dict[int, str] = {}
+    seen: list[str] = []
+    ordered = sorted(_verified(checkpoints), key=lambda c: (_time_of(c), c.step, c.id), reverse=True)
+    for c in ordered:
+        b = bucket(_time_of(c).astimezone(timezone.utc))
+        if b in seen:
+            continue
+        if len(seen) >= n:
+            break
+        seen.append(b)
+        out[c.id] = f"{label} {n}: newest of {b}"
+    return out
+
+
+@dataclass(frozen=True)
+class KeepDaily:
+    """Keep the newest verified checkpoint of each of the last ``n`` UTC days that have one."""
+
+    n: int
+
+    def __post_init__(self) -> None:
+        if self.n < 0:
+            raise ConfigError(f"keep_daily = {self.n}: must be ≥ 0, e.g. keep_daily = 7")
+
+    def __str__(self) -> str:
+        return f"keep_daily {self.n}"
+
+    def keeps(self, checkpoints: Sequence[CheckpointRecord], now: datetime) -> dict[int, str]:
+        return _keep_buckets(checkpoints, self.n, "keep_daily", lambda t: t.strftime("%Y-%m-%d"))
+
+
+@dataclass(frozen=True)
+class KeepWeekly:
+    """Keep the newest verified checkpoint of each of the last ``n`` ISO weeks (UTC) that have one."""
+
+    n: int
+
+    def __post_init__(self) -> None:
+        if self.n < 0:
+            raise ConfigError(f"keep_weekly = {self.n}: must be ≥ 0, e.g. keep_weekly = 4")
+
+    def __str__(self) -> str:
+        return f"keep_weekly {self.n}"
+
+    def keeps(self, checkpoints: Sequence[CheckpointRecord], now: datetime) -> dict[int, str]:
+        def week(t: datetime) -> str:
+            y, w, _ = t.isocalendar()
+            return f"{y}-W{w:02d}"
+
+        return _keep_buckets(checkpoints, self.n, "keep_weekly", week)
+
+
+@dataclass(frozen=True)
+class Pinned:
+    """Keep the checkpoints at these steps, whatever their state."""
+
+    steps: tuple[int, ...]
+
+    def __str__(self) -> str:
+        return "pinned " + ", ".join(str(s) for s in sorted(self.steps))
+
+    def keeps(self, checkpoints: Sequence[CheckpointRecord], now: datetime) -> dict[int, str]:
+        return {c.id: f"pinned step {c.step}" for c in checkpoints if c.step in self.steps}
+
+
+def _rule_is_empty(rule: Rule) -> bool:
+    if isinstance(rule, (KeepLast, KeepDaily, KeepWeekly)):
+        return rule.n == 0
+    if isinstance(rule, Pinned):
+        return not rule.steps
+    return False
+
+
+# -------------------------------------------------------------------------- policy
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Rules plus the safety settings of one ``[[policy]]`` table.
+
+    ``jobs``: glob of job names it applies to. ``grace``: how long an
+    incomplete save counts as in flight. ``min_verified``: floor on verified
+    checkpoints that keep a hot copy. ``archive``: URL milestones are promoted
+    to (``None``: no archive tier, milestones stay hot). ``hot_after_archive``:
+    ``"delete"`` lets a milestone's hot copy go once its archive copy is
+    verified. ``max_missing_fraction``: shrink guard threshold (fraction of a
+    job's live checkpoints missing from hot storage above which nothing is
+    deleted). A policy whose rules keep nothing is refused.
+    """
+
+    rules: tuple[Rule, ...]
+    jobs: str = "*"
+    grace: timedelta = timedelta(hours=2)
+    min_verified: int = 2
+    archive: str | None = None
+    storage_class: str | None = None
+    hot_after_archive: HotAfterArchive = "delete"
+    max_missing_fraction: float = 0.5
+    delete_stale_incomplete: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.rules or all(_rule_is_empty(r) for r in self.rules):
+            raise ConfigError(
+                f"policy for jobs {self.jobs!r} keeps nothing: set keep_last, milestones, "
+                f"keep_within, keep_daily, keep_weekly or pinned"
+            )
+        if self.min_verified < 0:
+            raise ConfigError(f"min_verified = {self.min_verified}: must be ≥ 0, e.g. 2")
+        if self.grace < timedelta(0):
+            raise ConfigError(f"grace = {self.grace}: must be ≥ 0, e.g. '2h'")
+        if not 0.0 <= self.max_missing_fraction <= 1.0:
+            raise ConfigError(
+                f"max_missing_fraction = {self.max_missing_fraction}: must be between 0 and 1, e.g. 0.5"
+            )
+        if self.hot_after_archive not in ("delete", "keep"):
+            raise ConfigError(
+                f"hot_after_archive = {self.hot_after_archive!r}: must be 'delete' or 'keep'"
+            )
+
+    def __str__(self) -> str:
+        parts = [str(r) for r in self.rules]
+        parts.append(f"grace {format_duration(self.grace)}")
+        parts.append(f"min_verified {self.min_verified}")
+        if self.archive:
+            parts.append(f"archive {self.archive} (hot after archive: {self.hot_after_archive})")
+        return ", ".join(parts)
+
+    @property
+    def milestones(self) -> tuple[Milestones, ...]:
+        return tuple(r for r in self.rules if isinstance(r, Milestones))
+
+    def is_milestone(self, step: int) -> bool:
+        return any(m.is_milestone(step) for m in self.milestones)
+
+
+# ---------------------------------------------------------------------------- plan
+
+
+@dataclass(frozen=True)
+class PlanItem:
+    """The decision for one checkpoint.
+
+    ``action``: ``keep`` (hot copy stays), ``promote`` (stays hot until a
+    verified archive copy exists) or ``delete``. ``scope`` says what a delete
+    removes: ``"checkpoint"`` (its hot copy, and it was the only copy) or
+    ``"hot-copy"`` (the hot copy only; an archive copy remains). For keep and
+    promote ``scope`` is ``"checkpoint"``. ``bytes``: the checkpoint's size in
+    bytes (uncompressed). ``reasons``: never empty, most important first.
+    """
+
+    job: str
+    step: int
+    checkpoint_id: int
+    action: Action
+    reasons: tuple[str, ...]
+    bytes: int
+    scope: Scope = "checkpoint"
+    state: str = ""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A retention plan: one item per live input checkpoint, ordered by (job, step, id).
+
+    ``refused`` is ``None`` or one line per job (joined by ``"; "``) saying
+    why deletion was suspended; ``refused_jobs`` has the same by job.
+    ``excluded`` lists ids of input checkpoints already ``deleted``;
+    ``missing`` ids of those a scan found missing from the hot store
+    (``missing_since`` set: to report); ``stale`` ids of incomplete saves
+    past their grace (candidates for review).
+    """
+
+    items: list[PlanItem]
+    refused: str | None = None
+    refused_jobs: dict[str, str] = field(default_factory=dict)
+    excluded: tuple[int, ...] = ()
+    missing: tuple[int, ...] = ()
+    stale: tuple[int, ...] = ()
+
+    def _bytes(self, action: Action) -> int:
+        return sum(i.bytes for i in self.items if i.action == action)
+
+    @property
+    def bytes_kept(self) -> int:
+        return self._bytes("keep")
+
+    @property
+    def bytes_promoted(self) -> int:
+        return self._bytes("promote")
+
+    @property
+    def bytes_deleted(self) -> int:
+        """Hot bytes the deletions free (both scopes)."""
+        return self._bytes("delete")
+
+    def by_action(self, action: Action) -> list[PlanItem]:
+        return [i for i in self.items if i.action == action]
+
+    def summary(self) -> dict[str, int]:
+        return {
+            "keep": len(self.by_action("keep")),
+            "promote": len(self.by_action("promote")),
+            "delete": len(self.by_action("delete")),
+            "bytes_kept": self.bytes_kept,
+            "bytes_promoted": self.bytes_promoted,
+            "bytes_deleted": self.bytes_deleted,
+        }
+
+
+def hot_present(c: CheckpointRecord) -> bool:
+    """True unless a scan found it missing or the catalog records its hot copy gone."""
+    if c.missing_since is not None:
+        return False
+    return not any(c_.tier == Tier.HOT and c_.state in ("missing", "deleted") for c_ in c.copies)
+
+
+def _has_archive_copy(c: CheckpointRecord) -> bool:
+    return any(x.tier == Tier.ARCHIVE and x.state in ("present", "degraded") for x in c.copies)
+
+
+def _archive_verified_at(c: CheckpointRecord) -> str:
+    times = [
+        x.verified_at
+        for x in c.copies
+        if x.tier == Tier.ARCHIVE and x.state == "present" and x.verified_at is not None
+    ]
+    return max(times).isoformat() if times else "?"
+
+
+def shrink_guard(checkpoints: Sequence[CheckpointRecord], max_missing_fraction: float) -> str | None:
+    """Why deletion must be suspended for one job's live checkpoints, or None.
+
+    Suspended when every checkpoint is missing from hot storage, or when the
+    fraction missing exceeds ``max_missing_fraction``.
+    """
+    live = [c for c in checkpoints if c.state != State.DELETED]
+    if not live:
+        return None
+    gone = sum(1 for c in live if c.missing_since is not None)
+    frac = gone / len(live)
+    if gone == len(live) or frac > max_missing_fraction:
+        return (
+            f"deletion suspended for job {live[0].job!r}: {gone} of {len(live)} checkpoints "
+            f"missing from hot storage ({frac:.0%} > max_missing_fraction {max_missing_fraction:.0%}); "
+            f"check the scanned URL and credentials, then rescan"
+        )
+    return None
+
+
+def _plan_job(
+    cs: Sequence[CheckpointRecord], policy: Policy, now: datetime
+) -> tuple[list[PlanItem], str | None, list[int], list[int]]:
+    kept_by: dict[int, list[str]] = {c.id: [] for c in cs}
+    # Ids some rule other than Milestones keeps: those need their hot copy.
+    held_hot: set[int] = set()
+    milestone_ids: set[int] = set()
+    for rule in policy.rules:
+        kept = rule.keeps(cs, now)
+        (milestone_ids if isinstance(rule, Milestones) else held_hot).update(kept)
+        for cid, why in kept.items():
+            kept_by[cid].append(why)
+    verified = _newest_first(_verified(cs))
+    newest_id = verified[0].id if verified else None
+
+    decided: dict[int, tuple[Action, list[str], Scope]] = {}
+    missing: list[int] = []
+    stale: list[int] = []
+    for c in cs:
+        reasons = list(kept_by[c.id])
+        present = hot_present(c)
+        gone_note = ""
+        if c.missing_since is not None:
+            missing.append(c.id)
+            gone_note = f"missing from hot storage since {c.missing_since.isoformat()}: nothing to delete"
+        elif not present:
+            gone_note = "hot copy already deleted: nothing to delete"
+        action: Action
+        scope: Scope = "checkpoint"
+        if c.state == State.INCOMPLETE:
+            age = now - _time_of(c)
+            if age < policy.grace:
+                action, reasons = "keep", [f"in flight: incomplete for {format_duration(age)} "
+                                           f"< grace {format_duration(policy.grace)}"] + reasons
+            else:
+                stale.append(c.id)
+                note = f"stale incomplete: past grace {format_duration(policy.grace)}"
+                if policy.delete_stale_incomplete and present and not reasons:
+                    action, reasons = "delete", [f"{note}; delete_stale_incomplete is set"]
+                else:
+                    action, reasons = "keep", [f"{note}: candidate for review"] + reasons
+        elif c.state == State.CORRUPT:
+            detail = f" ({c.state_reason})" if c.state_reason else ""
+            action, reasons = "keep", [f"corrupt{detail}: kept as evidence, never auto-deleted"] + reasons
+        elif c.state == State.COMMITTED:
+            action, reasons = "keep", ["committed, not yet verified: kept until verify proves its bytes"] + reasons
+        else:  # VERIFIED
+            if c.id == newest_id:
+                reasons.insert(0, "newest verified checkpoint of the job")
+                held_hot.add(c.id)
+            if c.id in milestone_ids and policy.archive:
+                if not c.has_verified_archive():
+                    action = "promote"
+                    reasons.append(f"no verified archive copy yet: promote to {policy.archive}")
+                    if not present:
+                        action = "keep"
+                        reasons.append("cannot promote while missing from hot storage")
+                elif c.id in held_hot or policy.hot_after_archive == "keep" or not present:
+                    action = "keep"
+                    reasons.append(f"archived copy verified at {_archive_verified_at(c)}")
+                else:
+                    action, scope = "delete", "hot-copy"
+                    reasons.append(
+                        f"archived copy verified at {_archive_verified_at(c)}; hot copy not needed"
+                    )
+            elif reasons:
+                action = "keep"
+                if c.id in milestone_ids:
+                    reasons.append("no archive configured: milestone stays in hot storage")
+            elif not present:
+                action = "keep"
+                reasons = ["not kept by any rule"]
+            else:
+                action = "delete"
+                reasons = [f"not kept by any rule ({'; '.join(str(r) for r in policy.rules)})"]
+        if action == "delete" and scope == "checkpoint" and _has_archive_copy(c):
+            scope = "hot-copy"
+            reasons.append("archive copy retained: retention never deletes archive copies")
+        if not present:
+            if action == "delete":  # unreachable by construction; belt and braces
+                action = "keep"
+            reasons.append(gone_note)
+            if _has_archive_copy(c):
+                reasons.append("an archive copy remains")
+        decided[c.id] = (action, reasons, scope)
+
+    # Floor: at least min_verified verified checkpoints keep a hot copy.
+    def hot_kept() -> int:
+        return sum(
+            1 for c in verified if decided[c.id][0] != "delete" and hot_present(c)
+        )
+
+    for c in verified:
+        if hot_kept() >= policy.min_verified:
+            break
+        action, reasons, scope = decided[c.id]
+        if action == "delete":
+            decided[c.id] = (
+                "keep",
+                [f"min_verified {policy.min_verified}: keep at least {policy.min_verified} "
+                 f"verified checkpoints in hot storage"] + [f"otherwise: {r}" for r in reasons],
+                "checkpoint",
+            )
+
+    refused = shrink_guard(cs, policy.max_missing_fraction)
+    if refused:
+        for cid, (action, reasons, scope) in list(decided.items()):
+            if action == "delete":
+                decided[cid] = ("keep", [refused] + [f"would delete: {r}" for r in reasons], "checkpoint")
+
+    items = [
+        PlanItem(
+            job=c.job,
+            step=c.step,
+            checkpoint_id=c.id,
+            action=decided[c.id][0],
+            reasons=tuple(decided[c.id][1]),
+            bytes=c.bytes,
+            scope=decided[c.id][2],
+            state=c.state.value,
+        )
+        for c in cs
+    ]
+    return items, refused, missing, stale
+
+
+def plan_retention(
+    checkpoints: Sequence[CheckpointRecord], policy: Policy, *, now: datetime
+) -> Plan:
+    """Decide keep / promote / delete for every live checkpoint, with reasons.
+
+    ``checkpoints`` may hold several jobs in any order; each job is planned
+    separately under the same ``policy``. ``now`` is timezone-aware and is the
+    only time used (grace, keep_within). Pure and deterministic: the same
+    input in any order gives the same plan. Items cover every input
+    checkpoint not in state ``deleted``, exactly once, ordered by
+    (job, step, id). Raises :class:`ConfigError` when ``now`` is naive.
+    """
+    if now.tzinfo is None:
+        raise ConfigError(f"now = {now.isoformat()} has no timezone: pass an aware UTC datetime")
+    by_job: dict[str, list[CheckpointRecord]] = {}
+    excluded: list[int] = []
+    for c in checkpoints:
+        if c.state == State.DELETED:
+            excluded.append(c.id)
+            continue
+        by_job.setdefault(c.job, []).append(c)
+    items: list[PlanItem] = []
+    refused_jobs: dict[str, str] = {}
+    missing: list[int] = []
+    stale: list[int] = []
+    for job in sorted(by_job):
+        cs = sorted(by_job[job], key=lambda c: (c.step, c.id))
+        job_items, refused, job_missing, job_stale = _plan_job(cs, policy, now)
+        items.extend(job_items)
+        missing.extend(job_missing)
+        stale.extend(job_stale)
+        if refused:
+            refused_jobs[job] = refused
+    return Plan(
+        items=items,
+        refused="; ".join(refused_jobs.values()) or None,
+        refused_jobs=refused_jobs,
+        excluded=tuple(sorted(excluded)),
+        missing=tuple(sorted(missing)),
+        stale=tuple(sorted(stale)),
+    )
+
+
+def render_plan_table(plan: Plan) -> list[dict[str, Any]]:
+    """The plan as JSON-ready rows: job, step, checkpoint_id, state, action, scope, reasons, bytes."""
+    return [
+        {
+            "job": i.job,
+            "step": i.step,
+            "checkpoint_id": i.checkpoint_id,
+            "state": i.state,
+            "action": i.action,
+            "scope": i.scope,
+            "reasons": list(i.reasons),
+            "bytes": i.bytes,
+        }
+        for i in plan.items
+    ]
