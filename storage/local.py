@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -26,6 +25,30 @@ def _translate(exc: OSError, url: str, key: str | None) -> StoreError:
     if exc.errno in (errno.EIO, errno.ESTALE, errno.ETIMEDOUT, errno.EAGAIN):
         return Unavailable(f"{where}: {exc.strerror} (I/O error; retry or check the mount)", url=url, key=key)
     return StoreError(f"{where}: {exc.strerror or exc}", url=url, key=key)
+
+
+class _SourceFailed(Exception):
+    """Carries an error raised by the caller's data stream past the OSError translation."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _copy(src: BinaryIO, out: BinaryIO, chunk_size: int = 8 << 20) -> None:
+    """Copy ``src`` to EOF (a short read is not EOF; only an empty one is).
+
+    Errors raised by ``src`` are the caller's, not the store's: they leave
+    wrapped in :class:`_SourceFailed` so ``write`` re-raises them unchanged.
+    """
+    while True:
+        try:
+            chunk = src.read(chunk_size)
+        except Exception as exc:
+            raise _SourceFailed(exc) from exc
+        if not chunk:
+            return
+        out.write(chunk)
 
 
 class LocalStore:
@@ -106,7 +129,7 @@ class LocalStore:
             fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=path.parent)
             try:
                 with os.fdopen(fd, "wb") as out:
-                    shutil.copyfileobj(src, out, 8 << 20)
+                    _copy(src, out)
                     out.flush()
                     os.fsync(out.fileno())
                 if if_absent:
@@ -122,6 +145,8 @@ class LocalStore:
                     os.unlink(tmp)
                 raise
             return self._info(key, path.stat())
+        except _SourceFailed as failed:
+            raise failed.error from failed.error.__cause__
         except OSError as exc:
             raise _translate(exc, self.url, key) from exc
 

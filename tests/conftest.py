@@ -20,4 +20,5 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 pytest_plugins = [
     "tests.fixtures.services",
+    "tests.fixtures.s3",
 ]

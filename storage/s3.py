@@ -1,0 +1,638 @@
+"""A store over any S3-compatible endpoint (AWS, MinIO, Ceph, R2, moto).
+
+Credentials and the endpoint come the standard boto3 way: ``AWS_ENDPOINT_URL``,
+``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE`` or a named
+profile, the region from the profile or ``AWS_DEFAULT_REGION`` (``us-east-1``
+when none is set). botocore retries throttling, 5xx and connection errors in
+its ``standard`` mode; whatever still fails leaves this module as one of the
+exceptions of :mod:`.errors`, with the botocore error kept as ``__cause__``.
+
+Checksums: by default every write asks S3 to keep a full-object CRC64NVME
+checksum (single PUTs and multipart uploads alike), which ``stat`` reports as
+``ObjectInfo.checksum``. Some S3-compatible stores reject the newer checksum
+headers that boto3 sends by default; for those set
+``CKPTIER_S3_CHECKSUMS=when_required`` (or pass ``checksum=None``): boto3 then
+sends checksums only where the API requires them and no object checksum is
+requested. :meth:`S3Store.canary` detects such stores.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import logging
+import os
+import uuid
+from collections.abc import Iterator, Sequence
+from datetime import datetime
+from typing import Any, BinaryIO
+
+from .base import MAX_DELETE_BATCH, DeleteResult, ObjectInfo, as_stream, key_problem, validate_key
+from .errors import (
+    AccessDenied,
+    AlreadyExists,
+    ConfigError,
+    IntegrityError,
+    NotFound,
+    StoreError,
+    Unavailable,
+)
+
+log = logging.getLogger(__name__)
+
+#: S3's smallest allowed part (all parts but the last), bytes.
+MIN_PART_SIZE = 5 << 20
+#: S3's largest number of parts in one multipart upload.
+MAX_PARTS = 10_000
+#: Key prefix (below the store's prefix) used by :meth:`S3Store.canary`.
+CANARY_PREFIX = ".ckptier-canary/"
+#: Environment variable choosing the checksum behaviour per endpoint.
+CHECKSUMS_ENV = "CKPTIER_S3_CHECKSUMS"
+
+_NOT_FOUND = {"NoSuchKey", "404", "NotFound", "NoSuchVersion"}
+_DENIED = {
+    "AccessDenied",
+    "403",
+    "Forbidden",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "AllAccessDisabled",
+    "InvalidToken",
+    "ExpiredToken",
+    "TokenRefreshRequired",
+}
+_UNAVAILABLE = {
+    "SlowDown",
+    "503",
+    "500",
+    "502",
+    "504",
+    "InternalError",
+    "ServiceUnavailable",
+    "RequestTimeout",
+    "RequestTimeTooSkewed",
+    "Throttling",
+    "ThrottlingException",
+    "RequestLimitExceeded",
+}
+_PRECONDITION = {"PreconditionFailed", "412", "ConditionalRequestConflict"}
+
+
+def _crc64nvme(data: bytes | bytearray | memoryview, previous: int = 0) -> int:
+    from awscrt import checksums  # imported lazily: only writes need it
+
+    return int(checksums.crc64nvme(data, previous))
+
+
+def crc64nvme_b64(value: int) -> str:
+    """Encode a CRC64NVME value the way S3 does (base64 of 8 big-endian bytes)."""
+    return base64.b64encode(value.to_bytes(8, "big")).decode("ascii")
+
+
+def _error_code(exc: BaseException) -> tuple[str, int | None]:
+    response = getattr(exc, "response", None) or {}
+    code = str(response.get("Error", {}).get("Code", "") or "")
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return code, status
+
+
+def _read_full(stream: BinaryIO, size: int) -> bytes:
+    """Read exactly ``size`` bytes, or fewer only at EOF.
+
+    A short read is not EOF: some stream wrappers return less than asked
+    before the end; only an empty read ends the stream.
+    """
+    first = stream.read(size)
+    if not first or len(first) == size:
+        return bytes(first or b"")
+    chunks = [first]
+    got = len(first)
+    while got < size:
+        chunk = stream.read(size - got)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+class _S3Reader(io.RawIOBase):
+    """A read-only stream over a GetObject body that translates errors.
+
+    Memory stays bounded by the sizes the caller asks for. A checksum
+    mismatch found by botocore at the end of the body becomes
+    :class:`IntegrityError`; a dropped connection becomes ``Unavailable``.
+    """
+
+    def __init__(self, body: Any, store: S3Store, key: str) -> None:
+        super().__init__()
+        self._body = body
+        self._store = store
+        self._key = key
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int | None = -1) -> bytes:
+        if self.closed:
+            raise ValueError(f"{self._store.url}/{self._key}: read from a closed stream")
+        try:
+            if size is None or size < 0:
+                return bytes(self._body.read())
+            return bytes(self._body.read(size))
+        except Exception as exc:
+            raise self._store._translate(exc, self._key) from exc
+
+    def readall(self) -> bytes:
+        return self.read(-1)
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        data = self.read(len(view))
+        view[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        if not self.closed:
+            try:
+                self._body.close()
+            finally:
+                super().close()
+
+
+class S3Store:
+    """Objects under ``s3://bucket/prefix``; keys are relative to ``prefix``.
+
+    ``write`` is atomic per object (S3 makes an object visible only when its
+    PUT or CompleteMultipartUpload succeeds). Payloads up to
+    ``multipart_threshold`` bytes go in one PutObject; larger or unknown-size
+    streams go in a multipart upload whose parts are ``part_size`` bytes
+    (doubling every 2,000 parts so that even huge streams fit S3's 10,000
+    part limit). Memory use of a write is bounded by
+    ``max(multipart_threshold, part size)``. A failed multipart upload is
+    aborted (best effort); one left by a killed process is found by
+    :meth:`list_multipart_uploads` and removed by :meth:`abort_multipart`.
+    """
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        client: Any = None,
+        profile: str | None = None,
+        endpoint_url: str | None = None,
+        multipart_threshold: int = 64 << 20,
+        part_size: int = 16 << 20,
+        checksum: str | None = "CRC64NVME",
+        max_attempts: int = 5,
+        connect_timeout: float = 10.0,
+        read_timeout: float = 60.0,
+    ) -> None:
+        if not bucket:
+            raise ConfigError("S3 bucket name is empty; use s3://BUCKET/prefix")
+        if part_size < MIN_PART_SIZE:
+            raise ConfigError(f"part_size={part_size} is below S3's minimum of {MIN_PART_SIZE} bytes; raise it")
+        if multipart_threshold < 1:
+            raise ConfigError(f"multipart_threshold={multipart_threshold} must be positive")
+        mode = os.environ.get(CHECKSUMS_ENV, "").strip().lower()
+        if mode not in ("", "when_supported", "when_required"):
+            raise ConfigError(f"{CHECKSUMS_ENV}={mode!r} is not valid; use when_supported or when_required")
+        if checksum is not None and checksum.upper() != "CRC64NVME":
+            raise ConfigError(f"checksum={checksum!r} is not supported; use 'CRC64NVME' or None")
+        self.checksums_mode = mode or "when_supported"
+        self.checksum: str | None = None if self.checksums_mode == "when_required" else checksum and "CRC64NVME"
+        clean = prefix.strip("/")
+        if clean:
+            problem = key_problem(clean)
+            if problem is not None:
+                raise ConfigError(f"S3 prefix {prefix!r} is unsafe: {problem}; use a plain path like runs/job1")
+        self.bucket = bucket
+        self.prefix = clean + "/" if clean else ""
+        self.url = f"s3://{bucket}/{clean}" if clean else f"s3://{bucket}"
+        self.multipart_threshold = multipart_threshold
+        self.part_size = part_size
+        self.client = client if client is not None else self._make_client(
+            profile, endpoint_url, max_attempts, connect_timeout, read_timeout
+        )
+        self.endpoint = str(getattr(getattr(self.client, "meta", None), "endpoint_url", None) or endpoint_url or "AWS")
+
+    def __repr__(self) -> str:
+        return f"S3Store({self.url!r}, endpoint={self.endpoint!r})"
+
+    def _make_client(
+        self,
+        profile: str | None,
+        endpoint_url: str | None,
+        max_attempts: int,
+        connect_timeout: float,
+        read_timeout: float,
+    ) -> Any:
+        import boto3
+        import botocore.exceptions
+        from botocore.config import Config
+
+        try:
+            session = boto3.session.Session(profile_name=profile)
+        except botocore.exceptions.ProfileNotFound as exc:
+            raise ConfigError(
+                f"AWS profile {profile or os.environ.get('AWS_PROFILE')!r} not found; "
+                "check AWS_PROFILE or ~/.aws/config"
+            ) from exc
+        custom_endpoint = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        options: dict[str, Any] = {
+            "retries": {"mode": "standard", "max_attempts": max_attempts},
+            "connect_timeout": connect_timeout,
+            "read_timeout": read_timeout,
+            "request_checksum_calculation": self.checksums_mode,
+            "response_checksum_validation": self.checksums_mode,
+        }
+        if custom_endpoint:
+            # MinIO, Ceph and most S3-compatible stores need path-style URLs.
+            options["s3"] = {"addressing_style": "path"}
+        return session.client(
+            "s3",
+            endpoint_url=endpoint_url,
+            region_name=session.region_name or "us-east-1",
+            config=Config(**options),
+        )
+
+    # -- error translation -------------------------------------------------
+
+    def _translate(self, exc: BaseException, key: str | None = None) -> StoreError:
+        """Map a botocore exception to one of :mod:`.errors` (caller chains it)."""
+        import botocore.exceptions as bex
+
+        if isinstance(exc, StoreError):
+            return exc
+        where = f"{self.url}/{key}" if key else self.url
+        if isinstance(exc, (bex.NoCredentialsError, bex.PartialCredentialsError)):
+            return AccessDenied(
+                f"{self.url}: no usable S3 credentials ({exc}); set AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE",
+                url=self.url,
+                key=key,
+            )
+        if isinstance(exc, bex.FlexibleChecksumError):
+            return IntegrityError(
+                f"{where}: bytes read do not match the object's checksum; retry the read, "
+                f"or set {CHECKSUMS_ENV}=when_required if this store mangles checksums",
+                url=self.url,
+                key=key,
+            )
+        if isinstance(
+            exc,
+            (
+                bex.EndpointConnectionError,
+                bex.ConnectTimeoutError,
+                bex.ReadTimeoutError,
+                bex.ConnectionClosedError,
+                bex.ResponseStreamingError,
+                bex.HTTPClientError,
+            ),
+        ):
+            return Unavailable(
+                f"{where}: endpoint {self.endpoint} unreachable or timing out ({type(exc).__name__}); "
+                "check AWS_ENDPOINT_URL and the network, then retry",
+                url=self.url,
+                key=key,
+            )
+        if isinstance(exc, bex.ClientError):
+            code, status = _error_code(exc)
+            if code == "NoSuchBucket":
+                return NotFound(
+                    f"s3://{self.bucket}: bucket does not exist; check the URL", url=self.url, key=key
+                )
+            if code in _NOT_FOUND or (status == 404 and code not in _UNAVAILABLE):
+                return NotFound(f"{where}: no such object", url=self.url, key=key)
+            if code in _PRECONDITION or status == 412:
+                return AlreadyExists(f"{where}: already exists", url=self.url, key=key)
+            if code in _DENIED or status == 403:
+                return AccessDenied(
+                    f"{where}: access denied ({code or status}); check AWS_ACCESS_KEY_ID/"
+                    "AWS_SECRET_ACCESS_KEY or AWS_PROFILE and the bucket policy",
+                    url=self.url,
+                    key=key,
+                )
+            if code in _UNAVAILABLE or (status is not None and status >= 500 and status != 501):
+                return Unavailable(
+                    f"{where}: endpoint {self.endpoint} is throttling or failing ({code or status}) "
+                    "after retries; retry later, or check AWS_ENDPOINT_URL",
+                    url=self.url,
+                    key=key,
+                )
+            message = exc.response.get("Error", {}).get("Message", "") if hasattr(exc, "response") else ""
+            return StoreError(
+                f"{where}: S3 error {code or status}: {message or exc}".rstrip(": "), url=self.url, key=key
+            )
+        if isinstance(exc, bex.BotoCoreError):
+            return StoreError(f"{where}: {exc}", url=self.url, key=key)
+        if isinstance(exc, OSError):
+            return Unavailable(
+                f"{where}: connection to {self.endpoint} failed ({exc}); check AWS_ENDPOINT_URL and retry",
+                url=self.url,
+                key=key,
+            )
+        return StoreError(f"{where}: {type(exc).__name__}: {exc}", url=self.url, key=key)
+
+    def _call(self, method: str, key: str | None = None, **kwargs: Any) -> Any:
+        import botocore.exceptions as bex
+
+        try:
+            return getattr(self.client, method)(**kwargs)
+        except (bex.BotoCoreError, bex.ClientError, OSError) as exc:
+            raise self._translate(exc, key) from exc
+
+    def _full_key(self, key: str) -> str:
+        return self.prefix + validate_key(key)
+
+    def _checksum_of(self, response: dict[str, Any]) -> str | None:
+        """``"crc64nvme:<b64>"`` when ``response`` carries a full-object CRC64NVME."""
+        value = response.get("ChecksumCRC64NVME")
+        if not value or "-" in value or response.get("ChecksumType", "FULL_OBJECT") != "FULL_OBJECT":
+            return None
+        return f"crc64nvme:{value}"
+
+    # -- the Store protocol --------------------------------------------------
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Yield every object under ``prefix``, one ListObjectsV2 page at a time.
+
+        Raises ``NotFound`` when the bucket does not exist. Keys that are not
+        safe store keys (``a//b``, ``../x``) are skipped with a warning.
+        """
+        import botocore.exceptions as bex
+
+        paginator = self.client.get_paginator("list_objects_v2")
+        pages = paginator.paginate(Bucket=self.bucket, Prefix=self.prefix + prefix)
+        try:
+            for page in pages:
+                for obj in page.get("Contents", ()):
+                    key = obj["Key"][len(self.prefix) :]
+                    if key_problem(key) is not None:
+                        log.warning("%s: skipping unsafe key %r in listing", self.url, key)
+                        continue
+                    modified = obj.get("LastModified")
+                    yield ObjectInfo(
+                        key=key,
+                        size=int(obj.get("Size", 0)),
+                        mtime=modified.timestamp() if modified is not None else None,
+                        etag=obj.get("ETag"),
+                    )
+        except (bex.BotoCoreError, bex.ClientError, OSError) as exc:
+            raise self._translate(exc) from exc
+
+    def stat(self, key: str) -> ObjectInfo:
+        """HeadObject; ``checksum`` is set only for a full-object CRC64NVME."""
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": self._full_key(key)}
+        if self.checksums_mode != "when_required":
+            kwargs["ChecksumMode"] = "ENABLED"
+        head = self._call("head_object", key, **kwargs)
+        modified = head.get("LastModified")
+        return ObjectInfo(
+            key=key,
+            size=int(head.get("ContentLength", 0)),
+            mtime=modified.timestamp() if modified is not None else None,
+            etag=head.get("ETag"),
+            checksum=self._checksum_of(head),
+        )
+
+    def open_read(self, key: str) -> BinaryIO:
+        """A streaming reader (use it as a context manager); raises ``NotFound``."""
+        response = self._call("get_object", key, Bucket=self.bucket, Key=self._full_key(key))
+        return _S3Reader(response["Body"], self, key)  # type: ignore[return-value]
+
+    def write(self, key: str, data: bytes | BinaryIO, *, if_absent: bool = False) -> ObjectInfo:
+        """Store ``data`` atomically; see the class docstring for the strategy.
+
+        Returns the object's size, ETag and the full-object checksum the store
+        confirmed (``None`` when it confirmed none); ``mtime`` is ``None``
+        (call ``stat`` when it matters). ``if_absent`` sends
+        ``If-None-Match: *``; a 412 becomes ``AlreadyExists``.
+        """
+        full = self._full_key(key)
+        if isinstance(data, (bytes, bytearray, memoryview)) and len(data) <= self.multipart_threshold:
+            return self._put(key, full, bytes(data), if_absent)
+        stream = as_stream(data)
+        head = _read_full(stream, self.multipart_threshold)
+        if len(head) < self.multipart_threshold:
+            return self._put(key, full, head, if_absent)
+        return self._multipart(key, full, head, stream, if_absent)
+
+    def _put(self, key: str, full: str, body: bytes, if_absent: bool) -> ObjectInfo:
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": full, "Body": body}
+        if self.checksum:
+            kwargs["ChecksumAlgorithm"] = self.checksum
+        if if_absent:
+            kwargs["IfNoneMatch"] = "*"
+        response = self._call("put_object", key, **kwargs)
+        return ObjectInfo(key=key, size=len(body), etag=response.get("ETag"), checksum=self._checksum_of(response))
+
+    def _multipart(self, key: str, full: str, head: bytes, stream: BinaryIO, if_absent: bool) -> ObjectInfo:
+        create: dict[str, Any] = {"Bucket": self.bucket, "Key": full}
+        if self.checksum:
+            create["ChecksumAlgorithm"] = self.checksum
+            create["ChecksumType"] = "FULL_OBJECT"
+        upload_id = self._call("create_multipart_upload", key, **create)["UploadId"]
+        try:
+            parts: list[dict[str, Any]] = []
+            crc = 0
+            size = 0
+            pending = memoryview(head)
+            while True:
+                number = len(parts) + 1
+                if number > MAX_PARTS:
+                    raise StoreError(
+                        f"{self.url}/{key}: stream needs more than {MAX_PARTS} parts; raise part_size",
+                        url=self.url,
+                        key=key,
+                    )
+                want = self.part_size << ((number - 1) // 2000)
+                if len(pending) >= want:
+                    body, pending = bytes(pending[:want]), pending[want:]
+                else:
+                    body = bytes(pending) + _read_full(stream, want - len(pending))
+                    pending = memoryview(b"")
+                if not body and parts:
+                    break
+                crc = _crc64nvme(body, crc)
+                size += len(body)
+                part: dict[str, Any] = {
+                    "Bucket": self.bucket,
+                    "Key": full,
+                    "UploadId": upload_id,
+                    "PartNumber": number,
+                    "Body": body,
+                }
+                if self.checksum:
+                    part["ChecksumAlgorithm"] = self.checksum
+                answer = self._call("upload_part", key, **part)
+                entry = {"PartNumber": number, "ETag": answer["ETag"]}
+                if answer.get("ChecksumCRC64NVME"):
+                    entry["ChecksumCRC64NVME"] = answer["ChecksumCRC64NVME"]
+                parts.append(entry)
+                if len(body) < want:
+                    break
+            complete: dict[str, Any] = {
+                "Bucket": self.bucket,
+                "Key": full,
+                "UploadId": upload_id,
+                "MultipartUpload": {"Parts": parts},
+            }
+            expected = crc64nvme_b64(crc)
+            if self.checksum:
+                complete["ChecksumCRC64NVME"] = expected
+                complete["ChecksumType"] = "FULL_OBJECT"
+            if if_absent:
+                complete["IfNoneMatch"] = "*"
+            response = self._call("complete_multipart_upload", key, **complete)
+        except BaseException:
+            self._abort_quietly(full, upload_id)
+            raise
+        confirmed = self._checksum_of(response)
+        if self.checksum and confirmed is not None and confirmed != f"crc64nvme:{expected}":
+            raise IntegrityError(
+                f"{self.url}/{key}: store reports checksum {confirmed} but the bytes sent have "
+                f"crc64nvme:{expected}; the object is corrupt, rewrite it",
+                url=self.url,
+                key=key,
+            )
+        return ObjectInfo(key=key, size=size, etag=response.get("ETag"), checksum=confirmed)
+
+    def _abort_quietly(self, full: str, upload_id: str) -> None:
+        try:
+            self.client.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload_id)
+        except Exception as exc:  # best effort: the janitor finds it later
+            log.warning("%s: could not abort multipart upload %s of %s: %s", self.url, upload_id, full, exc)
+
+    def delete_many(self, keys: Sequence[str]) -> DeleteResult:
+        """Delete ``keys`` in DeleteObjects batches of at most 1,000.
+
+        Per-key refusals go to ``failed``; a key already absent counts as
+        deleted; on a versioned bucket, keys that only got a delete marker are
+        also listed in ``markers_only``. Unsafe keys are reported in
+        ``failed`` and never sent.
+
+        When a whole batch fails (SlowDown or 5xx after botocore's retries,
+        access denied, unreachable endpoint) this raises that error and
+        nothing of that batch or later batches is reported as deleted; the
+        confirmed result of earlier batches rides on the exception as
+        ``exc.partial`` (a :class:`DeleteResult`). Deletes are idempotent, so
+        the caller may simply run the remaining keys again.
+        """
+        result = DeleteResult()
+        valid: list[str] = []
+        for key in keys:
+            problem = key_problem(key)
+            if problem is not None:
+                result.failed[key] = problem
+            else:
+                valid.append(key)
+        for start in range(0, len(valid), MAX_DELETE_BATCH):
+            batch = valid[start : start + MAX_DELETE_BATCH]
+            try:
+                self._delete_batch(batch, result)
+            except StoreError as exc:
+                exc.partial = result  # type: ignore[attr-defined]
+                raise
+        return result
+
+    def _delete_batch(self, batch: Sequence[str], result: DeleteResult) -> None:
+        by_full = {self.prefix + k: k for k in batch}
+        response = self._call(
+            "delete_objects",
+            None,
+            Bucket=self.bucket,
+            Delete={"Objects": [{"Key": full} for full in by_full], "Quiet": False},
+        )
+        for error in response.get("Errors", ()):
+            full = error.get("Key", "")
+            key = by_full.get(full)
+            if key is None:
+                continue
+            result.failed[key] = f"{error.get('Code', 'Error')}: {error.get('Message', '')}".rstrip(": ")
+        for entry in response.get("Deleted", ()):
+            key = by_full.get(entry.get("Key", ""))
+            if key is None or key in result.failed:
+                continue
+            result.deleted.append(key)
+            if entry.get("DeleteMarker"):
+                result.markers_only.append(key)
+
+    # -- extras for the janitor and the start-up canary ----------------------
+
+    def list_multipart_uploads(self, prefix: str = "") -> list[tuple[str, str, datetime]]:
+        """Unfinished multipart uploads under ``prefix``: ``(key, upload_id, initiated)``.
+
+        ``initiated`` is a timezone-aware UTC datetime. Ordered by key, then
+        by initiation time (as S3 lists them).
+        """
+        import botocore.exceptions as bex
+
+        found: list[tuple[str, str, datetime]] = []
+        paginator = self.client.get_paginator("list_multipart_uploads")
+        try:
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix + prefix):
+                for upload in page.get("Uploads", ()):
+                    found.append((upload["Key"][len(self.prefix) :], upload["UploadId"], upload["Initiated"]))
+        except (bex.BotoCoreError, bex.ClientError, OSError) as exc:
+            raise self._translate(exc) from exc
+        return found
+
+    def abort_multipart(self, key: str, upload_id: str) -> None:
+        """Abort one unfinished upload; idempotent (an unknown upload is fine)."""
+        import botocore.exceptions as bex
+
+        try:
+            self.client.abort_multipart_upload(Bucket=self.bucket, Key=self._full_key(key), UploadId=upload_id)
+        except bex.ClientError as exc:
+            if _error_code(exc)[0] in ("NoSuchUpload", "404"):
+                return
+            raise self._translate(exc, key) from exc
+        except (bex.BotoCoreError, OSError) as exc:
+            raise self._translate(exc, key) from exc
+
+    def versioning_enabled(self) -> bool:
+        """True when the bucket keeps old versions (status Enabled or Suspended),
+        so a plain delete only adds a delete marker."""
+        answer = self._call("get_bucket_versioning", None, Bucket=self.bucket)
+        return answer.get("Status") in ("Enabled", "Suspended")
+
+    def canary(self) -> None:
+        """Prove the endpoint stores and returns bytes unchanged; raise if not.
+
+        Writes a small object under ``.ckptier-canary/``, reads it back,
+        compares, and deletes it. Must pass before anything is deleted.
+        Raises :class:`StoreError` (``AccessDenied``/``NotFound``/
+        ``Unavailable`` as usual for those causes) naming
+        ``CKPTIER_S3_CHECKSUMS=when_required`` when the store rejects checksum
+        headers or mangles the bytes.
+        """
+        key = f"{CANARY_PREFIX}{uuid.uuid4().hex}"
+        payload = b"ckptier canary\n" + os.urandom(48) + bytes(range(256))
+        hint = f"set {CHECKSUMS_ENV}=when_required for this endpoint ({self.endpoint})"
+        try:
+            try:
+                self.write(key, payload)
+                with self.open_read(key) as fh:
+                    back = fh.read()
+            except (AccessDenied, NotFound, Unavailable):
+                raise
+            except StoreError as exc:
+                raise StoreError(
+                    f"{self.url}: canary write/read failed ({exc}); the store may reject checksum headers: {hint}",
+                    url=self.url,
+                    key=key,
+                ) from exc
+            if back != payload:
+                raise StoreError(
+                    f"{self.url}: canary object came back changed ({len(payload)} bytes written, "
+                    f"{len(back)} read); the store mangles uploads: {hint}",
+                    url=self.url,
+                    key=key,
+                )
+        finally:
+            try:
+                self.client.delete_object(Bucket=self.bucket, Key=self.prefix + key)
+            except Exception as exc:  # the original error matters more
+                log.warning("%s: could not delete canary object %s: %s", self.url, key, exc)

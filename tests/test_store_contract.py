@@ -1,0 +1,452 @@
+"""The Store contract, run against every store and wrapper.
+
+``StoreContract`` holds the tests; each subclass supplies two fixtures:
+``store`` (an empty, writable store) and ``missing_store`` (one whose root
+does not exist). S3 subclasses use a real moto_server over HTTP with a small
+multipart threshold, so multi-MiB tests exercise multipart uploads.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import pytest
+
+from ckptier.storage.base import MAX_DELETE_BATCH, ObjectInfo, Store, read_bytes
+from ckptier.storage.errors import AlreadyExists, InvalidKey, NotFound
+from ckptier.storage.local import LocalStore
+from ckptier.storage.s3 import S3Store
+from ckptier.storage.wrappers import MeteredStore, RetryingStore
+from tests.fixtures.s3 import S3Bucket
+
+MiB = 1 << 20
+BIG = 12 * MiB + 12345  # over the S3 test threshold, not a multiple of the part size
+
+UNSAFE_KEYS = ["", "/abs", "a/../b", "a//b", "./a", "a/./b", "..", "a\\b", "nul\x00byte", "a/.."]
+
+
+def payload(size: int, seed: int = 0) -> bytes:
+    """Deterministic, non-repeating-looking bytes."""
+    block = bytes((i * 131 + seed * 17 + (i >> 8) * 7) & 0xFF for i in range(65536))
+    reps, rest = divmod(size, len(block))
+    return block * reps + block[:rest]
+
+
+class ShortReads(io.RawIOBase):
+    """A stream that returns at most ``step`` bytes per read, far below what is asked."""
+
+    def __init__(self, data: bytes, step: int = 7919) -> None:
+        super().__init__()
+        self._data = memoryview(data)
+        self._pos = 0
+        self._step = step
+        self.reads = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int | None = -1) -> bytes:
+        self.reads += 1
+        n = self._step if size is None or size < 0 else min(size, self._step)
+        chunk = bytes(self._data[self._pos : self._pos + n])
+        self._pos += len(chunk)
+        return chunk
+
+
+class FailingStream(io.RawIOBase):
+    """Yields ``good`` bytes, then raises ``OSError`` (a source that dies mid-write)."""
+
+    def __init__(self, good: bytes) -> None:
+        super().__init__()
+        self._src = io.BytesIO(good)
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int | None = -1) -> bytes:
+        chunk = self._src.read(-1 if size is None else size)
+        if not chunk:
+            raise OSError("source disk failed")
+        return chunk
+
+
+class StoreContract:
+    """Tests every store must pass. Subclasses provide ``store`` and ``missing_store``."""
+
+    @pytest.fixture
+    def store(self) -> Store:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    @pytest.fixture
+    def missing_store(self) -> Store:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def populate(self, store: Store, objects: dict[str, bytes]) -> None:
+        for key, data in objects.items():
+            store.write(key, data)
+
+    # -- protocol & listing --------------------------------------------------
+
+    def test_is_a_store(self, store: Store) -> None:
+        assert isinstance(store, Store)
+        assert isinstance(store.url, str) and store.url
+
+    def test_empty_store_lists_nothing(self, store: Store) -> None:
+        assert list(store.list()) == []
+        assert list(store.list("no/such/prefix")) == []
+
+    def test_missing_root_raises_not_found(self, missing_store: Store) -> None:
+        with pytest.raises(NotFound):
+            list(missing_store.list())
+
+    def test_list_recursive_and_prefix(self, store: Store) -> None:
+        objects = {
+            "job/step-1/model.pt": b"m1",
+            "job/step-1/meta.json": b"{}",
+            "job/step-10/model.pt": b"m10" * 10,
+            "job/step-2/rank-0000/model.pt": b"r",
+            "jobber/x": b"x",
+            "top": b"t",
+        }
+        self.populate(store, objects)
+        listed = list(store.list())
+        assert sorted(i.key for i in listed) == sorted(objects)
+        assert len(listed) == len(objects)  # each exactly once
+        assert {i.key: i.size for i in listed} == {k: len(v) for k, v in objects.items()}
+        assert sorted(i.key for i in store.list("job/")) == sorted(k for k in objects if k.startswith("job/"))
+        # A prefix is a string prefix, not a directory: "job/step-1" matches step-1 and step-10.
+        assert sorted(i.key for i in store.list("job/step-1")) == [
+            "job/step-1/meta.json",
+            "job/step-1/model.pt",
+            "job/step-10/model.pt",
+        ]
+        assert sorted(i.key for i in store.list("job")) == sorted(k for k in objects if k.startswith("job"))
+        assert [i.key for i in store.list("top")] == ["top"]
+        assert list(store.list("nothing")) == []
+
+    def test_list_reports_mtime(self, store: Store) -> None:
+        store.write("a/b", b"12345")
+        [info] = list(store.list())
+        assert info.mtime is not None and info.mtime > 1_600_000_000
+
+    # -- stat -----------------------------------------------------------------
+
+    def test_stat(self, store: Store) -> None:
+        store.write("d/obj.bin", b"x" * 1000)
+        info = store.stat("d/obj.bin")
+        assert isinstance(info, ObjectInfo)
+        assert info.key == "d/obj.bin"
+        assert info.size == 1000
+        assert info.mtime is not None and info.mtime > 1_600_000_000
+
+    def test_stat_missing_raises_not_found(self, store: Store) -> None:
+        store.write("d/present", b"1")
+        with pytest.raises(NotFound):
+            store.stat("d/absent")
+        with pytest.raises(NotFound):
+            store.stat("d")  # a "directory" is not an object
+
+    # -- reading --------------------------------------------------------------
+
+    def test_open_read_streams_in_small_reads(self, store: Store) -> None:
+        data = payload(BIG, seed=1)
+        store.write("big.bin", data)
+        got = bytearray()
+        with store.open_read("big.bin") as fh:
+            while True:
+                chunk = fh.read(64 * 1024)
+                assert len(chunk) <= 64 * 1024
+                if not chunk:
+                    break
+                got += chunk
+        assert len(got) == len(data)
+        assert bytes(got) == data
+
+    def test_open_read_whole_and_context_manager_closes(self, store: Store) -> None:
+        store.write("small", b"hello world")
+        with store.open_read("small") as fh:
+            assert fh.read(5) == b"hello"
+            assert fh.read() == b" world"
+            assert fh.read() == b""
+        assert fh.closed
+        assert read_bytes(store, "small") == b"hello world"
+
+    def test_open_read_missing_raises_not_found(self, store: Store) -> None:
+        with pytest.raises(NotFound):
+            store.open_read("nope/nothing")
+
+    # -- writing --------------------------------------------------------------
+
+    def test_write_bytes_returns_info(self, store: Store) -> None:
+        info = store.write("w/a.bin", b"abc")
+        assert info.key == "w/a.bin"
+        assert info.size == 3
+        assert read_bytes(store, "w/a.bin") == b"abc"
+
+    def test_write_empty_object(self, store: Store) -> None:
+        assert store.write("empty", b"").size == 0
+        assert store.stat("empty").size == 0
+        assert read_bytes(store, "empty") == b""
+        assert store.write("empty-stream", io.BytesIO(b"")).size == 0
+        assert read_bytes(store, "empty-stream") == b""
+
+    def test_write_large_stream(self, store: Store) -> None:
+        data = payload(BIG, seed=2)
+        info = store.write("s/big", io.BytesIO(data))
+        assert info.size == len(data)
+        assert store.stat("s/big").size == len(data)
+        assert read_bytes(store, "s/big") == data
+
+    def test_write_stream_with_short_reads(self, store: Store) -> None:
+        """A stream that returns less than asked before EOF is still read to EOF."""
+        data = payload(BIG, seed=3)
+        src = ShortReads(data)
+        info = store.write("s/short", src)  # type: ignore[arg-type]
+        assert info.size == len(data)
+        assert src.reads > 2
+        assert store.stat("s/short").size == len(data)
+        assert read_bytes(store, "s/short") == data
+
+    def test_write_small_stream_with_short_reads(self, store: Store) -> None:
+        data = payload(100_000, seed=4)
+        store.write("s/short-small", ShortReads(data, step=1000))  # type: ignore[arg-type]
+        assert read_bytes(store, "s/short-small") == data
+
+    def test_overwrite_replaces_whole_object(self, store: Store) -> None:
+        store.write("o/k", payload(BIG, seed=5))
+        store.write("o/k", b"short now")
+        assert store.stat("o/k").size == 9
+        assert read_bytes(store, "o/k") == b"short now"
+        assert [i.key for i in store.list("o/")] == ["o/k"]
+
+    @pytest.mark.parametrize("size", [1000, BIG])
+    def test_failed_write_leaves_old_object_and_no_debris(self, store: Store, size: int) -> None:
+        store.write("o/keep", b"old content")
+        with pytest.raises(OSError):
+            store.write("o/keep", FailingStream(payload(size)))  # type: ignore[arg-type]
+        assert read_bytes(store, "o/keep") == b"old content"
+        assert [i.key for i in store.list()] == ["o/keep"]
+        with pytest.raises(OSError):
+            store.write("o/new", FailingStream(payload(size)))  # type: ignore[arg-type]
+        with pytest.raises(NotFound):
+            store.stat("o/new")
+        assert [i.key for i in store.list()] == ["o/keep"]
+        uploads = getattr(store, "list_multipart_uploads", None)
+        if uploads is not None:
+            assert uploads() == []
+
+    def test_reader_opened_before_overwrite_sees_old_or_new_whole(self, store: Store) -> None:
+        old, new = payload(2 * MiB, seed=6), payload(2 * MiB, seed=7)
+        store.write("o/r", old)
+        with store.open_read("o/r") as fh:
+            first = fh.read(1000)
+            store.write("o/r", new)
+            rest = fh.read()
+        assert first + rest in (old, new)
+        assert read_bytes(store, "o/r") == new
+
+    # -- conditional create ---------------------------------------------------
+
+    def test_if_absent_creates_then_refuses(self, store: Store) -> None:
+        store.write("c/marker", b"first", if_absent=True)
+        with pytest.raises(AlreadyExists):
+            store.write("c/marker", b"second", if_absent=True)
+        assert read_bytes(store, "c/marker") == b"first"
+        with pytest.raises(AlreadyExists):
+            store.write("c/marker", io.BytesIO(payload(BIG)), if_absent=True)
+        assert read_bytes(store, "c/marker") == b"first"
+        store.write("c/marker", b"forced")  # without if_absent, overwrite is allowed
+        assert read_bytes(store, "c/marker") == b"forced"
+
+    def test_if_absent_race_has_one_winner(self, store: Store) -> None:
+        outcomes: list[str] = []
+        barrier = threading.Barrier(4)
+
+        def attempt(i: int) -> None:
+            barrier.wait()
+            try:
+                store.write("c/race", f"writer {i}".encode(), if_absent=True)
+                outcomes.append(f"won {i}")
+            except AlreadyExists:
+                outcomes.append("lost")
+
+        threads = [threading.Thread(target=attempt, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        winners = [o for o in outcomes if o.startswith("won")]
+        assert len(winners) == 1 and outcomes.count("lost") == 3
+        assert read_bytes(store, "c/race") == f"writer {winners[0].split()[1]}".encode()
+
+    # -- deleting -------------------------------------------------------------
+
+    def test_delete_many_deletes_and_reports(self, store: Store) -> None:
+        self.populate(store, {"d/a": b"1", "d/b": b"2", "d/sub/c": b"3", "keep": b"4"})
+        result = store.delete_many(["d/a", "d/sub/c"])
+        assert sorted(result.deleted) == ["d/a", "d/sub/c"]
+        assert result.failed == {}
+        assert sorted(i.key for i in store.list()) == ["d/b", "keep"]
+
+    def test_delete_is_idempotent(self, store: Store) -> None:
+        store.write("x/y", b"1")
+        assert store.delete_many(["x/y"]).deleted == ["x/y"]
+        again = store.delete_many(["x/y", "never/existed"])
+        assert sorted(again.deleted) == ["never/existed", "x/y"]
+        assert again.failed == {}
+        assert store.delete_many([]).deleted == []
+
+    def test_delete_more_than_one_batch(self, store: Store) -> None:
+        """Keys on both sides of the 1,000-key batch boundary are all deleted."""
+        n = MAX_DELETE_BATCH * 2 + 5
+        keys = [f"many/{i:05d}" for i in range(n)]
+        real = [keys[0], keys[MAX_DELETE_BATCH - 1], keys[MAX_DELETE_BATCH], keys[-1]]
+        self.populate(store, {k: k.encode() for k in real})
+        self.populate(store, {"many-keep": b"k"})
+        result = store.delete_many(keys)
+        assert sorted(result.deleted) == keys
+        assert result.failed == {}
+        assert [i.key for i in store.list()] == ["many-keep"]
+
+    def test_delete_unsafe_keys_fail_per_key(self, store: Store) -> None:
+        store.write("ok", b"1")
+        result = store.delete_many(["ok", "../escape", "/abs"])
+        assert result.deleted == ["ok"]
+        assert set(result.failed) == {"../escape", "/abs"}
+
+    # -- key safety -----------------------------------------------------------
+
+    @pytest.mark.parametrize("key", UNSAFE_KEYS)
+    def test_unsafe_keys_rejected(self, store: Store, key: str) -> None:
+        with pytest.raises(InvalidKey):
+            store.write(key, b"x")
+        with pytest.raises(InvalidKey):
+            store.stat(key)
+        with pytest.raises(InvalidKey):
+            store.open_read(key)
+        assert list(store.list()) == []
+
+
+# -- local ---------------------------------------------------------------------
+
+
+class TestLocalStore(StoreContract):
+    @pytest.fixture
+    def store(self, tmp_path: Path) -> Store:
+        root = tmp_path / "root"
+        root.mkdir()
+        return LocalStore(root)
+
+    @pytest.fixture
+    def missing_store(self, tmp_path: Path) -> Store:
+        return LocalStore(tmp_path / "does-not-exist")
+
+    def test_escaping_symlinked_parent_is_not_followed_by_list(self, store: LocalStore, tmp_path: Path) -> None:
+        outside = tmp_path / "outside"
+        outside.mkdir()
+        (outside / "secret").write_bytes(b"s")
+        os.symlink(outside, store.root / "link")
+        assert list(store.list()) == []
+
+    def test_no_temp_files_left_after_writes(self, store: LocalStore) -> None:
+        store.write("a/b", io.BytesIO(payload(100_000)))
+        store.write("a/b", b"again", if_absent=False)
+        assert sorted(p.name for p in (store.root / "a").iterdir()) == ["b"]
+
+    def test_delete_prunes_empty_directories(self, store: LocalStore) -> None:
+        store.write("j/s/r/f", b"1")
+        store.delete_many(["j/s/r/f"])
+        assert list(store.root.iterdir()) == []
+
+
+class TestRetryingLocalStore(StoreContract):
+    @pytest.fixture
+    def store(self, tmp_path: Path) -> Store:
+        (tmp_path / "root").mkdir()
+        return RetryingStore(LocalStore(tmp_path / "root"), sleep=lambda _s: None)
+
+    @pytest.fixture
+    def missing_store(self, tmp_path: Path) -> Store:
+        return RetryingStore(LocalStore(tmp_path / "missing"), sleep=lambda _s: None)
+
+
+class TestMeteredLocalStore(StoreContract):
+    @pytest.fixture
+    def store(self, tmp_path: Path) -> Store:
+        (tmp_path / "root").mkdir()
+        return MeteredStore(LocalStore(tmp_path / "root"))
+
+    @pytest.fixture
+    def missing_store(self, tmp_path: Path) -> Store:
+        return MeteredStore(LocalStore(tmp_path / "missing"))
+
+
+# -- S3 over HTTP ----------------------------------------------------------------
+
+
+def s3_store(bucket: S3Bucket, prefix: str = "", **kwargs: Any) -> S3Store:
+    kwargs.setdefault("multipart_threshold", 5 * MiB)
+    kwargs.setdefault("part_size", 5 * MiB)
+    return S3Store(bucket.name, prefix, client=bucket.client, **kwargs)
+
+
+@pytest.mark.s3
+class TestS3Store(StoreContract):
+    @pytest.fixture
+    def store(self, s3_bucket: S3Bucket) -> Store:
+        return s3_store(s3_bucket)
+
+    @pytest.fixture
+    def missing_store(self, s3_bucket: S3Bucket) -> Store:
+        return S3Store("ckptier-no-such-bucket-here", client=s3_bucket.client)
+
+    def test_url(self, s3_bucket: S3Bucket) -> None:
+        assert s3_store(s3_bucket).url == f"s3://{s3_bucket.name}"
+        assert s3_store(s3_bucket, "/runs/a/").url == f"s3://{s3_bucket.name}/runs/a"
+
+
+@pytest.mark.s3
+class TestS3StoreWithPrefix(StoreContract):
+    """Keys are relative to the prefix; objects outside it are invisible."""
+
+    @pytest.fixture
+    def store(self, s3_bucket: S3Bucket) -> Store:
+        # Neighbours that share the prefix's spelling must not leak in.
+        s3_bucket.client.put_object(Bucket=s3_bucket.name, Key="runs/a-other/x", Body=b"no")
+        s3_bucket.client.put_object(Bucket=s3_bucket.name, Key="outside", Body=b"no")
+        return s3_store(s3_bucket, "runs/a")
+
+    @pytest.fixture
+    def missing_store(self, s3_bucket: S3Bucket) -> Store:
+        return S3Store("ckptier-no-such-bucket-here", "runs/a", client=s3_bucket.client)
+
+    def test_keys_land_under_prefix(self, store: S3Store, s3_bucket: S3Bucket) -> None:
+        store.write("k/obj", b"1")
+        s3_bucket.client.head_object(Bucket=s3_bucket.name, Key="runs/a/k/obj")
+        store.delete_many(["k/obj"])
+        keys = [o["Key"] for o in s3_bucket.client.list_objects_v2(Bucket=s3_bucket.name).get("Contents", [])]
+        assert sorted(keys) == ["outside", "runs/a-other/x"]
+
+
+@pytest.mark.s3
+class TestRetryingS3Store(StoreContract):
+    @pytest.fixture
+    def store(self, s3_bucket: S3Bucket) -> Store:
+        return RetryingStore(s3_store(s3_bucket), sleep=lambda _s: None)
+
+    @pytest.fixture
+    def missing_store(self, s3_bucket: S3Bucket) -> Store:
+        return RetryingStore(S3Store("ckptier-no-such-bucket-here", client=s3_bucket.client), sleep=lambda _s: None)
+
+
+def test_failing_stream_helper_really_fails() -> None:
+    """Guard for the helpers above: they must behave as the tests assume."""
+    with pytest.raises(OSError):
+        FailingStream(b"abc").read()  # first read returns data
+        FailingStream(b"").read()
+    src: BinaryIO = ShortReads(b"x" * 10, step=3)  # type: ignore[assignment]
+    assert src.read(100) == b"xxx"
