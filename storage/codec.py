@@ -1,0 +1,481 @@
+"""The ckz1 archive codec: dtype-aware, streaming, self-verifying compression.
+
+Container layout (all integers little-endian)::
+
+    MAGIC (8) | version u16 | header length u32 | JSON header | crc32c u32
+    segment*  | trailer
+
+    segment = "SG" | kind u8 | width u8 | transform u8 | pad u8
+              | raw offset u64 | raw length u32 | crc32c of raw bytes u32
+              | (plane mode u8, stored length u32) * planes | crc32c of all that u32
+              | plane payloads, in plane order
+    trailer = "EN" | pad u16 | raw size u64 | segment count u64
+              | CRC64NVME of the raw stream u64 | crc32c of those fields u32 | END_MAGIC (8)
+
+A segment is either ``generic`` (one plane: a zstd frame or raw bytes) or
+``planes`` (a tensor block split into ``width`` byte planes, see
+:mod:`.codec_planes`). Every zstd frame carries a content checksum, every
+segment a CRC32C of its raw bytes that is checked *before* its bytes are
+written out, and the trailer a CRC64NVME of the whole original stream.
+Decoding needs only this module and the archive.
+
+Memory is bounded by ``block size x (2 x threads + 2)`` whatever the input
+size: input is read in blocks of at most :data:`BLOCK_SIZE` bytes and at most
+``2 x threads`` blocks are in flight.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+import numpy as np
+import zstandard
+from awscrt import checksums
+
+from . import codec_planes as planes
+from .codec_layout import PeekReader, detect, plan_regions
+from .errors import IntegrityError
+
+CODEC_ID = "ckz1"
+CODEC_VERSION = 1
+MAGIC = b"\x89CKZ\r\n\x1a\n"
+END_MAGIC = b"CKZ1-END"
+
+#: largest raw block per segment (bytes); also the unit of parallel work.
+BLOCK_SIZE = 8 << 20
+#: tensor regions shorter than this are folded into generic segments.
+MIN_TENSOR_BYTES = 4096
+#: the decoder refuses segments claiming more raw bytes than this.
+MAX_SEGMENT = 64 << 20
+MAX_HEADER = 1 << 20
+
+KIND_GENERIC = 0
+KIND_PLANES = 1
+
+_FILE_HEAD = struct.Struct("<HI")
+_SEG_HEAD = struct.Struct("<2sBBBxQII")
+_PLANE_ENTRY = struct.Struct("<BI")
+_TRAILER = struct.Struct("<2s2xQQQ")
+_U32 = struct.Struct("<I")
+
+_MODE_NAMES = {planes.PLANE_RAW: "raw", planes.PLANE_ZSTD: "zstd", planes.PLANE_NIBBLE: "nibble"}
+
+
+@dataclass(slots=True)
+class CodecStats:
+    """What one :func:`encode` or :func:`decode` call did.
+
+    ``raw_bytes`` is the size of the original stream, ``stored_bytes`` the size
+    of the archive (both in bytes, container overhead included in the latter);
+    ``crc64nvme`` is the CRC64NVME of the original bytes as 16 hex digits;
+    ``seconds`` is wall time; ``segments`` counts segments by kind
+    (``generic``, ``planes``) and planes by coding (``plane_raw``,
+    ``plane_zstd``, ``plane_nibble``).
+    """
+
+    name: str
+    payload: str
+    raw_bytes: int = 0
+    stored_bytes: int = 0
+    crc64nvme: str = ""
+    seconds: float = 0.0
+    segments: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float:
+        """``raw_bytes / stored_bytes`` (1.0 for an empty stream)."""
+        return self.raw_bytes / self.stored_bytes if self.stored_bytes and self.raw_bytes else 1.0
+
+    def _count(self, key: str, n: int = 1) -> None:
+        self.segments[key] = self.segments.get(key, 0) + n
+
+
+class _Workers:
+    """Per-thread zstd contexts (a context must not be shared between threads)."""
+
+    def __init__(self, level: int) -> None:
+        self._local = threading.local()
+        self._level = level
+
+    def generic(self) -> zstandard.ZstdCompressor:
+        cctx = getattr(self._local, "generic", None)
+        if cctx is None:
+            cctx = self._local.generic = zstandard.ZstdCompressor(
+                level=self._level, write_checksum=True, write_content_size=True
+            )
+        return cctx
+
+    def plane(self) -> zstandard.ZstdCompressor:
+        cctx = getattr(self._local, "plane", None)
+        if cctx is None:
+            cctx = self._local.plane = zstandard.ZstdCompressor(compression_params=planes.plane_params())
+        return cctx
+
+    def decompressor(self) -> zstandard.ZstdDecompressor:
+        dctx = getattr(self._local, "dctx", None)
+        if dctx is None:
+            dctx = self._local.dctx = zstandard.ZstdDecompressor()
+        return dctx
+
+
+def _source_size(src: BinaryIO) -> int | None:
+    try:
+        return os.fstat(src.fileno()).st_size - src.tell()
+    except (AttributeError, OSError, ValueError):
+        pass
+    try:
+        if src.seekable():
+            here = src.tell()
+            end = src.seek(0, os.SEEK_END)
+            src.seek(here)
+            return end - here
+    except (AttributeError, OSError, ValueError):
+        pass
+    return None
+
+
+def _blocks(reader: PeekReader, payload: str, block: int) -> Iterator[tuple[int, int, bytearray]]:
+    """Cut the stream into ``(width, transform, raw bytes)`` blocks, in stream order."""
+    pending = bytearray()
+    for width, transform, length in plan_regions(reader, payload):
+        tensor = width > 1 and length is not None and length >= MIN_TENSOR_BYTES
+        if not tensor:
+            remaining = length if length is not None else -1
+            while remaining:
+                want = block - len(pending) if remaining < 0 else min(block - len(pending), remaining)
+                start = len(pending)
+                pending.extend(bytes(want))
+                got = reader.readinto(memoryview(pending)[start:])
+                del pending[start + got :]
+                if len(pending) >= block:
+                    yield 1, planes.TRANSFORM_NONE, pending
+                    pending = bytearray()
+                if got < want:
+                    break  # end of stream
+                remaining = remaining - got if remaining > 0 else remaining
+            if length is None:
+                break
+            continue
+        if pending:
+            yield 1, planes.TRANSFORM_NONE, pending
+            pending = bytearray()
+        assert length is not None
+        step = block - block % width
+        remaining = length
+        while remaining:
+            want = min(step, remaining)
+            buf = bytearray(want)
+            got = reader.readinto(memoryview(buf))
+            whole = got - got % width
+            if whole >= MIN_TENSOR_BYTES:
+                tail = bytes(memoryview(buf)[whole:got])
+                del buf[whole:]
+                if pending:
+                    yield 1, planes.TRANSFORM_NONE, pending
+                    pending = bytearray()
+                yield width, transform, buf
+                pending += tail
+            else:
+                pending += memoryview(buf)[:got]
+            remaining -= got
+            if got < want:
+                break  # end of stream, or a region longer than the stream
+    if pending:
+        yield 1, planes.TRANSFORM_NONE, pending
+
+
+def _encode_segment(
+    workers: _Workers, offset: int, width: int, transform: int, raw: bytearray
+) -> tuple[bytes, list[bytes], list[int]]:
+    """Code one block; return (segment header, plane payloads, plane modes)."""
+    if width == 1:
+        payload = workers.generic().compress(raw)
+        if len(payload) >= len(raw):
+            coded = [(planes.PLANE_RAW, bytes(raw))]
+        else:
+            coded = [(planes.PLANE_ZSTD, payload)]
+        kind = KIND_GENERIC
+    else:
+        split = planes.split_planes(raw, width, transform)
+        cctx = workers.plane()
+        coded = [planes.encode_plane(split[k], cctx) for k in range(width)]
+        kind = KIND_PLANES
+    head = bytearray(_SEG_HEAD.pack(b"SG", kind, width, transform, offset, len(raw), checksums.crc32c(raw)))
+    for mode, payload in coded:
+        head += _PLANE_ENTRY.pack(mode, len(payload))
+    head += _U32.pack(checksums.crc32c(head))
+    return bytes(head), [p for _, p in coded], [m for m, _ in coded]
+
+
+def encode(
+    src: BinaryIO, dst: BinaryIO, *, name: str = "", level: int = 1, threads: int = 2, block_size: int = BLOCK_SIZE
+) -> CodecStats:
+    """Compress the stream ``src`` (read to EOF) into a ckz1 archive written to ``dst``.
+
+    ``name`` (the original file name) is recorded in the header. ``level`` is
+    the zstd level of generic segments; tensor planes always use the fast
+    plane parameters of :func:`.codec_planes.plane_params`. ``threads`` (>= 1)
+    worker threads code blocks in parallel; output is identical for any
+    thread count. ``block_size`` (bytes, 64 KiB..64 MiB) bounds memory.
+    ``src`` is read strictly forward and need not be seekable; ``dst`` is
+    only appended to. Deterministic: the same input and arguments give the
+    same archive bytes.
+    """
+    if threads < 1:
+        raise ValueError(f"threads={threads}: need at least 1 worker thread")
+    if not (1 << 16) <= block_size <= MAX_SEGMENT:
+        raise ValueError(f"block_size={block_size}: must be between 64 KiB and {MAX_SEGMENT} bytes")
+    started = time.perf_counter()
+    size = _source_size(src)
+    reader = PeekReader(src)
+    payload = detect(reader.peek(16))
+    header = {
+        "codec": CODEC_ID,
+        "version": CODEC_VERSION,
+        "name": name,
+        "size": size,
+        "payload": payload,
+        "level": level,
+        "block_size": block_size,
+        "checksum": "crc64nvme",
+    }
+    stats = CodecStats(name=name, payload=payload)
+    header_json = json.dumps(header, sort_keys=True).encode("utf-8")
+    head = _FILE_HEAD.pack(CODEC_VERSION, len(header_json)) + header_json
+    out = [MAGIC + head + _U32.pack(checksums.crc32c(head))]
+    written = _write(dst, out[0])
+    workers = _Workers(level)
+    crc = 0
+    offset = 0
+    count = 0
+    window: deque[Future[tuple[bytes, list[bytes], list[int]]]] = deque()
+
+    def flush_one() -> int:
+        seg_head, payloads, modes = window.popleft().result()
+        n = _write(dst, seg_head)
+        for p in payloads:
+            n += _write(dst, p)
+        for m in modes:
+            stats._count("plane_" + _MODE_NAMES[m])
+        return n
+
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckz-encode") as pool:
+        for width, transform, raw in _blocks(reader, payload, block_size):
+            crc = checksums.crc64nvme(raw, crc)
+            window.append(pool.submit(_encode_segment, workers, offset, width, transform, raw))
+            stats._count("generic" if width == 1 else "planes")
+            offset += len(raw)
+            count += 1
+            while len(window) > 2 * threads:
+                written += flush_one()
+        while window:
+            written += flush_one()
+    if size is not None and size != offset:
+        raise IntegrityError(
+            f"{name or 'stream'}: read {offset} bytes but the source said {size}; it changed while being archived, archive it again",
+            key=name or None,
+        )
+    fields = _TRAILER.pack(b"EN", offset, count, crc)
+    written += _write(dst, fields + _U32.pack(checksums.crc32c(fields)) + END_MAGIC)
+    stats.raw_bytes, stats.stored_bytes, stats.crc64nvme = offset, written, f"{crc:016x}"
+    stats.seconds = time.perf_counter() - started
+    return stats
+
+
+def _write(dst: BinaryIO, data: bytes | bytearray | memoryview) -> int:
+    view = memoryview(data)
+    total = 0
+    while total < len(view):
+        n = dst.write(view[total:])
+        total += len(view) - total if n is None else n
+    return total
+
+
+class _ArchiveReader:
+    """Reads exact byte counts from an archive and names it in every error."""
+
+    def __init__(self, src: BinaryIO, label: str) -> None:
+        self.src = src
+        self.label = label
+        self.consumed = 0
+
+    def fail(self, what: str) -> IntegrityError:
+        return IntegrityError(
+            f"{self.label}: {what} (at archive byte {self.consumed}); the archive is damaged, restore from another copy",
+            key=self.label,
+        )
+
+    def exact(self, n: int, what: str) -> bytes:
+        data = self.src.read(n)
+        while data is not None and len(data) < n:
+            more = self.src.read(n - len(data))
+            if not more:
+                break
+            data += more
+        if data is None or len(data) < n:
+            raise self.fail(f"truncated in the {what}")
+        self.consumed += n
+        return data
+
+
+def _read_header(reader: _ArchiveReader) -> dict[str, Any]:
+    magic = reader.src.read(len(MAGIC))
+    if magic != MAGIC:
+        raise IntegrityError(
+            f"{reader.label}: not a {CODEC_ID} archive (starts with {magic[:8]!r}); decode only files written by ckptier's archive codec",
+            key=reader.label,
+        )
+    reader.consumed = len(MAGIC)
+    head = reader.exact(_FILE_HEAD.size, "file header")
+    version, n = _FILE_HEAD.unpack(head)
+    if version != CODEC_VERSION:
+        raise IntegrityError(
+            f"{reader.label}: {CODEC_ID} format version {version} is not supported (this ckptier reads {CODEC_VERSION}); upgrade ckptier",
+            key=reader.label,
+        )
+    if n > MAX_HEADER:
+        raise reader.fail(f"header length {n} is implausible")
+    body = reader.exact(n, "file header")
+    (crc,) = _U32.unpack(reader.exact(4, "file header"))
+    if crc != checksums.crc32c(head + body):
+        raise reader.fail("file header checksum mismatch")
+    try:
+        header: dict[str, Any] = json.loads(body)
+    except ValueError as exc:
+        raise reader.fail("file header is not JSON") from exc
+    if header.get("codec") != CODEC_ID:
+        raise reader.fail(f"header names codec {header.get('codec')!r}, expected {CODEC_ID!r}")
+    return header
+
+
+def describe(src: BinaryIO) -> dict[str, Any]:
+    """Read and verify an archive's header; return it as a dict.
+
+    Keys: ``codec``, ``version``, ``name``, ``size`` (original bytes, or None
+    when the source size was unknown at encode time), ``payload``, ``level``,
+    ``block_size``, ``checksum``. Reads only the header (a few hundred bytes);
+    raises :class:`IntegrityError` on a non-archive or damaged header.
+    """
+    return _read_header(_ArchiveReader(src, getattr(src, "name", None) or "archive"))
+
+
+def _decode_segment(
+    workers: _Workers, label: str, kind: int, width: int, transform: int, raw_len: int, raw_crc: int,
+    modes: list[int], payloads: list[memoryview],
+) -> bytes | bytearray:
+    dctx = workers.decompressor()
+    try:
+        if kind == KIND_GENERIC:
+            out: bytes | bytearray = planes.decode_plane(modes[0], payloads[0], raw_len, dctx).tobytes()
+        else:
+            size = raw_len // width
+            decoded = [planes.decode_plane(modes[k], payloads[k], size, dctx) for k in range(width)]
+            buf = bytearray(raw_len)
+            planes.merge_planes(decoded, width, transform, np.frombuffer(buf, dtype=np.uint8))
+            out = buf
+    except ValueError as exc:
+        raise IntegrityError(f"{label}: {exc}; the archive is damaged, restore from another copy", key=label) from exc
+    if checksums.crc32c(out) != raw_crc:
+        raise IntegrityError(
+            f"{label}: segment checksum mismatch; the archive is damaged, restore from another copy", key=label
+        )
+    return out
+
+
+def decode(src: BinaryIO, dst: BinaryIO, *, threads: int = 2) -> CodecStats:
+    """Decompress a ckz1 archive from ``src`` and write the original bytes to ``dst``.
+
+    Every segment is verified (zstd content checksums, CRC32C) before its bytes
+    are written; at the end the CRC64NVME and size in the trailer are checked
+    and nothing may follow the trailer. On any failure :class:`IntegrityError`
+    names the archive and what is wrong; ``dst`` then holds at most a verified
+    prefix of the original and must be discarded. ``src`` is read strictly
+    forward.
+    """
+    if threads < 1:
+        raise ValueError(f"threads={threads}: need at least 1 worker thread")
+    started = time.perf_counter()
+    reader = _ArchiveReader(src, getattr(src, "name", None) or "archive")
+    header = _read_header(reader)
+    label = str(header.get("name") or reader.label)
+    reader.label = label
+    stats = CodecStats(name=label, payload=str(header.get("payload", "")))
+    workers = _Workers(1)
+    crc = 0
+    offset = 0
+    count = 0
+    window: deque[Future[bytes | bytearray]] = deque()
+
+    def flush_one() -> None:
+        nonlocal crc, offset
+        data = window.popleft().result()
+        _write(dst, data)
+        crc = checksums.crc64nvme(data, crc)
+        offset += len(data)
+
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckz-decode") as pool:
+        expected_offset = 0
+        while True:
+            tag = reader.exact(2, "segment table")
+            if tag == b"EN":
+                break
+            if tag != b"SG":
+                raise reader.fail(f"unexpected segment tag {tag!r}")
+            head = tag + reader.exact(_SEG_HEAD.size - 2, "segment header")
+            _, kind, width, transform, seg_offset, raw_len, raw_crc = _SEG_HEAD.unpack(head)
+            nplanes = 1 if kind == KIND_GENERIC else width
+            if kind not in (KIND_GENERIC, KIND_PLANES) or (kind == KIND_PLANES and width not in planes.UINT_DTYPES):
+                raise reader.fail(f"segment kind {kind} width {width} is invalid")
+            table = reader.exact(_PLANE_ENTRY.size * nplanes, "segment header")
+            (head_crc,) = _U32.unpack(reader.exact(4, "segment header"))
+            if head_crc != checksums.crc32c(head + table):
+                raise reader.fail("segment header checksum mismatch")
+            if seg_offset != expected_offset or raw_len > MAX_SEGMENT or raw_len % (width if nplanes > 1 else 1):
+                raise reader.fail(f"segment at raw offset {seg_offset} (length {raw_len}) does not follow {expected_offset}")
+            entries = [_PLANE_ENTRY.unpack_from(table, i * _PLANE_ENTRY.size) for i in range(nplanes)]
+            plane_size = raw_len // nplanes
+            payloads = []
+            for mode, stored in entries:
+                if stored > plane_size + 64:
+                    raise reader.fail(f"plane of {stored} stored bytes is larger than its {plane_size} raw bytes")
+                payloads.append(memoryview(reader.exact(stored, "segment data")))
+                stats._count("plane_" + _MODE_NAMES.get(mode, "unknown"))
+            stats._count("generic" if kind == KIND_GENERIC else "planes")
+            window.append(
+                pool.submit(
+                    _decode_segment, workers, label, kind, width, transform, raw_len, raw_crc,
+                    [m for m, _ in entries], payloads,
+                )
+            )
+            expected_offset += raw_len
+            count += 1
+            while len(window) > 2 * threads:
+                flush_one()
+        while window:
+            flush_one()
+    fields = b"EN" + reader.exact(_TRAILER.size - 2, "trailer")
+    _, raw_size, n_segments, trailer_crc = _TRAILER.unpack(fields)
+    (fields_crc,) = _U32.unpack(reader.exact(4, "trailer"))
+    end = reader.exact(len(END_MAGIC), "trailer")
+    if fields_crc != checksums.crc32c(fields) or end != END_MAGIC:
+        raise reader.fail("trailer checksum mismatch")
+    if raw_size != offset or n_segments != count:
+        raise reader.fail(f"trailer says {raw_size} bytes in {n_segments} segments, found {offset} in {count}")
+    if header.get("size") is not None and header["size"] != offset:
+        raise reader.fail(f"header says {header['size']} bytes, decoded {offset}")
+    if trailer_crc != crc:
+        raise reader.fail(f"CRC64NVME of the decoded bytes is {crc:016x}, the archive recorded {trailer_crc:016x}")
+    if src.read(1):
+        raise reader.fail("unexpected bytes after the trailer")
+    stats.raw_bytes, stats.stored_bytes, stats.crc64nvme = offset, reader.consumed, f"{crc:016x}"
+    stats.seconds = time.perf_counter() - started
+    return stats
