@@ -1,0 +1,591 @@
+"""Prove checkpoints intact: decide what to verify, read and hash, judge.
+
+Pure decisions: :func:`needs_verification` (why a checkpoint must be read
+again, or ``None``), :func:`select_sample` / :func:`parse_sample` (the K-th
+of N disjoint slices of the catalog, for a nightly schedule that re-reads
+every byte every N nights, like restic's ``check --read-data-subset``), and
+:func:`judge_files` (the checkpoint's new state from per-file results).
+
+I/O: :func:`verify_checkpoint` checks one checkpoint's files against a store,
+:func:`verify_many` checks many with a bounded thread pool and a fixed pool of
+reusable read buffers (memory stays at ``workers`` × buffer size whatever
+the checkpoint sizes).
+
+What is compared, per file (see :func:`verify_checkpoint`): existence, size,
+CRC64NVME against the baseline recorded by the first verification, and
+SHA-256 against the hash the checkpoint's own metadata expects. A store that
+keeps a full-object CRC64NVME (S3) is compared without downloading unless
+``deep`` is asked for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import date
+from typing import Literal
+
+from ckptier.storage.base import ObjectInfo, Store, join_key, validate_key
+from ckptier.storage.errors import CkptierError, ConfigError, IntegrityError, NotFound, StoreError
+from ckptier.storage.hashing import DEFAULT_CHUNK, Digests, hash_file, hash_stream, store_crc64nvme
+from ckptier.storage.local import LocalStore
+from ckptier.storage.model import CheckpointRecord, FileRecord, State
+
+FileStatus = Literal["ok", "corrupt", "missing", "error"]
+
+#: mtimes closer than this (seconds) count as equal: catalogs round-trip them
+#: through datetimes and databases that keep microseconds at best.
+MTIME_TOLERANCE = 1e-3
+
+#: Reads a file gets when the store's checksum rejects the bytes it returned.
+_INTEGRITY_ATTEMPTS = 2
+
+#: Most file problems spelled out in one reason; the rest are counted.
+_REASON_EXAMPLES = 3
+
+
+@dataclass(frozen=True, slots=True)
+class FileCheck:
+    """The verification result of one file (the shape ``Catalog.record_verification`` takes).
+
+    ``status``: ``ok`` (bytes match every expectation, or became the
+    baseline), ``corrupt`` (wrong size or hash), ``missing`` (not in the
+    store), ``error`` (could not be read: permissions, outage; proves
+    nothing either way). ``size``, ``crc64nvme`` (S3's base64) and
+    ``sha256`` (hex, only when an expected one existed) are what was
+    observed; on ``ok`` ``crc64nvme`` is the baseline to record. ``detail``
+    is a one-line explanation for anything but a plain ``ok``.
+    """
+
+    relpath: str
+    status: FileStatus
+    size: int | None
+    crc64nvme: str | None
+    sha256: str | None
+    detail: str | None
+
+
+@dataclass
+class VerifyOutcome:
+    """Everything one checkpoint's verification found.
+
+    ``results`` has one entry per recorded file, in the record's order.
+    ``bytes_read`` counts bytes downloaded and hashed; ``bytes_skipped``
+    counts bytes proven by the store's own full-object checksum without
+    reading. ``extra`` lists relpaths found under the checkpoint's prefix
+    that the record does not know (not corruption of the recorded files, but
+    worth a look), sorted. ``notes`` holds problems that concern no single
+    file (e.g. the listing for extra files failed).
+    """
+
+    results: list[FileCheck]
+    bytes_read: int = 0
+    bytes_skipped: int = 0
+    extra: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """True when every recorded file is ``ok``."""
+        return all(r.status == "ok" for r in self.results)
+
+    def count(self, status: FileStatus) -> int:
+        return sum(1 for r in self.results if r.status == status)
+
+
+class BufferPool:
+    """A fixed number of reusable read buffers, shared by threads.
+
+    Buffers are allocated on first use, at most ``count`` of ``size`` bytes
+    each, so memory is bounded by ``count × size``; :meth:`buffer` blocks
+    while all are in use.
+    """
+
+    def __init__(self, count: int, size: int = DEFAULT_CHUNK) -> None:
+        if count < 1:
+            raise ValueError(f"buffer pool count {count!r} must be at least 1")
+        if size < 4096:
+            raise ValueError(f"buffer size {size!r} bytes is too small; use at least 4096 (8 MiB is best)")
+        self.count = count
+        self.size = size
+        self._free: list[bytearray] = []
+        self._allocated = 0
+        self._cond = threading.Condition()
+
+    @contextmanager
+    def buffer(self) -> Iterator[bytearray]:
+        """Lend one buffer for the duration of the ``with`` block."""
+        with self._cond:
+            while not self._free and self._allocated >= self.count:
+                self._cond.wait()
+            if self._free:
+                buf = self._free.pop()
+            else:
+                buf = bytearray(self.size)
+                self._allocated += 1
+        try:
+            yield buf
+        finally:
+            with self._cond:
+                self._free.append(buf)
+                self._cond.notify()
+
+
+# -- pure decisions -----------------------------------------------------------
+
+
+def needs_verification(
+    record: CheckpointRecord,
+    listing_info: Mapping[str, ObjectInfo] | None = None,
+    *,
+    deep: bool = False,
+) -> str | None:
+    """Why ``record`` must be verified now, or ``None`` when its last result still stands.
+
+    ``listing_info`` maps relpath to what a fresh listing of the checkpoint
+    reports; with it, a file whose size, ETag or mtime differs from the
+    catalog's (replaced since verification) or that vanished is a reason.
+    Checkpoints that are ``incomplete`` (a save in flight) or ``deleted``
+    are never verified. Files in the listing that the record does not know
+    are no reason: verifying again would not change the record.
+    """
+    if record.state in (State.INCOMPLETE, State.DELETED):
+        return None
+    if not record.files:
+        return None
+    if deep:
+        return "deep verification requested"
+    never = [f.relpath for f in record.files if f.status is None]
+    if record.verified_at is None or never:
+        if never and len(never) < len(record.files):
+            return f"never verified: {_examples(never)}"
+        return "never verified"
+    unread = [f.relpath for f in record.files if f.status == "error"]
+    if unread:
+        return f"could not be read last time: {_examples(unread)}"
+    no_baseline = [f.relpath for f in record.files if f.status == "ok" and f.crc64nvme is None]
+    if no_baseline:
+        return f"no recorded crc64nvme baseline: {_examples(no_baseline)}"
+    if listing_info is None:
+        return None
+    for f in record.files:
+        info = listing_info.get(f.relpath)
+        if info is None:
+            if f.status != "missing":
+                return f"changed since verification: {f.relpath} is no longer listed"
+            continue
+        if f.status == "missing":
+            return f"changed since verification: {f.relpath} reappeared"
+        if info.size != f.size:
+            return f"changed since verification: {f.relpath} size {f.size} -> {info.size} bytes"
+        if f.etag is not None and info.etag is not None and f.etag != info.etag:
+            return f"changed since verification: {f.relpath} etag {f.etag} -> {info.etag}"
+        if f.mtime is not None and info.mtime is not None and abs(f.mtime - info.mtime) > MTIME_TOLERANCE:
+            return f"changed since verification: {f.relpath} mtime {f.mtime:.3f} -> {info.mtime:.3f}"
+    return None
+
+
+def sample_slice(job: str, step: int, n: int) -> int:
+    """The 1-based slice (of ``n``) that checkpoint ``job``/``step`` belongs to.
+
+    A hash of job and step, not a position, so a checkpoint stays in its
+    slice as the catalog grows and across runs and machines.
+    """
+    if n < 1:
+        raise ValueError(f"sample slice count {n!r} must be at least 1")
+    digest = hashlib.blake2b(f"{job}\x00{step}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % n + 1
+
+
+def select_sample(records: Iterable[CheckpointRecord], k: int, n: int) -> list[CheckpointRecord]:
+    """The records in slice ``k`` of ``n`` (1-based), in input order.
+
+    The ``n`` slices are disjoint and together hold every record; verifying
+    slice ``d % n + 1`` on night ``d`` re-reads every checkpoint every ``n``
+    nights. Raises ``ValueError`` unless ``1 <= k <= n``.
+    """
+    _check_sample(k, n, f"{k}/{n}")
+    return [r for r in records if sample_slice(r.job, r.step, n) == k]
+
+
+def rotating_slice(day: date, n: int) -> int:
+    """The slice K (1-based) of ``n`` that a nightly schedule verifies on ``day``.
+
+    Consecutive days give consecutive slices, so any ``n`` consecutive
+    nights cover every slice once.
+    """
+    if n < 1:
+        raise ValueError(f"sample slice count {n!r} must be at least 1")
+    return day.toordinal() % n + 1
+
+
+_SAMPLE = re.compile(r"\s*(\d+)\s*/\s*(\d+)\s*")
+
+
+def parse_sample(text: str) -> tuple[int, int]:
+    """Parse ``--sample K/N`` (``"1/7"`` -> ``(1, 7)``); ``ConfigError`` with a one-line reason otherwise."""
+    m = _SAMPLE.fullmatch(text)
+    if m is None:
+        raise ConfigError(f"--sample {text!r} is not K/N; write the slice and the slice count, e.g. 1/7")
+    k, n = int(m.group(1)), int(m.group(2))
+    _check_sample(k, n, text)
+    return k, n
+
+
+def _check_sample(k: int, n: int, text: str) -> None:
+    if n < 1:
+        raise ConfigError(f"--sample {text!r}: N must be at least 1, e.g. 1/7")
+    if not 1 <= k <= n:
+        raise ConfigError(f"--sample {text!r}: K must be between 1 and N ({n}), e.g. 1/{n}")
+
+
+def judge_files(record: CheckpointRecord, results: Sequence[FileCheck]) -> tuple[State, str]:
+    """The checkpoint's state after verification, and the reason.
+
+    * any recorded file ``missing`` or ``corrupt`` -> ``corrupt``;
+    * otherwise any file ``error`` or without a result -> the current state
+      unchanged: an unreadable file proves nothing either way;
+    * otherwise (every file ``ok``) -> ``verified``.
+
+    ``incomplete`` and ``deleted`` checkpoints keep their state (a save in
+    flight is never judged). Raises ``ValueError`` for a result naming a file
+    the record does not have.
+    """
+    known = {f.relpath for f in record.files}
+    by_path: dict[str, FileCheck] = {}
+    for r in results:
+        if r.relpath not in known:
+            raise ValueError(f"result for {r.relpath!r}, which is not a file of {record.job} step {record.step}")
+        by_path[r.relpath] = r
+    n = len(record.files)
+    if record.state in (State.INCOMPLETE, State.DELETED):
+        return record.state, f"not judged: the checkpoint is {record.state.value}"
+    if n == 0:
+        return record.state, "no files recorded; nothing to verify"
+    bad = [r for r in by_path.values() if r.status in ("missing", "corrupt")]
+    if bad:
+        missing = sum(1 for r in bad if r.status == "missing")
+        head = ", ".join(
+            x for x in (f"{missing} missing" if missing else "", f"{len(bad) - missing} corrupt" if len(bad) > missing else "") if x
+        )
+        return State.CORRUPT, f"{head} of {n} files: " + _details(bad)
+    unread = [r for r in by_path.values() if r.status == "error"]
+    unchecked = [f.relpath for f in record.files if f.relpath not in by_path]
+    if unread or unchecked:
+        parts = []
+        if unread:
+            parts.append(f"{len(unread)} of {n} files could not be read ({_details(unread)})")
+        if unchecked:
+            parts.append(f"{len(unchecked)} of {n} files were not checked ({_examples(unchecked)})")
+        return record.state, "; ".join(parts) + f"; state stays {record.state.value}, verify again"
+    total = sum(f.size for f in record.files)
+    return State.VERIFIED, f"all {n} files intact ({total} bytes)"
+
+
+def _examples(items: Sequence[str]) -> str:
+    shown = ", ".join(items[:_REASON_EXAMPLES])
+    return shown + (f" and {len(items) - _REASON_EXAMPLES} more" if len(items) > _REASON_EXAMPLES else "")
+
+
+def _details(checks: Sequence[FileCheck]) -> str:
+    return _examples([f"{c.relpath} ({c.detail or c.status})" for c in checks])
+
+
+# -- I/O ------------------------------------------------------------------------
+
+
+def is_single_file(prefix: str, record: CheckpointRecord) -> bool:
+    """True when ``prefix`` is the key of the checkpoint's only file (Lightning-style)."""
+    return len(record.files) == 1 and prefix.rsplit("/", 1)[-1] == record.files[0].relpath
+
+
+def file_key(prefix: str, record: CheckpointRecord, relpath: str) -> str:
+    """The store key of ``relpath``: ``prefix/relpath``, or ``prefix`` itself for a single-file checkpoint."""
+    return prefix if is_single_file(prefix, record) else join_key(prefix, relpath)
+
+
+def _check(f: FileRecord, status: FileStatus, detail: str | None, d: Digests | None = None, size: int | None = None) -> FileCheck:
+    return FileCheck(
+        relpath=f.relpath,
+        status=status,
+        size=d.size if d is not None else size,
+        crc64nvme=d.crc64nvme if d is not None else None,
+        sha256=d.sha256 if d is not None else None,
+        detail=detail,
+    )
+
+
+def check_file(
+    store: Store,
+    key: str,
+    f: FileRecord,
+    *,
+    deep: bool,
+    pool: BufferPool,
+    on_bytes: Callable[[int], None] | None = None,
+) -> tuple[FileCheck, int, int]:
+    """Verify one file; returns ``(check, bytes_read, bytes_skipped)``. Never raises a store error.
+
+    ``on_bytes`` is told about progress in bytes (read or skipped); the
+    amounts add up to exactly ``f.size`` by the time this returns.
+    """
+    counted = 0
+
+    def tell(n: int) -> None:
+        nonlocal counted
+        n = min(n, f.size - counted)
+        if n > 0 and on_bytes is not None:
+            counted += n
+            on_bytes(n)
+
+    try:
+        check, read, skipped = _check_file(store, key, f, deep=deep, pool=pool, tell=tell)
+    finally:
+        tell(f.size - counted)
+    return check, read, skipped
+
+
+def _check_file(
+    store: Store, key: str, f: FileRecord, *, deep: bool, pool: BufferPool, tell: Callable[[int], None]
+) -> tuple[FileCheck, int, int]:
+    where = f"{store.url}/{key}"
+    try:
+        info = store.stat(key)
+    except NotFound:
+        return _check(f, "missing", f"not found at {where}"), 0, 0
+    except (StoreError, OSError) as exc:
+        return _check(f, "error", f"cannot stat: {_one_line(exc)}"), 0, 0
+    if info.size != f.size:
+        how = "truncated" if info.size < f.size else "extended"
+        return _check(f, "corrupt", f"size {info.size} bytes, expected {f.size} ({how})", size=info.size), 0, 0
+
+    try:
+        stored = store_crc64nvme(info.checksum)
+        bad_store_checksum = None
+    except ValueError as exc:
+        stored, bad_store_checksum = None, str(exc)
+
+    baseline = f.crc64nvme
+    sha_proven = f.sha256_expected is None or f.status == "ok"
+    if not deep and stored is not None and sha_proven and (baseline is not None or f.sha256_expected is None):
+        tell(info.size)
+        if baseline is None:
+            return FileCheck(f.relpath, "ok", info.size, stored, None, "baseline taken from the store's checksum"), 0, info.size
+        if stored == baseline:
+            return FileCheck(f.relpath, "ok", info.size, stored, None, None), 0, info.size
+        return (
+            FileCheck(f.relpath, "corrupt", info.size, stored, None,
+                      f"store checksum crc64nvme {stored}, recorded {baseline} (object replaced or damaged)"),
+            0,
+            info.size,
+        )
+
+    want_sha = f.sha256_expected is not None
+    for attempt in range(_INTEGRITY_ATTEMPTS):
+        try:
+            with pool.buffer() as buf:
+                if isinstance(store, LocalStore):
+                    d = hash_file(store.root / validate_key(key), sha256=want_sha, buffer=buf, progress=tell)
+                else:
+                    with store.open_read(key) as stream:
+                        d = hash_stream(stream, sha256=want_sha, buffer=buf, progress=tell)
+            break
+        except (FileNotFoundError, NotFound):
+            return _check(f, "missing", f"vanished while reading {where}"), 0, 0
+        except IntegrityError as exc:
+            # The store's own checksum rejected the bytes; once may be the
+            # network, twice in a row is the object.
+            if attempt + 1 == _INTEGRITY_ATTEMPTS:
+                detail = f"the store's checksum rejected the bytes {attempt + 1} times: {_one_line(exc)}"
+                return _check(f, "corrupt", detail, size=info.size), 0, 0
+        except (StoreError, OSError) as exc:
+            return _check(f, "error", f"cannot read: {_one_line(exc)}"), 0, 0
+
+    problems = []
+    if d.size != f.size:
+        problems.append(f"read {d.size} bytes, expected {f.size}")
+    if baseline is not None and d.crc64nvme != baseline:
+        problems.append(f"crc64nvme {d.crc64nvme}, recorded {baseline}")
+    if f.sha256_expected is not None and d.sha256 != f.sha256_expected.lower():
+        problems.append(f"sha256 {d.sha256}, expected {f.sha256_expected} (from the checkpoint's metadata)")
+    if stored is not None and d.crc64nvme != stored:
+        problems.append(f"crc64nvme {d.crc64nvme}, the store's checksum is {stored}")
+    if problems:
+        return _check(f, "corrupt", "; ".join(problems), d), d.size, 0
+    detail = None if baseline is not None else "first verification: baseline recorded"
+    if bad_store_checksum:
+        detail = f"store checksum ignored: {bad_store_checksum}"
+    return _check(f, "ok", detail, d), d.size, 0
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def find_extra(
+    store: Store, prefix: str, record: CheckpointRecord, listing: Mapping[str, ObjectInfo] | None = None
+) -> tuple[list[str], list[str]]:
+    """Relpaths under the checkpoint's prefix that the record does not know, sorted, and notes.
+
+    Uses ``listing`` (relpath -> info) when given, else lists the store.
+    A single-file checkpoint has no extras. A failed listing is a note, not
+    an exception.
+    """
+    if is_single_file(prefix, record):
+        return [], []
+    known = {f.relpath for f in record.files}
+    if listing is not None:
+        return sorted(set(listing) - known), []
+    base = prefix.strip("/")
+    start = base + "/" if base else ""
+    try:
+        found = [info.key[len(start):] for info in store.list(start)]
+    except (StoreError, OSError) as exc:
+        return [], [f"could not list {store.url}/{start} for extra files: {_one_line(exc)}"]
+    return sorted(set(found) - known), []
+
+
+def verify_checkpoint(
+    store: Store,
+    prefix: str,
+    record: CheckpointRecord,
+    *,
+    deep: bool,
+    buffer_pool: BufferPool | None = None,
+    listing: Mapping[str, ObjectInfo] | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> VerifyOutcome:
+    """Verify every recorded file of ``record`` under ``prefix`` in ``store``, one after another.
+
+    Per file: absent -> ``missing``; size differs -> ``corrupt`` (no read).
+    Without ``deep``, when the store keeps a full-object CRC64NVME and the
+    record has a baseline (and any expected SHA-256 was proven before), the
+    two are compared without reading (``bytes_skipped``); with no baseline
+    and no expected SHA-256, the store's checksum becomes the baseline.
+    Otherwise the file is streamed through one pooled buffer and its
+    CRC64NVME (and SHA-256, only when expected) compared with the baseline,
+    the expected hash and the store's checksum; with no expectation at all it
+    is ``ok`` and its digests are the baseline to record. Unreadable files
+    are ``error`` and the rest are still checked. ``listing`` (relpath ->
+    info) only spares the listing used to find extra files; sizes and
+    checksums always come from a fresh ``stat``. Read-only and idempotent.
+    ``progress`` is called with byte counts (read or skipped).
+    """
+    pool = buffer_pool or BufferPool(1)
+    outcome = VerifyOutcome(results=[])
+    for f in record.files:
+        check, read, skipped = check_file(store, file_key(prefix, record, f.relpath), f, deep=deep, pool=pool, on_bytes=progress)
+        outcome.results.append(check)
+        outcome.bytes_read += read
+        outcome.bytes_skipped += skipped
+    outcome.extra, outcome.notes = find_extra(store, prefix, record, listing)
+    return outcome
+
+
+class _Meter:
+    """Thread-safe running total of verified bytes, reported to a callback."""
+
+    def __init__(self, total: int, progress: Callable[[int, int], None] | None) -> None:
+        self.total = total
+        self.done = 0
+        self._progress = progress
+        self._lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        if self._progress is None:
+            return
+        with self._lock:
+            self.done += n
+            self._progress(self.done, self.total)
+
+
+@dataclass
+class _InFlight:
+    """A record whose files are submitted to the pool (or that failed to open)."""
+
+    record: CheckpointRecord
+    files: list[Future[tuple[FileCheck, int, int]]]
+    extras: Future[tuple[list[str], list[str]]] | None
+    failure: str | None
+
+
+def verify_many(
+    store_for: Callable[[CheckpointRecord], tuple[Store, str]],
+    records: Iterable[CheckpointRecord],
+    *,
+    deep: bool,
+    workers: int = 4,
+    progress: Callable[[int, int], None] | None = None,
+    buffer_size: int = DEFAULT_CHUNK,
+) -> Iterator[tuple[CheckpointRecord, VerifyOutcome]]:
+    """Verify many checkpoints, several files at a time; yields in input order.
+
+    ``store_for(record)`` returns the store and key prefix of the record's
+    hot copy; when it raises a :class:`~ckptier.storage.errors.CkptierError`
+    or ``OSError`` every file of that record is ``error``. Files of all
+    records share one pool of ``workers`` threads and ``workers`` read
+    buffers of ``buffer_size`` bytes (memory is bounded by their product);
+    only a few records are in flight ahead of the one being yielded.
+    ``progress(done_bytes, total_bytes)`` is called from worker threads,
+    serialized, as bytes are read or proven without reading; ``total_bytes``
+    is the recorded size of all records, and ``done_bytes`` reaches it.
+    Each file is checked as by :func:`verify_checkpoint`. Leaving the
+    iteration early cancels files not yet started.
+    """
+    if workers < 1:
+        raise ValueError(f"workers {workers!r} must be at least 1")
+    recs = list(records)
+    meter = _Meter(sum(f.size for r in recs for f in r.files), progress)
+    pool = BufferPool(workers, buffer_size)
+    window_files = workers * 4
+    window: deque[_InFlight] = deque()
+    in_window = 0
+    it = iter(recs)
+    ex = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptier-verify")
+    try:
+        exhausted = False
+        while True:
+            while not exhausted and (in_window < window_files or not window):
+                rec = next(it, None)
+                if rec is None:
+                    exhausted = True
+                    break
+                try:
+                    store, prefix = store_for(rec)
+                except (CkptierError, OSError) as exc:
+                    window.append(_InFlight(rec, [], None, f"cannot open the store: {_one_line(exc)}"))
+                    continue
+                futs = [
+                    ex.submit(check_file, store, file_key(prefix, rec, f.relpath), f, deep=deep, pool=pool, on_bytes=meter.add)
+                    for f in rec.files
+                ]
+                extras = ex.submit(find_extra, store, prefix, rec)
+                window.append(_InFlight(rec, futs, extras, None))
+                in_window += len(futs)
+            if not window:
+                return
+            head = window.popleft()
+            rec, futs, extras, failure = head.record, head.files, head.extras, head.failure
+            in_window -= len(futs)
+            outcome = VerifyOutcome(results=[])
+            if failure is not None:
+                outcome.results = [_check(f, "error", failure) for f in rec.files]
+                meter.add(sum(f.size for f in rec.files))
+            else:
+                for fut in futs:
+                    check, read, skipped = fut.result()
+                    outcome.results.append(check)
+                    outcome.bytes_read += read
+                    outcome.bytes_skipped += skipped
+                assert extras is not None
+                outcome.extra, outcome.notes = extras.result()
+            yield rec, outcome
+    finally:
+        ex.shutdown(wait=True, cancel_futures=True)
