@@ -1,0 +1,729 @@
+"""The archive tier: promote a checkpoint, fetch it back, clean up after crashes.
+
+Archive layout (relative to the archive store's root)::
+
+    {job}/step-{step:08d}/{relpath}.ckz     one codec stream per checkpoint file
+    {job}/step-{step:08d}/MANIFEST.json     the commit marker, written LAST
+
+A step directory counts as an archive copy only when its ``MANIFEST.json``
+exists: the manifest is created with a conditional create (``if_absent``)
+after every data object was read back, decoded and found bit-identical to
+the hot file. Anything in a step directory without a manifest is debris of
+an interrupted promotion, which :func:`janitor` removes once it is old
+enough. The manifest lists every file's original size and CRC64NVME, so a
+lost catalog can be rebuilt from the archive alone.
+
+Nothing here deletes or modifies a hot copy, and nothing here reads the
+clock: times are passed in.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from ckptier.storage import codec as _codec
+from ckptier.storage.base import Store, join_key, read_bytes
+from ckptier.storage.errors import (
+    AlreadyExists,
+    CkptierError,
+    IntegrityError,
+    NotFound,
+    StoreError,
+)
+from ckptier.storage.hashing import Digests, Hasher
+from ckptier.storage.manifest import Manifest, ManifestFile, StoredObject
+from ckptier.storage.model import CheckpointRecord, FileRecord, State, Tier
+
+#: Name of the commit marker in an archive step directory.
+MANIFEST_NAME = "MANIFEST.json"
+#: Suffix of archived (encoded) data objects.
+DATA_SUFFIX = ".ckz"
+#: Largest manifest we will read (bytes); a manifest of 100k files is ~15 MB.
+MANIFEST_LIMIT = 64 << 20
+#: Read size for streaming copies, bytes.
+CHUNK = 8 << 20
+
+_STEP_DIR_RE = re.compile(r"^(?P<dir>(?:.+/)?step-\d{8})/(?P<rest>.+)$")
+
+
+class ArchiveConflict(CkptierError):
+    """The archive already holds a committed copy of this step with different content."""
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+def archive_dir(job: str, step: int) -> str:
+    """The archive key prefix of one checkpoint: ``{job}/step-{step:08d}``."""
+    return join_key(job, f"step-{step:08d}")
+
+
+def data_key(job: str, step: int, relpath: str) -> str:
+    """Key of the archived (encoded) copy of one checkpoint file."""
+    return join_key(archive_dir(job, step), relpath + DATA_SUFFIX)
+
+
+def manifest_key(job: str, step: int) -> str:
+    """Key of the commit marker of one archived checkpoint."""
+    return join_key(archive_dir(job, step), MANIFEST_NAME)
+
+
+def hot_file_key(prefix: str, record: CheckpointRecord, relpath: str) -> str:
+    """Key of one file of ``record`` in its hot store.
+
+    ``prefix`` is the checkpoint's key prefix in the hot store. For a
+    single-file checkpoint (Lightning ``*.ckpt``: one file whose name is the
+    prefix's last segment) the prefix *is* the file's key. Same rule as
+    ``tasks/verify.py``.
+    """
+    if len(record.files) == 1 and prefix.rsplit("/", 1)[-1] == record.files[0].relpath == relpath:
+        return prefix
+    return join_key(prefix, relpath)
+
+
+def prefix_from_location(store: Store, location: str) -> str:
+    """The key prefix of ``location`` (a URL) relative to ``store``'s root URL.
+
+    Raises :class:`~ckptier.storage.errors.StoreError` when ``location`` is
+    not below the store's URL.
+    """
+    root = store.url.rstrip("/")
+    if location.rstrip("/") == root:
+        return ""
+    if not location.startswith(root + "/"):
+        raise StoreError(
+            f"{location}: not inside store {root}; pass the store that holds this checkpoint",
+            url=store.url,
+        )
+    return location[len(root) + 1 :].strip("/")
+
+
+# ------------------------------------------------------------------------- streams
+
+
+class _HashingReader:
+    """A read-only stream that hashes (CRC64NVME) exactly the bytes it hands out."""
+
+    def __init__(self, inner: BinaryIO) -> None:
+        self._inner = inner
+        self.hasher = Hasher()
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._inner.read(n)
+        if data:
+            self.hasher.update(data)
+        return data
+
+    def readinto(self, buf: Any) -> int:
+        inner_readinto = getattr(self._inner, "readinto", None)
+        view = memoryview(buf).cast("B")
+        if inner_readinto is None:
+            data = self._inner.read(len(view))
+            n = len(data)
+            view[:n] = data
+        else:
+            n = inner_readinto(view) or 0
+        if n:
+            self.hasher.update(view[:n])
+        return n
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+class _HashingSink:
+    """A write-only stream that hashes what is written and optionally forwards it."""
+
+    def __init__(self, inner: BinaryIO | None = None) -> None:
+        self._inner = inner
+        self.hasher = Hasher()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.hasher.update(view)
+        if self._inner is not None:
+            self._inner.write(view)
+        return view.nbytes
+
+    def flush(self) -> None:
+        if self._inner is not None:
+            self._inner.flush()
+
+
+# ------------------------------------------------------------------------- promote
+
+
+@dataclass(frozen=True)
+class ArchiveCopy:
+    """What :func:`promote` made: the catalog's archive copy row.
+
+    ``url`` is the archive step directory's URL; ``stored_bytes`` the total
+    size of the encoded data objects (bytes, excluding the manifest);
+    ``raw_bytes`` the original size; ``verified_at`` the ``now`` of the
+    read-back. ``already_archived`` is True when a manifest with the same
+    content was already committed (a lost acknowledgement or an earlier run).
+    """
+
+    url: str
+    stored_bytes: int
+    raw_bytes: int
+    codec: str
+    manifest_key: str
+    verified_at: datetime
+    already_archived: bool = False
+    seconds: float = 0.0
+
+
+def _expected_crc(f: FileRecord) -> str | None:
+    return f.crc64nvme
+
+
+def _check_hot_digest(record: CheckpointRecord, f: FileRecord, got: Digests, where: str) -> None:
+    if got.size != f.size:
+        raise IntegrityError(
+            f"{where}: hot file is {got.size} bytes but the catalog recorded {f.size} "
+            f"(job {record.job} step {record.step}); rescan and verify before promoting",
+            key=where,
+        )
+    expected = _expected_crc(f)
+    if expected is not None and got.crc64nvme != expected:
+        raise IntegrityError(
+            f"{where}: hot file CRC64NVME {got.crc64nvme} differs from the catalog's {expected} "
+            f"(job {record.job} step {record.step}); run verify before promoting",
+            key=where,
+        )
+
+
+def _content(m: Manifest) -> tuple[str, int, tuple[tuple[str, int, str], ...]]:
+    """What identifies an archived checkpoint's content: job, step, files' sizes and hashes."""
+    return (
+        m.job,
+        m.step,
+        tuple(sorted((f.relpath, f.size, f.crc64nvme) for f in m.files)),
+    )
+
+
+def _read_manifest(store: Store, key: str) -> Manifest:
+    return Manifest.from_json(read_bytes(store, key, limit=MANIFEST_LIMIT))
+
+
+def _store_url(store: Store, key: str) -> str:
+    return f"{store.url.rstrip('/')}/{key}"
+
+
+def _decode_check(archive: Store, key: str, *, sink: BinaryIO | None = None) -> tuple[Digests, Digests]:
+    """Stream ``key`` from ``archive`` through the codec; return digests of the decoded and the stored bytes.
+
+    Transient and access errors propagate unchanged; anything else that goes
+    wrong while decoding (a truncated or mangled object) is an
+    :class:`IntegrityError` naming the object.
+    """
+    out = _HashingSink(sink)
+    with archive.open_read(key) as raw:
+        counted = _HashingReader(raw)
+        try:
+            _codec.decode(counted, out)  # type: ignore[arg-type]
+        except StoreError as exc:
+            if isinstance(exc, IntegrityError):
+                raise IntegrityError(
+                    f"{_store_url(archive, key)}: read-back failed ({exc}); not committed",
+                    url=archive.url,
+                    key=key,
+                ) from exc
+            raise
+        except Exception as exc:  # noqa: BLE001 - any decoder failure means bad bytes
+            raise IntegrityError(
+                f"{_store_url(archive, key)}: read-back failed, the object does not decode ({exc}); "
+                f"not committed",
+                url=archive.url,
+                key=key,
+            ) from exc
+        while counted.read(CHUNK):  # trailing bytes after the codec's end still count as stored
+            pass
+    return out.hasher.digests(), counted.hasher.digests()
+
+
+def promote(
+    hot: Store,
+    hot_prefix: str,
+    record: CheckpointRecord,
+    archive: Store,
+    *,
+    now: datetime,
+    owner: str,
+    level: int = 1,
+    threads: int = 2,
+    spool_dir: str | os.PathLike[str] | None = None,
+) -> ArchiveCopy:
+    """Copy one checkpoint into the archive tier, proven bit-exact, and commit it.
+
+    For each file (in relpath order): stream it from ``hot`` through the
+    codec into a temporary spool file (memory stays bounded whatever the
+    file size; disk use is one encoded file at a time, in ``spool_dir``),
+    hashing the raw bytes on the way; check size and CRC64NVME against the
+    catalog record (when recorded); upload it to :func:`data_key` (S3 stores
+    switch to multipart above their threshold). Then read every object back,
+    decode it and compare size and CRC64NVME with the hot bytes. Only when
+    every file matches is ``MANIFEST.json`` created with ``if_absent=True``.
+
+    Idempotent: when the manifest already exists with the same job, step and
+    file hashes (the acknowledgement of an earlier commit was lost, or an
+    earlier run finished), the data objects are checked for presence and the
+    existing copy is returned with ``already_archived=True``. A manifest with
+    different content raises :class:`ArchiveConflict` before anything is
+    uploaded (when seen up front) or instead of committing.
+
+    Raises :class:`IntegrityError` when the hot bytes do not match the
+    catalog or the read-back does not match the hot bytes (nothing is
+    committed), and store errors unchanged. The hot copy is only read.
+    ``owner`` names the promoting run in error messages.
+    """
+    t0 = time.monotonic()
+    if record.state != State.VERIFIED:
+        raise IntegrityError(
+            f"job {record.job} step {record.step}: state is {record.state.value}, only verified "
+            f"checkpoints are promoted; run verify first"
+        )
+    if not record.files:
+        raise IntegrityError(f"job {record.job} step {record.step}: the catalog lists no files; rescan it")
+    mkey = manifest_key(record.job, record.step)
+    adir = archive_dir(record.job, record.step)
+    copy_url = _store_url(archive, adir)
+
+    # 1. Already committed? Then compare instead of uploading over it.
+    try:
+        existing = _read_manifest(archive, mkey)
+    except NotFound:
+        existing = None
+    if existing is not None:
+        return _existing_copy(archive, record, existing, mkey, copy_url, now=now, t0=t0, owner=owner)
+
+    # 2. Encode + upload each file, hashing the raw bytes as they stream by.
+    hot_digests: dict[str, Digests] = {}
+    for f in sorted(record.files, key=lambda f: f.relpath):
+        hkey = hot_file_key(hot_prefix, record, f.relpath)
+        dkey = data_key(record.job, record.step, f.relpath)
+        with tempfile.TemporaryFile(dir=spool_dir) as spool:
+            with hot.open_read(hkey) as src:
+                reader = _HashingReader(src)
+                _codec.encode(reader, spool, name=f.relpath, level=level, threads=threads)  # type: ignore[arg-type]
+                # The codec may stop at a size it was told; make sure nothing is left unhashed.
+                while reader.read(CHUNK):
+                    pass
+            got = reader.hasher.digests()
+            _check_hot_digest(record, f, got, _store_url(hot, hkey))
+            hot_digests[f.relpath] = got
+            spool.seek(0)
+            archive.write(dkey, spool)  # type: ignore[arg-type]
+
+    # 3. Read back: every archived object must decode to the hot bytes.
+    stored: dict[str, StoredObject] = {}
+    for f in sorted(record.files, key=lambda f: f.relpath):
+        dkey = data_key(record.job, record.step, f.relpath)
+        back, enc = _decode_check(archive, dkey)
+        want = hot_digests[f.relpath]
+        if back.size != want.size or back.crc64nvme != want.crc64nvme:
+            raise IntegrityError(
+                f"{_store_url(archive, dkey)}: read-back decodes to {back.size} bytes crc64nvme "
+                f"{back.crc64nvme}, the hot file has {want.size} bytes crc64nvme {want.crc64nvme}; "
+                f"archive copy not committed, hot copy kept",
+                url=archive.url,
+                key=dkey,
+            )
+        stored[f.relpath] = StoredObject(key=f.relpath + DATA_SUFFIX, size=enc.size, crc64nvme=enc.crc64nvme)
+
+    # 4. Commit: the manifest, last, created only if absent.
+    manifest = _make_manifest(record, hot_digests, stored, now=now, level=level)
+    try:
+        archive.write(mkey, manifest.to_json(), if_absent=True)
+    except AlreadyExists:
+        existing = _read_manifest(archive, mkey)
+        return _existing_copy(archive, record, existing, mkey, copy_url, now=now, t0=t0, owner=owner, ours=manifest)
+    return ArchiveCopy(
+        url=copy_url,
+        stored_bytes=sum(s.size for s in stored.values()),
+        raw_bytes=sum(d.size for d in hot_digests.values()),
+        codec=_codec.CODEC_ID,
+        manifest_key=mkey,
+        verified_at=now,
+        seconds=time.monotonic() - t0,
+    )
+
+
+def _make_manifest(
+    record: CheckpointRecord,
+    digests: Mapping[str, Digests],
+    stored: Mapping[str, StoredObject],
+    *,
+    now: datetime,
+    level: int,
+) -> Manifest:
+    files = []
+    for f in sorted(record.files, key=lambda f: f.relpath):
+        d = digests[f.relpath]
+        # A sha256 from the format's metadata is known-good when our CRC matched the verified record.
+        sha = f.sha256_expected if f.crc64nvme is not None and f.crc64nvme == d.crc64nvme else None
+        files.append(
+            ManifestFile(relpath=f.relpath, size=d.size, crc64nvme=d.crc64nvme, sha256=sha, stored=stored[f.relpath])
+        )
+    return Manifest(
+        job=record.job,
+        step=record.step,
+        format=record.format,
+        created_at=now,
+        files=tuple(files),
+        codec=_codec.CODEC_ID,
+        codec_params={"level": level},
+        source=record.location,
+        recorded_loss=record.recorded_loss,
+    )
+
+
+def _record_content(record: CheckpointRecord) -> tuple[str, int, tuple[tuple[str, int, str], ...]]:
+    """The content tuple the catalog record implies (comparable only when every CRC is recorded)."""
+    return (
+        record.job,
+        record.step,
+        tuple(sorted((f.relpath, f.size, f.crc64nvme or "") for f in record.files)),
+    )
+
+
+def _existing_copy(
+    archive: Store,
+    record: CheckpointRecord,
+    existing: Manifest,
+    mkey: str,
+    copy_url: str,
+    *,
+    now: datetime,
+    t0: float,
+    owner: str,
+    ours: Manifest | None = None,
+) -> ArchiveCopy:
+    """Judge a committed manifest found in the archive: same content → reuse it, else conflict."""
+    if ours is not None:
+        same = _content(existing) == _content(ours)
+    elif all(f.crc64nvme for f in record.files):
+        same = _content(existing) == _record_content(record)
+    else:
+        same = False
+    if not same:
+        raise ArchiveConflict(
+            f"{_store_url(archive, mkey)}: a committed archive copy of job {record.job} step "
+            f"{record.step} holds different content ({owner} changed and deleted nothing); "
+            f"inspect it and remove it by hand if it is stale"
+        )
+    stored_total = 0
+    adir = archive_dir(record.job, record.step)
+    for f in existing.files:
+        dkey = join_key(adir, f.stored.key if f.stored is not None else f.relpath + DATA_SUFFIX)
+        try:
+            info = archive.stat(dkey)
+        except NotFound:
+            raise IntegrityError(
+                f"{_store_url(archive, dkey)}: listed in the committed manifest but missing; "
+                f"the archive copy is damaged, run a deep archive check",
+                url=archive.url,
+                key=dkey,
+            ) from None
+        if f.stored is not None and info.size != f.stored.size:
+            raise IntegrityError(
+                f"{_store_url(archive, dkey)}: {info.size} bytes but the committed manifest says "
+                f"{f.stored.size}; the archive copy is damaged, run a deep archive check",
+                url=archive.url,
+                key=dkey,
+            )
+        stored_total += info.size
+    return ArchiveCopy(
+        url=copy_url,
+        stored_bytes=stored_total,
+        raw_bytes=sum(f.size for f in existing.files),
+        codec=_codec.CODEC_ID,
+        manifest_key=mkey,
+        verified_at=now,
+        already_archived=True,
+        seconds=time.monotonic() - t0,
+    )
+
+
+# --------------------------------------------------------------------------- fetch
+
+
+@dataclass(frozen=True)
+class FetchResult:
+    """Where a fetched checkpoint came from and what was written.
+
+    ``tier`` is ``"hot"`` or ``"archive"``; ``paths`` the written files in
+    relpath order; ``bytes`` their total size; ``notes`` why a preferred
+    tier was skipped (e.g. the hot copy failed its hash check).
+    """
+
+    tier: str
+    source: str
+    dest: Path
+    paths: tuple[Path, ...]
+    bytes: int
+    seconds: float
+    notes: tuple[str, ...] = ()
+
+
+def _dest_path(dest: Path, relpath: str) -> Path:
+    path = (dest / relpath).resolve()
+    root = dest.resolve()
+    if root != path and root not in path.parents:
+        raise IntegrityError(f"{relpath!r}: file path escapes the destination {dest}; refusing to write it")
+    return path
+
+
+def _fetch_files(
+    record: CheckpointRecord,
+    dest: Path,
+    expected: Mapping[str, tuple[int, str | None]],
+    fill_for: Any,
+    where: Any,
+) -> tuple[list[Path], int]:
+    """Write every file via temp + rename, checking size and CRC64NVME before each rename."""
+    paths: list[Path] = []
+    total = 0
+    for f in sorted(record.files, key=lambda f: f.relpath):
+        path = _dest_path(dest, f.relpath)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".ckptier-fetch-", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as out:
+                sink = _HashingSink(out)  # type: ignore[arg-type]
+                fill_for(f.relpath, sink)
+                out.flush()
+                os.fsync(out.fileno())
+            got = sink.hasher.digests()
+            size, crc = expected[f.relpath]
+            if got.size != size or (crc is not None and got.crc64nvme != crc):
+                raise IntegrityError(
+                    f"{where(f.relpath)}: fetched {got.size} bytes crc64nvme {got.crc64nvme}, "
+                    f"expected {size} bytes crc64nvme {crc}; file not written",
+                    key=f.relpath,
+                )
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        paths.append(path)
+        total += got.size
+    return paths, total
+
+
+def _present(record: CheckpointRecord, tier: Tier) -> bool:
+    return any(c.tier == tier and c.state in ("present", "degraded") for c in record.copies)
+
+
+def _archive_copy_url(record: CheckpointRecord) -> str | None:
+    urls = [c.url for c in record.copies if c.tier == Tier.ARCHIVE and c.state in ("present", "degraded")]
+    return urls[0] if urls else None
+
+
+def fetch(
+    record: CheckpointRecord,
+    *,
+    hot: Store | None,
+    archive: Store | None,
+    dest: str | os.PathLike[str],
+    hot_prefix: str | None = None,
+) -> FetchResult:
+    """Restore a checkpoint's original files into ``dest``, verified, from the best tier.
+
+    The hot copy is used first when the catalog has it present, the
+    checkpoint is verified and ``hot`` is given (``hot_prefix`` defaults to
+    the record's location relative to ``hot.url``); every file's size and
+    CRC64NVME must match the catalog. Otherwise, or when the hot copy fails,
+    the archive copy is decoded; every file must match the archive manifest
+    and the catalog's recorded hash. Each file appears in ``dest`` (as
+    ``dest/relpath``) only once complete and verified (temp file + rename);
+    files already in ``dest`` are overwritten. Raises :class:`NotFound` when
+    no tier can provide the checkpoint, :class:`IntegrityError` when the
+    only available copies fail their hashes; the message names every tier
+    tried and why it failed.
+    """
+    t0 = time.monotonic()
+    out = Path(dest)
+    out.mkdir(parents=True, exist_ok=True)
+    notes: list[str] = []
+    name = f"job {record.job} step {record.step}"
+    last_exc: CkptierError | None = None
+
+    if hot is not None and _present(record, Tier.HOT) and record.missing_since is None:
+        if record.state != State.VERIFIED:
+            notes.append(f"hot copy skipped: state is {record.state.value}, not verified")
+        elif not all(f.crc64nvme for f in record.files):
+            notes.append("hot copy skipped: the catalog has no recorded hash for every file")
+        else:
+            try:
+                prefix = hot_prefix if hot_prefix is not None else prefix_from_location(hot, record.location)
+                expected = {f.relpath: (f.size, f.crc64nvme) for f in record.files}
+
+                def fill_hot(relpath: str, sink: _HashingSink) -> None:
+                    with hot.open_read(hot_file_key(prefix, record, relpath)) as src:  # type: ignore[union-attr]
+                        while chunk := src.read(CHUNK):
+                            sink.write(chunk)
+
+                paths, total = _fetch_files(
+                    record, out, expected, fill_hot, lambda r: _store_url(hot, hot_file_key(prefix, record, r))  # type: ignore[arg-type]
+                )
+                return FetchResult("hot", record.location, out, tuple(paths), total, time.monotonic() - t0, tuple(notes))
+            except CkptierError as exc:
+                last_exc = exc
+                notes.append(f"hot copy failed: {exc}")
+    elif hot is None:
+        notes.append("hot copy skipped: no hot store given")
+    else:
+        notes.append("hot copy skipped: not present in hot storage")
+
+    copy_url = _archive_copy_url(record)
+    if archive is not None and copy_url is not None:
+        try:
+            adir = prefix_from_location(archive, copy_url)
+            manifest = _read_manifest(archive, join_key(adir, MANIFEST_NAME))
+            listed = {m.relpath: m for m in manifest.files}
+            for f in record.files:
+                m = listed.get(f.relpath)
+                if m is None or m.size != f.size or (f.crc64nvme and m.crc64nvme != f.crc64nvme):
+                    raise IntegrityError(
+                        f"{copy_url}: manifest entry for {f.relpath} "
+                        f"({'absent' if m is None else f'{m.size} bytes {m.crc64nvme}'}) does not match "
+                        f"the catalog ({f.size} bytes {f.crc64nvme}); archive copy unusable"
+                    )
+            expected = {r: (m.size, m.crc64nvme) for r, m in listed.items()}
+
+            def stored_key(relpath: str) -> str:
+                st = listed[relpath].stored
+                return join_key(adir, st.key if st is not None else relpath + DATA_SUFFIX)
+
+            def fill_archive(relpath: str, sink: _HashingSink) -> None:
+                key = stored_key(relpath)
+                with archive.open_read(key) as src:  # type: ignore[union-attr]
+                    try:
+                        _codec.decode(src, sink)  # type: ignore[arg-type]
+                    except StoreError:
+                        raise
+                    except Exception as exc:  # noqa: BLE001 - a decoder failure means bad bytes
+                        raise IntegrityError(
+                            f"{_store_url(archive, key)}: archived object does not decode ({exc})",  # type: ignore[arg-type]
+                            key=key,
+                        ) from exc
+
+            paths, total = _fetch_files(
+                record, out, expected, fill_archive, lambda r: _store_url(archive, stored_key(r))  # type: ignore[arg-type]
+            )
+            return FetchResult("archive", copy_url, out, tuple(paths), total, time.monotonic() - t0, tuple(notes))
+        except CkptierError as exc:
+            last_exc = exc
+            notes.append(f"archive copy failed: {exc}")
+    elif copy_url is None:
+        notes.append("archive copy skipped: the catalog records none")
+    else:
+        notes.append("archive copy skipped: no archive store given")
+
+    summary = "; ".join(notes)
+    if isinstance(last_exc, IntegrityError):
+        raise IntegrityError(f"{name}: no tier gave verified bytes ({summary})") from last_exc
+    raise NotFound(f"{name}: no tier could provide it ({summary})") from last_exc
+
+
+# ------------------------------------------------------------------------- janitor
+
+
+@dataclass
+class JanitorReport:
+    """What :func:`janitor` did.
+
+    ``aborted_uploads``: (key, upload id) of multipart uploads aborted;
+    ``removed_dirs``: step directories without a manifest that were removed;
+    ``removed_keys``: their objects; ``young_dirs``: uncommitted directories
+    left alone because they are newer than the threshold (a promotion may be
+    running); ``failed``: key → reason for objects that could not be removed.
+    """
+
+    aborted_uploads: list[tuple[str, str]] = field(default_factory=list)
+    removed_dirs: list[str] = field(default_factory=list)
+    removed_keys: list[str] = field(default_factory=list)
+    young_dirs: list[str] = field(default_factory=list)
+    committed_dirs: int = 0
+    failed: dict[str, str] = field(default_factory=dict)
+
+
+def _step_dir(key: str) -> str | None:
+    m = _STEP_DIR_RE.match(key)
+    return m.group("dir") if m else None
+
+
+def _group_step_dirs(archive: Store) -> Iterator[tuple[str, list[Any]]]:
+    groups: dict[str, list[Any]] = {}
+    for info in archive.list(""):
+        d = _step_dir(info.key)
+        if d is not None:
+            groups.setdefault(d, []).append(info)
+    yield from sorted(groups.items())
+
+
+def janitor(archive: Store, *, now: datetime, older_than: timedelta) -> JanitorReport:
+    """Remove what interrupted promotions left in ``archive``; never touch a committed copy.
+
+    * Multipart uploads started more than ``older_than`` before ``now`` are
+      aborted (only on stores that have ``list_multipart_uploads``).
+    * A step directory (``…/step-NNNNNNNN/``) without ``MANIFEST.json`` whose
+      newest object is older than ``older_than`` (by object mtime) is
+      removed. Directories holding a manifest are never touched, whatever
+      else they contain. Objects without an mtime count as new (kept).
+
+    Idempotent. ``older_than`` must exceed the longest promotion, or a
+    running promotion's objects could be removed (the promotion then fails
+    its commit check and nothing is lost but time).
+    """
+    if older_than <= timedelta(0):
+        raise ValueError(f"janitor older_than = {older_than}: must be > 0, e.g. timedelta(hours=24)")
+    report = JanitorReport()
+    cutoff = now - older_than
+    list_uploads = getattr(archive, "list_multipart_uploads", None)
+    if list_uploads is not None:
+        for key, upload_id, initiated in list_uploads(""):
+            if initiated is not None and initiated < cutoff:
+                archive.abort_multipart(key, upload_id)  # type: ignore[attr-defined]
+                report.aborted_uploads.append((key, upload_id))
+
+    cutoff_ts = cutoff.timestamp()
+    for d, infos in _group_step_dirs(archive):
+        if any(i.key == f"{d}/{MANIFEST_NAME}" for i in infos):
+            report.committed_dirs += 1
+            continue
+        if any(i.mtime is None or i.mtime >= cutoff_ts for i in infos):
+            report.young_dirs.append(d)
+            continue
+        keys = sorted(i.key for i in infos)
+        # Re-check the commit marker right before deleting: a promotion may just have committed.
+        try:
+            archive.stat(f"{d}/{MANIFEST_NAME}")
+        except NotFound:
+            pass
+        else:
+            report.committed_dirs += 1
+            continue
+        res = archive.delete_many(keys)
+        report.removed_keys.extend(res.deleted)
+        report.failed.update(res.failed)
+        if not res.failed:
+            report.removed_dirs.append(d)
+    return report
