@@ -1,0 +1,252 @@
+"""Which model a restore drill trains, and the built-in demo model.
+
+The model factory contract
+--------------------------
+A drill needs the code of the model; the checkpoint holds only its tensors.
+Name a factory as ``"package.module:function"`` (importable in the drill's
+Python environment) or ``"/path/to/file.py:function"``.
+
+* The factory is called **inside the drill's subprocess** (no storage
+  credentials, working directory = scratch), either with no arguments or, if
+  it takes exactly one positional parameter, with the checkpoint's parsed
+  metadata as a ``dict`` (the guide's ``metadata.json``, Hugging Face's
+  ``trainer_state.json``, Lightning's top-level scalars and
+  ``hyper_parameters``; ``{}`` when there is none).
+* It returns either a ``torch.nn.Module`` or a :class:`DrillSpec`
+  ``(model, optimizer, batch, loss)``. Build everything on CPU; the drill
+  moves the model to the drill device and loads the checkpoint into it.
+* ``model.state_dict()`` keys and shapes must match the checkpoint exactly
+  (strict loading; tied weights may be stored once).
+* ``optimizer``: built over ``model.parameters()`` *before* the drill moves the
+  model. Required when the checkpoint holds optimizer state (the drill loads
+  that state into it and checks that its step counters continue). When the
+  checkpoint has no optimizer state and none is given, a fresh
+  ``SGD(lr=1e-4)`` is used.
+* ``batch(step, device)`` returns the inputs of training step ``step``
+  (deterministic: the same step gives the same batch); the drill uses steps
+  ``checkpoint_step + 1 ... checkpoint_step + K``. ``loss(model, batch)``
+  returns a scalar tensor. Both are required for any model other than a
+  Hugging Face ``transformers`` model (built from the checkpoint's
+  ``config.json`` when no factory is given, with a synthetic token batch).
+
+The demo model (``ckptier.tasks.models:demo_model``) is the single source of
+the architecture that ``ckptier demo`` trains and checkpoints.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import math
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ckptier.storage.errors import ConfigError
+
+BatchFn = Callable[[int, torch.device], Any]
+LossFn = Callable[[nn.Module, Any], Tensor]
+
+
+@dataclass
+class DrillSpec:
+    """What a factory gives a drill; see the module docstring for the contract."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer | None = None
+    batch: BatchFn | None = None
+    loss: LossFn | None = None
+
+
+def parse_factory_spec(spec: str) -> tuple[str, str]:
+    """Split ``"module:function"`` (or ``"file.py:function"``); pure.
+
+    Raises :class:`ConfigError` naming the value when it is malformed.
+    """
+    module, sep, func = spec.rpartition(":")
+    if not sep or not module or not func.isidentifier():
+        raise ConfigError(
+            f"drill model {spec!r} is not of the form module:function; "
+            "give e.g. mypkg.models:build_model or /path/to/models.py:build_model"
+        )
+    return module, func
+
+
+def resolve_factory(spec: str) -> Callable[..., Any]:
+    """Import and return the factory named by ``spec`` (runs the module's code)."""
+    module_name, func = parse_factory_spec(spec)
+    try:
+        if module_name.endswith(".py"):
+            path = Path(module_name)
+            if not path.is_file():
+                raise ConfigError(f"drill model {spec!r}: file {module_name} does not exist; fix the path")
+            name = f"_ckptier_drill_factory_{abs(hash(str(path.resolve())))}"
+            loader_spec = importlib.util.spec_from_file_location(name, path)
+            assert loader_spec is not None and loader_spec.loader is not None
+            module = importlib.util.module_from_spec(loader_spec)
+            sys.modules[name] = module
+            loader_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except ConfigError:
+        raise
+    except ImportError as exc:
+        raise ConfigError(
+            f"drill model {spec!r}: cannot import {module_name!r} ({exc}); install the package that defines "
+            "the model in the drill's environment or fix the name"
+        ) from None
+    factory = getattr(module, func, None)
+    if not callable(factory):
+        raise ConfigError(f"drill model {spec!r}: {module_name!r} has no callable {func!r}; fix the function name")
+    return factory
+
+
+def _takes_one_argument(factory: Callable[..., Any]) -> bool:
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) == 1 or any(p.kind is p.VAR_POSITIONAL for p in params)
+
+
+def build_spec(factory: Callable[..., Any], metadata: Mapping[str, Any], *, name: str = "factory") -> DrillSpec:
+    """Call ``factory`` per the contract and normalise its result to a DrillSpec."""
+    result = factory(dict(metadata)) if _takes_one_argument(factory) else factory()
+    if isinstance(result, DrillSpec):
+        spec = result
+    elif isinstance(result, nn.Module):
+        spec = DrillSpec(model=result)
+    else:
+        raise ConfigError(f"drill model {name!r} returned a {type(result).__name__}; return a torch.nn.Module or a DrillSpec")
+    if not isinstance(spec.model, nn.Module):
+        raise ConfigError(f"drill model {name!r}: DrillSpec.model is a {type(spec.model).__name__}, not a torch.nn.Module")
+    return spec
+
+
+def hf_spec(config_dir: str | Path, *, seq_len: int = 32, batch_size: int = 2) -> DrillSpec:
+    """A DrillSpec for a ``transformers`` model built from ``config.json`` (no downloads).
+
+    Tries a causal-LM head first; the batch is random token ids (seeded by the
+    step) with ``labels = input_ids``, the loss the model's own. The
+    optimizer is left to the caller (the checkpoint's state decides).
+    """
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError(
+            f"{config_dir}: a Hugging Face checkpoint needs the 'transformers' package in the drill environment, "
+            "or a drill model factory (module:function)"
+        ) from None
+    config = transformers.AutoConfig.from_pretrained(str(config_dir), local_files_only=True)
+    try:
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    except ValueError:
+        raise ConfigError(
+            f"{config_dir}: {type(config).__name__} has no causal-LM head to train; give a drill model factory with batch and loss"
+        ) from None
+    vocab = int(getattr(config, "vocab_size", 0) or 0)
+    if vocab <= 0:
+        raise ConfigError(f"{config_dir}: config.json has no vocab_size; give a drill model factory with batch and loss")
+
+    def batch(step: int, device: torch.device) -> dict[str, Tensor]:
+        gen = torch.Generator().manual_seed(step)
+        ids = torch.randint(0, vocab, (batch_size, seq_len), generator=gen)
+        return {"input_ids": ids.to(device), "labels": ids.to(device)}
+
+    def loss(m: nn.Module, b: Any) -> Tensor:
+        return m(**b).loss
+
+    return DrillSpec(model=model, optimizer=None, batch=batch, loss=loss)
+
+
+def train_step(spec: DrillSpec, step: int, device: torch.device) -> Tensor:
+    """One training step (zero grads, forward, backward, optimizer step).
+
+    Returns the loss (detached) computed before the update. Gradients are
+    left in place for inspection. Requires batch, loss and optimizer.
+    """
+    if spec.batch is None or spec.loss is None or spec.optimizer is None:
+        raise ConfigError("train_step needs a DrillSpec with batch, loss and optimizer")
+    spec.optimizer.zero_grad(set_to_none=True)
+    value = spec.loss(spec.model, spec.batch(step, device))
+    value.backward()
+    spec.optimizer.step()
+    return value.detach()
+
+
+# --- the demo model -----------------------------------------------------------
+
+DEMO_INPUTS = 16
+DEMO_HIDDEN = 64
+DEMO_BATCH = 32
+DEMO_LR = 1e-3
+DEMO_SEED = 1234
+
+
+class DemoMLP(nn.Module):
+    """A small MLP regressor: 16 inputs -> 64 -> 64 -> 1 (GELU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(DEMO_INPUTS, DEMO_HIDDEN),
+            nn.GELU(),
+            nn.Linear(DEMO_HIDDEN, DEMO_HIDDEN),
+            nn.GELU(),
+            nn.Linear(DEMO_HIDDEN, 1),
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x).squeeze(-1)
+
+
+def demo_batch(step: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The batch of training step ``step``: (x[32, 16], y[32]); deterministic.
+
+    The target is a fixed smooth function of x plus a little noise, so the
+    loss falls steadily during the demo's training.
+    """
+    gen = torch.Generator().manual_seed(DEMO_SEED * 1_000_003 + step)
+    x = torch.randn(DEMO_BATCH, DEMO_INPUTS, generator=gen)
+    weights = torch.linspace(-1.0, 1.0, DEMO_INPUTS) / DEMO_INPUTS**0.5
+    y = torch.sin(x @ weights) + 0.5 * x[:, 0] * x[:, 1] + 0.01 * torch.randn(DEMO_BATCH, generator=gen)
+    return x.to(device), y.to(device)
+
+
+def demo_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
+    """Mean squared error of the demo regressor."""
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+
+
+def demo_model(metadata: Mapping[str, Any] | None = None) -> DrillSpec:
+    """The demo's DrillSpec: :class:`DemoMLP` (same initial weights every call),
+    AdamW(lr=1e-3), :func:`demo_batch`, :func:`demo_loss`. ``metadata`` is
+    accepted per the factory contract and not needed."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(DEMO_SEED)
+        model = DemoMLP()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=DEMO_LR)
+    return DrillSpec(model=model, optimizer=optimizer, batch=demo_batch, loss=demo_loss)
+
+
+def demo_train(spec: DrillSpec, steps: range, device: torch.device | str = "cpu") -> list[float]:
+    """Train the demo for the given step numbers; returns per-step losses.
+
+    The loss of the last step is what a checkpoint's ``metadata.json``
+    should record as ``loss``.
+    """
+    dev = torch.device(device)
+    spec.model.to(dev)
+    spec.model.train()
+    losses = [float(train_step(spec, step, dev)) for step in steps]
+    if not all(math.isfinite(v) for v in losses):
+        raise RuntimeError(f"demo training diverged: losses {losses[-3:]}")
+    return losses
