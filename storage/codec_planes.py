@@ -11,12 +11,13 @@ Each plane is then coded in one of three modes, chosen per plane:
 
 * ``PLANE_RAW``: stored as is (random mantissa bytes: zstd would save < 3%).
 * ``PLANE_ZSTD``: one zstd frame with a content checksum.
-* ``PLANE_NIBBLE``: for skewed planes (exponents) whose 15 most frequent byte
-  values cover almost every byte: each byte becomes a 4-bit code (its rank in
-  a 15-entry table, or 15 = "escape"), two codes are packed per byte, and the
-  packed stream plus the escaped bytes (in order) are zstd frames. Huffman on
-  code pairs gets closer to the entropy than zstd's byte-wise Huffman on the
-  exponents themselves.
+* ``PLANE_NIBBLE``: for skewed planes (exponents) where 15 consecutive byte
+  values ``base .. base+14`` cover almost every byte: each byte becomes a
+  4-bit code (``value - base``, or 15 = "escape"), two codes are packed per
+  byte, and the packed stream plus the escaped bytes (in order) are zstd
+  frames. Huffman on code pairs gets closer to the entropy than zstd's
+  byte-wise Huffman on the exponents themselves, and decoding is plain
+  integer arithmetic (no table look-ups).
 
 Every mode is lossless; :func:`decode_plane` raises ``ValueError`` on any
 inconsistency (the caller turns it into an ``IntegrityError`` naming the file).
@@ -41,10 +42,11 @@ UINT_DTYPES: dict[int, str] = {2: "<u2", 4: "<u4", 8: "<u8"}
 
 #: a plane whose estimated saving is below this fraction is stored raw.
 MIN_SAVING = 0.03
-#: nibble mode is tried when the 15 most frequent values cover this share.
+#: nibble mode is used when the best window of 15 values covers this share.
 NIBBLE_COVERAGE = 0.96
 _SAMPLE_STEP = 61
-_NIBBLE_HEAD = struct.Struct("<15sII")  # table, packed frame length, escape count
+_NIBBLE_HEAD = struct.Struct("<BII")  # base, packed frame length, escape count
+_MAX_BASE = 240  # base + 15 must fit in a byte: decoding adds base without carries
 
 
 def plane_params() -> zstandard.ZstdCompressionParameters:
@@ -120,10 +122,11 @@ def encode_plane(plane: np.ndarray, cctx: zstandard.ZstdCompressor) -> tuple[int
     entropy, counts = _probe(plane)
     if entropy > 8 * (1 - MIN_SAVING):
         return PLANE_RAW, plane.tobytes()
-    order = np.argsort(-counts, kind="stable")[:15]
+    windows = np.convolve(counts, np.ones(15, dtype=np.int64), mode="valid")[: _MAX_BASE + 1]
+    base = int(np.argmax(windows))
     best: tuple[int, bytes]
-    if counts[order].sum() >= NIBBLE_COVERAGE * counts.sum() and n >= 64:
-        best = PLANE_NIBBLE, _encode_nibbles(plane, order.astype(np.uint8), cctx)
+    if windows[base] >= NIBBLE_COVERAGE * counts.sum() and n >= 64:
+        best = PLANE_NIBBLE, _encode_nibbles(plane, base, cctx)
     else:
         best = PLANE_ZSTD, cctx.compress(plane.data)
     if len(best[1]) > n * (1 - MIN_SAVING):
@@ -131,19 +134,17 @@ def encode_plane(plane: np.ndarray, cctx: zstandard.ZstdCompressor) -> tuple[int
     return best
 
 
-def _encode_nibbles(plane: np.ndarray, table: np.ndarray, cctx: zstandard.ZstdCompressor) -> bytes:
-    lut = np.full(256, 15, dtype=np.uint8)
-    lut[table] = np.arange(table.size, dtype=np.uint8)
-    table_bytes = bytes(table) + bytes(15 - table.size)
-    codes = lut[plane]
+def _encode_nibbles(plane: np.ndarray, base: int, cctx: zstandard.ZstdCompressor) -> bytes:
+    codes = plane - np.uint8(base)  # wraps: values below base become >= 241
+    np.minimum(codes, 15, out=codes)
     escapes = plane[codes == 15]
     if codes.size % 2:
         codes = np.append(codes, np.uint8(0))
-    packed = codes[0::2] << 4
-    packed |= codes[1::2]
+    pairs = codes.view("<u2")  # low byte: even code, high byte: odd code
+    packed = ((pairs << 4) | (pairs >> 8)).astype(np.uint8)
     packed_frame = cctx.compress(packed.data)
     escape_frame = cctx.compress(escapes.data)
-    return _NIBBLE_HEAD.pack(table_bytes, len(packed_frame), escapes.size) + packed_frame + escape_frame
+    return _NIBBLE_HEAD.pack(base, len(packed_frame), escapes.size) + packed_frame + escape_frame
 
 
 def _decompress_exact(dctx: zstandard.ZstdDecompressor, frame: bytes | memoryview, size: int) -> bytes:
@@ -167,24 +168,24 @@ def decode_plane(mode: int, payload: memoryview, size: int, dctx: zstandard.Zstd
     if mode == PLANE_NIBBLE:
         if len(payload) < _NIBBLE_HEAD.size:
             raise ValueError("nibble plane header is truncated")
-        table_bytes, packed_len, n_escapes = _NIBBLE_HEAD.unpack_from(payload)
+        base, packed_len, n_escapes = _NIBBLE_HEAD.unpack_from(payload)
         start = _NIBBLE_HEAD.size
-        if start + packed_len > len(payload) or n_escapes > size:
-            raise ValueError("nibble plane lengths are inconsistent")
+        if base > _MAX_BASE or start + packed_len > len(payload) or n_escapes > size:
+            raise ValueError("nibble plane header is inconsistent")
         packed = np.frombuffer(
             _decompress_exact(dctx, payload[start : start + packed_len], (size + 1) // 2), dtype=np.uint8
         )
         escapes = np.frombuffer(
             _decompress_exact(dctx, payload[start + packed_len :], n_escapes), dtype=np.uint8
         )
-        codes = np.empty(packed.size * 2, dtype=np.uint8)
-        np.right_shift(packed, 4, out=codes[0::2])
-        np.bitwise_and(packed, 15, out=codes[1::2])
-        codes = codes[:size]
-        inverse = np.zeros(16, dtype=np.uint8)
-        inverse[:15] = np.frombuffer(table_bytes, dtype=np.uint8)
-        out = inverse[codes]
-        where = np.flatnonzero(codes == 15)
+        pairs = packed.astype("<u2")
+        low = pairs >> 4
+        np.bitwise_and(pairs, 15, out=pairs)
+        np.left_shift(pairs, 8, out=pairs)
+        pairs |= low
+        pairs += np.uint16(base * 0x0101)  # codes <= 15 and base <= 240: no carries
+        out = pairs.view(np.uint8)[:size]
+        where = np.flatnonzero(out == base + 15)
         if where.size != n_escapes:
             raise ValueError(f"nibble plane has {where.size} escapes, header says {n_escapes}")
         out[where] = escapes
