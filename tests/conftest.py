@@ -20,5 +20,6 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 pytest_plugins = [
     "tests.fixtures.services",
+    "tests.fixtures.pg",
     "tests.fixtures.s3",
 ]

@@ -1,0 +1,311 @@
+"""Opening the catalog database: URL rules, engine set-up, migrations.
+
+One SQLAlchemy URL chooses the database (``--catalog`` or
+``CKPTIER_CATALOG_URL``):
+
+* ``sqlite:///path/catalog.db`` (the default, under the user's data dir):
+  WAL journal, a 30 s busy timeout, foreign keys on, and every write
+  transaction opened with ``BEGIN IMMEDIATE`` so that two writers queue on the
+  busy timeout instead of failing with "database is locked" half-way. Read
+  transactions use ``BEGIN DEFERRED`` (execution option ``sqlite_begin``).
+  A path on a network filesystem (NFS, CIFS, sshfs, ...) is refused: SQLite's
+  locking is unreliable there.
+* ``postgresql://`` / ``postgresql+psycopg://`` for a shared catalog (always
+  driven by psycopg 3).
+
+:func:`open_engine` makes the engine and migrates the schema to the newest
+revision; every failure to do so is a one-line :class:`ConfigError` naming the
+URL with its password masked.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Connection, Engine, create_engine, event, text
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError, DBAPIError, SQLAlchemyError
+from sqlalchemy.pool import StaticPool
+
+from ..errors import ConfigError
+
+#: Seconds a SQLite writer waits for another writer's lock before failing.
+SQLITE_BUSY_TIMEOUT_S = 30.0
+#: Seconds to wait for a PostgreSQL server to accept a connection.
+PG_CONNECT_TIMEOUT_S = 10
+#: Filesystem types (from /proc/mounts) on which SQLite locking is unsafe.
+NETWORK_FILESYSTEMS = frozenset(
+    {
+        "nfs",
+        "nfs4",
+        "cifs",
+        "smb3",
+        "smbfs",
+        "fuse.sshfs",
+        "afs",
+        "ceph",
+        "glusterfs",
+        "fuse.glusterfs",
+        "lustre",
+        "fuse.s3fs",
+        "fuse.rclone",
+        "fuse.gcsfuse",
+    }
+)
+#: Key of the PostgreSQL advisory lock that serialises concurrent migrations.
+_MIGRATION_LOCK_KEY = 0x636B7074  # "ckpt"
+_FIX = "set a valid URL with --catalog or CKPTIER_CATALOG_URL"
+_MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
+
+
+def data_dir() -> Path:
+    """ckptier's data directory: ``$CKPTIER_HOME``, else ``$XDG_DATA_HOME/ckptier``,
+    else ``~/.local/share/ckptier``. Not created here."""
+    home = os.environ.get("CKPTIER_HOME")
+    if home:
+        return Path(home).expanduser()
+    xdg = os.environ.get("XDG_DATA_HOME")
+    if xdg:
+        return Path(xdg).expanduser() / "ckptier"
+    return Path.home() / ".local" / "share" / "ckptier"
+
+
+def default_catalog_url() -> str:
+    """``$CKPTIER_CATALOG_URL`` when set, else a SQLite file ``catalog.db`` in
+    :func:`data_dir`, which is created (with parents) if needed."""
+    env = os.environ.get("CKPTIER_CATALOG_URL", "").strip()
+    if env:
+        return env
+    d = data_dir()
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot create the catalog directory {d}: {exc.strerror or exc}; "
+            "set CKPTIER_HOME to a writable directory or pass --catalog"
+        ) from exc
+    return f"sqlite:///{d.resolve() / 'catalog.db'}"
+
+
+def mask_url(url: str | URL) -> str:
+    """The URL with its password replaced by ``***`` (also for unparsable URLs)."""
+    if isinstance(url, URL):
+        return url.render_as_string(hide_password=True)
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:
+        return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
+
+
+def filesystem_type(path: str, mounts: str) -> str | None:
+    """The filesystem type of the mount holding absolute ``path``, given the
+    text of ``/proc/mounts`` (the longest matching mount point wins; a later
+    line wins over an earlier one for the same mount point)."""
+    best: tuple[int, str] | None = None
+    for line in mounts.splitlines():
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        mount = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), parts[1])
+        root = mount.rstrip("/")
+        if path == mount or path == root or path.startswith(root + "/"):
+            if best is None or len(mount) >= best[0]:
+                best = (len(mount), parts[2])
+    return best[1] if best else None
+
+
+def _check_local_filesystem(directory: Path, url: str) -> None:
+    try:
+        mounts = Path("/proc/mounts").read_text()
+    except OSError:
+        return  # not Linux, or no /proc: cannot tell cheaply
+    fstype = filesystem_type(str(directory.resolve()), mounts)
+    if fstype in NETWORK_FILESYSTEMS:
+        raise ConfigError(
+            f"catalog {mask_url(url)} is on a {fstype} network filesystem, where SQLite locking "
+            f"is unsafe; put the SQLite file on a local disk or use PostgreSQL ({_FIX})"
+        )
+
+
+def _normalise(url: str) -> URL:
+    try:
+        u = make_url(url)
+    except ArgumentError as exc:
+        raise ConfigError(f"catalog URL {mask_url(url)!r} is not a database URL; {_FIX}") from exc
+    backend = u.get_backend_name()
+    if backend == "postgresql":
+        return u.set(drivername="postgresql+psycopg")
+    if backend == "sqlite":
+        if u.get_driver_name() not in ("pysqlite", ""):
+            raise ConfigError(
+                f"catalog URL {mask_url(u)!r} uses SQLite driver {u.get_driver_name()!r}; "
+                f"use plain sqlite:///PATH ({_FIX})"
+            )
+        return u
+    raise ConfigError(
+        f"catalog URL {mask_url(u)!r} has unsupported database {backend!r}; "
+        f"use sqlite:///PATH or postgresql://HOST/DB ({_FIX})"
+    )
+
+
+def make_engine(url: str) -> Engine:
+    """An engine for ``url`` set up as the module docstring describes (no I/O
+    on PostgreSQL; on SQLite the file's directory is created and checked).
+
+    Raises :class:`ConfigError` for an unsupported or malformed URL, an
+    SQLite directory that cannot be created or written, or a network
+    filesystem.
+    """
+    u = _normalise(url)
+    if u.get_backend_name() == "postgresql":
+        connect_args: dict[str, Any] = {}
+        if "connect_timeout" not in u.query:
+            connect_args["connect_timeout"] = PG_CONNECT_TIMEOUT_S
+        return create_engine(u, connect_args=connect_args, pool_pre_ping=True)
+
+    database = u.database or ""
+    if database in ("", ":memory:"):
+        engine = create_engine(
+            u, poolclass=StaticPool, connect_args={"check_same_thread": False}
+        )
+    else:
+        path = Path(database).expanduser()
+        directory = path.parent
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot create directory {directory} for catalog {mask_url(u)}: "
+                f"{exc.strerror or exc}; {_FIX}"
+            ) from exc
+        if not os.access(directory, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+            raise ConfigError(f"catalog {mask_url(u)} is not writable; {_FIX}")
+        if path.is_dir():
+            raise ConfigError(f"catalog {mask_url(u)} is a directory, not a file; {_FIX}")
+        _check_local_filesystem(directory, url)
+        engine = create_engine(
+            u.set(database=str(path)),
+            connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S, "check_same_thread": False},
+        )
+    _configure_sqlite(engine)
+    return engine
+
+
+def _configure_sqlite(engine: Engine) -> None:
+    """SQLAlchemy's documented pysqlite recipe: stop the driver from emitting
+    its own (deferred) BEGIN, then emit ours in the ``begin`` event."""
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.isolation_level = None
+        cur = dbapi_connection.cursor()
+        try:
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute(f"PRAGMA busy_timeout={int(SQLITE_BUSY_TIMEOUT_S * 1000)}")
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.execute("PRAGMA synchronous=NORMAL")
+        finally:
+            cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Connection) -> None:
+        mode = conn.get_execution_options().get("sqlite_begin", "IMMEDIATE")
+        if mode not in ("IMMEDIATE", "DEFERRED", "EXCLUSIVE"):
+            raise ValueError(f"sqlite_begin={mode!r}; use IMMEDIATE, DEFERRED or EXCLUSIVE")
+        conn.exec_driver_sql(f"BEGIN {mode}")
+
+
+@contextmanager
+def read_transaction(engine: Engine) -> Iterator[Connection]:
+    """A read-only transaction: a consistent snapshot, not holding the SQLite write lock."""
+    with engine.connect() as conn:
+        conn.execution_options(sqlite_begin="DEFERRED")
+        with conn.begin():
+            yield conn
+
+
+def alembic_config() -> Config:
+    """An Alembic config pointing at the migrations shipped inside the package."""
+    cfg = Config()
+    cfg.set_main_option("script_location", str(_MIGRATIONS_DIR))
+    cfg.set_main_option("path_separator", "os")
+    return cfg
+
+
+@functools.cache
+def _heads() -> frozenset[str]:
+    return frozenset(ScriptDirectory.from_config(alembic_config()).get_heads())
+
+
+@functools.cache
+def _known_revisions() -> frozenset[str]:
+    script = ScriptDirectory.from_config(alembic_config())
+    return frozenset(rev.revision for rev in script.walk_revisions())
+
+
+def migrate(engine: Engine) -> bool:
+    """Bring the schema to the newest revision; True when anything was run.
+
+    Idempotent and safe to race: when the schema is already current only a
+    read transaction runs; otherwise the upgrade runs in one write transaction
+    (``BEGIN IMMEDIATE`` on SQLite, an advisory lock on PostgreSQL) that
+    re-checks the revision first. A database whose revision this version of
+    ckptier does not know (written by a newer ckptier) is refused.
+    """
+    with read_transaction(engine) as conn:
+        current = set(MigrationContext.configure(conn).get_current_heads())
+    if current == _heads():
+        return False
+    with engine.begin() as conn:
+        if conn.dialect.name == "postgresql":
+            conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _MIGRATION_LOCK_KEY})
+        current = set(MigrationContext.configure(conn).get_current_heads())
+        if current == _heads():
+            return False
+        unknown = current - _known_revisions()
+        if unknown:
+            raise ConfigError(
+                f"catalog {mask_url(engine.url)} has schema revision {', '.join(sorted(unknown))}, "
+                "newer than this ckptier knows; upgrade ckptier or point --catalog elsewhere"
+            )
+        cfg = alembic_config()
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "heads")
+    return True
+
+
+def _reason(exc: BaseException) -> str:
+    orig = getattr(exc, "orig", None) if isinstance(exc, DBAPIError) else None
+    text_ = str(orig if orig is not None else exc).strip()
+    first = text_.splitlines()[0].strip() if text_ else type(exc).__name__
+    return first.rstrip(".")
+
+
+def open_engine(url: str) -> Engine:
+    """Make the engine for ``url`` and migrate it (see :func:`make_engine`,
+    :func:`migrate`). Every failure is a one-line :class:`ConfigError` that
+    names the URL (password masked) and the fix."""
+    engine = make_engine(url)
+    try:
+        migrate(engine)
+    except ConfigError:
+        engine.dispose()
+        raise
+    except (SQLAlchemyError, OSError) as exc:
+        engine.dispose()
+        reason = _reason(exc)
+        password = engine.url.password
+        if password:
+            reason = reason.replace(str(password), "***")
+        raise ConfigError(f"cannot open catalog {mask_url(engine.url)}: {reason}; {_FIX}") from exc
+    return engine
