@@ -1,0 +1,141 @@
+"""Rendering for the command line: tables, sizes, JSON, progress.
+
+Nothing here imports Prefect, torch or the catalog, so read-only commands
+start fast.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from datetime import datetime
+from typing import Any, TextIO
+
+from ckptier.storage.model import CheckpointRecord
+
+
+def human_bytes(n: int | None) -> str:
+    """``1234567`` → ``'1.2 MB'`` (decimal units, as storage bills)."""
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "kB", "MB", "GB", "TB", "PB"):
+        if abs(value) < 1000 or unit == "PB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1000
+    return f"{n} B"  # pragma: no cover - loop always returns
+
+
+def iso(t: datetime | None) -> str | None:
+    return t.isoformat(timespec="seconds") if t is not None else None
+
+
+def checkpoint_json(c: CheckpointRecord) -> dict[str, Any]:
+    """The JSON object of ``ckptier ls --json`` (DESIGN.md's contract fields first)."""
+    return {
+        "job": c.job,
+        "step": c.step,
+        "format": c.format.value,
+        "state": c.state.value,
+        "bytes": c.bytes,
+        "files": len(c.files),
+        "tiers": list(c.tiers),
+        "location": c.location,
+        "saved_at": iso(c.saved_at),
+        "verified_at": iso(c.verified_at),
+        "missing_since": iso(c.missing_since),
+        "reason": c.state_reason,
+    }
+
+
+def table(rows: Sequence[Sequence[Any]], headers: Sequence[str], *, out: TextIO | None = None) -> None:
+    """Print a plain left-aligned text table (numbers right-aligned)."""
+    out = out or sys.stdout
+    cells = [[("" if v is None else str(v)) for v in row] for row in rows]
+    widths = [len(h) for h in headers]
+    for row in cells:
+        widths = [max(w, len(v)) for w, v in zip(widths, row, strict=True)]
+    numeric = [all(_is_number(r[i]) for r in cells) and bool(cells) for i in range(len(headers))]
+
+    def fmt(row: Sequence[str]) -> str:
+        return "  ".join(
+            (v.rjust(w) if num else v.ljust(w)) for v, w, num in zip(row, widths, numeric, strict=True)
+        ).rstrip()
+
+    print(fmt(list(headers)), file=out)
+    for row in cells:
+        print(fmt(row), file=out)
+
+
+def _is_number(v: str) -> bool:
+    try:
+        float(v)
+    except ValueError:
+        return False
+    return True
+
+
+def print_json(obj: Any, *, out: TextIO | None = None) -> None:
+    json.dump(obj, out or sys.stdout, indent=2, sort_keys=False, default=str)
+    (out or sys.stdout).write("\n")
+
+
+def print_checkpoints(records: Iterable[CheckpointRecord], *, out: TextIO | None = None) -> None:
+    rows = [
+        (
+            c.job,
+            c.step,
+            c.format.value,
+            c.state.value + (" (missing)" if c.missing_since else ""),
+            human_bytes(c.bytes),
+            len(c.files),
+            ",".join(c.tiers) or "-",
+            iso(c.saved_at) or "-",
+        )
+        for c in records
+    ]
+    table(rows, ("JOB", "STEP", "FORMAT", "STATE", "SIZE", "FILES", "TIERS", "SAVED"), out=out)
+
+
+class Progress:
+    """A one-line progress indicator on stderr, shown only on a terminal.
+
+    ``update(done, total)``: counts or bytes; ``total`` may be None when
+    unknown (a listing). Cheap when stderr is not a TTY (does nothing).
+    """
+
+    def __init__(self, label: str, *, unit: str = "", stream: TextIO | None = None, enabled: bool | None = None) -> None:
+        self.stream = stream or sys.stderr
+        self.enabled = self.stream.isatty() if enabled is None else enabled
+        self.label = label
+        self.unit = unit
+        self._last = ""
+
+    def update(self, done: int, total: int | None = None) -> None:
+        if not self.enabled:
+            return
+        shown = human_bytes(done) if self.unit == "bytes" else f"{done:,}"
+        if total:
+            frac = min(1.0, done / total)
+            bar = "#" * int(frac * 30)
+            shown_total = human_bytes(total) if self.unit == "bytes" else f"{total:,}"
+            line = f"{self.label} [{bar:<30}] {shown}/{shown_total} ({frac:.0%})"
+        else:
+            line = f"{self.label} {shown} {self.unit if self.unit != 'bytes' else ''}".rstrip()
+        if line != self._last:
+            self.stream.write("\r" + line.ljust(len(self._last)))
+            self.stream.flush()
+            self._last = line
+
+    def close(self) -> None:
+        if self.enabled and self._last:
+            self.stream.write("\n")
+            self.stream.flush()
+
+    def callback(self) -> Callable[[int, int | None], None]:
+        return self.update
+
+
+def rows_of(mappings: Iterable[Mapping[str, Any]], keys: Sequence[str]) -> list[list[Any]]:
+    return [[m.get(k) for k in keys] for m in mappings]

@@ -1,0 +1,115 @@
+"""Run an operation directly, or as a Prefect flow run when an API is configured.
+
+DESIGN.md: starting Prefect's temporary local API costs ~10 s per process,
+so the command line runs the task code directly unless ``PREFECT_API_URL``
+is set; then it goes through the flow so the run shows in the UI. Both paths
+return the same JSON-ready report.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from ckptier.storage.errors import CkptierError, ConfigError
+
+from .output import Progress
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def check_prefect_api() -> None:
+    """Fail with one line naming ``PREFECT_API_URL`` when the API does not answer."""
+    import httpx
+
+    url = os.environ.get("PREFECT_API_URL", "")
+    try:
+        response = httpx.get(url.rstrip("/") + "/health", timeout=5.0)
+        response.raise_for_status()
+    except (httpx.HTTPError, ValueError) as exc:
+        raise ConfigError(
+            f"PREFECT_API_URL={url!r} does not answer ({type(exc).__name__}); start 'prefect server start', "
+            f"fix the URL, or unset PREFECT_API_URL to run without Prefect"
+        ) from None
+
+
+def run_flow(flow: Any, **params: Any) -> Any:
+    """Call a Prefect flow and unwrap its result; a failed run raises a one-line error."""
+    check_prefect_api()
+    state = flow(**params, return_state=True)
+    if state.is_completed():
+        return state.result()
+    try:
+        state.result()
+    except CkptierError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - reported as one line
+        raise FlowFailed(f"flow run {flow.name!r} ended {state.name}: {exc}") from exc
+    raise FlowFailed(f"flow run {flow.name!r} ended {state.name}")
+
+
+class FlowFailed(CkptierError):
+    """A Prefect flow run did not complete."""
+
+
+def _open(catalog_url: str | None) -> Any:
+    from ckptier.storage.catalog.api import Catalog
+
+    return Catalog.open(catalog_url)
+
+
+def _ticker(label: str, enabled: bool) -> tuple[Progress, Callable[[int], None]]:
+    bar = Progress(label, unit="objects", enabled=None if enabled else False)
+    return bar, lambda n: bar.update(n)
+
+
+def scan(urls: list[str], *, catalog_url: str | None, use_prefect: bool, progress: bool = True) -> list[dict[str, Any]]:
+    if use_prefect:
+        from .scan_verify import scan_flow
+
+        return list(run_flow(scan_flow, urls=urls, catalog_url=catalog_url))
+    from ckptier.tasks.pipeline import run_scan
+
+    bar, tick = _ticker("listing", progress)
+    try:
+        with _open(catalog_url) as cat:
+            return run_scan(urls, cat, now=utcnow, tick=tick)
+    finally:
+        bar.close()
+
+
+def verify(*, job: str | None, deep: bool, sample: tuple[int, int] | None, workers: int,
+           catalog_url: str | None, use_prefect: bool, progress: bool = True) -> dict[str, Any]:
+    if use_prefect:
+        from .scan_verify import verify_flow
+
+        try:
+            return dict(run_flow(verify_flow, job=job, deep=deep, sample=f"{sample[0]}/{sample[1]}" if sample else None,
+                                 workers=workers, catalog_url=catalog_url))
+        except CkptierError as exc:
+            if type(exc).__name__ != "CorruptionFound":
+                raise
+            # The run failed because corruption was found: report it like the direct path.
+            with _open(catalog_url) as cat:
+                from ckptier.storage.model import State
+
+                corrupt = cat.checkpoints(job=job, states=[State.CORRUPT])
+            return {"checkpoints": [{"job": c.job, "step": c.step, "state": "corrupt", "bytes_read": 0,
+                                     "bytes_skipped": 0, "errors": 0, "extra": [], "detail": c.state_reason}
+                                    for c in corrupt],
+                    "totals": {"checked": len(corrupt), "verified": 0, "corrupt": len(corrupt), "errors": 0,
+                               "bytes_read": 0, "bytes_skipped": 0}, "sample": None}
+    from ckptier.tasks.pipeline import run_verify
+
+    bar = Progress("verifying", unit="bytes", enabled=None if progress else False)
+    try:
+        with _open(catalog_url) as cat:
+            return run_verify(cat, now=utcnow, job=job, deep=deep, sample=sample, workers=workers,
+                              progress=lambda done, total: bar.update(done, total))
+    finally:
+        bar.close()

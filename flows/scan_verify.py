@@ -1,0 +1,147 @@
+"""Prefect flows: ``scan``, ``verify`` and the scheduled ``scan-verify``.
+
+A verify run that finds corruption fails (so the UI shows it red) and emits
+a ``ckptier.corruption.found`` event that an automation can turn into an
+alert.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from prefect import flow
+from prefect.artifacts import create_table_artifact
+from prefect.events import emit_event
+
+from ckptier.storage.catalog.api import Catalog
+from ckptier.storage.errors import CkptierError
+from ckptier.tasks.prefect_tasks import scan_task, verify_task
+
+
+class CorruptionFound(CkptierError):
+    """Verification found corrupt checkpoints (the flow run fails with this)."""
+
+
+def publish_catalog_summary(catalog_url: str | None) -> list[dict[str, Any]]:
+    """Table artifact ``catalog-summary``: checkpoints and bytes per job and state."""
+    with Catalog.open(catalog_url) as cat:
+        rows = cat.summary()
+    table = [
+        {"job": r["job"], "state": r["state"], "checkpoints": r["count"], "bytes": r["bytes"],
+         "newest verified step": r.get("newest_verified_step"), "tiers": ",".join(r.get("tiers") or [])}
+        for r in rows
+    ]
+    create_table_artifact(table, key="catalog-summary", description="Checkpoints per job and state")
+    return table
+
+
+def publish_verification(report: dict[str, Any]) -> None:
+    """Table artifact ``verification``: verified / corrupt / errors per job, bytes read vs skipped."""
+    per_job: dict[str, dict[str, Any]] = {}
+    for row in report["checkpoints"]:
+        j = per_job.setdefault(row["job"], {"job": row["job"], "verified": 0, "corrupt": 0, "errors": 0,
+                                            "bytes read": 0, "bytes skipped (native checksums)": 0})
+        j["verified"] += row["state"] == "verified"
+        j["corrupt"] += row["state"] == "corrupt"
+        j["errors"] += row["errors"] > 0
+        j["bytes read"] += row["bytes_read"]
+        j["bytes skipped (native checksums)"] += row["bytes_skipped"]
+    create_table_artifact(list(per_job.values()) or [{"job": "-", "verified": 0, "corrupt": 0, "errors": 0}],
+                          key="verification", description="Verification results per job")
+
+
+def raise_on_corruption(report: dict[str, Any]) -> None:
+    corrupt = [r for r in report["checkpoints"] if r["state"] == "corrupt"]
+    if not corrupt:
+        return
+    for r in corrupt:
+        emit_event(
+            event="ckptier.corruption.found",
+            resource={"prefect.resource.id": f"ckptier.checkpoint.{r['job']}.{r['step']}",
+                      "prefect.resource.name": f"{r['job']} step {r['step']}", "ckptier.job": r["job"]},
+            payload={"job": r["job"], "step": r["step"], "detail": r["detail"]},
+        )
+    names = ", ".join(f"{r['job']} step {r['step']}" for r in corrupt[:5])
+    raise CorruptionFound(f"{len(corrupt)} corrupt checkpoint(s): {names}; see the 'verification' artifact")
+
+
+@flow(name="scan")
+def scan_flow(
+    urls: list[str],
+    catalog_url: str | None = None,
+) -> list[dict[str, Any]]:
+    """Catalog every checkpoint under each URL; publishes the ``catalog-summary`` table.
+
+    Args:
+        urls: Where checkpoints are written: paths, file:///path or s3://bucket/prefix.
+        catalog_url: Catalog SQLAlchemy URL (default: CKPTIER_CATALOG_URL, else SQLite in the data dir).
+    """
+    reports = [scan_task(url, catalog_url) for url in urls]
+    publish_catalog_summary(catalog_url)
+    return reports
+
+
+@flow(name="verify")
+def verify_flow(
+    job: str | None = None,
+    deep: bool = False,
+    sample: str | None = None,
+    workers: int = 4,
+    catalog_url: str | None = None,
+) -> dict[str, Any]:
+    """Verify checkpoints; fails the run (and emits an event) when corruption is found.
+
+    Args:
+        job: Only this job (default: every job).
+        deep: Read every byte even when the store keeps a full-object checksum.
+        sample: K/N verifies the K-th of N disjoint slices; auto/N picks tonight's slice.
+        workers: Files read in parallel.
+        catalog_url: Catalog SQLAlchemy URL (default: CKPTIER_CATALOG_URL, else SQLite in the data dir).
+    """
+    report = verify_task(catalog_url, job, deep, resolve_sample(sample, datetime.now(UTC)), workers)
+    publish_verification(report)
+    raise_on_corruption(report)
+    return report
+
+
+def resolve_sample(sample: str | None, now: datetime) -> tuple[int, int] | None:
+    """``"K/N"`` → (K, N); ``"auto/N"`` → today's slice of N (every byte re-read every N nights)."""
+    from ckptier.tasks.verify import parse_sample, rotating_slice
+
+    if not sample:
+        return None
+    if sample.strip().lower().startswith("auto/"):
+        n = parse_sample("1/" + sample.split("/", 1)[1])[1]
+        return rotating_slice(now.date(), n), n
+    return parse_sample(sample)
+
+
+@flow(name="scan-verify")
+def scan_verify_flow(
+    urls: list[str],
+    verify: bool = True,
+    deep: bool = False,
+    sample: str | None = None,
+    workers: int = 4,
+    catalog_url: str | None = None,
+) -> dict[str, Any]:
+    """Scan, then verify: the hourly (and, with ``sample``, nightly) catalog upkeep.
+
+    Args:
+        urls: Where checkpoints are written: paths, file:///path or s3://bucket/prefix.
+        verify: Verify new and changed checkpoints after scanning.
+        deep: Read every byte even when the store keeps a full-object checksum.
+        sample: K/N or auto/N: deep-read one slice of the catalog (every byte every N runs).
+        workers: Files read in parallel.
+        catalog_url: Catalog SQLAlchemy URL (default: CKPTIER_CATALOG_URL, else SQLite in the data dir).
+    """
+    scans = [scan_task(url, catalog_url) for url in urls]
+    publish_catalog_summary(catalog_url)
+    result: dict[str, Any] = {"scans": scans}
+    if verify:
+        report = verify_task(catalog_url, None, deep, resolve_sample(sample, datetime.now(UTC)), workers)
+        publish_verification(report)
+        result["verify"] = report
+        raise_on_corruption(report)
+    return result

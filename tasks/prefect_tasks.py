@@ -1,0 +1,77 @@
+"""Thin Prefect tasks over :mod:`ckptier.tasks.pipeline`.
+
+Each task logs, opens the catalog, makes one call and returns a JSON-ready
+report. Retries happen only for transient storage errors
+(:func:`ckptier.storage.errors.is_transient`); everything else fails at once.
+Kept apart from the pure cores so that read-only commands never import
+Prefect.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from prefect import task
+from prefect.logging import get_run_logger
+
+from ckptier.storage.catalog.api import Catalog
+from ckptier.storage.errors import is_transient
+
+from . import pipeline
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def retry_if_transient(task: Any, task_run: Any, state: Any) -> bool:
+    """Prefect ``retry_condition_fn``: retry only what may succeed next time."""
+    try:
+        state.result()
+    except Exception as exc:  # noqa: BLE001 - we classify, not handle
+        return is_transient(exc)
+    return False
+
+
+@task(name="scan", retries=2, retry_delay_seconds=10, retry_condition_fn=retry_if_transient)
+def scan_task(url: str, catalog_url: str | None) -> dict[str, Any]:
+    """List one URL and bring the catalog in line with it."""
+    log = get_run_logger()
+    with Catalog.open(catalog_url) as cat:
+        (report,) = pipeline.run_scan([url], cat, now=utcnow)
+    log.info("%s: %d objects, %d checkpoints, %d catalog rows written",
+             report["url"], report["objects"], report["checkpoints"], report["rows_written"])
+    return report
+
+
+@task(name="verify", retries=1, retry_delay_seconds=30, retry_condition_fn=retry_if_transient)
+def verify_task(catalog_url: str | None, job: str | None, deep: bool, sample: tuple[int, int] | None,
+                workers: int) -> dict[str, Any]:
+    """Verify what needs it (or the sample) and record the results."""
+    log = get_run_logger()
+    with Catalog.open(catalog_url) as cat:
+        report = pipeline.run_verify(cat, now=utcnow, job=job, deep=deep, sample=sample, workers=workers,
+                                     progress=_progress_artifact("verify-progress"))
+    t = report["totals"]
+    log.info("%d checked: %d verified, %d corrupt, %d with errors; %d bytes read, %d skipped",
+             t["checked"], t["verified"], t["corrupt"], t["errors"], t["bytes_read"], t["bytes_skipped"])
+    return report
+
+
+def _progress_artifact(key: str) -> Any:
+    """A progress callback that updates a Prefect progress artifact (at most every 2%)."""
+    from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
+    state: dict[str, Any] = {"id": None, "last": -1.0}
+
+    def update(done: int, total: int) -> None:
+        pct = 100.0 if not total else min(100.0, 100.0 * done / total)
+        if state["id"] is None:
+            state["id"] = create_progress_artifact(pct, key=key, description="bytes verified so far")
+            state["last"] = pct
+        elif pct - state["last"] >= 2.0 or pct == 100.0 and state["last"] < 100.0:
+            update_progress_artifact(state["id"], pct)
+            state["last"] = pct
+
+    return update
