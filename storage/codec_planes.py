@@ -82,28 +82,36 @@ def split_planes(data: bytes | bytearray | memoryview, width: int, transform: in
     """Return a new ``(width, len(data) // width)`` uint8 array of byte planes.
 
     ``len(data)`` must be a multiple of ``width``; ``data`` is not modified.
+    The one-bit rotation is done plane-wise after the split (byte ``k`` of
+    the rotated element is ``b[k] << 1 | b[k-1] >> 7``), which avoids a
+    full-size copy of the block.
     """
     if len(data) % width:
         raise ValueError(f"block of {len(data)} bytes is not a multiple of element width {width}")
-    if transform == TRANSFORM_ROTL1:
-        elems = np.frombuffer(data, dtype=UINT_DTYPES[width]).copy()
-        rotate(elems, width, inverse=False)
-        view = elems.view(np.uint8).reshape(-1, width)
-    else:
-        view = np.frombuffer(data, dtype=np.uint8).reshape(-1, width)
-    planes = np.empty((width, view.shape[0]), dtype=np.uint8)
+    view = np.frombuffer(data, dtype=np.uint8).reshape(-1, width)
+    split = np.empty((width, view.shape[0]), dtype=np.uint8)
     for k in range(width):  # one long strided pass per plane beats a 2-D transpose
-        planes[k] = view[:, k]
-    return planes
+        split[k] = view[:, k]
+    if transform != TRANSFORM_ROTL1:
+        return split
+    out = np.empty_like(split)
+    for k in range(width):
+        np.left_shift(split[k], 1, out=out[k])
+        out[k] |= split[k - 1] >> 7
+    return out
 
 
 def merge_planes(planes: list[np.ndarray], width: int, transform: int, out: np.ndarray) -> None:
     """Inverse of :func:`split_planes`: write the interleaved bytes into ``out`` (uint8)."""
     view = out.reshape(-1, width)
-    for k in range(width):
-        view[:, k] = planes[k]
     if transform == TRANSFORM_ROTL1:
-        rotate(out.view(UINT_DTYPES[width]), width, inverse=True)
+        for k in range(width):
+            plane = planes[k] >> 1
+            plane |= planes[(k + 1) % width] << 7
+            view[:, k] = plane
+    else:
+        for k in range(width):
+            view[:, k] = planes[k]
 
 
 def _probe(plane: np.ndarray) -> tuple[float, np.ndarray]:
