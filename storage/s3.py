@@ -241,7 +241,7 @@ class S3Store:
             ) from exc
         custom_endpoint = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         options: dict[str, Any] = {
-            "retries": {"mode": "standard", "max_attempts": max_attempts},
+            "retries": {"mode": "standard", "total_max_attempts": max_attempts},
             "connect_timeout": connect_timeout,
             "read_timeout": read_timeout,
             "request_checksum_calculation": self.checksums_mode,
