@@ -22,4 +22,5 @@ pytest_plugins = [
     "tests.fixtures.services",
     "tests.fixtures.pg",
     "tests.fixtures.s3",
+    "tests.fixtures.checkpoints",
 ]
