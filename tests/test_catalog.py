@@ -388,6 +388,9 @@ def test_record_verification(cat: Catalog) -> None:
     assert cat.record_verification(cid, checks, now=t1) == State.VERIFIED
     rec = cat.get_by_id(cid)
     assert rec is not None and rec.verified_at == t1
+    model = {f.relpath: f for f in rec.files}["rank-0000/model.pt"]
+    assert (model.size, model.mtime, model.etag, model.sha256_expected, model.status, model.detail) == (
+        100, 1_700_000_000.0, "e100", sha, "ok", None)
     assert {f.relpath: f.crc64nvme for f in rec.files} == {"rank-0000/model.pt": "crcA", "metadata.json": "crcM"}
     assert rec.copies[0].verified_at == t1
 

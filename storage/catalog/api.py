@@ -388,7 +388,7 @@ class Catalog:
             )
         }
         files_by_ck: dict[int, dict[str, tuple[Any, ...]]] = {}
-        for row in conn.execute(
+        for frow in conn.execute(
             select(
                 fl.c.id,
                 fl.c.checkpoint_id,
@@ -401,15 +401,15 @@ class Catalog:
             )
             .join(ck, ck.c.id == fl.c.checkpoint_id)
             .where(ck.c.job_id == job_id)
-        ):
-            files_by_ck.setdefault(row[_F_CK], {})[row[_F_REL]] = tuple(row)
+        ).all():
+            files_by_ck.setdefault(frow[_F_CK], {})[frow[_F_REL]] = tuple(frow)
         hot_copies: dict[tuple[int, str], tuple[int, str, int | None]] = {}
-        for row in conn.execute(
+        for c_id, c_ck, c_url, c_state, c_bytes in conn.execute(
             select(cp.c.id, cp.c.checkpoint_id, cp.c.url, cp.c.state, cp.c.stored_bytes)
             .join(ck, ck.c.id == cp.c.checkpoint_id)
             .where(ck.c.job_id == job_id, cp.c.tier == Tier.HOT.value)
         ):
-            hot_copies[(row.checkpoint_id, row.url)] = (row.id, row.state, row.stored_bytes)
+            hot_copies[(c_ck, c_url)] = (c_id, c_state, c_bytes)
 
         new_ck: list[dict[str, Any]] = []
         new_found: list[Found] = []
@@ -593,9 +593,9 @@ class Catalog:
                 insert(ck).returning(ck.c.id, sort_by_parameter_order=True), new_ck
             ).scalars().all()
             for cid, found in zip(ids, new_found, strict=True):
-                exp = found.expected_sha256
+                hashes = found.expected_sha256
                 file_inserts.extend(
-                    self._file_row(cid, r.relpath, r.size, r.mtime, r.etag, exp.get(r.relpath))
+                    self._file_row(cid, r.relpath, r.size, r.mtime, r.etag, hashes.get(r.relpath))
                     for r in found.files
                 )
                 copy_inserts.append(self._hot_copy_row(cid, _join_url(base, found.prefix), found.bytes, now))
@@ -720,15 +720,16 @@ class Catalog:
         ids = base.scalar_subquery() if len(rows) > 500 else [r.id for r in rows]
         files: dict[int, list[FileRecord]] = {}
         if with_files:
-            for f in conn.execute(
-                select(fl).where(fl.c.checkpoint_id.in_(ids)).order_by(fl.c.checkpoint_id, fl.c.relpath)
-            ):
-                files.setdefault(f.checkpoint_id, []).append(
-                    FileRecord(
-                        relpath=f.relpath, size=f.size, mtime=f.mtime, etag=f.etag,
-                        crc64nvme=f.crc64nvme, sha256_expected=f.sha256_expected,
-                        status=f.status, detail=f.detail,
-                    )
+            cols = (fl.c.relpath, fl.c.size, fl.c.mtime, fl.c.etag, fl.c.crc64nvme,
+                    fl.c.sha256_expected, fl.c.status, fl.c.detail)
+            for cid, rel, size, mtime, etag, crc, exp, status, detail in conn.execute(
+                select(fl.c.checkpoint_id, *cols)
+                .where(fl.c.checkpoint_id.in_(ids))
+                .order_by(fl.c.checkpoint_id, fl.c.relpath)
+            ).all():
+                files.setdefault(cid, []).append(
+                    FileRecord(relpath=rel, size=size, mtime=mtime, etag=etag, crc64nvme=crc,
+                               sha256_expected=exp, status=status, detail=detail)
                 )
         copies: dict[int, list[CopyRecord]] = {}
         for c in conn.execute(

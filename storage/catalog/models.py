@@ -17,7 +17,7 @@ Conventions:
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import (
     JSON,
@@ -30,6 +30,7 @@ from sqlalchemy import (
     Index,
     Integer,
     String,
+    Table,
     Text,
     UniqueConstraint,
 )
@@ -224,11 +225,11 @@ class Scan(Base):
     rows_written: Mapped[int] = mapped_column(Integer)
 
 
-jobs = Job.__table__
-checkpoints = Checkpoint.__table__
-files = File.__table__
-copies = Copy.__table__
-decisions = Decision.__table__
-events = Event.__table__
-drills = Drill.__table__
-scans = Scan.__table__
+jobs = cast(Table, Job.__table__)
+checkpoints = cast(Table, Checkpoint.__table__)
+files = cast(Table, File.__table__)
+copies = cast(Table, Copy.__table__)
+decisions = cast(Table, Decision.__table__)
+events = cast(Table, Event.__table__)
+drills = cast(Table, Drill.__table__)
+scans = cast(Table, Scan.__table__)
