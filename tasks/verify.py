@@ -111,7 +111,7 @@ class BufferPool:
         if count < 1:
             raise ValueError(f"buffer pool count {count!r} must be at least 1")
         if size < 4096:
-            raise ValueError(f"buffer size {size!r} bytes is too small; use at least 4096 (8 MiB is best)")
+            raise ValueError(f"buffer size {size!r} bytes is too small; use at least 4096 (1 MiB is best)")
         self.count = count
         self.size = size
         self._free: list[bytearray] = []
