@@ -43,7 +43,7 @@ from ckptier.storage.model import CheckpointRecord, State, Tier
 from ckptier.storage.wrappers import DryRunStore
 
 from .archive import hot_file_key, promote
-from .retention import Plan, PlanItem
+from .retention import Plan, PlanItem, Policy, plan_retention
 
 log = logging.getLogger(__name__)
 
@@ -245,6 +245,7 @@ def apply_plan(
     dry_run: bool = False,
     policy: str = "",
     max_missing_fraction: float = DEFAULT_MAX_MISSING_FRACTION,
+    policy_for: Callable[[str], Policy | None] | None = None,
 ) -> ApplyReport:
     """Carry out ``plan``: promotions, then fenced deletions; return what happened.
 
@@ -254,7 +255,11 @@ def apply_plan(
     tier). ``owner`` names this run in leases and events; ``now()`` is the
     clock (called at each step, aware UTC); ``lease_ttl`` how long a claim
     holds — a run that outlives it is fenced out. ``policy`` is recorded with
-    the decisions. Items are handled in (job, step) order; an item another
+    the decisions. ``policy_for(job)``, when given, re-plans each job on the
+    current catalog right before its deletions (after the promotions): an
+    item is deleted only if the fresh plan still deletes it with the same
+    scope; its ``max_missing_fraction`` then drives the shrink re-check.
+    Items are handled in (job, step) order; an item another
     run holds is skipped, not waited for.
 
     Errors of one item are recorded on it and the run goes on with the next
@@ -334,6 +339,7 @@ def apply_plan(
 
     # 3. Deletions, last, each fenced.
     unavailable: dict[str, str] = {}
+    fresh: dict[str, dict[int, PlanItem] | None] = {}
     for item in deletes:
         if item.checkpoint_id not in delete_targets:
             if not any(r.checkpoint_id == item.checkpoint_id for r in report.items):
@@ -346,12 +352,23 @@ def apply_plan(
         if canaried.get(store.url):
             report.items.append(_result(item, "deferred", f"canary failed on {store.url}"))
             continue
+        job_policy = policy_for(item.job) if policy_for is not None else None
+        if job_policy is not None:
+            if item.job not in fresh:
+                records = cat.checkpoints(job=item.job, with_files=False)
+                replan = plan_retention(records, job_policy, now=now())
+                fresh[item.job] = {i.checkpoint_id: i for i in replan.items}
+            again = (fresh[item.job] or {}).get(item.checkpoint_id)
+            if again is None or again.action != "delete" or again.scope != item.scope:
+                why = "; ".join(again.reasons) if again is not None else "no longer planned"
+                event("delete.refused", f"job {item.job} step {item.step}: a fresh plan keeps it ({why})", item)
+                report.items.append(_result(item, "skipped", f"a fresh plan no longer deletes it: {why}"))
+                continue
         if store.url in unavailable:
             report.items.append(_result(item, "deferred", f"{store.url} unavailable: {unavailable[store.url]}"))
             continue
-        res = _delete_one(
-            item, cat, store, prefix, owner, now, lease_ttl, dry_run, event, max_missing_fraction
-        )
+        threshold = job_policy.max_missing_fraction if job_policy is not None else max_missing_fraction
+        res = _delete_one(item, cat, store, prefix, owner, now, lease_ttl, dry_run, event, threshold)
         report.items.append(res)
         if res.outcome == "failed" and res.detail.startswith("unavailable:"):
             unavailable[store.url] = res.detail
@@ -516,8 +533,10 @@ def _delete_one(
             return _result(item, "partial", f"{len(missing)} of {len(keys)} files not deleted", freed=freed)
         reasons = list(item.reasons)
         if item.scope == "hot-copy":
-            # Only the hot copy went; the checkpoint lives on in the archive.
-            fenced_ok = cat.release(item.checkpoint_id, owner, gen)
+            # Only the hot copy went; the checkpoint lives on in the archive. The catalog has no
+            # fenced "hot copy deleted" call: check the lease is unexpired and still ours (release
+            # succeeds only for the holder's generation), then record the copy state.
+            fenced_ok = now() < claimed_at + lease_ttl and cat.release(item.checkpoint_id, owner, gen)
             if not fenced_ok:
                 event("delete.fenced", f"job {item.job} step {item.step}: lease lost; hot copy state not recorded", item)
                 return _result(item, "fenced", "lease was taken over; catalog unchanged", freed=freed)

@@ -86,7 +86,7 @@ class World:
 
     def apply(self, plan: Plan | None = None, *, owner: str = "run-1", dry_run: bool = False,
               catalog: Catalog | None = None, hot: Store | None = None, archive: Store | None = None,
-              ttl: timedelta = timedelta(minutes=30)) -> Any:
+              ttl: timedelta = timedelta(minutes=30), replan: bool = False) -> Any:
         return apply_plan(
             plan if plan is not None else self.plan(),
             catalog=catalog or self.catalog,
@@ -97,6 +97,7 @@ class World:
             lease_ttl=ttl,
             dry_run=dry_run,
             policy=str(self.policy),
+            policy_for=(lambda job: self.policy) if replan else None,
         )
 
     def state(self, step: int) -> State:
@@ -246,6 +247,20 @@ def test_recheck_refuses_newest_verified_and_unarchived_hot_copy_deletes(world: 
     world.apply(forged)
     assert world.on_disk(1000) and world.state(1000) == State.VERIFIED
     assert world.on_disk(100) and world.on_disk(500)
+
+
+def test_with_the_policy_apply_replans_and_deletes_only_what_a_fresh_plan_deletes(world: World) -> None:
+    recs = {r.step: r for r in world.catalog.checkpoints(job=JOB)}
+    # A stale or forged plan: deletes milestone 100 whole (not just a hot copy) and keeper 900.
+    forged = Plan(items=[PlanItem(JOB, s, recs[s].id, "delete", ("forged",), recs[s].bytes, "checkpoint", "verified")
+                         for s in (100, 200, 900)])
+    without = world.apply(forged, dry_run=True)
+    assert [r.step for r in without.deleted] == [100, 200, 900]  # the cheap re-check cannot know milestones
+    report = world.apply(forged, replan=True)
+    assert [r.step for r in report.deleted] == [200]
+    skipped = {r.step: r.detail for r in report.items if r.outcome == "skipped"}
+    assert "milestone" in skipped[100] and "keep_last" in skipped[900]
+    assert world.on_disk(100) and world.on_disk(900) and not world.on_disk(200)
 
 
 def test_failed_promotion_defers_the_jobs_deletes_and_a_rerun_finishes(world: World) -> None:
