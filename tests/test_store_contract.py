@@ -462,3 +462,193 @@ def test_failing_stream_helper_really_fails() -> None:
         FailingStream(b"").read()
     src: BinaryIO = ShortReads(b"x" * 10, step=3)  # type: ignore[assignment]
     assert src.read(100) == b"xxx"
+
+
+# -- what only the wrappers promise -------------------------------------------------
+
+
+class Flaky:
+    """A store whose next ``failures[name]`` calls of ``name`` raise ``error``."""
+
+    def __init__(self, inner: LocalStore, error: Exception, **failures: int) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.error = error
+        self.failures = failures
+        self.calls: dict[str, int] = {}
+
+    def _maybe_fail(self, name: str) -> None:
+        self.calls[name] = self.calls.get(name, 0) + 1
+        if self.failures.get(name, 0) > 0:
+            self.failures[name] -= 1
+            raise self.error
+
+    def list(self, prefix: str = "") -> Any:
+        self.calls["list"] = self.calls.get("list", 0) + 1
+        for n, info in enumerate(self.inner.list(prefix)):
+            if n == 2 and self.failures.get("list", 0) > 0:
+                self.failures["list"] -= 1
+                raise self.error  # fails part-way through the listing
+            yield info
+
+    def stat(self, key: str) -> ObjectInfo:
+        self._maybe_fail("stat")
+        return self.inner.stat(key)
+
+    def open_read(self, key: str) -> BinaryIO:
+        self._maybe_fail("open_read")
+        return self.inner.open_read(key)
+
+    def write(self, key: str, data: Any, *, if_absent: bool = False) -> ObjectInfo:
+        self.calls["write"] = self.calls.get("write", 0) + 1
+        if self.failures.get("write", 0) > 0:
+            self.failures["write"] -= 1
+            data.read(1000)  # consume some of the stream, then fail
+            raise self.error
+        return self.inner.write(key, data, if_absent=if_absent)
+
+    def delete_many(self, keys: Any) -> Any:
+        self._maybe_fail("delete_many")
+        return self.inner.delete_many(keys)
+
+
+@pytest.fixture
+def local(tmp_path: Path) -> LocalStore:
+    (tmp_path / "r").mkdir()
+    return LocalStore(tmp_path / "r")
+
+
+def transient() -> Exception:
+    from ckptier.storage.errors import Unavailable
+
+    return Unavailable("s3://b: SlowDown; retry later")
+
+
+def test_retrying_retries_transient_with_bounded_backoff(local: LocalStore) -> None:
+    local.write("k", b"v")
+    flaky = Flaky(local, transient(), stat=3)
+    sleeps: list[float] = []
+    store = RetryingStore(flaky, attempts=5, base_delay=0.5, max_delay=1.5, sleep=sleeps.append, rng=lambda: 1.0)
+    assert store.stat("k").size == 1
+    assert flaky.calls["stat"] == 4
+    assert sleeps == [0.5, 1.0, 1.5]  # exponential, capped at max_delay
+
+
+def test_retrying_gives_up_with_last_error(local: LocalStore) -> None:
+    from ckptier.storage.errors import Unavailable
+
+    flaky = Flaky(local, transient(), open_read=10)
+    store = RetryingStore(flaky, attempts=3, sleep=lambda _s: None)
+    with pytest.raises(Unavailable):
+        store.open_read("k")
+    assert flaky.calls["open_read"] == 3
+
+
+def test_retrying_never_retries_permanent_errors(local: LocalStore) -> None:
+    flaky = Flaky(local, NotFound("file:///x/k: no such file"), stat=1)
+    sleeps: list[float] = []
+    with pytest.raises(NotFound):
+        RetryingStore(flaky, sleep=sleeps.append).stat("k")
+    assert flaky.calls["stat"] == 1 and sleeps == []
+
+
+def test_retrying_list_restarts_without_duplicates(local: LocalStore) -> None:
+    keys = [f"k{i}" for i in range(6)]
+    for k in keys:
+        local.write(k, b"x")
+    flaky = Flaky(local, transient(), list=2)
+    listed = [i.key for i in RetryingStore(flaky, sleep=lambda _s: None).list()]
+    assert sorted(listed) == keys and len(listed) == len(keys)
+    assert flaky.calls["list"] == 3
+
+
+def test_retrying_write_rewinds_seekable_streams(local: LocalStore) -> None:
+    data = payload(50_000)
+    src = io.BytesIO(b"HEADER" + data)
+    src.seek(6)  # the write starts where the stream is, not at 0
+    flaky = Flaky(local, transient(), write=1)
+    RetryingStore(flaky, sleep=lambda _s: None).write("w", src)
+    assert flaky.calls["write"] == 2
+    assert read_bytes(local, "w") == data
+
+
+def test_retrying_write_does_not_retry_one_shot_streams(local: LocalStore) -> None:
+    from ckptier.storage.errors import Unavailable
+
+    flaky = Flaky(local, transient(), write=1)
+    with pytest.raises(Unavailable):
+        RetryingStore(flaky, sleep=lambda _s: None).write("w", ShortReads(payload(50_000)))  # type: ignore[arg-type]
+    assert flaky.calls["write"] == 1
+    with pytest.raises(NotFound):
+        local.stat("w")
+
+
+def test_retrying_delete_many_retries_transient(local: LocalStore) -> None:
+    local.write("a", b"1")
+    flaky = Flaky(local, transient(), delete_many=1)
+    result = RetryingStore(flaky, sleep=lambda _s: None).delete_many(["a", "b"])
+    assert sorted(result.deleted) == ["a", "b"]
+    assert flaky.calls["delete_many"] == 2
+
+
+def test_wrappers_delegate_extra_attributes(local: LocalStore) -> None:
+    assert RetryingStore(local).root == local.root
+    assert MeteredStore(RetryingStore(local)).root == local.root
+    assert RetryingStore(local).url == local.url
+    with pytest.raises(AttributeError):
+        RetryingStore(local).no_such_method  # noqa: B018
+
+
+def test_dry_run_changes_nothing_and_records_intent(local: LocalStore) -> None:
+    from ckptier.storage.wrappers import DryRunStore, IntendedWrite
+
+    local.write("exists", b"old")
+    dry = DryRunStore(local)
+    assert isinstance(dry, Store)
+    assert dry.url == local.url
+    assert dry.write("new/a", b"12345") == ObjectInfo(key="new/a", size=5)
+    assert dry.write("new/b", ShortReads(b"x" * 20_000, step=333)).size == 20_000  # type: ignore[arg-type]
+    seekable = io.BytesIO(b"0123456789")
+    seekable.seek(4)
+    assert dry.write("new/c", seekable).size == 6
+    assert seekable.tell() == 4  # measured without consuming
+    with pytest.raises(AlreadyExists):
+        dry.write("exists", b"x", if_absent=True)
+    with pytest.raises(InvalidKey):
+        dry.write("../x", b"x")
+    result = dry.delete_many(["exists", "../bad"])
+    assert result.deleted == ["exists"] and set(result.failed) == {"../bad"}
+    assert dry.intended_writes == [
+        IntendedWrite("new/a", 5, False),
+        IntendedWrite("new/b", 20_000, False),
+        IntendedWrite("new/c", 6, False),
+    ]
+    assert dry.intended_deletes == ["exists"]
+    assert [i.key for i in dry.list()] == ["exists"]  # reads pass through; nothing changed
+    assert read_bytes(dry, "exists") == b"old"
+    dry.abort_multipart("k", "upload-1")
+    assert dry.intended_aborts == [("k", "upload-1")]
+    dry.canary()
+    assert [i.key for i in local.list()] == ["exists"]
+    assert dry.root == local.root  # read-only attributes pass through
+    with pytest.raises(AttributeError, match="might change the store"):
+        dry.some_mutating_extra  # noqa: B018
+
+
+def test_metered_counts_calls_and_bytes(local: LocalStore) -> None:
+    metered = MeteredStore(local)
+    metered.write("a", b"x" * 1000)
+    metered.write("b", io.BytesIO(b"y" * 500))
+    with metered.open_read("a") as fh:
+        assert fh.read(300) == b"x" * 300
+    assert metered.bytes_read == 300  # only what was actually read
+    assert read_bytes(metered, "b") == b"y" * 500
+    list(metered.list())
+    metered.stat("a")
+    metered.delete_many(["a", "b"])
+    with pytest.raises(NotFound):
+        metered.stat("a")
+    assert metered.bytes_written == 1500
+    assert metered.bytes_read == 800
+    assert metered.keys_deleted == 2
+    assert metered.calls == {"write": 2, "open_read": 2, "list": 1, "stat": 2, "delete_many": 1}
