@@ -125,7 +125,7 @@ class Hasher:
         self.size = 0
 
     def update(self, data: bytes | bytearray | memoryview) -> None:
-        self._crc = crc64nvme(data, self._crc)  # type: ignore[arg-type]  # any buffer works
+        self._crc = crc64nvme(data, self._crc)  # any buffer works, not only bytes
         if self._sha is not None:
             self._sha.update(data)
         self.size += len(data) if not isinstance(data, memoryview) else data.nbytes

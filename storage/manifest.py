@@ -17,6 +17,7 @@ version, a missing or unknown field, a wrong type or a malformed hash is a
 
 from __future__ import annotations
 
+import builtins
 import json
 import math
 from collections.abc import Mapping
@@ -151,13 +152,13 @@ class Manifest:
             ],
         }
 
-    def to_json(self) -> bytes:
+    def to_json(self) -> builtins.bytes:
         """Canonical UTF-8 JSON: equal manifests give identical bytes (ends with a newline)."""
         text = json.dumps(self.to_dict(), sort_keys=True, indent=1, ensure_ascii=False, allow_nan=False)
         return text.encode("utf-8") + b"\n"
 
     @classmethod
-    def from_json(cls, data: bytes, *, where: str = "manifest") -> Manifest:
+    def from_json(cls, data: builtins.bytes, *, where: str = "manifest") -> Manifest:
         """Parse bytes written by :meth:`to_json`; strict.
 
         ``where`` (a URL or key) names the manifest in error messages. Raises

@@ -402,8 +402,8 @@ def _check_file(
             # The store's own checksum rejected the bytes; once may be the
             # network, twice in a row is the object.
             if attempt + 1 == _INTEGRITY_ATTEMPTS:
-                detail = f"the store's checksum rejected the bytes {attempt + 1} times: {_one_line(exc)}"
-                return _check(f, "corrupt", detail, size=info.size), 0, 0
+                why = f"the store's checksum rejected the bytes {attempt + 1} times: {_one_line(exc)}"
+                return _check(f, "corrupt", why, size=info.size), 0, 0
         except (StoreError, OSError) as exc:
             return _check(f, "error", f"cannot read: {_one_line(exc)}"), 0, 0
 
@@ -572,20 +572,18 @@ def verify_many(
             if not window:
                 return
             head = window.popleft()
-            rec, futs, extras, failure = head.record, head.files, head.extras, head.failure
-            in_window -= len(futs)
+            in_window -= len(head.files)
             outcome = VerifyOutcome(results=[])
-            if failure is not None:
-                outcome.results = [_check(f, "error", failure) for f in rec.files]
-                meter.add(sum(f.size for f in rec.files))
+            if head.failure is not None or head.extras is None:
+                outcome.results = [_check(f, "error", head.failure or "not checked") for f in head.record.files]
+                meter.add(sum(f.size for f in head.record.files))
             else:
-                for fut in futs:
+                for fut in head.files:
                     check, read, skipped = fut.result()
                     outcome.results.append(check)
                     outcome.bytes_read += read
                     outcome.bytes_skipped += skipped
-                assert extras is not None
-                outcome.extra, outcome.notes = extras.result()
-            yield rec, outcome
+                outcome.extra, outcome.notes = head.extras.result()
+            yield head.record, outcome
     finally:
         ex.shutdown(wait=True, cancel_futures=True)
