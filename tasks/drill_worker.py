@@ -121,10 +121,33 @@ def _load_optimizer(spec: DrillSpec, loaded: LoadedCheckpoint) -> None:
         for name, value in pstate.items():
             if isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) != tuple(params[pid].shape):
                 raise DrillFailure("restore", f"optimizer state {name} of parameter {pid} has shape {_shape(value)}, the parameter {_shape(params[pid])}")
+    _check_per_parameter_state(spec, state["state"], params)
     try:
         spec.optimizer.load_state_dict(state)
     except (ValueError, KeyError, RuntimeError) as exc:
         raise DrillFailure("restore", f"optimizer state does not load: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+
+
+def _check_per_parameter_state(spec: DrillSpec, state: Mapping[Any, Any], params: list[torch.nn.Parameter]) -> None:
+    """Every trainable parameter has state, with the keys its peers of the
+    same rank have (an optimizer state with entries torn out is refused,
+    since load_state_dict would quietly start those parameters afresh)."""
+    if not state:
+        return
+    names = {id(p): n for n, p in spec.model.named_parameters()}
+    keys_by_rank: dict[int, set[str]] = {}
+    for pid, pstate in state.items():
+        if isinstance(pstate, Mapping):
+            keys_by_rank.setdefault(params[pid].dim(), set()).update(pstate)
+    for i, param in enumerate(params):
+        if not param.requires_grad:
+            continue
+        name = names.get(id(param), f"#{i}")
+        if i not in state:
+            raise DrillFailure("restore", f"optimizer state has no entry for parameter {name} (index {i}) while {len(state)} others do; the optimizer state is incomplete")
+        lacking = keys_by_rank.get(param.dim(), set()) - set(state[i])
+        if lacking:
+            raise DrillFailure("restore", f"optimizer state of parameter {name} lacks {', '.join(sorted(lacking))}; the optimizer state is incomplete")
 
 
 class _Restored:

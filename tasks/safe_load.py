@@ -24,6 +24,7 @@ import importlib
 import json
 import pickle
 import re
+import warnings
 import zipfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -144,6 +145,7 @@ _GLOBAL_PATTERNS = (
     re.compile(r"Unsupported global: GLOBAL ([\w.]+)"),
     re.compile(r"unrecognized function ([\w.]+)"),
     re.compile(r"Unsupported class ([\w.]+)"),
+    re.compile(r"unsupported GLOBAL ([\w.]+)", re.IGNORECASE),
 )
 
 
@@ -162,7 +164,8 @@ def _unpickler_reason(message: str) -> str:
         if "WeightsUnpickler error:" in line:
             return line.split("WeightsUnpickler error:", 1)[1].strip()
     lines = [ln.strip() for ln in message.splitlines() if ln.strip()]
-    return lines[0] if lines else "unknown reason"
+    specific = [ln for ln in lines[1:] if not ln.startswith("Check the documentation")]
+    return (specific or lines or ["unknown reason"])[0]
 
 
 def _refuse_pt2(path: Path) -> None:
@@ -211,6 +214,12 @@ def safe_torch_load(
     except pickle.UnpicklingError as exc:
         message = str(exc)
         name = refused_global(message)
+        if name is not None and "blocked" in message:
+            raise UnsafeCheckpoint(
+                f"{p}: refused to load: it calls {name}, which torch never allows (its module is blocked); "
+                "the file is hostile or broken: do not load it, restore another checkpoint",
+                global_name=name,
+            ) from None
         if name is not None:
             raise UnsafeCheckpoint(
                 f"{p}: refused to load: it needs the global {name}, which is not allowlisted; "
@@ -317,7 +326,9 @@ def load_dcp_tensors(path: str | Path) -> dict[str, torch.Tensor]:
         if isinstance(entry, TensorStorageMetadata):
             template[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
     try:
-        dcp.load(template, storage_reader=_SafeReader(str(path)))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+            dcp.load(template, storage_reader=_SafeReader(str(path)))
     except CkptierError:
         raise
     except Exception as exc:

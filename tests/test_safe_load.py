@@ -1,0 +1,223 @@
+"""Loading untrusted checkpoints: nothing in a checkpoint may run code.
+
+RELIABILITY.md, Loading 1-3: a malicious pickle never runs (directly, via the
+DCP reader, or through the drill subprocess); an unknown global fails naming
+it; .pt2 is refused; a tensor that does not fit the model fails clearly; the
+numpy RNG state of Hugging Face's rng_state.pth loads.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import random
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ckptier.storage.errors import ConfigError
+from ckptier.tasks.drill import DrillRequest, run_drill_subprocess
+from ckptier.tasks.drill_worker import run_request
+from ckptier.tasks.models import demo_model
+from ckptier.tasks.safe_load import (
+    CheckpointLoadError,
+    UnsafeCheckpoint,
+    load_checkpoint_dir,
+    load_dcp_tensors,
+    read_dcp_metadata,
+    refused_global,
+    safe_torch_load,
+)
+
+
+class Canary:
+    """Unpickling this creates ``path`` (through os.system) - if it ever runs."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (os.system, (f"touch {self.path}",))
+
+
+@dataclass
+class TrainConfig:
+    lr: float
+    name: str
+
+
+def _guide(root: Path, model_obj: object, optimizer_obj: object | None = None) -> Path:
+    step_dir = root / "job" / "step-00000010"
+    (step_dir / "rank-0000").mkdir(parents=True)
+    torch.save(model_obj, step_dir / "rank-0000" / "model.pt")
+    if optimizer_obj is not None:
+        torch.save(optimizer_obj, step_dir / "rank-0000" / "optimizer.pt")
+    (step_dir / "metadata.json").write_text(json.dumps({"step": 10}))
+    return step_dir
+
+
+def test_malicious_pickle_is_refused_and_never_runs(tmp_path: Path) -> None:
+    canary = tmp_path / "canary"
+    path = tmp_path / "evil.pt"
+    torch.save({"weight": torch.zeros(2), "payload": Canary(canary)}, path)
+    with pytest.raises(UnsafeCheckpoint) as info:
+        safe_torch_load(path)
+    assert info.value.global_name in ("posix.system", "os.system")
+    assert "never allows" in str(info.value) and "\n" not in str(info.value)
+    assert "--allow-global" not in str(info.value)  # no advice to allow os.system
+    assert not canary.exists()
+
+
+def test_malicious_pickle_through_the_drill_subprocess(tmp_path: Path) -> None:
+    canary = tmp_path / "canary"
+    state = demo_model().model.state_dict()
+    step_dir = _guide(tmp_path / "hot", {**state, "payload": Canary(canary)})
+    result = run_drill_subprocess(
+        step_dir, "guide", factory="ckptier.tasks.models:demo_model", scratch=tmp_path / "scratch", steps=2, timeout=120
+    )
+    assert result.unsafe and result.error_stage == "load", result
+    assert "system" in (result.error or "")
+    assert not canary.exists()
+
+
+def test_dcp_metadata_is_not_unpickled_blindly(tmp_path: Path) -> None:
+    # torch's FileSystemReader calls pickle.load on .metadata; ours admits only DCP classes.
+    canary = tmp_path / "canary"
+    ckpt = tmp_path / "step-5"
+    ckpt.mkdir()
+    (ckpt / ".metadata").write_bytes(pickle.dumps(Canary(canary)))
+    with pytest.raises(UnsafeCheckpoint, match="system"):
+        read_dcp_metadata(ckpt)
+    with pytest.raises(UnsafeCheckpoint):
+        load_checkpoint_dir(ckpt, "dcp")
+    assert not canary.exists()
+
+
+def test_dcp_non_tensor_entries_are_never_unpickled(tmp_path: Path) -> None:
+    # DCP stores non-tensors with torch.save and reads them back with weights_only=False.
+    import torch.distributed.checkpoint as dcp
+
+    canary = tmp_path / "canary"
+    ckpt = tmp_path / "step-7"
+    dcp.save({"model": {"w": torch.arange(4.0)}, "train_state": {"evil": Canary(canary)}}, checkpoint_id=str(ckpt))
+    tensors = load_dcp_tensors(ckpt)
+    assert set(tensors) == {"model.w"}
+    assert torch.equal(tensors["model.w"], torch.arange(4.0))
+    assert not canary.exists()
+
+
+def test_unknown_global_fails_naming_it_and_loads_once_allowed(tmp_path: Path) -> None:
+    path = tmp_path / "with_config.pt"
+    torch.save({"weight": torch.ones(3), "config": TrainConfig(lr=0.1, name="run")}, path)
+    with pytest.raises(UnsafeCheckpoint) as info:
+        safe_torch_load(path)
+    name = f"{__name__}.TrainConfig"
+    assert info.value.global_name == name
+    assert f"--allow-global {name}" in str(info.value)
+    loaded = safe_torch_load(path, extra_allowlist=[name])
+    assert loaded["config"] == TrainConfig(lr=0.1, name="run")
+    assert torch.equal(loaded["weight"], torch.ones(3))
+
+
+def test_allow_global_that_does_not_exist_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "w.pt"
+    torch.save({"w": torch.ones(1)}, path)
+    with pytest.raises(ConfigError, match="no_such_module_xyz"):
+        safe_torch_load(path, extra_allowlist=["no_such_module_xyz.Thing"])
+
+
+def test_pt2_is_refused_by_name_and_by_content(tmp_path: Path) -> None:
+    named = tmp_path / "model.pt2"
+    torch.save({"w": torch.ones(1)}, named)
+    with pytest.raises(UnsafeCheckpoint, match=r"\.pt2"):
+        safe_torch_load(named)
+    disguised = tmp_path / "model.pt"
+    with zipfile.ZipFile(disguised, "w") as archive:
+        archive.writestr("model/archive_format", "pt2")
+        archive.writestr("model/models/model.json", "{}")
+    with pytest.raises(UnsafeCheckpoint, match="torch.export"):
+        safe_torch_load(disguised)
+
+
+def test_missing_file_is_a_load_error(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointLoadError, match="not found"):
+        safe_torch_load(tmp_path / "absent.pt")
+
+
+def test_shape_mismatch_is_a_clear_failure_not_a_crash(tmp_path: Path) -> None:
+    state = demo_model().model.state_dict()
+    state["net.2.weight"] = torch.zeros(32, 64)  # the model has [64, 64]
+    step_dir = _guide(tmp_path, state)
+    request = DrillRequest(str(step_dir), "guide", "ckptier.tasks.models:demo_model", 2, "cpu", str(tmp_path / "r.json"))
+    result = run_request(request)
+    assert result.error_stage == "restore"
+    assert "net.2.weight" in (result.error or "")
+    assert "[32, 64]" in (result.error or "") and "[64, 64]" in (result.error or "")
+
+
+def test_hf_rng_state_with_numpy_state_loads(tmp_path: Path) -> None:
+    path = tmp_path / "rng_state.pth"
+    np.random.seed(3)
+    states = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "cpu": torch.random.get_rng_state(),
+    }
+    torch.save(states, path)
+    loaded = safe_torch_load(path)
+    assert loaded["numpy"][0] == "MT19937"
+    np.testing.assert_array_equal(loaded["numpy"][1], states["numpy"][1])
+    assert loaded["python"] == states["python"]
+    assert torch.equal(loaded["cpu"], states["cpu"])
+
+
+def test_rng_state_written_under_numpy_1_loads(tmp_path: Path) -> None:
+    # numpy 1.x names the array reconstructor numpy.core.multiarray._reconstruct.
+    src = tmp_path / "new.pth"
+    torch.save({"numpy": np.random.get_state()}, src)
+    old = tmp_path / "rng_state_1.pth"
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(old, "w", zipfile.ZIP_STORED) as zout:
+        for item in zin.infolist():
+            data = zin.read(item.filename)
+            if item.filename.endswith("data.pkl"):
+                assert b"numpy._core.multiarray" in data
+                data = data.replace(b"numpy._core.multiarray", b"numpy.core.multiarray")
+            zout.writestr(item, data)
+    loaded = safe_torch_load(old)
+    assert loaded["numpy"][1].dtype == np.uint32 and loaded["numpy"][1].shape == (624,)
+
+
+def test_object_arrays_stay_refused(tmp_path: Path) -> None:
+    path = tmp_path / "objects.pt"
+    torch.save({"a": np.array([{"x": 1}], dtype=object)}, path)
+    with pytest.raises(UnsafeCheckpoint):
+        safe_torch_load(path)
+
+
+@pytest.mark.parametrize(
+    "message, expected",
+    [
+        ("WeightsUnpickler error: Unsupported global: GLOBAL foo.Bar was not an allowed global by default.", "foo.Bar"),
+        ("Trying to call reduce for unrecognized function mod.fn", "mod.fn"),
+        ("something else entirely", None),
+    ],
+)
+def test_refused_global_parsing(message: str, expected: str | None) -> None:
+    assert refused_global(message) == expected
+
+
+def test_mmap_load_leaves_the_file_unchanged(tmp_path: Path) -> None:
+    path = tmp_path / "m.pt"
+    torch.save({"w": torch.zeros(1000)}, path)
+    before = path.read_bytes()
+    loaded = safe_torch_load(path)
+    loaded["w"].add_(1.0)  # copy-on-write mapping: the file must not see this
+    del loaded
+    assert path.read_bytes() == before
+    assert io.BytesIO(before).getbuffer().nbytes > 0
