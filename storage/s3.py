@@ -19,6 +19,7 @@ requested. :meth:`S3Store.canary` detects such stores.
 from __future__ import annotations
 
 import base64
+import builtins
 import io
 import logging
 import os
@@ -188,6 +189,7 @@ class S3Store:
         max_attempts: int = 5,
         connect_timeout: float = 10.0,
         read_timeout: float = 60.0,
+        list_page_size: int = 1000,
     ) -> None:
         if not bucket:
             raise ConfigError("S3 bucket name is empty; use s3://BUCKET/prefix")
@@ -211,6 +213,7 @@ class S3Store:
         self.prefix = clean + "/" if clean else ""
         self.url = f"s3://{bucket}/{clean}" if clean else f"s3://{bucket}"
         self.multipart_threshold = multipart_threshold
+        self.list_page_size = list_page_size
         self.part_size = part_size
         self.client = client if client is not None else self._make_client(
             profile, endpoint_url, max_attempts, connect_timeout, read_timeout
@@ -358,17 +361,26 @@ class S3Store:
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """Yield every object under ``prefix``, one ListObjectsV2 page at a time.
 
-        Raises ``NotFound`` when the bucket does not exist. Keys that are not
-        safe store keys (``a//b``, ``../x``) are skipped with a warning.
+        Raises ``NotFound`` when the bucket does not exist. Pages of
+        ``list_page_size`` keys are fetched lazily, as the caller iterates.
+        Zero-byte "folder" markers (keys ending in ``/``) are skipped; so are
+        keys that are not safe store keys (``a//b``, ``../x``), with a
+        warning.
         """
         import botocore.exceptions as bex
 
         paginator = self.client.get_paginator("list_objects_v2")
-        pages = paginator.paginate(Bucket=self.bucket, Prefix=self.prefix + prefix)
+        pages = paginator.paginate(
+            Bucket=self.bucket,
+            Prefix=self.prefix + prefix,
+            PaginationConfig={"PageSize": self.list_page_size},
+        )
         try:
             for page in pages:
                 for obj in page.get("Contents", ()):
                     key = obj["Key"][len(self.prefix) :]
+                    if key.endswith("/"):
+                        continue
                     if key_problem(key) is not None:
                         log.warning("%s: skipping unsafe key %r in listing", self.url, key)
                         continue
@@ -435,7 +447,7 @@ class S3Store:
             create["ChecksumType"] = "FULL_OBJECT"
         upload_id = self._call("create_multipart_upload", key, **create)["UploadId"]
         try:
-            parts: list[dict[str, Any]] = []
+            parts: builtins.list[dict[str, Any]] = []
             crc = 0
             size = 0
             pending = memoryview(head)
@@ -561,7 +573,7 @@ class S3Store:
 
     # -- extras for the janitor and the start-up canary ----------------------
 
-    def list_multipart_uploads(self, prefix: str = "") -> list[tuple[str, str, datetime]]:
+    def list_multipart_uploads(self, prefix: str = "") -> builtins.list[tuple[str, str, datetime]]:
         """Unfinished multipart uploads under ``prefix``: ``(key, upload_id, initiated)``.
 
         ``initiated`` is a timezone-aware UTC datetime. Ordered by key, then
@@ -569,7 +581,7 @@ class S3Store:
         """
         import botocore.exceptions as bex
 
-        found: list[tuple[str, str, datetime]] = []
+        found: builtins.list[tuple[str, str, datetime]] = []
         paginator = self.client.get_paginator("list_multipart_uploads")
         try:
             for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix + prefix):

@@ -78,7 +78,7 @@ class RetryingStore(_Delegating):
 
     def delay(self, retry: int) -> float:
         """Seconds to wait before retry number ``retry`` (0-based)."""
-        return self._rng() * min(self.max_delay, self.base_delay * (2**retry))
+        return self._rng() * min(self.max_delay, self.base_delay * (1 << retry))
 
     def _run(self, fn: Callable[[], Any], *, retryable: bool = True) -> Any:
         for attempt in range(self.attempts):

@@ -165,6 +165,24 @@ def test_retrying_store_resumes_only_unconfirmed_keys(s3_bucket: S3Bucket) -> No
         inner.stat(keys[-1])
 
 
+# -- listing -----------------------------------------------------------------------
+
+
+def test_listing_is_paginated_and_lazy(s3_bucket: S3Bucket, client: Any) -> None:
+    store = S3Store(s3_bucket.name, "p", client=client, list_page_size=2)
+    for i in range(5):
+        store.write(f"k{i}", b"x")
+    s3_bucket.client.put_object(Bucket=s3_bucket.name, Key="p/folder/", Body=b"")  # a console "folder"
+    requests: list[str] = []
+    hook(client, "ListObjectsV2", lambda request, **_: requests.append(request.url))
+    listing = store.list()
+    first = next(listing)
+    assert len(requests) == 1  # the first key came before the second page was asked for
+    rest = list(listing)
+    assert sorted(i.key for i in [first, *rest]) == [f"k{i}" for i in range(5)]
+    assert len(requests) == 3
+
+
 # -- DeleteObjects ---------------------------------------------------------------
 
 

@@ -133,6 +133,16 @@ class StoreContract:
         [info] = list(store.list())
         assert info.mtime is not None and info.mtime > 1_600_000_000
 
+    def test_keys_with_spaces_and_unicode(self, store: Store) -> None:
+        keys = ["run 1/step-1/model.pt", "jöb/ckpt=é.ckpt", "a+b/c%20d", "x/&<>'\"y"]
+        for k in keys:
+            store.write(k, k.encode())
+        assert sorted(i.key for i in store.list()) == sorted(keys)
+        assert all(read_bytes(store, k) == k.encode() for k in keys)
+        assert store.stat(keys[1]).size == len(keys[1].encode())
+        assert sorted(store.delete_many(keys).deleted) == sorted(keys)
+        assert list(store.list()) == []
+
     # -- stat -----------------------------------------------------------------
 
     def test_stat(self, store: Store) -> None:
