@@ -113,3 +113,59 @@ def verify(*, job: str | None, deep: bool, sample: tuple[int, int] | None, worke
                               progress=lambda done, total: bar.update(done, total))
     finally:
         bar.close()
+
+
+def apply(*, job: str | None, dry_run: bool, config_path: str | None, catalog_url: str | None,
+          use_prefect: bool) -> dict[str, Any]:
+    if use_prefect:
+        from .tiering import tiering_flow
+
+        result = run_flow(tiering_flow, apply=not dry_run, job=job, config_path=config_path, catalog_url=catalog_url)
+        return dict(result["apply"])
+    from ckptier.tasks.config import load_config
+    from ckptier.tasks.pipeline import run_apply
+
+    from .tiering import run_owner
+
+    with _open(catalog_url) as cat:
+        return run_apply(cat, load_config(config_path), now=utcnow, owner=run_owner("ckptier-cli"), job=job,
+                         dry_run=dry_run)
+
+
+def fetch(*, job: str, step: int, dest: Path, catalog_url: str | None, config_path: str | None) -> dict[str, Any]:
+    from ckptier.tasks.config import load_config
+    from ckptier.tasks.pipeline import run_fetch
+
+    with _open(catalog_url) as cat:
+        return run_fetch(cat, load_config(config_path), job=job, step=step, dest=dest)
+
+
+def janitor(*, config_path: str | None, older_than: str) -> dict[str, Any]:
+    from ckptier.tasks.config import load_config
+    from ckptier.tasks.pipeline import run_janitor
+    from ckptier.tasks.retention import parse_duration
+
+    return run_janitor(load_config(config_path), now=utcnow(), older_than=parse_duration(older_than))
+
+
+def drill(*, job: str | None, step: int | None, steps: int | None, device: str | None, model: str | None,
+          timeout: float | None, config_path: str | None, catalog_url: str | None, use_prefect: bool) -> list[dict[str, Any]]:
+    if use_prefect:
+        from .drill import DrillFailed, restore_drill_flow
+
+        params: dict[str, Any] = {"job": job, "step": step, "model": model, "timeout_seconds": timeout,
+                                  "config_path": config_path, "catalog_url": catalog_url}
+        if steps is not None:
+            params["steps"] = steps
+        if device is not None:
+            params["device"] = device
+        try:
+            return list(run_flow(restore_drill_flow, **params))
+        except DrillFailed as exc:
+            raise FlowFailed(str(exc)) from None
+    from ckptier.tasks.config import load_config
+    from ckptier.tasks.pipeline import run_drill
+
+    with _open(catalog_url) as cat:
+        return run_drill(cat, load_config(config_path), now=utcnow, job=job, step=step, steps=steps, device=device,
+                         model=model, timeout=timeout)

@@ -11,18 +11,19 @@ from __future__ import annotations
 import posixpath
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import replace
-from datetime import datetime
+from dataclasses import asdict
+from datetime import datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 from ckptier.storage.base import Store
 from ckptier.storage.catalog.api import Catalog
-from ckptier.storage.errors import ConfigError
+from ckptier.storage.errors import CkptierError, ConfigError
 from ckptier.storage.model import CheckpointRecord, State
 from ckptier.storage.url import open_store, parse_url
 
 from .config import Config
-from .retention import Plan, PlanItem, plan_retention
+from .retention import Plan, PlanItem, Policy, plan_retention
 from .scan import ScanReport, scan_url
 
 Clock = Callable[[], datetime]
@@ -162,27 +163,33 @@ def _keep_unmanaged(records: Iterable[CheckpointRecord]) -> list[PlanItem]:
     ]
 
 
-def make_plan(catalog: Catalog, config: Config, *, job: str | None, now: datetime) -> Plan:
-    """The retention plan for every job (or ``job``), each under its own policy.
+def plans_by_policy(
+    catalog: Catalog, config: Config, *, job: str | None, now: datetime
+) -> list[tuple[Policy | None, Plan]]:
+    """One retention plan per ``[[policy]]`` that matches some job (``None``: jobs no policy matches).
 
-    Jobs no ``[[policy]]`` matches are kept whole. Pure apart from reading
-    the catalog; nothing is changed.
+    Reads the catalog, changes nothing. Jobs no ``[[policy]]`` matches are
+    kept whole.
     """
     records = catalog.checkpoints(job=job, include_deleted=False)
     if job and not records:
         raise ConfigError(f"job {job!r}: no checkpoints in the catalog; run 'ckptier scan URL' first or check the name")
-    by_policy: dict[int, list[CheckpointRecord]] = {}
-    unmanaged: list[CheckpointRecord] = []
-    policies = {}
+    groups: dict[int, tuple[Policy | None, list[CheckpointRecord]]] = {}
     for c in records:
         policy = config.policy_for(c.job)
+        groups.setdefault(id(policy), (policy, []))[1].append(c)
+    out: list[tuple[Policy | None, Plan]] = []
+    for policy, cs in groups.values():
         if policy is None:
-            unmanaged.append(c)
+            out.append((None, Plan(items=_keep_unmanaged(cs))))
         else:
-            policies[id(policy)] = policy
-            by_policy.setdefault(id(policy), []).append(c)
-    plans = [plan_retention(cs, policies[k], now=now) for k, cs in by_policy.items()]
-    return merge_plans(plans, extra_items=_keep_unmanaged(unmanaged))
+            out.append((policy, plan_retention(cs, policy, now=now)))
+    return out
+
+
+def make_plan(catalog: Catalog, config: Config, *, job: str | None, now: datetime) -> Plan:
+    """The retention plan for every job (or ``job``), each under its own policy."""
+    return merge_plans([plan for _, plan in plans_by_policy(catalog, config, job=job, now=now)])
 
 
 def merge_plans(plans: Sequence[Plan], *, extra_items: Sequence[PlanItem] = ()) -> Plan:
@@ -199,5 +206,249 @@ def merge_plans(plans: Sequence[Plan], *, extra_items: Sequence[PlanItem] = ()) 
     )
 
 
-def with_items(plan: Plan, items: list[PlanItem]) -> Plan:
-    return replace(plan, items=items)
+# ------------------------------------------------------------------- apply
+
+
+def run_apply(
+    catalog: Catalog,
+    config: Config,
+    *,
+    now: Clock,
+    owner: str,
+    job: str | None = None,
+    dry_run: bool = False,
+    lease_ttl: timedelta = timedelta(hours=1),
+    stores: StoreCache | None = None,
+) -> dict[str, Any]:
+    """Plan and carry out retention for every job (or ``job``): promote, then delete.
+
+    Each policy's plan goes through :func:`ckptier.tasks.apply.apply_plan`
+    (canary, leases, read-back, fenced deletes). Returns a JSON-ready report
+    with ``items``, per-policy ``summary`` lines, ``bytes_freed`` and
+    ``failed`` (True when any item failed: re-running resumes).
+    """
+    stores = stores or StoreCache()
+    lines: list[str] = []
+    items: list[dict[str, Any]] = []
+    failed = False
+    freed = 0
+    # A second pass lets hot copies of milestones promoted in the first one go
+    # in the same run (the plan is made anew from the catalog each pass).
+    passes = 1 if dry_run else 2
+    for n in range(passes):
+        promoted = False
+        for policy, plan in plans_by_policy(catalog, config, job=job, now=now()):
+            if policy is None:
+                if n == 0:
+                    lines.extend(f"{i.job} step {i.step}: kept ({i.reasons[0]})" for i in plan.items)
+                continue
+            if n > 0 and not any(i.action == "delete" for i in plan.items):
+                continue
+            report = _apply_one(catalog, policy, plan, stores=stores, now=now, owner=owner, dry_run=dry_run,
+                                lease_ttl=lease_ttl, lines=lines, items=items)
+            promoted |= bool(report.promoted)
+            failed |= not report.ok
+            freed += report.bytes_freed
+        if not promoted or failed:
+            break
+    return {"dry_run": dry_run, "items": items, "lines": lines, "bytes_freed": freed, "failed": failed}
+
+
+def _apply_one(catalog: Catalog, policy: Policy, plan: Plan, *, stores: StoreCache, now: Clock, owner: str,
+               dry_run: bool, lease_ttl: timedelta, lines: list[str], items: list[dict[str, Any]]) -> Any:
+    """Carry out one policy's plan, appending report lines and item rows."""
+    from .apply import apply_plan
+
+    archive_store = stores.store(policy.archive) if policy.archive else None
+    report = apply_plan(
+        plan, catalog=catalog, hot_for=stores.for_record, archive_for=lambda _job: archive_store,
+        owner=owner, now=now, lease_ttl=lease_ttl, dry_run=dry_run, policy=str(policy),
+        max_missing_fraction=policy.max_missing_fraction,
+    )
+    for r in report.items:
+        if r.action == "keep" and r.outcome == "skipped":
+            continue
+        items.append(asdict(r))
+        lines.append(f"{r.job} step {r.step}: {r.action}{' hot copy' if r.scope == 'hot-copy' else ''} "
+                     f"{r.outcome}: {r.detail}")
+    for store_url, why in report.canary_failures.items():
+        lines.append(f"canary failed on {store_url}: {why}")
+    if report.refused:
+        lines.append(f"deletion suspended: {report.refused}")
+    lines.append(f"[policy {policy.jobs}] {report.summary()}")
+    return report
+
+
+def run_fetch(
+    catalog: Catalog, config: Config, *, job: str, step: int, dest: Path, stores: StoreCache | None = None
+) -> dict[str, Any]:
+    """Restore job/step's original files into ``dest`` from the hot or archive tier, verified."""
+    from .archive import fetch
+
+    stores = stores or StoreCache()
+    record = catalog.get(job, step)
+    if record is None:
+        raise ConfigError(f"job {job!r} step {step}: not in the catalog; see 'ckptier ls --job {job}'")
+    hot, prefix = _hot_store(stores, record)
+    archive = _archive_store(stores, config, record)
+    result = fetch(record, hot=hot, archive=archive, dest=dest, hot_prefix=prefix)
+    return {"job": job, "step": step, "tier": result.tier, "source": result.source, "dest": str(result.dest),
+            "files": len(result.paths), "bytes": result.bytes, "seconds": round(result.seconds, 3),
+            "notes": list(result.notes)}
+
+
+def _hot_store(stores: StoreCache, record: CheckpointRecord) -> tuple[Store | None, str | None]:
+    try:
+        return stores.for_record(record)
+    except ConfigError:
+        return None, None
+
+
+def _archive_store(stores: StoreCache, config: Config, record: CheckpointRecord) -> Store | None:
+    """The store holding the record's archive copy (from the catalog, else the job's policy)."""
+    from ckptier.storage.model import Tier
+
+    for copy in record.copies:
+        if copy.tier == Tier.ARCHIVE and copy.state in ("present", "degraded"):
+            return stores.store(archive_root(copy.url, record))
+    policy = config.policy_for(record.job)
+    return stores.store(policy.archive) if policy is not None and policy.archive else None
+
+
+def archive_root(copy_url: str, record: CheckpointRecord) -> str:
+    """The archive store URL from a copy URL ending in ``{job}/step-{step:08d}[/...]``."""
+    from .archive import archive_dir
+
+    marker = "/" + archive_dir(record.job, record.step)
+    head, sep, _ = copy_url.partition(marker)
+    return head if sep else copy_url
+
+
+def run_janitor(config: Config, *, now: datetime, older_than: timedelta, stores: StoreCache | None = None) -> dict[str, Any]:
+    """Clean every archive tier named by a policy: abandoned uploads, manifest-less copies."""
+    from .archive import janitor
+
+    stores = stores or StoreCache()
+    lines: list[str] = []
+    reports = {}
+    for url in sorted({p.archive for p in config.policies if p.archive}):
+        r = janitor(stores.store(url), now=now, older_than=older_than)
+        reports[url] = asdict(r)
+        lines.append(f"{url}: aborted {len(r.aborted_uploads)} uploads, removed {len(r.removed_dirs)} copies without "
+                     f"manifest ({len(r.removed_keys)} objects), left {len(r.young_dirs)} young ones, "
+                     f"{len(r.failed)} failures")
+    if not reports:
+        lines.append("no [[policy]] names an archive tier: nothing to clean")
+    return {"archives": reports, "lines": lines}
+
+
+# ------------------------------------------------------------------- drill
+
+#: Worker failures that mean "this checkpoint does not restore": try the next one.
+LOAD_STAGES = frozenset({"load", "restore", "fetch"})
+
+
+def run_drill(
+    catalog: Catalog,
+    config: Config,
+    *,
+    now: Clock,
+    job: str | None = None,
+    step: int | None = None,
+    steps: int | None = None,
+    device: str | None = None,
+    model: str | None = None,
+    timeout: float | None = None,
+    stores: StoreCache | None = None,
+    scratch_root: Path | None = None,
+) -> list[dict[str, Any]]:
+    """Restore-drill the newest verified checkpoint of each job (or of ``job``).
+
+    For each job: fetch the best candidate into a fresh scratch directory
+    (hot tier, else archive, verified), run the isolated worker (safe load,
+    strict restore, K training steps twice), judge, record the drill in the
+    catalog, remove the scratch directory. When a candidate fails to fetch or
+    load, the failure is recorded and the next verified checkpoint is tried.
+    Returns one report per drill attempted (JSON-ready: job, step, ok,
+    summary, checks, timings, ...). Raises ``ConfigError`` when there is
+    nothing to drill.
+    """
+    import shutil
+    import tempfile
+
+    from .drill import DEFAULT_LOSS_TOLERANCE, choose_candidates, judge, run_drill_subprocess
+
+    stores = stores or StoreCache()
+    candidates = choose_candidates(catalog.checkpoints(job=job), job=job, step=step)
+    if not candidates:
+        what = f"job {job!r}" + (f" step {step}" if step is not None else "") if job else "any job"
+        raise ConfigError(f"no verified or committed checkpoint of {what} to drill; run 'ckptier scan' and 'ckptier verify' first")
+    by_job: dict[str, list[CheckpointRecord]] = {}
+    for c in candidates:
+        by_job.setdefault(c.job, []).append(c)
+    reports: list[dict[str, Any]] = []
+    for job_name, records in by_job.items():
+        settings = config.drill_for(job_name)
+        factory = model or (settings.model if settings and settings.model else None)
+        k = steps or (settings.steps if settings else 10)
+        dev = device or (settings.device if settings else "auto")
+        limit = timeout or (settings.timeout.total_seconds() if settings else 900.0)
+        tolerance = settings.loss_tolerance if settings and settings.loss_tolerance else DEFAULT_LOSS_TOLERANCE
+        for record in records:
+            started = now()
+            scratch = Path(tempfile.mkdtemp(prefix="ckptier-drill-", dir=scratch_root))
+            timings: dict[str, float] = {}
+            tier: str | None = None
+            try:
+                try:
+                    fetched = run_fetch(catalog, config, job=record.job, step=record.step, dest=scratch / "checkpoint",
+                                        stores=stores)
+                except CkptierError as exc:  # a fetch failure is this candidate's verdict
+                    report = _drill_failure(record, started, now(), stage="fetch", error=str(exc))
+                else:
+                    tier = fetched["tier"]
+                    timings["fetch_s"] = fetched["seconds"]
+                    path = scratch / "checkpoint"
+                    if record.format.value == "lightning":
+                        path = path / record.files[0].relpath
+                    result = run_drill_subprocess(path, record.format, factory=factory, scratch=scratch / "work",
+                                                  steps=k, timeout=limit, device=dev)
+                    verdict = judge(result, loss_tolerance=tolerance)
+                    timings.update({key: float(v) for key, v in result.timings.items()})
+                    report = {
+                        "job": record.job, "step": record.step, "ok": verdict.ok, "summary":
+                            f"{record.job} step {record.step} ({tier} tier, {result.device or dev}): {verdict.summary}",
+                        "checks": [asdict(c) for c in verdict.checks], "device": result.device, "tier": tier,
+                        "timings": timings, "peak_memory_bytes": result.peak_memory_bytes,
+                        "losses": [v for v in result.losses], "error": result.error, "stage": result.error_stage,
+                        "started_at": started.isoformat(), "finished_at": now().isoformat(),
+                    }
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
+            _record_drill(catalog, record, report, started=started, finished=now(), tier=tier)
+            reports.append(report)
+            if report["ok"] or report.get("stage") not in LOAD_STAGES:
+                break
+    return reports
+
+
+def _drill_failure(record: CheckpointRecord, started: datetime, finished: datetime, *, stage: str, error: str) -> dict[str, Any]:
+    return {"job": record.job, "step": record.step, "ok": False, "stage": stage, "error": error,
+            "summary": f"{record.job} step {record.step}: drill failed at {stage}: {error}",
+            "checks": [{"name": "completed", "ok": False, "detail": f"{stage}: {error}"}], "timings": {},
+            "device": None, "tier": None, "peak_memory_bytes": None, "losses": [],
+            "started_at": started.isoformat(), "finished_at": finished.isoformat()}
+
+
+def _record_drill(catalog: Catalog, record: CheckpointRecord, report: dict[str, Any], *, started: datetime,
+                  finished: datetime, tier: str | None) -> None:
+    from ckptier.storage.catalog.api import DrillRecord
+
+    catalog.record_drill(DrillRecord(
+        job=record.job, step=record.step, checkpoint_id=record.id, started_at=started, finished_at=finished,
+        ok=bool(report["ok"]), device=report.get("device"), source_tier=tier,
+        verdict={"summary": report["summary"], "checks": report["checks"], "losses": report.get("losses", [])},
+        timings=report.get("timings", {}), peak_memory_bytes=report.get("peak_memory_bytes"), error=report.get("error"),
+    ))
+    catalog.log_event("drill.ok" if report["ok"] else "drill.failed", report["summary"], now=finished,
+                      job=record.job, checkpoint_id=record.id)

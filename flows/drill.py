@@ -1,0 +1,99 @@
+"""Prefect flow ``restore-drill``: prove that recovery really works.
+
+Publishes a markdown report (artifact ``drill-report``); a failed drill fails
+the run and emits ``ckptier.drill.failed`` so an automation can alert.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from prefect import flow, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.events import emit_event
+from prefect.logging import get_run_logger
+
+from ckptier.storage.catalog.api import Catalog
+from ckptier.storage.errors import CkptierError
+from ckptier.tasks import pipeline
+from ckptier.tasks.config import load_config
+
+
+class DrillFailed(CkptierError):
+    """A restore drill did not prove recovery (the flow run fails with this)."""
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+@task(name="drill")
+def drill_task(catalog_url: str | None, config_path: str | None, job: str | None, step: int | None,
+               steps: int | None, device: str | None, model: str | None, timeout_seconds: float | None) -> list[dict[str, Any]]:
+    """Fetch, safely load, train K steps, judge and record (see ``pipeline.run_drill``)."""
+    log = get_run_logger()
+    config = load_config(config_path)
+    with Catalog.open(catalog_url or config.catalog_url) as cat:
+        reports = pipeline.run_drill(cat, config, now=utcnow, job=job, step=step, steps=steps, device=device,
+                                     model=model, timeout=timeout_seconds)
+    for r in reports:
+        (log.info if r["ok"] else log.error)(r["summary"])
+    return reports
+
+
+def render_report(reports: list[dict[str, Any]]) -> str:
+    """The drill report as markdown: one section per drill, a table of checks and timings."""
+    lines = ["# Restore drill", ""]
+    for r in reports:
+        mark = "PASSED" if r["ok"] else "FAILED"
+        lines += [f"## {r['job']} step {r['step']}: {mark}", "", r["summary"], "",
+                  f"device `{r.get('device') or '-'}`, tier `{r.get('tier') or '-'}`, "
+                  f"peak memory {r.get('peak_memory_bytes') or 0:,} bytes", "",
+                  "| check | result | detail |", "| --- | --- | --- |"]
+        lines += [f"| {c['name']} | {'ok' if c['ok'] else '**FAIL**'} | {c['detail']} |" for c in r["checks"]]
+        if r.get("timings"):
+            lines += ["", "| phase | seconds |", "| --- | ---: |"]
+            lines += [f"| {k} | {v:.3f} |" for k, v in r["timings"].items() if not k.endswith("_at")]
+        lines.append("")
+    return "\n".join(lines)
+
+
+@flow(name="restore-drill")
+def restore_drill_flow(
+    job: str | None = None,
+    step: int | None = None,
+    steps: int | None = None,
+    device: Literal["auto", "cpu", "cuda"] | None = None,
+    model: str | None = None,
+    timeout_seconds: float | None = None,
+    config_path: str | None = None,
+    catalog_url: str | None = None,
+) -> list[dict[str, Any]]:
+    """Restore a checkpoint, train a few steps and record whether recovery works.
+
+    Args:
+        job: Drill only this job (default: the newest verified checkpoint of every job).
+        step: Drill this step of the job instead of the newest verified one.
+        steps: Training steps to run from the restored state (default: the [[drill]] steps, else 10).
+        device: auto (CUDA when available), cpu or cuda (default: the [[drill]] device, else auto).
+        model: Model factory as module:function (default: the job's [[drill]] model in ckptier.toml).
+        timeout_seconds: Kill the drill after this many seconds (default: the [[drill]] timeout, 15 minutes).
+        config_path: ckptier.toml path (default: CKPTIER_CONFIG or ./ckptier.toml).
+        catalog_url: Catalog SQLAlchemy URL (default: the config's, CKPTIER_CATALOG_URL, else SQLite).
+    """
+    reports = drill_task(catalog_url, config_path, job, step, steps, device, model, timeout_seconds)
+    create_markdown_artifact(render_report(reports), key="drill-report", description="Restore drill report")
+    failed = [r for r in reports if not r["ok"]]
+    for r in failed:
+        emit_event(
+            event="ckptier.drill.failed",
+            resource={"prefect.resource.id": f"ckptier.checkpoint.{r['job']}.{r['step']}",
+                      "prefect.resource.name": f"{r['job']} step {r['step']}", "ckptier.job": r["job"]},
+            payload={"job": r["job"], "step": r["step"], "summary": r["summary"]},
+        )
+    # A job whose final attempt passed recovered (earlier candidates fell back); fail only if a job never passed.
+    passed_jobs = {r["job"] for r in reports if r["ok"]}
+    if any(r["job"] not in passed_jobs for r in failed):
+        raise DrillFailed("; ".join(r["summary"] for r in failed if r["job"] not in passed_jobs))
+    return reports

@@ -1,0 +1,100 @@
+"""Prefect flow ``tiering``: plan retention, then (only when asked) carry it out.
+
+Deployments run it with ``apply=False`` by default: a dry run that publishes
+the plan, until the user turns ``apply`` on in the UI.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from prefect import flow, task
+from prefect.artifacts import create_table_artifact
+from prefect.logging import get_run_logger
+
+from ckptier.storage.catalog.api import Catalog
+from ckptier.tasks import pipeline
+from ckptier.tasks.config import load_config
+from ckptier.tasks.prefect_tasks import retry_if_transient
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def run_owner(prefix: str = "ckptier") -> str:
+    """A lease owner name unique to this process: host, pid and, in a flow run, its id."""
+    try:
+        from prefect.runtime import flow_run
+
+        run_id = flow_run.id or ""
+    except Exception:  # noqa: BLE001 - outside a flow run
+        run_id = ""
+    return f"{prefix}:{socket.gethostname()}:{os.getpid()}:{run_id}"[:200]
+
+
+@task(name="plan-retention")
+def plan_task(catalog_url: str | None, config_path: str | None, job: str | None) -> list[dict[str, Any]]:
+    """The retention plan as rows (job, step, action, scope, reasons, bytes)."""
+    from ckptier.tasks.retention import render_plan_table
+
+    config = load_config(config_path)
+    with Catalog.open(catalog_url or config.catalog_url) as cat:
+        plan = pipeline.make_plan(cat, config, job=job, now=utcnow())
+    return render_plan_table(plan)
+
+
+@task(name="apply-retention", retries=1, retry_delay_seconds=60, retry_condition_fn=retry_if_transient)
+def apply_task(catalog_url: str | None, config_path: str | None, job: str | None, dry_run: bool,
+               lease_minutes: int) -> dict[str, Any]:
+    """Promote milestones, then delete what the policy lets go (fenced, batched)."""
+    log = get_run_logger()
+    config = load_config(config_path)
+    with Catalog.open(catalog_url or config.catalog_url) as cat:
+        report = pipeline.run_apply(cat, config, now=utcnow, owner=run_owner(), job=job, dry_run=dry_run,
+                                    lease_ttl=timedelta(minutes=lease_minutes))
+    for line in report["lines"]:
+        log.info(line)
+    return report
+
+
+def publish_plan(rows: list[dict[str, Any]]) -> None:
+    """Table artifact ``retention-plan`` with a bytes-saved summary in its description."""
+    deleted = sum(r["bytes"] for r in rows if r["action"] == "delete")
+    total = sum(r["bytes"] for r in rows)
+    table = [{"job": r["job"], "step": r["step"], "state": r["state"], "action": r["action"], "scope": r["scope"],
+              "bytes": r["bytes"], "reasons": "; ".join(r["reasons"])} for r in rows]
+    create_table_artifact(
+        table or [{"job": "-", "step": "-", "action": "-", "reasons": "no checkpoints"}],
+        key="retention-plan",
+        description=f"Retention plan: {deleted:,} of {total:,} hot bytes can be freed ({deleted / total:.0%})" if total
+        else "Retention plan: nothing cataloged",
+    )
+
+
+@flow(name="tiering")
+def tiering_flow(
+    apply: bool = False,
+    job: str | None = None,
+    config_path: str | None = None,
+    catalog_url: str | None = None,
+    lease_minutes: int = 60,
+) -> dict[str, Any]:
+    """Plan retention and, with ``apply``, promote milestones and delete rolling checkpoints.
+
+    Args:
+        apply: Carry out the plan. Off (the default) is a dry run that only publishes the plan.
+        job: Only this job (default: every job).
+        config_path: ckptier.toml with the [[policy]] tables (default: CKPTIER_CONFIG or ./ckptier.toml).
+        catalog_url: Catalog SQLAlchemy URL (default: the config's [catalog] url, CKPTIER_CATALOG_URL, else SQLite).
+        lease_minutes: How long this run may hold a checkpoint before another run may take it over.
+    """
+    rows = plan_task(catalog_url, config_path, job)
+    publish_plan(rows)
+    report = apply_task(catalog_url, config_path, job, not apply, lease_minutes)
+    if report["failed"]:
+        raise RuntimeError("tiering: some items failed; re-run to resume: " + "; ".join(report["lines"][-3:]))
+    return {"plan": rows, "apply": report}
