@@ -169,8 +169,8 @@ class S3Store:
     ``multipart_threshold`` bytes go in one PutObject; larger or unknown-size
     streams go in a multipart upload whose parts are ``part_size`` bytes
     (doubling every 2,000 parts so that even huge streams fit S3's 10,000
-    part limit). Memory use of a write is bounded by
-    ``max(multipart_threshold, part size)``. A failed multipart upload is
+    part limit). Memory use of a write is bounded by about
+    ``multipart_threshold`` plus one part. A failed multipart upload is
     aborted (best effort); one left by a killed process is found by
     :meth:`list_multipart_uploads` and removed by :meth:`abort_multipart`.
     """
