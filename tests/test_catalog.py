@@ -651,8 +651,55 @@ def test_default_catalog_url(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
     assert default_catalog_url() == f"sqlite:///{tmp_path}/xdg/ckptier/catalog.db"
     assert mask_url("postgresql://u:secret@h/db") == "postgresql://u:***@h/db"
+    for scheme in ("postgresql", "postgres", "postgresql+psycopg"):
+        engine = make_engine(f"{scheme}://u@127.0.0.1/db")  # no connection yet
+        assert engine.url.drivername == "postgresql+psycopg"
+        engine.dispose()
 
 
 def test_catalog_does_not_import_prefect() -> None:
     code = "import sys, ckptier.storage.catalog.api; sys.exit('prefect' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_concurrent_scans_of_the_same_listing_both_succeed(
+    catalog_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    listing = recog(*(found("a", s) for s in range(20)), *(found("b", s) for s in range(20)))
+    cats = [Catalog.open(catalog_url) for _ in range(2)]
+    cats[0].record_scan(STORE, recog(found("a", 0), found("b", 0)), now=T0)  # jobs exist
+    errors: list[BaseException] = []
+    # Hold each scan inside its first job transaction until the other one gets
+    # there too (or 1 s passes, when the catalog serialises them as it should):
+    # without per-job serialisation both insert the same checkpoints.
+    meet = threading.Barrier(2)
+    real = Catalog._ensure_job
+
+    def ensure_then_meet(self: Catalog, *args: Any) -> tuple[int, bool]:
+        result = real(self, *args)
+        try:
+            meet.wait(timeout=1)
+        except threading.BrokenBarrierError:
+            pass
+        return result
+
+    monkeypatch.setattr(Catalog, "_ensure_job", ensure_then_meet)
+
+    def scan(c: Catalog) -> None:
+        try:
+            c.record_scan(STORE, listing, now=T0)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    try:
+        threads = [threading.Thread(target=scan, args=(c,)) for c in cats]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+        assert errors == []
+        counts = table_counts(cats[0])
+        assert (counts["jobs"], counts["checkpoints"], counts["files"], counts["copies"]) == (2, 40, 80, 40)
+    finally:
+        for c in cats:
+            c.close()

@@ -30,6 +30,7 @@ from sqlalchemy import (
     insert,
     or_,
     select,
+    text,
     true,
     update,
 )
@@ -61,6 +62,8 @@ COPY_STATES = ("present", "missing", "deleted", "degraded")
 FILE_STATUSES = ("ok", "corrupt", "missing", "error")
 #: How many file names a state reason or event message lists before "+N more".
 _NAMES_SHOWN = 3
+#: First key of the PostgreSQL advisory locks that serialise scans of one job.
+_SCAN_LOCK_CLASS = 0x636B73  # "cks"
 
 
 class UnknownCheckpoint(CkptierError, LookupError):
@@ -359,6 +362,13 @@ class Catalog:
         now: datetime,
         tally: _Tally,
     ) -> None:
+        if self.dialect == "postgresql":
+            # Two scans of the same job queue here instead of racing on inserts;
+            # SQLite's BEGIN IMMEDIATE already serialises writers.
+            conn.execute(
+                text("SELECT pg_advisory_xact_lock(:cls, hashtext(:name))"),
+                {"cls": _SCAN_LOCK_CLASS, "name": name},
+            )
         hot_url = None
         if found_by_step:
             first = found_by_step[min(found_by_step)]

@@ -10,8 +10,8 @@ One SQLAlchemy URL chooses the database (``--catalog`` or
   transactions use ``BEGIN DEFERRED`` (execution option ``sqlite_begin``).
   A path on a network filesystem (NFS, CIFS, sshfs, ...) is refused: SQLite's
   locking is unreliable there.
-* ``postgresql://`` / ``postgresql+psycopg://`` for a shared catalog (always
-  driven by psycopg 3).
+* ``postgresql://`` (or ``postgres://``, ``postgresql+psycopg://``) for a
+  shared catalog, always driven by psycopg 3.
 
 :func:`open_engine` makes the engine and migrates the schema to the newest
 revision; every failure to do so is a one-line :class:`ConfigError` naming the
@@ -143,7 +143,7 @@ def _normalise(url: str) -> URL:
     except ArgumentError as exc:
         raise ConfigError(f"catalog URL {mask_url(url)!r} is not a database URL; {_FIX}") from exc
     backend = u.get_backend_name()
-    if backend == "postgresql":
+    if backend in ("postgresql", "postgres"):
         return u.set(drivername="postgresql+psycopg")
     if backend == "sqlite":
         if u.get_driver_name() not in ("pysqlite", ""):
