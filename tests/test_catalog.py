@@ -328,7 +328,7 @@ def test_rescan_of_many_checkpoints_is_bulk_and_fast(cat: Catalog, statements: S
     # A handful of queries for the whole job, not one per checkpoint.
     assert len(statements.sql) < 15, statements.sql[:20]
     # Target ~1 s on this machine; generous bound against noisy neighbours.
-    assert rescan < 5.0, f"rescan of 1,000 x 100 files took {rescan:.2f}s (first scan {first:.2f}s)"
+    assert rescan < 10.0, f"rescan of 1,000 x 100 files took {rescan:.2f}s (first scan {first:.2f}s)"
 
 
 # -- queries -------------------------------------------------------------------------
