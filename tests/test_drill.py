@@ -476,3 +476,29 @@ def test_demo_model_is_deterministic_and_learns() -> None:
     assert all(torch.equal(x, y) for x, y in zip(a.model.state_dict().values(), b.model.state_dict().values(), strict=True))
     losses = demo_train(a, range(1, 101))
     assert losses[-1] < 0.6 * losses[0]
+
+
+# --- the shared real-library fixtures (tests/fixtures/checkpoints.py) -------------
+
+
+@pytest.mark.parametrize("run_name", ["guide_run", "dcp_run", "lightning_run"])
+def test_drill_on_shared_fixture_checkpoints(run_name: str, request: pytest.FixtureRequest) -> None:
+    run = request.getfixturevalue(run_name)  # lightning_run skips when lightning is not installed
+    newest = max(run.steps)
+    result = drill_in_process(run.path(newest), run.format.value, factory="tests.fixtures.checkpoints:tiny_mlp_drill_spec")
+    verdict = judge(result)
+    assert verdict.ok, verdict.summary
+    assert result.optimizer_loaded and result.optimizer_step_after == result.optimizer_step_before + 3
+    if run.steps[newest].recorded_loss is not None:
+        assert result.recorded_loss == pytest.approx(run.steps[newest].recorded_loss)
+
+
+def test_real_hf_trainer_checkpoint_loads_safely(hf_run) -> None:  # type: ignore[no-untyped-def]
+    from ckptier.tasks.safe_load import load_checkpoint_dir
+
+    newest = max(hf_run.steps)
+    loaded = load_checkpoint_dir(hf_run.path(newest), Format.HF)
+    assert loaded.step == newest and loaded.optimizer_state is not None
+    assert loaded.recorded_loss == pytest.approx(hf_run.steps[newest].recorded_loss)
+    assert any(name.startswith("rng_state") for name in loaded.also_loaded)  # numpy RNG state via the allowlist
+    assert "hf_config_dir" in loaded.extra and "transformer.wte.weight" in loaded.model_state
