@@ -509,6 +509,8 @@ def test_sigkill_mid_multipart_leaves_no_archive_copy_and_janitor_aborts_it(s3_b
             pytest.fail("the first part never appeared")
         os.kill(proc.pid, signal.SIGKILL)
     finally:
+        if proc.poll() is None and proc.returncode is None:
+            proc.kill()  # never leave the uploader behind, whatever failed above
         proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL
 
