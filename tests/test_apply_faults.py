@@ -9,7 +9,7 @@ canary. Every test ends with a clean re-run that finishes the work.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
