@@ -90,6 +90,7 @@ and user patterns.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import re
@@ -696,9 +697,33 @@ def recognise(
     The result is deterministic for a given listing and file contents;
     ``objects`` counts every object in the listing, skipped ones included.
     Raises only what ``read_small`` raises for transient errors.
+
+    Python's cyclic garbage collector is paused while the listing is
+    consumed: the pass allocates a few objects per listed key and no cycles,
+    and in a process with a large heap (torch, Prefect) the collections it
+    would trigger cost more than the recognition itself (measured: 0.73 s vs
+    0.29 s for 100,000 keys with ~600,000 live objects).
     """
     if not root_name:
         raise ValueError("root_name is empty; pass the last path component of the scanned URL (or the bucket name)")
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _recognise(listing, read_small, root_name, now, patterns, metadata_limit, lightning_settle_seconds)
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _recognise(
+    listing: Iterable[ObjectInfo],
+    read_small: Callable[[str], bytes],
+    root_name: str,
+    now: float,
+    patterns: Sequence[PatternRule],
+    metadata_limit: int,
+    lightning_settle_seconds: float,
+) -> Recognition:
     run = _Pass(read_small, root_name, now, patterns, metadata_limit, lightning_settle_seconds)
     groups: dict[str, _Group] = {}
     get_group = groups.get
