@@ -100,7 +100,7 @@ class CodecStats:
 
 
 class _Workers:
-    """Per-thread zstd contexts (a context must not be shared between threads)."""
+    """Per-thread zstd contexts and scratch arrays (none of them may be shared between threads)."""
 
     def __init__(self, level: int) -> None:
         self._local = threading.local()
@@ -126,6 +126,38 @@ class _Workers:
             dctx = self._local.dctx = zstandard.ZstdDecompressor()
         return dctx
 
+    def scratch(self) -> planes.Scratch:
+        scratch = getattr(self._local, "scratch", None)
+        if scratch is None:
+            scratch = self._local.scratch = planes.Scratch()
+        return scratch
+
+
+class _Pool:
+    """Free uint8 buffers handed between the I/O thread and the workers, reused to avoid page faults.
+
+    :meth:`take` returns a buffer of at least ``need`` bytes (``size`` when
+    that is more); :meth:`give` returns it for reuse. The pool never holds
+    more buffers than were in use at once, so it is bounded by the window of
+    segments in flight.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self, need: int = 0) -> np.ndarray:
+        with self._lock:
+            for i in range(len(self._free) - 1, -1, -1):
+                if self._free[i].size >= need:
+                    return self._free.pop(i)
+        return np.empty(max(need, self.size), dtype=np.uint8)
+
+    def give(self, *bufs: np.ndarray) -> None:
+        with self._lock:
+            self._free.extend(bufs)
+
 
 def _source_size(src: BinaryIO) -> int | None:
     try:
@@ -143,77 +175,97 @@ def _source_size(src: BinaryIO) -> int | None:
     return None
 
 
-def _blocks(reader: PeekReader, payload: str, block: int) -> Iterator[tuple[int, int, bytearray]]:
-    """Cut the stream into ``(width, transform, raw bytes)`` blocks, in stream order."""
-    pending = bytearray()
+#: one block of input: (element width, transform, pooled buffer, byte count).
+_Block = tuple[int, int, np.ndarray, int]
+
+
+def _blocks(reader: PeekReader, payload: str, block: int, pool: _Pool) -> Iterator[_Block]:
+    """Cut the stream into blocks read into pooled buffers, in stream order.
+
+    The consumer owns each yielded buffer (and gives it back to ``pool``);
+    the generator itself holds at most two buffers at a time.
+    """
+    pending: np.ndarray | None = None  # generic bytes waiting to fill a block
+    filled = 0
     for width, transform, length in plan_regions(reader, payload):
         tensor = width > 1 and length is not None and length >= MIN_TENSOR_BYTES
         if not tensor:
             remaining = length if length is not None else -1
             while remaining:
-                want = block - len(pending) if remaining < 0 else min(block - len(pending), remaining)
-                start = len(pending)
-                pending.extend(bytes(want))
-                got = reader.readinto(memoryview(pending)[start:])
-                del pending[start + got :]
-                if len(pending) >= block:
-                    yield 1, planes.TRANSFORM_NONE, pending
-                    pending = bytearray()
+                if pending is None:
+                    pending, filled = pool.take(block), 0
+                want = block - filled if remaining < 0 else min(block - filled, remaining)
+                got = reader.readinto(memoryview(pending)[filled : filled + want])
+                filled += got
+                if filled >= block:
+                    yield 1, planes.TRANSFORM_NONE, pending, filled
+                    pending = None
                 if got < want:
                     break  # end of stream
                 remaining = remaining - got if remaining > 0 else remaining
             if length is None:
                 break
             continue
-        if pending:
-            yield 1, planes.TRANSFORM_NONE, pending
-            pending = bytearray()
+        if pending is not None:
+            yield 1, planes.TRANSFORM_NONE, pending, filled
+            pending = None
         assert length is not None
         step = block - block % width
         remaining = length
         while remaining:
             want = min(step, remaining)
-            buf = bytearray(want)
-            got = reader.readinto(memoryview(buf))
+            buf = pool.take(block)
+            got = reader.readinto(memoryview(buf)[:want])
             whole = got - got % width
             if whole >= MIN_TENSOR_BYTES:
-                tail = bytes(memoryview(buf)[whole:got])
-                del buf[whole:]
-                if pending:
-                    yield 1, planes.TRANSFORM_NONE, pending
-                    pending = bytearray()
-                yield width, transform, buf
-                pending += tail
+                tail = got - whole
+                if tail:
+                    pending, filled = pool.take(block), tail
+                    pending[:tail] = buf[whole:got]
+                yield width, transform, buf, whole
             else:
-                pending += memoryview(buf)[:got]
+                pending, filled = buf, got  # nothing pending here: tails only come last
             remaining -= got
             if got < want:
                 break  # end of stream, or a region longer than the stream
-    if pending:
-        yield 1, planes.TRANSFORM_NONE, pending
+    if pending is not None and filled:
+        yield 1, planes.TRANSFORM_NONE, pending, filled
+    elif pending is not None:
+        pool.give(pending)
+
+
+#: a coded segment: (segment header, payloads in order, plane modes, buffers to give back).
+_Coded = tuple[bytes, list[bytes | memoryview], list[int], list[np.ndarray]]
 
 
 def _encode_segment(
-    workers: _Workers, offset: int, width: int, transform: int, raw: bytearray
-) -> tuple[bytes, list[bytes], list[int]]:
-    """Code one block; return (segment header, plane payloads, plane modes)."""
+    workers: _Workers, pool: _Pool, offset: int, width: int, transform: int, buf: np.ndarray, n: int
+) -> _Coded:
+    """Code one block; raw payloads are views of the returned buffers, valid until they are given back."""
+    raw = buf[:n]
+    raw_crc = checksums.crc32c(raw)
+    coded: list[tuple[int, bytes | memoryview]]
     if width == 1:
         payload = workers.generic().compress(raw)
-        if len(payload) >= len(raw):
-            coded = [(planes.PLANE_RAW, bytes(raw))]
+        if len(payload) >= n:
+            coded = [(planes.PLANE_RAW, memoryview(raw))]
         else:
             coded = [(planes.PLANE_ZSTD, payload)]
         kind = KIND_GENERIC
+        keep = buf
     else:
-        split = planes.split_planes(raw, width, transform)
+        scratch = workers.scratch()
+        keep = pool.take(n)
+        split = planes.split_planes(raw, width, transform, out=keep, scratch=scratch)
+        pool.give(buf)
         cctx = workers.plane()
-        coded = [planes.encode_plane(split[k], cctx) for k in range(width)]
+        coded = [planes.encode_plane(split[k], cctx, scratch) for k in range(width)]
         kind = KIND_PLANES
-    head = bytearray(_SEG_HEAD.pack(b"SG", kind, width, transform, offset, len(raw), checksums.crc32c(raw)))
+    head = bytearray(_SEG_HEAD.pack(b"SG", kind, width, transform, offset, n, raw_crc))
     for mode, payload in coded:
         head += _PLANE_ENTRY.pack(mode, len(payload))
     head += _U32.pack(checksums.crc32c(head))
-    return bytes(head), [p for _, p in coded], [m for m, _ in coded]
+    return bytes(head), [p for _, p in coded], [m for m, _ in coded], [keep]
 
 
 def encode(
@@ -254,28 +306,30 @@ def encode(
     out = [MAGIC + head + _U32.pack(checksums.crc32c(head))]
     written = _write(dst, out[0])
     workers = _Workers(level)
+    buffers = _Pool(block_size)
     crc = 0
     offset = 0
     count = 0
-    window: deque[Future[tuple[bytes, list[bytes], list[int]]]] = deque()
+    window: deque[Future[_Coded]] = deque()
 
     def flush_one() -> int:
-        seg_head, payloads, modes = window.popleft().result()
+        seg_head, payloads, modes, used = window.popleft().result()
         n = _write(dst, seg_head)
         for p in payloads:
             n += _write(dst, p)
+        buffers.give(*used)
         for m in modes:
             stats._count("plane_" + _MODE_NAMES[m])
         return n
 
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckz-encode") as pool:
-        for width, transform, raw in _blocks(reader, payload, block_size):
-            crc = checksums.crc64nvme(raw, crc)
-            window.append(pool.submit(_encode_segment, workers, offset, width, transform, raw))
+        for width, transform, buf, n in _blocks(reader, payload, block_size, buffers):
+            crc = checksums.crc64nvme(memoryview(buf)[:n], crc)
+            window.append(pool.submit(_encode_segment, workers, buffers, offset, width, transform, buf, n))
             stats._count("generic" if width == 1 else "planes")
-            offset += len(raw)
+            offset += n
             count += 1
-            while len(window) > 2 * threads:
+            while len(window) >= 2 * threads:
                 written += flush_one()
         while window:
             written += flush_one()
@@ -326,6 +380,22 @@ class _ArchiveReader:
         self.consumed += n
         return data
 
+    def exact_into(self, view: memoryview, what: str) -> None:
+        """Fill ``view`` from the archive (without an intermediate copy where ``src`` has ``readinto``)."""
+        readinto = getattr(self.src, "readinto", None)
+        filled = 0
+        while filled < len(view):
+            if readinto is not None:
+                got = readinto(view[filled:]) or 0
+            else:
+                chunk = self.src.read(len(view) - filled) or b""
+                got = len(chunk)
+                view[filled : filled + got] = chunk
+            if not got:
+                raise self.fail(f"truncated in the {what}")
+            filled += got
+        self.consumed += filled
+
 
 def _read_header(reader: _ArchiveReader) -> dict[str, Any]:
     magic = reader.src.read(len(MAGIC))
@@ -369,26 +439,46 @@ def describe(src: BinaryIO) -> dict[str, Any]:
 
 
 def _decode_segment(
-    workers: _Workers, label: str, kind: int, width: int, transform: int, raw_len: int, raw_crc: int,
-    modes: list[int], payloads: list[memoryview],
-) -> bytes | bytearray:
+    workers: _Workers, buffers: _Pool, label: str, kind: int, width: int, transform: int, raw_len: int,
+    raw_crc: int, modes: list[int], payloads: list[memoryview], inbuf: np.ndarray,
+) -> tuple[memoryview, list[np.ndarray]]:
+    """Decode and verify one segment; return its bytes and the pooled buffers that hold them."""
     dctx = workers.decompressor()
+    scratch = workers.scratch()
+    used = [inbuf]
+    in_place = kind == KIND_GENERIC and modes[0] == planes.PLANE_RAW
     try:
-        if kind == KIND_GENERIC:
-            out: bytes | bytearray = planes.decode_plane(modes[0], payloads[0], raw_len, dctx).tobytes()
+        if in_place:
+            if len(payloads[0]) != raw_len:
+                raise ValueError(f"raw segment holds {len(payloads[0])} bytes, expected {raw_len}")
+            out = payloads[0]
         else:
-            size = raw_len // width
-            decoded = [planes.decode_plane(modes[k], payloads[k], size, dctx) for k in range(width)]
-            buf = bytearray(raw_len)
-            planes.merge_planes(decoded, width, transform, np.frombuffer(buf, dtype=np.uint8))
-            out = buf
+            outbuf = buffers.take(raw_len)
+            used.append(outbuf)
+            target = outbuf[:raw_len]
+            if kind == KIND_GENERIC and modes[0] == planes.PLANE_ZSTD:
+                planes._decompress_into(dctx, payloads[0], target)
+            elif kind == KIND_GENERIC:
+                np.copyto(target, planes.decode_plane(modes[0], payloads[0], raw_len, dctx, scratch))
+            else:
+                size = raw_len // width
+                decoded = [
+                    planes.decode_plane(modes[k], payloads[k], size, dctx, scratch, f"plane{k}") for k in range(width)
+                ]
+                planes.merge_planes(decoded, width, transform, target, scratch)
+            out = memoryview(target)
     except ValueError as exc:
+        buffers.give(*used)
         raise IntegrityError(f"{label}: {exc}; the archive is damaged, restore from another copy", key=label) from exc
     if checksums.crc32c(out) != raw_crc:
+        buffers.give(*used)
         raise IntegrityError(
             f"{label}: segment checksum mismatch; the archive is damaged, restore from another copy", key=label
         )
-    return out
+    if not in_place:
+        buffers.give(inbuf)  # every plane is decoded: the stored bytes are no longer needed
+        used.remove(inbuf)
+    return out, used
 
 
 def decode(src: BinaryIO, dst: BinaryIO, *, threads: int = 2) -> CodecStats:
@@ -410,17 +500,20 @@ def decode(src: BinaryIO, dst: BinaryIO, *, threads: int = 2) -> CodecStats:
     reader.label = label
     stats = CodecStats(name=label, payload=str(header.get("payload", "")))
     workers = _Workers(1)
+    block = header.get("block_size")
+    buffers = _Pool(block if isinstance(block, int) and 0 < block <= MAX_SEGMENT else BLOCK_SIZE)
     crc = 0
     offset = 0
     count = 0
-    window: deque[Future[bytes | bytearray]] = deque()
+    window: deque[Future[tuple[memoryview, list[np.ndarray]]]] = deque()
 
     def flush_one() -> None:
         nonlocal crc, offset
-        data = window.popleft().result()
+        data, used = window.popleft().result()
         _write(dst, data)
         crc = checksums.crc64nvme(data, crc)
         offset += len(data)
+        buffers.give(*used)
 
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckz-decode") as pool:
         expected_offset = 0
@@ -443,22 +536,33 @@ def decode(src: BinaryIO, dst: BinaryIO, *, threads: int = 2) -> CodecStats:
                 raise reader.fail(f"segment at raw offset {seg_offset} (length {raw_len}) does not follow {expected_offset}")
             entries = [_PLANE_ENTRY.unpack_from(table, i * _PLANE_ENTRY.size) for i in range(nplanes)]
             plane_size = raw_len // nplanes
-            payloads = []
             for mode, stored in entries:
                 if stored > plane_size + 64:
                     raise reader.fail(f"plane of {stored} stored bytes is larger than its {plane_size} raw bytes")
-                payloads.append(memoryview(reader.exact(stored, "segment data")))
                 stats._count("plane_" + _MODE_NAMES.get(mode, "unknown"))
             stats._count("generic" if kind == KIND_GENERIC else "planes")
+            total = sum(stored for _, stored in entries)
+            inbuf = buffers.take(total)
+            data = memoryview(inbuf)[:total]
+            try:
+                reader.exact_into(data, "segment data")
+            except IntegrityError:
+                buffers.give(inbuf)
+                raise
+            payloads = []
+            at = 0
+            for _, stored in entries:
+                payloads.append(data[at : at + stored])
+                at += stored
             window.append(
                 pool.submit(
-                    _decode_segment, workers, label, kind, width, transform, raw_len, raw_crc,
-                    [m for m, _ in entries], payloads,
+                    _decode_segment, workers, buffers, label, kind, width, transform, raw_len, raw_crc,
+                    [m for m, _ in entries], payloads, inbuf,
                 )
             )
             expected_offset += raw_len
             count += 1
-            while len(window) > 2 * threads:
+            while len(window) >= 2 * threads:
                 flush_one()
         while window:
             flush_one()

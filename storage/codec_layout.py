@@ -46,6 +46,7 @@ _LOCAL = b"PK\x03\x04"
 _CENTRAL = b"PK\x01\x02"
 _LOCAL_HEAD = struct.Struct("<4sHHHHHIIIHH")
 _RESYNC_WINDOW = 64 << 10
+_FIRST_PEEK = 64 << 10
 _DATA_MEMBER = re.compile(rb"(?:^|/)data/([^/]+)$")
 
 #: legacy torch storage class -> (element width, transform).
@@ -239,11 +240,7 @@ def _torch_regions(reader: PeekReader) -> Iterator[Region]:
             size = csize
         width, transform = 1, TRANSFORM_NONE
         if name == b"data.pkl" or name.endswith(b"/data.pkl"):
-            body = reader.peek(min(size if size is not None else MAX_METADATA, MAX_METADATA))
-            try:
-                storages, pickle_len = torch_storages(body)
-            except Exception:  # any malformed pickle: keep the bytes, lose the hints
-                storages, pickle_len = {}, 0
+            storages, pickle_len = _peek_storages(reader, size)
             if size is None and pickle_len:
                 size = pickle_len
         elif method == 0 and (match := _DATA_MEMBER.search(name)) is not None:
@@ -257,6 +254,25 @@ def _torch_regions(reader: PeekReader) -> Iterator[Region]:
         if not (yield from _resync(reader)):
             break
     yield 1, TRANSFORM_NONE, None
+
+
+def _peek_storages(reader: PeekReader, size: int | None) -> tuple[dict[str, tuple[str, int]], int]:
+    """Parse the ``data.pkl`` ahead of ``reader`` without consuming it; ``({}, 0)`` when it cannot be read.
+
+    With an unknown member size (a streaming writer), look ahead in growing
+    steps (64 KiB, x4 each time, up to :data:`MAX_METADATA`) rather than
+    buffering the largest possible pickle: a truncated pickle always fails to
+    parse, so the first step that parses holds all of it.
+    """
+    want = min(size, MAX_METADATA) if size is not None else min(_FIRST_PEEK, MAX_METADATA)
+    while True:
+        body = reader.peek(want)
+        try:
+            return torch_storages(body)
+        except Exception:  # any malformed or truncated pickle: keep the bytes, lose the hints
+            if size is not None or len(body) < want or want >= MAX_METADATA:
+                return {}, 0
+        want = min(want * 4, MAX_METADATA)
 
 
 def _resync(reader: PeekReader) -> Iterator[Region]:
