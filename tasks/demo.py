@@ -87,14 +87,17 @@ def train_demo_run(
     for step in range(every, steps + 1, every):
         step_losses = demo_train(spec, range(last + 1, step + 1))
         last = step
+        # Like a training logger: the loss recorded is the mean of a window, not one noisy batch.
+        window = step_losses[-10:]
+        recorded = sum(window) / len(window)
         assert spec.optimizer is not None
         commit = not (leave_last_in_flight and step + every > steps)
         write_guide_checkpoint(
             job_dir / f"step-{step:08d}",
             {"rank-0000/model.pt": spec.model.state_dict(), "rank-0000/optimizer.pt": spec.optimizer.state_dict()},
-            step=step, loss=step_losses[-1], commit=commit, extra={"model": "ckptier.tasks.models:demo_model"},
+            step=step, loss=recorded, commit=commit,
         )
         saved.append(step)
-        losses[step] = step_losses[-1]
+        losses[step] = recorded
     return DemoRun(job_dir=job_dir, steps=tuple(saved), in_flight=saved[-1] if leave_last_in_flight else None,
                    losses=losses)

@@ -185,7 +185,7 @@ def train_step(spec: DrillSpec, step: int, device: torch.device) -> Tensor:
 
 DEMO_INPUTS = 16
 DEMO_HIDDEN = 64
-DEMO_BATCH = 32
+DEMO_BATCH = 512
 DEMO_LR = 1e-3
 DEMO_SEED = 1234
 
@@ -208,7 +208,7 @@ class DemoMLP(nn.Module):
 
 
 def demo_batch(step: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """The batch of training step ``step``: (x[32, 16], y[32]); deterministic.
+    """The batch of training step ``step``: (x[512, 16], y[512]); deterministic.
 
     The target is a fixed smooth function of x plus a little noise, so the
     loss falls steadily during the demo's training.

@@ -244,7 +244,7 @@ def run_apply(
                 continue
             if n > 0 and not any(i.action == "delete" for i in plan.items):
                 continue
-            report = _apply_one(catalog, policy, plan, stores=stores, now=now, owner=owner, dry_run=dry_run,
+            report = _apply_one(catalog, config, policy, plan, stores=stores, now=now, owner=owner, dry_run=dry_run,
                                 lease_ttl=lease_ttl, lines=lines, items=items)
             promoted |= bool(report.promoted)
             failed |= not report.ok
@@ -254,7 +254,7 @@ def run_apply(
     return {"dry_run": dry_run, "items": items, "lines": lines, "bytes_freed": freed, "failed": failed}
 
 
-def _apply_one(catalog: Catalog, policy: Policy, plan: Plan, *, stores: StoreCache, now: Clock, owner: str,
+def _apply_one(catalog: Catalog, config: Config, policy: Policy, plan: Plan, *, stores: StoreCache, now: Clock, owner: str,
                dry_run: bool, lease_ttl: timedelta, lines: list[str], items: list[dict[str, Any]]) -> Any:
     """Carry out one policy's plan, appending report lines and item rows."""
     from .apply import apply_plan
@@ -263,7 +263,7 @@ def _apply_one(catalog: Catalog, policy: Policy, plan: Plan, *, stores: StoreCac
     report = apply_plan(
         plan, catalog=catalog, hot_for=stores.for_record, archive_for=lambda _job: archive_store,
         owner=owner, now=now, lease_ttl=lease_ttl, dry_run=dry_run, policy=str(policy),
-        max_missing_fraction=policy.max_missing_fraction,
+        max_missing_fraction=policy.max_missing_fraction, policy_for=config.policy_for,
     )
     for r in report.items:
         if r.action == "keep" and r.outcome == "skipped":

@@ -583,6 +583,9 @@ class Catalog:
             ):
                 continue
             cid = int(old.id)
+            hot = hot_copies.get((cid, old.location))
+            if hot is not None and hot[1] == "deleted":
+                continue  # ckptier removed this hot copy on purpose (an archive copy remains)
             ck_updates.append(
                 {"_id": cid, "last_seen": old.last_seen,
                  **{k: getattr(old, k) for k in (
@@ -590,7 +593,6 @@ class Catalog:
                      "saved_at", "verified_at", "recorded_loss")},
                  "missing_since": now}
             )
-            hot = hot_copies.get((cid, old.location))
             if hot is not None and hot[1] == "present":
                 copy_updates.append({"_id": hot[0], "state": "missing", "stored_bytes": hot[2]})
             tally.vanished += 1

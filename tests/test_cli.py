@@ -1,0 +1,176 @@
+"""The command line end to end on local directories: the DESIGN.md contract.
+
+Runs ``ckptier`` in-process through ``main()`` (and once as a real console
+script) against checkpoints a training loop writes with ``torch.save``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ckptier.flows.cli import main
+from ckptier.tasks.demo import train_demo_run
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture()
+def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path]:
+    """A hot dir with a trained demo run (last save in flight), a catalog, a policy with an archive."""
+    hot = tmp_path / "hot"
+    run_ = train_demo_run(hot, steps=200, every=25)
+    catalog = tmp_path / "catalog.db"
+    archive = tmp_path / "archive"
+    config = tmp_path / "ckptier.toml"
+    config.write_text(
+        f'[[policy]]\njobs = "*"\nkeep_last = 2\nmilestones = "log"\narchive = "{archive.as_uri()}"\n'
+        '[[drill]]\njobs = "*"\nmodel = "ckptier.tasks.models:demo_model"\nsteps = 3\n'
+    )
+    monkeypatch.setenv("CKPTIER_CATALOG_URL", f"sqlite:///{catalog}")
+    monkeypatch.setenv("CKPTIER_CONFIG", str(config))
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    return {"hot": hot, "job_dir": run_.job_dir, "archive": archive, "catalog": catalog, "config": config}
+
+
+def test_scan_ls_json_contract_and_idempotent_rescan(env: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "scan", str(env["hot"]), "--json")
+    assert code == 0
+    (report,) = json.loads(out)
+    assert report["checkpoints"] == 8 and report["committed"] == 7 and report["incomplete"] == 1
+    assert report["rows_written"] > 0
+
+    code, out, _ = run(capsys, "scan", env["hot"].as_uri(), "--json")
+    assert code == 0 and json.loads(out)[0]["rows_written"] == 0
+
+    code, out, _ = run(capsys, "ls", "--json")
+    rows = json.loads(out)
+    assert [r["step"] for r in rows] == [25, 50, 75, 100, 125, 150, 175, 200]
+    for r in rows:
+        assert {"job", "step", "format", "state", "bytes", "files", "tiers"} <= r.keys()
+        assert r["job"] == "demo-run" and r["format"] == "guide" and r["tiers"] == ["hot"]
+        assert r["files"] == (3 if r["state"] == "committed" else 2)
+        assert r["bytes"] > 1000
+    assert rows[-1]["state"] == "incomplete"
+
+
+def test_latest_falls_back_past_corrupt_and_incomplete(env: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    # Newest (200) is in flight; corrupt the one before it (175).
+    victim = env["job_dir"] / "step-00000175" / "rank-0000" / "model.pt"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    assert run(capsys, "scan", str(env["hot"]))[0] == 0
+
+    code, out, _ = run(capsys, "latest", "--job", "demo-run")
+    assert code == 1  # nothing verified yet
+    code, out, err = run(capsys, "verify", "--json")
+    report = json.loads(out)
+    assert code == 1 and report["totals"]["corrupt"] == 1 and report["totals"]["verified"] == 6
+    corrupt = [r for r in report["checkpoints"] if r["state"] == "corrupt"]
+    assert corrupt[0]["step"] == 175 and "model.pt" in corrupt[0]["detail"]
+
+    code, out, _ = run(capsys, "latest", "--job", "demo-run", "--json")
+    assert code == 0 and json.loads(out)["step"] == 150
+
+
+def test_plan_apply_fetch_rescan_drill(env: dict[str, Path], capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert run(capsys, "scan", str(env["hot"]))[0] == 0
+    assert run(capsys, "verify")[0] == 0
+    code, out, _ = run(capsys, "plan", "--json")
+    plan = {r["step"]: r for r in json.loads(out)}
+    assert plan[50]["action"] == "promote" and plan[100]["action"] == "promote"  # log milestones
+    assert plan[25]["action"] == "delete" and plan[75]["action"] == "delete"
+    assert plan[200]["action"] == "keep" and any("in flight" in x for x in plan[200]["reasons"])
+    assert all(r["reasons"] for r in plan.values())
+
+    before = sorted(p.name for p in env["job_dir"].iterdir())
+    assert run(capsys, "apply", "--dry-run")[0] == 0
+    assert sorted(p.name for p in env["job_dir"].iterdir()) == before  # a dry run changes nothing
+
+    code, out, err = run(capsys, "apply")
+    assert code == 0, out + err
+    left = sorted(p.name for p in env["job_dir"].iterdir())
+    # kept hot: the 2 newest verified + the save in flight; milestones live in the archive only.
+    assert left == ["step-00000150", "step-00000175", "step-00000200"]
+    assert (env["archive"] / "demo-run" / "step-00000100" / "MANIFEST.json").exists()
+
+    original = {}
+    for rel in ("rank-0000/model.pt", "rank-0000/optimizer.pt"):
+        original[rel] = json.loads((env["archive"] / "demo-run" / "step-00000100" / "MANIFEST.json").read_text())
+    dest = tmp_path / "restored"
+    code, out, _ = run(capsys, "fetch", "--job", "demo-run", "--step", "100", str(dest), "--json")
+    assert code == 0 and json.loads(out)["tier"] == "archive"
+    assert (dest / "rank-0000" / "model.pt").stat().st_size > 0
+
+    # A rescan after deleting hot copies on purpose must not report them missing
+    # (which would trip the shrink guard and suspend all deletion).
+    code, out, _ = run(capsys, "scan", str(env["hot"]), "--json")
+    assert json.loads(out)[0]["vanished"] == 0
+    code, out, _ = run(capsys, "ls", "--json")
+    rows = {r["step"]: r for r in json.loads(out)}
+    assert rows[100]["tiers"] == ["archive"] and rows[100]["missing_since"] is None
+    assert 25 not in rows  # deleted checkpoints are tombstones, listed only with --all
+    code, out, _ = run(capsys, "ls", "--all", "--json")
+    assert {r["step"]: r["state"] for r in json.loads(out)}[25] == "deleted"
+    code, out, _ = run(capsys, "plan", "--json")
+    assert not [r for r in json.loads(out) if r["action"] != "keep"]
+
+    code, out, err = run(capsys, "drill", "--json")
+    (drill,) = json.loads(out)
+    assert code == 0, err
+    assert drill["ok"] and drill["step"] == 175 and drill["tier"] == "hot"
+    assert {c["name"] for c in drill["checks"]} >= {"losses_finite", "gradients", "deterministic"}
+
+    code, out, _ = run(capsys, "drill", "--step", "100", "--job", "demo-run", "--json")
+    (drill,) = json.loads(out)
+    assert code == 0 and drill["ok"] and drill["tier"] == "archive"
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["scan", "s3://"], "no bucket"),
+        (["scan", "ftp://host/x"], "unsupported scheme"),
+        (["scan", "/definitely/not/here"], "does not exist"),
+        (["ls", "--job", "nope"], "nope"),
+        (["latest", "--job", "nope"], "nope"),
+        (["verify", "--sample", "9/7"], "--sample"),
+        (["fetch", "--job", "nope", "--step", "1", "/tmp/x"], "nope"),
+        (["ls", "--catalog", "nosuchdialect://x"], "nosuchdialect"),
+    ],
+)
+def test_bad_input_is_one_line_and_non_zero(env: dict[str, Path], capsys: pytest.CaptureFixture[str],
+                                            argv: list[str], needle: str) -> None:
+    code, out, err = run(capsys, *argv)
+    assert code != 0
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in err
+
+
+def test_broken_config_names_table_and_key(env: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    env["config"].write_text('[[policy]]\njobs = "*"\nkeep_lats = 3\n')
+    code, _, err = run(capsys, "plan")
+    assert code == 2 and "keep_lats" in err and "policy[0]" in err and len(err.strip().splitlines()) == 1
+
+
+def test_console_script_read_only_commands_do_not_import_prefect(env: dict[str, Path]) -> None:
+    """``ls``/``latest``/``plan`` must answer without importing Prefect (it costs seconds)."""
+    code = (
+        "import sys; from ckptier.flows.cli import main; rc = main(sys.argv[1:]); "
+        "assert 'prefect' not in sys.modules, 'prefect imported'; sys.exit(rc)"
+    )
+    for argv in (["ls"], ["plan"], ["latest", "--job", "demo-run"]):
+        proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
+                              env={**os.environ}, timeout=120)
+        assert "prefect imported" not in proc.stderr, proc.stderr
+        assert proc.returncode in (0, 1), proc.stderr
