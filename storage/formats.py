@@ -34,6 +34,7 @@ Layouts and their commit evidence (DESIGN.md, "Formats to recognise"):
 ``dcp``  torch.distributed.checkpoint as torchtitan writes it:
     ``{job}/step-{N}/*.distcp`` [``.metadata``]. ``.metadata`` is a pickle and
     is never read; its presence (non-empty, with at least one shard) commits.
+    A ``metadata.json`` beside the shards is read only for its ``loss``.
 
 ``hf-trainer``  ``{output_dir}/checkpoint-{N}/`` with weights (safetensors,
     ``.bin``, sharded variants with an index, FSDP/DeepSpeed sub-folders),
@@ -444,7 +445,16 @@ class _Pass:
             committed, reason = False, ".metadata present but no .distcp shards: torn or partly deleted"
         else:
             committed, reason = True, f"committed: .metadata present with {shards} .distcp shard(s)"
-        self.emit(job=job, step=step, fmt=Format.DCP, prefix=prefix, files=files, committed=committed, reason=reason)
+        loss = None
+        extra = top.get(_GUIDE_META)
+        if extra is not None and committed:  # a training script's own notes; not commit evidence
+            meta, _ = self.read_json(extra, _GUIDE_META)
+            if isinstance(meta, dict):
+                loss = _as_loss(meta.get("loss", meta.get("train_loss")))
+        self.emit(
+            job=job, step=step, fmt=Format.DCP, prefix=prefix, files=files, committed=committed, reason=reason,
+            loss=loss,
+        )
 
     def _guide(
         self,

@@ -7,8 +7,10 @@ import gc
 import json
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -19,7 +21,7 @@ from ckptier.storage.errors import ConfigError, NotFound, Unavailable
 from ckptier.storage.formats import PatternRule, is_own_file, recognise
 from ckptier.storage.local import LocalStore
 from ckptier.storage.model import FileRef, Format, Found, Recognition
-from tests.fixtures.checkpoints import CheckpointRun, copy_run
+from tests.fixtures.checkpoints import LR, CheckpointRun, copy_run, tiny_batch, tiny_gpt2_config, tiny_loss, tiny_mlp
 
 LATER = time.time() + 86_400  # far past every settle time of files written now
 
@@ -119,6 +121,53 @@ def test_lightning_checkpoint_within_settle_time_is_incomplete(lightning_run: Ch
     assert all(c.committed for c in rec.checkpoints)
 
 
+def _resume_and_train(fixture: str, run: CheckpointRun) -> float:
+    """Load step 4 of ``run`` the documented way, train steps 5 and 6, return step 6's loss."""
+    import torch
+
+    model = tiny_mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    path = run.path(4)
+    if fixture == "guide_run":
+        model.load_state_dict(torch.load(path / "rank-0000/model.pt", weights_only=True))
+        optimizer.load_state_dict(torch.load(path / "rank-0000/optimizer.pt", weights_only=True))
+    elif fixture == "dcp_run":
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*single process.*")
+            dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    else:
+        ckpt = torch.load(path, weights_only=True)
+        model.load_state_dict(ckpt["state_dict"])
+        optimizer.load_state_dict(ckpt["optimizer_states"][0])
+    loss = 0.0
+    for step in (5, 6):
+        optimizer.zero_grad()
+        out = tiny_loss(model, tiny_batch(step))
+        out.backward()
+        optimizer.step()
+        loss = out.item()
+    return loss
+
+
+@pytest.mark.parametrize("fixture", ["guide_run", "dcp_run", "lightning_run"])
+def test_fixture_models_rebuild_and_resume_as_documented(fixture: str, request: pytest.FixtureRequest) -> None:
+    run: CheckpointRun = request.getfixturevalue(fixture)
+    assert _resume_and_train(fixture, run) == pytest.approx(run.steps[6].loss, rel=1e-5)
+
+
+def test_hf_fixture_checkpoint_loads_with_from_pretrained(hf_run: CheckpointRun) -> None:
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel.from_pretrained(hf_run.path(6))
+    assert model.config.n_layer == tiny_gpt2_config().n_layer
+
+
 # --------------------------------------------------------------------------
 # Torn and damaged checkpoints (copies of the real ones)
 
@@ -211,6 +260,12 @@ def test_dcp_shards_without_metadata_are_incomplete(dcp_run: CheckpointRun, tmp_
     )
     assert only(rec.checkpoints, 2).reason == "__0_0.distcp is empty (0 bytes): save in flight or torn"
     assert only(rec.checkpoints, 4).committed
+
+
+def test_dcp_reads_loss_from_a_metadata_json_beside_the_shards() -> None:
+    keys = ["j/step-7/__0_0.distcp", "j/step-7/.metadata", "j/step-7/metadata.json"]
+    (c,) = recognise(infos(*keys), reader({keys[2]: b'{"loss": 0.75}'}), root_name="r", now=LATER).checkpoints
+    assert (c.format, c.committed, c.recorded_loss) == (Format.DCP, True, 0.75)
 
 
 def test_dcp_at_the_root_takes_the_root_name() -> None:
