@@ -16,6 +16,13 @@ from .errors import AccessDenied, AlreadyExists, NotFound, StoreError, Unavailab
 TEMP_PREFIX = ".ckptier-tmp-"
 
 
+def file_mode() -> int:
+    """Mode for new files: 0o666 less the process umask (``mkstemp`` alone gives 0o600)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def _translate(exc: OSError, url: str, key: str | None) -> StoreError:
     where = f"{url}/{key}" if key else url
     if isinstance(exc, FileNotFoundError) or exc.errno == errno.ENOTDIR:

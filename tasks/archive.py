@@ -39,6 +39,7 @@ from ckptier.storage.errors import (
     StoreError,
 )
 from ckptier.storage.hashing import Digests, Hasher
+from ckptier.storage.local import file_mode
 from ckptier.storage.manifest import Manifest, ManifestFile, StoredObject
 from ckptier.storage.model import CheckpointRecord, FileRecord, State, Tier
 
@@ -503,6 +504,7 @@ def _fetch_files(
         path = _dest_path(dest, f.relpath)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".ckptier-fetch-", dir=path.parent)
+        os.fchmod(fd, file_mode())
         try:
             with os.fdopen(fd, "wb") as out:
                 sink = _HashingSink(out)  # type: ignore[arg-type]

@@ -703,3 +703,10 @@ def test_concurrent_scans_of_the_same_listing_both_succeed(
     finally:
         for c in cats:
             c.close()
+
+
+def test_head_revision_constant_matches_alembic() -> None:
+    """The fast path that skips Alembic on open must know the real head."""
+    from ckptier.storage.catalog import db
+
+    assert db._heads() == frozenset({db.HEAD_REVISION})

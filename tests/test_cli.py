@@ -6,6 +6,7 @@ script) against checkpoints a training loop writes with ``torch.save``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from ckptier.flows.cli import main
+from ckptier.tasks.archive import manifest_key
 from ckptier.tasks.demo import train_demo_run
 
 
@@ -102,15 +104,16 @@ def test_plan_apply_fetch_rescan_drill(env: dict[str, Path], capsys: pytest.Capt
     left = sorted(p.name for p in env["job_dir"].iterdir())
     # kept hot: the 2 newest verified + the save in flight; milestones live in the archive only.
     assert left == ["step-00000150", "step-00000175", "step-00000200"]
-    assert (env["archive"] / "demo-run" / "step-00000100" / "MANIFEST.json").exists()
+    assert (env["archive"] / manifest_key("demo-run", 100)).exists()
 
-    original = {}
-    for rel in ("rank-0000/model.pt", "rank-0000/optimizer.pt"):
-        original[rel] = json.loads((env["archive"] / "demo-run" / "step-00000100" / "MANIFEST.json").read_text())
     dest = tmp_path / "restored"
     code, out, _ = run(capsys, "fetch", "--job", "demo-run", "--step", "100", str(dest), "--json")
     assert code == 0 and json.loads(out)["tier"] == "archive"
-    assert (dest / "rank-0000" / "model.pt").stat().st_size > 0
+    meta = json.loads((dest / "metadata.json").read_text())
+    assert sorted(meta["files"]) == ["rank-0000/model.pt", "rank-0000/optimizer.pt"]
+    for rel, expected in meta["files"].items():
+        assert hashlib.sha256((dest / rel).read_bytes()).hexdigest() == expected["sha256"]
+    assert (dest / "rank-0000" / "model.pt").stat().st_mode & 0o044  # readable like any file the user writes
 
     # A rescan after deleting hot copies on purpose must not report them missing
     # (which would trip the shrink guard and suspend all deletion).
