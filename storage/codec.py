@@ -28,14 +28,14 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import struct
 import threading
 import time
-from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Generic, TypeVar
 
 import numpy as np
 import zstandard
@@ -66,6 +66,10 @@ _SEG_HEAD = struct.Struct("<2sBBBxQII")
 _PLANE_ENTRY = struct.Struct("<BI")
 _TRAILER = struct.Struct("<2s2xQQQ")
 _U32 = struct.Struct("<I")
+
+_T = TypeVar("_T")
+#: ``combine_crc64nvme`` appeared in later awscrt releases; without it the reading thread checksums.
+_combine_crc64 = getattr(checksums, "combine_crc64nvme", None)
 
 _MODE_NAMES = {planes.PLANE_RAW: "raw", planes.PLANE_ZSTD: "zstd", planes.PLANE_NIBBLE: "nibble"}
 
@@ -159,6 +163,51 @@ class _Pool:
             self._free.extend(bufs)
 
 
+class _InOrder(Generic[_T]):
+    """Hands the results of futures to ``handle`` on a thread of its own, in submission order.
+
+    This takes the ordered output work (writing, the running checksum) off
+    the thread that reads, so reading, coding and writing overlap. At most
+    ``depth`` futures wait; :meth:`put` blocks beyond that. The first
+    exception (from a future or from ``handle``) stops all further handling
+    and is re-raised by :meth:`put` or :meth:`close`.
+    """
+
+    def __init__(self, handle: Callable[[_T], None], depth: int, name: str) -> None:
+        self._handle = handle
+        self._queue: queue.Queue[Future[_T] | None] = queue.Queue(maxsize=depth)
+        self._error: BaseException | None = None
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (future := self._queue.get()) is not None:
+            if self._error is None and not self._stopped:
+                try:
+                    self._handle(future.result())
+                except BaseException as exc:  # re-raised on the submitting thread
+                    self._error = exc
+
+    def put(self, future: Future[_T]) -> None:
+        if self._error is not None:
+            raise self._error
+        self._queue.put(future)
+
+    def close(self) -> None:
+        """Wait until every result is handled; re-raise the first failure."""
+        self._queue.put(None)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+    def abandon(self) -> None:
+        """Stop handling (after the result in hand) and wait for the thread to end."""
+        self._stopped = True
+        self._queue.put(None)
+        self._thread.join()
+
+
 def _source_size(src: BinaryIO) -> int | None:
     try:
         return os.fstat(src.fileno()).st_size - src.tell()
@@ -234,16 +283,28 @@ def _blocks(reader: PeekReader, payload: str, block: int, pool: _Pool) -> Iterat
         pool.give(pending)
 
 
-#: a coded segment: (segment header, payloads in order, plane modes, buffers to give back).
-_Coded = tuple[bytes, list[bytes | memoryview], list[int], list[np.ndarray]]
+@dataclass(slots=True)
+class _Coded:
+    """One coded segment: its header, payloads in order (raw ones are views of ``used``), plane modes,
+    the pooled buffers to give back once written, and the CRC64NVME of its raw bytes (None: not computed)."""
+
+    head: bytes
+    payloads: list[bytes | memoryview]
+    modes: list[int]
+    used: list[np.ndarray]
+    kind: int
+    raw_len: int
+    crc64: int | None
 
 
 def _encode_segment(
-    workers: _Workers, pool: _Pool, offset: int, width: int, transform: int, buf: np.ndarray, n: int
+    workers: _Workers, pool: _Pool, offset: int, width: int, transform: int, buf: np.ndarray, n: int,
+    with_crc64: bool,
 ) -> _Coded:
     """Code one block; raw payloads are views of the returned buffers, valid until they are given back."""
     raw = buf[:n]
     raw_crc = checksums.crc32c(raw)
+    crc64 = checksums.crc64nvme(raw) if with_crc64 else None
     coded: list[tuple[int, bytes | memoryview]]
     if width == 1:
         payload = workers.generic().compress(raw)
@@ -265,7 +326,7 @@ def _encode_segment(
     for mode, payload in coded:
         head += _PLANE_ENTRY.pack(mode, len(payload))
     head += _U32.pack(checksums.crc32c(head))
-    return bytes(head), [p for _, p in coded], [m for m, _ in coded], [keep]
+    return _Coded(bytes(head), [p for _, p in coded], [m for m, _ in coded], [keep], kind, n, crc64)
 
 
 def encode(
@@ -307,32 +368,38 @@ def encode(
     written = _write(dst, out[0])
     workers = _Workers(level)
     buffers = _Pool(block_size)
-    crc = 0
+    crc = 0  # of the raw bytes read so far, or (with combine) of those written so far
     offset = 0
     count = 0
-    window: deque[Future[_Coded]] = deque()
 
-    def flush_one() -> int:
-        seg_head, payloads, modes, used = window.popleft().result()
-        n = _write(dst, seg_head)
-        for p in payloads:
+    def emit(coded: _Coded) -> None:
+        nonlocal written, crc
+        n = _write(dst, coded.head)
+        for p in coded.payloads:
             n += _write(dst, p)
-        buffers.give(*used)
-        for m in modes:
+        written += n
+        buffers.give(*coded.used)
+        if coded.crc64 is not None and _combine_crc64 is not None:
+            crc = _combine_crc64(crc, coded.crc64, coded.raw_len)
+        stats._count("generic" if coded.kind == KIND_GENERIC else "planes")
+        for m in coded.modes:
             stats._count("plane_" + _MODE_NAMES[m])
-        return n
 
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckz-encode") as pool:
-        for width, transform, buf, n in _blocks(reader, payload, block_size, buffers):
-            crc = checksums.crc64nvme(memoryview(buf)[:n], crc)
-            window.append(pool.submit(_encode_segment, workers, buffers, offset, width, transform, buf, n))
-            stats._count("generic" if width == 1 else "planes")
-            offset += n
-            count += 1
-            while len(window) >= 2 * threads:
-                written += flush_one()
-        while window:
-            written += flush_one()
+        out = _InOrder(emit, 2 * threads, "ckz-encode-write")
+        try:
+            for width, transform, buf, n in _blocks(reader, payload, block_size, buffers):
+                if _combine_crc64 is None:
+                    crc = checksums.crc64nvme(memoryview(buf)[:n], crc)
+                out.put(pool.submit(
+                    _encode_segment, workers, buffers, offset, width, transform, buf, n, _combine_crc64 is not None
+                ))
+                offset += n
+                count += 1
+        except BaseException:
+            out.abandon()
+            raise
+        out.close()
     if size is not None and size != offset:
         raise IntegrityError(
             f"{name or 'stream'}: read {offset} bytes but the source said {size}; it changed while being archived, archive it again",
@@ -481,6 +548,64 @@ def _decode_segment(
     return out, used
 
 
+def _submit_segments(
+    reader: _ArchiveReader, pool: ThreadPoolExecutor, out: _InOrder[tuple[memoryview, list[np.ndarray]]],
+    workers: _Workers, buffers: _Pool, stats: CodecStats, label: str,
+) -> int:
+    """Read and check every segment header, hand each segment to ``pool``; return the segment count.
+
+    Stops after the trailer tag ``EN`` (the rest of the trailer is left to the caller).
+    """
+    count = 0
+    expected_offset = 0
+    while True:
+        tag = reader.exact(2, "segment table")
+        if tag == b"EN":
+            break
+        if tag != b"SG":
+            raise reader.fail(f"unexpected segment tag {tag!r}")
+        head = tag + reader.exact(_SEG_HEAD.size - 2, "segment header")
+        _, kind, width, transform, seg_offset, raw_len, raw_crc = _SEG_HEAD.unpack(head)
+        nplanes = 1 if kind == KIND_GENERIC else width
+        if kind not in (KIND_GENERIC, KIND_PLANES) or (kind == KIND_PLANES and width not in planes.UINT_DTYPES):
+            raise reader.fail(f"segment kind {kind} width {width} is invalid")
+        table = reader.exact(_PLANE_ENTRY.size * nplanes, "segment header")
+        (head_crc,) = _U32.unpack(reader.exact(4, "segment header"))
+        if head_crc != checksums.crc32c(head + table):
+            raise reader.fail("segment header checksum mismatch")
+        if seg_offset != expected_offset or raw_len > MAX_SEGMENT or raw_len % (width if nplanes > 1 else 1):
+            raise reader.fail(f"segment at raw offset {seg_offset} (length {raw_len}) does not follow {expected_offset}")
+        entries = [_PLANE_ENTRY.unpack_from(table, i * _PLANE_ENTRY.size) for i in range(nplanes)]
+        plane_size = raw_len // nplanes
+        for mode, stored in entries:
+            if stored > plane_size + 64:
+                raise reader.fail(f"plane of {stored} stored bytes is larger than its {plane_size} raw bytes")
+            stats._count("plane_" + _MODE_NAMES.get(mode, "unknown"))
+        stats._count("generic" if kind == KIND_GENERIC else "planes")
+        total = sum(stored for _, stored in entries)
+        inbuf = buffers.take(total)
+        data = memoryview(inbuf)[:total]
+        try:
+            reader.exact_into(data, "segment data")
+        except IntegrityError:
+            buffers.give(inbuf)
+            raise
+        payloads = []
+        at = 0
+        for _, stored in entries:
+            payloads.append(data[at : at + stored])
+            at += stored
+        out.put(
+            pool.submit(
+                _decode_segment, workers, buffers, label, kind, width, transform, raw_len, raw_crc,
+                [m for m, _ in entries], payloads, inbuf,
+            )
+        )
+        expected_offset += raw_len
+        count += 1
+    return count
+
+
 def decode(src: BinaryIO, dst: BinaryIO, *, threads: int = 2) -> CodecStats:
     """Decompress a ckz1 archive from ``src`` and write the original bytes to ``dst``.
 
@@ -502,70 +627,26 @@ def decode(src: BinaryIO, dst: BinaryIO, *, threads: int = 2) -> CodecStats:
     workers = _Workers(1)
     block = header.get("block_size")
     buffers = _Pool(block if isinstance(block, int) and 0 < block <= MAX_SEGMENT else BLOCK_SIZE)
-    crc = 0
+    crc = 0  # of the bytes written so far
     offset = 0
     count = 0
-    window: deque[Future[tuple[memoryview, list[np.ndarray]]]] = deque()
 
-    def flush_one() -> None:
+    def emit(result: tuple[memoryview, list[np.ndarray]]) -> None:
         nonlocal crc, offset
-        data, used = window.popleft().result()
+        data, used = result
         _write(dst, data)
         crc = checksums.crc64nvme(data, crc)
         offset += len(data)
         buffers.give(*used)
 
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckz-decode") as pool:
-        expected_offset = 0
-        while True:
-            tag = reader.exact(2, "segment table")
-            if tag == b"EN":
-                break
-            if tag != b"SG":
-                raise reader.fail(f"unexpected segment tag {tag!r}")
-            head = tag + reader.exact(_SEG_HEAD.size - 2, "segment header")
-            _, kind, width, transform, seg_offset, raw_len, raw_crc = _SEG_HEAD.unpack(head)
-            nplanes = 1 if kind == KIND_GENERIC else width
-            if kind not in (KIND_GENERIC, KIND_PLANES) or (kind == KIND_PLANES and width not in planes.UINT_DTYPES):
-                raise reader.fail(f"segment kind {kind} width {width} is invalid")
-            table = reader.exact(_PLANE_ENTRY.size * nplanes, "segment header")
-            (head_crc,) = _U32.unpack(reader.exact(4, "segment header"))
-            if head_crc != checksums.crc32c(head + table):
-                raise reader.fail("segment header checksum mismatch")
-            if seg_offset != expected_offset or raw_len > MAX_SEGMENT or raw_len % (width if nplanes > 1 else 1):
-                raise reader.fail(f"segment at raw offset {seg_offset} (length {raw_len}) does not follow {expected_offset}")
-            entries = [_PLANE_ENTRY.unpack_from(table, i * _PLANE_ENTRY.size) for i in range(nplanes)]
-            plane_size = raw_len // nplanes
-            for mode, stored in entries:
-                if stored > plane_size + 64:
-                    raise reader.fail(f"plane of {stored} stored bytes is larger than its {plane_size} raw bytes")
-                stats._count("plane_" + _MODE_NAMES.get(mode, "unknown"))
-            stats._count("generic" if kind == KIND_GENERIC else "planes")
-            total = sum(stored for _, stored in entries)
-            inbuf = buffers.take(total)
-            data = memoryview(inbuf)[:total]
-            try:
-                reader.exact_into(data, "segment data")
-            except IntegrityError:
-                buffers.give(inbuf)
-                raise
-            payloads = []
-            at = 0
-            for _, stored in entries:
-                payloads.append(data[at : at + stored])
-                at += stored
-            window.append(
-                pool.submit(
-                    _decode_segment, workers, buffers, label, kind, width, transform, raw_len, raw_crc,
-                    [m for m, _ in entries], payloads, inbuf,
-                )
-            )
-            expected_offset += raw_len
-            count += 1
-            while len(window) >= 2 * threads:
-                flush_one()
-        while window:
-            flush_one()
+        out = _InOrder(emit, 2 * threads, "ckz-decode-write")
+        try:
+            count = _submit_segments(reader, pool, out, workers, buffers, stats, label)
+        except BaseException:
+            out.abandon()
+            raise
+        out.close()
     fields = b"EN" + reader.exact(_TRAILER.size - 2, "trailer")
     _, raw_size, n_segments, trailer_crc = _TRAILER.unpack(fields)
     (fields_crc,) = _U32.unpack(reader.exact(4, "trailer"))
