@@ -2,12 +2,21 @@
 
 Deployments run it with ``apply=False`` by default: a dry run that publishes
 the plan, until the user turns ``apply`` on in the UI.
+
+At most one tiering run per job at a time: a run holds the Prefect global
+concurrency limit ``ckptier-tiering-<job>`` (limit 1, created on first use)
+of its job, or of every cataloged job when it covers them all; a second run
+waits for it (up to ``lease_minutes``) instead of racing it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import socket
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -34,6 +43,53 @@ def run_owner(prefix: str = "ckptier") -> str:
     except Exception:  # noqa: BLE001 - outside a flow run
         run_id = ""
     return f"{prefix}:{socket.gethostname()}:{os.getpid()}:{run_id}"[:200]
+
+
+TIERING_LOCK_PREFIX = "ckptier-tiering-"
+
+
+def tiering_lock_name(job: str) -> str:
+    """The global concurrency limit that serialises tiering of ``job`` (a valid Prefect name, unique per job)."""
+    safe = re.sub(r"[^A-Za-z0-9_.\-]", "_", job)
+    if safe != job or len(safe) > 80:
+        safe = f"{safe[:60]}-{hashlib.sha256(job.encode()).hexdigest()[:12]}"
+    return TIERING_LOCK_PREFIX + safe
+
+
+def tiering_lock_names(job: str | None, cataloged_jobs: Iterable[str]) -> list[str]:
+    """Limits a run holds: its job's, or every cataloged job's (sorted) when ``job`` is None."""
+    return sorted({tiering_lock_name(j) for j in ([job] if job else cataloged_jobs)})
+
+
+@contextmanager
+def hold_job_locks(names: list[str], timeout_seconds: float) -> Iterator[None]:
+    """Hold one slot of each named limit (created with limit 1 when missing), acquired all at once."""
+    if not names:
+        yield
+        return
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+    from prefect.concurrency.sync import concurrency
+    from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError
+
+    with get_client(sync_client=True) as client:
+        for name in names:
+            try:
+                client.read_global_concurrency_limit_by_name(name)
+            except ObjectNotFound:
+                try:
+                    client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
+                except PrefectHTTPStatusError as exc:  # another run created it first
+                    if exc.response.status_code != 409:
+                        raise
+    with concurrency(names, occupy=1, timeout_seconds=timeout_seconds, strict=True):
+        yield
+
+
+def cataloged_jobs(catalog_url: str | None, config_path: str | None) -> list[str]:
+    config = load_config(config_path)
+    with Catalog.open(catalog_url or config.catalog_url) as cat:
+        return cat.jobs()
 
 
 @task(name="plan-retention")
@@ -90,11 +146,14 @@ def tiering_flow(
         job: Only this job (default: every job).
         config_path: ckptier.toml with the [[policy]] tables (default: CKPTIER_CONFIG or ./ckptier.toml).
         catalog_url: Catalog SQLAlchemy URL (default: the config's [catalog] url, CKPTIER_CATALOG_URL, else SQLite).
-        lease_minutes: How long this run may hold a checkpoint before another run may take it over.
+        lease_minutes: How long this run may hold a checkpoint before another run may take it over;
+            also how long it waits for another tiering run of the same job to finish.
     """
-    rows = plan_task(catalog_url, config_path, job)
-    publish_plan(rows)
-    report = apply_task(catalog_url, config_path, job, not apply, lease_minutes)
+    locks = tiering_lock_names(job, [] if job else cataloged_jobs(catalog_url, config_path))
+    with hold_job_locks(locks, timeout_seconds=lease_minutes * 60.0):
+        rows = plan_task(catalog_url, config_path, job)
+        publish_plan(rows)
+        report = apply_task(catalog_url, config_path, job, not apply, lease_minutes)
     if report["failed"]:
         raise RuntimeError("tiering: some items failed; re-run to resume: " + "; ".join(report["lines"][-3:]))
     return {"plan": rows, "apply": report}

@@ -23,4 +23,5 @@ pytest_plugins = [
     "tests.fixtures.pg",
     "tests.fixtures.s3",
     "tests.fixtures.checkpoints",
+    "tests.fixtures.prefect_server",
 ]
