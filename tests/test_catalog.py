@@ -250,9 +250,14 @@ def test_changed_file_sends_verified_back_to_committed(cat: Catalog) -> None:
     assert "rank-0000/model.pt" in (rec.state_reason or "")
     files = {f.relpath: f for f in rec.files}
     assert files["rank-0000/model.pt"].size == 101
-    assert files["rank-0000/model.pt"].status is None and files["rank-0000/model.pt"].crc64nvme is None
+    # The verified baseline survives the change: a replaced object must not become the new truth.
+    assert files["rank-0000/model.pt"].status is None
+    assert files["rank-0000/model.pt"].crc64nvme == "crc-rank-0000/model.pt"
     assert files["metadata.json"].status == "ok"  # untouched file keeps its verification
     assert cat.events(job="a", kinds=["changed"])[0].at == t1
+    replaced = [FileCheck("rank-0000/model.pt", "ok", 101, "crc-other", None, None),
+                FileCheck("metadata.json", "ok", 10, "crc-metadata.json", None, None)]
+    assert cat.record_verification(cid, replaced, now=t1) == State.CORRUPT
 
 
 def test_file_vanishing_from_a_complete_checkpoint_is_kept_as_missing(cat: Catalog) -> None:

@@ -188,7 +188,7 @@ class _Tally:
 
 
 # Column order of the per-job file load in record_scan (tuples, for speed).
-_F_ID, _F_CK, _F_REL, _F_SIZE, _F_MTIME, _F_ETAG, _F_EXP, _F_STATUS = range(8)
+_F_ID, _F_CK, _F_REL, _F_SIZE, _F_MTIME, _F_ETAG, _F_EXP, _F_STATUS, _F_CRC = range(9)
 
 
 class Catalog:
@@ -408,6 +408,7 @@ class Catalog:
                 fl.c.etag,
                 fl.c.sha256_expected,
                 fl.c.status,
+                fl.c.crc64nvme,
             )
             .join(ck, ck.c.id == fl.c.checkpoint_id)
             .where(ck.c.job_id == job_id)
@@ -481,9 +482,12 @@ class Catalog:
                 if same_bytes and row[_F_EXP] == exp and row[_F_STATUS] != "missing":
                     continue
                 changed_names.append(ref.relpath)
+                # A committed checkpoint's files never change legitimately: keep the
+                # verified crc64nvme as the baseline, so re-verification catches a
+                # replaced object even when the format records no hash of its own.
                 file_updates.append(
                     {"_id": row[_F_ID], "size": ref.size, "mtime": ref.mtime, "etag": ref.etag,
-                     "sha256_expected": exp, "crc64nvme": None, "sha256": None, "status": None,
+                     "sha256_expected": exp, "crc64nvme": row[_F_CRC], "sha256": None, "status": None,
                      "detail": None, "verified_at": None}
                 )
             gone = [rel for rel in old_files if rel not in listed]
