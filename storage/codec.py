@@ -244,7 +244,7 @@ def _blocks(reader: PeekReader, payload: str, block: int, pool: _Pool) -> Iterat
                 if pending is None:
                     pending, filled = pool.take(block), 0
                 want = block - filled if remaining < 0 else min(block - filled, remaining)
-                got = reader.readinto(memoryview(pending)[filled : filled + want])
+                got = reader.readinto(pending.data[filled : filled + want])
                 filled += got
                 if filled >= block:
                     yield 1, planes.TRANSFORM_NONE, pending, filled
@@ -264,7 +264,7 @@ def _blocks(reader: PeekReader, payload: str, block: int, pool: _Pool) -> Iterat
         while remaining:
             want = min(step, remaining)
             buf = pool.take(block)
-            got = reader.readinto(memoryview(buf)[:want])
+            got = reader.readinto(buf.data[:want])
             whole = got - got % width
             if whole >= MIN_TENSOR_BYTES:
                 tail = got - whole
@@ -307,9 +307,9 @@ def _encode_segment(
     crc64 = checksums.crc64nvme(raw) if with_crc64 else None
     coded: list[tuple[int, bytes | memoryview]]
     if width == 1:
-        payload = workers.generic().compress(raw)
+        payload = workers.generic().compress(raw.data)
         if len(payload) >= n:
-            coded = [(planes.PLANE_RAW, memoryview(raw))]
+            coded = [(planes.PLANE_RAW, raw.data)]
         else:
             coded = [(planes.PLANE_ZSTD, payload)]
         kind = KIND_GENERIC
@@ -323,8 +323,8 @@ def _encode_segment(
         coded = [planes.encode_plane(split[k], cctx, scratch) for k in range(width)]
         kind = KIND_PLANES
     head = bytearray(_SEG_HEAD.pack(b"SG", kind, width, transform, offset, n, raw_crc))
-    for mode, payload in coded:
-        head += _PLANE_ENTRY.pack(mode, len(payload))
+    for mode, coded_payload in coded:
+        head += _PLANE_ENTRY.pack(mode, len(coded_payload))
     head += _U32.pack(checksums.crc32c(head))
     return _Coded(bytes(head), [p for _, p in coded], [m for m, _ in coded], [keep], kind, n, crc64)
 
@@ -364,8 +364,7 @@ def encode(
     stats = CodecStats(name=name, payload=payload)
     header_json = json.dumps(header, sort_keys=True).encode("utf-8")
     head = _FILE_HEAD.pack(CODEC_VERSION, len(header_json)) + header_json
-    out = [MAGIC + head + _U32.pack(checksums.crc32c(head))]
-    written = _write(dst, out[0])
+    written = _write(dst, MAGIC + head + _U32.pack(checksums.crc32c(head)))
     workers = _Workers(level)
     buffers = _Pool(block_size)
     crc = 0  # of the raw bytes read so far, or (with combine) of those written so far
@@ -390,7 +389,7 @@ def encode(
         try:
             for width, transform, buf, n in _blocks(reader, payload, block_size, buffers):
                 if _combine_crc64 is None:
-                    crc = checksums.crc64nvme(memoryview(buf)[:n], crc)
+                    crc = checksums.crc64nvme(buf.data[:n], crc)
                 out.put(pool.submit(
                     _encode_segment, workers, buffers, offset, width, transform, buf, n, _combine_crc64 is not None
                 ))
@@ -505,10 +504,20 @@ def describe(src: BinaryIO) -> dict[str, Any]:
     return _read_header(_ArchiveReader(src, getattr(src, "name", None) or "archive"))
 
 
+@dataclass(slots=True)
+class _Decoded:
+    """One decoded, verified segment: its bytes (a view of ``used``), the pooled buffers to give back
+    once written, and the CRC64NVME of the bytes (None: left to the writer)."""
+
+    data: memoryview
+    used: list[np.ndarray]
+    crc64: int | None
+
+
 def _decode_segment(
     workers: _Workers, buffers: _Pool, label: str, kind: int, width: int, transform: int, raw_len: int,
     raw_crc: int, modes: list[int], payloads: list[memoryview], inbuf: np.ndarray,
-) -> tuple[memoryview, list[np.ndarray]]:
+) -> _Decoded:
     """Decode and verify one segment; return its bytes and the pooled buffers that hold them."""
     dctx = workers.decompressor()
     scratch = workers.scratch()
@@ -533,7 +542,7 @@ def _decode_segment(
                     planes.decode_plane(modes[k], payloads[k], size, dctx, scratch, f"plane{k}") for k in range(width)
                 ]
                 planes.merge_planes(decoded, width, transform, target, scratch)
-            out = memoryview(target)
+            out = target.data
     except ValueError as exc:
         buffers.give(*used)
         raise IntegrityError(f"{label}: {exc}; the archive is damaged, restore from another copy", key=label) from exc
@@ -545,11 +554,12 @@ def _decode_segment(
     if not in_place:
         buffers.give(inbuf)  # every plane is decoded: the stored bytes are no longer needed
         used.remove(inbuf)
-    return out, used
+    crc64 = checksums.crc64nvme(out) if _combine_crc64 is not None else None
+    return _Decoded(out, used, crc64)
 
 
 def _submit_segments(
-    reader: _ArchiveReader, pool: ThreadPoolExecutor, out: _InOrder[tuple[memoryview, list[np.ndarray]]],
+    reader: _ArchiveReader, pool: ThreadPoolExecutor, out: _InOrder[_Decoded],
     workers: _Workers, buffers: _Pool, stats: CodecStats, label: str,
 ) -> int:
     """Read and check every segment header, hand each segment to ``pool``; return the segment count.
@@ -584,7 +594,7 @@ def _submit_segments(
         stats._count("generic" if kind == KIND_GENERIC else "planes")
         total = sum(stored for _, stored in entries)
         inbuf = buffers.take(total)
-        data = memoryview(inbuf)[:total]
+        data = inbuf.data[:total]
         try:
             reader.exact_into(data, "segment data")
         except IntegrityError:
@@ -631,13 +641,15 @@ def decode(src: BinaryIO, dst: BinaryIO, *, threads: int = 2) -> CodecStats:
     offset = 0
     count = 0
 
-    def emit(result: tuple[memoryview, list[np.ndarray]]) -> None:
+    def emit(segment: _Decoded) -> None:
         nonlocal crc, offset
-        data, used = result
-        _write(dst, data)
-        crc = checksums.crc64nvme(data, crc)
-        offset += len(data)
-        buffers.give(*used)
+        _write(dst, segment.data)
+        if segment.crc64 is not None and _combine_crc64 is not None:
+            crc = _combine_crc64(crc, segment.crc64, len(segment.data))
+        else:
+            crc = checksums.crc64nvme(segment.data, crc)
+        offset += len(segment.data)
+        buffers.give(*segment.used)
 
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckz-decode") as pool:
         out = _InOrder(emit, 2 * threads, "ckz-decode-write")

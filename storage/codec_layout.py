@@ -28,7 +28,7 @@ import json
 import pickle
 import re
 import struct
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import Any, BinaryIO
 
 from .codec_planes import TRANSFORM_NONE, TRANSFORM_ROTL1
@@ -275,7 +275,7 @@ def _peek_storages(reader: PeekReader, size: int | None) -> tuple[dict[str, tupl
         want = min(want * 4, MAX_METADATA)
 
 
-def _resync(reader: PeekReader) -> Iterator[Region]:
+def _resync(reader: PeekReader) -> Generator[Region, None, bool]:
     """Yield generic regions up to the next local header; return False if none follows."""
     while True:
         window = reader.peek(_RESYNC_WINDOW)

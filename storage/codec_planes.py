@@ -86,8 +86,10 @@ class Scratch:
         return buf[:need].view(dtype)
 
 
-#: bytes per chunk of the multi-pass loops: small enough to stay in L2.
-_CHUNK_BYTES = 1 << 18
+#: bytes per chunk of the multi-pass loops: cache-sized, yet large enough that the
+#: Python overhead and GIL hand-offs between numpy calls stay small (measured:
+#: 256 KiB .. 2 MiB run at the same speed on one thread; fewer calls help two).
+_CHUNK_BYTES = 1 << 20
 
 
 def split_planes(
@@ -105,7 +107,7 @@ def split_planes(
     does. With ``TRANSFORM_ROTL1`` each element is first rotated left by one
     bit. Works in cache-sized chunks, with temporaries from ``scratch``.
     """
-    nbytes = memoryview(data).nbytes
+    nbytes = data.nbytes if isinstance(data, np.ndarray) else memoryview(data).nbytes
     if nbytes % width:
         raise ValueError(f"block of {nbytes} bytes is not a multiple of element width {width}")
     if width not in UINT_DTYPES:
@@ -145,25 +147,25 @@ def merge_planes(
     """Inverse of :func:`split_planes`: write the interleaved bytes into ``out`` (uint8).
 
     ``planes`` are ``width`` uint8 arrays of equal length ``m``; ``out`` holds
-    exactly ``m * width`` bytes and must be C-contiguous and aligned for
-    ``width``-byte elements when a transform is given.
+    exactly ``m * width`` bytes and must be C-contiguous.
     """
     m = out.size // width
-    view = out.reshape(m, width)
     if m == 0:
         return
     scratch = scratch or Scratch()
     step = _CHUNK_BYTES // width
     bits = 8 * width
-    elements = out.view(UINT_DTYPES[width]) if transform == TRANSFORM_ROTL1 else None
+    elements = out.view(UINT_DTYPES[width])
     tmp = scratch.get("merge.tmp", min(step, m), UINT_DTYPES[width])
     for s in range(0, m, step):
         e = min(s + step, m)
-        chunk = view[s:e]
-        for k in range(width):
-            chunk[:, k] = planes[k][s:e]
-        if elements is not None:
-            x = elements[s:e]
+        x = elements[s:e]
+        # whole-element shifts and ors vectorise; a byte-strided scatter does not (6.5 vs 4 GB/s)
+        np.copyto(x, planes[width - 1][s:e], casting="unsafe")
+        for k in range(width - 2, -1, -1):
+            np.left_shift(x, 8, out=x)
+            np.bitwise_or(x, planes[k][s:e], out=x)
+        if transform == TRANSFORM_ROTL1:
             t = tmp[: e - s]
             np.left_shift(x, bits - 1, out=t)
             np.right_shift(x, 1, out=x)
@@ -191,16 +193,16 @@ def encode_plane(
         return PLANE_RAW, b""
     entropy, counts = _probe(plane)
     if entropy > 8 * (1 - MIN_SAVING):
-        return PLANE_RAW, memoryview(plane)
+        return PLANE_RAW, plane.data
     windows = np.convolve(counts, np.ones(15, dtype=np.int64), mode="valid")[: _MAX_BASE + 1]
     base = int(np.argmax(windows))
     best: tuple[int, bytes]
     if windows[base] >= NIBBLE_COVERAGE * counts.sum() and n >= 64:
         best = PLANE_NIBBLE, _encode_nibbles(plane, base, cctx, scratch)
     else:
-        best = PLANE_ZSTD, cctx.compress(plane)
+        best = PLANE_ZSTD, cctx.compress(plane.data)
     if len(best[1]) > n * (1 - MIN_SAVING):
-        return PLANE_RAW, memoryview(plane)
+        return PLANE_RAW, plane.data
     return best
 
 
@@ -215,12 +217,14 @@ def _encode_nibbles(
     codes = scratch.get("nib.codes", step)
     mask = scratch.get("nib.mask", step, np.bool_)
     hi = scratch.get("nib.hi", step // 2, np.uint16)
+    fifteen = scratch.get("nib.fifteen", step)
+    fifteen.fill(15)  # np.minimum against an array vectorises; against a scalar it runs 10x slower
     escapes: list[np.ndarray] = []
     for s in range(0, n, step):
         e = min(s + step, n)
         c = codes[: e - s]
         np.subtract(plane[s:e], np.uint8(base), out=c)  # wraps: values below base become >= 241
-        np.minimum(c, 15, out=c)
+        np.minimum(c, fifteen[: e - s], out=c)
         mk = mask[: e - s]
         np.equal(c, 15, out=mk)
         if mk.any():
@@ -235,8 +239,8 @@ def _encode_nibbles(
         np.bitwise_or(h, pairs, out=h)
         np.copyto(packed[s // 2 : s // 2 + pairs.size], h, casting="unsafe")
     escaped = np.concatenate(escapes) if escapes else np.empty(0, dtype=np.uint8)
-    packed_frame = cctx.compress(packed)
-    escape_frame = cctx.compress(escaped)
+    packed_frame = cctx.compress(packed.data)
+    escape_frame = cctx.compress(escaped.data)
     return b"".join((_NIBBLE_HEAD.pack(base, len(packed_frame), escaped.size), packed_frame, escape_frame))
 
 
@@ -246,7 +250,7 @@ def _decompress_into(dctx: zstandard.ZstdDecompressor, frame: bytes | memoryview
     Reading on to the end of the frame makes zstd check the content checksum.
     """
     size = out.size
-    view = memoryview(out)
+    view = out.data
     got = 0
     try:
         with dctx.stream_reader(frame, read_across_frames=False) as reader:
