@@ -21,7 +21,7 @@ from typing import Any
 from ckptier import __version__
 from ckptier.storage.errors import CkptierError, ConfigError
 
-from .output import Progress, checkpoint_json, human_bytes, iso, print_checkpoints, print_json, table
+from .output import checkpoint_json, human_bytes, iso, print_checkpoints, print_json, table
 
 EXIT_USER_ERROR = 2
 EXIT_NOT_FOUND = 1
@@ -200,7 +200,7 @@ def cmd_drill(args: argparse.Namespace) -> int:
 
     reports = runner.drill(job=args.job, step=args.step, steps=args.steps, device=args.device, model=args.model,
                            timeout=args.timeout, config_path=args.config, catalog_url=_catalog_url(args),
-                           use_prefect=_use_prefect(args))
+                           use_prefect=_use_prefect(args), allow_globals=args.allow_global or [])
     if args.json:
         print_json(reports)
     else:
@@ -297,6 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None)
     sp.add_argument("--model", metavar="MODULE:FUNCTION", help="model factory (see README: restore drills)")
     sp.add_argument("--timeout", type=float, default=None, help="seconds before the drill is killed")
+    sp.add_argument("--allow-global", action="append", metavar="MODULE.NAME",
+                    help="a class the safe loader may unpickle from this checkpoint (repeatable; adds to [[drill]] allow_globals)")
     sp.add_argument("--json", action="store_true")
 
     sp = add("janitor", cmd_janitor, "abort abandoned multipart uploads and remove archive copies that never got a manifest")

@@ -11,6 +11,7 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Literal
 
 
 class State(enum.StrEnum):
@@ -178,3 +179,27 @@ class CheckpointRecord:
             c.tier == Tier.ARCHIVE and c.state == "present" and c.verified_at is not None
             for c in self.copies
         )
+
+
+FileStatus = Literal["ok", "corrupt", "missing", "error"]
+
+
+@dataclass(frozen=True, slots=True)
+class FileCheck:
+    """The verification result of one file (what ``Catalog.record_verification`` takes).
+
+    ``status``: ``ok`` (bytes match every expectation, or became the
+    baseline), ``corrupt`` (wrong size or hash), ``missing`` (not in the
+    store), ``error`` (could not be read: permissions, outage; proves
+    nothing either way). ``size``, ``crc64nvme`` (S3's base64) and
+    ``sha256`` (hex) are what was observed; on ``ok`` ``crc64nvme`` is the
+    baseline to record. ``detail`` is a one-line explanation, expected vs
+    actual where it applies.
+    """
+
+    relpath: str
+    status: FileStatus
+    size: int | None = None
+    crc64nvme: str | None = None
+    sha256: str | None = None
+    detail: str | None = None

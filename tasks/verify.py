@@ -29,15 +29,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import date
-from typing import Literal
 
 from ckptier.storage.base import ObjectInfo, Store, join_key, validate_key
 from ckptier.storage.errors import CkptierError, ConfigError, IntegrityError, NotFound, StoreError
 from ckptier.storage.hashing import DEFAULT_CHUNK, Digests, hash_file, hash_stream, store_crc64nvme
 from ckptier.storage.local import LocalStore
-from ckptier.storage.model import CheckpointRecord, FileRecord, State
+from ckptier.storage.model import CheckpointRecord, FileCheck, FileRecord, FileStatus, State
 
-FileStatus = Literal["ok", "corrupt", "missing", "error"]
 
 #: mtimes closer than this (seconds) count as equal: catalogs round-trip them
 #: through datetimes and databases that keep microseconds at best.
@@ -48,27 +46,6 @@ _INTEGRITY_ATTEMPTS = 2
 
 #: Most file problems spelled out in one reason; the rest are counted.
 _REASON_EXAMPLES = 3
-
-
-@dataclass(frozen=True, slots=True)
-class FileCheck:
-    """The verification result of one file (the shape ``Catalog.record_verification`` takes).
-
-    ``status``: ``ok`` (bytes match every expectation, or became the
-    baseline), ``corrupt`` (wrong size or hash), ``missing`` (not in the
-    store), ``error`` (could not be read: permissions, outage; proves
-    nothing either way). ``size``, ``crc64nvme`` (S3's base64) and
-    ``sha256`` (hex, only when an expected one existed) are what was
-    observed; on ``ok`` ``crc64nvme`` is the baseline to record. ``detail``
-    is a one-line explanation for anything but a plain ``ok``.
-    """
-
-    relpath: str
-    status: FileStatus
-    size: int | None
-    crc64nvme: str | None
-    sha256: str | None
-    detail: str | None
 
 
 @dataclass

@@ -33,7 +33,6 @@ from ckptier.tasks.retention import (
     Pinned,
     Plan,
     Policy,
-    Rule,
     format_duration,
     hot_present,
     is_log_milestone,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import io
 import re
-import threading
 from collections.abc import Callable
 from typing import Any
 from xml.sax.saxutils import escape

@@ -16,7 +16,7 @@ from typing import Any, BinaryIO
 import pytest
 
 from ckptier.storage.base import DeleteResult, ObjectInfo, Store
-from ckptier.storage.errors import AccessDenied, ConfigError, IntegrityError, Unavailable
+from ckptier.storage.errors import AccessDenied, ConfigError, IntegrityError
 from ckptier.storage.hashing import hash_bytes
 from ckptier.storage.local import LocalStore
 from ckptier.storage.model import CheckpointRecord, FileRecord, Format, State

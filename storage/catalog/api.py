@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any, Literal
+from typing import Any
 
 from sqlalchemy import (
     ColumnElement,
@@ -39,6 +39,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from ..errors import CkptierError
 from ..model import (
+    FileCheck,
     CheckpointRecord,
     CopyRecord,
     FileRecord,
@@ -68,24 +69,6 @@ _SCAN_LOCK_CLASS = 0x636B73  # "cks"
 
 class UnknownCheckpoint(CkptierError, LookupError):
     """A checkpoint id (or copy) that the catalog does not hold."""
-
-
-@dataclass(frozen=True)
-class FileCheck:
-    """The result of reading one file of a checkpoint back.
-
-    ``status``: ``ok`` (read fully; ``crc64nvme``/``sha256`` are what was
-    computed), ``corrupt`` (bytes differ), ``missing`` (not found), ``error``
-    (could not be read: says nothing about the bytes). ``detail`` is a
-    one-line explanation, expected vs actual where it applies.
-    """
-
-    relpath: str
-    status: Literal["ok", "corrupt", "missing", "error"]
-    size: int | None = None
-    crc64nvme: str | None = None
-    sha256: str | None = None
-    detail: str | None = None
 
 
 @dataclass(frozen=True)
