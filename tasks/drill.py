@@ -148,7 +148,7 @@ class WorkerResult:
     def from_dict(cls, data: Mapping[str, Any]) -> WorkerResult:
         """Build from JSON; unknown keys are ignored, lists become tuples."""
         names = {f.name for f in fields(cls)}
-        kwargs = {k: (tuple(v) if isinstance(v, list) else v) for k, v in data.items() if k in names}
+        kwargs: dict[str, Any] = {k: (tuple(v) if isinstance(v, list) else v) for k, v in data.items() if k in names}
         return cls(**kwargs)
 
 
@@ -176,7 +176,7 @@ class DrillRequest:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> DrillRequest:
         names = {f.name for f in fields(cls)}
-        kwargs = {k: (tuple(v) if isinstance(v, list) else v) for k, v in data.items() if k in names}
+        kwargs: dict[str, Any] = {k: (tuple(v) if isinstance(v, list) else v) for k, v in data.items() if k in names}
         return cls(**kwargs)
 
 
