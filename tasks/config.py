@@ -35,6 +35,7 @@ Shape (every key optional unless said)::
     device = "auto"               # "auto", "cpu" or "cuda"
     timeout = "15m"
     loss_tolerance = 0.05         # optional
+    allow_globals = ["mypkg.config.TrainConfig"]  # classes the safe loader may unpickle
 
 Durations are a number and a unit (s, m, h, d, w), parts combinable: "1d12h".
 Errors are one-line :class:`ConfigError` naming the file, the table (tables
@@ -79,10 +80,41 @@ _POLICY_KEYS = frozenset(
         "hot_after_archive", "max_missing_fraction", "delete_stale_incomplete",
     }
 )
-_DRILL_KEYS = frozenset({"jobs", "model", "steps", "device", "timeout", "loss_tolerance"})
+_DRILL_KEYS = frozenset({"jobs", "model", "steps", "device", "timeout", "loss_tolerance", "allow_globals"})
 _CATALOG_KEYS = frozenset({"url"})
 _TOP_KEYS = frozenset({"policy", "drill", "catalog"})
 _MODEL_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
+_GLOBAL_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
+
+UNSAFE_GLOBAL_MODULES = frozenset(
+    {
+        "builtins", "os", "posix", "nt", "sys", "subprocess", "io", "_io", "shutil", "socket", "ctypes",
+        "importlib", "runpy", "pickle", "_pickle", "marshal", "code", "codeop", "pty", "signal", "operator",
+        "functools", "types", "tempfile", "zipfile", "tarfile", "gzip", "bz2", "lzma", "logging", "sqlite3",
+        "multiprocessing", "threading", "webbrowser", "pdb", "inspect",
+    }
+)
+"""Top-level modules whose objects can run commands, import code or open
+files when a pickle calls them: never allowlisted for unpickling."""
+
+
+def allow_global_problem(name: object) -> str | None:
+    """Why ``name`` cannot be an allowlisted global (``--allow-global`` /
+    ``allow_globals``), or None; pure (nothing is imported).
+
+    It must be a dotted ``module.Name`` and its top-level module must not be
+    one of :data:`UNSAFE_GLOBAL_MODULES`. Whether it imports, and is a class,
+    is checked where checkpoints are loaded.
+    """
+    if not isinstance(name, str) or not _GLOBAL_RE.match(name):
+        return "must be a dotted module.Name, e.g. \"mypkg.config.TrainConfig\""
+    top = name.split(".", 1)[0]
+    if top in UNSAFE_GLOBAL_MODULES:
+        return (
+            f"module {top!r} can run commands or touch files when a pickle calls it; "
+            "allowlist only your own plain classes, e.g. \"mypkg.config.TrainConfig\""
+        )
+    return None
 
 
 @dataclass(frozen=True)
@@ -93,6 +125,9 @@ class DrillSettings:
     training steps to run (≥ 1), ``timeout`` the wall-clock limit of one
     drill, ``loss_tolerance`` (optional, > 0) the allowed relative difference
     between the first drill loss and the loss the checkpoint recorded.
+    ``allow_globals`` are ``module.Name`` classes the safe loader may unpickle
+    for these jobs (in file order, no duplicates; see
+    :func:`allow_global_problem`), added to those given on the command line.
     """
 
     jobs: str = "*"
@@ -101,6 +136,7 @@ class DrillSettings:
     device: Device = "auto"
     timeout: timedelta = timedelta(minutes=15)
     loss_tolerance: float | None = None
+    allow_globals: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -370,6 +406,12 @@ def _drill(where: str, index: int, data: Any) -> DrillSettings:
     if device not in ("auto", "cpu", "cuda"):
         t.fail("device", device, "must be \"auto\", \"cpu\" or \"cuda\"")
     timeout = t.get_duration("timeout", "15m", positive=True, example="15m")
+    allow = t.data.get("allow_globals", [])
+    if not isinstance(allow, list):
+        t.fail("allow_globals", allow, "must be a list of module.Name strings, e.g. allow_globals = [\"mypkg.config.TrainConfig\"]")
+    for entry in allow:
+        if (problem := allow_global_problem(entry)) is not None:
+            t.fail("allow_globals", allow, f"entry {_show(entry)}: {problem}")
     return DrillSettings(
         jobs=jobs,
         model=model,
@@ -377,6 +419,7 @@ def _drill(where: str, index: int, data: Any) -> DrillSettings:
         device=device,
         timeout=timeout if timeout is not None else timedelta(minutes=15),
         loss_tolerance=t.get_float("loss_tolerance", None, lo=0.0, hi=None, example=0.05),
+        allow_globals=tuple(dict.fromkeys(allow)),
     )
 
 

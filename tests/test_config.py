@@ -58,6 +58,7 @@ steps = 20
 device = "cuda"
 timeout = "30m"
 loss_tolerance = 0.05
+allow_globals = ["mypkg.config.TrainConfig", "argparse.Namespace", "mypkg.config.TrainConfig"]
 
 [[drill]]
 model = "tests.models:tiny"
@@ -95,10 +96,12 @@ def test_full_file(tmp_path: Path) -> None:
     assert cfg.drill_for("llama-7b") == DrillSettings(
         jobs="llama-*", model="mypkg.models:build_llama", steps=20, device="cuda",
         timeout=timedelta(minutes=30), loss_tolerance=0.05,
+        allow_globals=("mypkg.config.TrainConfig", "argparse.Namespace"),  # file order, duplicates dropped
     )
     d = cfg.drill_for("bert-1")
     assert d == DrillSettings(jobs="*", model="tests.models:tiny")
     assert (d.steps, d.device, d.timeout, d.loss_tolerance) == (10, "auto", timedelta(minutes=15), None)
+    assert d.allow_globals == ()
 
 
 def test_first_matching_table_wins() -> None:
@@ -202,6 +205,13 @@ BAD: list[tuple[str, tuple[str, ...]]] = [
     ('[[drill]]\nmodel = "m:f"\nloss_tolerance = "5%"\n', ("drill[0].loss_tolerance", '"5%"', "number")),
     ('[[drill]]\nmodel = "m:f"\nretries = 2\n', ("drill[0].retries", "unknown key", "loss_tolerance")),
     ('[[drill]]\nmodel = "m:f"\njobs = "[x"\n', ("drill[0].jobs", '"[x"', "closing")),
+    ('[[drill]]\nmodel = "m:f"\nallow_globals = "a.B"\n', ("drill[0].allow_globals", '"a.B"', "list of module.Name")),
+    ('[[drill]]\nmodel = "m:f"\nallow_globals = ["TrainConfig"]\n', ("drill[0].allow_globals", '"TrainConfig"', "dotted module.Name")),
+    ('[[drill]]\nmodel = "m:f"\nallow_globals = ["a.B", 3]\n', ("drill[0].allow_globals", "entry 3", "dotted module.Name")),
+    ('[[drill]]\nmodel = "m:f"\nallow_globals = ["a.b:C"]\n', ("drill[0].allow_globals", '"a.b:C"', "dotted module.Name")),
+    ('[[drill]]\nmodel = "m:f"\nallow_globals = ["builtins.eval"]\n', ("drill[0].allow_globals", '"builtins.eval"', "'builtins'", "own plain classes")),
+    ('[[drill]]\nmodel = "m:f"\nallow_globals = ["subprocess.Popen"]\n', ("drill[0].allow_globals", "'subprocess'")),
+    ('[[drill]]\nmodel = "m:f"\nallow_global = ["a.B"]\n', ("drill[0].allow_global", "did you mean allow_globals")),
     ('[catalog]\nurl = 5\n', ("catalog.url", "= 5", "non-empty string")),
     ('[catalog]\nuri = "sqlite://"\n', ("catalog.uri", "unknown key", "url")),
     ('catalog = "sqlite://"\n', ("catalog must be a table", "[catalog]")),
