@@ -36,6 +36,7 @@ import torch
 
 from ckptier.storage.errors import CkptierError, ConfigError
 from ckptier.storage.model import Format
+from ckptier.tasks.config import allow_global_problem
 
 MIN_TORCH = (2, 10)
 
@@ -81,8 +82,8 @@ def _numpy_dtype_classes() -> list[type]:
 
 
 def _default_allowlist() -> list[Any]:
-    reconstruct = np._core.multiarray._reconstruct  # numpy >= 2
-    scalar = np._core.multiarray.scalar
+    reconstruct = np._core.multiarray._reconstruct  # type: ignore[attr-defined]  # numpy >= 2
+    scalar = np._core.multiarray.scalar  # type: ignore[attr-defined]
     return [
         # numpy arrays: Hugging Face Trainer's rng_state*.pth holds
         # np.random.get_state() (a uint32 ndarray); arrays also appear in
@@ -114,14 +115,18 @@ DEFAULT_ALLOWLIST: list[Any] = _default_allowlist()
 checkpoint with ``extra_allowlist`` (``--allow-global module.Name``)."""
 
 
-def resolve_global(name: str) -> Any:
-    """Import ``module.Name`` (a user's ``--allow-global``) and return the object.
+def resolve_global(name: str) -> type:
+    """Import ``module.Name`` (a user's ``--allow-global``) and return the class.
 
-    Raises :class:`ConfigError` naming the value when it cannot be imported.
+    Raises :class:`ConfigError` naming the value when it is malformed, in a
+    module that can run commands or touch files
+    (:func:`~ckptier.tasks.config.allow_global_problem`), cannot be
+    imported, or is not a class (a function a pickle calls is code it runs).
     """
+    problem = allow_global_problem(name)
+    if problem is not None:
+        raise ConfigError(f"allow-global {name!r}: {problem}")
     module_name, _, attr = name.rpartition(".")
-    if not module_name or not attr:
-        raise ConfigError(f"allow-global {name!r} is not of the form module.Name; give e.g. --allow-global mypkg.config.TrainConfig")
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as exc:
@@ -130,6 +135,11 @@ def resolve_global(name: str) -> Any:
         if not hasattr(obj, part):
             raise ConfigError(f"allow-global {name!r}: module {module_name!r} has no attribute {part!r}; fix the name")
         obj = getattr(obj, part)
+    if not isinstance(obj, type):
+        raise ConfigError(
+            f"allow-global {name!r} is a {type(obj).__name__}, not a class; only classes can be allowlisted "
+            "(a function named by a pickle is called while loading); allowlist the class the checkpoint stores"
+        )
     return obj
 
 
@@ -217,6 +227,12 @@ def safe_torch_load(
         if name is not None and "blocked" in message:
             raise UnsafeCheckpoint(
                 f"{p}: refused to load: it calls {name}, which torch never allows (its module is blocked); "
+                "the file is hostile or broken: do not load it, restore another checkpoint",
+                global_name=name,
+            ) from None
+        if name is not None and allow_global_problem(name if "." in name else f"builtins.{name}") is not None:
+            raise UnsafeCheckpoint(
+                f"{p}: refused to load: it calls {name}, which can run code or touch files and is never allowlisted; "
                 "the file is hostile or broken: do not load it, restore another checkpoint",
                 global_name=name,
             ) from None

@@ -132,6 +132,29 @@ def test_allow_global_that_does_not_exist_is_a_config_error(tmp_path: Path) -> N
         safe_torch_load(path, extra_allowlist=["no_such_module_xyz.Thing"])
 
 
+class Speaker:
+    """Harmless, but its pickle calls a function (builtins.print) when loaded."""
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (print, ("unpickling ran code",))
+
+
+def test_only_classes_outside_unsafe_modules_can_be_allowlisted(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # torch runs any allowlisted callable, so allowlisting a function would let a pickle call it.
+    path = tmp_path / "speaks.pt"
+    torch.save({"w": torch.ones(1), "x": Speaker()}, path)
+    with pytest.raises(UnsafeCheckpoint, match="calls print, which can run code") as info:
+        safe_torch_load(path)
+    assert "--allow-global" not in str(info.value)  # never advise allowlisting a builtin
+    with pytest.raises(ConfigError, match="'builtins'"):
+        safe_torch_load(path, extra_allowlist=["builtins.print"])
+    with pytest.raises(ConfigError, match="not a class"):
+        safe_torch_load(path, extra_allowlist=["textwrap.dedent"])
+    with pytest.raises(ConfigError, match="dotted module.Name"):
+        safe_torch_load(path, extra_allowlist=["TrainConfig"])
+    assert "unpickling ran code" not in capsys.readouterr().out
+
+
 def test_pt2_is_refused_by_name_and_by_content(tmp_path: Path) -> None:
     named = tmp_path / "model.pt2"
     torch.save({"w": torch.ones(1)}, named)
