@@ -30,13 +30,14 @@ def utcnow() -> datetime:
 
 @task(name="drill")
 def drill_task(catalog_url: str | None, config_path: str | None, job: str | None, step: int | None,
-               steps: int | None, device: str | None, model: str | None, timeout_seconds: float | None) -> list[dict[str, Any]]:
+               steps: int | None, device: str | None, model: str | None, timeout_seconds: float | None,
+               allow_globals: list[str] | None = None) -> list[dict[str, Any]]:
     """Fetch, safely load, train K steps, judge and record (see ``pipeline.run_drill``)."""
     log = get_run_logger()
     config = load_config(config_path)
     with Catalog.open(catalog_url or config.catalog_url) as cat:
         reports = pipeline.run_drill(cat, config, now=utcnow, job=job, step=step, steps=steps, device=device,
-                                     model=model, timeout=timeout_seconds)
+                                     model=model, timeout=timeout_seconds, allow_globals=allow_globals or ())
     for r in reports:
         (log.info if r["ok"] else log.error)(r["summary"])
     return reports
@@ -69,6 +70,7 @@ def restore_drill_flow(
     timeout_seconds: float | None = None,
     config_path: str | None = None,
     catalog_url: str | None = None,
+    allow_globals: list[str] | None = None,
 ) -> list[dict[str, Any]]:
     """Restore a checkpoint, train a few steps and record whether recovery works.
 
@@ -81,8 +83,9 @@ def restore_drill_flow(
         timeout_seconds: Kill the drill after this many seconds (default: the [[drill]] timeout, 15 minutes).
         config_path: ckptier.toml path (default: CKPTIER_CONFIG or ./ckptier.toml).
         catalog_url: Catalog SQLAlchemy URL (default: the config's, CKPTIER_CATALOG_URL, else SQLite).
+        allow_globals: Classes (module.Name) the safe loader may unpickle, besides the [[drill]] allow_globals.
     """
-    reports = drill_task(catalog_url, config_path, job, step, steps, device, model, timeout_seconds)
+    reports = drill_task(catalog_url, config_path, job, step, steps, device, model, timeout_seconds, allow_globals)
     create_markdown_artifact(render_report(reports), key="drill-report", description="Restore drill report")
     failed = [r for r in reports if not r["ok"]]
     for r in failed:

@@ -149,12 +149,17 @@ def janitor(*, config_path: str | None, older_than: str) -> dict[str, Any]:
 
 
 def drill(*, job: str | None, step: int | None, steps: int | None, device: str | None, model: str | None,
-          timeout: float | None, config_path: str | None, catalog_url: str | None, use_prefect: bool) -> list[dict[str, Any]]:
+          timeout: float | None, config_path: str | None, catalog_url: str | None, use_prefect: bool,
+          allow_globals: list[str] | None = None) -> list[dict[str, Any]]:
+    """Restore drills (``pipeline.run_drill``); ``allow_globals`` are extra
+    ``module.Name`` classes the safe loader may unpickle."""
     if use_prefect:
         from .drill import DrillFailed, restore_drill_flow
 
         params: dict[str, Any] = {"job": job, "step": step, "model": model, "timeout_seconds": timeout,
                                   "config_path": config_path, "catalog_url": catalog_url}
+        if allow_globals:
+            params["allow_globals"] = list(allow_globals)
         if steps is not None:
             params["steps"] = steps
         if device is not None:
@@ -168,4 +173,4 @@ def drill(*, job: str | None, step: int | None, steps: int | None, device: str |
 
     with _open(catalog_url) as cat:
         return run_drill(cat, load_config(config_path), now=utcnow, job=job, step=step, steps=steps, device=device,
-                         model=model, timeout=timeout)
+                         model=model, timeout=timeout, allow_globals=allow_globals or ())

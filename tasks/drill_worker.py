@@ -30,7 +30,7 @@ from torch import nn
 
 from ckptier.storage.errors import CkptierError, ConfigError
 from ckptier.tasks.drill import DrillRequest, WorkerResult
-from ckptier.tasks.models import DrillSpec, build_spec, hf_spec, resolve_factory, train_step
+from ckptier.tasks.models import DrillSpec, build_spec, hf_spec, resolve_factory, train_step, trainer_optimizer
 from ckptier.tasks.safe_load import LoadedCheckpoint, UnsafeCheckpoint, load_checkpoint_dir
 
 
@@ -50,6 +50,23 @@ def resolve_device(name: str) -> torch.device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise DrillFailure("setup", f"drill device {name!r} asked for, but no CUDA device is available here; use --device cpu or auto")
     return torch.device(name)
+
+
+_WHY_FACTORY = {
+    "lightning": "a Lightning .ckpt holds tensors only and the LightningModule's code is needed",
+    "hf-trainer": "the Hugging Face checkpoint has no config.json to build the model from",
+}
+
+
+def no_factory_message(checkpoint: str, fmt: str) -> str:
+    """The one-line error for a drill with no model factory where one is
+    needed (every format but a Hugging Face checkpoint with config.json); pure."""
+    why = _WHY_FACTORY.get(fmt, f"a {fmt} checkpoint holds tensors only and the model's code is needed")
+    return (
+        f"{checkpoint}: no drill model given: {why}; pass --model module:function "
+        "(or set model = \"module:function\" in the job's [[drill]] table of ckptier.toml), "
+        "a function returning DrillSpec(model, optimizer, batch, loss) built as in training"
+    )
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -169,8 +186,10 @@ def restore(request: DrillRequest, device: torch.device) -> _Restored:
             spec = build_spec(resolve_factory(request.factory), loaded.extra, name=request.factory)
         elif "hf_config_dir" in loaded.extra:
             spec = hf_spec(loaded.extra["hf_config_dir"])
+            if loaded.optimizer_state is not None:
+                spec.optimizer = trainer_optimizer(spec.model, loaded.optimizer_state)
         else:
-            raise ConfigError(f"{request.checkpoint}: no drill model given; set the drill model (module:function) for this job")
+            raise ConfigError(no_factory_message(request.checkpoint, request.format))
     except CkptierError as exc:
         raise DrillFailure("build", str(exc)) from None
     if spec.batch is None or spec.loss is None:

@@ -29,6 +29,16 @@ Python environment) or ``"/path/to/file.py:function"``.
   Hugging Face ``transformers`` model (built from the checkpoint's
   ``config.json`` when no factory is given, with a synthetic token batch).
 
+Without a factory
+-----------------
+Only Hugging Face Trainer checkpoints with a ``config.json`` can be drilled
+without a factory (and only where ``transformers`` is installed): the model
+comes from transformers' auto classes (:func:`hf_spec`) and, when the
+checkpoint holds ``optimizer.pt``, the optimizer is rebuilt the way
+``transformers.Trainer`` builds its default one (:func:`trainer_optimizer`).
+Lightning, guide and DCP checkpoints hold tensors only; their drills need a
+factory (``--model module:function`` or ``model`` in the job's ``[[drill]]``).
+
 The demo model (``ckptier.tasks.models:demo_model``) is the single source of
 the architecture that ``ckptier demo`` trains and checkpoints.
 """
@@ -39,8 +49,9 @@ import importlib
 import importlib.util
 import inspect
 import math
+import re
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -130,40 +141,186 @@ def build_spec(factory: Callable[..., Any], metadata: Mapping[str, Any], *, name
     return spec
 
 
+_HF_HEADS = (
+    # (suffix of config.architectures[0], auto class, labels of the synthetic batch)
+    ("ForSequenceClassification", "AutoModelForSequenceClassification", "classes"),
+    ("ForMaskedLM", "AutoModelForMaskedLM", "tokens"),
+    ("ForCausalLM", "AutoModelForCausalLM", "tokens"),
+    ("LMHeadModel", "AutoModelForCausalLM", "tokens"),
+)
+
+
+def hf_head(architectures: Sequence[str] | None) -> tuple[str, str]:
+    """The transformers auto class and the kind of labels (``tokens`` or
+    ``classes``) for a checkpoint whose ``config.json`` lists
+    ``architectures``; pure. The first architecture decides; an unknown or
+    missing one gets a causal-LM head (the most common Trainer run)."""
+    first = architectures[0] if architectures else ""
+    for suffix, auto, labels in _HF_HEADS:
+        if first.endswith(suffix):
+            return auto, labels
+    return "AutoModelForCausalLM", "tokens"
+
+
 def hf_spec(config_dir: str | Path, *, seq_len: int = 32, batch_size: int = 2) -> DrillSpec:
     """A DrillSpec for a ``transformers`` model built from ``config.json`` (no downloads).
 
-    Tries a causal-LM head first; the batch is random token ids (seeded by the
-    step) with ``labels = input_ids``, the loss the model's own. The
-    optimizer is left to the caller (the checkpoint's state decides).
+    The head follows ``config.architectures`` (:func:`hf_head`: causal LM,
+    masked LM or sequence classification, through transformers' auto
+    classes). The batch is random token ids seeded by the step, at most
+    ``seq_len`` long and never longer than the model's positions, with
+    ``labels = input_ids`` (or random class ids for a classifier); the loss is
+    the model's own. The optimizer is left to the caller (the checkpoint's
+    state decides; see :func:`trainer_optimizer`).
     """
     try:
         import transformers
     except ImportError:
         raise ConfigError(
-            f"{config_dir}: a Hugging Face checkpoint needs the 'transformers' package in the drill environment, "
-            "or a drill model factory (module:function)"
+            f"{config_dir}: a Hugging Face checkpoint needs the 'transformers' package in the drill environment "
+            "(pip install transformers), or a drill model factory (--model module:function)"
         ) from None
     config = transformers.AutoConfig.from_pretrained(str(config_dir), local_files_only=True)
+    auto, labels_kind = hf_head(getattr(config, "architectures", None))
     try:
-        model = transformers.AutoModelForCausalLM.from_config(config)
+        model = getattr(transformers, auto).from_config(config)
     except ValueError:
         raise ConfigError(
-            f"{config_dir}: {type(config).__name__} has no causal-LM head to train; give a drill model factory with batch and loss"
+            f"{config_dir}: {type(config).__name__} has no {auto[len('AutoModelFor'):]} head to train; "
+            "give a drill model factory (--model module:function) with batch and loss"
         ) from None
     vocab = int(getattr(config, "vocab_size", 0) or 0)
     if vocab <= 0:
         raise ConfigError(f"{config_dir}: config.json has no vocab_size; give a drill model factory with batch and loss")
+    positions = int(getattr(config, "max_position_embeddings", 0) or 0)
+    length = min(seq_len, positions) if positions > 0 else seq_len
+    classes = int(getattr(config, "num_labels", 2) or 2)
 
     def batch(step: int, device: torch.device) -> dict[str, Tensor]:
         gen = torch.Generator().manual_seed(step)
-        ids = torch.randint(0, vocab, (batch_size, seq_len), generator=gen)
-        return {"input_ids": ids.to(device), "labels": ids.to(device)}
+        ids = torch.randint(0, vocab, (batch_size, length), generator=gen)
+        labels = ids if labels_kind == "tokens" else torch.randint(0, classes, (batch_size,), generator=gen)
+        return {"input_ids": ids.to(device), "labels": labels.to(device)}
 
     def loss(m: nn.Module, b: Any) -> Tensor:
         return m(**b).loss
 
     return DrillSpec(model=model, optimizer=None, batch=batch, loss=loss)
+
+
+# --- the optimizer transformers.Trainer builds by default -------------------------
+
+TRAINER_NO_DECAY_PATTERNS = (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")
+"""Parameter-name patterns (searched in the lowercased full name) that
+``Trainer.get_decay_parameter_names`` excludes from weight decay, besides
+every parameter inside an ``nn.LayerNorm`` (as in transformers 5.x)."""
+
+_NO_DECAY_RULES: dict[str, tuple[tuple[re.Pattern[str], ...], bool]] = {
+    # rule: (patterns, search the lowercased name?)
+    "current": (tuple(re.compile(p) for p in TRAINER_NO_DECAY_PATTERNS), True),
+    # older transformers releases: LayerNorm modules and names containing "bias" (case-sensitive).
+    "legacy": ((re.compile("bias"),), False),
+}
+
+
+def trainer_decay_parameter_names(model: nn.Module, *, rule: str = "current") -> list[str]:
+    """Names of ``model``'s parameters (``named_parameters()`` order, tied
+    weights once) that ``transformers.Trainer`` puts in its weight-decay
+    group; pure over the module tree.
+
+    A parameter decays unless it lives inside an ``nn.LayerNorm`` (at any
+    depth below ``model``) or its lowercased name matches one of the rule's
+    patterns: ``current`` is :data:`TRAINER_NO_DECAY_PATTERNS` (bias, any
+    layernorm/rmsnorm, a ``norm`` or ``*_norm`` component, on the lowercased
+    name); ``legacy`` is ``bias`` only, as older transformers releases did.
+    """
+    try:
+        patterns, lower = _NO_DECAY_RULES[rule]
+    except KeyError:
+        raise ConfigError(f"decay rule {rule!r} is unknown; use one of {', '.join(_NO_DECAY_RULES)}") from None
+    names: list[str] = []
+    for name, _ in model.named_parameters():
+        searched = name.lower() if lower else name
+        if any(p.search(searched) for p in patterns):
+            continue
+        module: nn.Module = model
+        in_layer_norm = False
+        for part in name.split(".")[:-1]:
+            module = module.get_submodule(part)
+            if isinstance(module, nn.LayerNorm):
+                in_layer_norm = True
+                break
+        if not in_layer_norm:
+            names.append(name)
+    return names
+
+
+def _group_sizes_fit(groups: Sequence[Sequence[nn.Parameter]], saved: Mapping[str, Any]) -> bool:
+    saved_groups = saved["param_groups"]
+    if [len(g) for g in groups] != [len(g.get("params", ())) for g in saved_groups]:
+        return False
+    params = [p for g in groups for p in g]
+    state = saved.get("state") or {}
+    for pid, pstate in state.items():
+        if not isinstance(pid, int) or not 0 <= pid < len(params) or not isinstance(pstate, Mapping):
+            return False
+        avg = pstate.get("exp_avg")
+        if isinstance(avg, Tensor) and tuple(avg.shape) != tuple(params[pid].shape):
+            return False
+    return True
+
+
+def trainer_optimizer(model: nn.Module, saved: Mapping[str, Any]) -> torch.optim.AdamW:
+    """The optimizer ``transformers.Trainer`` builds by default (``adamw_torch``
+    / ``adamw_torch_fused``), over ``model``, ready for
+    ``load_state_dict(saved)`` where ``saved`` is the checkpoint's
+    ``optimizer.pt``.
+
+    Two param groups in Trainer's order: the weight-decay parameters
+    (:func:`trainer_decay_parameter_names`), then all other trainable ones,
+    each in ``named_parameters()`` order. ``lr``, ``betas``, ``eps`` and each
+    group's ``weight_decay`` come from ``saved["param_groups"]``. The current
+    no-decay rule is tried first, then the legacy one; the first whose group
+    sizes (and ``exp_avg`` shapes) fit ``saved`` wins. Raises
+    :class:`ConfigError` (one line, saying to give a factory) when ``saved``
+    is not a two-group Adam state or no rule fits.
+    """
+    groups = saved.get("param_groups") if isinstance(saved, Mapping) else None
+    if not isinstance(groups, Sequence) or not all(isinstance(g, Mapping) for g in groups):
+        raise ConfigError("optimizer.pt is not an Optimizer.state_dict() (no param_groups); give a drill model factory (--model module:function)")
+    if len(groups) != 2:
+        raise ConfigError(
+            f"optimizer.pt has {len(groups)} param groups, Trainer's default AdamW has 2 (decay, no decay): "
+            "the run used its own optimizer; give a drill model factory (--model module:function) that builds it"
+        )
+    lacking = sorted({"lr", "betas", "eps", "weight_decay"} - set.intersection(*(set(g) for g in groups)))
+    if lacking:
+        raise ConfigError(
+            f"optimizer.pt param groups lack {', '.join(lacking)}: not Trainer's default AdamW; "
+            "give a drill model factory (--model module:function) that builds the run's optimizer"
+        )
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    tried: list[str] = []
+    for rule in _NO_DECAY_RULES:
+        decay_names = set(trainer_decay_parameter_names(model, rule=rule))
+        decay = [p for n, p in trainable if n in decay_names]
+        rest = [p for n, p in trainable if n not in decay_names]
+        if _group_sizes_fit((decay, rest), saved):
+            return torch.optim.AdamW(
+                [
+                    {"params": decay, "weight_decay": float(groups[0]["weight_decay"])},
+                    {"params": rest, "weight_decay": float(groups[1]["weight_decay"])},
+                ],
+                lr=float(groups[0]["lr"]),
+                betas=(float(groups[0]["betas"][0]), float(groups[0]["betas"][1])),
+                eps=float(groups[0]["eps"]),
+            )
+        tried.append(f"{rule} {len(decay)}+{len(rest)}")
+    sizes = "+".join(str(len(g.get("params", ()))) for g in groups)
+    raise ConfigError(
+        f"optimizer.pt groups hold {sizes} parameters (decay+no decay) but Trainer's grouping of the model gives "
+        f"{', '.join(tried)}; the run used another optimizer setup: give a drill model factory (--model module:function)"
+    )
 
 
 def train_step(spec: DrillSpec, step: int, device: torch.device) -> Tensor:

@@ -361,6 +361,7 @@ def run_drill(
     timeout: float | None = None,
     stores: StoreCache | None = None,
     scratch_root: Path | None = None,
+    allow_globals: Sequence[str] = (),
 ) -> list[dict[str, Any]]:
     """Restore-drill the newest verified checkpoint of each job (or of ``job``).
 
@@ -371,12 +372,20 @@ def run_drill(
     load, the failure is recorded and the next verified checkpoint is tried.
     Returns one report per drill attempted (JSON-ready: job, step, ok,
     summary, checks, timings, ...). Raises ``ConfigError`` when there is
-    nothing to drill.
+    nothing to drill, or when an ``allow_globals`` entry is malformed or
+    unsafe (checked before anything is fetched). The safe loader may unpickle
+    the job's ``[[drill]] allow_globals`` plus ``allow_globals`` (the command
+    line's ``--allow-global``), nothing else beyond its built-in allowlist.
     """
     import shutil
     import tempfile
 
+    from .config import allow_global_problem
     from .drill import DEFAULT_LOSS_TOLERANCE, choose_candidates, judge, run_drill_subprocess
+
+    for name in allow_globals:
+        if (problem := allow_global_problem(name)) is not None:
+            raise ConfigError(f"--allow-global {name!r}: {problem}")
 
     stores = stores or StoreCache()
     candidates = choose_candidates(catalog.checkpoints(job=job), job=job, step=step)
@@ -394,6 +403,7 @@ def run_drill(
         dev = device or (settings.device if settings else "auto")
         limit = timeout or (settings.timeout.total_seconds() if settings else 900.0)
         tolerance = settings.loss_tolerance if settings and settings.loss_tolerance else DEFAULT_LOSS_TOLERANCE
+        allowed = tuple(dict.fromkeys([*(settings.allow_globals if settings else ()), *allow_globals]))
         for record in records:
             started = now()
             scratch = Path(tempfile.mkdtemp(prefix="ckptier-drill-", dir=scratch_root))
@@ -412,7 +422,7 @@ def run_drill(
                     if record.format.value == "lightning":
                         path = path / record.files[0].relpath
                     result = run_drill_subprocess(path, record.format, factory=factory, scratch=scratch / "work",
-                                                  steps=k, timeout=limit, device=dev)
+                                                  steps=k, timeout=limit, device=dev, allow_globals=allowed)
                     verdict = judge(result, loss_tolerance=tolerance)
                     timings.update({key: float(v) for key, v in result.timings.items()})
                     report = {

@@ -502,3 +502,200 @@ def test_real_hf_trainer_checkpoint_loads_safely(hf_run) -> None:  # type: ignor
     assert loaded.recorded_loss == pytest.approx(hf_run.steps[newest].recorded_loss)
     assert any(name.startswith("rng_state") for name in loaded.also_loaded)  # numpy RNG state via the allowlist
     assert "hf_config_dir" in loaded.extra and "transformer.wte.weight" in loaded.model_state
+
+
+# --- drills without a factory, end to end through the subprocess, allowlists -------------
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _trainer_decay_names(model: torch.nn.Module) -> list[str]:
+    """What the installed transformers.Trainer puts in its decay group (the method does not use self)."""
+    import transformers
+
+    names = set(transformers.Trainer.get_decay_parameter_names(None, model))  # type: ignore[arg-type]
+    return [n for n, _ in model.named_parameters() if n in names]
+
+
+def test_trainer_decay_names_mirror_the_installed_transformers() -> None:
+    transformers = pytest.importorskip("transformers")
+    from ckptier.tasks.models import trainer_decay_parameter_names
+
+    from tests.fixtures.checkpoints import tiny_gpt2_config
+
+    gpt2 = transformers.GPT2LMHeadModel(tiny_gpt2_config())
+    llama = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16)
+    )
+    for model in (gpt2, llama):
+        mine = trainer_decay_parameter_names(model)
+        assert mine == _trainer_decay_names(model)
+        assert mine and not any(n.endswith(".bias") for n in mine)
+    assert "transformer.ln_f.weight" not in trainer_decay_parameter_names(gpt2)  # a LayerNorm module
+    norms = {n for n, _ in llama.named_parameters() if "norm" in n}
+    assert norms and not norms & set(trainer_decay_parameter_names(llama))  # RMSNorm by name
+    assert norms <= set(trainer_decay_parameter_names(llama, rule="legacy"))  # older releases decayed them
+
+
+def test_hf_trainer_checkpoint_drills_without_a_factory(hf_run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    step = sorted(hf_run.steps)[-2]  # mid-run: the restored learning rate is not yet zero
+    result = run_drill_subprocess(hf_run.path(step), Format.HF, factory=None, scratch=tmp_path / "scratch",
+                                  steps=3, device="cpu", timeout=240)
+    verdict = judge(result)
+    assert verdict.ok, (verdict.summary, result.stderr_tail)
+    assert result.optimizer_loaded and result.optimizer_step_before == step
+    assert result.optimizer_step_after == step + 3
+    assert result.recorded_loss == pytest.approx(hf_run.steps[step].recorded_loss)
+    assert {c.name: c.ok for c in verdict.checks}["recorded_loss"] and "recorded" in verdict.summary
+    assert result.trainable_params > 0 and result.losses == result.losses_repeat
+
+
+def test_trainer_optimizer_rebuilds_the_saved_groups_exactly(hf_run) -> None:  # type: ignore[no-untyped-def]
+    from ckptier.tasks.models import hf_spec, trainer_optimizer
+    from ckptier.tasks.safe_load import load_checkpoint_dir
+
+    step = max(hf_run.steps)
+    loaded = load_checkpoint_dir(hf_run.path(step), Format.HF)
+    spec = hf_spec(loaded.extra["hf_config_dir"])
+    optimizer = trainer_optimizer(spec.model, loaded.optimizer_state)
+    saved = loaded.optimizer_state["param_groups"]
+    names = {id(p): n for n, p in spec.model.named_parameters()}
+    groups = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+    assert groups[0] == _trainer_decay_names(spec.model)  # decay group first, as Trainer builds it
+    assert [len(g) for g in groups] == [len(g["params"]) for g in saved]
+    for mine, theirs in zip(optimizer.param_groups, saved, strict=True):
+        assert (mine["lr"], tuple(mine["betas"]), mine["eps"], mine["weight_decay"]) == (
+            theirs["lr"], tuple(theirs["betas"]), theirs["eps"], theirs["weight_decay"])
+    optimizer.load_state_dict(loaded.optimizer_state)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for i, state in loaded.optimizer_state["state"].items():
+        assert torch.equal(optimizer.state[params[i]]["exp_avg"], state["exp_avg"])
+
+
+def test_hf_checkpoint_with_a_custom_optimizer_asks_for_a_factory(hf_run, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    import shutil
+
+    step = max(hf_run.steps)
+    ckpt = tmp_path / f"checkpoint-{step}"
+    shutil.copytree(hf_run.path(step), ckpt)
+    saved = torch.load(ckpt / "optimizer.pt", weights_only=True)
+    merged = dict(saved["param_groups"][0], params=[i for g in saved["param_groups"] for i in g["params"]])
+    torch.save({"state": saved["state"], "param_groups": [merged]}, ckpt / "optimizer.pt")
+    result = drill_in_process(ckpt, "hf-trainer", factory=None)
+    assert result.error_stage == "build", result.error
+    assert "1 param groups" in (result.error or "") and "--model module:function" in (result.error or "")
+
+
+def test_hf_sequence_classifier_is_built_from_its_architecture(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    from ckptier.tasks.models import hf_head
+
+    assert hf_head(["BertForSequenceClassification"]) == ("AutoModelForSequenceClassification", "classes")
+    assert hf_head(["GPT2LMHeadModel"]) == ("AutoModelForCausalLM", "tokens")
+    assert hf_head(["RobertaForMaskedLM"]) == ("AutoModelForMaskedLM", "tokens")
+    assert hf_head(None) == ("AutoModelForCausalLM", "tokens")
+    config = transformers.BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=32, max_position_embeddings=12, num_labels=3)
+    ckpt = tmp_path / "out" / "checkpoint-5"
+    transformers.BertForSequenceClassification(config).save_pretrained(ckpt)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": 5, "log_history": []}))
+    result = drill_in_process(ckpt, "hf-trainer", factory=None)
+    verdict = judge(result)
+    assert verdict.ok, verdict.summary  # classifier head and 12 positions: a causal-LM build would not fit
+    assert not result.optimizer_loaded
+
+
+def test_lightning_without_a_factory_says_what_to_pass(lightning_run) -> None:  # type: ignore[no-untyped-def]
+    result = drill_in_process(lightning_run.path(max(lightning_run.steps)), "lightning", factory=None)
+    assert result.error_stage == "build" and not judge(result).ok
+    error = result.error or ""
+    assert "LightningModule" in error and "--model module:function" in error and "[[drill]]" in error
+    assert "\n" not in error
+
+
+@pytest.mark.parametrize("run_name", ["guide_run", "dcp_run", "lightning_run"])
+def test_fixture_checkpoints_drill_through_the_subprocess(
+    run_name: str, request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = request.getfixturevalue(run_name)  # lightning_run skips when lightning is not installed
+    monkeypatch.setenv("PYTHONPATH", str(REPO_ROOT))  # the worker imports the factory from tests/
+    step = max(run.steps)
+    result = run_drill_subprocess(run.path(step), run.format, factory="tests.fixtures.checkpoints:tiny_mlp_drill_spec",
+                                  scratch=tmp_path / "scratch", steps=3, device="cpu", timeout=120)
+    verdict = judge(result)
+    assert verdict.ok, (verdict.summary, result.stderr_tail)
+    assert result.checkpoint_step == step and result.optimizer_step_before == step
+    assert result.optimizer_step_after == step + 3
+    # Restored exactly: the first drill loss is the saved model's loss on the next batch.
+    from tests.fixtures.checkpoints import tiny_batch, tiny_loss, tiny_mlp
+
+    model = tiny_mlp()
+    model.load_state_dict(_model_state(run.path(step), run.format))
+    with torch.no_grad():
+        assert result.losses[0] == pytest.approx(float(tiny_loss(model, tiny_batch(step + 1))), rel=1e-6)
+
+
+def _model_state(path: Path, fmt: Format) -> dict[str, torch.Tensor]:
+    from ckptier.tasks.safe_load import load_checkpoint_dir
+
+    return load_checkpoint_dir(path, fmt).model_state
+
+
+CUSTOM_MODULE = "ckptier_drill_test_custom"
+CUSTOM_CLASS = f"{CUSTOM_MODULE}.RunNotes"
+
+
+def test_cli_drill_allow_global_lets_a_harmless_class_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import hashlib
+    import importlib
+
+    from ckptier.flows.cli import main
+
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / f"{CUSTOM_MODULE}.py").write_text(
+        "from dataclasses import dataclass\n\n\n@dataclass\nclass RunNotes:\n    lr: float\n    tag: str\n"
+    )
+    monkeypatch.syspath_prepend(str(lib))
+    monkeypatch.setenv("PYTHONPATH", str(lib))  # the drill worker must import the class too
+    notes = importlib.import_module(CUSTOM_MODULE).RunNotes(lr=1e-3, tag="run-1")
+
+    spec = demo_model()
+    losses = demo_train(spec, range(1, 11))
+    step_dir = tmp_path / "hot" / "notes-job" / "step-00000010"
+    (step_dir / "rank-0000").mkdir(parents=True)
+    torch.save({"model": spec.model.state_dict(), "notes": notes}, step_dir / "rank-0000" / "model.pt")
+    torch.save(spec.optimizer.state_dict(), step_dir / "rank-0000" / "optimizer.pt")
+    files = {f"rank-0000/{n}": {"size": (step_dir / "rank-0000" / n).stat().st_size,
+                                "sha256": hashlib.sha256((step_dir / "rank-0000" / n).read_bytes()).hexdigest()}
+             for n in ("model.pt", "optimizer.pt")}
+    (step_dir / "metadata.json").write_text(json.dumps({"step": 10, "loss": losses[-1], "files": files}))
+    config = tmp_path / "ckptier.toml"
+    config.write_text('[[drill]]\njobs = "*"\nmodel = "ckptier.tasks.models:demo_model"\nsteps = 2\ndevice = "cpu"\n')
+    monkeypatch.setenv("CKPTIER_CATALOG_URL", f"sqlite:///{tmp_path / 'catalog.db'}")
+    monkeypatch.setenv("CKPTIER_CONFIG", str(config))
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+
+    assert main(["scan", str(tmp_path / "hot")]) == 0
+    assert main(["verify"]) == 0
+    capsys.readouterr()
+
+    assert main(["drill", "--json"]) == 1
+    (report,) = json.loads(capsys.readouterr().out)
+    assert not report["ok"] and report["stage"] == "load"
+    assert CUSTOM_CLASS in report["error"] and f"--allow-global {CUSTOM_CLASS}" in report["error"]
+
+    assert main(["drill", "--json", "--allow-global", CUSTOM_CLASS]) == 0
+    (report,) = json.loads(capsys.readouterr().out)
+    assert report["ok"], report["summary"]
+
+    # The same through ckptier.toml; an unsafe entry on the command line is refused before any drill.
+    config.write_text(config.read_text() + f'allow_globals = ["{CUSTOM_CLASS}"]\n')
+    assert main(["drill", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["ok"]
+    assert main(["drill", "--allow-global", "builtins.print"]) == 2
+    err = capsys.readouterr().err
+    assert "builtins.print" in err and len(err.strip().splitlines()) == 1
