@@ -284,3 +284,177 @@ def test_nibble_plane_round_trip_property(values: list[int], base: int) -> None:
 @settings(max_examples=30, deadline=None)
 def test_codec_round_trip_property(data: bytes) -> None:
     roundtrip(data, block_size=1 << 16)
+
+
+# --- the fast paths: pooled buffers, scratch reuse, ordered writer, chunked loops ---
+
+
+def test_pooled_buffers_are_never_reused_before_they_are_written() -> None:
+    # raw generic segments are written straight from pooled input buffers and raw planes from
+    # pooled plane buffers: reusing one too early would corrupt the archive, not crash
+    g = torch.Generator().manual_seed(6)
+    parts: dict[str, object] = {}
+    for i in range(6):
+        parts[f"noise{i}"] = torch.randint(0, 256, (70_000,), dtype=torch.uint8, generator=g)
+        parts[f"w{i}"] = torch.randn(40_000, generator=g) * (i + 1)
+        parts[f"h{i}"] = torch.randn(30_000, generator=g).to(torch.bfloat16)
+    data = torch_bytes(parts)
+    archives = set()
+    for threads in (1, 2, 3):
+        archive, stats = roundtrip(data, block_size=1 << 16, threads=threads)
+        archives.add(archive)
+        assert stats.segments["generic"] > 6 and stats.segments["planes"] > 20
+        for decode_threads in (1, 3):
+            out = io.BytesIO()
+            codec.decode(io.BytesIO(archive), out, threads=decode_threads)
+            assert out.getvalue() == data
+    assert len(archives) == 1
+
+
+def _float_like(n: int, width: int, seed: int, noise: bool) -> bytes:
+    rng = np.random.default_rng(seed)
+    if noise:
+        return rng.bytes(n * width)
+    dtype = {2: np.float16, 4: np.float32, 8: np.float64}[width]
+    return (rng.standard_normal(n) * 10.0 ** rng.integers(-6, 3)).astype(dtype).tobytes()
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 3000), width=st.sampled_from([2, 4, 8]), transform=st.sampled_from([0, 1]),
+       seed=st.integers(0, 2**32 - 1), noise=st.booleans())
+def test_chunked_split_merge_and_nibbles_with_one_reused_scratch(
+    n: int, width: int, transform: int, seed: int, noise: bool
+) -> None:
+    import zstandard
+
+    data = _float_like(n, width, seed, noise)
+    # tiny chunks: every loop runs many times and ends on a partial chunk
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(codec_planes, "_CHUNK_BYTES", 64)
+        scratch = codec_planes.Scratch()
+        cctx = zstandard.ZstdCompressor(compression_params=codec_planes.plane_params())
+        dctx = zstandard.ZstdDecompressor()
+        for piece in (data, data[: len(data) // 3], data * 2):  # shrink and grow the scratch arrays
+            piece = piece[: len(piece) - len(piece) % width]
+            split = codec_planes.split_planes(piece, width, transform, scratch=scratch)
+            assert np.array_equal(split, _reference_split(piece, width, transform))
+            decoded = []
+            for k in range(width):
+                mode, payload = codec_planes.encode_plane(split[k], cctx, scratch)
+                plane = codec_planes.decode_plane(mode, memoryview(payload), split[k].size, dctx, scratch, f"p{k}")
+                assert np.array_equal(plane, split[k])
+                decoded.append(plane)
+            out = np.frombuffer(piece, dtype=np.uint8) ^ np.uint8(0xFF)  # every byte wrong until merged
+            codec_planes.merge_planes(decoded, width, transform, out, scratch)
+            assert out.tobytes() == piece
+            base = int(split[-1][0]) if split.size else 0
+            plane = split[-1] if split.size else np.zeros(0, np.uint8)
+            if plane.size >= 1 and base <= 240:
+                payload = codec_planes._encode_nibbles(plane, base, cctx, scratch)
+                back = codec_planes.decode_plane(codec_planes.PLANE_NIBBLE, memoryview(payload), plane.size, dctx, scratch)
+                assert np.array_equal(back, plane)
+
+
+def _reference_split(data: bytes, width: int, transform: int) -> np.ndarray:
+    """The byte planes computed the slow, obvious way (Python integers)."""
+    bits = 8 * width
+    rows = []
+    for i in range(0, len(data), width):
+        x = int.from_bytes(data[i : i + width], "little")
+        if transform == codec_planes.TRANSFORM_ROTL1:
+            x = ((x << 1) | (x >> (bits - 1))) & ((1 << bits) - 1)
+        rows.append(list(x.to_bytes(width, "little")))
+    return np.array(rows, dtype=np.uint8).reshape(-1, width).T
+
+
+def test_the_same_archive_without_crc64_combine(monkeypatch: pytest.MonkeyPatch) -> None:
+    # older awscrt releases lack combine_crc64nvme: the reading and writing threads checksum instead
+    data = torch_bytes(training_state(7))
+    with_combine, s1 = roundtrip(data, block_size=1 << 16)
+    monkeypatch.setattr(codec, "_combine_crc64", None)
+    without, s2 = roundtrip(data, block_size=1 << 16)
+    assert with_combine == without and s1.crc64nvme == s2.crc64nvme
+
+
+def test_data_pkl_larger_than_the_first_look_ahead_still_gives_hints() -> None:
+    # torch.save streams members without sizes, so the planner must find where data.pkl ends
+    obj = {"w": torch.randn(5000), "big": list(range(30_000)), "h": torch.randn(3000).half()}
+    data = torch_bytes(obj)
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        pkl = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
+    assert len(pkl) > 64 << 10
+    _, stats = roundtrip(data)
+    assert stats.segments.get("planes", 0) == 2
+
+
+class _ReadOnly(io.RawIOBase):
+    """A stream with ``read`` but no ``readinto`` (as some wrappers are)."""
+
+    def __init__(self, data: bytes) -> None:
+        self._src = io.BytesIO(data)
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, n: int = -1) -> bytes:  # type: ignore[override]
+        return self._src.read(min(n, 1000) if n > 0 else n)
+
+    readinto = None  # type: ignore[assignment]
+
+
+def test_streams_without_readinto_and_with_short_reads() -> None:
+    data = torch_bytes(training_state(8))
+    archive = io.BytesIO()
+    codec.encode(_ReadOnly(data), archive, block_size=1 << 16)  # type: ignore[arg-type]
+    out = io.BytesIO()
+    codec.decode(_ReadOnly(archive.getvalue()), out)  # type: ignore[arg-type]
+    assert out.getvalue() == data
+
+
+def test_damage_mid_stream_leaves_only_a_verified_prefix() -> None:
+    rng = np.random.default_rng(9)
+    data = torch_bytes({"w": torch.from_numpy(rng.standard_normal(400_000).astype(np.float32))})
+    archive, stats = roundtrip(data, block_size=1 << 16)
+    assert stats.segments["planes"] >= 20
+    damaged = bytearray(archive)
+    damaged[len(archive) * 2 // 3] ^= 0x10
+    for threads in (1, 2):
+        out = io.BytesIO()
+        with pytest.raises(IntegrityError, match="damaged"):
+            codec.decode(io.BytesIO(bytes(damaged)), out, threads=threads)
+        written = out.getvalue()
+        assert 0 < len(written) < len(data) and written == data[: len(written)]
+
+
+class _FailingSink(io.RawIOBase):
+    def __init__(self, after: int) -> None:
+        self.left = after
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: object) -> int:
+        n = memoryview(data).nbytes  # type: ignore[arg-type]
+        if n > self.left:
+            raise OSError(28, "No space left on device")
+        self.left -= n
+        return n
+
+
+class _FailingSource(_Generated):
+    def readinto(self, view: memoryview) -> int:  # type: ignore[override]
+        if self.left < (3 << 20):
+            raise OSError(5, "Input/output error")
+        return super().readinto(view)
+
+
+@pytest.mark.timeout(60)
+def test_write_and_read_errors_propagate_without_hanging() -> None:
+    data = torch_bytes({"w": torch.randn(300_000)})
+    archive, _ = roundtrip(data, block_size=1 << 16)
+    with pytest.raises(OSError, match="No space"):
+        codec.encode(io.BytesIO(data), _FailingSink(len(archive) // 2), block_size=1 << 16)
+    with pytest.raises(OSError, match="No space"):
+        codec.decode(io.BytesIO(archive), _FailingSink(len(data) // 2))
+    with pytest.raises(OSError, match="Input/output"):
+        codec.encode(_FailingSource(8 << 20), _Sink(), block_size=1 << 16)
