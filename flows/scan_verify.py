@@ -142,6 +142,7 @@ def scan_verify_flow(
     if verify:
         report = verify_task(catalog_url, None, deep, resolve_sample(sample, datetime.now(UTC)), workers)
         publish_verification(report)
+        publish_catalog_summary(catalog_url)  # again: states changed by verification
         result["verify"] = report
         raise_on_corruption(report)
     return result

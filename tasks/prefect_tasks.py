@@ -60,18 +60,21 @@ def verify_task(catalog_url: str | None, job: str | None, deep: bool, sample: tu
 
 
 def _progress_artifact(key: str) -> Any:
-    """A progress callback that updates a Prefect progress artifact (at most every 2%)."""
+    """A progress callback that updates a Prefect progress artifact (at most every 2%).
+
+    The artifact is created here, in the task's own thread, so it belongs to
+    the run; the callback (called from verify's reader threads, serialized)
+    only updates it by id.
+    """
     from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
-    state: dict[str, Any] = {"id": None, "last": -1.0}
+    artifact_id = create_progress_artifact(0.0, key=key, description="bytes verified so far")
+    state = {"last": 0.0}
 
     def update(done: int, total: int) -> None:
         pct = 100.0 if not total else min(100.0, 100.0 * done / total)
-        if state["id"] is None:
-            state["id"] = create_progress_artifact(pct, key=key, description="bytes verified so far")
-            state["last"] = pct
-        elif pct - state["last"] >= 2.0 or pct == 100.0 and state["last"] < 100.0:
-            update_progress_artifact(state["id"], pct)
+        if pct - state["last"] >= 2.0 or (pct == 100.0 and state["last"] < 100.0):
+            update_progress_artifact(artifact_id, pct)
             state["last"] = pct
 
     return update
