@@ -84,6 +84,7 @@ _DRILL_KEYS = frozenset({"jobs", "model", "steps", "device", "timeout", "loss_to
 _CATALOG_KEYS = frozenset({"url"})
 _TOP_KEYS = frozenset({"policy", "drill", "catalog"})
 _MODEL_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
+_FILE_MODEL_RE = re.compile(r"^[^:]+\.py:[A-Za-z_]\w*$")
 _GLOBAL_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
 
 UNSAFE_GLOBAL_MODULES = frozenset(
@@ -397,11 +398,11 @@ def _drill(where: str, index: int, data: Any) -> DrillSettings:
         raise ConfigError(f"{where}: {name} must be a table ([[drill]]), got {_show(data)}")
     t = _Table(where, name, data, _DRILL_KEYS)
     jobs = t.get_glob()
-    if not t.has("model"):
-        raise ConfigError(f"{where}: {name}.model is missing: set model = \"mypkg.models:build\"")
-    model = t.get_str("model", None, example="mypkg.models:build") or ""
-    if not _MODEL_RE.match(model):
-        t.fail("model", model, "must be \"module:function\", e.g. model = \"mypkg.models:build\"")
+    # No model: Hugging Face checkpoints are built from their config.json; other
+    # formats then fail their drill asking for one.
+    model = (t.get_str("model", None, example="mypkg.models:build") if t.has("model") else None) or ""
+    if model and not (_MODEL_RE.match(model) or _FILE_MODEL_RE.match(model)):
+        t.fail("model", model, "must be \"module:function\" or \"/path/to/file.py:function\", e.g. model = \"mypkg.models:build\"")
     device = t.data.get("device", "auto")
     if device not in ("auto", "cpu", "cuda"):
         t.fail("device", device, "must be \"auto\", \"cpu\" or \"cuda\"")

@@ -112,6 +112,13 @@ def test_first_matching_table_wins() -> None:
     assert parse_config('[[policy]]\njobs = "A*"\n').policy_for("abc") is None  # case-sensitive
 
 
+def test_drill_model_is_optional_and_may_be_a_file() -> None:
+    """HF jobs need no factory (config.json builds the model); a factory may live in a .py file."""
+    cfg = parse_config('[[drill]]\njobs = "hf-*"\nsteps = 3\n[[drill]]\nmodel = "/opt/train/models.py:build"\n')
+    assert cfg.drill_for("hf-gpt") == DrillSettings(jobs="hf-*", steps=3)
+    assert cfg.drill_for("other").model == "/opt/train/models.py:build"  # type: ignore[union-attr]
+
+
 def test_absent_default_file_means_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("CKPTIER_CONFIG", raising=False)
@@ -195,7 +202,6 @@ BAD: list[tuple[str, tuple[str, ...]]] = [
     ("[[policy]]\nkeep_last = 0\npinned = []\n", ("policy[0]", "keeps nothing")),
     ("[policy]\nkeep_last = 3\n", ("policy must be an array of tables", "[[policy]]")),
     ("policy = [1]\n", ("policy[0] must be a table",)),
-    ('[[drill]]\nsteps = 3\n', ("drill[0].model is missing",)),
     ('[[drill]]\nmodel = "mypkg.models.build"\n', ("drill[0].model", '"mypkg.models.build"', "module:function")),
     ('[[drill]]\nmodel = "m:f"\nsteps = 0\n', ("drill[0].steps", "= 0", "≥ 1")),
     ('[[drill]]\nmodel = "m:f"\ndevice = "gpu"\n', ("drill[0].device", '"gpu"', '"cuda"')),
