@@ -65,7 +65,9 @@ def _use_prefect(args: argparse.Namespace) -> bool:
     """Go through a Prefect flow run when an API is configured (or forced)."""
     if getattr(args, "no_prefect", False):
         return False
-    return bool(os.environ.get("PREFECT_API_URL")) or bool(getattr(args, "prefect", False))
+    from .runner import configured_api_url
+
+    return configured_api_url() is not None
 
 
 # ------------------------------------------------------------------ read-only

@@ -9,7 +9,7 @@ return the same JSON-ready report.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -23,11 +23,35 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+def configured_api_url(environ: Mapping[str, str] | None = None) -> str | None:
+    """The Prefect API URL from ``PREFECT_API_URL``, else from the active Prefect profile.
+
+    Reads ``$PREFECT_HOME/profiles.toml`` (default ``~/.prefect``) directly,
+    honouring ``PREFECT_PROFILE``, so that commands need not import Prefect
+    (about a second) just to learn whether an API is configured.
+    """
+    env = os.environ if environ is None else environ
+    if env.get("PREFECT_API_URL"):
+        return env["PREFECT_API_URL"]
+    import tomllib
+
+    home = Path(env.get("PREFECT_HOME") or Path(env.get("HOME", "~")).expanduser() / ".prefect")
+    profiles_path = Path(env.get("PREFECT_PROFILES_PATH") or home / "profiles.toml")
+    try:
+        data = tomllib.loads(profiles_path.read_text())
+    except (OSError, tomllib.TOMLDecodeError):
+        return None
+    active = env.get("PREFECT_PROFILE") or data.get("active")
+    profile = data.get("profiles", {}).get(active, {}) if isinstance(active, str) else {}
+    url = profile.get("PREFECT_API_URL") if isinstance(profile, dict) else None
+    return url if isinstance(url, str) and url else None
+
+
 def check_prefect_api() -> None:
     """Fail with one line naming ``PREFECT_API_URL`` when the API does not answer."""
     import httpx
 
-    url = os.environ.get("PREFECT_API_URL", "")
+    url = configured_api_url() or ""
     try:
         response = httpx.get(url.rstrip("/") + "/health", timeout=5.0)
         response.raise_for_status()

@@ -41,6 +41,7 @@ def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path]:
     monkeypatch.setenv("CKPTIER_CATALOG_URL", f"sqlite:///{catalog}")
     monkeypatch.setenv("CKPTIER_CONFIG", str(config))
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect-home"))  # no profile's API either
     return {"hot": hot, "job_dir": run_.job_dir, "archive": archive, "catalog": catalog, "config": config}
 
 
@@ -177,3 +178,27 @@ def test_console_script_read_only_commands_do_not_import_prefect(env: dict[str, 
                               env={**os.environ}, timeout=120)
         assert "prefect imported" not in proc.stderr, proc.stderr
         assert proc.returncode in (0, 1), proc.stderr
+
+
+def test_prefect_api_is_found_in_the_environment_or_the_active_profile(tmp_path: Path) -> None:
+    from ckptier.flows.runner import configured_api_url
+
+    assert configured_api_url({"PREFECT_API_URL": "http://127.0.0.1:4200/api", "HOME": str(tmp_path)}) == "http://127.0.0.1:4200/api"
+    assert configured_api_url({"HOME": str(tmp_path)}) is None
+    home = tmp_path / ".prefect"
+    home.mkdir()
+    (home / "profiles.toml").write_text(
+        'active = "local"\n[profiles.local]\nPREFECT_API_URL = "http://127.0.0.1:4200/api"\n[profiles.other]\n'
+    )
+    assert configured_api_url({"HOME": str(tmp_path)}) == "http://127.0.0.1:4200/api"
+    assert configured_api_url({"HOME": str(tmp_path), "PREFECT_PROFILE": "other"}) is None
+
+
+def test_unreachable_prefect_api_is_one_line_naming_the_variable(env: dict[str, Path], capsys: pytest.CaptureFixture[str],
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.fixtures.services import free_port
+
+    monkeypatch.setenv("PREFECT_API_URL", f"http://127.0.0.1:{free_port()}/api")
+    code, _, err = run(capsys, "scan", str(env["hot"]))
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1 and "PREFECT_API_URL" in lines[0]

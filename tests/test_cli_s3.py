@@ -51,6 +51,7 @@ def uploaded(s3_env: str, s3_bucket, tmp_path: Path, monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("CKPTIER_CATALOG_URL", f"sqlite:///{tmp_path / 'catalog.db'}")
     monkeypatch.setenv("CKPTIER_CONFIG", str(config))
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect-home"))  # no profile's API either
     return {"bucket": s3_bucket.name, "client": s3_bucket.client}
 
 
