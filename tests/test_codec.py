@@ -458,3 +458,23 @@ def test_write_and_read_errors_propagate_without_hanging() -> None:
         codec.decode(io.BytesIO(archive), _FailingSink(len(data) // 2))
     with pytest.raises(OSError, match="Input/output"):
         codec.encode(_FailingSource(8 << 20), _Sink(), block_size=1 << 16)
+
+
+def test_concurrent_calls_share_spare_buffers_safely() -> None:
+    # buffers and scratch sets outlive a call and go to the next one, in any thread
+    from concurrent.futures import ThreadPoolExecutor
+
+    inputs = [torch_bytes(training_state(seed)) + os.urandom(seed * 999) for seed in range(6)]
+    expected = [roundtrip(data, block_size=1 << 16)[0] for data in inputs]
+
+    def both(i: int) -> tuple[bytes, bytes]:
+        archive = io.BytesIO()
+        codec.encode(io.BytesIO(inputs[i]), archive, name="x.pt", block_size=1 << 16)
+        out = io.BytesIO()
+        codec.decode(io.BytesIO(archive.getvalue()), out)
+        return archive.getvalue(), out.getvalue()
+
+    with ThreadPoolExecutor(3) as pool:
+        for _ in range(2):
+            for i, (archive, back) in enumerate(pool.map(both, range(len(inputs)))):
+                assert archive == expected[i] and back == inputs[i]
