@@ -15,7 +15,7 @@ from __future__ import annotations
 import io
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import BinaryIO, Protocol, runtime_checkable
+from typing import Any, BinaryIO, Protocol, runtime_checkable
 
 from .errors import InvalidKey
 
@@ -96,6 +96,39 @@ class Store(Protocol):
     def write(self, key: str, data: bytes | BinaryIO, *, if_absent: bool = False) -> ObjectInfo: ...
 
     def delete_many(self, keys: Sequence[str]) -> DeleteResult: ...
+
+
+class ReaderOver(io.RawIOBase):
+    """A read-only binary stream over another stream (``inner``) whose
+    subclasses implement only ``read``; ``readinto``/``readall`` go through
+    it and ``close`` closes ``inner`` too.
+    """
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__()
+        self._inner = inner
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int | None = -1) -> bytes:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def readall(self) -> bytes:
+        return self.read(-1)
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        data = self.read(len(view))
+        view[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        if not self.closed:
+            try:
+                self._inner.close()
+            finally:
+                super().close()
 
 
 def key_problem(key: str) -> str | None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import base64
 import builtins
-import io
 import logging
 import os
 import uuid
@@ -28,7 +27,7 @@ from collections.abc import Iterator, Sequence
 from datetime import datetime
 from typing import Any, BinaryIO
 
-from .base import MAX_DELETE_BATCH, DeleteResult, ObjectInfo, as_stream, key_problem, validate_key
+from .base import MAX_DELETE_BATCH, DeleteResult, ObjectInfo, ReaderOver, as_stream, key_problem, validate_key
 from .errors import (
     AccessDenied,
     AlreadyExists,
@@ -117,7 +116,7 @@ def _read_full(stream: BinaryIO, size: int) -> bytes:
     return b"".join(chunks)
 
 
-class _S3Reader(io.RawIOBase):
+class _S3Reader(ReaderOver):
     """A read-only stream over a GetObject body that translates errors.
 
     Memory stays bounded by the sizes the caller asks for. A checksum
@@ -126,39 +125,19 @@ class _S3Reader(io.RawIOBase):
     """
 
     def __init__(self, body: Any, store: S3Store, key: str) -> None:
-        super().__init__()
-        self._body = body
+        super().__init__(body)
         self._store = store
         self._key = key
-
-    def readable(self) -> bool:
-        return True
 
     def read(self, size: int | None = -1) -> bytes:
         if self.closed:
             raise ValueError(f"{self._store.url}/{self._key}: read from a closed stream")
         try:
             if size is None or size < 0:
-                return bytes(self._body.read())
-            return bytes(self._body.read(size))
+                return bytes(self._inner.read())
+            return bytes(self._inner.read(size))
         except Exception as exc:
             raise self._store._translate(exc, self._key) from exc
-
-    def readall(self) -> bytes:
-        return self.read(-1)
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        data = self.read(len(view))
-        view[: len(data)] = data
-        return len(data)
-
-    def close(self) -> None:
-        if not self.closed:
-            try:
-                self._body.close()
-            finally:
-                super().close()
 
 
 class S3Store:

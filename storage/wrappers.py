@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from .base import DeleteResult, ObjectInfo, Store, key_problem, validate_key
+from .base import DeleteResult, ObjectInfo, ReaderOver, Store, key_problem, validate_key
 from .errors import AlreadyExists, NotFound, is_transient
 
 
@@ -240,37 +240,17 @@ def _measure(data: bytes | BinaryIO) -> int:
     return size
 
 
-class _CountingReader(io.RawIOBase):
+class _CountingReader(ReaderOver):
     """Counts bytes read through it into ``meter.bytes_read``."""
 
     def __init__(self, inner: BinaryIO, meter: MeteredStore) -> None:
-        super().__init__()
-        self._inner = inner
+        super().__init__(inner)
         self._meter = meter
-
-    def readable(self) -> bool:
-        return True
 
     def read(self, size: int | None = -1) -> bytes:
         data = self._inner.read(-1 if size is None else size)
         self._meter.bytes_read += len(data)
         return data
-
-    def readall(self) -> bytes:
-        return self.read(-1)
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        data = self.read(len(view))
-        view[: len(data)] = data
-        return len(data)
-
-    def close(self) -> None:
-        if not self.closed:
-            try:
-                self._inner.close()
-            finally:
-                super().close()
 
 
 class MeteredStore(_Delegating):
