@@ -19,9 +19,14 @@ segment a CRC32C of its raw bytes that is checked *before* its bytes are
 written out, and the trailer a CRC64NVME of the whole original stream.
 Decoding needs only this module and the archive.
 
-Memory is bounded by ``block size x (2 x threads + 2)`` whatever the input
-size: input is read in blocks of at most :data:`BLOCK_SIZE` bytes and at most
-``2 x threads`` blocks are in flight.
+Work is split three ways: the calling thread reads (and plans the layout),
+``threads`` workers code or decode whole segments in parallel, and one writer
+thread writes segments in order and chains their CRC64NVMEs. Memory is
+bounded by about ``block size x (5 x threads + 3)`` whatever the input size:
+input is read in blocks of at most :data:`BLOCK_SIZE` bytes into pooled
+buffers, at most ``2 x threads`` segments wait for the writer, and each
+worker keeps one set of scratch arrays. Up to :data:`SPARE_BYTES` of buffers
+and a few scratch sets are kept for the next call.
 """
 
 from __future__ import annotations
