@@ -11,13 +11,14 @@ from typing import Any, Literal
 
 from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
-from prefect.events import emit_event
 from prefect.logging import get_run_logger
 
 from ckptier.storage.catalog.api import Catalog
 from ckptier.storage.errors import CkptierError
 from ckptier.tasks import pipeline
 from ckptier.tasks.config import load_config
+
+from .events import DRILL_FAILED, emit_checkpoint_event
 
 
 class DrillFailed(CkptierError):
@@ -89,12 +90,7 @@ def restore_drill_flow(
     create_markdown_artifact(render_report(reports), key="drill-report", description="Restore drill report")
     failed = [r for r in reports if not r["ok"]]
     for r in failed:
-        emit_event(
-            event="ckptier.drill.failed",
-            resource={"prefect.resource.id": f"ckptier.checkpoint.{r['job']}.{r['step']}",
-                      "prefect.resource.name": f"{r['job']} step {r['step']}", "ckptier.job": r["job"]},
-            payload={"job": r["job"], "step": r["step"], "summary": r["summary"]},
-        )
+        emit_checkpoint_event(DRILL_FAILED, r["job"], r["step"], summary=r["summary"])
     # A job whose final attempt passed recovered (earlier candidates fell back); fail only if a job never passed.
     passed_jobs = {r["job"] for r in reports if r["ok"]}
     if any(r["job"] not in passed_jobs for r in failed):

@@ -12,11 +12,12 @@ from typing import Any
 
 from prefect import flow
 from prefect.artifacts import create_table_artifact
-from prefect.events import emit_event
 
 from ckptier.storage.catalog.api import Catalog
 from ckptier.storage.errors import CkptierError
 from ckptier.tasks.prefect_tasks import scan_task, verify_task
+
+from .events import CORRUPTION_FOUND, emit_checkpoint_event
 
 
 class CorruptionFound(CkptierError):
@@ -56,12 +57,7 @@ def raise_on_corruption(report: dict[str, Any]) -> None:
     if not corrupt:
         return
     for r in corrupt:
-        emit_event(
-            event="ckptier.corruption.found",
-            resource={"prefect.resource.id": f"ckptier.checkpoint.{r['job']}.{r['step']}",
-                      "prefect.resource.name": f"{r['job']} step {r['step']}", "ckptier.job": r["job"]},
-            payload={"job": r["job"], "step": r["step"], "detail": r["detail"]},
-        )
+        emit_checkpoint_event(CORRUPTION_FOUND, r["job"], r["step"], detail=r["detail"])
     names = ", ".join(f"{r['job']} step {r['step']}" for r in corrupt[:5])
     raise CorruptionFound(f"{len(corrupt)} corrupt checkpoint(s): {names}; see the 'verification' artifact")
 

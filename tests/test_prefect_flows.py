@@ -69,7 +69,7 @@ def test_verify_progress_artifact_belongs_to_the_run(harness: None, tree: dict[s
 
 def test_corruption_fails_verify_and_emits_the_event(harness: None, tree: dict[str, Any],
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    from ckptier.flows import scan_verify
+    from ckptier.flows import events as events_module
     from ckptier.flows.scan_verify import CorruptionFound, scan_flow, verify_flow
 
     assert scan_flow(urls=[str(tree["hot"])], catalog_url=tree["catalog_url"])
@@ -78,8 +78,8 @@ def test_corruption_fails_verify_and_emits_the_event(harness: None, tree: dict[s
     data[len(data) // 2] ^= 0xFF
     victim.write_bytes(bytes(data))
     events: list[dict[str, Any]] = []
-    real_emit = scan_verify.emit_event
-    monkeypatch.setattr(scan_verify, "emit_event", lambda **kw: events.append(kw) or real_emit(**kw))
+    real_emit = events_module.emit_event
+    monkeypatch.setattr(events_module, "emit_event", lambda **kw: events.append(kw) or real_emit(**kw))
     state = verify_flow(catalog_url=tree["catalog_url"], return_state=True)
     assert state.is_failed()
     with pytest.raises(CorruptionFound, match="demo-run step 25"):
