@@ -160,13 +160,15 @@ def merge_planes(
     for s in range(0, m, step):
         e = min(s + step, m)
         x = elements[s:e]
-        # whole-element shifts and ors vectorise; a byte-strided scatter does not (6.5 vs 4 GB/s)
+        t = tmp[: e - s]
+        # whole-element shifts and ors vectorise, a byte-strided scatter does not (6.5 vs 4 GB/s);
+        # a plain widening copy then a same-type or beats a mixed-type or (which buffers)
         np.copyto(x, planes[width - 1][s:e], casting="unsafe")
         for k in range(width - 2, -1, -1):
             np.left_shift(x, 8, out=x)
-            np.bitwise_or(x, planes[k][s:e], out=x)
+            np.copyto(t, planes[k][s:e], casting="unsafe")
+            np.bitwise_or(x, t, out=x)
         if transform == TRANSFORM_ROTL1:
-            t = tmp[: e - s]
             np.left_shift(x, bits - 1, out=t)
             np.right_shift(x, 1, out=x)
             np.bitwise_or(x, t, out=x)
