@@ -123,3 +123,32 @@ def test_a_second_tiering_of_the_same_job_waits_for_the_first(harness: None) -> 
                 pass
         with concurrency(tiering_lock_names("job-b", []), occupy=1, timeout_seconds=5, strict=False):
             pass  # another job is not blocked
+
+
+def test_restore_drill_reports_and_a_failed_drill_fails_the_run_with_its_event(
+    harness: None, tree: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckptier.flows import events as events_module
+    from ckptier.flows.drill import DrillFailed, restore_drill_flow
+    from ckptier.flows.scan_verify import scan_verify_flow
+
+    scan_verify_flow(urls=[str(tree["hot"])], catalog_url=tree["catalog_url"])
+    state = restore_drill_flow(catalog_url=tree["catalog_url"], config_path=tree["config"], steps=3,
+                               model="ckptier.tasks.models:demo_model", return_state=True)
+    assert state.is_completed(), state
+    (report,) = state.result()
+    assert report["ok"] and report["step"] == 50 and report["device"] == "cpu"
+    md = _artifacts(state.state_details.flow_run_id)["drill-report"].data
+    assert "demo-run step 50: PASSED" in md and "| deterministic | ok |" in md
+
+    # A model whose shapes do not match the checkpoint: every candidate fails to restore.
+    events: list[dict[str, Any]] = []
+    real_emit = events_module.emit_event
+    monkeypatch.setattr(events_module, "emit_event", lambda **kw: events.append(kw) or real_emit(**kw))
+    state = restore_drill_flow(catalog_url=tree["catalog_url"], config_path=tree["config"], steps=3,
+                               model="tests.fixtures.checkpoints:tiny_mlp", return_state=True)
+    assert state.is_failed()
+    with pytest.raises(DrillFailed, match="demo-run step"):
+        state.result()
+    assert {e["event"] for e in events} == {"ckptier.drill.failed"}
+    assert "FAILED" in _artifacts(state.state_details.flow_run_id)["drill-report"].data
