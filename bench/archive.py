@@ -122,7 +122,8 @@ def main() -> int:
     if cli_name in rows:
         o, b = rows["ckz1 (ours)"], rows[cli_name]
         print(f"ours vs {cli_name}: size ratio x{o[0] / b[0]:.3f}, compress speed x{o[1] / b[1]:.2f}, "
-              f"decompress speed x{o[2] / b[2]:.2f}, compress CPU x{o[3] / b[3]:.2f}, decompress CPU x{o[4] / b[4]:.2f}")
+              f"decompress speed x{o[2] / b[2]:.2f}, compress CPU x{o[3] / b[3]:.2f}, "
+              f"decompress CPU x{o[4] / b[4]:.2f}")
     return 0
 
 

@@ -177,7 +177,7 @@ class _Spares:
             return self._scratch.pop() if self._scratch else planes.Scratch()
 
     def keep(self, buffers: list[np.ndarray], scratch: list[planes.Scratch]) -> None:
-        """Keep what fits under :data:`SPARE_BYTES` (newest first) and :data:`_SPARE_SCRATCH` sets."""
+        """Keep as many ``buffers`` as fit under :data:`SPARE_BYTES`, and the last few scratch sets."""
         with self._lock:
             held = sum(b.size for b in self._buffers)
             for b in buffers:

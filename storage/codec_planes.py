@@ -185,7 +185,7 @@ def _probe(plane: np.ndarray) -> tuple[float, np.ndarray]:
 def encode_plane(
     plane: np.ndarray, cctx: zstandard.ZstdCompressor, scratch: Scratch | None = None
 ) -> tuple[int, bytes | memoryview]:
-    """Code one plane; return ``(mode, payload)``. Never larger than the plane itself.
+    """Code one C-contiguous uint8 plane; return ``(mode, payload)``. Never larger than the plane itself.
 
     A ``PLANE_RAW`` payload is a view of ``plane`` itself (no copy): it is
     valid only while ``plane``'s buffer is.

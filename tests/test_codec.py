@@ -351,7 +351,9 @@ def test_chunked_split_merge_and_nibbles_with_one_reused_scratch(
             plane = split[-1] if split.size else np.zeros(0, np.uint8)
             if plane.size >= 1 and base <= 240:
                 payload = codec_planes._encode_nibbles(plane, base, cctx, scratch)
-                back = codec_planes.decode_plane(codec_planes.PLANE_NIBBLE, memoryview(payload), plane.size, dctx, scratch)
+                back = codec_planes.decode_plane(
+                    codec_planes.PLANE_NIBBLE, memoryview(payload), plane.size, dctx, scratch
+                )
                 assert np.array_equal(back, plane)
 
 
