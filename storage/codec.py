@@ -6,7 +6,7 @@ Container layout (all integers little-endian)::
     segment*  | trailer
 
     segment = "SG" | kind u8 | width u8 | transform u8 | pad u8
-              | raw offset u64 | raw length u32 | crc32c of raw bytes u32
+              | raw offset u64 | raw length u32 | CRC64NVME of raw bytes u64
               | (plane mode u8, stored length u32) * planes | crc32c of all that u32
               | plane payloads, in plane order
     trailer = "EN" | pad u16 | raw size u64 | segment count u64
@@ -15,7 +15,7 @@ Container layout (all integers little-endian)::
 A segment is either ``generic`` (one plane: a zstd frame or raw bytes) or
 ``planes`` (a tensor block split into ``width`` byte planes, see
 :mod:`.codec_planes`). Every zstd frame carries a content checksum, every
-segment a CRC32C of its raw bytes that is checked *before* its bytes are
+segment a CRC64NVME of its raw bytes that is checked *before* its bytes are
 written out, and the trailer a CRC64NVME of the whole original stream.
 Decoding needs only this module and the archive.
 
@@ -51,7 +51,7 @@ from .codec_layout import PeekReader, detect, plan_regions
 from .errors import IntegrityError
 
 CODEC_ID = "ckz1"
-CODEC_VERSION = 1
+CODEC_VERSION = 2
 MAGIC = b"\x89CKZ\r\n\x1a\n"
 END_MAGIC = b"CKZ1-END"
 
@@ -67,7 +67,7 @@ KIND_GENERIC = 0
 KIND_PLANES = 1
 
 _FILE_HEAD = struct.Struct("<HI")
-_SEG_HEAD = struct.Struct("<2sBBBxQII")
+_SEG_HEAD = struct.Struct("<2sBBBxQIQ")
 _PLANE_ENTRY = struct.Struct("<BI")
 _TRAILER = struct.Struct("<2s2xQQQ")
 _U32 = struct.Struct("<I")
@@ -346,7 +346,7 @@ def _blocks(reader: PeekReader, payload: str, block: int, pool: _Pool) -> Iterat
 @dataclass(slots=True)
 class _Coded:
     """One coded segment: its header, payloads in order (raw ones are views of ``used``), plane modes,
-    the pooled buffers to give back once written, and the CRC64NVME of its raw bytes (None: not computed)."""
+    the pooled buffers to give back once written, and the CRC64NVME of its raw bytes."""
 
     head: bytes
     payloads: list[bytes | memoryview]
@@ -354,17 +354,15 @@ class _Coded:
     used: list[np.ndarray]
     kind: int
     raw_len: int
-    crc64: int | None
+    crc64: int
 
 
 def _encode_segment(
     workers: _Workers, pool: _Pool, offset: int, width: int, transform: int, buf: np.ndarray, n: int,
-    with_crc64: bool,
 ) -> _Coded:
     """Code one block; raw payloads are views of the returned buffers, valid until they are given back."""
     raw = buf[:n]
-    raw_crc = checksums.crc32c(raw)
-    crc64 = checksums.crc64nvme(raw) if with_crc64 else None
+    raw_crc = checksums.crc64nvme(raw)
     coded: list[tuple[int, bytes | memoryview]]
     if width == 1:
         payload = workers.generic().compress(raw.data)
@@ -386,7 +384,7 @@ def _encode_segment(
     for mode, coded_payload in coded:
         head += _PLANE_ENTRY.pack(mode, len(coded_payload))
     head += _U32.pack(checksums.crc32c(head))
-    return _Coded(bytes(head), [p for _, p in coded], [m for m, _ in coded], [keep], kind, n, crc64)
+    return _Coded(bytes(head), [p for _, p in coded], [m for m, _ in coded], [keep], kind, n, raw_crc)
 
 
 def encode(
@@ -438,7 +436,7 @@ def encode(
             n += _write(dst, p)
         written += n
         buffers.give(*coded.used)
-        if coded.crc64 is not None and _combine_crc64 is not None:
+        if _combine_crc64 is not None:
             crc = _combine_crc64(crc, coded.crc64, coded.raw_len)
         stats._count("generic" if coded.kind == KIND_GENERIC else "planes")
         for m in coded.modes:
@@ -452,7 +450,7 @@ def encode(
                     if _combine_crc64 is None:
                         crc = checksums.crc64nvme(buf.data[:n], crc)
                     out.put(pool.submit(
-                        _encode_segment, workers, buffers, offset, width, transform, buf, n, _combine_crc64 is not None
+                        _encode_segment, workers, buffers, offset, width, transform, buf, n
                     ))
                     offset += n
                     count += 1
@@ -570,11 +568,11 @@ def describe(src: BinaryIO) -> dict[str, Any]:
 @dataclass(slots=True)
 class _Decoded:
     """One decoded, verified segment: its bytes (a view of ``used``), the pooled buffers to give back
-    once written, and the CRC64NVME of the bytes (None: left to the writer)."""
+    once written, and the CRC64NVME of the bytes."""
 
     data: memoryview
     used: list[np.ndarray]
-    crc64: int | None
+    crc64: int
 
 
 def _decode_segment(
@@ -609,7 +607,7 @@ def _decode_segment(
     except ValueError as exc:
         buffers.give(*used)
         raise IntegrityError(f"{label}: {exc}; the archive is damaged, restore from another copy", key=label) from exc
-    if checksums.crc32c(out) != raw_crc:
+    if checksums.crc64nvme(out) != raw_crc:
         buffers.give(*used)
         raise IntegrityError(
             f"{label}: segment checksum mismatch; the archive is damaged, restore from another copy", key=label
@@ -617,8 +615,7 @@ def _decode_segment(
     if not in_place:
         buffers.give(inbuf)  # every plane is decoded: the stored bytes are no longer needed
         used.remove(inbuf)
-    crc64 = checksums.crc64nvme(out) if _combine_crc64 is not None else None
-    return _Decoded(out, used, crc64)
+    return _Decoded(out, used, raw_crc)
 
 
 def _submit_segments(
@@ -682,7 +679,7 @@ def _submit_segments(
 def decode(src: BinaryIO, dst: BinaryIO, *, threads: int = 2) -> CodecStats:
     """Decompress a ckz1 archive from ``src`` and write the original bytes to ``dst``.
 
-    Every segment is verified (zstd content checksums, CRC32C) before its bytes
+    Every segment is verified (zstd content checksums, CRC64NVME) before its bytes
     are written; at the end the CRC64NVME and size in the trailer are checked
     and nothing may follow the trailer. On any failure :class:`IntegrityError`
     names the archive and what is wrong; ``dst`` then holds at most a verified
@@ -707,7 +704,7 @@ def decode(src: BinaryIO, dst: BinaryIO, *, threads: int = 2) -> CodecStats:
     def emit(segment: _Decoded) -> None:
         nonlocal crc, offset
         _write(dst, segment.data)
-        if segment.crc64 is not None and _combine_crc64 is not None:
+        if _combine_crc64 is not None:
             crc = _combine_crc64(crc, segment.crc64, len(segment.data))
         else:
             crc = checksums.crc64nvme(segment.data, crc)

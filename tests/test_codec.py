@@ -480,3 +480,10 @@ def test_concurrent_calls_share_spare_buffers_safely() -> None:
         for _ in range(2):
             for i, (archive, back) in enumerate(pool.map(both, range(len(inputs)))):
                 assert archive == expected[i] and back == inputs[i]
+
+
+def test_other_format_versions_are_refused_by_name() -> None:
+    archive = bytearray(roundtrip(torch_bytes({"w": torch.ones(10)}))[0])
+    archive[len(codec.MAGIC) : len(codec.MAGIC) + 2] = (codec.CODEC_VERSION - 1).to_bytes(2, "little")
+    message = _decode_error(bytes(archive))
+    assert f"version {codec.CODEC_VERSION - 1} is not supported" in message and "upgrade" in message
