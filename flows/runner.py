@@ -58,7 +58,7 @@ def check_prefect_api() -> None:
     except (httpx.HTTPError, ValueError) as exc:
         raise ConfigError(
             f"PREFECT_API_URL={url!r} does not answer ({type(exc).__name__}); start 'prefect server start', "
-            f"fix the URL, or unset PREFECT_API_URL to run without Prefect"
+            f"fix PREFECT_API_URL (environment or 'prefect config set'), or pass --no-prefect to run directly"
         ) from None
 
 
