@@ -315,7 +315,7 @@ def _blocks(reader: PeekReader, payload: str, block: int, pool: _Pool) -> Iterat
             if length is None:
                 break
             continue
-        if pending is not None:
+        if pending is not None and filled:
             yield 1, planes.TRANSFORM_NONE, pending, filled
             pending = None
         assert length is not None
