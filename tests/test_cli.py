@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,11 +27,20 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One demo training run for the session (200 steps, a save every 25, the last in flight)."""
+    hot = tmp_path_factory.mktemp("trained") / "hot"
+    train_demo_run(hot, steps=200, every=25)
+    return hot
+
+
 @pytest.fixture()
-def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path]:
-    """A hot dir with a trained demo run (last save in flight), a catalog, a policy with an archive."""
+def env(trained: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path]:
+    """A hot dir with a copy of the trained run, a catalog, a policy with an archive."""
     hot = tmp_path / "hot"
-    run_ = train_demo_run(hot, steps=200, every=25)
+    shutil.copytree(trained, hot)
+    job_dir = hot / "demo-run"
     catalog = tmp_path / "catalog.db"
     archive = tmp_path / "archive"
     config = tmp_path / "ckptier.toml"
@@ -42,7 +52,7 @@ def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path]:
     monkeypatch.setenv("CKPTIER_CONFIG", str(config))
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect-home"))  # no profile's API either
-    return {"hot": hot, "job_dir": run_.job_dir, "archive": archive, "catalog": catalog, "config": config}
+    return {"hot": hot, "job_dir": job_dir, "archive": archive, "catalog": catalog, "config": config}
 
 
 def test_scan_ls_json_contract_and_idempotent_rescan(env: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
