@@ -109,6 +109,7 @@ __all__ = [
     "DEFAULT_LIGHTNING_SETTLE_SECONDS",
     "DEFAULT_METADATA_LIMIT",
     "MANIFEST_SUFFIX",
+    "METADATA_NAMES",
     "OWN_DIR",
     "PatternRule",
     "is_own_file",
@@ -129,6 +130,9 @@ _HF_STATE = "trainer_state.json"
 _HF_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 _HF_NOT_WEIGHTS = frozenset({"optimizer.pt", "scheduler.pt", "scaler.pt", "training_args.bin"})
 _GUIDE_META = "metadata.json"
+#: The file names whose bytes :func:`recognise` may ask ``read_small`` for
+#: (no other file is ever read), so a caller can fetch them ahead of time.
+METADATA_NAMES = frozenset({_GUIDE_META, _HF_STATE, *_HF_INDEXES})
 _DCP_META = ".metadata"
 _HEX = frozenset("0123456789abcdef")
 _LIGHTNING_STEP = re.compile(r"(?:^|[^0-9A-Za-z])step=([^-_.=]*)")

@@ -8,19 +8,27 @@ around it. It never deletes anything, and a failed listing records nothing.
 from __future__ import annotations
 
 import posixpath
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
 from urllib.parse import urlparse
 
 from ckptier.storage.base import ObjectInfo, Store, read_bytes
 from ckptier.storage.catalog.api import Catalog, ScanSummary
-from ckptier.storage.formats import PatternRule, recognise
+from ckptier.storage.formats import METADATA_NAMES, PatternRule, recognise
 from ckptier.storage.model import Recognition, Unrecognised
 from ckptier.storage.url import open_store
 
 #: Metadata and marker files larger than this are refused, not read.
 METADATA_LIMIT = 16 << 20
+#: Threads that fetch metadata files while the listing is still running.
+#: On S3 each GET is a round trip (~10 ms to moto here, 10-30 ms to AWS), so
+#: 1,000 checkpoints read one by one would add 10-30 s to a scan.
+PREFETCH_WORKERS = 16
+#: Bytes of prefetched metadata held at once at most; beyond it, files are
+#: read when recognition asks for them, as without prefetching.
+PREFETCH_BYTES = 256 << 20
 
 
 @dataclass
@@ -60,6 +68,58 @@ def counted(listing: Iterator[ObjectInfo], tick: Callable[[int], None] | None, e
         tick(n)
 
 
+class Prefetcher:
+    """Reads the files recognition may need (:data:`METADATA_NAMES`) in
+    background threads as the listing streams past, so their round trips
+    overlap the listing instead of following it one by one.
+
+    :meth:`read` returns exactly what ``read_bytes(store, key, limit)`` would
+    (or raises what it would raise), whether the file was prefetched or not.
+    Files over ``limit`` or empty are left to :meth:`read` (which refuses or
+    returns them as before). At most ``max_bytes`` of listed sizes are in
+    flight or held; the rest is read on demand. Use as a context manager:
+    leaving it cancels reads not yet started and waits for running ones.
+    """
+
+    def __init__(self, store: Store, *, workers: int, limit: int, max_bytes: int = PREFETCH_BYTES) -> None:
+        self.store = store
+        self.limit = limit
+        self.budget = max_bytes
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="ckptier-prefetch") if workers > 0 else None
+        self._pending: dict[str, Future[bytes]] = {}
+
+    def __enter__(self) -> Prefetcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pending.clear()
+
+    def watch(self, listing: Iterable[ObjectInfo]) -> Iterator[ObjectInfo]:
+        """Pass ``listing`` through, starting a read of each metadata file in it."""
+        pool = self._pool
+        for info in listing:
+            if pool is not None:
+                key = info.key
+                if (
+                    key[key.rfind("/") + 1 :] in METADATA_NAMES
+                    and 0 < info.size <= self.limit
+                    and info.size <= self.budget
+                    and key not in self._pending
+                ):
+                    self.budget -= info.size
+                    self._pending[key] = pool.submit(read_bytes, self.store, key, limit=self.limit)
+            yield info
+
+    def read(self, key: str) -> bytes:
+        """The whole object ``key`` (at most ``limit`` bytes); each prefetch is used once."""
+        future = self._pending.pop(key, None)
+        if future is None:
+            return read_bytes(self.store, key, limit=self.limit)
+        return future.result()
+
+
 def recognise_store(
     store: Store,
     *,
@@ -67,19 +127,25 @@ def recognise_store(
     name: str,
     patterns: Sequence[PatternRule] = (),
     tick: Callable[[int], None] | None = None,
+    prefetch: int = PREFETCH_WORKERS,
 ) -> Recognition:
     """List ``store`` completely and recognise its checkpoints.
 
     The listing is consumed before anything is written, so a listing that
-    fails half-way raises and leaves the catalog untouched.
+    fails half-way raises and leaves the catalog untouched. Metadata files
+    are read by ``prefetch`` threads while the listing runs (0: read one by
+    one afterwards); ``store`` must then allow concurrent reads, which every
+    store in :mod:`ckptier.storage` does. The result does not depend on
+    ``prefetch``.
     """
-    return recognise(
-        counted(store.list(""), tick),
-        lambda key: read_bytes(store, key, limit=METADATA_LIMIT),
-        root_name=name,
-        now=now,
-        patterns=patterns,
-    )
+    with Prefetcher(store, workers=prefetch, limit=METADATA_LIMIT) as fetcher:
+        return recognise(
+            fetcher.watch(counted(store.list(""), tick)),
+            fetcher.read,
+            root_name=name,
+            now=now,
+            patterns=patterns,
+        )
 
 
 def scan_url(

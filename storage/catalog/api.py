@@ -381,7 +381,8 @@ class Catalog:
             )
         }
         files_by_ck: dict[int, dict[str, tuple[Any, ...]]] = {}
-        for frow in conn.execute(
+        for frow in _plain_rows(
+            conn,
             select(
                 fl.c.id,
                 fl.c.checkpoint_id,
@@ -394,9 +395,9 @@ class Catalog:
                 fl.c.crc64nvme,
             )
             .join(ck, ck.c.id == fl.c.checkpoint_id)
-            .where(ck.c.job_id == job_id)
-        ).all():
-            files_by_ck.setdefault(frow[_F_CK], {})[frow[_F_REL]] = tuple(frow)
+            .where(ck.c.job_id == job_id),
+        ):
+            files_by_ck.setdefault(frow[_F_CK], {})[frow[_F_REL]] = frow
         hot_copies: dict[tuple[int, str], tuple[int, str, int | None]] = {}
         for c_id, c_ck, c_url, c_state, c_bytes in conn.execute(
             select(cp.c.id, cp.c.checkpoint_id, cp.c.url, cp.c.state, cp.c.stored_bytes)
@@ -408,7 +409,7 @@ class Catalog:
         new_ck: list[dict[str, Any]] = []
         new_found: list[Found] = []
         ck_updates: list[dict[str, Any]] = []
-        file_inserts: list[dict[str, Any]] = []
+        file_inserts: list[tuple[Any, ...]] = []
         file_updates: list[dict[str, Any]] = []
         file_deletes: list[int] = []
         copy_inserts: list[dict[str, Any]] = []
@@ -611,8 +612,7 @@ class Catalog:
         if file_updates:
             tally.rows += _bulk_update(conn, fl, file_updates)
         if file_inserts:
-            conn.execute(insert(fl), file_inserts)
-            tally.rows += len(file_inserts)
+            tally.rows += _insert_files(conn, file_inserts)
         if copy_updates:
             tally.rows += _bulk_update(conn, cp, copy_updates)
         if copy_inserts:
@@ -624,12 +624,9 @@ class Catalog:
     @staticmethod
     def _file_row(
         cid: int, relpath: str, size: int, mtime: float | None, etag: str | None, exp: str | None
-    ) -> dict[str, Any]:
-        return {
-            "checkpoint_id": cid, "relpath": relpath, "size": size, "mtime": mtime, "etag": etag,
-            "crc64nvme": None, "sha256": None, "sha256_expected": exp, "status": None,
-            "detail": None, "verified_at": None,
-        }
+    ) -> tuple[Any, ...]:
+        """A new file row in the column order of :data:`_FILE_INSERT_COLUMNS`."""
+        return (cid, relpath, size, mtime, etag, exp)
 
     @staticmethod
     def _hot_copy_row(cid: int, url: str, size: int, now: datetime) -> dict[str, Any]:
@@ -1148,6 +1145,44 @@ class Catalog:
             }
             for name, state, count, total in per_state
         ]
+
+
+#: Columns a new file row sets; the others (hashes, status, detail,
+#: verified_at) start NULL.
+_FILE_INSERT_COLUMNS = ("checkpoint_id", "relpath", "size", "mtime", "etag", "sha256_expected")
+
+
+def _plain_rows(conn: Connection, stmt: Any) -> list[tuple[Any, ...]]:
+    """All rows of ``stmt`` as the driver returns them (plain tuples).
+
+    Skips SQLAlchemy's Row construction and result type processing (~1 s
+    per million rows here), so only for columns the driver already returns
+    as the right Python type: integers, floats and strings, no datetimes or
+    JSON.
+    """
+    result = conn.execute(stmt)
+    try:
+        return [tuple(row) for row in result.cursor.fetchall()]
+    finally:
+        result.close()
+
+
+def _insert_files(conn: Connection, rows: list[tuple[Any, ...]]) -> int:
+    """INSERT file rows (tuples in :data:`_FILE_INSERT_COLUMNS` order) with one
+    DBAPI ``executemany``; returns the number of rows.
+
+    Goes around SQLAlchemy's per-row parameter processing, which costs ~8 s
+    per million rows here against ~1.5 s for the driver alone (a first scan
+    of a million-file tree); the columns hold plain ints, floats and strings
+    that need no type processing.
+    """
+    mark = "?" if conn.dialect.paramstyle == "qmark" else "%s"
+    sql = (
+        f"INSERT INTO {fl.name} ({', '.join(_FILE_INSERT_COLUMNS)}) "
+        f"VALUES ({', '.join([mark] * len(_FILE_INSERT_COLUMNS))})"
+    )
+    conn.exec_driver_sql(sql, rows)
+    return len(rows)
 
 
 def _bulk_update(conn: Connection, table: Any, rows: list[dict[str, Any]]) -> int:
