@@ -21,7 +21,7 @@ the ``rows_written`` it reports is printed (target: 0). Targets (the issue):
 first scan <= 1.2x the baseline, rescan writes zero rows.
 
 Run: ``python bench/scan.py`` (both parts, a few minutes on 2 cores; the first
-run spends ~1 minute building the local tree). ``--s3-objects N`` shrinks the
+run spends ~2.5 minutes building the local tree). ``--s3-objects N`` shrinks the
 S3 part (default 100,000); ``--only s3|local`` runs one part.
 """
 
@@ -38,10 +38,10 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 TREE_ROOT = Path("/tmp/ckptier-bench-scan")
 FILES_PER_RANK = ("model.pt", "optimizer.pt")
@@ -108,7 +108,7 @@ def build_tree(root: Path, checkpoints: int, ranks: int, jobs: int) -> int:
 def timed(cmd: str | Sequence[str], env: dict[str, str], *, shell: bool = False) -> tuple[float, str]:
     """Run a command to completion; (wall seconds, stdout). Fails loudly."""
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, shell=shell, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.run(cmd, shell=shell, env=env, capture_output=True, text=True, check=False)
     elapsed = time.perf_counter() - t0
     if proc.returncode != 0:
         sys.exit(f"bench/scan: {cmd!r} exited {proc.returncode}: {proc.stderr.strip()[-2000:]}")
@@ -243,7 +243,7 @@ def memoise_moto_timestamps() -> None:
     """
     import functools
 
-    import moto.core.serialize as serialize
+    from moto.core import serialize
 
     serialize.parse_to_aware_datetime = functools.lru_cache(maxsize=1 << 16)(serialize.parse_to_aware_datetime)
 

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Self
 from urllib.parse import urlparse
 
 from ckptier.storage.base import ObjectInfo, Store, read_bytes
@@ -88,7 +89,7 @@ class Prefetcher:
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="ckptier-prefetch") if workers > 0 else None
         self._pending: dict[str, Future[bytes]] = {}
 
-    def __enter__(self) -> Prefetcher:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
