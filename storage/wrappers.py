@@ -9,6 +9,7 @@ cannot change anything.
 from __future__ import annotations
 
 import io
+import threading
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -249,7 +250,7 @@ class _CountingReader(ReaderOver):
 
     def read(self, size: int | None = -1) -> bytes:
         data = self._inner.read(-1 if size is None else size)
-        self._meter.bytes_read += len(data)
+        self._meter._add("bytes_read", len(data))
         return data
 
 
@@ -259,7 +260,8 @@ class MeteredStore(_Delegating):
     ``calls`` maps method name to the number of calls (failed ones too);
     ``bytes_written`` adds the size of each successful write; ``bytes_read``
     counts bytes actually read from streams ``open_read`` returned;
-    ``keys_deleted`` counts confirmed deletions.
+    ``keys_deleted`` counts confirmed deletions. Safe to use from several
+    threads (a scan reads metadata files in parallel).
     """
 
     def __init__(self, inner: Store) -> None:
@@ -268,9 +270,15 @@ class MeteredStore(_Delegating):
         self.bytes_read = 0
         self.bytes_written = 0
         self.keys_deleted = 0
+        self._lock = threading.Lock()
 
     def _count(self, name: str) -> None:
-        self.calls[name] = self.calls.get(name, 0) + 1
+        with self._lock:
+            self.calls[name] = self.calls.get(name, 0) + 1
+
+    def _add(self, counter: str, n: int) -> None:
+        with self._lock:
+            setattr(self, counter, getattr(self, counter) + n)
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         self._count("list")
@@ -287,11 +295,11 @@ class MeteredStore(_Delegating):
     def write(self, key: str, data: bytes | BinaryIO, *, if_absent: bool = False) -> ObjectInfo:
         self._count("write")
         info = self.inner.write(key, data, if_absent=if_absent)
-        self.bytes_written += info.size
+        self._add("bytes_written", info.size)
         return info
 
     def delete_many(self, keys: Sequence[str]) -> DeleteResult:
         self._count("delete_many")
         result = self.inner.delete_many(keys)
-        self.keys_deleted += len(result.deleted)
+        self._add("keys_deleted", len(result.deleted))
         return result
