@@ -133,12 +133,13 @@ def scan_verify_flow(
         catalog_url: Catalog SQLAlchemy URL (default: CKPTIER_CATALOG_URL, else SQLite in the data dir).
     """
     scans = [scan_task(url, catalog_url) for url in urls]
-    publish_catalog_summary(catalog_url)
     result: dict[str, Any] = {"scans": scans}
     if verify:
         report = verify_task(catalog_url, None, deep, resolve_sample(sample, datetime.now(UTC)), workers)
         publish_verification(report)
-        publish_catalog_summary(catalog_url)  # again: states changed by verification
         result["verify"] = report
-        raise_on_corruption(report)
+    # One summary per run, after verification has settled the states.
+    publish_catalog_summary(catalog_url)
+    if verify:
+        raise_on_corruption(result["verify"])
     return result

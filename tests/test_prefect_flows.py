@@ -54,7 +54,7 @@ def test_scan_verify_publishes_summary_and_verification(harness: None, tree: dic
     assert result["verify"]["totals"]["verified"] == 2 and result["verify"]["totals"]["corrupt"] == 0
     arts = _artifacts(state.state_details.flow_run_id)
     summary = {(r["job"], r["state"]): r["checkpoints"] for r in json.loads(arts["catalog-summary"].data)}
-    assert summary == {("demo-run", "verified"): 2, ("demo-run", "incomplete"): 1}  # republished after verify
+    assert summary == {("demo-run", "verified"): 2, ("demo-run", "incomplete"): 1}  # published once, after verify
     (row,) = json.loads(arts["verification"].data)
     assert (row["job"], row["verified"], row["corrupt"]) == ("demo-run", 2, 0) and row["bytes read"] > 0
 
