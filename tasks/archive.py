@@ -3,9 +3,9 @@
 Archive layout (relative to the archive store's root)::
 
     {job}/step-{step:08d}/{relpath}.ckz     one codec stream per checkpoint file
-    {job}/step-{step:08d}/MANIFEST.json     the commit marker, written LAST
+    {job}/step-{step:08d}/ckptier-manifest.json     the commit marker, written LAST
 
-A step directory counts as an archive copy only when its ``MANIFEST.json``
+A step directory counts as an archive copy only when its ``ckptier-manifest.json``
 exists: the manifest is created with a conditional create (``if_absent``)
 after every data object was read back, decoded and found bit-identical to
 the hot file. Anything in a step directory without a manifest is debris of
@@ -40,11 +40,13 @@ from ckptier.storage.errors import (
 )
 from ckptier.storage.hashing import Digests, Hasher
 from ckptier.storage.local import file_mode
+from ckptier.storage.manifest import MANIFEST_NAME as _MANIFEST_NAME
 from ckptier.storage.manifest import Manifest, ManifestFile, StoredObject
 from ckptier.storage.model import CheckpointRecord, FileRecord, State, Tier
 
-#: Name of the commit marker in an archive step directory.
-MANIFEST_NAME = "MANIFEST.json"
+#: Name of the commit marker in an archive step directory (format recognition
+#: knows it as ckptier's own file, so scanning an archive never mistakes it).
+MANIFEST_NAME = _MANIFEST_NAME
 #: Suffix of archived (encoded) data objects.
 DATA_SUFFIX = ".ckz"
 #: Largest manifest we will read (bytes); a manifest of 100k files is ~15 MB.
@@ -279,7 +281,7 @@ def promote(
     catalog record (when recorded); upload it to :func:`data_key` (S3 stores
     switch to multipart above their threshold). Then read every object back,
     decode it and compare size and CRC64NVME with the hot bytes. Only when
-    every file matches is ``MANIFEST.json`` created with ``if_absent=True``.
+    every file matches is ``ckptier-manifest.json`` created with ``if_absent=True``.
 
     Idempotent: when the manifest already exists with the same job, step and
     file hashes (the acknowledgement of an earlier commit was lost, or an
@@ -686,7 +688,7 @@ def janitor(archive: Store, *, now: datetime, older_than: timedelta) -> JanitorR
 
     * Multipart uploads started more than ``older_than`` before ``now`` are
       aborted (only on stores that have ``list_multipart_uploads``).
-    * A step directory (``…/step-NNNNNNNN/``) without ``MANIFEST.json`` whose
+    * A step directory (``…/step-NNNNNNNN/``) without ``ckptier-manifest.json`` whose
       newest object is older than ``older_than`` (by object mtime) is
       removed. Directories holding a manifest are never touched, whatever
       else they contain. Objects without an mtime count as new (kept).

@@ -343,7 +343,7 @@ def test_two_applies_at_once_handle_each_checkpoint_once(tmp_path: Path, catalog
     assert not errors, errors
     # Every promotion happened exactly once: each data object and manifest written once.
     assert counts and all(n == 1 for n in counts.values()), counts
-    assert sum(1 for k in counts if k.endswith("MANIFEST.json")) == 2
+    assert sum(1 for k in counts if k.endswith("ckptier-manifest.json")) == 2
     promoted = [r.step for rep in reports.values() for r in rep.promoted]
     assert sorted(promoted) == [100, 500]
     # Every delete happened once; no file was deleted twice.

@@ -186,7 +186,7 @@ class LostAckStore:
 
     def write(self, key: str, data: bytes | BinaryIO, *, if_absent: bool = False) -> ObjectInfo:
         info = self.inner.write(key, data, if_absent=if_absent)
-        if key.endswith("MANIFEST.json") and self.lost == 0:
+        if key.endswith("ckptier-manifest.json") and self.lost == 0:
             self.lost += 1
             raise Unavailable(f"{self.url}/{key}: connection reset before the response (injected)")
         return info
@@ -204,7 +204,7 @@ def test_promote_writes_data_then_manifest_and_fetch_returns_original_bytes(setu
     copy = promote(hot, prefix, record, archive, now=NOW, owner="run-1")
 
     assert copy.url == f"{archive.url}/llm/step-00000100"
-    assert copy.manifest_key == "llm/step-00000100/MANIFEST.json"
+    assert copy.manifest_key == "llm/step-00000100/ckptier-manifest.json"
     assert copy.verified_at == NOW and not copy.already_archived
     assert copy.raw_bytes == sum(len(d) for d in files.values())
     keys = {i.key for i in archive.list()}
@@ -267,7 +267,7 @@ def test_manifest_appearing_during_upload_with_other_content_is_a_conflict(setup
 
     class RacingStore(CorruptingStore):
         def write(self, key: str, data: bytes | BinaryIO, *, if_absent: bool = False) -> ObjectInfo:
-            if key.endswith("MANIFEST.json"):  # another run commits first
+            if key.endswith("ckptier-manifest.json"):  # another run commits first
                 theirs = Manifest.for_record(rival, created_at=NOW, codec="ckz1")
                 self.inner.write(key, theirs.to_json(), if_absent=True)
             return self.inner.write(key, data, if_absent=if_absent)
@@ -438,7 +438,7 @@ def test_promote_to_s3_multipart_reads_back_and_fetches(s3_bucket: Any, tmp_path
     assert copy.url == f"s3://{s3_bucket.name}/archive/llm/step-00000100"
     listed = s3_bucket.client.list_objects_v2(Bucket=s3_bucket.name, Prefix="archive/")
     assert sorted(o["Key"] for o in listed["Contents"]) == [
-        "archive/llm/step-00000100/MANIFEST.json",
+        "archive/llm/step-00000100/ckptier-manifest.json",
         "archive/llm/step-00000100/config.json.ckz",
         "archive/llm/step-00000100/model.pt.ckz",
     ]
