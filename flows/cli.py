@@ -163,12 +163,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if args.json:
         print_json(report)
     else:
-        table([(r["job"], r["step"], r["state"], human_bytes(r["bytes_read"]), human_bytes(r["bytes_skipped"]), r["detail"] or "")
-               for r in report["checkpoints"]], ("JOB", "STEP", "STATE", "READ", "SKIPPED", "DETAIL"))
+        table([(r["job"], r["step"], r.get("tier", "hot"), r["state"], human_bytes(r["bytes_read"]),
+                human_bytes(r["bytes_skipped"]), r["detail"] or "")
+               for r in report["checkpoints"]], ("JOB", "STEP", "TIER", "STATE", "READ", "SKIPPED", "DETAIL"))
         t = report["totals"]
-        print(f"\n{t['verified']} verified, {t['corrupt']} corrupt, {t['errors']} with errors; "
+        archived = (f"; {t.get('archive_checked', 0)} archive copies read back, {t.get('archive_degraded', 0)} degraded"
+                    if t.get("archive_checked") else "")
+        print(f"\n{t['verified']} verified, {t['corrupt']} corrupt, {t['errors']} with errors{archived}; "
               f"read {human_bytes(t['bytes_read'])}, skipped {human_bytes(t['bytes_skipped'])} (native checksums)")
-    return 1 if report["totals"]["corrupt"] else 0
+    return 1 if report["totals"]["corrupt"] or report["totals"].get("archive_degraded") else 0
 
 
 def cmd_apply(args: argparse.Namespace) -> int:

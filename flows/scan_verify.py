@@ -44,7 +44,7 @@ def publish_verification(report: dict[str, Any]) -> None:
         j = per_job.setdefault(row["job"], {"job": row["job"], "verified": 0, "corrupt": 0, "errors": 0,
                                             "bytes read": 0, "bytes skipped (native checksums)": 0})
         j["verified"] += row["state"] == "verified"
-        j["corrupt"] += row["state"] == "corrupt"
+        j["corrupt"] += row["state"] in ("corrupt", "degraded")
         j["errors"] += row["errors"] > 0
         j["bytes read"] += row["bytes_read"]
         j["bytes skipped (native checksums)"] += row["bytes_skipped"]
@@ -53,11 +53,11 @@ def publish_verification(report: dict[str, Any]) -> None:
 
 
 def raise_on_corruption(report: dict[str, Any]) -> None:
-    corrupt = [r for r in report["checkpoints"] if r["state"] == "corrupt"]
+    corrupt = [r for r in report["checkpoints"] if r["state"] in ("corrupt", "degraded")]
     if not corrupt:
         return
     for r in corrupt:
-        emit_checkpoint_event(CORRUPTION_FOUND, r["job"], r["step"], detail=r["detail"])
+        emit_checkpoint_event(CORRUPTION_FOUND, r["job"], r["step"], tier=r.get("tier", "hot"), detail=r["detail"])
     names = ", ".join(f"{r['job']} step {r['step']}" for r in corrupt[:5])
     raise CorruptionFound(f"{len(corrupt)} corrupt checkpoint(s): {names}; see the 'verification' artifact")
 

@@ -540,6 +540,58 @@ def _archive_copy_url(record: CheckpointRecord) -> str | None:
     return urls[0] if urls else None
 
 
+@dataclass(frozen=True)
+class ArchiveCheck:
+    """The deep read of one archive copy: ``ok`` when every stored object
+    decoded (zstd frame and segment checksums) to the size and CRC64NVME the
+    manifest and the catalog record. ``bytes_read`` counts stored bytes;
+    ``problems`` has one line per bad file (or the manifest)."""
+
+    url: str
+    ok: bool
+    bytes_read: int
+    problems: tuple[str, ...] = ()
+
+
+def check_archive_copy(record: CheckpointRecord, archive: Store) -> ArchiveCheck:
+    """Read back ``record``'s archive copy in ``archive`` and compare every file.
+
+    Never writes. Transient and access errors propagate (nothing is proven
+    either way); a missing or unreadable manifest, a missing object, an
+    object that does not decode, or decoded bytes whose size or CRC64NVME
+    differ from the manifest or the catalog make the copy not ``ok``.
+    Raises :class:`NotFound` when the catalog records no archive copy.
+    """
+    copy_url = _archive_copy_url(record)
+    if copy_url is None:
+        raise NotFound(f"job {record.job} step {record.step}: the catalog records no archive copy")
+    adir = prefix_from_location(archive, copy_url)
+    try:
+        manifest = _read_manifest(archive, join_key(adir, MANIFEST_NAME))
+    except (NotFound, IntegrityError, ValueError) as exc:
+        return ArchiveCheck(copy_url, False, 0, (f"{MANIFEST_NAME}: {exc}",))
+    catalog_crc = {f.relpath: f.crc64nvme for f in record.files}
+    problems: list[str] = []
+    read = 0
+    for m in manifest.files:
+        key = join_key(adir, m.stored.key if m.stored is not None else m.relpath + DATA_SUFFIX)
+        try:
+            raw, stored = _decode_check(archive, key)
+        except (NotFound, IntegrityError) as exc:
+            problems.append(f"{m.relpath}: {exc}")
+            continue
+        read += stored.size
+        expected = catalog_crc.get(m.relpath)
+        if raw.size != m.size or raw.crc64nvme != m.crc64nvme or (expected and raw.crc64nvme != expected):
+            problems.append(
+                f"{m.relpath}: decoded {raw.size} bytes crc64nvme {raw.crc64nvme}, "
+                f"expected {m.size} bytes crc64nvme {m.crc64nvme}"
+            )
+    missing = sorted(set(catalog_crc) - {m.relpath for m in manifest.files})
+    problems.extend(f"{rel}: not in the archive manifest" for rel in missing)
+    return ArchiveCheck(copy_url, not problems, read, tuple(problems))
+
+
 def fetch(
     record: CheckpointRecord,
     *,

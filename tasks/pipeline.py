@@ -119,15 +119,19 @@ def run_verify(
 
     stores = stores or StoreCache()
     states = (State.COMMITTED, State.VERIFIED, State.CORRUPT)
-    records = [c for c in catalog.checkpoints(job=job, states=states) if c.missing_since is None]
-    if job and not records and not catalog.checkpoints(job=job):
+    cataloged = catalog.checkpoints(job=job, states=states)
+    if job and not cataloged and not catalog.checkpoints(job=job):
         raise ConfigError(f"job {job!r}: no checkpoints in the catalog; run 'ckptier scan URL' first or check the name")
     if sample is not None:
-        records = select_sample(records, *sample)
-    elif not deep:
+        cataloged = select_sample(cataloged, *sample)
+    # Hot copies are verified where they still exist (a milestone whose hot copy
+    # ckptier deleted lives on in the archive only, and is read back there).
+    records = [c for c in cataloged if "hot" in c.tiers]
+    if sample is None and not deep:
         records = [c for c in records if c.state == State.COMMITTED]
     rows: list[dict[str, Any]] = []
-    totals = {"checked": 0, "verified": 0, "corrupt": 0, "errors": 0, "bytes_read": 0, "bytes_skipped": 0}
+    totals = {"checked": 0, "verified": 0, "corrupt": 0, "errors": 0, "bytes_read": 0, "bytes_skipped": 0,
+              "archive_checked": 0, "archive_degraded": 0}
     # Verify against the store's checksum unless a deep read was asked for.
     for record, outcome in verify_many(stores.for_record, records, deep=deep or sample is not None,
                                        workers=workers, progress=progress):
@@ -139,7 +143,7 @@ def run_verify(
             + outcome.notes
         )
         rows.append({
-            "job": record.job, "step": record.step, "state": state.value,
+            "job": record.job, "step": record.step, "tier": "hot", "state": state.value,
             "bytes_read": outcome.bytes_read, "bytes_skipped": outcome.bytes_skipped,
             "errors": errors, "extra": outcome.extra, "detail": detail or None,
         })
@@ -149,7 +153,53 @@ def run_verify(
         totals["errors"] += errors > 0
         totals["bytes_read"] += outcome.bytes_read
         totals["bytes_skipped"] += outcome.bytes_skipped
+    if deep or sample is not None:
+        for row in _verify_archive_copies(catalog, with_archive_copy(cataloged), stores=stores, now=now):
+            rows.append(row)
+            totals["archive_checked"] += 1
+            totals["archive_degraded"] += row["state"] == "degraded"
+            totals["bytes_read"] += row["bytes_read"]
     return {"checkpoints": rows, "totals": totals, "sample": f"{sample[0]}/{sample[1]}" if sample else None}
+
+
+def with_archive_copy(records: Iterable[CheckpointRecord]) -> list[CheckpointRecord]:
+    """The records that have an archive copy to read back (present or already degraded)."""
+    from ckptier.storage.model import Tier
+
+    return [c for c in records if any(cp.tier == Tier.ARCHIVE and cp.state in ("present", "degraded") for cp in c.copies)]
+
+
+def _verify_archive_copies(catalog: Catalog, records: Sequence[CheckpointRecord], *, stores: StoreCache,
+                           now: Clock) -> Iterable[dict[str, Any]]:
+    """Deep-read each record's archive copy; mark it ``degraded`` (with an event) when its bytes are bad.
+
+    A degraded copy of a checkpoint that no longer has a hot copy is the
+    only copy at risk: its event says so.
+    """
+    from ckptier.storage.model import Tier
+
+    from .archive import check_archive_copy
+
+    for record in records:
+        copy = next(cp for cp in record.copies if cp.tier == Tier.ARCHIVE and cp.state in ("present", "degraded"))
+        check = check_archive_copy(record, stores.store(archive_root(copy.url, record)))
+        state = "present" if check.ok else "degraded"
+        if state != copy.state:
+            catalog.set_copy_state(record.id, tier=Tier.ARCHIVE, url=copy.url, state=state, now=now())
+        detail = "; ".join(check.problems[:3]) or None
+        if not check.ok:
+            only = "hot" not in record.tiers
+            catalog.log_event(
+                "archive.degraded",
+                f"{record.job} step {record.step}: archive copy {copy.url} is damaged"
+                + (" and it is the ONLY copy: restore it from elsewhere now" if only else "; the hot copy is intact")
+                + f" ({detail})",
+                now=now(), job=record.job, checkpoint_id=record.id,
+                data={"only_copy": only, "problems": list(check.problems)},
+            )
+        yield {"job": record.job, "step": record.step, "tier": "archive", "state": "verified" if check.ok else "degraded",
+               "bytes_read": check.bytes_read, "bytes_skipped": 0, "errors": 0, "extra": [],
+               "detail": (("only copy at risk: " if "hot" not in record.tiers else "") + detail) if detail else None}
 
 
 # -------------------------------------------------------------------- plan

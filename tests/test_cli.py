@@ -212,3 +212,37 @@ def test_unreachable_prefect_api_is_one_line_naming_the_variable(env: dict[str, 
     code, _, err = run(capsys, "scan", str(env["hot"]))
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert code == 2 and len(lines) == 1 and "PREFECT_API_URL" in lines[0]
+
+
+def test_deep_verify_reads_archive_copies_and_flags_an_only_copy_at_risk(
+    env: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """RELIABILITY 18: a bit flip in an archived file is found by the periodic deep read."""
+    from ckptier.storage.catalog.api import Catalog
+
+    for argv in (["scan", str(env["hot"])], ["verify"], ["apply"]):
+        assert run(capsys, *argv)[0] == 0
+    # Milestones 50 and 100 now live in the archive only; a deep verify must not call them corrupt.
+    code, out, err = run(capsys, "verify", "--deep", "--json")
+    report = json.loads(out)
+    assert code == 0, err
+    archive_rows = {r["step"]: r for r in report["checkpoints"] if r["tier"] == "archive"}
+    assert sorted(archive_rows) == [50, 100] and all(r["state"] == "verified" for r in archive_rows.values())
+    assert report["totals"]["corrupt"] == 0 and report["totals"]["archive_checked"] == 2
+
+    stored = sorted((env["archive"] / "demo-run" / "step-00000100").rglob("model.pt.ckz"))[0]
+    data = bytearray(stored.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    stored.write_bytes(bytes(data))
+    code, out, _ = run(capsys, "verify", "--deep", "--json")
+    report = json.loads(out)
+    assert code == 1 and report["totals"]["archive_degraded"] == 1
+    (bad,) = [r for r in report["checkpoints"] if r["state"] == "degraded"]
+    assert bad["step"] == 100 and bad["detail"].startswith("only copy at risk") and "model.pt" in bad["detail"]
+    with Catalog.open(f"sqlite:///{env['catalog']}") as cat:
+        (event,) = cat.events(job="demo-run", kinds=["archive.degraded"])
+        assert event.data is not None and event.data["only_copy"] is True
+        record = cat.get("demo-run", 100)
+        assert record is not None and [c.state for c in record.copies if c.tier == "archive"] == ["degraded"]
+    code, _, err = run(capsys, "fetch", "--job", "demo-run", "--step", "100", str(env["hot"].parent / "out"))
+    assert code == 2 and "archive" in err  # never hands out damaged bytes
