@@ -9,7 +9,6 @@ without its ``metadata.json``, as if it were still being written.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Mapping
@@ -18,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from ckptier.storage.hashing import hash_file
 
 from .models import demo_model, demo_train
 
@@ -30,14 +31,6 @@ class DemoRun:
     steps: tuple[int, ...]
     in_flight: int | None
     losses: Mapping[int, float]
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def write_guide_checkpoint(
@@ -59,7 +52,8 @@ def write_guide_checkpoint(
             torch.save(obj, fh)
             fh.flush()
             os.fsync(fh.fileno())
-        listed[rel] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+        digests = hash_file(path, sha256=True)
+        listed[rel] = {"size": digests.size, "sha256": digests.sha256}
     if not commit:
         return
     meta = {"step": step, "files": listed, **({"loss": loss} if loss is not None else {}), **(extra or {})}
