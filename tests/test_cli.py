@@ -246,3 +246,23 @@ def test_deep_verify_reads_archive_copies_and_flags_an_only_copy_at_risk(
         assert record is not None and [c.state for c in record.copies if c.tier == "archive"] == ["degraded"]
     code, _, err = run(capsys, "fetch", "--job", "demo-run", "--step", "100", str(env["hot"].parent / "out"))
     assert code == 2 and "archive" in err  # never hands out damaged bytes
+
+
+@pytest.mark.parametrize("use_prefect", [False, True], ids=["direct", "prefect"])
+def test_demo_runs_the_whole_pipeline(tmp_path: Path, capsys: pytest.CaptureFixture[str], use_prefect: bool,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ckptier demo``: train, leave one save in flight, scan, verify, tier, drill — and say so."""
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    if use_prefect:
+        from prefect.testing.utilities import prefect_test_harness
+
+        with prefect_test_harness(server_startup_timeout=120):
+            code, out, err = run(capsys, "demo", "--dir", str(tmp_path), "--steps", "200")
+    else:
+        code, out, err = run(capsys, "demo", "--dir", str(tmp_path), "--steps", "200", "--no-prefect")
+    assert code == 0, out + err
+    assert "8 checkpoints" in out and "step 200 still in flight" in out
+    assert "7 committed, 1 incomplete" in out and "verified 7 checkpoints (0 corrupt)" in out
+    assert "promote done" in out and "restore drill: demo-run step 175" in out and "drill ok" in out
+    assert (tmp_path / "archive" / "demo-run" / "step-00000050" / "ckptier-manifest.json").exists()
+    assert not (tmp_path / "hot" / "demo-run" / "step-00000025").exists()  # rolling checkpoint deleted
