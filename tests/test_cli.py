@@ -266,3 +266,28 @@ def test_demo_runs_the_whole_pipeline(tmp_path: Path, capsys: pytest.CaptureFixt
     assert "promote done" in out and "restore drill: demo-run step 175" in out and "drill ok" in out
     assert (tmp_path / "archive" / "demo-run" / "step-00000050" / "ckptier-manifest.json").exists()
     assert not (tmp_path / "hot" / "demo-run" / "step-00000025").exists()  # rolling checkpoint deleted
+
+
+def test_drill_falls_back_past_a_checkpoint_that_does_not_restore(
+    env: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The newest verified checkpoint's bytes are intact but it no longer fits the model
+    (as after a serialization change): the failure is recorded, the next one is drilled."""
+    import torch
+
+    from ckptier.storage.catalog.api import Catalog
+    from ckptier.tasks.demo import write_guide_checkpoint
+
+    wrong = {"net.0.weight": torch.zeros(3, 3)}
+    write_guide_checkpoint(env["job_dir"] / "step-00000180", {"rank-0000/model.pt": wrong,
+                                                             "rank-0000/optimizer.pt": {"state": {}, "param_groups": []}},
+                           step=180, loss=0.01)
+    for argv in (["scan", str(env["hot"])], ["verify"]):
+        assert run(capsys, *argv)[0] == 0
+    code, out, _ = run(capsys, "drill", "--json")
+    reports = json.loads(out)
+    assert code == 1  # a checkpoint that does not restore is a failure to hear about
+    assert [(r["step"], r["ok"]) for r in reports] == [(180, False), (175, True)]
+    assert reports[0]["stage"] == "restore" and "net.0.weight" in reports[0]["summary"]
+    with Catalog.open(f"sqlite:///{env['catalog']}") as cat:
+        assert [(d.step, d.ok) for d in cat.drills(job="demo-run")] == [(175, True), (180, False)]
