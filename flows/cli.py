@@ -225,7 +225,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_janitor(args: argparse.Namespace) -> int:
     from ckptier.flows import runner
 
-    report = runner.janitor(config_path=args.config, older_than=args.older_than)
+    report = runner.janitor(config_path=args.config, older_than=args.older_than, catalog_url=_catalog_url(args))
     print_json(report) if args.json else [print(line) for line in report["lines"]]
     return 0
 

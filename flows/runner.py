@@ -164,12 +164,13 @@ def fetch(*, job: str, step: int, dest: Path, catalog_url: str | None, config_pa
         return run_fetch(cat, load_config(config_path), job=job, step=step, dest=dest)
 
 
-def janitor(*, config_path: str | None, older_than: str) -> dict[str, Any]:
+def janitor(*, config_path: str | None, older_than: str, catalog_url: str | None) -> dict[str, Any]:
     from ckptier.tasks.config import load_config
     from ckptier.tasks.pipeline import run_janitor
     from ckptier.tasks.retention import parse_duration
 
-    return run_janitor(load_config(config_path), now=utcnow(), older_than=parse_duration(older_than))
+    with _open(catalog_url) as cat:
+        return run_janitor(cat, load_config(config_path), now=utcnow(), older_than=parse_duration(older_than))
 
 
 def drill(*, job: str | None, step: int | None, steps: int | None, device: str | None, model: str | None,

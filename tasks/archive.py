@@ -23,7 +23,7 @@ import os
 import re
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -710,7 +710,9 @@ class JanitorReport:
     ``removed_dirs``: step directories without a manifest that were removed;
     ``removed_keys``: their objects; ``young_dirs``: uncommitted directories
     left alone because they are newer than the threshold (a promotion may be
-    running); ``failed``: key → reason for objects that could not be removed.
+    running); ``failed``: key → reason for objects that could not be removed;
+    ``unexpected``: directories the catalog records as archive copies that
+    have lost their manifest (left alone: damage to look at, not debris).
     """
 
     aborted_uploads: list[tuple[str, str]] = field(default_factory=list)
@@ -719,6 +721,7 @@ class JanitorReport:
     young_dirs: list[str] = field(default_factory=list)
     committed_dirs: int = 0
     failed: dict[str, str] = field(default_factory=dict)
+    unexpected: list[str] = field(default_factory=list)
 
 
 def _step_dir(key: str) -> str | None:
@@ -735,7 +738,8 @@ def _group_step_dirs(archive: Store) -> Iterator[tuple[str, list[Any]]]:
     yield from sorted(groups.items())
 
 
-def janitor(archive: Store, *, now: datetime, older_than: timedelta) -> JanitorReport:
+def janitor(archive: Store, *, now: datetime, older_than: timedelta,
+            cataloged: Collection[str] = ()) -> JanitorReport:
     """Remove what interrupted promotions left in ``archive``; never touch a committed copy.
 
     * Multipart uploads started more than ``older_than`` before ``now`` are
@@ -744,6 +748,11 @@ def janitor(archive: Store, *, now: datetime, older_than: timedelta) -> JanitorR
       newest object is older than ``older_than`` (by object mtime) is
       removed. Directories holding a manifest are never touched, whatever
       else they contain. Objects without an mtime count as new (kept).
+
+    * A step directory in ``cataloged`` (keys relative to ``archive``, as
+      :func:`archive_dir` gives them) is a copy the catalog holds as
+      present: its missing manifest is damage to report, never something to
+      clean up. It is left alone and listed in ``unexpected``.
 
     Idempotent. ``older_than`` must exceed the longest promotion, or a
     running promotion's objects could be removed (the promotion then fails
@@ -761,9 +770,13 @@ def janitor(archive: Store, *, now: datetime, older_than: timedelta) -> JanitorR
                 report.aborted_uploads.append((key, upload_id))
 
     cutoff_ts = cutoff.timestamp()
+    protected = set(cataloged)
     for d, infos in _group_step_dirs(archive):
         if any(i.key == f"{d}/{MANIFEST_NAME}" for i in infos):
             report.committed_dirs += 1
+            continue
+        if d in protected:
+            report.unexpected.append(d)
             continue
         if any(i.mtime is None or i.mtime >= cutoff_ts for i in infos):
             report.young_dirs.append(d)

@@ -374,19 +374,35 @@ def archive_root(copy_url: str, record: CheckpointRecord) -> str:
     return head if sep else copy_url
 
 
-def run_janitor(config: Config, *, now: datetime, older_than: timedelta, stores: StoreCache | None = None) -> dict[str, Any]:
-    """Clean every archive tier named by a policy: abandoned uploads, manifest-less copies."""
-    from .archive import janitor
+def run_janitor(catalog: Catalog, config: Config, *, now: datetime, older_than: timedelta,
+                stores: StoreCache | None = None) -> dict[str, Any]:
+    """Clean every archive tier named by a policy: abandoned uploads, manifest-less copies.
+
+    Copies the catalog holds as present are never removed, even when their
+    manifest is gone: that is reported as damage instead.
+    """
+    from ckptier.storage.model import Tier
+
+    from .archive import archive_dir, janitor
 
     stores = stores or StoreCache()
     lines: list[str] = []
     reports = {}
     for url in sorted({p.archive for p in config.policies if p.archive}):
-        r = janitor(stores.store(url), now=now, older_than=older_than)
+        store = stores.store(url)
+        cataloged = {
+            archive_dir(c.job, c.step)
+            for c in catalog.checkpoints(include_deleted=True, with_files=False)
+            for cp in c.copies
+            if cp.tier == Tier.ARCHIVE and cp.state in ("present", "degraded") and archive_root(cp.url, c) == store.url
+        }
+        r = janitor(store, now=now, older_than=older_than, cataloged=cataloged)
         reports[url] = asdict(r)
         lines.append(f"{url}: aborted {len(r.aborted_uploads)} uploads, removed {len(r.removed_dirs)} copies without "
                      f"manifest ({len(r.removed_keys)} objects), left {len(r.young_dirs)} young ones, "
                      f"{len(r.failed)} failures")
+        lines.extend(f"{url}/{d}: cataloged archive copy has lost its manifest; left in place, check it"
+                     for d in r.unexpected)
     if not reports:
         lines.append("no [[policy]] names an archive tier: nothing to clean")
     return {"archives": reports, "lines": lines}

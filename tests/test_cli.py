@@ -291,3 +291,25 @@ def test_drill_falls_back_past_a_checkpoint_that_does_not_restore(
     assert reports[0]["stage"] == "restore" and "net.0.weight" in reports[0]["summary"]
     with Catalog.open(f"sqlite:///{env['catalog']}") as cat:
         assert [(d.step, d.ok) for d in cat.drills(job="demo-run")] == [(175, True), (180, False)]
+
+
+def test_janitor_removes_orphans_but_never_a_cataloged_copy(env: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    from ckptier.tasks.archive import manifest_key
+
+    for argv in (["scan", str(env["hot"])], ["verify"], ["apply"]):
+        assert run(capsys, *argv)[0] == 0
+    old = 1_000_000_000  # 2001: older than any threshold
+    orphan = env["archive"] / "demo-run" / "step-00000999"  # an interrupted promotion's leftovers
+    orphan.mkdir()
+    (orphan / "model.pt.ckz").write_bytes(b"partial")
+    damaged = env["archive"] / manifest_key("demo-run", 100)  # a committed copy that lost its manifest
+    damaged.unlink()
+    for path in list(orphan.rglob("*")) + list(damaged.parent.rglob("*")):
+        os.utime(path, (old, old))
+
+    code, out, _ = run(capsys, "janitor", "--older-than", "1h", "--json")
+    assert code == 0
+    (report,) = json.loads(out)["archives"].values()
+    assert report["removed_dirs"] == ["demo-run/step-00000999"] and not orphan.exists()
+    assert report["unexpected"] == ["demo-run/step-00000100"]
+    assert (damaged.parent / "rank-0000" / "model.pt.ckz").exists()  # left in place: damage to look at
