@@ -145,8 +145,10 @@ def key_problem(key: str) -> str | None:
         return f"key {key!r} is absolute"
     if "\\" in key:
         return f"key {key!r} contains a backslash"
+    if key.endswith("/"):
+        return f"key {key!r} ends with '/' (a directory marker, not an object)"
     parts = key.split("/")
-    if any(p in ("", ".", "..") for p in parts[:-1]) or parts[-1] in (".", ".."):
+    if any(p in ("", ".", "..") for p in parts):
         return f"key {key!r} has an empty, '.' or '..' segment"
     return None
 

@@ -26,7 +26,7 @@ from tests.fixtures.s3 import S3Bucket
 MiB = 1 << 20
 BIG = 12 * MiB + 12345  # over the S3 test threshold, not a multiple of the part size
 
-UNSAFE_KEYS = ["", "/abs", "a/../b", "a//b", "./a", "a/./b", "..", "a\\b", "nul\x00byte", "a/.."]
+UNSAFE_KEYS = ["", "/abs", "a/../b", "a//b", "./a", "a/./b", "..", "a\\b", "nul\x00byte", "a/..", "dir/"]
 
 
 def payload(size: int, seed: int = 0) -> bytes:
