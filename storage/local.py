@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from .base import DeleteResult, ObjectInfo, as_stream, validate_key
-from .errors import AccessDenied, AlreadyExists, NotFound, StoreError, Unavailable
+from .errors import AccessDenied, AlreadyExists, InvalidKey, NotFound, StoreError, Unavailable
 
 #: Prefix of the temporary files ``write`` creates beside their target.
 TEMP_PREFIX = ".ckptier-tmp-"
@@ -178,6 +178,30 @@ class LocalStore:
                 result.deleted.append(key)
                 self._prune_empty_dirs(self._path(key).parent)
         return result
+
+    def stale_temp_files(self, older_than: float) -> list[str]:
+        """This store's own temporary files (``.ckptier-tmp-*``, left by an
+        interrupted ``write``) last modified before ``older_than`` (epoch
+        seconds), as paths relative to the root. Never lists anything else."""
+        stale: list[str] = []
+        for directory, _dirs, files in os.walk(self.root):
+            for name in files:
+                if not name.startswith(TEMP_PREFIX):
+                    continue
+                path = os.path.join(directory, name)
+                try:
+                    if os.lstat(path).st_mtime < older_than:
+                        stale.append(os.path.relpath(path, self.root))
+                except FileNotFoundError:
+                    continue
+        return sorted(stale)
+
+    def remove_temp_file(self, relpath: str) -> None:
+        """Remove one file :meth:`stale_temp_files` listed; refuses any other name."""
+        path = self._path(relpath)
+        if not path.name.startswith(TEMP_PREFIX):
+            raise InvalidKey(f"{self.url}/{relpath}: not a ckptier temporary file; refusing to remove it", key=relpath)
+        path.unlink(missing_ok=True)
 
     def _prune_empty_dirs(self, directory: Path) -> None:
         """Remove directories left empty by a delete, up to (not including) root."""

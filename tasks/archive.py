@@ -712,7 +712,9 @@ class JanitorReport:
     left alone because they are newer than the threshold (a promotion may be
     running); ``failed``: key → reason for objects that could not be removed;
     ``unexpected``: directories the catalog records as archive copies that
-    have lost their manifest (left alone: damage to look at, not debris).
+    have lost their manifest (left alone: damage to look at, not debris);
+    ``removed_temp_files``: a local store's own ``.ckptier-tmp-*`` files left
+    by interrupted writes.
     """
 
     aborted_uploads: list[tuple[str, str]] = field(default_factory=list)
@@ -722,6 +724,7 @@ class JanitorReport:
     committed_dirs: int = 0
     failed: dict[str, str] = field(default_factory=dict)
     unexpected: list[str] = field(default_factory=list)
+    removed_temp_files: list[str] = field(default_factory=list)
 
 
 def _step_dir(key: str) -> str | None:
@@ -743,7 +746,9 @@ def janitor(archive: Store, *, now: datetime, older_than: timedelta,
     """Remove what interrupted promotions left in ``archive``; never touch a committed copy.
 
     * Multipart uploads started more than ``older_than`` before ``now`` are
-      aborted (only on stores that have ``list_multipart_uploads``).
+      aborted (only on stores that have ``list_multipart_uploads``); a local
+      store's own temporary files (``.ckptier-tmp-*``) that old are removed.
+      Nothing else without a commit marker is ever treated as temporary.
     * A step directory (``…/step-NNNNNNNN/``) without ``ckptier-manifest.json`` whose
       newest object is older than ``older_than`` (by object mtime) is
       removed. Directories holding a manifest are never touched, whatever
@@ -770,6 +775,11 @@ def janitor(archive: Store, *, now: datetime, older_than: timedelta,
                 report.aborted_uploads.append((key, upload_id))
 
     cutoff_ts = cutoff.timestamp()
+    stale_temps = getattr(archive, "stale_temp_files", None)
+    if stale_temps is not None:
+        for rel in stale_temps(cutoff_ts):
+            archive.remove_temp_file(rel)  # type: ignore[attr-defined]
+            report.removed_temp_files.append(rel)
     protected = set(cataloged)
     for d, infos in _group_step_dirs(archive):
         if any(i.key == f"{d}/{MANIFEST_NAME}" for i in infos):

@@ -399,8 +399,8 @@ def run_janitor(catalog: Catalog, config: Config, *, now: datetime, older_than: 
         r = janitor(store, now=now, older_than=older_than, cataloged=cataloged)
         reports[url] = asdict(r)
         lines.append(f"{url}: aborted {len(r.aborted_uploads)} uploads, removed {len(r.removed_dirs)} copies without "
-                     f"manifest ({len(r.removed_keys)} objects), left {len(r.young_dirs)} young ones, "
-                     f"{len(r.failed)} failures")
+                     f"manifest ({len(r.removed_keys)} objects) and {len(r.removed_temp_files)} stale temporary files, "
+                     f"left {len(r.young_dirs)} young ones, {len(r.failed)} failures")
         lines.extend(f"{url}/{d}: cataloged archive copy has lost its manifest; left in place, check it"
                      for d in r.unexpected)
     if not reports:

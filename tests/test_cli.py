@@ -302,6 +302,14 @@ def test_janitor_removes_orphans_but_never_a_cataloged_copy(env: dict[str, Path]
     orphan = env["archive"] / "demo-run" / "step-00000999"  # an interrupted promotion's leftovers
     orphan.mkdir()
     (orphan / "model.pt.ckz").write_bytes(b"partial")
+    temp = env["archive"] / "demo-run" / ".ckptier-tmp-abc123"  # an interrupted local write
+    temp.write_bytes(b"half")
+    os.utime(temp, (old, old))
+    young_temp = env["archive"] / "demo-run" / ".ckptier-tmp-young"  # a write in progress
+    young_temp.write_bytes(b"now")
+    by_hand = env["archive"] / "notes-copied-by-hand.txt"  # no commit marker, not ours: never touched
+    by_hand.write_bytes(b"keep me")
+    os.utime(by_hand, (old, old))
     damaged = env["archive"] / manifest_key("demo-run", 100)  # a committed copy that lost its manifest
     damaged.unlink()
     for path in list(orphan.rglob("*")) + list(damaged.parent.rglob("*")):
@@ -313,3 +321,5 @@ def test_janitor_removes_orphans_but_never_a_cataloged_copy(env: dict[str, Path]
     assert report["removed_dirs"] == ["demo-run/step-00000999"] and not orphan.exists()
     assert report["unexpected"] == ["demo-run/step-00000100"]
     assert (damaged.parent / "rank-0000" / "model.pt.ckz").exists()  # left in place: damage to look at
+    assert report["removed_temp_files"] == ["demo-run/.ckptier-tmp-abc123"] and not temp.exists()
+    assert young_temp.exists() and by_hand.read_bytes() == b"keep me"
