@@ -13,7 +13,7 @@ Keys are ``/``-separated, relative to the store's root URL, never start with
 from __future__ import annotations
 
 import io
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Protocol, runtime_checkable
 
@@ -182,21 +182,8 @@ def read_bytes(store: Store, key: str, *, limit: int | None = None) -> bytes:
     return data
 
 
-def iter_chunks(stream: BinaryIO, chunk_size: int = 8 << 20) -> Iterator[bytes]:
-    """Yield ``stream``'s contents in chunks of at most ``chunk_size`` bytes."""
-    while True:
-        chunk = stream.read(chunk_size)
-        if not chunk:
-            return
-        yield chunk
-
-
 def as_stream(data: bytes | BinaryIO) -> BinaryIO:
     """Wrap ``bytes`` in a stream; return streams unchanged."""
     if isinstance(data, (bytes, bytearray, memoryview)):
         return io.BytesIO(bytes(data))
     return data
-
-
-def total_size(infos: Iterable[ObjectInfo]) -> int:
-    return sum(i.size for i in infos)
