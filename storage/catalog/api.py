@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -161,7 +161,9 @@ def _join_url(base: str, key: str) -> str:
 
 @dataclass
 class _Tally:
-    rows: int = 0
+    """The counters of :class:`ScanSummary`, accumulated while a scan runs."""
+
+    rows_written: int = 0
     new: int = 0
     changed: int = 0
     committed: int = 0
@@ -300,15 +302,9 @@ class Catalog:
             checkpoints=len(recognition.checkpoints),
             unrecognised=len(recognition.unrecognised),
             jobs=tuple(sorted(by_job)),
-            rows_written=tally.rows,
-            new=tally.new,
-            changed=tally.changed,
-            committed=tally.committed,
-            vanished=tally.vanished,
-            reappeared=tally.reappeared,
-            resurrected=tally.resurrected,
+            **asdict(tally),
         )
-        if tally.rows:
+        if tally.rows_written:
             with self._write() as conn:
                 conn.execute(
                     insert(sc).values(
@@ -357,7 +353,7 @@ class Catalog:
             first = found_by_step[min(found_by_step)]
             hot_url = _join_url(base, _parent(first.prefix))
         job_id, inserted = self._ensure_job(conn, name, hot_url, now)
-        tally.rows += int(inserted)
+        tally.rows_written += int(inserted)
 
         existing = {
             int(r.step): r
@@ -600,24 +596,24 @@ class Catalog:
                 )
                 copy_inserts.append(self._hot_copy_row(cid, _join_url(base, found.prefix), found.bytes, now))
             tally.new += len(new_ck)
-            tally.rows += len(new_ck)
+            tally.rows_written += len(new_ck)
             event("discovered", f"{name}: {len(new_ck)} new checkpoint(s), steps "
                   f"{_names([str(f.step) for f in new_found])}", None,
                   steps=[f.step for f in new_found][:1000])
         if ck_updates:
-            tally.rows += _bulk_update(conn, ck, ck_updates)
+            tally.rows_written += _bulk_update(conn, ck, ck_updates)
         if file_deletes:
             conn.execute(delete(fl).where(fl.c.id.in_(file_deletes)))
-            tally.rows += len(file_deletes)
+            tally.rows_written += len(file_deletes)
         if file_updates:
-            tally.rows += _bulk_update(conn, fl, file_updates)
+            tally.rows_written += _bulk_update(conn, fl, file_updates)
         if file_inserts:
-            tally.rows += _insert_files(conn, file_inserts)
+            tally.rows_written += _insert_files(conn, file_inserts)
         if copy_updates:
-            tally.rows += _bulk_update(conn, cp, copy_updates)
+            tally.rows_written += _bulk_update(conn, cp, copy_updates)
         if copy_inserts:
             conn.execute(insert(cp), copy_inserts)
-            tally.rows += len(copy_inserts)
+            tally.rows_written += len(copy_inserts)
         if events:
             conn.execute(insert(ev), events)
 
