@@ -230,7 +230,8 @@ class _InOrder(Generic[_T]):
     the thread that reads, so reading, coding and writing overlap. At most
     ``depth`` futures wait; :meth:`put` blocks beyond that. The first
     exception (from a future or from ``handle``) stops all further handling
-    and is re-raised by :meth:`put` or :meth:`close`.
+    and is re-raised by :meth:`put` or :meth:`close`. As a context manager it
+    closes on a clean exit and abandons when the block raises.
     """
 
     def __init__(self, handle: Callable[[_T], None], depth: int, name: str) -> None:
@@ -266,6 +267,15 @@ class _InOrder(Generic[_T]):
         self._stopped = True
         self._queue.put(None)
         self._thread.join()
+
+    def __enter__(self) -> _InOrder[_T]:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abandon()
 
 
 def _source_size(src: BinaryIO) -> int | None:
@@ -444,8 +454,7 @@ def encode(
 
     try:
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckz-encode") as pool:
-            out = _InOrder(emit, 2 * threads, "ckz-encode-write")
-            try:
+            with _InOrder(emit, 2 * threads, "ckz-encode-write") as out:
                 for width, transform, buf, n in _blocks(reader, payload, block_size, buffers):
                     if _combine_crc64 is None:
                         crc = checksums.crc64nvme(buf.data[:n], crc)
@@ -454,10 +463,6 @@ def encode(
                     ))
                     offset += n
                     count += 1
-            except BaseException:
-                out.abandon()
-                raise
-            out.close()
     finally:
         buffers.close(workers)  # every worker and the writer are done with them
     if size is not None and size != offset:
@@ -713,13 +718,8 @@ def decode(src: BinaryIO, dst: BinaryIO, *, threads: int = 2) -> CodecStats:
 
     try:
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckz-decode") as pool:
-            out = _InOrder(emit, 2 * threads, "ckz-decode-write")
-            try:
+            with _InOrder(emit, 2 * threads, "ckz-decode-write") as out:
                 count = _submit_segments(reader, pool, out, workers, buffers, stats, label)
-            except BaseException:
-                out.abandon()
-                raise
-            out.close()
     finally:
         buffers.close(workers)  # every worker and the writer are done with them
     fields = b"EN" + reader.exact(_TRAILER.size - 2, "trailer")
