@@ -92,6 +92,12 @@ def _finite_or_none(value: Any) -> float | None:
     return number if math.isfinite(number) else None
 
 
+def _known_fields(cls: type, data: Mapping[str, Any]) -> dict[str, Any]:
+    """The keys of ``data`` that are fields of dataclass ``cls``, JSON lists as tuples."""
+    names = {f.name for f in fields(cls)}
+    return {k: (tuple(v) if isinstance(v, list) else v) for k, v in data.items() if k in names}
+
+
 @dataclass(frozen=True)
 class WorkerResult:
     """What the drill worker measured (JSON-serialisable; times in seconds,
@@ -147,9 +153,7 @@ class WorkerResult:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> WorkerResult:
         """Build from JSON; unknown keys are ignored, lists become tuples."""
-        names = {f.name for f in fields(cls)}
-        kwargs: dict[str, Any] = {k: (tuple(v) if isinstance(v, list) else v) for k, v in data.items() if k in names}
-        return cls(**kwargs)
+        return cls(**_known_fields(cls, data))
 
 
 @dataclass(frozen=True)
@@ -175,9 +179,7 @@ class DrillRequest:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> DrillRequest:
-        names = {f.name for f in fields(cls)}
-        kwargs: dict[str, Any] = {k: (tuple(v) if isinstance(v, list) else v) for k, v in data.items() if k in names}
-        return cls(**kwargs)
+        return cls(**_known_fields(cls, data))
 
 
 # --- the verdict ------------------------------------------------------------
