@@ -77,7 +77,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
     with _open_catalog(args) as cat:
         records = cat.checkpoints(job=args.job, include_deleted=args.all)
     if args.job and not records:
-        raise ConfigError(f"job {args.job!r}: no checkpoints in the catalog; run 'ckptier scan URL' first or check the name")
+        from ckptier.tasks.pipeline import unknown_job
+
+        raise unknown_job(args.job)
     if args.json:
         print_json([checkpoint_json(c) for c in records])
     else:

@@ -29,6 +29,11 @@ from .scan import ScanReport, scan_url
 Clock = Callable[[], datetime]
 
 
+def unknown_job(job: str) -> ConfigError:
+    """The one-line error for a job the catalog has never seen."""
+    return ConfigError(f"job {job!r}: no checkpoints in the catalog; run 'ckptier scan URL' first or check the name")
+
+
 class StoreCache:
     """Opens each store once and maps a catalog location URL to ``(store, prefix)``.
 
@@ -121,7 +126,7 @@ def run_verify(
     states = (State.COMMITTED, State.VERIFIED, State.CORRUPT)
     cataloged = catalog.checkpoints(job=job, states=states)
     if job and not cataloged and not catalog.checkpoints(job=job):
-        raise ConfigError(f"job {job!r}: no checkpoints in the catalog; run 'ckptier scan URL' first or check the name")
+        raise unknown_job(job)
     if sample is not None:
         cataloged = select_sample(cataloged, *sample)
     # Hot copies are verified where they still exist (a milestone whose hot copy
@@ -187,8 +192,8 @@ def _verify_archive_copies(catalog: Catalog, records: Sequence[CheckpointRecord]
         if state != copy.state:
             catalog.set_copy_state(record.id, tier=Tier.ARCHIVE, url=copy.url, state=state, now=now())
         detail = "; ".join(check.problems[:3]) or None
+        only = "hot" not in record.tiers
         if not check.ok:
-            only = "hot" not in record.tiers
             catalog.log_event(
                 "archive.degraded",
                 f"{record.job} step {record.step}: archive copy {copy.url} is damaged"
@@ -199,7 +204,7 @@ def _verify_archive_copies(catalog: Catalog, records: Sequence[CheckpointRecord]
             )
         yield {"job": record.job, "step": record.step, "tier": "archive", "state": "verified" if check.ok else "degraded",
                "bytes_read": check.bytes_read, "bytes_skipped": 0, "errors": 0, "extra": [],
-               "detail": (("only copy at risk: " if "hot" not in record.tiers else "") + detail) if detail else None}
+               "detail": (("only copy at risk: " if only else "") + detail) if detail else None}
 
 
 # -------------------------------------------------------------------- plan
@@ -223,7 +228,7 @@ def plans_by_policy(
     """
     records = catalog.checkpoints(job=job, include_deleted=False)
     if job and not records:
-        raise ConfigError(f"job {job!r}: no checkpoints in the catalog; run 'ckptier scan URL' first or check the name")
+        raise unknown_job(job)
     groups: dict[int, tuple[Policy | None, list[CheckpointRecord]]] = {}
     for c in records:
         policy = config.policy_for(c.job)
@@ -242,9 +247,9 @@ def make_plan(catalog: Catalog, config: Config, *, job: str | None, now: datetim
     return merge_plans([plan for _, plan in plans_by_policy(catalog, config, job=job, now=now)])
 
 
-def merge_plans(plans: Sequence[Plan], *, extra_items: Sequence[PlanItem] = ()) -> Plan:
+def merge_plans(plans: Sequence[Plan]) -> Plan:
     """Combine per-policy plans (disjoint jobs) into one, ordered by (job, step, id)."""
-    items = sorted([i for p in plans for i in p.items] + list(extra_items), key=lambda i: (i.job, i.step, i.checkpoint_id))
+    items = sorted((i for p in plans for i in p.items), key=lambda i: (i.job, i.step, i.checkpoint_id))
     refused_jobs = {j: r for p in plans for j, r in p.refused_jobs.items()}
     return Plan(
         items=items,
@@ -333,16 +338,20 @@ def run_fetch(
     catalog: Catalog, config: Config, *, job: str, step: int, dest: Path, stores: StoreCache | None = None
 ) -> dict[str, Any]:
     """Restore job/step's original files into ``dest`` from the hot or archive tier, verified."""
-    from .archive import fetch
-
-    stores = stores or StoreCache()
     record = catalog.get(job, step)
     if record is None:
         raise ConfigError(f"job {job!r} step {step}: not in the catalog; see 'ckptier ls --job {job}'")
+    return fetch_record(record, config, dest=dest, stores=stores or StoreCache())
+
+
+def fetch_record(record: CheckpointRecord, config: Config, *, dest: Path, stores: StoreCache) -> dict[str, Any]:
+    """Restore ``record``'s original files into ``dest`` (see :func:`ckptier.tasks.archive.fetch`)."""
+    from .archive import fetch
+
     hot, prefix = _hot_store(stores, record)
     archive = _archive_store(stores, config, record)
     result = fetch(record, hot=hot, archive=archive, dest=dest, hot_prefix=prefix)
-    return {"job": job, "step": step, "tier": result.tier, "source": result.source, "dest": str(result.dest),
+    return {"job": record.job, "step": record.step, "tier": result.tier, "source": result.source, "dest": str(result.dest),
             "files": len(result.paths), "bytes": result.bytes, "seconds": round(result.seconds, 3),
             "notes": list(result.notes)}
 
@@ -388,11 +397,12 @@ def run_janitor(catalog: Catalog, config: Config, *, now: datetime, older_than: 
     stores = stores or StoreCache()
     lines: list[str] = []
     reports = {}
+    records = catalog.checkpoints(include_deleted=True, with_files=False)
     for url in sorted({p.archive for p in config.policies if p.archive}):
         store = stores.store(url)
         cataloged = {
             archive_dir(c.job, c.step)
-            for c in catalog.checkpoints(include_deleted=True, with_files=False)
+            for c in records
             for cp in c.copies
             if cp.tier == Tier.ARCHIVE and cp.state in ("present", "degraded") and archive_root(cp.url, c) == store.url
         }
@@ -477,8 +487,7 @@ def run_drill(
             tier: str | None = None
             try:
                 try:
-                    fetched = run_fetch(catalog, config, job=record.job, step=record.step, dest=scratch / "checkpoint",
-                                        stores=stores)
+                    fetched = fetch_record(record, config, dest=scratch / "checkpoint", stores=stores)
                 except CkptierError as exc:  # a fetch failure is this candidate's verdict
                     report = _drill_failure(record, started, now(), stage="fetch", error=str(exc))
                 else:
@@ -496,7 +505,7 @@ def run_drill(
                             f"{record.job} step {record.step} ({tier} tier, {result.device or dev}): {verdict.summary}",
                         "checks": [asdict(c) for c in verdict.checks], "device": result.device, "tier": tier,
                         "timings": timings, "peak_memory_bytes": result.peak_memory_bytes,
-                        "losses": [v for v in result.losses], "error": result.error, "stage": result.error_stage,
+                        "losses": list(result.losses), "error": result.error, "stage": result.error_stage,
                         "started_at": started.isoformat(), "finished_at": now().isoformat(),
                     }
             finally:
