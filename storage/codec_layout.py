@@ -80,14 +80,13 @@ SAFETENSORS_DTYPES: dict[str, tuple[int, int]] = {
 class PeekReader:
     """A forward-only reader over ``src`` that can look ahead without consuming.
 
-    ``pos`` counts the bytes consumed so far. Look-ahead is buffered, so a
-    caller must keep peeks small (bounded by :data:`MAX_METADATA`).
+    Look-ahead is buffered, so a caller must keep peeks small (bounded by
+    :data:`MAX_METADATA`).
     """
 
     def __init__(self, src: BinaryIO) -> None:
         self._src = src
         self._buf = bytearray()
-        self.pos = 0
 
     def peek(self, n: int) -> bytes:
         """Up to ``n`` bytes from the current position (fewer only at EOF)."""
@@ -116,7 +115,6 @@ class PeekReader:
             if not got:
                 break
             filled += got
-        self.pos += filled
         return filled
 
 
