@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ckptier.storage.errors import ConfigError
+from ckptier.storage.url import parse_url
 from ckptier.tasks.retention import (
     KeepDaily,
     KeepLast,
@@ -299,18 +300,12 @@ def _glob_problem(pattern: str) -> str | None:
 
 
 def _archive_problem(url: str) -> str | None:
-    if "://" not in url:
-        return None
-    scheme, rest = url.split("://", 1)
-    if scheme == "s3":
-        if not rest.split("/", 1)[0]:
-            return "an s3:// URL needs a bucket"
-        return None
-    if scheme == "file":
-        if not rest.startswith("/"):
-            return "a file:// URL needs an absolute path (file:///path)"
-        return None
-    return f"scheme {scheme!r} is not supported (use a path, file:///path or s3://bucket/prefix)"
+    """Why ``url`` cannot be opened as the archive store, or None (no I/O)."""
+    try:
+        parse_url(url)
+    except ConfigError as exc:
+        return str(exc)
+    return None
 
 
 def _milestones(t: _Table) -> Milestones | None:
