@@ -18,7 +18,6 @@ requested. :meth:`S3Store.canary` detects such stores.
 
 from __future__ import annotations
 
-import base64
 import builtins
 import logging
 import os
@@ -76,17 +75,6 @@ _UNAVAILABLE = {
     "RequestLimitExceeded",
 }
 _PRECONDITION = {"PreconditionFailed", "412", "ConditionalRequestConflict"}
-
-
-def _crc64nvme(data: bytes | bytearray | memoryview, previous: int = 0) -> int:
-    from awscrt import checksums  # imported lazily: only writes need it
-
-    return int(checksums.crc64nvme(data, previous))
-
-
-def crc64nvme_b64(value: int) -> str:
-    """Encode a CRC64NVME value the way S3 does (base64 of 8 big-endian bytes)."""
-    return base64.b64encode(value.to_bytes(8, "big")).decode("ascii")
 
 
 def _error_code(exc: BaseException) -> tuple[str, int | None]:
@@ -424,11 +412,13 @@ class S3Store:
         if self.checksum:
             create["ChecksumAlgorithm"] = self.checksum
             create["ChecksumType"] = "FULL_OBJECT"
+        # Imported here: hashing loads awscrt, which only multipart writes need.
+        from .hashing import Hasher
+
         upload_id = self._call("create_multipart_upload", key, **create)["UploadId"]
         try:
             parts: builtins.list[dict[str, Any]] = []
-            crc = 0
-            size = 0
+            hasher = Hasher()
             pending = memoryview(head)
             while True:
                 number = len(parts) + 1
@@ -446,8 +436,7 @@ class S3Store:
                     pending = memoryview(b"")
                 if not body and parts:
                     break
-                crc = _crc64nvme(body, crc)
-                size += len(body)
+                hasher.update(body)
                 part: dict[str, Any] = {
                     "Bucket": self.bucket,
                     "Key": full,
@@ -470,7 +459,7 @@ class S3Store:
                 "UploadId": upload_id,
                 "MultipartUpload": {"Parts": parts},
             }
-            expected = crc64nvme_b64(crc)
+            expected = hasher.digests().crc64nvme
             if self.checksum:
                 complete["ChecksumCRC64NVME"] = expected
                 complete["ChecksumType"] = "FULL_OBJECT"
@@ -488,7 +477,7 @@ class S3Store:
                 url=self.url,
                 key=key,
             )
-        return ObjectInfo(key=key, size=size, etag=response.get("ETag"), checksum=confirmed)
+        return ObjectInfo(key=key, size=hasher.size, etag=response.get("ETag"), checksum=confirmed)
 
     def _abort_quietly(self, full: str, upload_id: str) -> None:
         try:

@@ -25,7 +25,8 @@ from ckptier.storage.errors import (
     Unavailable,
     is_transient,
 )
-from ckptier.storage.s3 import CANARY_PREFIX, S3Store, crc64nvme_b64
+from ckptier.storage.hashing import encode_crc64nvme
+from ckptier.storage.s3 import CANARY_PREFIX, S3Store
 from ckptier.storage.wrappers import RetryingStore
 from tests.fixtures.s3 import S3Bucket, make_client
 from tests.fixtures.services import free_port
@@ -65,7 +66,7 @@ def error_xml(code: str, message: str) -> bytes:
 def crc(data: bytes) -> str:
     from awscrt import checksums
 
-    return crc64nvme_b64(checksums.crc64nvme(data))
+    return encode_crc64nvme(checksums.crc64nvme(data))
 
 
 @pytest.fixture
