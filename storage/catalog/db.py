@@ -37,6 +37,7 @@ from ..errors import ConfigError
 
 if TYPE_CHECKING:
     from alembic.config import Config
+    from alembic.script import ScriptDirectory
 
 #: The newest migration revision. Opening a catalog already at this revision
 #: only reads ``alembic_version`` and never imports Alembic (it costs ~0.2 s
@@ -249,18 +250,19 @@ def alembic_config() -> Config:
 
 
 @functools.cache
+def _script() -> ScriptDirectory:
+    """The shipped migration scripts, read once per process."""
+    from alembic.script import ScriptDirectory
+
+    return ScriptDirectory.from_config(alembic_config())
+
+
 def _heads() -> frozenset[str]:
-    from alembic.script import ScriptDirectory
-
-    return frozenset(ScriptDirectory.from_config(alembic_config()).get_heads())
+    return frozenset(_script().get_heads())
 
 
-@functools.cache
 def _known_revisions() -> frozenset[str]:
-    from alembic.script import ScriptDirectory
-
-    script = ScriptDirectory.from_config(alembic_config())
-    return frozenset(rev.revision for rev in script.walk_revisions())
+    return frozenset(rev.revision for rev in _script().walk_revisions())
 
 
 def migrate(engine: Engine) -> bool:
