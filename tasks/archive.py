@@ -191,10 +191,6 @@ class ArchiveCopy:
     seconds: float = 0.0
 
 
-def _expected_crc(f: FileRecord) -> str | None:
-    return f.crc64nvme
-
-
 def _check_hot_digest(record: CheckpointRecord, f: FileRecord, got: Digests, where: str) -> None:
     if got.size != f.size:
         raise IntegrityError(
@@ -202,10 +198,9 @@ def _check_hot_digest(record: CheckpointRecord, f: FileRecord, got: Digests, whe
             f"(job {record.job} step {record.step}); rescan and verify before promoting",
             key=where,
         )
-    expected = _expected_crc(f)
-    if expected is not None and got.crc64nvme != expected:
+    if f.crc64nvme is not None and got.crc64nvme != f.crc64nvme:
         raise IntegrityError(
-            f"{where}: hot file CRC64NVME {got.crc64nvme} differs from the catalog's {expected} "
+            f"{where}: hot file CRC64NVME {got.crc64nvme} differs from the catalog's {f.crc64nvme} "
             f"(job {record.job} step {record.step}); run verify before promoting",
             key=where,
         )
@@ -255,8 +250,6 @@ def _decode_check(archive: Store, key: str, *, sink: BinaryIO | None = None) -> 
                 url=archive.url,
                 key=key,
             ) from exc
-        while counted.read(CHUNK):  # trailing bytes after the codec's end still count as stored
-            pass
     return out.hasher.digests(), counted.hasher.digests()
 
 
@@ -324,9 +317,6 @@ def promote(
             with hot.open_read(hkey) as src:
                 reader = _HashingReader(src)
                 _codec.encode(reader, spool, name=f.relpath, level=level, threads=threads)  # type: ignore[arg-type]
-                # The codec may stop at a size it was told; make sure nothing is left unhashed.
-                while reader.read(CHUNK):
-                    pass
             got = reader.hasher.digests()
             _check_hot_digest(record, f, got, _store_url(hot, hkey))
             hot_digests[f.relpath] = got
