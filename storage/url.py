@@ -1,6 +1,6 @@
 """Store URLs: a plain path, ``file:///path`` or ``s3://bucket/prefix``.
 
-Parsing is pure (:func:`parse_url`, :func:`canonical_url`, :func:`describe`);
+Parsing is pure (:func:`parse_url`, :func:`canonical_url`);
 only :func:`open_store` builds a store (and, for S3, a boto3 client, which
 reads credentials and ``AWS_ENDPOINT_URL`` the standard way). Every bad URL
 raises :class:`~.errors.ConfigError` with a one-line message.
@@ -107,28 +107,6 @@ def canonical_url(url: str) -> str:
     ``s3://b/p/``, ``s3://b/p``) give the same string.
     """
     return parse_url(url).url
-
-
-def split_url(url: str) -> tuple[str, str]:
-    """Split into ``(root_url, prefix)``: the bucket and the prefix within it.
-
-    ``s3://b/runs/a`` gives ``("s3://b", "runs/a")``; a local path gives
-    ``(canonical file URL, "")`` since a directory is its own root.
-    """
-    parsed = parse_url(url)
-    if parsed.scheme == "s3":
-        return f"s3://{parsed.bucket}", parsed.prefix
-    return parsed.url, ""
-
-
-def describe(url: str) -> str:
-    """One line for people: what ``url`` points at (no I/O)."""
-    parsed = parse_url(url)
-    if parsed.scheme == "file":
-        return f"local directory {parsed.path}"
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "AWS"
-    where = f"prefix {parsed.prefix!r}" if parsed.prefix else "the whole bucket"
-    return f"S3 bucket {parsed.bucket!r}, {where}, at endpoint {endpoint}"
 
 
 def open_store(url: str, **s3_options: Any) -> Store:

@@ -13,10 +13,8 @@ from ckptier.storage.url import (
     StoreURL,
     bucket_problem,
     canonical_url,
-    describe,
     open_store,
     parse_url,
-    split_url,
 )
 
 
@@ -97,22 +95,6 @@ def test_canonical_url_unifies_spellings(tmp_path: Path) -> None:
     assert canonical_url(str(tmp_path)) == canonical_url(tmp_path.as_uri() + "/") == tmp_path.as_uri()
     assert canonical_url("s3://b-1/p/q/") == canonical_url("s3://b-1/p/q") == "s3://b-1/p/q"
     assert canonical_url("s3://b-1/") == "s3://b-1"
-
-
-def test_split_url(tmp_path: Path) -> None:
-    assert split_url("s3://bkt/runs/a/") == ("s3://bkt", "runs/a")
-    assert split_url("s3://bkt") == ("s3://bkt", "")
-    assert split_url(str(tmp_path)) == (tmp_path.as_uri(), "")
-
-
-def test_describe(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9000")
-    assert describe("s3://bkt/runs") == "S3 bucket 'bkt', prefix 'runs', at endpoint http://127.0.0.1:9000"
-    assert describe("s3://bkt") == "S3 bucket 'bkt', the whole bucket, at endpoint http://127.0.0.1:9000"
-    assert describe("/data/x") == "local directory /data/x"
-    with pytest.raises(ConfigError):
-        describe("ftp://x")
 
 
 def test_open_store_local(tmp_path: Path) -> None:
