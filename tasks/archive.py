@@ -223,14 +223,19 @@ def _store_url(store: Store, key: str) -> str:
     return f"{store.url.rstrip('/')}/{key}"
 
 
-def _decode_check(archive: Store, key: str, *, sink: BinaryIO | None = None) -> tuple[Digests, Digests]:
+def _stored_key(adir: str, m: ManifestFile) -> str:
+    """Key of ``m``'s archived object in the copy at ``adir`` (its manifest entry, else the default name)."""
+    return join_key(adir, m.stored.key if m.stored is not None else m.relpath + DATA_SUFFIX)
+
+
+def _decode_check(archive: Store, key: str) -> tuple[Digests, Digests]:
     """Stream ``key`` from ``archive`` through the codec; return digests of the decoded and the stored bytes.
 
     Transient and access errors propagate unchanged; anything else that goes
     wrong while decoding (a truncated or mangled object) is an
     :class:`IntegrityError` naming the object.
     """
-    out = _HashingSink(sink)
+    out = _HashingSink()
     with archive.open_read(key) as raw:
         counted = _HashingReader(raw)
         try:
@@ -423,7 +428,7 @@ def _existing_copy(
     stored_total = 0
     adir = archive_dir(record.job, record.step)
     for f in existing.files:
-        dkey = join_key(adir, f.stored.key if f.stored is not None else f.relpath + DATA_SUFFIX)
+        dkey = _stored_key(adir, f)
         try:
             info = archive.stat(dkey)
         except NotFound:
@@ -564,7 +569,7 @@ def check_archive_copy(record: CheckpointRecord, archive: Store) -> ArchiveCheck
     problems: list[str] = []
     read = 0
     for m in manifest.files:
-        key = join_key(adir, m.stored.key if m.stored is not None else m.relpath + DATA_SUFFIX)
+        key = _stored_key(adir, m)
         try:
             raw, stored = _decode_check(archive, key)
         except (NotFound, IntegrityError) as exc:
@@ -654,12 +659,8 @@ def fetch(
                     )
             expected = {r: (m.size, m.crc64nvme) for r, m in listed.items()}
 
-            def stored_key(relpath: str) -> str:
-                st = listed[relpath].stored
-                return join_key(adir, st.key if st is not None else relpath + DATA_SUFFIX)
-
             def fill_archive(relpath: str, sink: _HashingSink) -> None:
-                key = stored_key(relpath)
+                key = _stored_key(adir, listed[relpath])
                 with archive.open_read(key) as src:  # type: ignore[union-attr]
                     try:
                         _codec.decode(src, sink)  # type: ignore[arg-type]
@@ -672,7 +673,7 @@ def fetch(
                         ) from exc
 
             paths, total = _fetch_files(
-                record, out, expected, fill_archive, lambda r: _store_url(archive, stored_key(r))  # type: ignore[arg-type]
+                record, out, expected, fill_archive, lambda r: _store_url(archive, _stored_key(adir, listed[r]))  # type: ignore[arg-type]
             )
             return FetchResult("archive", copy_url, out, tuple(paths), total, time.monotonic() - t0, tuple(notes))
         except CkptierError as exc:
