@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -124,7 +125,7 @@ class LocalStore:
             st = path.stat()
         except OSError as exc:
             raise _translate(exc, self.url, key) from exc
-        if not path.is_file():
+        if not stat.S_ISREG(st.st_mode):
             raise NotFound(f"{self.url}/{key}: not a file", url=self.url, key=key)
         return self._info(key, st)
 
@@ -169,14 +170,15 @@ class LocalStore:
         result = DeleteResult()
         for key in keys:
             try:
-                os.unlink(self._path(key))
+                path = self._path(key)
+                os.unlink(path)
             except FileNotFoundError:
                 result.deleted.append(key)
             except (OSError, StoreError) as exc:
                 result.failed[key] = str(exc.strerror if isinstance(exc, OSError) else exc)
             else:
                 result.deleted.append(key)
-                self._prune_empty_dirs(self._path(key).parent)
+                self._prune_empty_dirs(path.parent)
         return result
 
     def stale_temp_files(self, older_than: float) -> list[str]:
