@@ -24,7 +24,7 @@ import re
 import tempfile
 import time
 from collections.abc import Collection, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -345,7 +345,17 @@ def promote(
         stored[f.relpath] = StoredObject(key=f.relpath + DATA_SUFFIX, size=enc.size, crc64nvme=enc.crc64nvme)
 
     # 4. Commit: the manifest, last, created only if absent.
-    manifest = _make_manifest(record, hot_digests, stored, now=now, level=level)
+    # The manifest lists the CRCs the hot bytes just proved; a sha256 from the format's
+    # metadata goes in only when a recorded CRC vouched for those bytes.
+    proven = tuple(
+        replace(f, crc64nvme=hot_digests[f.relpath].crc64nvme,
+                sha256_expected=f.sha256_expected if f.crc64nvme is not None else None)
+        for f in record.files
+    )
+    manifest = Manifest.for_record(
+        replace(record, files=proven), created_at=now, codec=_codec.CODEC_ID,
+        codec_params={"level": level}, stored=stored,
+    )
     try:
         archive.write(mkey, manifest.to_json(), if_absent=True)
     except AlreadyExists:
@@ -359,35 +369,6 @@ def promote(
         manifest_key=mkey,
         verified_at=now,
         seconds=time.monotonic() - t0,
-    )
-
-
-def _make_manifest(
-    record: CheckpointRecord,
-    digests: Mapping[str, Digests],
-    stored: Mapping[str, StoredObject],
-    *,
-    now: datetime,
-    level: int,
-) -> Manifest:
-    files = []
-    for f in sorted(record.files, key=lambda f: f.relpath):
-        d = digests[f.relpath]
-        # A sha256 from the format's metadata is known-good when our CRC matched the verified record.
-        sha = f.sha256_expected if f.crc64nvme is not None and f.crc64nvme == d.crc64nvme else None
-        files.append(
-            ManifestFile(relpath=f.relpath, size=d.size, crc64nvme=d.crc64nvme, sha256=sha, stored=stored[f.relpath])
-        )
-    return Manifest(
-        job=record.job,
-        step=record.step,
-        format=record.format,
-        created_at=now,
-        files=tuple(files),
-        codec=_codec.CODEC_ID,
-        codec_params={"level": level},
-        source=record.location,
-        recorded_loss=record.recorded_loss,
     )
 
 
