@@ -25,7 +25,7 @@ from ckptier.storage.errors import (
     Unavailable,
     is_transient,
 )
-from ckptier.storage.hashing import encode_crc64nvme
+from ckptier.storage.hashing import hash_bytes
 from ckptier.storage.s3 import CANARY_PREFIX, S3Store
 from ckptier.storage.wrappers import RetryingStore
 from tests.fixtures.s3 import S3Bucket, make_client
@@ -64,9 +64,7 @@ def error_xml(code: str, message: str) -> bytes:
 
 
 def crc(data: bytes) -> str:
-    from awscrt import checksums
-
-    return encode_crc64nvme(checksums.crc64nvme(data))
+    return hash_bytes(data).crc64nvme
 
 
 @pytest.fixture
