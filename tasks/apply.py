@@ -510,8 +510,8 @@ def _delete_one(
         confirmed = set(result.deleted)
         if dry_run:
             return _result(item, "would", f"would delete {len(confirmed)} files ({item.scope})", freed=record.bytes)
-        sizes = {hot_file_key(prefix, record, f.relpath): f.size for f in record.files}
-        freed = sum(sizes[k] for k in confirmed if k not in set(result.markers_only))
+        sizes = {k: f.size for k, f in zip(keys, record.files)}
+        freed = sum(sizes[k] for k in confirmed - set(result.markers_only))
         if result.markers_only:
             event(
                 "delete.space_not_freed",
