@@ -130,18 +130,12 @@ def setup(tmp_path: Path) -> tuple[LocalStore, str, CheckpointRecord, LocalStore
     return hot, prefix, record, archive, files
 
 
-class CorruptingStore:
-    """Breaks the ``read()`` contract on the way in: stores only the first bytes of each data object.
+class PassThroughStore:
+    """Hands every call to ``inner``; the fakes below override what they break."""
 
-    Like a stream wrapper that turned a 64 MiB stream into a 2 MiB object
-    without an error: the write "succeeds".
-    """
-
-    def __init__(self, inner: Store, *, keep: int | None = 64, flip: bool = False) -> None:
+    def __init__(self, inner: Store) -> None:
         self.inner = inner
         self.url = inner.url
-        self.keep = keep
-        self.flip = flip
 
     def list(self, prefix: str = "") -> Any:
         return self.inner.list(prefix)
@@ -151,6 +145,25 @@ class CorruptingStore:
 
     def open_read(self, key: str) -> BinaryIO:
         return self.inner.open_read(key)
+
+    def write(self, key: str, data: bytes | BinaryIO, *, if_absent: bool = False) -> ObjectInfo:
+        return self.inner.write(key, data, if_absent=if_absent)
+
+    def delete_many(self, keys: Sequence[str]) -> DeleteResult:
+        return self.inner.delete_many(keys)
+
+
+class CorruptingStore(PassThroughStore):
+    """Breaks the ``read()`` contract on the way in: stores only the first bytes of each data object.
+
+    Like a stream wrapper that turned a 64 MiB stream into a 2 MiB object
+    without an error: the write "succeeds".
+    """
+
+    def __init__(self, inner: Store, *, keep: int | None = 64, flip: bool = False) -> None:
+        super().__init__(inner)
+        self.keep = keep
+        self.flip = flip
 
     def write(self, key: str, data: bytes | BinaryIO, *, if_absent: bool = False) -> ObjectInfo:
         if key.endswith(".ckz"):
@@ -163,26 +176,13 @@ class CorruptingStore:
             return self.inner.write(key, raw, if_absent=if_absent)
         return self.inner.write(key, data, if_absent=if_absent)
 
-    def delete_many(self, keys: Sequence[str]) -> DeleteResult:
-        return self.inner.delete_many(keys)
 
-
-class LostAckStore:
+class LostAckStore(PassThroughStore):
     """The first manifest write lands but its acknowledgement is lost (raises Unavailable)."""
 
     def __init__(self, inner: Store) -> None:
-        self.inner = inner
-        self.url = inner.url
+        super().__init__(inner)
         self.lost = 0
-
-    def list(self, prefix: str = "") -> Any:
-        return self.inner.list(prefix)
-
-    def stat(self, key: str) -> ObjectInfo:
-        return self.inner.stat(key)
-
-    def open_read(self, key: str) -> BinaryIO:
-        return self.inner.open_read(key)
 
     def write(self, key: str, data: bytes | BinaryIO, *, if_absent: bool = False) -> ObjectInfo:
         info = self.inner.write(key, data, if_absent=if_absent)
@@ -190,9 +190,6 @@ class LostAckStore:
             self.lost += 1
             raise Unavailable(f"{self.url}/{key}: connection reset before the response (injected)")
         return info
-
-    def delete_many(self, keys: Sequence[str]) -> DeleteResult:
-        return self.inner.delete_many(keys)
 
 
 # ------------------------------------------------------------------ promote, local
@@ -265,7 +262,7 @@ def test_manifest_appearing_during_upload_with_other_content_is_a_conflict(setup
     hot, prefix, record, archive, files = setup
     rival = make_record(dict(files, **{"metadata.json": b"{}"}))
 
-    class RacingStore(CorruptingStore):
+    class RacingStore(PassThroughStore):
         def write(self, key: str, data: bytes | BinaryIO, *, if_absent: bool = False) -> ObjectInfo:
             if key.endswith("ckptier-manifest.json"):  # another run commits first
                 theirs = Manifest.for_record(rival, created_at=NOW, codec="ckz1")
