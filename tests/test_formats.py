@@ -51,6 +51,13 @@ def infos(*keys: str, size: int = 10, mtime: float = 1000.0) -> list[ObjectInfo]
     return [ObjectInfo(key=k, size=size, mtime=mtime) for k in keys]
 
 
+def set_json_fields(path: Path, **fields: Any) -> None:
+    """Overwrite top-level fields of the JSON object in ``path``."""
+    data = json.loads(path.read_text())
+    data.update(fields)
+    path.write_text(json.dumps(data))
+
+
 def reader(contents: dict[str, bytes]) -> Callable[[str], bytes]:
     def read(key: str) -> bytes:
         if key not in contents:
@@ -211,10 +218,7 @@ def test_malformed_metadata_never_crashes(content: bytes, reason: str) -> None:
 
 def test_guide_step_mismatch_is_reported_not_guessed(guide_run: CheckpointRun, tmp_path: Path) -> None:
     run = copy_run(guide_run, tmp_path / "r")
-    meta_path = run.path(4) / "metadata.json"
-    meta = json.loads(meta_path.read_text())
-    meta["step"] = 5
-    meta_path.write_text(json.dumps(meta))
+    set_json_fields(run.path(4) / "metadata.json", step=5)
     rec = scan(run.root)
     assert [c.step for c in rec.checkpoints] == [2, 6]
     assert "metadata.json says step 5 but the directory is 'step-00000004'" in reasons(rec)["runs/mlp/step-00000004/"]
@@ -276,10 +280,7 @@ def test_dcp_at_the_root_takes_the_root_name() -> None:
 
 def test_hf_global_step_mismatch_is_unrecognised(hf_run: CheckpointRun, tmp_path: Path) -> None:
     run = copy_run(hf_run, tmp_path / "r")
-    state_path = run.path(4) / "trainer_state.json"
-    state = json.loads(state_path.read_text())
-    state["global_step"] = 6
-    state_path.write_text(json.dumps(state))
+    set_json_fields(run.path(4) / "trainer_state.json", global_step=6)
     rec = scan(run.root)
     assert [c.step for c in rec.checkpoints] == [2, 6]
     assert "global_step 6 but the directory is 'checkpoint-4'" in reasons(rec)["hf-out/checkpoint-4/"]
