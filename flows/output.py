@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any, TextIO
 
@@ -133,9 +133,3 @@ class Progress:
             self.stream.write("\n")
             self.stream.flush()
 
-    def callback(self) -> Callable[[int, int | None], None]:
-        return self.update
-
-
-def rows_of(mappings: Iterable[Mapping[str, Any]], keys: Sequence[str]) -> list[list[Any]]:
-    return [[m.get(k) for k in keys] for m in mappings]

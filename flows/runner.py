@@ -9,7 +9,7 @@ return the same JSON-ready report.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -87,11 +87,6 @@ def _open(catalog_url: str | None) -> Any:
     return Catalog.open(catalog_url)
 
 
-def _ticker(label: str, enabled: bool) -> tuple[Progress, Callable[[int], None]]:
-    bar = Progress(label, unit="objects", enabled=None if enabled else False)
-    return bar, lambda n: bar.update(n)
-
-
 def scan(urls: list[str], *, catalog_url: str | None, use_prefect: bool, progress: bool = True) -> list[dict[str, Any]]:
     if use_prefect:
         from .scan_verify import scan_flow
@@ -99,10 +94,10 @@ def scan(urls: list[str], *, catalog_url: str | None, use_prefect: bool, progres
         return list(run_flow(scan_flow, urls=urls, catalog_url=catalog_url))
     from ckptier.tasks.pipeline import run_scan
 
-    bar, tick = _ticker("listing", progress)
+    bar = Progress("listing", unit="objects", enabled=None if progress else False)
     try:
         with _open(catalog_url) as cat:
-            return run_scan(urls, cat, now=utcnow, tick=tick)
+            return run_scan(urls, cat, now=utcnow, tick=bar.update)
     finally:
         bar.close()
 
@@ -110,14 +105,12 @@ def scan(urls: list[str], *, catalog_url: str | None, use_prefect: bool, progres
 def verify(*, job: str | None, deep: bool, sample: tuple[int, int] | None, workers: int,
            catalog_url: str | None, use_prefect: bool, progress: bool = True) -> dict[str, Any]:
     if use_prefect:
-        from .scan_verify import verify_flow
+        from .scan_verify import CorruptionFound, verify_flow
 
         try:
             return dict(run_flow(verify_flow, job=job, deep=deep, sample=f"{sample[0]}/{sample[1]}" if sample else None,
                                  workers=workers, catalog_url=catalog_url))
-        except CkptierError as exc:
-            if type(exc).__name__ != "CorruptionFound":
-                raise
+        except CorruptionFound:
             # The run failed because corruption was found: report it like the direct path.
             with _open(catalog_url) as cat:
                 from ckptier.storage.model import State
