@@ -119,6 +119,21 @@ def allow_global_problem(name: object) -> str | None:
     return None
 
 
+def parse_factory_spec(spec: str) -> tuple[str, str]:
+    """Split ``"module:function"`` (or ``"file.py:function"``); pure, and torch-free
+    so that the drill's parent process can check a spec before spawning.
+
+    Raises :class:`ConfigError` naming the value when it is malformed.
+    """
+    module, sep, func = spec.rpartition(":")
+    if not sep or not module or not func.isidentifier():
+        raise ConfigError(
+            f"drill model {spec!r} is not of the form module:function; "
+            "give e.g. mypkg.models:build_model or /path/to/models.py:build_model"
+        )
+    return module, func
+
+
 @dataclass(frozen=True)
 class DrillSettings:
     """One ``[[drill]]`` table: how to restore-drill the jobs matching ``jobs``.

@@ -29,6 +29,7 @@ from typing import Any
 
 from ckptier.storage.errors import ConfigError
 from ckptier.storage.model import CheckpointRecord, Format, State
+from ckptier.tasks.config import parse_factory_spec
 
 DEFAULT_LOSS_TOLERANCE = 0.5
 """Relative distance allowed between the first restored loss and the loss the
@@ -397,8 +398,6 @@ def run_drill_subprocess(
     if timeout <= 0:
         raise ConfigError(f"drill timeout {timeout} must be positive seconds")
     if factory is not None:
-        from ckptier.tasks.models import parse_factory_spec  # torch-free check of the spec
-
         parse_factory_spec(factory)
     fmt_value = Format(fmt).value
     scratch = Path(scratch).resolve()

@@ -60,6 +60,7 @@ import torch
 from torch import Tensor, nn
 
 from ckptier.storage.errors import ConfigError
+from ckptier.tasks.config import parse_factory_spec
 
 BatchFn = Callable[[int, torch.device], Any]
 LossFn = Callable[[nn.Module, Any], Tensor]
@@ -73,20 +74,6 @@ class DrillSpec:
     optimizer: torch.optim.Optimizer | None = None
     batch: BatchFn | None = None
     loss: LossFn | None = None
-
-
-def parse_factory_spec(spec: str) -> tuple[str, str]:
-    """Split ``"module:function"`` (or ``"file.py:function"``); pure.
-
-    Raises :class:`ConfigError` naming the value when it is malformed.
-    """
-    module, sep, func = spec.rpartition(":")
-    if not sep or not module or not func.isidentifier():
-        raise ConfigError(
-            f"drill model {spec!r} is not of the form module:function; "
-            "give e.g. mypkg.models:build_model or /path/to/models.py:build_model"
-        )
-    return module, func
 
 
 def resolve_factory(spec: str) -> Callable[..., Any]:
