@@ -34,7 +34,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 from ckptier.storage.errors import ConfigError
 from ckptier.storage.model import CheckpointRecord, State, Tier
@@ -117,17 +117,28 @@ class Rule(Protocol):
 
 
 @dataclass(frozen=True)
-class KeepLast:
-    """Keep the ``n`` newest (highest step) *verified* checkpoints."""
+class _KeepN:
+    """A rule keeping up to ``n`` checkpoints (``n = 0`` keeps nothing), named
+    by its config key."""
 
     n: int
+    key: ClassVar[str]
+    example: ClassVar[int]
 
     def __post_init__(self) -> None:
         if self.n < 0:
-            raise ConfigError(f"keep_last = {self.n}: must be ≥ 0, e.g. keep_last = 3")
+            raise ConfigError(f"{self.key} = {self.n}: must be ≥ 0, e.g. {self.key} = {self.example}")
 
     def __str__(self) -> str:
-        return f"keep_last {self.n}"
+        return f"{self.key} {self.n}"
+
+
+@dataclass(frozen=True)
+class KeepLast(_KeepN):
+    """Keep the ``n`` newest (highest step) *verified* checkpoints."""
+
+    key = "keep_last"
+    example = 3
 
     def keeps(self, checkpoints: Sequence[CheckpointRecord], now: datetime) -> dict[int, str]:
         chosen = _newest_first(_verified(checkpoints))[: self.n]
@@ -222,34 +233,22 @@ def _keep_buckets(
 
 
 @dataclass(frozen=True)
-class KeepDaily:
+class KeepDaily(_KeepN):
     """Keep the newest verified checkpoint of each of the last ``n`` UTC days that have one."""
 
-    n: int
-
-    def __post_init__(self) -> None:
-        if self.n < 0:
-            raise ConfigError(f"keep_daily = {self.n}: must be ≥ 0, e.g. keep_daily = 7")
-
-    def __str__(self) -> str:
-        return f"keep_daily {self.n}"
+    key = "keep_daily"
+    example = 7
 
     def keeps(self, checkpoints: Sequence[CheckpointRecord], now: datetime) -> dict[int, str]:
         return _keep_buckets(checkpoints, self.n, "keep_daily", lambda t: t.strftime("%Y-%m-%d"))
 
 
 @dataclass(frozen=True)
-class KeepWeekly:
+class KeepWeekly(_KeepN):
     """Keep the newest verified checkpoint of each of the last ``n`` ISO weeks (UTC) that have one."""
 
-    n: int
-
-    def __post_init__(self) -> None:
-        if self.n < 0:
-            raise ConfigError(f"keep_weekly = {self.n}: must be ≥ 0, e.g. keep_weekly = 4")
-
-    def __str__(self) -> str:
-        return f"keep_weekly {self.n}"
+    key = "keep_weekly"
+    example = 4
 
     def keeps(self, checkpoints: Sequence[CheckpointRecord], now: datetime) -> dict[int, str]:
         def week(t: datetime) -> str:
@@ -273,7 +272,7 @@ class Pinned:
 
 
 def _rule_is_empty(rule: Rule) -> bool:
-    if isinstance(rule, (KeepLast, KeepDaily, KeepWeekly)):
+    if isinstance(rule, _KeepN):
         return rule.n == 0
     if isinstance(rule, Pinned):
         return not rule.steps
