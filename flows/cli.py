@@ -14,7 +14,6 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +25,6 @@ from .output import checkpoint_json, human_bytes, iso, print_checkpoints, print_
 EXIT_USER_ERROR = 2
 EXIT_NOT_FOUND = 1
 
-
-def utcnow() -> datetime:
-    return datetime.now(UTC)
 
 
 # ------------------------------------------------------------------ helpers
@@ -112,7 +108,7 @@ def cmd_latest(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from ckptier.tasks.pipeline import make_plan
+    from ckptier.tasks.pipeline import make_plan, utcnow
     from ckptier.tasks.retention import render_plan_table
 
     config = _config(args)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -53,9 +52,6 @@ def tree_bytes(path: Path) -> int:
     return total
 
 
-def _utcnow() -> datetime:
-    return datetime.now(UTC)
-
 
 def _pipeline_direct(hot: Path, catalog_url: str, config_path: Path) -> dict[str, Any]:
     from ckptier.storage.catalog.api import Catalog
@@ -64,14 +60,14 @@ def _pipeline_direct(hot: Path, catalog_url: str, config_path: Path) -> dict[str
 
     config = load_config(config_path)
     with Catalog.open(catalog_url) as cat:
-        scan = pipeline.run_scan([str(hot)], cat, now=_utcnow)
+        scan = pipeline.run_scan([str(hot)], cat, now=pipeline.utcnow)
         listing = cat.checkpoints()
-        verify = pipeline.run_verify(cat, now=_utcnow)
-        plan = pipeline.make_plan(cat, config, job=None, now=_utcnow())
+        verify = pipeline.run_verify(cat, now=pipeline.utcnow)
+        plan = pipeline.make_plan(cat, config, job=None, now=pipeline.utcnow())
         from ckptier.tasks.retention import render_plan_table
 
-        apply = pipeline.run_apply(cat, config, now=_utcnow, owner="ckptier-demo")
-        drill = pipeline.run_drill(cat, config, now=_utcnow)
+        apply = pipeline.run_apply(cat, config, now=pipeline.utcnow, owner="ckptier-demo")
+        drill = pipeline.run_drill(cat, config, now=pipeline.utcnow)
     return {"scan": scan, "listing": listing, "verify": verify, "plan": render_plan_table(plan), "apply": apply,
             "drill": drill}
 

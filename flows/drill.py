@@ -6,7 +6,6 @@ the run and emits ``ckptier.drill.failed`` so an automation can alert.
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
 from typing import Any, Literal
 
 from prefect import flow, task
@@ -25,9 +24,6 @@ class DrillFailed(CkptierError):
     """A restore drill did not prove recovery (the flow run fails with this)."""
 
 
-def utcnow() -> datetime:
-    return datetime.now(UTC)
-
 
 @task(name="drill")
 def drill_task(catalog_url: str | None, config_path: str | None, job: str | None, step: int | None,
@@ -37,7 +33,7 @@ def drill_task(catalog_url: str | None, config_path: str | None, job: str | None
     log = get_run_logger()
     config = load_config(config_path)
     with Catalog.open(catalog_url or config.catalog_url) as cat:
-        reports = pipeline.run_drill(cat, config, now=utcnow, job=job, step=step, steps=steps, device=device,
+        reports = pipeline.run_drill(cat, config, now=pipeline.utcnow, job=job, step=step, steps=steps, device=device,
                                      model=model, timeout=timeout_seconds, allow_globals=allow_globals or ())
     for r in reports:
         (log.info if r["ok"] else log.error)(r["summary"])

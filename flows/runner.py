@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +17,6 @@ from ckptier.storage.errors import CkptierError, ConfigError
 
 from .output import Progress
 
-
-def utcnow() -> datetime:
-    return datetime.now(UTC)
 
 
 def configured_api_url(environ: Mapping[str, str] | None = None) -> str | None:
@@ -92,7 +88,7 @@ def scan(urls: list[str], *, catalog_url: str | None, use_prefect: bool, progres
         from .scan_verify import scan_flow
 
         return list(run_flow(scan_flow, urls=urls, catalog_url=catalog_url))
-    from ckptier.tasks.pipeline import run_scan
+    from ckptier.tasks.pipeline import run_scan, utcnow
 
     bar = Progress("listing", unit="objects", enabled=None if progress else False)
     try:
@@ -121,7 +117,7 @@ def verify(*, job: str | None, deep: bool, sample: tuple[int, int] | None, worke
                                     for c in corrupt],
                     "totals": {"checked": len(corrupt), "verified": 0, "corrupt": len(corrupt), "errors": 0,
                                "bytes_read": 0, "bytes_skipped": 0}, "sample": None}
-    from ckptier.tasks.pipeline import run_verify
+    from ckptier.tasks.pipeline import run_verify, utcnow
 
     bar = Progress("verifying", unit="bytes", enabled=None if progress else False)
     try:
@@ -140,7 +136,7 @@ def apply(*, job: str | None, dry_run: bool, config_path: str | None, catalog_ur
         result = run_flow(tiering_flow, apply=not dry_run, job=job, config_path=config_path, catalog_url=catalog_url)
         return dict(result["apply"])
     from ckptier.tasks.config import load_config
-    from ckptier.tasks.pipeline import run_apply
+    from ckptier.tasks.pipeline import run_apply, utcnow
 
     from .tiering import run_owner
 
@@ -159,7 +155,7 @@ def fetch(*, job: str, step: int, dest: Path, catalog_url: str | None, config_pa
 
 def janitor(*, config_path: str | None, older_than: str, catalog_url: str | None) -> dict[str, Any]:
     from ckptier.tasks.config import load_config
-    from ckptier.tasks.pipeline import run_janitor
+    from ckptier.tasks.pipeline import run_janitor, utcnow
     from ckptier.tasks.retention import parse_duration
 
     with _open(catalog_url) as cat:
@@ -187,7 +183,7 @@ def drill(*, job: str | None, step: int | None, steps: int | None, device: str |
         except DrillFailed as exc:
             raise FlowFailed(str(exc)) from None
     from ckptier.tasks.config import load_config
-    from ckptier.tasks.pipeline import run_drill
+    from ckptier.tasks.pipeline import run_drill, utcnow
 
     with _open(catalog_url) as cat:
         return run_drill(cat, load_config(config_path), now=utcnow, job=job, step=step, steps=steps, device=device,

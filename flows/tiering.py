@@ -17,7 +17,7 @@ import re
 import socket
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 from prefect import flow, task
@@ -29,9 +29,6 @@ from ckptier.tasks import pipeline
 from ckptier.tasks.config import load_config
 from ckptier.tasks.prefect_tasks import retry_if_transient
 
-
-def utcnow() -> datetime:
-    return datetime.now(UTC)
 
 
 def run_owner(prefix: str = "ckptier") -> str:
@@ -99,7 +96,7 @@ def plan_task(catalog_url: str | None, config_path: str | None, job: str | None)
 
     config = load_config(config_path)
     with Catalog.open(catalog_url or config.catalog_url) as cat:
-        plan = pipeline.make_plan(cat, config, job=job, now=utcnow())
+        plan = pipeline.make_plan(cat, config, job=job, now=pipeline.utcnow())
     return render_plan_table(plan)
 
 
@@ -110,7 +107,7 @@ def apply_task(catalog_url: str | None, config_path: str | None, job: str | None
     log = get_run_logger()
     config = load_config(config_path)
     with Catalog.open(catalog_url or config.catalog_url) as cat:
-        report = pipeline.run_apply(cat, config, now=utcnow, owner=run_owner(), job=job, dry_run=dry_run,
+        report = pipeline.run_apply(cat, config, now=pipeline.utcnow, owner=run_owner(), job=job, dry_run=dry_run,
                                     lease_ttl=timedelta(minutes=lease_minutes))
     for line in report["lines"]:
         log.info(line)

@@ -12,7 +12,7 @@ import posixpath
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,11 @@ from .retention import Plan, PlanItem, Policy, plan_retention
 from .scan import ScanReport, scan_url
 
 Clock = Callable[[], datetime]
+
+
+def utcnow() -> datetime:
+    """The clock the operations are given: aware UTC (pure cores never read it themselves)."""
+    return datetime.now(UTC)
 
 
 def unknown_job(job: str) -> ConfigError:

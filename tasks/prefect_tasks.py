@@ -9,7 +9,6 @@ Prefect.
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
 from typing import Any
 
 from prefect import task
@@ -20,9 +19,6 @@ from ckptier.storage.errors import is_transient
 
 from . import pipeline
 
-
-def utcnow() -> datetime:
-    return datetime.now(UTC)
 
 
 def retry_if_transient(task: Any, task_run: Any, state: Any) -> bool:
@@ -39,7 +35,7 @@ def scan_task(url: str, catalog_url: str | None) -> dict[str, Any]:
     """List one URL and bring the catalog in line with it."""
     log = get_run_logger()
     with Catalog.open(catalog_url) as cat:
-        (report,) = pipeline.run_scan([url], cat, now=utcnow)
+        (report,) = pipeline.run_scan([url], cat, now=pipeline.utcnow)
     log.info("%s: %d objects, %d checkpoints, %d catalog rows written",
              report["url"], report["objects"], report["checkpoints"], report["rows_written"])
     return report
@@ -51,7 +47,7 @@ def verify_task(catalog_url: str | None, job: str | None, deep: bool, sample: tu
     """Verify what needs it (or the sample) and record the results."""
     log = get_run_logger()
     with Catalog.open(catalog_url) as cat:
-        report = pipeline.run_verify(cat, now=utcnow, job=job, deep=deep, sample=sample, workers=workers,
+        report = pipeline.run_verify(cat, now=pipeline.utcnow, job=job, deep=deep, sample=sample, workers=workers,
                                      progress=_progress_artifact("verify-progress"))
     t = report["totals"]
     log.info("%d checked: %d verified, %d corrupt, %d with errors; %d bytes read, %d skipped",
