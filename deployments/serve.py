@@ -274,20 +274,12 @@ def pool_limits(work_pool: str, gpu_pool: str) -> dict[str, int | None]:
 
 
 def check_api() -> str:
-    """The configured Prefect API URL, or a one-line ConfigError naming ``PREFECT_API_URL``."""
-    import httpx
+    """The Prefect API URL from Prefect's own settings, or a one-line ConfigError naming ``PREFECT_API_URL``."""
     from prefect.settings import PREFECT_API_URL
 
-    url = PREFECT_API_URL.value() or ""
-    if not url:
-        raise ConfigError("PREFECT_API_URL is not set; start 'prefect server start' and run "
-                          "'prefect config set PREFECT_API_URL=http://127.0.0.1:4200/api'")
-    try:
-        httpx.get(url.rstrip("/") + "/health", timeout=5.0).raise_for_status()
-    except (httpx.HTTPError, ValueError) as exc:
-        raise ConfigError(f"PREFECT_API_URL={url!r} does not answer ({type(exc).__name__}); start "
-                          "'prefect server start' or fix the URL ('prefect config set PREFECT_API_URL=...')") from None
-    return url
+    from ckptier.flows.runner import check_prefect_api
+
+    return check_prefect_api(PREFECT_API_URL.value() or "")
 
 
 def read_variables(client: Any, names: Sequence[str]) -> dict[str, Any]:

@@ -43,11 +43,15 @@ def configured_api_url(environ: Mapping[str, str] | None = None) -> str | None:
     return url if isinstance(url, str) and url else None
 
 
-def check_prefect_api() -> None:
-    """Fail with one line naming ``PREFECT_API_URL`` when the API does not answer."""
+def check_prefect_api(url: str | None = None) -> str:
+    """``url`` (default: the configured Prefect API URL) if it answers; otherwise
+    a one-line error naming ``PREFECT_API_URL``."""
     import httpx
 
-    url = configured_api_url() or ""
+    url = url or configured_api_url()
+    if not url:
+        raise ConfigError("PREFECT_API_URL is not set; start 'prefect server start' and run "
+                          "'prefect config set PREFECT_API_URL=http://127.0.0.1:4200/api'")
     try:
         response = httpx.get(url.rstrip("/") + "/health", timeout=5.0)
         response.raise_for_status()
@@ -56,6 +60,7 @@ def check_prefect_api() -> None:
             f"PREFECT_API_URL={url!r} does not answer ({type(exc).__name__}); start 'prefect server start', "
             f"fix PREFECT_API_URL (environment or 'prefect config set'), or pass --no-prefect to run directly"
         ) from None
+    return url
 
 
 def run_flow(flow: Any, **params: Any) -> Any:
