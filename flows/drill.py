@@ -8,14 +8,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from prefect import flow, task
+from prefect import flow
 from prefect.artifacts import create_markdown_artifact
-from prefect.logging import get_run_logger
 
-from ckptier.storage.catalog.api import Catalog
 from ckptier.storage.errors import CkptierError
-from ckptier.tasks import pipeline
-from ckptier.tasks.config import load_config
+from ckptier.tasks.prefect_tasks import drill_task
 
 from .events import DRILL_FAILED, emit_checkpoint_event
 
@@ -23,21 +20,6 @@ from .events import DRILL_FAILED, emit_checkpoint_event
 class DrillFailed(CkptierError):
     """A restore drill did not prove recovery (the flow run fails with this)."""
 
-
-
-@task(name="drill")
-def drill_task(catalog_url: str | None, config_path: str | None, job: str | None, step: int | None,
-               steps: int | None, device: str | None, model: str | None, timeout_seconds: float | None,
-               allow_globals: list[str] | None = None) -> list[dict[str, Any]]:
-    """Fetch, safely load, train K steps, judge and record (see ``pipeline.run_drill``)."""
-    log = get_run_logger()
-    config = load_config(config_path)
-    with Catalog.open(catalog_url or config.catalog_url) as cat:
-        reports = pipeline.run_drill(cat, config, now=pipeline.utcnow, job=job, step=step, steps=steps, device=device,
-                                     model=model, timeout=timeout_seconds, allow_globals=allow_globals or ())
-    for r in reports:
-        (log.info if r["ok"] else log.error)(r["summary"])
-    return reports
 
 
 def render_report(reports: list[dict[str, Any]]) -> str:

@@ -141,9 +141,7 @@ def apply(*, job: str | None, dry_run: bool, config_path: str | None, catalog_ur
         result = run_flow(tiering_flow, apply=not dry_run, job=job, config_path=config_path, catalog_url=catalog_url)
         return dict(result["apply"])
     from ckptier.tasks.config import load_config
-    from ckptier.tasks.pipeline import run_apply, utcnow
-
-    from .tiering import run_owner
+    from ckptier.tasks.pipeline import run_apply, run_owner, utcnow
 
     with _open(catalog_url) as cat:
         return run_apply(cat, load_config(config_path), now=utcnow, owner=run_owner("ckptier-cli"), job=job,

@@ -12,34 +12,18 @@ waits for it (up to ``lease_minutes``) instead of racing it.
 from __future__ import annotations
 
 import hashlib
-import os
 import re
-import socket
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from datetime import timedelta
 from typing import Any
 
-from prefect import flow, task
+from prefect import flow
 from prefect.artifacts import create_table_artifact
-from prefect.logging import get_run_logger
 
 from ckptier.storage.catalog.api import Catalog
-from ckptier.tasks import pipeline
 from ckptier.tasks.config import load_config
-from ckptier.tasks.prefect_tasks import retry_if_transient
+from ckptier.tasks.prefect_tasks import apply_task, plan_task
 
-
-
-def run_owner(prefix: str = "ckptier") -> str:
-    """A lease owner name unique to this process: host, pid and, in a flow run, its id."""
-    try:
-        from prefect.runtime import flow_run
-
-        run_id = flow_run.id or ""
-    except Exception:  # noqa: BLE001 - outside a flow run
-        run_id = ""
-    return f"{prefix}:{socket.gethostname()}:{os.getpid()}:{run_id}"[:200]
 
 
 TIERING_LOCK_PREFIX = "ckptier-tiering-"
@@ -87,31 +71,6 @@ def cataloged_jobs(catalog_url: str | None, config_path: str | None) -> list[str
     config = load_config(config_path)
     with Catalog.open(catalog_url or config.catalog_url) as cat:
         return cat.jobs()
-
-
-@task(name="plan-retention")
-def plan_task(catalog_url: str | None, config_path: str | None, job: str | None) -> list[dict[str, Any]]:
-    """The retention plan as rows (job, step, action, scope, reasons, bytes)."""
-    from ckptier.tasks.retention import render_plan_table
-
-    config = load_config(config_path)
-    with Catalog.open(catalog_url or config.catalog_url) as cat:
-        plan = pipeline.make_plan(cat, config, job=job, now=pipeline.utcnow())
-    return render_plan_table(plan)
-
-
-@task(name="apply-retention", retries=1, retry_delay_seconds=60, retry_condition_fn=retry_if_transient)
-def apply_task(catalog_url: str | None, config_path: str | None, job: str | None, dry_run: bool,
-               lease_minutes: int) -> dict[str, Any]:
-    """Promote milestones, then delete what the policy lets go (fenced, batched)."""
-    log = get_run_logger()
-    config = load_config(config_path)
-    with Catalog.open(catalog_url or config.catalog_url) as cat:
-        report = pipeline.run_apply(cat, config, now=pipeline.utcnow, owner=run_owner(), job=job, dry_run=dry_run,
-                                    lease_ttl=timedelta(minutes=lease_minutes))
-    for line in report["lines"]:
-        log.info(line)
-    return report
 
 
 def publish_plan(rows: list[dict[str, Any]]) -> None:

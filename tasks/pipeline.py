@@ -8,7 +8,10 @@ outcome in the catalog, and returns a JSON-ready report. No Prefect here.
 
 from __future__ import annotations
 
+import os
 import posixpath
+import socket
+import sys
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict
@@ -32,6 +35,23 @@ Clock = Callable[[], datetime]
 def utcnow() -> datetime:
     """The clock the operations are given: aware UTC (pure cores never read it themselves)."""
     return datetime.now(UTC)
+
+
+def run_owner(prefix: str = "ckptier") -> str:
+    """A lease owner name unique to this process: host, pid and, inside a Prefect flow run, its id.
+
+    Prefect is consulted only when it is already loaded, so the direct
+    command-line path never pays for importing it.
+    """
+    run_id = ""
+    if "prefect" in sys.modules:
+        try:
+            from prefect.runtime import flow_run
+
+            run_id = str(flow_run.id or "")
+        except Exception:  # noqa: BLE001 - outside a flow run
+            run_id = ""
+    return f"{prefix}:{socket.gethostname()}:{os.getpid()}:{run_id}"[:200]
 
 
 def unknown_job(job: str) -> ConfigError:

@@ -9,6 +9,7 @@ Prefect.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 from prefect import task
@@ -18,7 +19,8 @@ from ckptier.storage.catalog.api import Catalog
 from ckptier.storage.errors import is_transient
 
 from . import pipeline
-
+from .config import load_config
+from .retention import render_plan_table
 
 
 def retry_if_transient(task: Any, task_run: Any, state: Any) -> bool:
@@ -74,3 +76,41 @@ def _progress_artifact(key: str) -> Any:
             state["last"] = pct
 
     return update
+
+
+@task(name="plan-retention")
+def plan_task(catalog_url: str | None, config_path: str | None, job: str | None) -> list[dict[str, Any]]:
+    """The retention plan as rows (job, step, action, scope, reasons, bytes)."""
+    config = load_config(config_path)
+    with Catalog.open(catalog_url or config.catalog_url) as cat:
+        plan = pipeline.make_plan(cat, config, job=job, now=pipeline.utcnow())
+    return render_plan_table(plan)
+
+
+@task(name="apply-retention", retries=1, retry_delay_seconds=60, retry_condition_fn=retry_if_transient)
+def apply_task(catalog_url: str | None, config_path: str | None, job: str | None, dry_run: bool,
+               lease_minutes: int) -> dict[str, Any]:
+    """Promote milestones, then delete what the policy lets go (fenced, batched)."""
+    log = get_run_logger()
+    config = load_config(config_path)
+    with Catalog.open(catalog_url or config.catalog_url) as cat:
+        report = pipeline.run_apply(cat, config, now=pipeline.utcnow, owner=pipeline.run_owner(), job=job, dry_run=dry_run,
+                                    lease_ttl=timedelta(minutes=lease_minutes))
+    for line in report["lines"]:
+        log.info(line)
+    return report
+
+
+@task(name="drill")
+def drill_task(catalog_url: str | None, config_path: str | None, job: str | None, step: int | None,
+               steps: int | None, device: str | None, model: str | None, timeout_seconds: float | None,
+               allow_globals: list[str] | None = None) -> list[dict[str, Any]]:
+    """Fetch, safely load, train K steps, judge and record (see ``pipeline.run_drill``)."""
+    log = get_run_logger()
+    config = load_config(config_path)
+    with Catalog.open(catalog_url or config.catalog_url) as cat:
+        reports = pipeline.run_drill(cat, config, now=pipeline.utcnow, job=job, step=step, steps=steps, device=device,
+                                     model=model, timeout=timeout_seconds, allow_globals=allow_globals or ())
+    for r in reports:
+        (log.info if r["ok"] else log.error)(r["summary"])
+    return reports
