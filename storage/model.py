@@ -174,6 +174,10 @@ class CheckpointRecord:
         present = {c.tier for c in self.copies if c.state in ("present", "degraded")}
         return tuple(t.value for t in (Tier.HOT, Tier.ARCHIVE) if t in present)
 
+    def archive_copy(self) -> CopyRecord | None:
+        """The archive copy still held (present or degraded), if any."""
+        return next((c for c in self.copies if c.tier == Tier.ARCHIVE and c.state in ("present", "degraded")), None)
+
     def has_verified_archive(self) -> bool:
         return any(
             c.tier == Tier.ARCHIVE and c.state == "present" and c.verified_at is not None

@@ -512,8 +512,8 @@ def _present(record: CheckpointRecord, tier: Tier) -> bool:
 
 
 def _archive_copy_url(record: CheckpointRecord) -> str | None:
-    urls = [c.url for c in record.copies if c.tier == Tier.ARCHIVE and c.state in ("present", "degraded")]
-    return urls[0] if urls else None
+    copy = record.archive_copy()
+    return copy.url if copy is not None else None
 
 
 @dataclass(frozen=True)

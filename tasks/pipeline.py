@@ -194,9 +194,8 @@ def run_verify(
 
 def with_archive_copy(records: Iterable[CheckpointRecord]) -> list[CheckpointRecord]:
     """The records that have an archive copy to read back (present or already degraded)."""
-    from ckptier.storage.model import Tier
 
-    return [c for c in records if any(cp.tier == Tier.ARCHIVE and cp.state in ("present", "degraded") for cp in c.copies)]
+    return [c for c in records if c.archive_copy() is not None]
 
 
 def _verify_archive_copies(catalog: Catalog, records: Sequence[CheckpointRecord], *, stores: StoreCache,
@@ -211,7 +210,8 @@ def _verify_archive_copies(catalog: Catalog, records: Sequence[CheckpointRecord]
     from .archive import check_archive_copy
 
     for record in records:
-        copy = next(cp for cp in record.copies if cp.tier == Tier.ARCHIVE and cp.state in ("present", "degraded"))
+        copy = record.archive_copy()
+        assert copy is not None  # with_archive_copy() chose these records
         check = check_archive_copy(record, stores.store(archive_root(copy.url, record)))
         state = "present" if check.ok else "degraded"
         if state != copy.state:
@@ -390,11 +390,10 @@ def _hot_store(stores: StoreCache, record: CheckpointRecord) -> tuple[Store | No
 
 def _archive_store(stores: StoreCache, config: Config, record: CheckpointRecord) -> Store | None:
     """The store holding the record's archive copy (from the catalog, else the job's policy)."""
-    from ckptier.storage.model import Tier
 
-    for copy in record.copies:
-        if copy.tier == Tier.ARCHIVE and copy.state in ("present", "degraded"):
-            return stores.store(archive_root(copy.url, record))
+    copy = record.archive_copy()
+    if copy is not None:
+        return stores.store(archive_root(copy.url, record))
     policy = config.policy_for(record.job)
     return stores.store(policy.archive) if policy is not None and policy.archive else None
 
@@ -415,7 +414,6 @@ def run_janitor(catalog: Catalog, config: Config, *, now: datetime, older_than: 
     Copies the catalog holds as present are never removed, even when their
     manifest is gone: that is reported as damage instead.
     """
-    from ckptier.storage.model import Tier
 
     from .archive import archive_dir, janitor
 
@@ -428,8 +426,7 @@ def run_janitor(catalog: Catalog, config: Config, *, now: datetime, older_than: 
         cataloged = {
             archive_dir(c.job, c.step)
             for c in records
-            for cp in c.copies
-            if cp.tier == Tier.ARCHIVE and cp.state in ("present", "degraded") and archive_root(cp.url, c) == store.url
+            if (cp := c.archive_copy()) is not None and archive_root(cp.url, c) == store.url
         }
         r = janitor(store, now=now, older_than=older_than, cataloged=cataloged)
         reports[url] = asdict(r)

@@ -423,7 +423,7 @@ def hot_present(c: CheckpointRecord) -> bool:
 
 
 def _has_archive_copy(c: CheckpointRecord) -> bool:
-    return any(x.tier == Tier.ARCHIVE and x.state in ("present", "degraded") for x in c.copies)
+    return c.archive_copy() is not None
 
 
 def _archive_verified_at(c: CheckpointRecord) -> str:
