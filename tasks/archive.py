@@ -43,6 +43,9 @@ from ckptier.storage.local import file_mode
 from ckptier.storage.manifest import MANIFEST_NAME as _MANIFEST_NAME
 from ckptier.storage.manifest import Manifest, ManifestFile, StoredObject
 from ckptier.storage.model import CheckpointRecord, FileRecord, State, Tier
+from ckptier.tasks.verify import (
+    file_key as hot_file_key,  # the single-file rule lives there
+)
 
 #: Name of the commit marker in an archive step directory (format recognition
 #: knows it as ckptier's own file, so scanning an archive never mistakes it).
@@ -77,19 +80,6 @@ def data_key(job: str, step: int, relpath: str) -> str:
 def manifest_key(job: str, step: int) -> str:
     """Key of the commit marker of one archived checkpoint."""
     return join_key(archive_dir(job, step), MANIFEST_NAME)
-
-
-def hot_file_key(prefix: str, record: CheckpointRecord, relpath: str) -> str:
-    """Key of one file of ``record`` in its hot store.
-
-    ``prefix`` is the checkpoint's key prefix in the hot store. For a
-    single-file checkpoint (Lightning ``*.ckpt``: one file whose name is the
-    prefix's last segment) the prefix *is* the file's key. Same rule as
-    ``tasks/verify.py``.
-    """
-    if len(record.files) == 1 and prefix.rsplit("/", 1)[-1] == record.files[0].relpath == relpath:
-        return prefix
-    return join_key(prefix, relpath)
 
 
 def prefix_from_location(store: Store, location: str) -> str:

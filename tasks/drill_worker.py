@@ -331,7 +331,7 @@ def run_request(request: DrillRequest) -> WorkerResult:
         )
     except DrillFailure as exc:
         return WorkerResult(**base, error=str(exc), error_stage=exc.stage, unsafe=exc.unsafe)
-    except Exception as exc:
+    except Exception:
         last = traceback.format_exc().strip().splitlines()[-1]
         return WorkerResult(**base, error=f"unexpected error: {last}", error_stage="crash")
 
