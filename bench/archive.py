@@ -3,8 +3,8 @@
 
 usage: python bench/archive.py [--data DIR] [--reps N] [--threads T]
 
-Uses DIR/ckpt.pt from ../shared/bench-data/make_checkpoint.py (generated when
-missing). Everything is file to file, input hot in the page cache; MB = 10^6
+Uses DIR/ckpt.pt, the reference checkpoint of ``bench/refdata.py`` (generated
+when missing). Everything is file to file, input hot in the page cache; MB = 10^6
 bytes; throughput counted on uncompressed bytes. The repetitions are
 interleaved (ours, python, CLI, ours, ...) so that every scheme sees the same
 machine load, and each figure is the best of N. CPU s/GB is user + system
@@ -27,10 +27,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import zstandard
-
 from ckptier.storage import codec
 
-MAKER = Path(__file__).resolve().parents[1].parent / "shared" / "bench-data" / "make_checkpoint.py"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import refdata
 
 
 def _cpu() -> float:
@@ -60,10 +60,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    src = Path(args.data) / "ckpt.pt"
-    if not src.exists():
-        maker = Path(os.environ.get("CKPTIER_BENCH_MAKER", MAKER))
-        subprocess.run([sys.executable, str(maker), args.data], check=True)
+    src = refdata.ensure(args.data)
     raw = src.stat().st_size
     original = src.read_bytes()  # also brings the input into the page cache
     work = Path(tempfile.mkdtemp(prefix="ckbench-archive-"))
