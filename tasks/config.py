@@ -580,8 +580,7 @@ def parse_prices(data: Any, *, where: str = DEFAULT_FILE) -> Prices:
                 t.fail(label, x, f"must be a price ≥ 0 in {currency} (storage per GB-month, put/get/restore per 1,000 requests, retrieval per GB), e.g. 0.004")
             else:
                 values[name] = float(x)
-        unset = [n for n in FIELDS if n not in given and base is not None and getattr(base, n)]
-        note = source + (f" (unset {', '.join(unset)}: list-price assumption)" if unset else "")
+        unset = tuple(n for n in FIELDS if n not in given and base is not None and getattr(base, n))
         start = base if base is not None else ClassPrice(storage=0.0)
-        classes[cls] = replace(start, **values, source=note)
+        classes[cls] = replace(start, **values, source=source, defaulted=unset)
     return Prices(classes=classes, currency=currency)

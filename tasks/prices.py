@@ -58,7 +58,8 @@ class ClassPrice:
     restore before a GET). ``min_days``: minimum storage duration billed
     (an object deleted or moved earlier is billed the remaining days).
     ``source``: where the figures come from (:data:`LIST_PRICE_NOTE` for
-    defaults).
+    defaults); ``defaulted``: fields of a configured class left at their
+    list-price default.
     """
 
     storage: float
@@ -68,11 +69,12 @@ class ClassPrice:
     restore: float = 0.0
     min_days: int = 0
     source: str = LIST_PRICE_NOTE
+    defaulted: tuple[str, ...] = ()
 
     @property
     def assumed(self) -> bool:
-        """True when these are ckptier's list-price assumptions, not configured prices."""
-        return self.source == LIST_PRICE_NOTE
+        """True when any figure of this class is a list-price assumption."""
+        return self.source == LIST_PRICE_NOTE or bool(self.defaulted)
 
 
 #: ckptier's built-in prices (see the module docstring for their source and date).
@@ -128,14 +130,15 @@ class Prices:
         return nbytes / BILLING_GB * p.retrieval + objects / 1000 * p.get + restore
 
     def note(self, used: Iterable[str]) -> str:
-        """Where the prices of the ``used`` classes come from, one line:
-        :data:`LIST_PRICE_NOTE` whenever any of them is a default."""
-        sources = sorted({self.of(c).source for c in used})
-        if LIST_PRICE_NOTE in sources:
-            return LIST_PRICE_NOTE if len(sources) == 1 else f"{LIST_PRICE_NOTE}; others from " + "; ".join(
-                s for s in sources if s != LIST_PRICE_NOTE
-            )
-        return "; ".join(sources) or "no prices used"
+        """Where the prices of the ``used`` classes come from, one line: the
+        configured sources, then :data:`LIST_PRICE_NOTE` whenever any figure
+        of them is a default (naming the defaulted fields of configured classes)."""
+        ps = {c: self.of(c) for c in sorted(set(used))}
+        parts = sorted({p.source for p in ps.values() if p.source != LIST_PRICE_NOTE})
+        partial = [f"{c} {', '.join(p.defaulted)}" for c, p in ps.items() if p.source != LIST_PRICE_NOTE and p.defaulted]
+        if any(p.assumed for p in ps.values()):
+            parts.append(LIST_PRICE_NOTE + (f" (also for {'; '.join(partial)})" if partial else ""))
+        return "; ".join(parts) or "no prices used"
 
     def assumed(self, used: Iterable[str]) -> bool:
         """True when any of the ``used`` classes is priced by a list-price assumption."""

@@ -87,11 +87,17 @@ retrieval = 0.02
     gir = prices.of("GLACIER_IR")
     assert (gir.storage, gir.retrieval) == (0.0035, 0.02)
     assert gir.put == DEFAULT_CLASS_PRICES["GLACIER_IR"].put  # unset fields keep the defaults ...
-    assert "unset put, get, min_days: list-price assumption" in gir.source  # ... and say so
-    assert prices.of("ONEZONE_IA").storage == 0.01
+    assert gir.defaulted == ("put", "get", "min_days") and gir.assumed  # ... and say so
+    assert gir.source == "our negotiated rates, 2026-10"
+    assert prices.note(["GLACIER_IR"]) == (
+        f"our negotiated rates, 2026-10; {LIST_PRICE_NOTE} (also for GLACIER_IR put, get, min_days)"
+    )
+    assert prices.of("ONEZONE_IA").storage == 0.01 and not prices.of("ONEZONE_IA").assumed
     assert prices.of("STANDARD") == DEFAULT_CLASS_PRICES["STANDARD"]
     assert not prices.assumed(["hot", "ONEZONE_IA"]) and prices.note(["hot"]) == "our negotiated rates, 2026-10"
-    assert prices.assumed(["hot", "STANDARD"]) and prices.note(["hot", "STANDARD"]).startswith(LIST_PRICE_NOTE)
+    assert prices.assumed(["hot", "STANDARD"])
+    assert prices.note(["hot", "STANDARD"]) == f"our negotiated rates, 2026-10; {LIST_PRICE_NOTE}"
+    assert DEFAULT_PRICES.note(["hot", "GLACIER_IR"]) == LIST_PRICE_NOTE
 
 
 def test_no_prices_table_means_the_defaults() -> None:
