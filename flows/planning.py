@@ -1,7 +1,8 @@
-"""The planning commands: ``ckptier advise``.
+"""The planning commands: ``ckptier advise`` and ``ckptier lifecycle``.
 
 Thin: parse the arguments, read the config and (for ``--job``) the catalog,
-call the pure cores (:mod:`ckptier.tasks.advise`), print. It neither starts Prefect nor imports
+call the pure cores (:mod:`ckptier.tasks.advise`,
+:mod:`ckptier.tasks.lifecycle`), print. Neither starts Prefect or imports
 torch.
 """
 
@@ -212,11 +213,45 @@ def _seconds(a: Any) -> float:
     return parse_duration(a.value).total_seconds()
 
 
+# ------------------------------------------------------------------ lifecycle
+
+
+def cmd_lifecycle(args: argparse.Namespace) -> int:
+    from ckptier.storage.catalog.api import Catalog
+    from ckptier.tasks.config import load_config
+    from ckptier.tasks.lifecycle import job_prefix_url, lifecycle_for_job
+    from ckptier.tasks.pipeline import unknown_job
+
+    from .cli import _catalog_url
+
+    config = load_config(args.config)
+    with Catalog.open(_catalog_url(args)) as cat:
+        records = cat.checkpoints(job=args.job, include_deleted=True, with_files=False)
+    if not records:
+        raise unknown_job(args.job)
+    policy = config.policy_for(args.job)
+    if policy is None:
+        raise ConfigError(f"job {args.job!r}: no [[policy]] of {config.source or 'the built-in config'} matches it; add one")
+    result = lifecycle_for_job(args.job, hot_url=job_prefix_url(records), policy=policy, bucket=args.bucket)
+    if args.json:
+        print_json(result.document())
+        return 0
+    print(f"# S3 lifecycle rules for job {result.job} in bucket {result.bucket}"
+          f" (hot prefix: {result.hot_prefix if result.hot_prefix is not None else '-'},"
+          f" archive prefix: {result.archive_prefix if result.archive_prefix is not None else '-'})")
+    for note in result.notes:
+        print(f"# {note}")
+    print(f"# apply: ckptier lifecycle --job {args.job} --bucket {result.bucket} --json > rules.json && "
+          f"aws s3api put-bucket-lifecycle-configuration --bucket {result.bucket} --lifecycle-configuration file://rules.json")
+    print_json(result.document())
+    return 0
+
+
 # ------------------------------------------------------------------ parsers
 
 
 def add_commands(add: Callable[..., argparse.ArgumentParser]) -> None:
-    """Register ``advise`` with the CLI's ``add`` helper."""
+    """Register ``advise`` and ``lifecycle`` with the CLI's ``add`` helper."""
     from ckptier.tasks.advise import DTYPE_BYTES, OPTIMIZER_STATES
     from ckptier.tasks.tiers import ALL_CLASSES
 
@@ -241,3 +276,8 @@ def add_commands(add: Callable[..., argparse.ArgumentParser]) -> None:
     sp.add_argument("--policy", metavar="PATH", help="ckptier.toml whose policy and prices to use (default: --config)")
     sp.add_argument("--job", help="take size, interval, steps, ranks and codec ratio from this job in the catalog")
     sp.add_argument("--json", action="store_true")
+
+    sp = add("lifecycle", cmd_lifecycle, "the job's policy as S3 bucket lifecycle rules (a backstop S3 enforces itself)")
+    sp.add_argument("--job", required=True)
+    sp.add_argument("--bucket", help="the bucket to write rules for, when hot and archive live in different ones")
+    sp.add_argument("--json", action="store_true", help="print only the LifecycleConfiguration document")
