@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
+import textwrap
 from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
@@ -87,7 +88,7 @@ def hms(seconds: float) -> str:
 
 
 def money(x: float, currency: str) -> str:
-    figure = f"{x:,.2f}" if abs(x) >= 0.995 or x == 0 else f"{x:,.4f}".rstrip("0")
+    figure = f"{x:,.2f}"
     return f"${figure}" if currency == "USD" else f"{figure} {currency}"
 
 
@@ -198,12 +199,12 @@ def render_advice(a: Any) -> list[str]:
         lines.append(f"            * {st.price_note}")
     else:
         lines.append(f"            prices: {st.price_note}")
-    lines.append("assumptions")
-    for x in a.assumptions:
-        if x.name in ("params", "size"):
-            continue
-        origin = {"given": "given", "measured": f"measured: {x.source}", "default": f"default: {x.source}"}[x.origin]
-        lines.append(f"  {x.name} = {x.value} ({origin})")
+    for origin, label in (("measured", "measured"), ("given", "given"), ("default", "assumed")):
+        shown = [f"{x.name} {x.value}" for x in a.assumptions if x.origin == origin and x.name != "params"]
+        if shown:
+            tail = " (defaults; each one's source: --json, or the README)" if origin == "default" else ""
+            text = ", ".join(shown) + tail
+            lines.extend(textwrap.wrap(text, 110, initial_indent=f"{label:<12}", subsequent_indent=" " * 12))
     return lines
 
 

@@ -507,12 +507,14 @@ def advise(
         else:
             value, source = DEFAULTS[name]
             origin = "default"
-        assumptions.append(Assumption(name, shown(value) if value is not None else "-", origin, source))  # type: ignore[arg-type]
+        assumptions.append(Assumption(name, shown(value) if value is not None else "as needed", origin, source))  # type: ignore[arg-type]
         return value
 
     obs = observed
     where = f"job {obs.job}, {obs.checkpoints} checkpoints" if obs else ""
-    dur = format_duration
+
+    def dur(d: timedelta) -> str:
+        return f"{d.days}d" if d >= timedelta(days=1) and not d % timedelta(days=1) else format_duration(d)
 
     if request.params is None and (obs is None or obs.size_bytes is None):
         raise ConfigError("advise needs --params N (e.g. --params 7e9), or --job J of a job the catalog has sizes for")
@@ -543,7 +545,7 @@ def advise(
     total = measured_size if measured_size is not None else estimated
     assert total is not None
     if measured_size is not None:
-        assumptions.append(Assumption("size", f"{measured_size:,} bytes", "measured", f"median of {where}"))
+        assumptions.append(Assumption("size", _decimal_bytes(measured_size), "measured", f"median of {where}"))
     if total <= 0:
         raise ConfigError("checkpoint size is 0 bytes: give --params > 0 with an optimizer or dtype that stores something")
     ranks = pick("ranks", measured=obs.ranks if obs else None, how=f"rank shards of the newest checkpoint of job {obs.job}" if obs else "")
@@ -595,6 +597,13 @@ def advise(
     storage = _forecast(nights, policy, policy_name, prices, size=total, ratio=ratio, ranks=ranks,
                         hot_class=hot_class, part=part, run_length=run_length)
     return Advice(obs.job if obs else None, sizing, bw, interval_advice, storage, tuple(assumptions))
+
+
+def _decimal_bytes(n: float) -> str:
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:,.1f} {unit}"
+    return f"{n:,.0f} B"
 
 
 def _forecast(nights: Sequence[Night], policy: Policy, policy_name: str | None, prices: Prices, *, size: int,
