@@ -36,6 +36,7 @@ from typing import Protocol
 
 from ckptier.storage.model import CheckpointRecord, State
 
+from .config import Config
 from .prices import Prices
 from .retention import Policy, hot_present
 from .tiers import ALL_CLASSES, HOT, class_at
@@ -179,19 +180,21 @@ def recovery_point(records: Sequence[CheckpointRecord], drills: Iterable[DrillLi
 def cost_tables(
     records: Sequence[CheckpointRecord],
     drills: Iterable[DrillLike],
+    config: Config,
     *,
-    policies: Mapping[str, Policy | None],
-    prices: Prices,
     now: datetime,
 ) -> list[JobCosts]:
     """One :class:`JobCosts` per job of ``records``, ordered by job name.
 
     ``records``: the catalog's checkpoints *including tombstones* (they
-    count toward keep-all). ``drills``: the catalog's drills (any jobs).
-    ``policies``: the policy of each job (``Config.policy_for``; None: no
-    archive tiers known). Raises :class:`~ckptier.storage.errors.ConfigError`
-    when a class in use has no price. Pure.
+    count toward keep-all: ``Catalog.checkpoints(include_deleted=True)``).
+    ``drills``: the catalog's drills (``Catalog.drills()``, any jobs).
+    ``config``: each job's policy (``policy_for``: its archive's
+    ``storage_class`` and ``archive_tiers``) and the prices. Raises
+    :class:`~ckptier.storage.errors.ConfigError` when a class in use has no
+    price. Pure.
     """
+    prices = config.prices
     if now.tzinfo is None:
         raise ValueError(f"now = {now.isoformat()} has no timezone: pass an aware UTC datetime")
     by_job: dict[str, list[CheckpointRecord]] = {}
@@ -202,7 +205,7 @@ def cost_tables(
     out = []
     for job in sorted(by_job):
         cs = by_job[job]
-        policy = policies.get(job)
+        policy = config.policy_for(job)
         counts: dict[tuple[str, str], list[int]] = {}
         for c in cs:
             if c.state == State.DELETED:

@@ -19,7 +19,7 @@ from ckptier.storage.model import (
     State,
     Tier,
 )
-from ckptier.tasks.config import parse_config
+from ckptier.tasks.config import Config, parse_config
 from ckptier.tasks.costs import (
     DrillLike,
     JobCosts,
@@ -35,8 +35,9 @@ NOW = datetime(2026, 6, 1, 12, tzinfo=UTC)
 GiB = 1 << 30
 D = timedelta(days=1)
 H = timedelta(hours=1)
-LLAMA = Policy((KeepLast(3),), archive="s3://cold/a",
+LLAMA = Policy((KeepLast(3),), jobs="llama", archive="s3://cold/a",
                archive_tiers=(ArchiveTier(30 * D, "STANDARD_IA"), ArchiveTier(90 * D, "GLACIER_IR")))
+CONFIG = Config(policies=(LLAMA,))  # gpt has no policy: its archive copies stay in their first class
 
 
 def ck(id: int, job: str, step: int, *, state: State = State.VERIFIED, hot: str = "file:///hot",
@@ -87,7 +88,7 @@ DRILLS = [
 
 @pytest.fixture(scope="module")
 def rows() -> dict[str, JobCosts]:
-    out = cost_tables(RECORDS, DRILLS, policies={"llama": LLAMA, "gpt": None}, prices=DEFAULT_PRICES, now=NOW)
+    out = cost_tables(RECORDS, DRILLS, CONFIG, now=NOW)
     assert [r.job for r in out] == ["gpt", "llama"]
     return {r.job: r for r in out}
 
@@ -124,7 +125,7 @@ def test_every_figure_says_where_its_prices_come_from(rows: dict[str, JobCosts])
         assert row.prices_assumed and row.price_note == LIST_PRICE_NOTE and row.currency == "USD"
         assert all(t.price_source == LIST_PRICE_NOTE for t in row.tiers)
     configured = parse_config('[prices]\nsource = "ours"\nhot = 0.1\nSTANDARD_IA = 0.01\nGLACIER_IR = 0.003\n').prices
-    llama = cost_tables(RECORDS, DRILLS, policies={"llama": LLAMA}, prices=configured, now=NOW)[1]
+    llama = cost_tables(RECORDS, DRILLS, Config(policies=(LLAMA,), prices=configured), now=NOW)[1]
     assert llama.tiers[0].price_source == "ours"
     assert llama.monthly_cost == pytest.approx(50 * 0.1 + 8 * 0.01 + 8 * 0.003)
     assert llama.prices_assumed  # STANDARD_IA and GLACIER_IR request fields are still list prices
@@ -167,11 +168,11 @@ def test_fetch_throughputs_by_job_and_tier() -> None:
 
 def test_pure_inputs_and_errors() -> None:
     with pytest.raises(ValueError, match="no timezone"):
-        cost_tables(RECORDS, DRILLS, policies={}, prices=DEFAULT_PRICES, now=NOW.replace(tzinfo=None))
+        cost_tables(RECORDS, DRILLS, CONFIG, now=NOW.replace(tzinfo=None))
     odd = Policy((KeepLast(1),), archive="s3://cold/a", storage_class="ONEZONE_IA")
     with pytest.raises(ConfigError, match=r"\[prices.ONEZONE_IA\]"):
-        cost_tables(RECORDS, [], policies={"llama": odd}, prices=DEFAULT_PRICES, now=NOW)
-    assert cost_tables([], [], policies={}, prices=DEFAULT_PRICES, now=NOW) == []
+        cost_tables(RECORDS, [], Config(policies=(odd,)), now=NOW)
+    assert cost_tables([], [], CONFIG, now=NOW) == []
 
 
 @dataclass
@@ -188,7 +189,7 @@ class _Drill:
 
 def test_any_drill_shaped_record_will_do() -> None:
     d: DrillLike = _Drill("llama", 5000, 5, NOW - H, None, True, "hot", {"fetch_s": 2.0})
-    rows = cost_tables(RECORDS, [d], policies={"llama": LLAMA}, prices=DEFAULT_PRICES, now=NOW)
+    rows = cost_tables(RECORDS, [d], CONFIG, now=NOW)
     llama = rows[1]
     assert llama.recovery_point is not None and llama.recovery_point.drilled_at == NOW - H
     assert llama.restore is not None and llama.restore.seconds == pytest.approx(2.0)
