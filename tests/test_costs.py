@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -193,3 +194,26 @@ def test_any_drill_shaped_record_will_do() -> None:
     llama = rows[1]
     assert llama.recovery_point is not None and llama.recovery_point.drilled_at == NOW - H
     assert llama.restore is not None and llama.restore.seconds == pytest.approx(2.0)
+
+
+def test_from_a_real_catalog(tmp_path: Path) -> None:
+    """Records and drills as the SQLite catalog returns them fit the tables."""
+    from ckptier.storage.catalog.api import Catalog
+    from ckptier.tasks.demo import write_guide_checkpoint
+    from ckptier.tasks.scan import scan_url
+
+    for step in (100, 200):
+        write_guide_checkpoint(tmp_path / "hot" / "job" / f"step-{step:08d}", {"rank-0000/model.pt": {"w": [1] * 100}},
+                               step=step, loss=1.0)
+    with Catalog.open(f"sqlite:///{tmp_path / 'catalog.db'}") as cat:
+        scan_url(str(tmp_path / "hot"), cat, now=NOW)
+        first = cat.get("job", 100)
+        assert first is not None
+        cat.record_drill(DrillRecord(job="job", step=100, checkpoint_id=first.id, started_at=NOW - H,
+                                     finished_at=NOW - H / 2, ok=True, device="cpu", source_tier="hot",
+                                     timings={"fetch_s": 0.5}))
+        rows = cost_tables(cat.checkpoints(include_deleted=True), cat.drills(), Config(), now=NOW)
+    (row,) = rows
+    assert row.job == "job" and row.tiers[0].checkpoints == 2 and row.keep_all_checkpoints == 2
+    assert row.recovery_point is not None and row.recovery_point.step == 100
+    assert row.restore is not None and row.restore.seconds == pytest.approx(0.5)
