@@ -71,7 +71,7 @@ Origin = Literal["given", "measured", "default"]
 
 @dataclass(frozen=True)
 class Request:
-    """What the user asked; ``None`` means "use the measured value, else the default".
+    """What the user asked; ``None`` means "the measured value, else the default".
 
     Units: durations as timedelta, ``write_bandwidth`` in bytes per second,
     ``part_size`` in bytes.
@@ -492,18 +492,20 @@ def advise(
 ) -> Advice:
     """The advice for ``request`` (see the module docstring).
 
-    Precedence for every input: measured (``observed``, when the catalog has
-    the job) over given over default; :attr:`Advice.assumptions` records
-    which. Raises :class:`ConfigError` (one line) for impossible inputs.
+    Precedence for every input: given (a what-if) over measured
+    (``observed``, when the catalog has the job) over default; the measured
+    checkpoint size replaces the estimate from ``params`` (which is still
+    reported). :attr:`Advice.assumptions` records which. Raises
+    :class:`ConfigError` (one line) for impossible inputs.
     """
     assumptions: list[Assumption] = []
 
     def pick(name: str, shown: Callable[[Any], str] = str, measured: Any = None, how: str = "") -> Any:
         given = getattr(request, name)
-        if measured is not None:
-            value, origin, source = measured, "measured", how
-        elif given is not None:
+        if given is not None:
             value, origin, source = given, "given", ""
+        elif measured is not None:
+            value, origin, source = measured, "measured", how
         else:
             value, source = DEFAULTS[name]
             origin = "default"

@@ -240,8 +240,11 @@ def test_measured_values_replace_the_assumptions() -> None:
     assert by["interval"].value == "45m" and "job j, 6 checkpoints" in by["interval"].source
     assert by["mtbf"].origin == "default" and by["mtbf"].source == DEFAULTS["mtbf"][1]
     assert a.interval.planned_s == 45 * 60
-    with_params = advise(Request(params=5e9, ranks=8), POLICY, DEFAULT_PRICES, observed=observe_job(_job()))
-    assert with_params.sizing.estimated_bytes == 40 * GB and with_params.sizing.ranks == 4  # measured wins
+    what_if = advise(Request(params=5e9, ranks=8, interval=timedelta(hours=1)), POLICY, DEFAULT_PRICES,
+                     observed=observe_job(_job()))
+    assert what_if.sizing.total_bytes == 40 * GB and what_if.sizing.estimated_bytes == 40 * GB  # measured size wins
+    assert what_if.sizing.ranks == 8 and what_if.interval.planned_s == 3600  # given values are what-ifs
+    assert set(what_if.measured()) == {"size", "steps_per_save", "codec_ratio", "hot_class"}
 
 
 @pytest.mark.parametrize(
