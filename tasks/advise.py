@@ -52,7 +52,7 @@ from ckptier.storage.model import CheckpointRecord, CopyRecord, Format, State, T
 
 from .prices import MONTH_SECONDS, Prices, requests_for
 from .retention import Plan, Policy, format_duration, hot_present, plan_retention
-from .tiers import ALL_CLASSES, HOT, class_at
+from .tiers import ALL_CLASSES, HOT, class_at, class_rank
 
 #: Bytes per element of each dtype a checkpoint may hold.
 DTYPE_BYTES: Mapping[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -469,7 +469,7 @@ def _night(day: int, saves: int, size: int, live: Any, promoted_at: Mapping[int,
                 entry[1] += x.stored_bytes or c.bytes
     stored = tuple(
         ClassBytes(tier, cls, n, b, prices.monthly(b, cls))
-        for (tier, cls), (n, b) in sorted(counts.items(), key=lambda kv: (kv[0][0] != "hot", ALL_CLASSES.index(kv[0][1])))
+        for (tier, cls), (n, b) in sorted(counts.items(), key=lambda kv: (kv[0][0] != "hot", class_rank(kv[0][1])))
     )
     keep_all = saves * size
     return Night(

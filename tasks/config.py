@@ -77,7 +77,7 @@ from ckptier.tasks.retention import (
     Rule,
     parse_duration,
 )
-from ckptier.tasks.tiers import ALL_CLASSES, S3_CLASSES, ArchiveTier, archive_tiers_problem, class_problem
+from ckptier.tasks.tiers import PRICEABLE_CLASSES, S3_CLASSES, ArchiveTier, archive_tiers_problem, class_problem
 
 DEFAULT_FILE = "ckptier.toml"
 ENV_VAR = "CKPTIER_CONFIG"
@@ -555,11 +555,11 @@ def parse_prices(data: Any, *, where: str = DEFAULT_FILE) -> Prices:
         return DEFAULT_PRICES
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: prices must be a table: write [prices] then e.g. GLACIER_IR = 0.004")
-    t = _Table(where, "prices", data, frozenset({"currency", "source", *ALL_CLASSES}))
+    t = _Table(where, "prices", data, frozenset({"currency", "source", *PRICEABLE_CLASSES}))
     source = t.get_str("source", f"{where} [prices]", example="our negotiated rates, 2026-10") or where
     currency = t.get_str("currency", "USD", example="USD") or "USD"
     classes = dict(DEFAULT_CLASS_PRICES)
-    for cls in ALL_CLASSES:
+    for cls in PRICEABLE_CLASSES:
         if not t.has(cls):
             continue
         v = t.data[cls]

@@ -39,7 +39,7 @@ from ckptier.storage.model import CheckpointRecord, State
 from .config import Config
 from .prices import Prices
 from .retention import Policy, hot_present
-from .tiers import ALL_CLASSES, HOT, class_at
+from .tiers import HOT, class_at, class_rank
 
 
 class DrillLike(Protocol):
@@ -222,7 +222,7 @@ def cost_tables(
                 entry[1] += copy.stored_bytes if copy.stored_bytes is not None else c.bytes
         tiers = tuple(
             TierCost(tier, cls, n, b, prices.monthly(b, cls), prices.note([cls]))
-            for (tier, cls), (n, b) in sorted(counts.items(), key=lambda kv: (kv[0][0] != "hot", _class_rank(kv[0][1])))
+            for (tier, cls), (n, b) in sorted(counts.items(), key=lambda kv: (kv[0][0] != "hot", class_rank(kv[0][1])))
         )
         newest = max(cs, key=lambda c: (c.step, c.id))
         keep_all_class = hot_class_of(newest)
@@ -242,10 +242,6 @@ def cost_tables(
             price_note=prices.note(used), prices_assumed=prices.assumed(used), currency=prices.currency,
         ))
     return out
-
-
-def _class_rank(cls: str) -> int:
-    return ALL_CLASSES.index(cls) if cls in ALL_CLASSES else len(ALL_CLASSES)
 
 
 def _restore(point: RecoveryPoint, cs: Sequence[CheckpointRecord], policy: Policy | None,

@@ -30,8 +30,11 @@ S3_CLASSES: tuple[str, ...] = (
     "GLACIER",
     "DEEP_ARCHIVE",
 )
-#: Every class a price can be given for.
+#: The classes ckptier knows: local storage, then S3's lifecycle order.
 ALL_CLASSES: tuple[str, ...] = (HOT, *S3_CLASSES)
+#: Every class a price can be given for: the above and S3's other storage
+#: classes (an archive's ``storage_class`` may name one).
+PRICEABLE_CLASSES: tuple[str, ...] = (*ALL_CLASSES, "EXPRESS_ONEZONE", "REDUCED_REDUNDANCY", "OUTPOSTS", "SNOW")
 #: S3 rejects a lifecycle transition into these classes before this many days
 #: (S3 API reference, ``Transition.Days``), and an object must stay this long
 #: in them before a later transition of the same rule.
@@ -48,6 +51,11 @@ def class_problem(name: object, *, allowed: Sequence[str] = S3_CLASSES) -> str |
     if isinstance(name, str) and name in allowed:
         return None
     return f"must be one of {', '.join(allowed)}"
+
+
+def class_rank(name: str) -> int:
+    """Sort key of a storage class: ``hot`` first, then S3's order, unknown names last."""
+    return ALL_CLASSES.index(name) if name in ALL_CLASSES else len(ALL_CLASSES)
 
 
 def is_colder(a: str, b: str) -> bool:

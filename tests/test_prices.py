@@ -95,6 +95,7 @@ retrieval = 0.02
     assert prices.of("ONEZONE_IA").storage == 0.01 and not prices.of("ONEZONE_IA").assumed
     assert prices.of("STANDARD") == DEFAULT_CLASS_PRICES["STANDARD"]
     assert not prices.assumed(["hot", "ONEZONE_IA"]) and prices.note(["hot"]) == "our negotiated rates, 2026-10"
+    assert parse_prices({"EXPRESS_ONEZONE": 0.11}).of("EXPRESS_ONEZONE").storage == 0.11  # any S3 class can be priced
     assert prices.assumed(["hot", "STANDARD"])
     assert prices.note(["hot", "STANDARD"]) == f"our negotiated rates, 2026-10; {LIST_PRICE_NOTE}"
     assert DEFAULT_PRICES.note(["hot", "GLACIER_IR"]) == LIST_PRICE_NOTE
