@@ -314,6 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--no-prefect", action="store_true", help="run the demo's steps directly, without Prefect flow runs")
 
     add("serve", cmd_serve, "serve every deployment with its schedule from this process (single host)")
+    from .planning import add_commands
+
+    add_commands(add)
     sp = add("deploy", cmd_deploy, "register every deployment to its work pool")
     sp.add_argument("--work-pool", default="ckptier-process")
     sp.add_argument("--gpu-pool", default="ckptier-gpu")

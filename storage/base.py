@@ -13,7 +13,7 @@ Keys are ``/``-separated, relative to the store's root URL, never start with
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Protocol, runtime_checkable
 
@@ -96,6 +96,51 @@ class Store(Protocol):
     def write(self, key: str, data: bytes | BinaryIO, *, if_absent: bool = False) -> ObjectInfo: ...
 
     def delete_many(self, keys: Sequence[str]) -> DeleteResult: ...
+
+
+#: S3's limits on object tags (per object, key and value lengths).
+MAX_TAGS = 10
+MAX_TAG_KEY = 128
+MAX_TAG_VALUE = 256
+
+
+@runtime_checkable
+class Taggable(Protocol):
+    """A store that can tag objects (S3), so that the store's own lifecycle
+    rules can act on exactly the objects ckptier marked.
+
+    Contract (checked by ``tests/test_store_tagging.py`` for every taggable
+    store and wrapper):
+
+    * ``put_object_tagging(key, tags)`` adds ``tags`` to the object's tag
+      set: tags with other keys stay, a key already there takes the new
+      value. Idempotent. Raises :class:`~.errors.NotFound` for a missing
+      object, :class:`~.errors.InvalidKey` for an unsafe key, and
+      :class:`~.errors.ConfigError` (before any request) when the result
+      would break S3's limits (:func:`tags_problem`).
+    * ``get_object_tagging(key)`` returns the object's tags as a dict
+      (empty when it has none); raises ``NotFound`` for a missing object.
+    """
+
+    def put_object_tagging(self, key: str, tags: Mapping[str, str]) -> None: ...
+
+    def get_object_tagging(self, key: str) -> dict[str, str]: ...
+
+
+def tags_problem(tags: Mapping[str, str]) -> str | None:
+    """Why ``tags`` cannot be an S3 object's tag set, or None: at most
+    :data:`MAX_TAGS` tags, keys of 1-128 and values of 0-256 characters,
+    none starting with the reserved ``aws:``."""
+    if len(tags) > MAX_TAGS:
+        return f"{len(tags)} tags: S3 allows at most {MAX_TAGS} per object"
+    for k, v in tags.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            return f"tag {k!r}={v!r}: keys and values must be strings"
+        if not 1 <= len(k) <= MAX_TAG_KEY or len(v) > MAX_TAG_VALUE:
+            return f"tag {k!r}: keys must be 1-{MAX_TAG_KEY} characters and values at most {MAX_TAG_VALUE}"
+        if k.lower().startswith("aws:"):
+            return f"tag {k!r}: the aws: prefix is reserved by AWS"
+    return None
 
 
 class ReaderOver(io.RawIOBase):

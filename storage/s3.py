@@ -22,11 +22,20 @@ import builtins
 import logging
 import os
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
 from typing import Any, BinaryIO
 
-from .base import MAX_DELETE_BATCH, DeleteResult, ObjectInfo, ReaderOver, as_stream, key_problem, validate_key
+from .base import (
+    MAX_DELETE_BATCH,
+    DeleteResult,
+    ObjectInfo,
+    ReaderOver,
+    as_stream,
+    key_problem,
+    tags_problem,
+    validate_key,
+)
 from .errors import (
     AccessDenied,
     AlreadyExists,
@@ -538,6 +547,27 @@ class S3Store:
             result.deleted.append(key)
             if entry.get("DeleteMarker"):
                 result.markers_only.append(key)
+
+    # -- tagging (the Taggable capability) ------------------------------------
+
+    def get_object_tagging(self, key: str) -> dict[str, str]:
+        """The object's tags (of its current version); ``NotFound`` if it is missing."""
+        answer = self._call("get_object_tagging", key, Bucket=self.bucket, Key=self._full_key(key))
+        return {t["Key"]: t["Value"] for t in answer.get("TagSet", ())}
+
+    def put_object_tagging(self, key: str, tags: Mapping[str, str]) -> None:
+        """Add ``tags`` to the object's tag set, keeping its other tags (see
+        :class:`~.base.Taggable`). S3 replaces a whole tag set at once, so this
+        reads the set, merges and writes it back: a concurrent writer of the
+        same object's tags can lose its change (ckptier is the only one that
+        tags the keys it deletes)."""
+        merged = {**self.get_object_tagging(key), **tags}
+        if (problem := tags_problem(merged)) is not None:
+            raise ConfigError(f"{self.url}/{key}: cannot tag: {problem}")
+        self._call(
+            "put_object_tagging", key, Bucket=self.bucket, Key=self._full_key(key),
+            Tagging={"TagSet": [{"Key": k, "Value": v} for k, v in merged.items()]},
+        )
 
     # -- extras for the janitor and the start-up canary ----------------------
 

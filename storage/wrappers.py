@@ -166,22 +166,29 @@ class DryRunStore(_Delegating):
     returns the :class:`ObjectInfo` a real write would (without ``mtime``,
     ``etag`` or ``checksum``). ``delete_many`` reports every safe key as
     deleted (``markers_only`` stays empty: a dry run cannot know) and unsafe
-    keys as failed. ``abort_multipart`` is recorded in ``intended_aborts``;
+    keys as failed. ``abort_multipart`` is recorded in ``intended_aborts``, and
+    ``put_object_tagging`` (when the wrapped store can tag) in ``intended_tags``;
     ``canary`` does nothing. Of other attributes only the read-only ones in
     :attr:`PASS_THROUGH` reach the wrapped store.
     """
 
-    PASS_THROUGH = frozenset({"list_multipart_uploads", "versioning_enabled", "bucket", "prefix", "root", "endpoint"})
+    PASS_THROUGH = frozenset(
+        {"list_multipart_uploads", "versioning_enabled", "get_object_tagging", "bucket", "prefix", "root", "endpoint"}
+    )
 
     def __init__(self, inner: Store) -> None:
         self.inner = inner
         self.intended_writes: list[IntendedWrite] = []
         self.intended_deletes: list[str] = []
         self.intended_aborts: list[tuple[str, str]] = []
+        self.intended_tags: list[tuple[str, dict[str, str]]] = []
 
     def __getattr__(self, name: str) -> Any:
         if name in DryRunStore.PASS_THROUGH:
             return getattr(self.inner, name)
+        if name == "put_object_tagging":
+            getattr(self.inner, name)  # AttributeError when the wrapped store cannot tag
+            return self._record_tagging
         raise AttributeError(f"DryRunStore does not pass {name!r} through: it might change the store")
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
@@ -222,6 +229,11 @@ class DryRunStore(_Delegating):
 
     def canary(self) -> None:
         """Nothing to prove: a dry run never writes or deletes."""
+
+    def _record_tagging(self, key: str, tags: Any) -> None:
+        """``put_object_tagging`` of a taggable wrapped store: recorded in ``intended_tags``."""
+        validate_key(key)
+        self.intended_tags.append((key, dict(tags)))
 
 
 def _measure(data: bytes | BinaryIO) -> int:

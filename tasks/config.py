@@ -27,6 +27,7 @@ Shape (every key optional unless said)::
     storage_class = "GLACIER_IR"      # needs archive
     hot_after_archive = "delete"      # or "keep"
     max_missing_fraction = 0.5        # shrink guard, 0..1
+    archive_tiers = [{ after = "30d", storage_class = "STANDARD_IA" }]   # by age, colder only
 
     [[drill]]
     jobs = "*"
@@ -36,6 +37,12 @@ Shape (every key optional unless said)::
     timeout = "15m"
     loss_tolerance = 0.05         # optional
     allow_globals = ["mypkg.config.TrainConfig"]  # classes the safe loader may unpickle
+
+    [prices]                      # $ per GB-month (GB = 2^30 bytes) per storage class
+    source = "our rates, 2026-10" # printed next to figures that use these prices
+    hot = 0.08                    # shorthand: the storage price only
+    [prices.GLACIER_IR]           # or a table: storage, put, get, retrieval, restore, min_days
+    storage = 0.004
 
 Durations are a number and a unit (s, m, h, d, w), parts combinable: "1d12h".
 Errors are one-line :class:`ConfigError` naming the file, the table (tables
@@ -47,16 +54,18 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import math
 import os
 import re
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
 from ckptier.storage.errors import ConfigError
 from ckptier.storage.url import parse_url
+from ckptier.tasks.prices import DEFAULT_CLASS_PRICES, DEFAULT_PRICES, FIELDS, ClassPrice, Prices
 from ckptier.tasks.retention import (
     KeepDaily,
     KeepLast,
@@ -68,6 +77,7 @@ from ckptier.tasks.retention import (
     Rule,
     parse_duration,
 )
+from ckptier.tasks.tiers import PRICEABLE_CLASSES, S3_CLASSES, ArchiveTier, archive_tiers_problem, class_problem
 
 DEFAULT_FILE = "ckptier.toml"
 ENV_VAR = "CKPTIER_CONFIG"
@@ -83,7 +93,8 @@ _POLICY_KEYS = frozenset(
 )
 _DRILL_KEYS = frozenset({"jobs", "model", "steps", "device", "timeout", "loss_tolerance", "allow_globals"})
 _CATALOG_KEYS = frozenset({"url"})
-_TOP_KEYS = frozenset({"policy", "drill", "catalog"})
+_POLICY_KEYS |= {"archive_tiers"}  # parsed by _archive_tiers
+_TOP_KEYS = frozenset({"policy", "drill", "catalog", "prices"})
 _MODEL_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 _FILE_MODEL_RE = re.compile(r"^[^:]+\.py:[A-Za-z_]\w*$")
 _GLOBAL_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
@@ -164,6 +175,7 @@ class Config:
     drills: tuple[DrillSettings, ...] = ()
     catalog_url: str | None = None
     source: Path | None = None
+    prices: Prices = DEFAULT_PRICES
 
     def policy_for(self, job: str) -> Policy | None:
         """The first ``[[policy]]`` (in file order) whose ``jobs`` glob matches ``job``.
@@ -389,6 +401,7 @@ def _policy(where: str, index: int, data: Any) -> Policy:
         t.fail("hot_after_archive", hot, "must be \"delete\" or \"keep\"")
     grace = t.get_duration("grace", "2h", positive=False, example="2h")
     fraction = t.get_float("max_missing_fraction", 0.5, lo=0.0, hi=1.0, example=0.5)
+    archive_tiers = _archive_tiers(t, archive, storage_class)
     return Policy(
         rules=tuple(rules),
         jobs=jobs,
@@ -399,6 +412,7 @@ def _policy(where: str, index: int, data: Any) -> Policy:
         hot_after_archive=hot,
         max_missing_fraction=fraction if fraction is not None else 0.5,
         delete_stale_incomplete=t.get_bool("delete_stale_incomplete", False),
+        archive_tiers=archive_tiers,
     )
 
 
@@ -454,7 +468,7 @@ def parse_config(text: str, *, where: str = DEFAULT_FILE) -> Config:
         if key not in _TOP_KEYS:
             raise ConfigError(
                 f"{where}: unknown top-level key {key!r} = {_show(doc[key])}: "
-                f"use [[policy]], [[drill]] or [catalog]"
+                f"use [[policy]], [[drill]], [catalog] or [prices]"
             )
     policies = tuple(_policy(where, i, d) for i, d in enumerate(_array_of_tables(where, doc, "policy")))
     drills = tuple(_drill(where, i, d) for i, d in enumerate(_array_of_tables(where, doc, "drill")))
@@ -470,6 +484,7 @@ def parse_config(text: str, *, where: str = DEFAULT_FILE) -> Config:
         policies=policies or (default_policy(),),
         drills=drills,
         catalog_url=catalog_url,
+        prices=parse_prices(doc.get("prices"), where=where),
     )
 
 
@@ -491,4 +506,81 @@ def load_config(path: str | Path | None = None) -> Config:
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"config file {str(file)!r} cannot be read ({exc}): check its permissions and encoding") from exc
     cfg = parse_config(text, where=str(file))
-    return Config(cfg.policies, cfg.drills, cfg.catalog_url, source=file)
+    return replace(cfg, source=file)
+
+
+# ------------------------------------------------------------ tiers and prices
+
+
+def _archive_tiers(t: _Table, archive: str | None, storage_class: str | None) -> tuple[ArchiveTier, ...]:
+    """``archive_tiers = [{ after = "30d", storage_class = "STANDARD_IA" }, ...]``: the
+    classes archive copies move to by age (whole days, later and colder each time)."""
+    if not t.has("archive_tiers"):
+        return ()
+    v = t.data["archive_tiers"]
+    example = 'archive_tiers = [{ after = "30d", storage_class = "STANDARD_IA" }, { after = "90d", storage_class = "GLACIER_IR" }]'
+    if archive is None:
+        t.fail("archive_tiers", v, "has no effect without archive: set archive or remove archive_tiers")
+    if archive is not None and not archive.startswith("s3://"):
+        t.fail("archive_tiers", v, f"storage classes need an S3 archive, and archive = {_show(archive)} is local; remove archive_tiers")
+    if not isinstance(v, list) or not v or not all(isinstance(e, dict) for e in v):
+        t.fail("archive_tiers", v, f"must be a non-empty list of {{ after, storage_class }} tables, e.g. {example}")
+    tiers: list[ArchiveTier] = []
+    for i, entry in enumerate(v):
+        if set(entry) != {"after", "storage_class"}:
+            t.fail("archive_tiers", v, f"entry {i} must have exactly the keys after and storage_class, e.g. {example}")
+        after, cls = entry["after"], entry["storage_class"]
+        try:
+            d = parse_duration(after) if isinstance(after, str) else None
+        except ConfigError:
+            d = None
+        if d is None or d <= timedelta(0) or d % timedelta(days=1):
+            t.fail("archive_tiers", v, f"entry {i}: after = {_show(after)} must be a whole number of days > 0, e.g. \"30d\"")
+        if (problem := class_problem(cls, allowed=S3_CLASSES[1:])) is not None:
+            t.fail("archive_tiers", v, f"entry {i}: storage_class = {_show(cls)} {problem}")
+        tiers.append(ArchiveTier(after=d, storage_class=cls))  # type: ignore[arg-type]
+    if (problem := archive_tiers_problem(tiers, storage_class)) is not None:
+        t.fail("archive_tiers", v, problem)
+    return tuple(tiers)
+
+
+def parse_prices(data: Any, *, where: str = DEFAULT_FILE) -> Prices:
+    """The ``[prices]`` table: per storage class, either a number (the storage
+    price, $ per GB-month) or a table of :data:`~ckptier.tasks.prices.FIELDS`.
+    Classes and fields not given keep ckptier's list-price defaults; ``source``
+    (default: the file's name) labels the figures computed from given ones.
+    None (no table) gives the defaults. Errors are one-line :class:`ConfigError`.
+    """
+    if data is None:
+        return DEFAULT_PRICES
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: prices must be a table: write [prices] then e.g. GLACIER_IR = 0.004")
+    t = _Table(where, "prices", data, frozenset({"currency", "source", *PRICEABLE_CLASSES}))
+    source = t.get_str("source", f"{where} [prices]", example="our negotiated rates, 2026-10") or where
+    currency = t.get_str("currency", "USD", example="USD") or "USD"
+    classes = dict(DEFAULT_CLASS_PRICES)
+    for cls in PRICEABLE_CLASSES:
+        if not t.has(cls):
+            continue
+        v = t.data[cls]
+        given = {"storage": v} if not isinstance(v, dict) else dict(v)
+        sub = _Table(where, f"prices.{cls}", given, frozenset(FIELDS))
+        base = DEFAULT_CLASS_PRICES.get(cls)
+        if base is None and "storage" not in given:
+            raise ConfigError(f"{where}: prices.{cls} has no built-in price: give its storage price ($ per GB-month), e.g. {cls} = 0.01")
+        values: dict[str, Any] = {}
+        for name in FIELDS:
+            if name not in given:
+                continue
+            x = given[name]
+            label = f"{cls}.{name}" if isinstance(v, dict) else cls
+            if name == "min_days":
+                values[name] = sub.get_int(name, 0, example=30)
+            elif isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
+                t.fail(label, x, f"must be a price ≥ 0 in {currency} (storage per GB-month, put/get/restore per 1,000 requests, retrieval per GB), e.g. 0.004")
+            else:
+                values[name] = float(x)
+        unset = tuple(n for n in FIELDS if n not in given and base is not None and getattr(base, n))
+        start = base if base is not None else ClassPrice(storage=0.0)
+        classes[cls] = replace(start, **values, source=source, defaulted=unset)
+    return Prices(classes=classes, currency=currency)

@@ -38,6 +38,7 @@ from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 from ckptier.storage.errors import ConfigError
 from ckptier.storage.model import CheckpointRecord, State, Tier
+from ckptier.tasks.tiers import ArchiveTier
 
 Action = Literal["keep", "promote", "delete"]
 Scope = Literal["checkpoint", "hot-copy"]
@@ -305,6 +306,7 @@ class Policy:
     hot_after_archive: HotAfterArchive = "delete"
     max_missing_fraction: float = 0.5
     delete_stale_incomplete: bool = False
+    archive_tiers: tuple[ArchiveTier, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.rules or all(_rule_is_empty(r) for r in self.rules):

@@ -1,0 +1,655 @@
+"""Planning advice before and during a run: how big, how fast, how often, what it costs.
+
+Pure: no I/O and no clock. :func:`advise` takes what the user asked
+(:class:`Request`, every field optional but the parameter count), a
+retention :class:`~.retention.Policy`, :class:`~.prices.Prices` and,
+when the catalog knows the job, a :class:`JobObservation` (from
+:func:`observe_job`), and returns an :class:`Advice`. Every input it used is
+listed in :attr:`Advice.assumptions` with its value and where it came from:
+``given`` (asked), ``measured`` (the catalog) or ``default`` (with the
+default's source).
+
+The figures:
+
+* **size**: parameters x bytes per parameter, by component: the weights (the
+  fp32 master copy under mixed precision, the bf16/fp16 weights being a cast
+  of it; the weights in ``dtype`` otherwise) and the optimizer's per-parameter
+  state (``adamw``/``adam``: two moments; ``sgd-momentum``: one; ``sgd``:
+  none; ``adafactor``: factored second moments, O(rows + cols) per matrix,
+  counted as 0). The defaults (bf16 with fp32 master weights, AdamW moments
+  in bf16) give 8 bytes per parameter, the storage guide's figure; with
+  ``--state-dtype fp32`` (torch's AdamW over fp32 parameters) it is 12.
+  Sharded saves split it evenly over ``ranks``.
+* **bandwidth** to save within the write window: size / window.
+* **interval** minimising lost work plus checkpoint overhead, from the write
+  time δ and the MTBF M: Young's first-order sqrt(2·δ·M) and Daly's
+  higher-order estimate (J. T. Daly, "A higher order estimate of the optimum
+  checkpoint interval for restart dumps", FGCS 22(3), 2006), which is the one
+  recommended; expected overhead from Daly's model of wall time
+  ``M·e^(R/M)·(e^((τ+δ)/M) − 1)/τ`` per unit of work (τ: compute time between
+  saves, R: restart time). Both assume blocking saves.
+* **storage over the run**: the real planner (:func:`~.retention.plan_retention`)
+  run night by night over a synthetic run (one save per interval, every
+  save verified within the hour, plan carried out every night at 00:00 UTC),
+  with hot and archive bytes per storage class, against keeping everything.
+* **cost**: stored bytes at the configured prices, plus the PUT requests of
+  saves into an S3 hot class and of archive uploads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any, Literal
+
+from ckptier.storage.errors import ConfigError
+from ckptier.storage.model import CheckpointRecord, CopyRecord, Format, State, Tier
+
+from .prices import MONTH_SECONDS, Prices, requests_for
+from .retention import Plan, Policy, format_duration, hot_present, plan_retention
+from .tiers import ALL_CLASSES, HOT, class_at, class_rank
+
+#: Bytes per element of each dtype a checkpoint may hold.
+DTYPE_BYTES: Mapping[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+#: Per-parameter state buffers each optimizer keeps (0 for adafactor: its
+#: factored second moments are O(rows + cols) per matrix, under 0.1% of the
+#: parameters for matrices of 2,048 or more rows and columns).
+OPTIMIZER_STATES: Mapping[str, int] = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0, "adafactor": 0}
+_STATE_NAMES = {"adamw": "moments", "adam": "moments", "sgd-momentum": "momentum buffer"}
+#: ckptier's own multipart part size for archive uploads (S3Store's default).
+ARCHIVE_PART_SIZE = 16 << 20
+#: When the synthetic run starts (a Monday, 00:00 UTC): fixed, so advice is reproducible.
+SIM_START = datetime(2024, 1, 1, tzinfo=UTC)
+
+Origin = Literal["given", "measured", "default"]
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the user asked; ``None`` means "the measured value, else the default".
+
+    Units: durations as timedelta, ``write_bandwidth`` in bytes per second,
+    ``part_size`` in bytes.
+    """
+
+    params: float | None = None
+    dtype: str | None = None
+    optimizer: str | None = None
+    state_dtype: str | None = None
+    master_weights: bool | None = None
+    ranks: int | None = None
+    write_window: timedelta | None = None
+    write_bandwidth: float | None = None
+    interval: timedelta | None = None
+    mtbf: timedelta | None = None
+    restart: timedelta | None = None
+    run_length: timedelta | None = None
+    steps_per_save: int | None = None
+    codec_ratio: float | None = None
+    hot_class: str | None = None
+    part_size: int | None = None
+
+
+#: Every default with its source (what a default is worth is in the source).
+DEFAULTS: Mapping[str, tuple[Any, str]] = {
+    "dtype": ("bf16", "bf16 mixed precision, the usual choice for training on current GPUs"),
+    "optimizer": ("adamw", "the usual optimizer for training transformers"),
+    "state_dtype": (
+        "bf16",
+        (
+            "optimizer moments in bf16 next to fp32 master weights (as in DeepSeek-V3, arXiv:2412.19437 §3.3.3): "
+            "8 bytes per parameter, the storage guide's figure; torch's AdamW over fp32 parameters keeps fp32 "
+            "moments (--state-dtype fp32: 12 bytes per parameter)"
+        ),
+    ),
+    "master_weights": (None, "mixed precision keeps an fp32 master copy of the weights, and the checkpoint saves it"),
+    "ranks": (1, "one writer; give --ranks for the share of each rank of a sharded save"),
+    "write_window": (timedelta(minutes=5), "the storage guide's target: a save takes at most five minutes"),
+    "write_bandwidth": (None, "storage delivers exactly the bandwidth needed, so a save takes the whole window"),
+    "interval": (timedelta(minutes=30), "the storage guide's usual cadence (every 30 minutes to a few hours)"),
+    "mtbf": (
+        timedelta(hours=8),
+        (
+            "an assumption; at scale it is shorter: Llama 3 pre-training had an unexpected interruption "
+            "every ~3 h on 16,384 GPUs (arXiv:2407.21783 §3.3.4)"
+        ),
+    ),
+    "restart": (timedelta(0), "restart time not counted (it scales the overhead, not the best interval)"),
+    "run_length": (timedelta(days=21), "a three-week run, the storage guide's retention scenario"),
+    "steps_per_save": (1000, "an assumption; it decides which saves are milestones"),
+    "codec_ratio": (1.24, "the archive codec's target compression ratio on checkpoint tensors (bench/archive.py)"),
+    "hot_class": (HOT, "hot checkpoints on local/POSIX storage (a training filesystem)"),
+    "part_size": (8 << 20, "boto3's default multipart chunk size (matters only for an S3 hot class)"),
+}
+
+
+@dataclass(frozen=True)
+class Assumption:
+    """One input of the advice: ``name`` (the Request field), its ``value`` as
+    shown, its ``origin`` and, for defaults and measurements, its ``source``."""
+
+    name: str
+    value: str
+    origin: Origin
+    source: str
+
+
+@dataclass(frozen=True)
+class JobObservation:
+    """What the catalog says about one job (see :func:`observe_job`); None where unknown.
+
+    ``size_bytes``: median checkpoint size. ``interval``: median time between
+    consecutive saves (by step). ``steps_per_save``: median step gap.
+    ``ranks``: distinct ``rank-NNNN`` directories (guide layout) or ``.distcp``
+    shards (DCP) of the newest checkpoint. ``codec_ratio``: original over
+    stored bytes of its archive copies. ``hot_class``: ``STANDARD`` when its
+    checkpoints live on S3, else ``hot``.
+    """
+
+    job: str
+    checkpoints: int
+    size_bytes: int | None = None
+    interval: timedelta | None = None
+    steps_per_save: int | None = None
+    ranks: int | None = None
+    codec_ratio: float | None = None
+    hot_class: str | None = None
+
+
+@dataclass(frozen=True)
+class Component:
+    """One part of a checkpoint: what it is, bytes per parameter, bytes."""
+
+    name: str
+    bytes_per_param: float
+    bytes: int
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """Checkpoint size. ``total_bytes`` is the measured size when the catalog
+    has the job, else ``estimated_bytes`` (params x bytes per parameter)."""
+
+    params: int | None
+    components: tuple[Component, ...]
+    bytes_per_param: float | None
+    estimated_bytes: int | None
+    total_bytes: int
+    measured: bool
+    ranks: int
+    per_rank_bytes: int
+
+
+@dataclass(frozen=True)
+class Bandwidth:
+    """Write bandwidth (bytes/s) needed to save ``total_bytes`` within ``window_s``."""
+
+    window_s: float
+    bytes_per_s: float
+    per_rank_bytes_per_s: float
+
+
+@dataclass(frozen=True)
+class IntervalAdvice:
+    """The checkpoint interval (seconds of compute between saves) that minimises
+    lost work plus checkpoint overhead, from ``write_s`` (δ) and ``mtbf_s`` (M).
+
+    ``recommended_s`` is Daly's; ``young_s`` is shown for comparison.
+    ``overhead_*``: expected fraction of extra wall time (saves plus rework
+    plus restarts) per unit of work, at the planned interval (``planned_s``,
+    save to save) and at the recommended one; None when the planned interval
+    is not longer than a save.
+    """
+
+    write_s: float
+    mtbf_s: float
+    restart_s: float
+    young_s: float
+    daly_s: float
+    recommended: str
+    recommended_s: float
+    planned_s: float
+    overhead_planned: float | None
+    overhead_recommended: float
+    notes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ClassBytes:
+    """Bytes (and checkpoints) in one tier and storage class, and their monthly cost."""
+
+    tier: str
+    storage_class: str
+    checkpoints: int
+    bytes: int
+    monthly_cost: float
+
+
+@dataclass(frozen=True)
+class Night:
+    """The stored state after one night's plan was carried out (day 1 = the first night)."""
+
+    day: int
+    saves: int
+    stored: tuple[ClassBytes, ...]
+    stored_bytes: int
+    monthly_cost: float
+    keep_all_bytes: int
+    keep_all_monthly_cost: float
+
+
+@dataclass(frozen=True)
+class StorageForecast:
+    """Stored bytes and cost over the synthetic run under ``policy``.
+
+    ``final`` is the last night; ``peak_bytes`` the most stored on any
+    night. ``run_cost``/``keep_all_run_cost``: storage billed over the run
+    (each night's state held for one day) plus ``requests_cost``.
+    ``monthly_cost``: the final state's storage per month plus the run's
+    requests per month. ``price_note`` says where the prices come from;
+    ``prices_assumed`` is True when any is a list-price assumption.
+    """
+
+    policy: str
+    saves: int
+    nights: tuple[Night, ...]
+    final: Night
+    peak_bytes: int
+    stored_fraction: float
+    monthly_cost: float
+    keep_all_monthly_cost: float
+    cost_fraction: float
+    requests_cost: float
+    run_cost: float
+    keep_all_run_cost: float
+    restore_cost: float | None
+    price_note: str
+    prices_assumed: bool
+    currency: str
+
+
+@dataclass(frozen=True)
+class Advice:
+    """Everything ``ckptier advise`` says (see the module docstring)."""
+
+    job: str | None
+    sizing: Sizing
+    bandwidth: Bandwidth
+    interval: IntervalAdvice
+    storage: StorageForecast
+    assumptions: tuple[Assumption, ...]
+
+    def measured(self) -> tuple[str, ...]:
+        """Names of the inputs taken from the catalog."""
+        return tuple(a.name for a in self.assumptions if a.origin == "measured")
+
+
+# ------------------------------------------------------------------ sizing
+
+
+def bytes_per_param(dtype: str, optimizer: str, state_dtype: str, master_weights: bool) -> tuple[Component, ...]:
+    """The components of a checkpoint per parameter (``bytes`` left 0)."""
+    if dtype not in DTYPE_BYTES:
+        raise ConfigError(f"dtype {dtype!r} is not known: use one of {', '.join(DTYPE_BYTES)}")
+    if state_dtype not in DTYPE_BYTES:
+        raise ConfigError(f"optimizer state dtype {state_dtype!r} is not known: use one of {', '.join(DTYPE_BYTES)}")
+    if optimizer not in OPTIMIZER_STATES:
+        raise ConfigError(f"optimizer {optimizer!r} is not known: use one of {', '.join(OPTIMIZER_STATES)}")
+    if master_weights and dtype != "fp32":
+        weights = Component(f"weights (fp32 master copy; the {dtype} weights are a cast of it)", 4.0, 0)
+    else:
+        weights = Component(f"weights ({dtype})", float(DTYPE_BYTES[dtype]), 0)
+    n = OPTIMIZER_STATES[optimizer]
+    if n:
+        what = _STATE_NAMES[optimizer]
+        state = Component(f"{optimizer} {what} ({n} x {state_dtype})", float(n * DTYPE_BYTES[state_dtype]), 0)
+    elif optimizer == "adafactor":
+        state = Component("adafactor factored second moments (O(rows + cols) per matrix, ~0)", 0.0, 0)
+    else:
+        state = Component(f"{optimizer} (no per-parameter state)", 0.0, 0)
+    return (weights, state)
+
+
+def young_interval(write_s: float, mtbf_s: float) -> float:
+    """Young's first-order optimum compute time between saves: sqrt(2·δ·M)."""
+    return math.sqrt(2.0 * write_s * mtbf_s)
+
+
+def daly_interval(write_s: float, mtbf_s: float) -> float:
+    """Daly's higher-order optimum (2006): for δ < 2M,
+    sqrt(2δM)·[1 + ⅓·sqrt(δ/2M) + ⅑·(δ/2M)] − δ; else M."""
+    if write_s >= 2.0 * mtbf_s:
+        return mtbf_s
+    x = write_s / (2.0 * mtbf_s)
+    return math.sqrt(2.0 * write_s * mtbf_s) * (1.0 + math.sqrt(x) / 3.0 + x / 9.0) - write_s
+
+
+def overhead(compute_s: float, write_s: float, mtbf_s: float, restart_s: float = 0.0) -> float:
+    """Expected extra wall time per unit of work with ``compute_s`` of work
+    between saves (Daly's model, exponential failures): M·e^(R/M)·(e^((τ+δ)/M) − 1)/τ − 1."""
+    m = mtbf_s
+    return m * math.exp(restart_s / m) * math.expm1((compute_s + write_s) / m) / compute_s - 1.0
+
+
+# ------------------------------------------------------------------ the catalog
+
+
+def observe_job(records: Sequence[CheckpointRecord]) -> JobObservation:
+    """Measure a job from its catalog records (tombstones included: they were
+    saved too). Raises :class:`ConfigError` when ``records`` is empty or
+    holds several jobs."""
+    jobs = sorted({r.job for r in records})
+    if len(jobs) != 1:
+        raise ConfigError(f"observe_job needs the records of exactly one job, got {len(jobs)} ({', '.join(jobs[:3])})")
+    saved = sorted((r for r in records if r.state != State.INCOMPLETE), key=lambda r: (r.step, r.id))
+    sizes = [r.bytes for r in saved if r.bytes > 0]
+    times = [r.saved_at or r.first_seen for r in saved]
+    gaps = [b - a for a, b in itertools.pairwise(times) if b > a]
+    steps = [b.step - a.step for a, b in itertools.pairwise(saved) if b.step > a.step]
+    archived = [(r.bytes, c.stored_bytes) for r in saved for c in r.copies
+                if c.tier == Tier.ARCHIVE and c.state in ("present", "degraded") and c.stored_bytes]
+    newest = saved[-1] if saved else None
+    return JobObservation(
+        job=jobs[0],
+        checkpoints=len(saved),
+        size_bytes=int(statistics.median(sizes)) if sizes else None,
+        interval=timedelta(seconds=statistics.median(g.total_seconds() for g in gaps)) if gaps else None,
+        steps_per_save=int(statistics.median(steps)) if steps else None,
+        ranks=_ranks(newest) if newest is not None else None,
+        codec_ratio=(sum(a for a, _ in archived) / sum(b for _, b in archived)) if archived else None,
+        hot_class=("STANDARD" if newest.location.startswith("s3://") else HOT) if newest is not None else None,
+    )
+
+
+def _ranks(record: CheckpointRecord) -> int | None:
+    if record.format == Format.DCP:
+        shards = sum(1 for f in record.files if f.relpath.endswith(".distcp"))
+        return shards or None
+    ranks = {part for f in record.files for part in f.relpath.split("/")[:-1] if part.startswith("rank-")}
+    return len(ranks) or None
+
+
+# ------------------------------------------------------------------ the simulation
+
+
+def simulate_storage(
+    policy: Policy,
+    *,
+    size: int,
+    interval: timedelta,
+    steps_per_save: int,
+    run_length: timedelta,
+    codec_ratio: float,
+    hot_class: str,
+    prices: Prices,
+    plan: Callable[..., Plan] = plan_retention,
+    start: datetime = SIM_START,
+) -> tuple[Night, ...]:
+    """Carry out ``policy`` night by night over a synthetic run; one :class:`Night` per night.
+
+    Save ``i`` (1, 2, ...) happens at ``start + i·interval`` with step
+    ``i·steps_per_save`` and ``size`` bytes, until ``run_length``. At 00:00
+    UTC every night the whole catalog is planned with ``plan`` and the plan
+    carried out: deletions drop the checkpoint or its hot copy, promotions
+    add an archive copy of ``size / codec_ratio`` bytes that counts as
+    verified at once. Saves younger than an hour at planning time are not
+    verified yet (``committed``), younger than ten minutes still in flight
+    (``incomplete``). The last night is the first at or after the end of the
+    run. Archive copies are priced in the class the policy's
+    ``storage_class`` and ``archive_tiers`` give them at their age (``hot``
+    for a local archive).
+    """
+    if size <= 0 or interval <= timedelta(0) or steps_per_save <= 0 or run_length <= timedelta(0) or codec_ratio <= 0:
+        raise ConfigError(
+            f"simulation needs size, interval, steps per save, run length and codec ratio > 0 "
+            f"(got {size}, {interval}, {steps_per_save}, {run_length}, {codec_ratio})"
+        )
+    total = int(run_length / interval)
+    if total < 1:
+        raise ConfigError(f"run length {format_duration(run_length)} holds no save every {format_duration(interval)}: lengthen the run")
+    nights = math.ceil(run_length / timedelta(days=1))
+    s3_archive = bool(policy.archive and policy.archive.startswith("s3://"))
+    live: dict[int, CheckpointRecord] = {}
+    promoted_at: dict[int, datetime] = {}
+    out: list[Night] = []
+    saved = 0
+    for day in range(1, nights + 1):
+        now = start + timedelta(days=day)
+        while saved < total and start + (saved + 1) * interval <= now:
+            saved += 1
+            t = start + saved * interval
+            step = saved * steps_per_save
+            live[saved] = CheckpointRecord(
+                id=saved, job="advise", step=step, format=Format.GUIDE, state=State.VERIFIED,
+                location=f"file:///advise/step-{step:08d}", bytes=size, saved_at=t, first_seen=t,
+                last_seen=t, missing_since=None, verified_at=t + timedelta(hours=1), state_reason=None,
+            )
+        view = []
+        for c in live.values():
+            age = now - (c.saved_at or c.first_seen)
+            if c.state == State.VERIFIED and age < timedelta(minutes=10):
+                c = dataclasses.replace(c, state=State.INCOMPLETE, verified_at=None)
+            elif c.state == State.VERIFIED and age < timedelta(hours=1):
+                c = dataclasses.replace(c, state=State.COMMITTED, verified_at=None)
+            view.append(c)
+        for item in plan(view, policy, now=now).items:
+            c = live[item.checkpoint_id]
+            if item.action == "delete" and item.scope == "checkpoint":
+                del live[c.id]
+            elif item.action == "delete":
+                live[c.id] = dataclasses.replace(
+                    c, copies=c.copies + (CopyRecord(Tier.HOT, c.location, "deleted", None, None),))
+            elif item.action == "promote" and not c.has_verified_archive():
+                copy = CopyRecord(Tier.ARCHIVE, f"{policy.archive}/advise/step-{c.step:08d}", "present",
+                                  round(c.bytes / codec_ratio), now, "ckz1")
+                live[c.id] = dataclasses.replace(c, copies=c.copies + (copy,))
+                promoted_at[c.id] = now
+        out.append(_night(day, saved, size, live.values(), promoted_at, now, policy, s3_archive, hot_class, prices))
+    return tuple(out)
+
+
+def _night(day: int, saves: int, size: int, live: Any, promoted_at: Mapping[int, datetime], now: datetime,
+           policy: Policy, s3_archive: bool, hot_class: str, prices: Prices) -> Night:
+    counts: dict[tuple[str, str], list[int]] = {}
+    for c in live:
+        if hot_present(c):
+            counts.setdefault(("hot", hot_class), [0, 0])
+            counts[("hot", hot_class)][0] += 1
+            counts[("hot", hot_class)][1] += c.bytes
+        for x in c.copies:
+            if x.tier == Tier.ARCHIVE and x.state == "present":
+                cls = class_at(now - promoted_at[c.id], policy.storage_class, policy.archive_tiers) if s3_archive else HOT
+                entry = counts.setdefault(("archive", cls), [0, 0])
+                entry[0] += 1
+                entry[1] += x.stored_bytes or c.bytes
+    stored = tuple(
+        ClassBytes(tier, cls, n, b, prices.monthly(b, cls))
+        for (tier, cls), (n, b) in sorted(counts.items(), key=lambda kv: (kv[0][0] != "hot", class_rank(kv[0][1])))
+    )
+    keep_all = saves * size
+    return Night(
+        day=day, saves=saves, stored=stored, stored_bytes=sum(s.bytes for s in stored),
+        monthly_cost=sum(s.monthly_cost for s in stored), keep_all_bytes=keep_all,
+        keep_all_monthly_cost=prices.monthly(keep_all, hot_class),
+    )
+
+
+# ------------------------------------------------------------------ advice
+
+
+def advise(
+    request: Request,
+    policy: Policy,
+    prices: Prices,
+    *,
+    observed: JobObservation | None = None,
+    policy_name: str | None = None,
+) -> Advice:
+    """The advice for ``request`` (see the module docstring).
+
+    Precedence for every input: given (a what-if) over measured
+    (``observed``, when the catalog has the job) over default; the measured
+    checkpoint size replaces the estimate from ``params`` (which is still
+    reported). :attr:`Advice.assumptions` records which. Raises
+    :class:`ConfigError` (one line) for impossible inputs.
+    """
+    assumptions: list[Assumption] = []
+
+    def pick(name: str, shown: Callable[[Any], str] = str, measured: Any = None, how: str = "") -> Any:
+        given = getattr(request, name)
+        if given is not None:
+            value, origin, source = given, "given", ""
+        elif measured is not None:
+            value, origin, source = measured, "measured", how
+        else:
+            value, source = DEFAULTS[name]
+            origin = "default"
+        assumptions.append(Assumption(name, shown(value) if value is not None else "as needed", origin, source))  # type: ignore[arg-type]
+        return value
+
+    obs = observed
+    where = f"job {obs.job}, {obs.checkpoints} checkpoints" if obs else ""
+
+    def dur(d: timedelta) -> str:
+        return f"{d.days}d" if d >= timedelta(days=1) and not d % timedelta(days=1) else format_duration(d)
+
+    if request.params is None and (obs is None or obs.size_bytes is None):
+        raise ConfigError("advise needs --params N (e.g. --params 7e9), or --job J of a job the catalog has sizes for")
+    if request.params is not None and not request.params > 0:
+        raise ConfigError(f"--params {request.params}: must be a number of parameters > 0, e.g. 7e9")
+    params = int(request.params) if request.params is not None else None
+    if params is not None:
+        assumptions.append(Assumption("params", f"{params:,}", "given", ""))
+    dtype = pick("dtype")
+    optimizer = pick("optimizer")
+    if dtype == "fp32" and request.state_dtype is None:
+        state_dtype = "fp32"
+        assumptions.append(Assumption("state_dtype", "fp32", "default", "fp32 training keeps fp32 optimizer state"))
+    else:
+        state_dtype = pick("state_dtype")
+    master = request.master_weights if request.master_weights is not None else dtype != "fp32"
+    assumptions.append(Assumption(
+        "master_weights", "fp32" if master and dtype != "fp32" else "no", "given" if request.master_weights is not None else "default",
+        "" if request.master_weights is not None else DEFAULTS["master_weights"][1]))
+    components = bytes_per_param(dtype, optimizer, state_dtype, master)
+    per_param = sum(c.bytes_per_param for c in components)
+    estimated = round(params * per_param) if params is not None else None
+    if params is not None:
+        components = tuple(dataclasses.replace(c, bytes=round(params * c.bytes_per_param)) for c in components)
+    else:
+        components = ()
+    measured_size = obs.size_bytes if obs else None
+    total = measured_size if measured_size is not None else estimated
+    assert total is not None
+    if measured_size is not None:
+        assumptions.append(Assumption("size", _decimal_bytes(measured_size), "measured", f"median of {where}"))
+    if total <= 0:
+        raise ConfigError("checkpoint size is 0 bytes: give --params > 0 with an optimizer or dtype that stores something")
+    ranks = pick("ranks", measured=obs.ranks if obs else None, how=f"rank shards of the newest checkpoint of job {obs.job}" if obs else "")
+    if not isinstance(ranks, int) or ranks < 1:
+        raise ConfigError(f"--ranks {ranks}: must be a whole number ≥ 1")
+    sizing = Sizing(params, components, per_param if params is not None else None, estimated, total,
+                    measured_size is not None, ranks, total // ranks)
+
+    window = pick("write_window", dur)
+    if window <= timedelta(0):
+        raise ConfigError(f"--write-window {dur(window)}: must be longer than zero, e.g. 5m")
+    bw = Bandwidth(window.total_seconds(), total / window.total_seconds(), total / window.total_seconds() / ranks)
+
+    write_bw = pick("write_bandwidth", lambda b: f"{b / 1e6:,.1f} MB/s")
+    if write_bw is not None and write_bw <= 0:
+        raise ConfigError(f"--write-bandwidth {write_bw}: must be > 0, e.g. 2GB/s")
+    write_s = total / write_bw if write_bw else window.total_seconds()
+    mtbf = pick("mtbf", dur)
+    restart = pick("restart", dur)
+    planned = pick("interval", dur, measured=obs.interval if obs else None, how=f"median time between saves of {where}")
+    if mtbf <= timedelta(0) or planned <= timedelta(0) or restart < timedelta(0):
+        raise ConfigError(f"--mtbf {dur(mtbf)}, --interval {dur(planned)} must be > 0 and --restart ≥ 0")
+    m = mtbf.total_seconds()
+    young, daly = young_interval(write_s, m), daly_interval(write_s, m)
+    notes = []
+    compute = planned.total_seconds() - write_s
+    if compute <= 0:
+        notes.append(f"the planned interval {dur(planned)} is not longer than a save ({write_s:,.0f} s): saves would overlap")
+    if write_s >= 2 * m:
+        notes.append("a save takes longer than twice the MTBF: Daly's optimum is the MTBF itself")
+    notes.append("Young and Daly assume blocking saves; asynchronous saves hide most of the write time")
+    interval_advice = IntervalAdvice(
+        write_s=write_s, mtbf_s=m, restart_s=restart.total_seconds(), young_s=young, daly_s=daly,
+        recommended="daly", recommended_s=daly, planned_s=planned.total_seconds(),
+        overhead_planned=overhead(compute, write_s, m, restart.total_seconds()) if compute > 0 else None,
+        overhead_recommended=overhead(daly, write_s, m, restart.total_seconds()), notes=tuple(notes),
+    )
+
+    run_length = pick("run_length", dur)
+    steps = pick("steps_per_save", measured=obs.steps_per_save if obs else None, how=f"median step gap of {where}")
+    ratio = pick("codec_ratio", lambda r: f"{r:.3g}", measured=obs.codec_ratio if obs else None,
+                 how=f"original over stored bytes of the archive copies of job {obs.job}" if obs else "")
+    hot_class = pick("hot_class", measured=obs.hot_class if obs else None, how=f"where job {obs.job}'s checkpoints live" if obs else "")
+    if hot_class not in ALL_CLASSES:
+        raise ConfigError(f"--hot-class {hot_class!r}: must be one of {', '.join(ALL_CLASSES)}")
+    part = pick("part_size", lambda p: f"{p / (1 << 20):g} MiB")
+    nights = simulate_storage(policy, size=total, interval=planned, steps_per_save=steps, run_length=run_length,
+                              codec_ratio=ratio, hot_class=hot_class, prices=prices)
+    storage = _forecast(nights, policy, policy_name, prices, size=total, ratio=ratio, ranks=ranks,
+                        hot_class=hot_class, part=part, run_length=run_length)
+    return Advice(obs.job if obs else None, sizing, bw, interval_advice, storage, tuple(assumptions))
+
+
+def _decimal_bytes(n: float) -> str:
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:,.1f} {unit}"
+    return f"{n:,.0f} B"
+
+
+def _forecast(nights: Sequence[Night], policy: Policy, policy_name: str | None, prices: Prices, *, size: int,
+              ratio: float, ranks: int, hot_class: str, part: int, run_length: timedelta) -> StorageForecast:
+    final = nights[-1]
+    used = {hot_class} | {s.storage_class for n in nights for s in n.stored}
+    # Requests: every save into an S3 hot class, every archive upload (new archive
+    # checkpoints between nights) into its first class.
+    requests = 0.0
+    if hot_class != HOT:
+        requests += final.saves * prices.puts(requests_for(size, ranks, part), hot_class)
+    archived = [sum(s.checkpoints for s in n.stored if s.tier == "archive") for n in nights]
+    s3_archive = bool(policy.archive and policy.archive.startswith("s3://"))
+    first_class = (policy.storage_class or "STANDARD") if s3_archive else HOT
+    if first_class != HOT and archived:
+        requests += archived[-1] * prices.puts(requests_for(round(size / ratio), ranks, ARCHIVE_PART_SIZE), first_class)
+        used.add(first_class)
+    day_fraction = 86400 / MONTH_SECONDS
+    months = run_length.total_seconds() / MONTH_SECONDS
+    run_cost = sum(n.monthly_cost for n in nights) * day_fraction + requests
+    keep_all_run = sum(n.keep_all_monthly_cost for n in nights) * day_fraction
+    if hot_class != HOT:
+        keep_all_run += final.saves * prices.puts(requests_for(size, ranks, part), hot_class)
+    archive = [s for s in final.stored if s.tier == "archive"]
+    restore = None
+    if archive:
+        coldest = archive[-1]
+        restore = prices.read_back(coldest.bytes / coldest.checkpoints, ranks, coldest.storage_class)
+    monthly = final.monthly_cost + (requests / months if months else 0.0)
+    return StorageForecast(
+        policy=policy_name or str(policy),
+        saves=final.saves,
+        nights=tuple(nights),
+        final=final,
+        peak_bytes=max(n.stored_bytes for n in nights),
+        stored_fraction=final.stored_bytes / final.keep_all_bytes if final.keep_all_bytes else 0.0,
+        monthly_cost=monthly,
+        keep_all_monthly_cost=final.keep_all_monthly_cost,
+        cost_fraction=monthly / final.keep_all_monthly_cost if final.keep_all_monthly_cost else 0.0,
+        requests_cost=requests,
+        run_cost=run_cost,
+        keep_all_run_cost=keep_all_run,
+        restore_cost=restore,
+        price_note=prices.note(used),
+        prices_assumed=prices.assumed(used),
+        currency=prices.currency,
+    )
