@@ -115,6 +115,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     with _open_catalog(args) as cat:
         plan = make_plan(cat, config, job=args.job, now=utcnow())
     rows = render_plan_table(plan)
+    for warning in plan.warnings:
+        print(f"ckptier: warning: {warning}", file=sys.stderr)
     if args.json:
         print_json(rows)
         return 0

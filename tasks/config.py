@@ -16,16 +16,22 @@ Shape (every key optional unless said)::
     milestones = "log"            # 1, 2, 5, 10, 20, 50, ... steps, or
     # milestones = [1000, 5000]   #   an explicit list of steps, or
     # milestones = { every_n_steps = 10000 }
+    milestone_match = "at_or_after"   # a milestone is held by the first verified save at or
+                                  # after it (default), or "exact": only a save on that step
     keep_within = "36h"           # verified ones saved within this of now
     keep_daily = 7                # newest verified of each of the last N days
     keep_weekly = 4               # newest verified of each of the last N weeks
     pinned = [12000]              # steps kept whatever happens
     min_verified = 2              # floor of verified checkpoints in hot storage
+    min_drilled = 1               # the newest N drill-passed checkpoints keep their hot copy (default 0)
     grace = "2h"                  # how long an incomplete save is "in flight"
     delete_stale_incomplete = false
     archive = "s3://bucket/archive"   # or a local path; milestones go there
     storage_class = "GLACIER_IR"      # needs archive
     hot_after_archive = "delete"      # or "keep"
+    archive_after = "14d"             # needs archive: promote milestones once older than this
+    archive_when = "leaving_hot"      # needs archive: promote a milestone only once no other rule
+                                      # keeps it hot (never stored twice); default "immediately"
     max_missing_fraction = 0.5        # shrink guard, 0..1
 
     [[drill]]
@@ -58,6 +64,8 @@ from typing import Any, Literal
 from ckptier.storage.errors import ConfigError
 from ckptier.storage.url import parse_url
 from ckptier.tasks.retention import (
+    ARCHIVE_WHENS,
+    MILESTONE_MATCHES,
     KeepDaily,
     KeepLast,
     KeepWeekly,
@@ -79,6 +87,7 @@ _POLICY_KEYS = frozenset(
         "jobs", "keep_last", "milestones", "keep_within", "keep_daily", "keep_weekly",
         "pinned", "min_verified", "grace", "archive", "storage_class",
         "hot_after_archive", "max_missing_fraction", "delete_stale_incomplete",
+        "milestone_match", "archive_after", "archive_when", "min_drilled",
     }
 )
 _DRILL_KEYS = frozenset({"jobs", "model", "steps", "device", "timeout", "loss_tolerance", "allow_globals"})
@@ -263,6 +272,12 @@ class _Table:
             self.fail(key, v, f"must be longer than zero, e.g. {example!r}")
         return d
 
+    def get_choice(self, key: str, default: str, choices: tuple[str, ...]) -> str:
+        v = self.data.get(key, default)
+        if v not in choices:
+            self.fail(key, v, "must be " + " or ".join(f'"{c}"' for c in choices))
+        return str(v)
+
     def get_glob(self, key: str = "jobs") -> str:
         v = self.data.get(key, "*")
         if not isinstance(v, str) or not v.strip():
@@ -324,26 +339,29 @@ def _archive_problem(url: str) -> str | None:
 
 
 def _milestones(t: _Table) -> Milestones | None:
+    match = t.get_choice("milestone_match", "at_or_after", MILESTONE_MATCHES)
     if not t.has("milestones"):
+        if t.has("milestone_match"):
+            t.fail("milestone_match", match, "has no effect without milestones: set milestones or remove it")
         return None
     v = t.data["milestones"]
     shapes = "use \"log\", a list of steps like [1000, 5000], or { every_n_steps = 10000 }"
     if isinstance(v, str):
         if v != "log":
             t.fail("milestones", v, shapes)
-        return Milestones(log=True)
+        return Milestones(log=True, match=match)  # type: ignore[arg-type]
     if isinstance(v, list):
         steps = t.get_steps("milestones")
         if not steps:
             t.fail("milestones", v, "an empty list keeps nothing; omit the key for no milestones")
-        return Milestones(steps=steps or ())
+        return Milestones(steps=steps or (), match=match)  # type: ignore[arg-type]
     if isinstance(v, dict):
         if set(v) != {"every_n_steps"}:
             t.fail("milestones", v, shapes)
         n = v["every_n_steps"]
         if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
             t.fail("milestones", v, "every_n_steps must be a whole number > 0, e.g. { every_n_steps = 10000 }")
-        return Milestones(every=int(n))
+        return Milestones(every=int(n), match=match)  # type: ignore[arg-type]
     t.fail("milestones", v, shapes)
     return None
 
@@ -387,6 +405,11 @@ def _policy(where: str, index: int, data: Any) -> Policy:
     hot = t.data.get("hot_after_archive", "delete")
     if hot not in ("delete", "keep"):
         t.fail("hot_after_archive", hot, "must be \"delete\" or \"keep\"")
+    archive_after = t.get_duration("archive_after", None, positive=True, example="14d")
+    archive_when = t.get_choice("archive_when", "immediately", ARCHIVE_WHENS)
+    for key in ("archive_after", "archive_when"):
+        if t.has(key) and archive is None:
+            t.fail(key, t.data[key], "has no effect without archive: set archive or remove " + key)
     grace = t.get_duration("grace", "2h", positive=False, example="2h")
     fraction = t.get_float("max_missing_fraction", 0.5, lo=0.0, hi=1.0, example=0.5)
     return Policy(
@@ -399,6 +422,9 @@ def _policy(where: str, index: int, data: Any) -> Policy:
         hot_after_archive=hot,
         max_missing_fraction=fraction if fraction is not None else 0.5,
         delete_stale_incomplete=t.get_bool("delete_stale_incomplete", False),
+        archive_after=archive_after,
+        archive_when=archive_when,  # type: ignore[arg-type]
+        min_drilled=t.get_int("min_drilled", 0, example=1),
     )
 
 

@@ -26,7 +26,7 @@ from ckptier.storage.model import CheckpointRecord, State
 from ckptier.storage.url import open_store, parse_url
 
 from .config import Config
-from .retention import Plan, PlanItem, Policy, plan_retention
+from .retention import Plan, PlanItem, Policy, drill_passed, plan_retention
 from .scan import ScanReport, scan_url
 
 Clock = Callable[[], datetime]
@@ -248,12 +248,13 @@ def plans_by_policy(
 ) -> list[tuple[Policy | None, Plan]]:
     """One retention plan per ``[[policy]]`` that matches some job (``None``: jobs no policy matches).
 
-    Reads the catalog, changes nothing. Jobs no ``[[policy]]`` matches are
-    kept whole.
+    Reads the catalog (checkpoints, and the drill history for ``min_drilled``),
+    changes nothing. Jobs no ``[[policy]]`` matches are kept whole.
     """
     records = catalog.checkpoints(job=job, include_deleted=False)
     if job and not records:
         raise unknown_job(job)
+    passed = _drill_passed(catalog, config, job)
     groups: dict[int, tuple[Policy | None, list[CheckpointRecord]]] = {}
     for c in records:
         policy = config.policy_for(c.job)
@@ -263,8 +264,19 @@ def plans_by_policy(
         if policy is None:
             out.append((None, Plan(items=_keep_unmanaged(cs))))
         else:
-            out.append((policy, plan_retention(cs, policy, now=now)))
+            out.append((policy, plan_retention(cs, policy, now=now, drill_passed=passed)))
     return out
+
+
+#: Drills read back for ``min_drilled``: far more than any catalog holds (one a night per job).
+DRILL_HISTORY = 1_000_000
+
+
+def _drill_passed(catalog: Catalog, config: Config, job: str | None) -> dict[int, datetime]:
+    """Checkpoint id -> when its most recent drill passed; read only when some policy sets ``min_drilled``."""
+    if not any(p.min_drilled for p in config.policies):
+        return {}
+    return drill_passed(catalog.drills(job=job, limit=DRILL_HISTORY))
 
 
 def make_plan(catalog: Catalog, config: Config, *, job: str | None, now: datetime) -> Plan:
@@ -283,6 +295,7 @@ def merge_plans(plans: Sequence[Plan]) -> Plan:
         excluded=tuple(sorted(x for p in plans for x in p.excluded)),
         missing=tuple(sorted(x for p in plans for x in p.missing)),
         stale=tuple(sorted(x for p in plans for x in p.stale)),
+        warnings=tuple(sorted(w for p in plans for w in p.warnings)),
     )
 
 
