@@ -572,3 +572,72 @@ def _record_drill(catalog: Catalog, record: CheckpointRecord, report: dict[str, 
     ))
     catalog.log_event("drill.ok" if report["ok"] else "drill.failed", report["summary"], now=finished,
                       job=record.job, checkpoint_id=record.id)
+
+
+# ------------------------------------------------------------------ forget
+
+
+def run_forget(
+    catalog: Catalog,
+    config: Config,
+    *,
+    job: str,
+    now: Clock,
+    older_than: timedelta | None = None,
+    dry_run: bool = False,
+    stores: StoreCache | None = None,
+) -> dict[str, Any]:
+    """Tombstone ``job``'s rows that a scan found missing and storage confirms gone from every tier.
+
+    Candidates: live rows with ``missing_since`` set (saved more than
+    ``older_than`` ago, when given). Each is looked up in storage now (hot
+    location, every archive copy the catalog records, the archive tier of
+    the job's policy); only a row with nothing left anywhere is tombstoned
+    (:meth:`Catalog.forget`, which a concurrent rescan or lease wins
+    against). Rows still present somewhere, or whose tiers could not be
+    checked, are kept and reported. ``dry_run`` looks but writes nothing.
+    Idempotent. Returns ``rows`` (job, step, outcome, detail), ``lines``,
+    and counts ``forgotten``, ``kept``, ``unchecked``.
+    """
+    from .archive import archive_dir, prefix_from_location
+    from .forget import archive_places, forget_candidates, still_stored
+
+    stores = stores or StoreCache()
+    records = catalog.checkpoints(job=job)
+    if not records and not catalog.checkpoints(job=job, include_deleted=True):
+        raise unknown_job(job)
+    policy = config.policy_for(job)
+    rows: list[dict[str, Any]] = []
+    for c in forget_candidates(records, now=now(), older_than=older_than):
+        archives = []
+        for url in archive_places(c):
+            store = stores.store(archive_root(url, c))
+            archives.append((store, prefix_from_location(store, url)))
+        if policy is not None and policy.archive:
+            store = stores.store(policy.archive)
+            if all(s.url != store.url for s, _ in archives):
+                archives.append((store, archive_dir(c.job, c.step)))
+        found = still_stored(c, hot=stores.for_record, archives=archives)
+        assert c.missing_since is not None  # forget_candidates chose these
+        if found.present:
+            outcome, detail = "kept", "still stored at " + ", ".join(found.present) + "; rescan it"
+        elif found.unknown:
+            outcome, detail = "unchecked", "could not check " + "; ".join(found.unknown)
+        elif dry_run:
+            outcome, detail = "would forget", "gone from every tier"
+        else:
+            reason = (f"forgotten: missing from hot storage since {c.missing_since.isoformat()} and confirmed "
+                      f"gone from every tier at {now().isoformat()}")
+            done = catalog.forget(c.id, missing_since=c.missing_since, now=now(), reason=reason)
+            outcome, detail = ("forgotten", "gone from every tier") if done else (
+                "kept", "changed meanwhile (a scan saw it again, or a run holds it); run forget again")
+        rows.append({"job": c.job, "step": c.step, "outcome": outcome, "detail": detail})
+    counts = {k: sum(r["outcome"] == k for r in rows) for k in ("forgotten", "would forget", "kept", "unchecked")}
+    lines = [f"{r['job']} step {r['step']}: {r['outcome']}: {r['detail']}" for r in rows]
+    lines.append(
+        f"job {job}: {counts['would forget'] if dry_run else counts['forgotten']} "
+        f"{'would be ' if dry_run else ''}forgotten, {counts['kept']} still stored, {counts['unchecked']} not checked"
+        + ("" if rows else " (no checkpoint is missing from hot storage)")
+    )
+    return {"job": job, "dry_run": dry_run, "rows": rows, "lines": lines,
+            "forgotten": counts["forgotten"], "kept": counts["kept"], "unchecked": counts["unchecked"]}

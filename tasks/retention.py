@@ -623,7 +623,8 @@ def shrink_guard(checkpoints: Sequence[CheckpointRecord], max_missing_fraction: 
         return (
             f"deletion suspended for job {live[0].job!r}: {gone} of {len(live)} checkpoints "
             f"missing from hot storage ({frac:.0%} > max_missing_fraction {max_missing_fraction:.0%}); "
-            f"check the scanned URL and credentials, then rescan"
+            f"check the scanned URL and credentials, then rescan; if the trainer rotates its own "
+            f"checkpoints, 'ckptier forget --job {live[0].job} --missing' tombstones those gone from every tier"
         )
     return None
 

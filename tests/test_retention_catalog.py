@@ -1,17 +1,20 @@
-"""Retention over a real catalog: plan warnings on the command line and the drill
-floor read from the catalog's drill records.
+"""Retention over a real catalog: plan warnings on the command line, the drill floor
+read from the catalog's drill records, and forgetting rows a trainer rotated away.
 
-Checkpoints are small guide-layout directories on local disk, scanned and
-verified by the real pipeline; the catalog is SQLite in a temporary directory.
+Checkpoints are small guide-layout directories on local disk (and objects on
+the S3 test server), scanned and verified by the real pipeline; the catalog
+is SQLite and PostgreSQL (``catalog_url``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -36,11 +39,6 @@ def hot(tmp_path: Path) -> Path:
     root = tmp_path / "hot"
     root.mkdir()
     return root
-
-
-@pytest.fixture
-def catalog_url(tmp_path: Path) -> str:
-    return f"sqlite:///{tmp_path / 'catalog.db'}"
 
 
 @pytest.fixture
@@ -100,3 +98,124 @@ def test_min_drilled_reads_the_catalogs_drill_records(hot: Path, catalog: Catalo
     drill(False, datetime.now(UTC) - timedelta(hours=1))  # its most recent drill failed: no longer a recovery point
     assert action(300) == "delete"
 
+
+
+# ------------------------------------------------------------------ forget
+
+
+def rotate(hot: Path, catalog: Catalog, steps: range, keep: int) -> dict[int, Path]:
+    """Save ``steps``, scan and verify them, then rotate as a trainer with ``save_total_limit = keep``
+    does (delete all but the newest ``keep``) and rescan: the rest are missing."""
+    dirs = {step: write_step(hot, "run", step) for step in steps}
+    scan_and_verify(catalog, hot)
+    for step in list(dirs)[:-keep]:
+        shutil.rmtree(dirs[step])
+    run_scan([str(hot)], catalog, now=utcnow)
+    return dirs
+
+
+def test_forget_missing_tombstones_rows_gone_from_every_tier_and_lifts_the_suspension(
+    hot: Path, catalog: Catalog, catalog_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A trainer keeping its 3 newest checkpoints leaves most rows missing: the shrink guard
+    suspends deletion, forever, until ``forget --missing`` tombstones those confirmed gone."""
+    rotate(hot, catalog, range(100, 1100, 100), keep=3)
+    write_step(hot, "run", 700)  # back after the scan: the catalog says missing, storage has it
+    config = tmp_path / "ckptier.toml"
+    config.write_text("[[policy]]\nkeep_last = 2\n")
+    base = ["--catalog", catalog_url, "--config", str(config)]
+    assert main(["plan", *base]) == 0
+    out = capsys.readouterr().out
+    assert "deletion suspended" in out and "'ckptier forget --job run --missing'" in out
+    assert main(["plan", *base]) == 0 and "deletion suspended" in capsys.readouterr().out  # rescanning does not help
+
+    assert main(["forget", *base, "--job", "run", "--missing", "--dry-run"]) == 0
+    assert "job run: 6 would be forgotten, 1 still stored, 0 not checked" in capsys.readouterr().out
+    assert len(catalog.checkpoints(job="run")) == 10  # a dry run writes nothing
+
+    assert main(["forget", *base, "--job", "run", "--missing", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["forgotten"], report["kept"], report["unchecked"]) == (6, 1, 0)
+    seven = next(r for r in report["rows"] if r["step"] == 700)
+    assert seven["outcome"] == "kept" and "still stored at" in seven["detail"] and "step-00000700" in seven["detail"]
+    assert sorted(c.step for c in catalog.checkpoints(job="run")) == [700, 800, 900, 1000]
+    gone = catalog.get("run", 300)
+    assert gone is not None and gone.state == State.DELETED
+    assert (gone.state_reason or "").startswith("forgotten: missing from hot storage since")
+    assert [e.kind for e in catalog.events(job="run", kinds=["forgotten"])] == ["forgotten"] * 6
+
+    # 1 of 4 left missing: deletion resumes
+    assert main(["plan", *base, "--json"]) == 0
+    rows = {r["step"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows[800]["action"] == "delete"
+    assert not any("suspended" in x for r in rows.values() for x in r["reasons"])
+    # idempotent; and the rescan finds 700 again
+    assert main(["forget", *base, "--job", "run", "--missing", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["forgotten"] == 0
+    run_scan([str(hot)], catalog, now=utcnow)
+    assert catalog.get("run", 700).missing_since is None  # type: ignore[union-attr]
+
+
+def test_forget_keeps_rows_with_an_archive_copy_and_honours_older_than(
+    hot: Path, catalog: Catalog, tmp_path: Path
+) -> None:
+    from ckptier.storage.model import Tier
+
+    rotate(hot, catalog, range(100, 600, 100), keep=1)
+    archive = tmp_path / "archive"
+    (archive / "run" / "step-00000200").mkdir(parents=True)
+    (archive / "run" / "step-00000200" / "ckptier-manifest.json").write_text("{}")
+    two = catalog.get("run", 200)
+    assert two is not None
+    catalog.add_copy(two.id, tier=Tier.ARCHIVE, url=f"{archive.as_uri()}/run/step-00000200", stored_bytes=1,
+                     codec="ckz1", manifest_key="run/step-00000200/ckptier-manifest.json", verified_at=utcnow(),
+                     now=utcnow())
+    # the policy's archive tier holds step 300 though the catalog records no copy (a lost acknowledgement)
+    (archive / "run" / "step-00000300").mkdir(parents=True)
+    (archive / "run" / "step-00000300" / "r.ckz").write_bytes(b"x")
+    config = parse_config(f'[[policy]]\nkeep_last = 2\narchive = "{archive}"\n')
+    from ckptier.tasks.pipeline import run_forget
+
+    young = run_forget(catalog, config, job="run", now=utcnow, older_than=timedelta(days=1))
+    assert young["rows"] == [] and "no checkpoint is missing" in young["lines"][-1]
+    report = run_forget(catalog, config, job="run", now=utcnow)
+    outcome = {r["step"]: (r["outcome"], r["detail"]) for r in report["rows"]}
+    assert outcome[100][0] == "forgotten" and outcome[400][0] == "forgotten"
+    assert outcome[200][0] == "kept" and "archive/run/step-00000200" in outcome[200][1]
+    assert outcome[300][0] == "kept" and "archive/run/step-00000300" in outcome[300][1]
+
+
+def test_forget_is_refused_once_a_scan_saw_the_row_again(hot: Path, catalog: Catalog) -> None:
+    rotate(hot, catalog, range(100, 400, 100), keep=1)
+    one = catalog.get("run", 100)
+    assert one is not None and one.missing_since is not None
+    write_step(hot, "run", 100)
+    run_scan([str(hot)], catalog, now=utcnow)  # reappeared, between our storage check and the write
+    assert catalog.forget(one.id, missing_since=one.missing_since, now=utcnow(), reason="test") is False
+    assert catalog.get("run", 100).state != State.DELETED  # type: ignore[union-attr]
+    # and a lease held by another run wins too
+    two = catalog.get("run", 200)
+    assert two is not None and two.missing_since is not None
+    assert catalog.claim(two.id, "other-run", now=utcnow(), ttl=timedelta(hours=1)) is not None
+    assert catalog.forget(two.id, missing_since=two.missing_since, now=utcnow(), reason="test") is False
+
+
+def test_forget_on_s3_checks_the_bucket_itself(s3_bucket: Any, s3_env: str, tmp_path: Path, catalog: Catalog) -> None:
+    from ckptier.tasks.pipeline import run_forget
+
+    client, bucket = s3_bucket.client, s3_bucket.name
+    for step in (100, 200, 300):
+        client.put_object(Bucket=bucket, Key=f"ck/run/step-{step:08d}/rank-0000/model.pt", Body=os.urandom(64))
+        client.put_object(Bucket=bucket, Key=f"ck/run/step-{step:08d}/metadata.json", Body=json.dumps({"step": step}))
+    url = f"s3://{bucket}/ck"
+    run_scan([url], catalog, now=utcnow)
+    run_verify(catalog, now=utcnow)
+    for step in (100, 200):
+        for key in ("rank-0000/model.pt", "metadata.json"):
+            client.delete_object(Bucket=bucket, Key=f"ck/run/step-{step:08d}/{key}")
+    run_scan([url], catalog, now=utcnow)
+    assert {c.step for c in catalog.checkpoints(job="run") if c.missing_since is not None} == {100, 200}
+    # a file of 200 is back (a late copy, a restore): storage is asked, not the catalog's flag
+    client.put_object(Bucket=bucket, Key="ck/run/step-00000200/rank-0000/model.pt", Body=b"late")
+    report = run_forget(catalog, parse_config("[[policy]]\nkeep_last = 1\n"), job="run", now=utcnow)
+    assert {r["step"]: r["outcome"] for r in report["rows"]} == {100: "forgotten", 200: "kept"}

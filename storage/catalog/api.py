@@ -1002,6 +1002,50 @@ class Catalog:
             )
             return True
 
+    # -- forgetting -------------------------------------------------------------------
+
+    def forget(self, checkpoint_id: int, *, missing_since: datetime, now: datetime, reason: str) -> bool:
+        """Tombstone a checkpoint whose files the caller has just found gone from every tier.
+
+        For rows a scan marked missing that will never come back (a trainer
+        that rotates its own checkpoints). Conditional, in one transaction:
+        only while the row is live, still missing since ``missing_since`` (a
+        scan that saw it reappear in between wins) and holds no unexpired
+        lease. Sets the state ``deleted`` with ``reason``, every copy not
+        already ``deleted`` to ``missing``, and logs a ``forgotten`` event.
+        Returns False and changes nothing otherwise. A tombstone whose files
+        reappear is revived by the next scan, as any other.
+        """
+        now = _aware(now)
+        missing_since = _aware(missing_since, "missing_since")
+        with self._write() as conn:
+            row = conn.execute(
+                update(ck)
+                .where(
+                    ck.c.id == checkpoint_id,
+                    ck.c.state != State.DELETED.value,
+                    ck.c.missing_since == missing_since,
+                    or_(ck.c.lease_owner.is_(None), ck.c.lease_expires.is_(None), ck.c.lease_expires <= now),
+                )
+                .values(state=State.DELETED.value, state_reason=reason)
+                .returning(ck.c.job_id, ck.c.step, ck.c.location, ck.c.state_reason)
+            ).first()
+            if row is None:
+                return False
+            conn.execute(
+                update(cp)
+                .where(cp.c.checkpoint_id == checkpoint_id, cp.c.state != "deleted")
+                .values(state="missing")
+            )
+            conn.execute(
+                insert(ev).values(
+                    at=now, kind="forgotten", job_id=row.job_id, checkpoint_id=checkpoint_id,
+                    message=f"step {row.step}: forgotten ({row.location}): {reason}",
+                    data={"missing_since": missing_since.isoformat()},
+                )
+            )
+            return True
+
     # -- decisions, events, drills --------------------------------------------------
 
     def record_decisions(
