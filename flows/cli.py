@@ -139,7 +139,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_scan(args: argparse.Namespace) -> int:
     from ckptier.flows import runner
 
-    reports = runner.scan(args.urls, catalog_url=_catalog_url(args), use_prefect=_use_prefect(args), progress=not args.json)
+    reports = runner.scan(args.urls, catalog_url=_catalog_url(args), use_prefect=_use_prefect(args), progress=not args.json,
+                          config_path=args.config)
     if args.json:
         print_json(reports)
         return 0

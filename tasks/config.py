@@ -34,6 +34,15 @@ Shape (every key optional unless said)::
                                       # keeps it hot (never stored twice); default "immediately"
     max_missing_fraction = 0.5        # shrink guard, 0..1
 
+    [[pattern]]                   # checkpoints of a layout ckptier does not know; tried in order
+    glob = "megatron/*/iter_*/**" # keys (relative to the scanned URL) the rule claims: * within a
+                                  # path segment, ** across; must also match the commit marker
+    step_regex = 'iter_(?P<step>\d+)'   # searched in each key; the named group "step" is the step
+                                  # (the checkpoint is the directory holding it; the job the one above)
+    commit_marker = "COMMITTED"   # committed when this file exists in the checkpoint directory
+    settle = "2m"                 # and/or: committed once no file changed for this long
+                                  # (at least one of the two; with both, both must hold)
+
     [[drill]]
     jobs = "*"
     model = "mypkg.models:build"  # "module:function" returning the model
@@ -56,12 +65,14 @@ import fnmatch
 import os
 import re
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
+from ckptier.storage.base import key_problem
 from ckptier.storage.errors import ConfigError
+from ckptier.storage.formats import PatternRule
 from ckptier.storage.url import parse_url
 from ckptier.tasks.retention import (
     ARCHIVE_WHENS,
@@ -92,7 +103,8 @@ _POLICY_KEYS = frozenset(
 )
 _DRILL_KEYS = frozenset({"jobs", "model", "steps", "device", "timeout", "loss_tolerance", "allow_globals"})
 _CATALOG_KEYS = frozenset({"url"})
-_TOP_KEYS = frozenset({"policy", "drill", "catalog"})
+_PATTERN_KEYS = frozenset({"glob", "step_regex", "commit_marker", "settle"})
+_TOP_KEYS = frozenset({"policy", "drill", "catalog", "pattern"})
 _MODEL_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 _FILE_MODEL_RE = re.compile(r"^[^:]+\.py:[A-Za-z_]\w*$")
 _GLOBAL_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
@@ -167,12 +179,14 @@ class DrillSettings:
 
 @dataclass(frozen=True)
 class Config:
-    """The parsed file. ``source`` is the file read, or None for built-in defaults."""
+    """The parsed file. ``source`` is the file read, or None for built-in defaults.
+    ``patterns``: the ``[[pattern]]`` rules every scan uses, in file order."""
 
     policies: tuple[Policy, ...] = ()
     drills: tuple[DrillSettings, ...] = ()
     catalog_url: str | None = None
     source: Path | None = None
+    patterns: tuple[PatternRule, ...] = ()
 
     def policy_for(self, job: str) -> Policy | None:
         """The first ``[[policy]]`` (in file order) whose ``jobs`` glob matches ``job``.
@@ -460,6 +474,40 @@ def _drill(where: str, index: int, data: Any) -> DrillSettings:
     )
 
 
+def _pattern(where: str, index: int, data: Any) -> PatternRule:
+    name = f"pattern[{index}]"
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: {name} must be a table ([[pattern]]), got {_show(data)}")
+    t = _Table(where, name, data, _PATTERN_KEYS)
+    for key, example in (("glob", "megatron/*/iter_*/**"), ("step_regex", "iter_(?P<step>\\d+)")):
+        if not t.has(key):
+            raise ConfigError(f"{where}: {name}.{key} is missing: add it, e.g. {key} = '{example}'")
+    glob = t.get_str("glob", None, example="megatron/*/iter_*/**") or ""
+    if (problem := _glob_problem(glob)) is not None:
+        t.fail("glob", glob, f"{problem}, e.g. glob = 'megatron/*/iter_*/**'")
+    step_regex = t.get_str("step_regex", None, example="iter_(?P<step>\\d+)") or ""
+    try:
+        named = "step" in re.compile(step_regex).groupindex
+    except re.error as exc:
+        t.fail("step_regex", step_regex, f"not a regular expression ({exc}); e.g. step_regex = 'iter_(?P<step>\\d+)'")
+        raise  # unreachable: fail raises
+    if not named:
+        t.fail("step_regex", step_regex, "capture the step in a group named step, e.g. step_regex = 'iter_(?P<step>\\d+)'")
+    marker = t.get_str("commit_marker", None, example="COMMITTED")
+    if marker is not None and (problem := key_problem(marker)) is not None:
+        t.fail("commit_marker", marker, f"{problem}; name a file inside the checkpoint directory, e.g. 'COMMITTED'")
+    settle = t.get_duration("settle", None, positive=True, example="2m")
+    if marker is None and settle is None:
+        raise ConfigError(
+            f"{where}: {name} (glob = {_show(glob)}) has no commit evidence: set commit_marker (a file the "
+            f"trainer writes last), settle (e.g. settle = '2m') or both"
+        )
+    try:
+        return PatternRule(glob, step_regex, settle.total_seconds() if settle else 0.0, commit_marker=marker)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {name}: {exc}") from None
+
+
 def _array_of_tables(where: str, doc: dict[str, Any], key: str) -> list[Any]:
     v = doc.get(key, [])
     if not isinstance(v, list):
@@ -480,10 +528,11 @@ def parse_config(text: str, *, where: str = DEFAULT_FILE) -> Config:
         if key not in _TOP_KEYS:
             raise ConfigError(
                 f"{where}: unknown top-level key {key!r} = {_show(doc[key])}: "
-                f"use [[policy]], [[drill]] or [catalog]"
+                f"use [[policy]], [[drill]], [[pattern]] or [catalog]"
             )
     policies = tuple(_policy(where, i, d) for i, d in enumerate(_array_of_tables(where, doc, "policy")))
     drills = tuple(_drill(where, i, d) for i, d in enumerate(_array_of_tables(where, doc, "drill")))
+    patterns = tuple(_pattern(where, i, d) for i, d in enumerate(_array_of_tables(where, doc, "pattern")))
     catalog_url = None
     if "catalog" in doc:
         cat = doc["catalog"]
@@ -496,6 +545,7 @@ def parse_config(text: str, *, where: str = DEFAULT_FILE) -> Config:
         policies=policies or (default_policy(),),
         drills=drills,
         catalog_url=catalog_url,
+        patterns=patterns,
     )
 
 
@@ -516,5 +566,4 @@ def load_config(path: str | Path | None = None) -> Config:
         text = file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"config file {str(file)!r} cannot be read ({exc}): check its permissions and encoding") from exc
-    cfg = parse_config(text, where=str(file))
-    return Config(cfg.policies, cfg.drills, cfg.catalog_url, source=file)
+    return replace(parse_config(text, where=str(file)), source=file)

@@ -22,6 +22,7 @@ from typing import Any
 from ckptier.storage.base import Store
 from ckptier.storage.catalog.api import Catalog
 from ckptier.storage.errors import CkptierError, ConfigError
+from ckptier.storage.formats import PatternRule
 from ckptier.storage.model import CheckpointRecord, State
 from ckptier.storage.url import open_store, parse_url
 
@@ -116,9 +117,14 @@ def run_scan(
     *,
     now: Clock,
     tick: Callable[[int], None] | None = None,
+    patterns: Sequence[PatternRule] = (),
 ) -> list[dict[str, Any]]:
-    """Scan each URL in turn into ``catalog``; returns one report per URL."""
-    return [scan_report_json(scan_url(url, catalog, now=now(), tick=tick)) for url in urls]
+    """Scan each URL in turn into ``catalog``; returns one report per URL.
+
+    ``patterns`` are the ``[[pattern]]`` rules of ``ckptier.toml``
+    (``Config.patterns``), tried on files no built-in format claims.
+    """
+    return [scan_report_json(scan_url(url, catalog, now=now(), tick=tick, patterns=patterns)) for url in urls]
 
 
 # ------------------------------------------------------------------ verify
