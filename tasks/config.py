@@ -27,7 +27,8 @@ Shape (every key optional unless said)::
     grace = "2h"                  # how long an incomplete save is "in flight"
     delete_stale_incomplete = false
     archive = "s3://bucket/archive"   # or a local path; milestones go there
-    storage_class = "GLACIER_IR"      # needs archive
+    storage_class = "GLACIER_IR"      # needs an s3:// archive: the S3 class of every archived object
+                                      # (GLACIER and DEEP_ARCHIVE need a restore before a fetch)
     hot_after_archive = "delete"      # or "keep"
     archive_after = "14d"             # needs archive: promote milestones once older than this
     archive_when = "leaving_hot"      # needs archive: promote a milestone only once no other rule
@@ -73,6 +74,7 @@ from typing import Any, Literal
 from ckptier.storage.base import key_problem
 from ckptier.storage.errors import ConfigError
 from ckptier.storage.formats import PatternRule
+from ckptier.storage.s3 import storage_class_problem
 from ckptier.storage.url import parse_url
 from ckptier.tasks.retention import (
     ARCHIVE_WHENS,
@@ -416,6 +418,10 @@ def _policy(where: str, index: int, data: Any) -> Policy:
     storage_class = t.get_str("storage_class", None, example="GLACIER_IR")
     if storage_class is not None and archive is None:
         t.fail("storage_class", storage_class, "has no effect without archive: set archive or remove storage_class")
+    if storage_class is not None and (problem := storage_class_problem(storage_class)) is not None:
+        t.fail("storage_class", storage_class, problem)
+    if storage_class is not None and archive is not None and parse_url(archive).scheme != "s3":
+        t.fail("storage_class", storage_class, f"applies to s3:// archives only, and archive = {_show(archive)} is local")
     hot = t.data.get("hot_after_archive", "delete")
     if hot not in ("delete", "keep"):
         t.fail("hot_after_archive", hot, "must be \"delete\" or \"keep\"")

@@ -19,7 +19,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from ckptier.storage.base import Store
+from ckptier.storage.base import StorageClasses, Store
 from ckptier.storage.catalog.api import Catalog
 from ckptier.storage.errors import CkptierError, ConfigError
 from ckptier.storage.formats import PatternRule
@@ -358,7 +358,7 @@ def _apply_one(catalog: Catalog, config: Config, policy: Policy, plan: Plan, *, 
     """Carry out one policy's plan, appending report lines and item rows."""
     from .apply import apply_plan
 
-    archive_store = stores.store(policy.archive) if policy.archive else None
+    archive_store = archive_store_for(stores, policy)
     report = apply_plan(
         plan, catalog=catalog, hot_for=stores.for_record, archive_for=lambda _job: archive_store,
         owner=owner, now=now, lease_ttl=lease_ttl, dry_run=dry_run, policy=str(policy),
@@ -376,6 +376,20 @@ def _apply_one(catalog: Catalog, config: Config, policy: Policy, plan: Plan, *, 
         lines.append(f"deletion suspended: {report.refused}")
     lines.append(f"[policy {policy.jobs}] {report.summary()}")
     return report
+
+
+def archive_store_for(stores: StoreCache, policy: Policy) -> Store | None:
+    """The archive tier of ``policy`` (None without one), its writes going to the policy's
+    ``storage_class``. Raises ``ConfigError`` when a class is set for a store without classes."""
+    if not policy.archive:
+        return None
+    store = stores.store(policy.archive)
+    if policy.storage_class is None:
+        return store
+    if not isinstance(store, StorageClasses):
+        raise ConfigError(f"storage_class {policy.storage_class!r}: archive {policy.archive} has no storage "
+                          f"classes; they apply to s3:// archives only")
+    return store.in_class(policy.storage_class)
 
 
 def run_fetch(

@@ -729,7 +729,7 @@ class Catalog:
         ):
             copies.setdefault(c.checkpoint_id, []).append(
                 CopyRecord(tier=Tier(c.tier), url=c.url, state=c.state, stored_bytes=c.stored_bytes,
-                           verified_at=c.verified_at, codec=c.codec)
+                           verified_at=c.verified_at, codec=c.codec, storage_class=c.storage_class)
             )
         return [
             CheckpointRecord(
@@ -865,16 +865,18 @@ class Catalog:
         manifest_key: str | None,
         verified_at: datetime | None,
         now: datetime,
+        storage_class: str | None = None,
     ) -> None:
         """Insert or update (on ``(checkpoint_id, tier, url)``) a copy of a
-        checkpoint. ``created_at`` is set on insert only. Idempotent."""
+        checkpoint. ``created_at`` is set on insert only. ``storage_class``:
+        the S3 class its objects were confirmed in. Idempotent."""
         now = _aware(now)
         _check_copy_state(state)
         if verified_at is not None:
             verified_at = _aware(verified_at, "verified_at")
         values = {
             "state": state, "stored_bytes": stored_bytes, "codec": codec,
-            "manifest_key": manifest_key, "verified_at": verified_at,
+            "manifest_key": manifest_key, "verified_at": verified_at, "storage_class": storage_class,
         }
         stmt = self._insert(cp).values(
             checkpoint_id=checkpoint_id, tier=Tier(tier).value, url=url, created_at=now, **values
