@@ -38,7 +38,7 @@ Shape (every key optional unless said)::
     [[pattern]]                   # checkpoints of a layout ckptier does not know; tried in order
     glob = "megatron/*/iter_*/**" # keys (relative to the scanned URL) the rule claims: * within a
                                   # path segment, ** across; must also match the commit marker
-    step_regex = 'iter_(?P<step>\d+)'   # searched in each key; the named group "step" is the step
+    step_regex = 'iter_(?P<step>\\d+)'   # searched in each key; the named group "step" is the step
                                   # (the checkpoint is the directory holding it; the job the one above)
     commit_marker = "COMMITTED"   # committed when this file exists in the checkpoint directory
     settle = "2m"                 # and/or: committed once no file changed for this long

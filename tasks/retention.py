@@ -297,7 +297,8 @@ class Milestones:
                 return f"{self}: {saves}, so no milestone ever falls on a save; {fix}"
             period = self.every // g * d
             if period != self.every:
-                return f"{self}: {saves}, so only one milestone in {period // self.every} (every {period} steps) can be kept; {fix}"
+                return (f"{self}: {saves}, so only one milestone in {period // self.every} "
+                        f"(every {period} steps) can be kept; {fix}")
             return None
         if self.log:
             first = next((m for m in _log_series(10**18) if m % d == r), None)
@@ -314,7 +315,9 @@ class Milestones:
         never = sorted(m for m in set(self.steps) if m % d != r)
         if never:
             shown = ", ".join(str(m) for m in never[:5]) + (f" (+{len(never) - 5} more)" if len(never) > 5 else "")
-            return f"{self}: {saves}, so milestone step{'s' if len(never) > 1 else ''} {shown} never fall{'' if len(never) > 1 else 's'} on a save; {fix}"
+            many = len(never) > 1
+            return (f"{self}: {saves}, so milestone step{'s' if many else ''} {shown} "
+                    f"never fall{'' if many else 's'} on a save; {fix}")
         return None
 
 
