@@ -254,21 +254,24 @@ def plans_by_policy(
 ) -> list[tuple[Policy | None, Plan]]:
     """One retention plan per ``[[policy]]`` that matches some job (``None``: jobs no policy matches).
 
-    Reads the catalog (checkpoints, and the drill history for ``min_drilled``),
-    changes nothing. Jobs no ``[[policy]]`` matches are kept whole.
+    Reads the catalog (checkpoints, tombstones without their files, and the
+    drill history for ``min_drilled``), changes nothing. Jobs no
+    ``[[policy]]`` matches are kept whole.
     """
     records = catalog.checkpoints(job=job, include_deleted=False)
     if job and not records:
         raise unknown_job(job)
     passed = _drill_passed(catalog, config, job)
+    # Tombstones only let the plan say when a milestone passes over one; they are never planned.
+    tombstones = catalog.checkpoints(job=job, states=[State.DELETED], with_files=False)
     groups: dict[int, tuple[Policy | None, list[CheckpointRecord]]] = {}
-    for c in records:
+    for c in [*records, *tombstones]:
         policy = config.policy_for(c.job)
         groups.setdefault(id(policy), (policy, []))[1].append(c)
     out: list[tuple[Policy | None, Plan]] = []
     for policy, cs in groups.values():
         if policy is None:
-            out.append((None, Plan(items=_keep_unmanaged(cs))))
+            out.append((None, Plan(items=_keep_unmanaged([c for c in cs if c.state != State.DELETED]))))
         else:
             out.append((policy, plan_retention(cs, policy, now=now, drill_passed=passed)))
     return out

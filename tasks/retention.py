@@ -173,8 +173,8 @@ class Milestones:
       a later save behind the archive's back. A ``committed`` checkpoint
       that comes first holds it *pending* verification (later saves do not
       take the milestone meanwhile). Only a corrupt or incomplete
-      checkpoint, or one no longer in the catalog (a tombstone), is passed
-      over; the next holder's reason names what was passed over.
+      checkpoint, or a tombstone (``deleted``: gone from every tier), is
+      passed over; the next holder's reason names what was passed over.
     * ``"exact"``: only a verified checkpoint whose step is M itself.
     """
 
@@ -229,6 +229,8 @@ class Milestones:
         return (found[0], found[-1], len(found)) if found else None
 
     def keeps(self, checkpoints: Sequence[CheckpointRecord], now: datetime) -> dict[int, str]:
+        """As :class:`Rule`; ``checkpoints`` may also hold the job's tombstones, which
+        never hold a milestone but are named when a milestone passes over them."""
         if self.match == "exact":
             return {
                 c.id: f"{self}: step {c.step} is a milestone"
@@ -657,14 +659,19 @@ def _whole_seconds(d: timedelta) -> timedelta:
 
 
 def _plan_job(
-    cs: Sequence[CheckpointRecord], policy: Policy, now: datetime, drill_passed: Mapping[int, datetime]
+    cs: Sequence[CheckpointRecord],
+    policy: Policy,
+    now: datetime,
+    drill_passed: Mapping[int, datetime],
+    tombstones: Sequence[CheckpointRecord] = (),
 ) -> tuple[list[PlanItem], str | None, list[int], list[int]]:
     kept_by: dict[int, list[str]] = {c.id: [] for c in cs}
     # Ids some rule other than Milestones keeps: those need their hot copy.
     held_hot: set[int] = set()
     milestone_ids: set[int] = set()
     for rule in policy.rules:
-        kept = rule.keeps(cs, now)
+        # Milestones see the tombstones too, so that a milestone passed on from one says so.
+        kept = rule.keeps([*cs, *tombstones] if isinstance(rule, Milestones) else cs, now)
         (milestone_ids if isinstance(rule, Milestones) else held_hot).update(kept)
         for cid, why in kept.items():
             kept_by[cid].append(why)
@@ -815,10 +822,12 @@ def plan_retention(
     if now.tzinfo is None:
         raise ConfigError(f"now = {now.isoformat()} has no timezone: pass an aware UTC datetime")
     by_job: dict[str, list[CheckpointRecord]] = {}
+    dead_by_job: dict[str, list[CheckpointRecord]] = {}
     excluded: list[int] = []
     for c in checkpoints:
         if c.state == State.DELETED:
             excluded.append(c.id)
+            dead_by_job.setdefault(c.job, []).append(c)
             continue
         by_job.setdefault(c.job, []).append(c)
     items: list[PlanItem] = []
@@ -828,7 +837,8 @@ def plan_retention(
     warnings: list[str] = []
     for job in sorted(by_job):
         cs = sorted(by_job[job], key=lambda c: (c.step, c.id))
-        job_items, refused, job_missing, job_stale = _plan_job(cs, policy, now, drill_passed or {})
+        dead = sorted(dead_by_job.get(job, []), key=lambda c: (c.step, c.id))
+        job_items, refused, job_missing, job_stale = _plan_job(cs, policy, now, drill_passed or {}, dead)
         items.extend(job_items)
         missing.extend(job_missing)
         stale.extend(job_stale)

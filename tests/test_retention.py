@@ -373,7 +373,7 @@ def test_a_milestone_stays_with_its_holder_after_the_hot_copy_is_deleted() -> No
     assert _item(plan, "run", 2400).action == "delete"
 
 
-@pytest.mark.parametrize("state", [State.CORRUPT, State.INCOMPLETE])
+@pytest.mark.parametrize("state", [State.CORRUPT, State.INCOMPLETE, State.DELETED])
 def test_a_corrupt_or_torn_first_save_passes_the_milestone_on_saying_so(state: State) -> None:
     cs = _saves("run", 1200, 10, special={1200: {"state": state}})
     plan = plan_retention(cs, Policy((KeepLast(2), Milestones(steps=(1000,))), archive=ARCH), now=NOW)

@@ -147,6 +147,7 @@ def test_forget_missing_tombstones_rows_gone_from_every_tier_and_lifts_the_suspe
     # 1 of 4 left missing: deletion resumes
     assert main(["plan", *base, "--json"]) == 0
     rows = {r["step"]: r for r in json.loads(capsys.readouterr().out)}
+    assert sorted(rows) == [700, 800, 900, 1000]  # tombstones are never planned
     assert rows[800]["action"] == "delete"
     assert not any("suspended" in x for r in rows.values() for x in r["reasons"])
     # idempotent; and the rescan finds 700 again
