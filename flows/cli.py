@@ -115,6 +115,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     with _open_catalog(args) as cat:
         plan = make_plan(cat, config, job=args.job, now=utcnow())
     rows = render_plan_table(plan)
+    for warning in plan.warnings:
+        print(f"ckptier: warning: {warning}", file=sys.stderr)
     if args.json:
         print_json(rows)
         return 0
@@ -137,7 +139,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_scan(args: argparse.Namespace) -> int:
     from ckptier.flows import runner
 
-    reports = runner.scan(args.urls, catalog_url=_catalog_url(args), use_prefect=_use_prefect(args), progress=not args.json)
+    reports = runner.scan(args.urls, catalog_url=_catalog_url(args), use_prefect=_use_prefect(args), progress=not args.json,
+                          config_path=args.config)
     if args.json:
         print_json(reports)
         return 0
@@ -228,6 +231,20 @@ def cmd_janitor(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_forget(args: argparse.Namespace) -> int:
+    from ckptier.tasks.pipeline import run_forget, utcnow
+    from ckptier.tasks.retention import parse_duration
+
+    if not args.missing:
+        raise ConfigError("forget: say what to forget: --missing (rows whose files are gone from every tier)")
+    older = parse_duration(args.older_than) if args.older_than else None
+    config = _config(args)
+    with _open_catalog(args) as cat:
+        report = run_forget(cat, config, job=args.job, now=utcnow, older_than=older, dry_run=args.dry_run)
+    print_json(report) if args.json else [print(line) for line in report["lines"]]
+    return 1 if report["unchecked"] else 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from ckptier.deployments.serve import serve_all
 
@@ -306,6 +323,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = add("janitor", cmd_janitor, "abort abandoned multipart uploads and remove archive copies that never got a manifest")
     sp.add_argument("--older-than", default="24h")
+    sp.add_argument("--json", action="store_true")
+
+    sp = add("forget", cmd_forget, "tombstone checkpoints a scan found missing once storage confirms them gone from every tier")
+    sp.add_argument("--job", required=True)
+    sp.add_argument("--missing", action="store_true", help="forget rows missing from hot storage (e.g. rotated away by the trainer)")
+    sp.add_argument("--older-than", metavar="D", help="only checkpoints saved more than D ago (e.g. 7d)")
+    sp.add_argument("--dry-run", action="store_true", help="look, but tombstone nothing")
     sp.add_argument("--json", action="store_true")
 
     sp = add("demo", cmd_demo, "the whole pipeline end to end on embedded defaults")

@@ -46,6 +46,11 @@ def checkpoint_json(c: CheckpointRecord) -> dict[str, Any]:
         "verified_at": iso(c.verified_at),
         "missing_since": iso(c.missing_since),
         "reason": c.state_reason,
+        "copies": [
+            {"tier": x.tier.value, "url": x.url, "state": x.state, "stored_bytes": x.stored_bytes,
+             "storage_class": x.storage_class, "verified_at": iso(x.verified_at)}
+            for x in c.copies
+        ],
     }
 
 

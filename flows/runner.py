@@ -88,17 +88,20 @@ def _open(catalog_url: str | None) -> Any:
     return Catalog.open(catalog_url)
 
 
-def scan(urls: list[str], *, catalog_url: str | None, use_prefect: bool, progress: bool = True) -> list[dict[str, Any]]:
+def scan(urls: list[str], *, catalog_url: str | None, use_prefect: bool, progress: bool = True,
+         config_path: str | None = None) -> list[dict[str, Any]]:
     if use_prefect:
         from .scan_verify import scan_flow
 
         return list(run_flow(scan_flow, urls=urls, catalog_url=catalog_url))
+    from ckptier.tasks.config import load_config
     from ckptier.tasks.pipeline import run_scan, utcnow
 
+    patterns = load_config(config_path).patterns
     bar = Progress("listing", unit="objects", enabled=None if progress else False)
     try:
         with _open(catalog_url) as cat:
-            return run_scan(urls, cat, now=utcnow, tick=bar.update)
+            return run_scan(urls, cat, now=utcnow, tick=bar.update, patterns=patterns)
     finally:
         bar.close()
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import io
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, Protocol, runtime_checkable
+from typing import Any, BinaryIO, Literal, Protocol, runtime_checkable
 
 from .errors import InvalidKey
 
@@ -31,7 +31,9 @@ class ObjectInfo:
     change token (S3 ETag; ``None`` on POSIX). ``checksum`` is a full-object
     checksum the store itself keeps, as ``"crc64nvme:<base64>"``, or ``None``
     when the store keeps none (or only a composite one, which is useless for
-    comparing whole objects).
+    comparing whole objects). ``storage_class`` is the object's S3 storage
+    class (``"STANDARD"``, ``"GLACIER_IR"``...) where the store has classes,
+    else ``None``; a write's result leaves it ``None`` (``stat`` tells).
     """
 
     key: str
@@ -39,6 +41,7 @@ class ObjectInfo:
     mtime: float | None = None
     etag: str | None = None
     checksum: str | None = None
+    storage_class: str | None = None
 
 
 @dataclass(slots=True)
@@ -141,6 +144,37 @@ def tags_problem(tags: Mapping[str, str]) -> str | None:
         if k.lower().startswith("aws:"):
             return f"tag {k!r}: the aws: prefix is reserved by AWS"
     return None
+#: What :meth:`Restorable.restore` answers: a restore was started now, one is
+#: already running, or the object is readable (restored, or never archived).
+RestoreState = Literal["requested", "in-progress", "ready"]
+
+
+@runtime_checkable
+class StorageClasses(Protocol):
+    """A store whose objects live in storage classes (S3), beyond :class:`Store`.
+
+    ``storage_class`` is the class this store's writes go to (``None``: the
+    bucket's default). ``in_class(name)`` is the same store (same root, same
+    connection) writing to ``name`` instead; ``in_class(None)`` writes to the
+    default. Reads never depend on it. ``stat`` reports each object's class.
+    """
+
+    storage_class: str | None
+
+    def in_class(self, storage_class: str | None) -> Store: ...
+
+
+@runtime_checkable
+class Restorable(Protocol):
+    """A store with storage classes that must be restored before reading.
+
+    Reading such an object raises :class:`~.errors.NeedsRestore`.
+    ``restore(key, days=, tier=)`` asks for a temporary readable copy for
+    ``days`` days at retrieval ``tier`` (``"Standard"``, ``"Bulk"``,
+    ``"Expedited"``) and says where that stands; idempotent.
+    """
+
+    def restore(self, key: str, *, days: int = 1, tier: str = "Standard") -> RestoreState: ...
 
 
 class ReaderOver(io.RawIOBase):

@@ -57,6 +57,21 @@ class IntegrityError(StoreError):
     """Bytes read back do not match what was expected (size or checksum)."""
 
 
+class NeedsRestore(StoreError):
+    """The object sits in a storage class that must be restored before it can be read
+    (S3 ``GLACIER``, ``DEEP_ARCHIVE``). ``storage_class`` names it when the store said.
+
+    Not transient in the retry sense: reading again fails the same way until a
+    restore (:meth:`~.base.Restorable.restore`) has finished, hours later.
+    """
+
+    def __init__(
+        self, message: str, *, url: str | None = None, key: str | None = None, storage_class: str | None = None
+    ) -> None:
+        super().__init__(message, url=url, key=key)
+        self.storage_class = storage_class
+
+
 def is_transient(exc: BaseException) -> bool:
     """Return True when retrying the operation that raised ``exc`` may succeed.
 

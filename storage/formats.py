@@ -54,8 +54,9 @@ Layouts and their commit evidence (DESIGN.md, "Formats to recognise"):
     ``lightning_settle_seconds`` (default 60 s) old. The job is the directory.
 
 ``pattern``  user :class:`PatternRule`\\ s, tried (in order, first match wins) on
-    files no built-in layout claimed. Committed once the newest file is
-    ``settle_seconds`` old.
+    files no built-in layout claimed. Committed when the rule's
+    ``commit_marker`` file exists in the checkpoint, and/or once the newest
+    file is ``settle_seconds`` old (both must hold when both are set).
 
 Common rules:
 
@@ -162,12 +163,18 @@ class PatternRule:
     key up to the end of the path segment holding that group: a step in a
     directory name groups every matching file below it into one checkpoint;
     a step in the file name makes a single-file checkpoint. Commit evidence:
-    the newest file is at least ``settle_seconds`` old.
+    the newest file is at least ``settle_seconds`` old, and, when
+    ``commit_marker`` is set, the file of that relpath exists in the
+    checkpoint directory (a marker the trainer writes last; ``glob`` must
+    match it too; a single-file checkpoint has no directory, so it never
+    commits under a marker rule). With a marker, ``settle_seconds = 0``
+    means the marker alone commits.
     """
 
     glob: str
     step_regex: str
     settle_seconds: float
+    commit_marker: str | None = None
     _glob_re: re.Pattern[str] = field(init=False, repr=False, compare=False)
     _step_re: re.Pattern[str] = field(init=False, repr=False, compare=False)
     _group: int | str = field(init=False, repr=False, compare=False)
@@ -195,12 +202,18 @@ class PatternRule:
             raise ConfigError(
                 f"pattern {self.glob!r}: settle_seconds {self.settle_seconds!r} must be a number >= 0 (seconds)"
             )
+        if self.commit_marker is not None and key_problem(self.commit_marker) is not None:
+            raise ConfigError(
+                f"pattern {self.glob!r}: commit_marker {self.commit_marker!r} is not a relative file path; "
+                "name a file inside the checkpoint directory, e.g. 'COMMITTED'"
+            )
         object.__setattr__(self, "_glob_re", re.compile(_glob_to_regex(self.glob)))
         object.__setattr__(self, "_step_re", step_re)
         object.__setattr__(self, "_group", group)
 
     def __str__(self) -> str:
-        return f"pattern {self.glob!r} step {self.step_regex!r} settle {self.settle_seconds:g}s"
+        marker = f" marker {self.commit_marker!r}" if self.commit_marker is not None else ""
+        return f"pattern {self.glob!r} step {self.step_regex!r}{marker} settle {self.settle_seconds:g}s"
 
 
 def _glob_to_regex(glob: str) -> str:
@@ -641,7 +654,11 @@ class _Pass:
             m = rule._step_re.search(files[0].key)
             assert m is not None
             step = int(m.group(rule._group))
-            committed, reason = self.settled(files, rule.settle_seconds, str(rule))
+            if rule.commit_marker is None:
+                committed, reason = self.settled(files, rule.settle_seconds, str(rule))
+            else:
+                settled = self.settled(files, rule.settle_seconds, str(rule)) if rule.settle_seconds else (True, "")
+                committed, reason = _marked(files, prefix, single, rule.commit_marker, settled)
             self.emit(
                 job=self.job_of(prefix), step=step, fmt=Format.PATTERN, prefix=prefix, files=files,
                 committed=committed, reason=reason, single=single,
@@ -653,7 +670,7 @@ class _Pass:
                 Unrecognised(
                     directory,
                     f"{tally.count} file(s) in no known checkpoint format (e.g. {tally.example!r}); "
-                    "add a pattern rule if they are checkpoints",
+                    "add a [[pattern]] rule to ckptier.toml if they are checkpoints",
                 )
             )
         for (directory, index), tally in self.pattern_misses.items():
@@ -823,6 +840,19 @@ def _plainly_safe(key: str) -> bool:
         and "\\" not in key
         and "\x00" not in key
     )
+
+
+def _marked(
+    files: Sequence[ObjectInfo], prefix: str, single: bool, marker: str, settled: tuple[bool, str]
+) -> tuple[bool, str]:
+    """A pattern checkpoint's commit verdict under a ``commit_marker`` rule (and its settle time)."""
+    if single:
+        return False, f"commit marker {marker!r} cannot be inside a single-file checkpoint; fix the pattern rule"
+    key = f"{prefix}/{marker}"
+    if not any(f.key == key for f in files):
+        return False, f"no {marker}: save in flight or torn"
+    committed, reason = settled
+    return (True, f"committed: {marker} present") if committed else (False, f"{marker} present but {reason}")
 
 
 def _dir_of(key: str) -> str:

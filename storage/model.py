@@ -131,7 +131,9 @@ class FileRecord:
 @dataclass(frozen=True)
 class CopyRecord:
     """Where a checkpoint's bytes live. ``state`` is one of
-    ``present``, ``missing``, ``deleted``, ``degraded``."""
+    ``present``, ``missing``, ``deleted``, ``degraded``. ``storage_class``:
+    the S3 storage class the copy's objects were confirmed in (``None``
+    where the store has none, or it was not recorded)."""
 
     tier: Tier
     url: str
@@ -139,6 +141,7 @@ class CopyRecord:
     stored_bytes: int | None
     verified_at: datetime | None
     codec: str | None = None
+    storage_class: str | None = None
 
 
 @dataclass(frozen=True)

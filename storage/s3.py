@@ -14,11 +14,18 @@ headers that boto3 sends by default; for those set
 ``CKPTIER_S3_CHECKSUMS=when_required`` (or pass ``checksum=None``): boto3 then
 sends checksums only where the API requires them and no object checksum is
 requested. :meth:`S3Store.canary` detects such stores.
+
+Storage classes: an ``S3Store`` built with ``storage_class`` (or obtained
+with :meth:`S3Store.in_class`) sends it on every write, single PutObject and
+multipart alike; ``stat`` and ``list`` report each object's class. Reading
+an object in a class that needs a restore (``GLACIER``, ``DEEP_ARCHIVE``)
+raises :class:`~.errors.NeedsRestore`; :meth:`S3Store.restore` asks for one.
 """
 
 from __future__ import annotations
 
 import builtins
+import copy
 import logging
 import os
 import uuid
@@ -31,6 +38,7 @@ from .base import (
     DeleteResult,
     ObjectInfo,
     ReaderOver,
+    RestoreState,
     as_stream,
     key_problem,
     tags_problem,
@@ -41,6 +49,7 @@ from .errors import (
     AlreadyExists,
     ConfigError,
     IntegrityError,
+    NeedsRestore,
     NotFound,
     StoreError,
     Unavailable,
@@ -56,6 +65,31 @@ MAX_PARTS = 10_000
 CANARY_PREFIX = ".ckptier-canary/"
 #: Environment variable choosing the checksum behaviour per endpoint.
 CHECKSUMS_ENV = "CKPTIER_S3_CHECKSUMS"
+#: The storage classes S3 accepts on a write (``OUTPOSTS`` and ``SNOW`` need their own hardware).
+STORAGE_CLASSES = (
+    "STANDARD", "REDUCED_REDUNDANCY", "STANDARD_IA", "ONEZONE_IA", "INTELLIGENT_TIERING",
+    "GLACIER", "DEEP_ARCHIVE", "GLACIER_IR", "EXPRESS_ONEZONE", "OUTPOSTS", "SNOW",
+)
+#: Classes whose objects must be restored (RestoreObject) before a GET can read them.
+RESTORE_CLASSES = frozenset({"GLACIER", "DEEP_ARCHIVE"})
+#: How long a restore usually takes, in hours, by class and retrieval tier (AWS's published
+#: upper bounds; a restore started now is usually readable by then).
+RESTORE_HOURS: dict[str, dict[str, float]] = {
+    "GLACIER": {"Expedited": 0.1, "Standard": 5, "Bulk": 12},
+    "DEEP_ARCHIVE": {"Standard": 12, "Bulk": 48},
+}
+
+
+def storage_class_problem(name: object) -> str | None:
+    """Why ``name`` is not an S3 storage class ckptier can write to, or None (pure)."""
+    if isinstance(name, str) and name in STORAGE_CLASSES:
+        return None
+    def squash(text: str) -> str:
+        return "".join(ch for ch in text.upper() if ch.isalnum())
+
+    close = [c for c in STORAGE_CLASSES if isinstance(name, str) and squash(c) == squash(name)]
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return f"{hint}must be one of {', '.join(STORAGE_CLASSES)}"
 
 _NOT_FOUND = {"NoSuchKey", "404", "NotFound", "NoSuchVersion"}
 _DENIED = {
@@ -166,7 +200,11 @@ class S3Store:
         connect_timeout: float = 10.0,
         read_timeout: float = 60.0,
         list_page_size: int = 1000,
+        storage_class: str | None = None,
     ) -> None:
+        if storage_class is not None and (problem := storage_class_problem(storage_class)) is not None:
+            raise ConfigError(f"storage_class {storage_class!r}: {problem}")
+        self.storage_class = storage_class
         if not bucket:
             raise ConfigError("S3 bucket name is empty; use s3://BUCKET/prefix")
         if part_size < MIN_PART_SIZE:
@@ -197,7 +235,17 @@ class S3Store:
         self.endpoint = str(getattr(getattr(self.client, "meta", None), "endpoint_url", None) or endpoint_url or "AWS")
 
     def __repr__(self) -> str:
-        return f"S3Store({self.url!r}, endpoint={self.endpoint!r})"
+        cls = f", storage_class={self.storage_class!r}" if self.storage_class else ""
+        return f"S3Store({self.url!r}, endpoint={self.endpoint!r}{cls})"
+
+    def in_class(self, storage_class: str | None) -> S3Store:
+        """This store (same root, same client) with writes going to ``storage_class``
+        (``None``: the bucket's default class). Raises ``ConfigError`` for an unknown class."""
+        if storage_class is not None and (problem := storage_class_problem(storage_class)) is not None:
+            raise ConfigError(f"storage_class {storage_class!r}: {problem}")
+        view = copy.copy(self)
+        view.storage_class = storage_class
+        return view
 
     def _make_client(
         self,
@@ -286,6 +334,15 @@ class S3Store:
                 return NotFound(f"{where}: no such object", url=self.url, key=key)
             if code in _PRECONDITION or status == 412:
                 return AlreadyExists(f"{where}: already exists", url=self.url, key=key)
+            if code == "InvalidObjectState":
+                cls = str(exc.response.get("Error", {}).get("StorageClass") or "") or None
+                return NeedsRestore(
+                    f"{where}: stored in {cls or 'an archival storage class'} and not restored; "
+                    "request a restore (ckptier fetch does) and read it once it has finished",
+                    url=self.url,
+                    key=key,
+                    storage_class=cls,
+                )
             if code in _DENIED or status == 403:
                 return AccessDenied(
                     f"{where}: access denied ({code or status}); check AWS_ACCESS_KEY_ID/"
@@ -366,12 +423,14 @@ class S3Store:
                         size=int(obj.get("Size", 0)),
                         mtime=modified.timestamp() if modified is not None else None,
                         etag=obj.get("ETag"),
+                        storage_class=obj.get("StorageClass"),
                     )
         except (bex.BotoCoreError, bex.ClientError, OSError) as exc:
             raise self._translate(exc) from exc
 
     def stat(self, key: str) -> ObjectInfo:
-        """HeadObject; ``checksum`` is set only for a full-object CRC64NVME."""
+        """HeadObject; ``checksum`` is set only for a full-object CRC64NVME; ``storage_class``
+        is the object's class (S3 omits the header for ``STANDARD``)."""
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": self._full_key(key)}
         if self.checksums_mode != "when_required":
             kwargs["ChecksumMode"] = "ENABLED"
@@ -383,6 +442,7 @@ class S3Store:
             mtime=modified.timestamp() if modified is not None else None,
             etag=head.get("ETag"),
             checksum=self._checksum_of(head),
+            storage_class=head.get("StorageClass") or "STANDARD",
         )
 
     def open_read(self, key: str) -> BinaryIO:
@@ -409,6 +469,8 @@ class S3Store:
 
     def _put(self, key: str, full: str, body: bytes, if_absent: bool) -> ObjectInfo:
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": full, "Body": body}
+        if self.storage_class:
+            kwargs["StorageClass"] = self.storage_class
         if self.checksum:
             kwargs["ChecksumAlgorithm"] = self.checksum
         if if_absent:
@@ -418,6 +480,8 @@ class S3Store:
 
     def _multipart(self, key: str, full: str, head: bytes, stream: BinaryIO, if_absent: bool) -> ObjectInfo:
         create: dict[str, Any] = {"Bucket": self.bucket, "Key": full}
+        if self.storage_class:
+            create["StorageClass"] = self.storage_class
         if self.checksum:
             create["ChecksumAlgorithm"] = self.checksum
             create["ChecksumType"] = "FULL_OBJECT"
@@ -601,6 +665,32 @@ class S3Store:
             raise self._translate(exc, key) from exc
         except (bex.BotoCoreError, OSError) as exc:
             raise self._translate(exc, key) from exc
+
+    def restore(self, key: str, *, days: int = 1, tier: str = "Standard") -> RestoreState:
+        """Ask S3 for a readable copy of an archived object (RestoreObject) for ``days`` days.
+
+        ``"requested"``: a restore started now (202); ``"in-progress"``: one
+        is already running (409 RestoreAlreadyInProgress); ``"ready"``: the
+        object is readable (already restored, or in a class that needs no
+        restore). Idempotent. See :data:`RESTORE_HOURS` for how long it takes.
+        """
+        import botocore.exceptions as bex
+
+        if days < 1:
+            raise ConfigError(f"restore days={days}: must be ≥ 1")
+        request = {"Days": days, "GlacierJobParameters": {"Tier": tier}}
+        try:
+            answer = self.client.restore_object(Bucket=self.bucket, Key=self._full_key(key), RestoreRequest=request)
+        except bex.ClientError as exc:
+            code, _ = _error_code(exc)
+            if code == "RestoreAlreadyInProgress":
+                return "in-progress"
+            if code == "InvalidObjectState":  # not in an archival class: readable as it is
+                return "ready"
+            raise self._translate(exc, key) from exc
+        except (bex.BotoCoreError, OSError) as exc:
+            raise self._translate(exc, key) from exc
+        return "requested" if answer.get("ResponseMetadata", {}).get("HTTPStatusCode") == 202 else "ready"
 
     def versioning_enabled(self) -> bool:
         """True when the bucket keeps old versions (status Enabled or Suspended),

@@ -446,6 +446,7 @@ def _promote_one(
             manifest_key=copy.manifest_key,
             verified_at=copy.verified_at,
             now=now(),
+            storage_class=copy.storage_class,
         )
         what = "already archived" if copy.already_archived else "archived"
         event(

@@ -30,11 +30,12 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ckptier.storage import codec as _codec
-from ckptier.storage.base import Store, join_key, read_bytes
+from ckptier.storage.base import ObjectInfo, Restorable, StorageClasses, Store, join_key, read_bytes
 from ckptier.storage.errors import (
     AlreadyExists,
     CkptierError,
     IntegrityError,
+    NeedsRestore,
     NotFound,
     StoreError,
 )
@@ -43,6 +44,7 @@ from ckptier.storage.local import file_mode
 from ckptier.storage.manifest import MANIFEST_NAME as _MANIFEST_NAME
 from ckptier.storage.manifest import Manifest, ManifestFile, StoredObject
 from ckptier.storage.model import CheckpointRecord, FileRecord, State, Tier
+from ckptier.storage.s3 import RESTORE_CLASSES, RESTORE_HOURS
 from ckptier.tasks.verify import (
     file_key as hot_file_key,  # the single-file rule lives there
 )
@@ -169,6 +171,8 @@ class ArchiveCopy:
     ``raw_bytes`` the original size; ``verified_at`` the ``now`` of the
     read-back. ``already_archived`` is True when a manifest with the same
     content was already committed (a lost acknowledgement or an earlier run).
+    ``storage_class``: the class the data objects were confirmed in (S3), or
+    ``None`` where the store has no classes.
     """
 
     url: str
@@ -179,6 +183,7 @@ class ArchiveCopy:
     verified_at: datetime
     already_archived: bool = False
     seconds: float = 0.0
+    storage_class: str | None = None
 
 
 def _check_hot_digest(record: CheckpointRecord, f: FileRecord, got: Digests, where: str) -> None:
@@ -271,6 +276,17 @@ def promote(
     decode it and compare size and CRC64NVME with the hot bytes. Only when
     every file matches is ``ckptier-manifest.json`` created with ``if_absent=True``.
 
+    Storage classes: when ``archive`` writes to a storage class
+    (:class:`~ckptier.storage.base.StorageClasses`, e.g. an S3 archive
+    configured with ``storage_class``), the data objects go there and the
+    read-back also confirms each object's class by HEAD; the manifest goes
+    to the bucket's default class so that it stays readable. In a class that
+    cannot be read without a restore (``GLACIER``, ``DEEP_ARCHIVE``) the
+    read-back cannot GET: the spool is decoded locally and compared with the
+    hot bytes before upload, and the HEAD must show the size and the
+    full-object CRC64NVME of the bytes sent (the store's own checksum, so
+    ``CKPTIER_S3_CHECKSUMS=when_required`` cannot archive to those classes).
+
     Idempotent: when the manifest already exists with the same job, step and
     file hashes (the acknowledgement of an earlier commit was lost, or an
     earlier run finished), the data objects are checked for presence and the
@@ -294,6 +310,9 @@ def promote(
     mkey = manifest_key(record.job, record.step)
     adir = archive_dir(record.job, record.step)
     copy_url = _store_url(archive, adir)
+    data_class = archive.storage_class if isinstance(archive, StorageClasses) else None
+    sealed = data_class in RESTORE_CLASSES  # no GET until restored: prove by local decode + HEAD
+    enc_digests: dict[str, Digests] = {}
 
     # 1. Already committed? Then compare instead of uploading over it.
     try:
@@ -315,6 +334,9 @@ def promote(
             got = reader.hasher.digests()
             _check_hot_digest(record, f, got, _store_url(hot, hkey))
             hot_digests[f.relpath] = got
+            if sealed:
+                spool.seek(0)
+                enc_digests[f.relpath] = _decode_spool(spool, got, _store_url(archive, dkey))  # type: ignore[arg-type]
             spool.seek(0)
             archive.write(dkey, spool)  # type: ignore[arg-type]
 
@@ -322,6 +344,12 @@ def promote(
     stored: dict[str, StoredObject] = {}
     for f in sorted(record.files, key=lambda f: f.relpath):
         dkey = data_key(record.job, record.step, f.relpath)
+        if data_class is not None:
+            info = _confirm_class(archive, dkey, data_class, enc_digests.get(f.relpath))
+        if sealed:
+            stored[f.relpath] = StoredObject(key=f.relpath + DATA_SUFFIX, size=info.size,
+                                             crc64nvme=enc_digests[f.relpath].crc64nvme)
+            continue
         back, enc = _decode_check(archive, dkey)
         want = hot_digests[f.relpath]
         if back.size != want.size or back.crc64nvme != want.crc64nvme:
@@ -346,8 +374,9 @@ def promote(
         replace(record, files=proven), created_at=now, codec=_codec.CODEC_ID,
         codec_params={"level": level}, stored=stored,
     )
+    marker = archive.in_class(None) if data_class is not None else archive  # type: ignore[union-attr]
     try:
-        archive.write(mkey, manifest.to_json(), if_absent=True)
+        marker.write(mkey, manifest.to_json(), if_absent=True)
     except AlreadyExists:
         existing = _read_manifest(archive, mkey)
         return _existing_copy(archive, record, existing, mkey, copy_url, now=now, t0=t0, owner=owner, ours=manifest)
@@ -359,7 +388,56 @@ def promote(
         manifest_key=mkey,
         verified_at=now,
         seconds=time.monotonic() - t0,
+        storage_class=data_class,
     )
+
+
+def _decode_spool(spool: BinaryIO, want: Digests, where: str) -> Digests:
+    """Decode a local spool and check it gives ``want`` (the hot bytes); return the spool's digests.
+
+    The proof for a storage class that cannot be read back: the bytes about
+    to be uploaded decode to the hot file, and the store must then report
+    the same size and CRC64NVME for what it received.
+    """
+    out = _HashingSink()
+    counted = _HashingReader(spool)
+    _codec.decode(counted, out)  # type: ignore[arg-type]
+    back = out.hasher.digests()
+    if back.size != want.size or back.crc64nvme != want.crc64nvme:
+        raise IntegrityError(
+            f"{where}: the encoded copy decodes to {back.size} bytes crc64nvme {back.crc64nvme}, the hot file "
+            f"has {want.size} bytes crc64nvme {want.crc64nvme}; not uploaded, hot copy kept"
+        )
+    return counted.hasher.digests()
+
+
+def _confirm_class(archive: Store, key: str, storage_class: str, sent: Digests | None) -> ObjectInfo:
+    """HEAD ``key``: it must be in ``storage_class`` and, when ``sent`` is given (a class that
+    cannot be read back), hold exactly those bytes by the store's own full-object checksum."""
+    info = archive.stat(key)
+    where = _store_url(archive, key)
+    if info.storage_class != storage_class:
+        raise IntegrityError(
+            f"{where}: stored in {info.storage_class or 'no storage class'}, not {storage_class} as configured; "
+            f"this store ignores the storage class (fix storage_class or the bucket): not committed, hot copy kept",
+            url=archive.url, key=key,
+        )
+    if sent is None:
+        return info
+    if info.checksum is None:
+        raise IntegrityError(
+            f"{where}: {storage_class} objects cannot be read back, and the store reports no full-object "
+            f"CRC64NVME to prove the upload; unset CKPTIER_S3_CHECKSUMS=when_required for this endpoint or "
+            f"use storage_class = \"GLACIER_IR\": not committed, hot copy kept",
+            url=archive.url, key=key,
+        )
+    if info.size != sent.size or info.checksum != f"crc64nvme:{sent.crc64nvme}":
+        raise IntegrityError(
+            f"{where}: the store holds {info.size} bytes {info.checksum}, {sent.size} bytes "
+            f"crc64nvme:{sent.crc64nvme} were sent; not committed, hot copy kept",
+            url=archive.url, key=key,
+        )
+    return info
 
 
 def _record_content(record: CheckpointRecord) -> tuple[str, int, tuple[tuple[str, int, str], ...]]:
@@ -397,11 +475,13 @@ def _existing_copy(
             f"inspect it and remove it by hand if it is stale"
         )
     stored_total = 0
+    classes: set[str | None] = set()
     adir = archive_dir(record.job, record.step)
     for f in existing.files:
         dkey = _stored_key(adir, f)
         try:
             info = archive.stat(dkey)
+            classes.add(info.storage_class)
         except NotFound:
             raise IntegrityError(
                 f"{_store_url(archive, dkey)}: listed in the committed manifest but missing; "
@@ -426,6 +506,7 @@ def _existing_copy(
         verified_at=now,
         already_archived=True,
         seconds=time.monotonic() - t0,
+        storage_class=classes.pop() if len(classes) == 1 else None,
     )
 
 
@@ -525,8 +606,11 @@ def check_archive_copy(record: CheckpointRecord, archive: Store) -> ArchiveCheck
     Never writes. Transient and access errors propagate (nothing is proven
     either way); a missing or unreadable manifest, a missing object, an
     object that does not decode, or decoded bytes whose size or CRC64NVME
-    differ from the manifest or the catalog make the copy not ``ok``.
-    Raises :class:`NotFound` when the catalog records no archive copy.
+    differ from the manifest or the catalog make the copy not ``ok``. An
+    object in a class that cannot be read without a restore (GLACIER) is
+    checked by HEAD only: present, with the size and full-object CRC64NVME
+    the manifest recorded. Raises :class:`NotFound` when the catalog records
+    no archive copy.
     """
     copy_url = _archive_copy_url(record)
     if copy_url is None:
@@ -543,6 +627,9 @@ def check_archive_copy(record: CheckpointRecord, archive: Store) -> ArchiveCheck
         key = _stored_key(adir, m)
         try:
             raw, stored = _decode_check(archive, key)
+        except NeedsRestore:  # unreadable until restored: the store's checksum against the manifest's
+            problems.extend(_head_check(archive, key, m))
+            continue
         except (NotFound, IntegrityError) as exc:
             problems.append(f"{m.relpath}: {exc}")
             continue
@@ -556,6 +643,21 @@ def check_archive_copy(record: CheckpointRecord, archive: Store) -> ArchiveCheck
     missing = sorted(set(catalog_crc) - {m.relpath for m in manifest.files})
     problems.extend(f"{rel}: not in the archive manifest" for rel in missing)
     return ArchiveCheck(copy_url, not problems, read, tuple(problems))
+
+
+def _head_check(archive: Store, key: str, m: ManifestFile) -> list[str]:
+    """Problems of an object that cannot be read without a restore, judged by HEAD alone:
+    present, and the size and full-object CRC64NVME the manifest recorded for it."""
+    try:
+        info = archive.stat(key)
+    except NotFound as exc:
+        return [f"{m.relpath}: {exc}"]
+    if m.stored is None:
+        return []
+    if info.size != m.stored.size or (info.checksum is not None and info.checksum != f"crc64nvme:{m.stored.crc64nvme}"):
+        return [f"{m.relpath}: the store holds {info.size} bytes {info.checksum} in {info.storage_class}, the manifest "
+                f"says {m.stored.size} bytes crc64nvme:{m.stored.crc64nvme}"]
+    return []
 
 
 def fetch(
@@ -575,7 +677,9 @@ def fetch(
     the archive copy is decoded; every file must match the archive manifest
     and the catalog's recorded hash. Each file appears in ``dest`` (as
     ``dest/relpath``) only once complete and verified (temp file + rename);
-    files already in ``dest`` are overwritten. Raises :class:`NotFound` when
+    files already in ``dest`` are overwritten. When the archive copy is in a
+    storage class that must be restored first, its restore is requested and
+    :class:`RestoreRequested` says when to try again. Raises :class:`NotFound` when
     no tier can provide the checkpoint, :class:`IntegrityError` when the
     only available copies fail their hashes; the message names every tier
     tried and why it failed.
@@ -616,6 +720,7 @@ def fetch(
 
     copy_url = _archive_copy_url(record)
     if archive is not None and copy_url is not None:
+        manifest: Manifest | None = None
         try:
             adir = prefix_from_location(archive, copy_url)
             manifest = _read_manifest(archive, join_key(adir, MANIFEST_NAME))
@@ -647,6 +752,8 @@ def fetch(
                 record, out, expected, fill_archive, lambda r: _store_url(archive, _stored_key(adir, listed[r]))  # type: ignore[arg-type]
             )
             return FetchResult("archive", copy_url, out, tuple(paths), total, time.monotonic() - t0, tuple(notes))
+        except NeedsRestore as exc:
+            raise request_restore(record, archive, adir, manifest, exc) from exc
         except CkptierError as exc:
             last_exc = exc
             notes.append(f"archive copy failed: {exc}")
@@ -659,6 +766,54 @@ def fetch(
     if isinstance(last_exc, IntegrityError):
         raise IntegrityError(f"{name}: no tier gave verified bytes ({summary})") from last_exc
     raise NotFound(f"{name}: no tier could provide it ({summary})") from last_exc
+
+
+class RestoreRequested(CkptierError):
+    """An archive copy is in a storage class that must be restored before it can be
+    read; a restore was requested (or is running). The message says when to try again."""
+
+
+def request_restore(
+    record: CheckpointRecord,
+    archive: Store,
+    adir: str,
+    manifest: Manifest | None,
+    exc: NeedsRestore,
+    *,
+    days: int = 1,
+    tier: str = "Standard",
+) -> CkptierError:
+    """Ask ``archive`` to restore every object of ``record``'s copy at ``adir``; the one-line
+    error to raise instead of ``exc``.
+
+    Every stored object of the manifest is asked for (or, when the manifest
+    itself could not be read, the object ``exc`` names), so that the next
+    fetch finds all of them readable. ``days``: how long the restored copies
+    stay readable; ``tier``: the retrieval tier (its usual duration, from
+    :data:`~ckptier.storage.s3.RESTORE_HOURS`, is what the message promises).
+    """
+    name = f"job {record.job} step {record.step}"
+    cls = exc.storage_class or "an archival storage class"
+    if not isinstance(archive, Restorable):
+        return RestoreRequested(f"{name}: the archive copy is in {cls} and {archive.url} cannot restore it: {exc}")
+    keys = [_stored_key(adir, m) for m in manifest.files] if manifest is not None else [exc.key or ""]
+    states = [archive.restore(k, days=days, tier=tier) for k in keys if k]
+    if states and all(s == "ready" for s in states):
+        return RestoreRequested(f"{name}: the archive copy in {cls} is restored now; run the fetch again")
+    hours = RESTORE_HOURS.get(exc.storage_class or "", {}).get(tier)
+    when = f"in about {_hours(hours)}" if hours else "once the restore has finished"
+    running = states.count("in-progress")
+    what = (f"restore requested for {states.count('requested')} of {len(states)} objects"
+            + (f" ({running} already being restored)" if running else "")
+            + f" ({tier} retrieval, readable for {days} day{'s' if days > 1 else ''})")
+    return RestoreRequested(
+        f"{name}: the archive copy is in {cls}, which must be restored before it can be read; "
+        f"{what}; run 'ckptier fetch --job {record.job} --step {record.step}' again {when}"
+    )
+
+
+def _hours(hours: float) -> str:
+    return f"{round(hours * 60)} minutes" if hours < 1 else f"{hours:g} hours"
 
 
 # ------------------------------------------------------------------------- janitor

@@ -16,18 +16,34 @@ Shape (every key optional unless said)::
     milestones = "log"            # 1, 2, 5, 10, 20, 50, ... steps, or
     # milestones = [1000, 5000]   #   an explicit list of steps, or
     # milestones = { every_n_steps = 10000 }
+    milestone_match = "at_or_after"   # a milestone is held by the first verified save at or
+                                  # after it (default), or "exact": only a save on that step
     keep_within = "36h"           # verified ones saved within this of now
     keep_daily = 7                # newest verified of each of the last N days
     keep_weekly = 4               # newest verified of each of the last N weeks
     pinned = [12000]              # steps kept whatever happens
     min_verified = 2              # floor of verified checkpoints in hot storage
+    min_drilled = 1               # the newest N drill-passed checkpoints keep their hot copy (default 0)
     grace = "2h"                  # how long an incomplete save is "in flight"
     delete_stale_incomplete = false
     archive = "s3://bucket/archive"   # or a local path; milestones go there
-    storage_class = "GLACIER_IR"      # needs archive
+    storage_class = "GLACIER_IR"      # needs an s3:// archive: the S3 class of every archived object
+                                      # (GLACIER and DEEP_ARCHIVE need a restore before a fetch)
     hot_after_archive = "delete"      # or "keep"
+    archive_after = "14d"             # needs archive: promote milestones once older than this
+    archive_when = "leaving_hot"      # needs archive: promote a milestone only once no other rule
+                                      # keeps it hot (never stored twice); default "immediately"
     max_missing_fraction = 0.5        # shrink guard, 0..1
     archive_tiers = [{ after = "30d", storage_class = "STANDARD_IA" }]   # by age, colder only
+
+    [[pattern]]                   # checkpoints of a layout ckptier does not know; tried in order
+    glob = "megatron/*/iter_*/**" # keys (relative to the scanned URL) the rule claims: * within a
+                                  # path segment, ** across; must also match the commit marker
+    step_regex = 'iter_(?P<step>\\d+)'   # searched in each key; the named group "step" is the step
+                                  # (the checkpoint is the directory holding it; the job the one above)
+    commit_marker = "COMMITTED"   # committed when this file exists in the checkpoint directory
+    settle = "2m"                 # and/or: committed once no file changed for this long
+                                  # (at least one of the two; with both, both must hold)
 
     [[drill]]
     jobs = "*"
@@ -63,10 +79,15 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
+from ckptier.storage.base import key_problem
 from ckptier.storage.errors import ConfigError
+from ckptier.storage.formats import PatternRule
+from ckptier.storage.s3 import storage_class_problem
 from ckptier.storage.url import parse_url
 from ckptier.tasks.prices import DEFAULT_CLASS_PRICES, DEFAULT_PRICES, FIELDS, ClassPrice, Prices
 from ckptier.tasks.retention import (
+    ARCHIVE_WHENS,
+    MILESTONE_MATCHES,
     KeepDaily,
     KeepLast,
     KeepWeekly,
@@ -89,12 +110,14 @@ _POLICY_KEYS = frozenset(
         "jobs", "keep_last", "milestones", "keep_within", "keep_daily", "keep_weekly",
         "pinned", "min_verified", "grace", "archive", "storage_class",
         "hot_after_archive", "max_missing_fraction", "delete_stale_incomplete",
+        "milestone_match", "archive_after", "archive_when", "min_drilled",
     }
 )
 _DRILL_KEYS = frozenset({"jobs", "model", "steps", "device", "timeout", "loss_tolerance", "allow_globals"})
 _CATALOG_KEYS = frozenset({"url"})
 _POLICY_KEYS |= {"archive_tiers"}  # parsed by _archive_tiers
-_TOP_KEYS = frozenset({"policy", "drill", "catalog", "prices"})
+_PATTERN_KEYS = frozenset({"glob", "step_regex", "commit_marker", "settle"})
+_TOP_KEYS = frozenset({"policy", "drill", "catalog", "pattern", "prices"})
 _MODEL_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 _FILE_MODEL_RE = re.compile(r"^[^:]+\.py:[A-Za-z_]\w*$")
 _GLOBAL_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
@@ -169,13 +192,15 @@ class DrillSettings:
 
 @dataclass(frozen=True)
 class Config:
-    """The parsed file. ``source`` is the file read, or None for built-in defaults."""
+    """The parsed file. ``source`` is the file read, or None for built-in defaults.
+    ``patterns``: the ``[[pattern]]`` rules every scan uses, in file order."""
 
     policies: tuple[Policy, ...] = ()
     drills: tuple[DrillSettings, ...] = ()
     catalog_url: str | None = None
     source: Path | None = None
     prices: Prices = DEFAULT_PRICES
+    patterns: tuple[PatternRule, ...] = ()
 
     def policy_for(self, job: str) -> Policy | None:
         """The first ``[[policy]]`` (in file order) whose ``jobs`` glob matches ``job``.
@@ -275,6 +300,12 @@ class _Table:
             self.fail(key, v, f"must be longer than zero, e.g. {example!r}")
         return d
 
+    def get_choice(self, key: str, default: str, choices: tuple[str, ...]) -> str:
+        v = self.data.get(key, default)
+        if v not in choices:
+            self.fail(key, v, "must be " + " or ".join(f'"{c}"' for c in choices))
+        return str(v)
+
     def get_glob(self, key: str = "jobs") -> str:
         v = self.data.get(key, "*")
         if not isinstance(v, str) or not v.strip():
@@ -336,26 +367,29 @@ def _archive_problem(url: str) -> str | None:
 
 
 def _milestones(t: _Table) -> Milestones | None:
+    match = t.get_choice("milestone_match", "at_or_after", MILESTONE_MATCHES)
     if not t.has("milestones"):
+        if t.has("milestone_match"):
+            t.fail("milestone_match", match, "has no effect without milestones: set milestones or remove it")
         return None
     v = t.data["milestones"]
     shapes = "use \"log\", a list of steps like [1000, 5000], or { every_n_steps = 10000 }"
     if isinstance(v, str):
         if v != "log":
             t.fail("milestones", v, shapes)
-        return Milestones(log=True)
+        return Milestones(log=True, match=match)  # type: ignore[arg-type]
     if isinstance(v, list):
         steps = t.get_steps("milestones")
         if not steps:
             t.fail("milestones", v, "an empty list keeps nothing; omit the key for no milestones")
-        return Milestones(steps=steps or ())
+        return Milestones(steps=steps or (), match=match)  # type: ignore[arg-type]
     if isinstance(v, dict):
         if set(v) != {"every_n_steps"}:
             t.fail("milestones", v, shapes)
         n = v["every_n_steps"]
         if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
             t.fail("milestones", v, "every_n_steps must be a whole number > 0, e.g. { every_n_steps = 10000 }")
-        return Milestones(every=int(n))
+        return Milestones(every=int(n), match=match)  # type: ignore[arg-type]
     t.fail("milestones", v, shapes)
     return None
 
@@ -396,9 +430,18 @@ def _policy(where: str, index: int, data: Any) -> Policy:
     storage_class = t.get_str("storage_class", None, example="GLACIER_IR")
     if storage_class is not None and archive is None:
         t.fail("storage_class", storage_class, "has no effect without archive: set archive or remove storage_class")
+    if storage_class is not None and (problem := storage_class_problem(storage_class)) is not None:
+        t.fail("storage_class", storage_class, problem)
+    if storage_class is not None and archive is not None and parse_url(archive).scheme != "s3":
+        t.fail("storage_class", storage_class, f"applies to s3:// archives only, and archive = {_show(archive)} is local")
     hot = t.data.get("hot_after_archive", "delete")
     if hot not in ("delete", "keep"):
         t.fail("hot_after_archive", hot, "must be \"delete\" or \"keep\"")
+    archive_after = t.get_duration("archive_after", None, positive=True, example="14d")
+    archive_when = t.get_choice("archive_when", "immediately", ARCHIVE_WHENS)
+    for key in ("archive_after", "archive_when"):
+        if t.has(key) and archive is None:
+            t.fail(key, t.data[key], "has no effect without archive: set archive or remove " + key)
     grace = t.get_duration("grace", "2h", positive=False, example="2h")
     fraction = t.get_float("max_missing_fraction", 0.5, lo=0.0, hi=1.0, example=0.5)
     archive_tiers = _archive_tiers(t, archive, storage_class)
@@ -413,6 +456,9 @@ def _policy(where: str, index: int, data: Any) -> Policy:
         max_missing_fraction=fraction if fraction is not None else 0.5,
         delete_stale_incomplete=t.get_bool("delete_stale_incomplete", False),
         archive_tiers=archive_tiers,
+        archive_after=archive_after,
+        archive_when=archive_when,  # type: ignore[arg-type]
+        min_drilled=t.get_int("min_drilled", 0, example=1),
     )
 
 
@@ -448,6 +494,40 @@ def _drill(where: str, index: int, data: Any) -> DrillSettings:
     )
 
 
+def _pattern(where: str, index: int, data: Any) -> PatternRule:
+    name = f"pattern[{index}]"
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: {name} must be a table ([[pattern]]), got {_show(data)}")
+    t = _Table(where, name, data, _PATTERN_KEYS)
+    for key, example in (("glob", "megatron/*/iter_*/**"), ("step_regex", "iter_(?P<step>\\d+)")):
+        if not t.has(key):
+            raise ConfigError(f"{where}: {name}.{key} is missing: add it, e.g. {key} = '{example}'")
+    glob = t.get_str("glob", None, example="megatron/*/iter_*/**") or ""
+    if (problem := _glob_problem(glob)) is not None:
+        t.fail("glob", glob, f"{problem}, e.g. glob = 'megatron/*/iter_*/**'")
+    step_regex = t.get_str("step_regex", None, example="iter_(?P<step>\\d+)") or ""
+    try:
+        named = "step" in re.compile(step_regex).groupindex
+    except re.error as exc:
+        t.fail("step_regex", step_regex, f"not a regular expression ({exc}); e.g. step_regex = 'iter_(?P<step>\\d+)'")
+        raise  # unreachable: fail raises
+    if not named:
+        t.fail("step_regex", step_regex, "capture the step in a group named step, e.g. step_regex = 'iter_(?P<step>\\d+)'")
+    marker = t.get_str("commit_marker", None, example="COMMITTED")
+    if marker is not None and (problem := key_problem(marker)) is not None:
+        t.fail("commit_marker", marker, f"{problem}; name a file inside the checkpoint directory, e.g. 'COMMITTED'")
+    settle = t.get_duration("settle", None, positive=True, example="2m")
+    if marker is None and settle is None:
+        raise ConfigError(
+            f"{where}: {name} (glob = {_show(glob)}) has no commit evidence: set commit_marker (a file the "
+            f"trainer writes last), settle (e.g. settle = '2m') or both"
+        )
+    try:
+        return PatternRule(glob, step_regex, settle.total_seconds() if settle else 0.0, commit_marker=marker)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {name}: {exc}") from None
+
+
 def _array_of_tables(where: str, doc: dict[str, Any], key: str) -> list[Any]:
     v = doc.get(key, [])
     if not isinstance(v, list):
@@ -468,10 +548,11 @@ def parse_config(text: str, *, where: str = DEFAULT_FILE) -> Config:
         if key not in _TOP_KEYS:
             raise ConfigError(
                 f"{where}: unknown top-level key {key!r} = {_show(doc[key])}: "
-                f"use [[policy]], [[drill]], [catalog] or [prices]"
+                f"use [[policy]], [[drill]], [[pattern]], [catalog] or [prices]"
             )
     policies = tuple(_policy(where, i, d) for i, d in enumerate(_array_of_tables(where, doc, "policy")))
     drills = tuple(_drill(where, i, d) for i, d in enumerate(_array_of_tables(where, doc, "drill")))
+    patterns = tuple(_pattern(where, i, d) for i, d in enumerate(_array_of_tables(where, doc, "pattern")))
     catalog_url = None
     if "catalog" in doc:
         cat = doc["catalog"]
@@ -485,6 +566,7 @@ def parse_config(text: str, *, where: str = DEFAULT_FILE) -> Config:
         drills=drills,
         catalog_url=catalog_url,
         prices=parse_prices(doc.get("prices"), where=where),
+        patterns=patterns,
     )
 
 

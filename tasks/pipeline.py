@@ -19,14 +19,15 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from ckptier.storage.base import Store
+from ckptier.storage.base import StorageClasses, Store
 from ckptier.storage.catalog.api import Catalog
 from ckptier.storage.errors import CkptierError, ConfigError
+from ckptier.storage.formats import PatternRule
 from ckptier.storage.model import CheckpointRecord, State
 from ckptier.storage.url import open_store, parse_url
 
 from .config import Config
-from .retention import Plan, PlanItem, Policy, plan_retention
+from .retention import Plan, PlanItem, Policy, drill_passed, plan_retention
 from .scan import ScanReport, scan_url
 
 Clock = Callable[[], datetime]
@@ -116,9 +117,14 @@ def run_scan(
     *,
     now: Clock,
     tick: Callable[[int], None] | None = None,
+    patterns: Sequence[PatternRule] = (),
 ) -> list[dict[str, Any]]:
-    """Scan each URL in turn into ``catalog``; returns one report per URL."""
-    return [scan_report_json(scan_url(url, catalog, now=now(), tick=tick)) for url in urls]
+    """Scan each URL in turn into ``catalog``; returns one report per URL.
+
+    ``patterns`` are the ``[[pattern]]`` rules of ``ckptier.toml``
+    (``Config.patterns``), tried on files no built-in format claims.
+    """
+    return [scan_report_json(scan_url(url, catalog, now=now(), tick=tick, patterns=patterns)) for url in urls]
 
 
 # ------------------------------------------------------------------ verify
@@ -248,23 +254,38 @@ def plans_by_policy(
 ) -> list[tuple[Policy | None, Plan]]:
     """One retention plan per ``[[policy]]`` that matches some job (``None``: jobs no policy matches).
 
-    Reads the catalog, changes nothing. Jobs no ``[[policy]]`` matches are
-    kept whole.
+    Reads the catalog (checkpoints, tombstones without their files, and the
+    drill history for ``min_drilled``), changes nothing. Jobs no
+    ``[[policy]]`` matches are kept whole.
     """
     records = catalog.checkpoints(job=job, include_deleted=False)
     if job and not records:
         raise unknown_job(job)
+    passed = _drill_passed(catalog, config, job)
+    # Tombstones only let the plan say when a milestone passes over one; they are never planned.
+    tombstones = catalog.checkpoints(job=job, states=[State.DELETED], with_files=False)
     groups: dict[int, tuple[Policy | None, list[CheckpointRecord]]] = {}
-    for c in records:
+    for c in [*records, *tombstones]:
         policy = config.policy_for(c.job)
         groups.setdefault(id(policy), (policy, []))[1].append(c)
     out: list[tuple[Policy | None, Plan]] = []
     for policy, cs in groups.values():
         if policy is None:
-            out.append((None, Plan(items=_keep_unmanaged(cs))))
+            out.append((None, Plan(items=_keep_unmanaged([c for c in cs if c.state != State.DELETED]))))
         else:
-            out.append((policy, plan_retention(cs, policy, now=now)))
+            out.append((policy, plan_retention(cs, policy, now=now, drill_passed=passed)))
     return out
+
+
+#: Drills read back for ``min_drilled``: far more than any catalog holds (one a night per job).
+DRILL_HISTORY = 1_000_000
+
+
+def _drill_passed(catalog: Catalog, config: Config, job: str | None) -> dict[int, datetime]:
+    """Checkpoint id -> when its most recent drill passed; read only when some policy sets ``min_drilled``."""
+    if not any(p.min_drilled for p in config.policies):
+        return {}
+    return drill_passed(catalog.drills(job=job, limit=DRILL_HISTORY))
 
 
 def make_plan(catalog: Catalog, config: Config, *, job: str | None, now: datetime) -> Plan:
@@ -283,6 +304,7 @@ def merge_plans(plans: Sequence[Plan]) -> Plan:
         excluded=tuple(sorted(x for p in plans for x in p.excluded)),
         missing=tuple(sorted(x for p in plans for x in p.missing)),
         stale=tuple(sorted(x for p in plans for x in p.stale)),
+        warnings=tuple(sorted(w for p in plans for w in p.warnings)),
     )
 
 
@@ -339,7 +361,7 @@ def _apply_one(catalog: Catalog, config: Config, policy: Policy, plan: Plan, *, 
     """Carry out one policy's plan, appending report lines and item rows."""
     from .apply import apply_plan
 
-    archive_store = stores.store(policy.archive) if policy.archive else None
+    archive_store = archive_store_for(stores, policy)
     report = apply_plan(
         plan, catalog=catalog, hot_for=stores.for_record, archive_for=lambda _job: archive_store,
         owner=owner, now=now, lease_ttl=lease_ttl, dry_run=dry_run, policy=str(policy),
@@ -357,6 +379,20 @@ def _apply_one(catalog: Catalog, config: Config, policy: Policy, plan: Plan, *, 
         lines.append(f"deletion suspended: {report.refused}")
     lines.append(f"[policy {policy.jobs}] {report.summary()}")
     return report
+
+
+def archive_store_for(stores: StoreCache, policy: Policy) -> Store | None:
+    """The archive tier of ``policy`` (None without one), its writes going to the policy's
+    ``storage_class``. Raises ``ConfigError`` when a class is set for a store without classes."""
+    if not policy.archive:
+        return None
+    store = stores.store(policy.archive)
+    if policy.storage_class is None:
+        return store
+    if not isinstance(store, StorageClasses):
+        raise ConfigError(f"storage_class {policy.storage_class!r}: archive {policy.archive} has no storage "
+                          f"classes; they apply to s3:// archives only")
+    return store.in_class(policy.storage_class)
 
 
 def run_fetch(
@@ -559,3 +595,72 @@ def _record_drill(catalog: Catalog, record: CheckpointRecord, report: dict[str, 
     ))
     catalog.log_event("drill.ok" if report["ok"] else "drill.failed", report["summary"], now=finished,
                       job=record.job, checkpoint_id=record.id)
+
+
+# ------------------------------------------------------------------ forget
+
+
+def run_forget(
+    catalog: Catalog,
+    config: Config,
+    *,
+    job: str,
+    now: Clock,
+    older_than: timedelta | None = None,
+    dry_run: bool = False,
+    stores: StoreCache | None = None,
+) -> dict[str, Any]:
+    """Tombstone ``job``'s rows that a scan found missing and storage confirms gone from every tier.
+
+    Candidates: live rows with ``missing_since`` set (saved more than
+    ``older_than`` ago, when given). Each is looked up in storage now (hot
+    location, every archive copy the catalog records, the archive tier of
+    the job's policy); only a row with nothing left anywhere is tombstoned
+    (:meth:`Catalog.forget`, which a concurrent rescan or lease wins
+    against). Rows still present somewhere, or whose tiers could not be
+    checked, are kept and reported. ``dry_run`` looks but writes nothing.
+    Idempotent. Returns ``rows`` (job, step, outcome, detail), ``lines``,
+    and counts ``forgotten``, ``kept``, ``unchecked``.
+    """
+    from .archive import archive_dir, prefix_from_location
+    from .forget import archive_places, forget_candidates, still_stored
+
+    stores = stores or StoreCache()
+    records = catalog.checkpoints(job=job)
+    if not records and not catalog.checkpoints(job=job, include_deleted=True):
+        raise unknown_job(job)
+    policy = config.policy_for(job)
+    rows: list[dict[str, Any]] = []
+    for c in forget_candidates(records, now=now(), older_than=older_than):
+        archives = []
+        for url in archive_places(c):
+            store = stores.store(archive_root(url, c))
+            archives.append((store, prefix_from_location(store, url)))
+        if policy is not None and policy.archive:
+            store = stores.store(policy.archive)
+            if all(s.url != store.url for s, _ in archives):
+                archives.append((store, archive_dir(c.job, c.step)))
+        found = still_stored(c, hot=stores.for_record, archives=archives)
+        assert c.missing_since is not None  # forget_candidates chose these
+        if found.present:
+            outcome, detail = "kept", "still stored at " + ", ".join(found.present) + "; rescan it"
+        elif found.unknown:
+            outcome, detail = "unchecked", "could not check " + "; ".join(found.unknown)
+        elif dry_run:
+            outcome, detail = "would forget", "gone from every tier"
+        else:
+            reason = (f"forgotten: missing from hot storage since {c.missing_since.isoformat()} and confirmed "
+                      f"gone from every tier at {now().isoformat()}")
+            done = catalog.forget(c.id, missing_since=c.missing_since, now=now(), reason=reason)
+            outcome, detail = ("forgotten", "gone from every tier") if done else (
+                "kept", "changed meanwhile (a scan saw it again, or a run holds it); run forget again")
+        rows.append({"job": c.job, "step": c.step, "outcome": outcome, "detail": detail})
+    counts = {k: sum(r["outcome"] == k for r in rows) for k in ("forgotten", "would forget", "kept", "unchecked")}
+    lines = [f"{r['job']} step {r['step']}: {r['outcome']}: {r['detail']}" for r in rows]
+    lines.append(
+        f"job {job}: {counts['would forget'] if dry_run else counts['forgotten']} "
+        f"{'would be ' if dry_run else ''}forgotten, {counts['kept']} still stored, {counts['unchecked']} not checked"
+        + ("" if rows else " (no checkpoint is missing from hot storage)")
+    )
+    return {"job": job, "dry_run": dry_run, "rows": rows, "lines": lines,
+            "forgotten": counts["forgotten"], "kept": counts["kept"], "unchecked": counts["unchecked"]}

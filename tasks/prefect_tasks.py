@@ -33,11 +33,12 @@ def retry_if_transient(task: Any, task_run: Any, state: Any) -> bool:
 
 
 @task(name="scan", retries=2, retry_delay_seconds=10, retry_condition_fn=retry_if_transient)
-def scan_task(url: str, catalog_url: str | None) -> dict[str, Any]:
-    """List one URL and bring the catalog in line with it."""
+def scan_task(url: str, catalog_url: str | None, config_path: str | None = None) -> dict[str, Any]:
+    """List one URL and bring the catalog in line with it (with the config's ``[[pattern]]`` rules)."""
     log = get_run_logger()
+    patterns = load_config(config_path).patterns
     with Catalog.open(catalog_url) as cat:
-        (report,) = pipeline.run_scan([url], cat, now=pipeline.utcnow)
+        (report,) = pipeline.run_scan([url], cat, now=pipeline.utcnow, patterns=patterns)
     log.info("%s: %d objects, %d checkpoints, %d catalog rows written",
              report["url"], report["objects"], report["checkpoints"], report["rows_written"])
     return report

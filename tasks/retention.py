@@ -18,6 +18,9 @@ invariants that no policy can switch off:
   their bytes; corrupt ones are kept as evidence;
 * a milestone is never deleted without a verified archive copy, and then
   only its hot copy (``scope="hot-copy"``);
+* with ``min_drilled`` = N, the N newest checkpoints whose most recent
+  restore drill passed keep their hot copy (the drilled recovery point; a
+  checkpoint is self-contained, so nothing older is needed to reach it);
 * archive copies are never deleted by retention;
 * checkpoints missing from the hot store are never planned for deletion
   (there is nothing to delete) and are reported;
@@ -30,8 +33,9 @@ Checkpoints in state ``deleted`` (tombstones) are excluded from the plan.
 
 from __future__ import annotations
 
+import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
@@ -43,6 +47,10 @@ from ckptier.tasks.tiers import ArchiveTier
 Action = Literal["keep", "promote", "delete"]
 Scope = Literal["checkpoint", "hot-copy"]
 HotAfterArchive = Literal["delete", "keep"]
+MilestoneMatch = Literal["at_or_after", "exact"]
+ArchiveWhen = Literal["immediately", "leaving_hot"]
+MILESTONE_MATCHES: tuple[MilestoneMatch, ...] = ("at_or_after", "exact")
+ARCHIVE_WHENS: tuple[ArchiveWhen, ...] = ("immediately", "leaving_hot")
 
 _UNIT_SECONDS = {"w": 604800, "d": 86400, "h": 3600, "m": 60, "s": 1}
 _DURATION_RE = re.compile(r"^(?:\d+[wdhms])+$")
@@ -148,16 +156,33 @@ class KeepLast(_KeepN):
 
 @dataclass(frozen=True)
 class Milestones:
-    """Keep verified checkpoints at milestone steps, long term.
+    """Keep checkpoints that hold milestone steps, long term.
 
     Exactly one of: ``log=True`` (the 1-2-5 series 1, 2, 5, 10, 20, 50, ...),
     ``every`` (steps that are positive multiples of ``every``) or ``steps``
     (an explicit set). Milestones are what gets promoted to the archive.
+
+    ``match`` says which checkpoint holds a milestone step M:
+
+    * ``"at_or_after"`` (the default): the first checkpoint of the job, in
+      step order, at or after M that is verified. Trainers rarely save on
+      the series' round numbers (every 1,200 steps never hits 1,000 or
+      5,000), so an exact match would keep nothing. "First" is judged on the
+      catalog as it stands, and is sticky: a verified holder keeps its
+      milestone whatever happened to its copies (its hot copy deleted after
+      archiving, or missing from a listing), so a milestone never slides to
+      a later save behind the archive's back. A ``committed`` checkpoint
+      that comes first holds it *pending* verification (later saves do not
+      take the milestone meanwhile). Only a corrupt or incomplete
+      checkpoint, or a tombstone (``deleted``: gone from every tier), is
+      passed over; the next holder's reason names what was passed over.
+    * ``"exact"``: only a verified checkpoint whose step is M itself.
     """
 
     steps: tuple[int, ...] = ()
     log: bool = False
     every: int | None = None
+    match: MilestoneMatch = "at_or_after"
 
     def __post_init__(self) -> None:
         given = sum([bool(self.steps), self.log, self.every is not None])
@@ -170,27 +195,143 @@ class Milestones:
             raise ConfigError(f"milestones every_n_steps = {self.every}: must be > 0, e.g. 10000")
         if any(s < 0 for s in self.steps):
             raise ConfigError(f"milestones steps {list(self.steps)}: steps must be ≥ 0")
+        if self.match not in MILESTONE_MATCHES:
+            raise ConfigError(
+                f"milestone_match = {self.match!r}: must be \"at_or_after\" or \"exact\""
+            )
 
     def __str__(self) -> str:
         if self.log:
-            return "milestones log (1-2-5 series)"
-        if self.every is not None:
-            return f"milestones every {self.every} steps"
-        return "milestones at steps " + ", ".join(str(s) for s in sorted(self.steps))
+            text = "milestones log (1-2-5 series)"
+        elif self.every is not None:
+            text = f"milestones every {self.every} steps"
+        else:
+            text = "milestones at steps " + ", ".join(str(s) for s in sorted(set(self.steps)))
+        return text + (" (exact match)" if self.match == "exact" else "")
 
     def is_milestone(self, step: int) -> bool:
+        """True when ``step`` is one of the milestone steps themselves."""
         if self.log:
             return is_log_milestone(step)
         if self.every is not None:
             return step > 0 and step % self.every == 0
         return step in self.steps
 
+    def between(self, lo: int, hi: int) -> tuple[int, int, int] | None:
+        """The milestone steps M with ``lo < M <= hi``: ``(smallest, largest, count)``, or None."""
+        if hi <= lo or hi < 0:
+            return None
+        if self.every is not None:
+            n = self.every
+            first = (max(lo, 0) // n + 1) * n
+            last = hi // n * n
+            return (first, last, (last - first) // n + 1) if first <= last else None
+        found = [m for m in (_log_series(hi) if self.log else sorted(set(self.steps))) if lo < m <= hi]
+        return (found[0], found[-1], len(found)) if found else None
+
     def keeps(self, checkpoints: Sequence[CheckpointRecord], now: datetime) -> dict[int, str]:
-        return {
-            c.id: f"{self}: step {c.step} is a milestone"
-            for c in _verified(checkpoints)
-            if self.is_milestone(c.step)
-        }
+        """As :class:`Rule`; ``checkpoints`` may also hold the job's tombstones, which
+        never hold a milestone but are named when a milestone passes over them."""
+        if self.match == "exact":
+            return {
+                c.id: f"{self}: step {c.step} is a milestone"
+                for c in _verified(checkpoints)
+                if self.is_milestone(c.step)
+            }
+        out: dict[int, str] = {}
+        held_up_to = -1  # every milestone at or below this step has its holder
+        passed: list[CheckpointRecord] = []  # corrupt / incomplete since then
+        for c in sorted(checkpoints, key=lambda c: (c.step, c.id)):
+            if c.state not in (State.VERIFIED, State.COMMITTED):
+                passed.append(c)
+                continue
+            held = self.between(held_up_to, c.step)
+            held_up_to = c.step
+            skipped, passed = [p for p in passed if held is not None and p.step >= held[0]], []
+            if held is None:
+                continue
+            out[c.id] = self._reason(c, held, skipped)
+        return out
+
+    def _reason(self, c: CheckpointRecord, held: tuple[int, int, int], skipped: Sequence[CheckpointRecord]) -> str:
+        smallest, largest, count = held
+        note = ""
+        if skipped:
+            shown = "; ".join(f"step {p.step} is {p.state.value}" for p in skipped[:3])
+            more = f" (+{len(skipped) - 3} more)" if len(skipped) > 3 else ""
+            note = f" ({shown}{more})"
+        if c.state == State.COMMITTED:
+            what = f"milestone {largest}" if count == 1 else f"milestones {smallest} to {largest} ({count})"
+            return f"{self}: will hold {what} once verified: first save at or after it, step {c.step}{note}"
+        if largest == c.step:
+            if not skipped:
+                return f"{self}: step {c.step} is a milestone"
+            earlier = f"milestone {smallest}" if count == 2 else f"{count - 1} earlier milestones from {smallest}"
+            return f"{self}: step {c.step} is a milestone; also holds {earlier}: first save at or after it{note}"
+        below = f" (also holds {count - 1} smaller milestone{'s' if count > 2 else ''})" if count > 1 else ""
+        return f"{self}: holds milestone {largest}: first save at or after it, step {c.step}{below}{note}"
+
+    def cadence_warning(self, checkpoints: Sequence[CheckpointRecord]) -> str | None:
+        """Why this rule can never (or only rarely) hold a milestone at the job's save cadence, or None.
+
+        The cadence is read from the steps in the catalog: saves every ``d``
+        steps (the gcd of the gaps between steps) at offset ``r``. Pure;
+        None when fewer than two saves or no regular cadence is seen.
+        """
+        steps = sorted({c.step for c in checkpoints if c.state != State.DELETED})
+        if len(steps) < 2:
+            return None
+        d = 0
+        for a, b in zip(steps, steps[1:], strict=False):
+            d = math.gcd(d, b - a)
+        if d <= 1:
+            return None
+        r = steps[0] % d
+        saves = f"saves come every {d} steps" + (f" (at step {r} mod {d})" if r else "")
+        if self.match != "exact":
+            if self.every is not None and self.every <= d:
+                return (f"{self}: {saves}, so every save holds a milestone and none is ever deleted; "
+                        f"set every_n_steps above {d}")
+            return None
+        fix = 'use milestone_match = "at_or_after" (the default) to keep the first save at or after each'
+        if self.every is not None:
+            g = math.gcd(self.every, d)
+            if r % g:
+                return f"{self}: {saves}, so no milestone ever falls on a save; {fix}"
+            period = self.every // g * d
+            if period != self.every:
+                return (f"{self}: {saves}, so only one milestone in {period // self.every} "
+                        f"(every {period} steps) can be kept; {fix}")
+            return None
+        if self.log:
+            first = next((m for m in _log_series(10**18) if m % d == r), None)
+            if first is None:
+                return f"{self}: {saves} and no step of the 1-2-5 series falls on a save, so no milestone is ever kept; {fix}"
+            series = [m for m in _log_series(steps[-1]) if m >= steps[0]]
+            on_saves = [m for m in series if m % d == r]
+            if len(on_saves) == len(series):
+                return None
+            which = (f"only step{'s' if len(on_saves) > 1 else ''} {', '.join(map(str, on_saves[:3]))} "
+                     f"fall{'' if len(on_saves) > 1 else 's'} on a save") if on_saves else f"the first that can is step {first}"
+            return (f"{self}: {saves}, so {len(series) - len(on_saves)} of the {len(series)} milestones from step "
+                    f"{steps[0]} to {steps[-1]} can never be kept ({which}); {fix}")
+        never = sorted(m for m in set(self.steps) if m % d != r)
+        if never:
+            shown = ", ".join(str(m) for m in never[:5]) + (f" (+{len(never) - 5} more)" if len(never) > 5 else "")
+            many = len(never) > 1
+            return (f"{self}: {saves}, so milestone step{'s' if many else ''} {shown} "
+                    f"never fall{'' if many else 's'} on a save; {fix}")
+        return None
+
+
+def _log_series(upto: int) -> list[int]:
+    """The 1-2-5 series up to ``upto``, ascending."""
+    out: list[int] = []
+    scale = 1
+    while scale <= upto:
+        out.extend(m for m in (scale, 2 * scale, 5 * scale) if m <= upto)
+        scale *= 10
+    return out
 
 
 @dataclass(frozen=True)
@@ -295,6 +436,15 @@ class Policy:
     verified. ``max_missing_fraction``: shrink guard threshold (fraction of a
     job's live checkpoints missing from hot storage above which nothing is
     deleted). A policy whose rules keep nothing is refused.
+
+    When a milestone is promoted (needs ``archive``): ``archive_after``
+    (``None``: no wait) holds it in hot storage until it is older than that;
+    ``archive_when = "leaving_hot"`` holds it until no other rule keeps it
+    hot (keep_last, keep_within, keep_daily, keep_weekly, pinned, the newest
+    verified, min_drilled), so it is never stored twice; ``"immediately"``
+    (the default) promotes it as soon as it is verified, an early second
+    copy. ``min_drilled``: the newest N checkpoints whose most recent
+    restore drill passed keep their hot copy (0: no floor).
     """
 
     rules: tuple[Rule, ...]
@@ -307,6 +457,9 @@ class Policy:
     max_missing_fraction: float = 0.5
     delete_stale_incomplete: bool = False
     archive_tiers: tuple[ArchiveTier, ...] = ()
+    archive_after: timedelta | None = None
+    archive_when: ArchiveWhen = "immediately"
+    min_drilled: int = 0
 
     def __post_init__(self) -> None:
         if not self.rules or all(_rule_is_empty(r) for r in self.rules):
@@ -326,13 +479,29 @@ class Policy:
             raise ConfigError(
                 f"hot_after_archive = {self.hot_after_archive!r}: must be 'delete' or 'keep'"
             )
+        if self.min_drilled < 0:
+            raise ConfigError(f"min_drilled = {self.min_drilled}: must be ≥ 0, e.g. 1")
+        if self.archive_after is not None and self.archive_after <= timedelta(0):
+            raise ConfigError(
+                f"archive_after = {format_duration(self.archive_after)!r}: must be longer than zero, e.g. '14d'"
+            )
+        if self.archive_when not in ARCHIVE_WHENS:
+            raise ConfigError(
+                f"archive_when = {self.archive_when!r}: must be 'immediately' or 'leaving_hot'"
+            )
 
     def __str__(self) -> str:
         parts = [str(r) for r in self.rules]
         parts.append(f"grace {format_duration(self.grace)}")
         parts.append(f"min_verified {self.min_verified}")
+        if self.min_drilled:
+            parts.append(f"min_drilled {self.min_drilled}")
         if self.archive:
             parts.append(f"archive {self.archive} (hot after archive: {self.hot_after_archive})")
+            if self.archive_after is not None:
+                parts.append(f"archive_after {format_duration(self.archive_after)}")
+            if self.archive_when != "immediately":
+                parts.append(f"archive_when {self.archive_when}")
         return ", ".join(parts)
 
     @property
@@ -340,7 +509,13 @@ class Policy:
         return tuple(r for r in self.rules if isinstance(r, Milestones))
 
     def is_milestone(self, step: int) -> bool:
+        """True when ``step`` is itself a milestone step of some rule (see :meth:`milestone_holders`)."""
         return any(m.is_milestone(step) for m in self.milestones)
+
+    def milestone_holders(self, checkpoints: Sequence[CheckpointRecord], now: datetime) -> set[int]:
+        """Ids of the checkpoints of ONE job that hold (or, committed, will hold) a milestone."""
+        live = [c for c in checkpoints if c.state != State.DELETED]
+        return {cid for m in self.milestones for cid in m.keeps(live, now)}
 
 
 # ---------------------------------------------------------------------------- plan
@@ -377,7 +552,9 @@ class Plan:
     ``excluded`` lists ids of input checkpoints already ``deleted``;
     ``missing`` ids of those a scan found missing from the hot store
     (``missing_since`` set: to report); ``stale`` ids of incomplete saves
-    past their grace (candidates for review).
+    past their grace (candidates for review). ``warnings``: one line per
+    job and milestone rule that can never (or only rarely) hold a
+    milestone at the job's save cadence, ordered by job.
     """
 
     items: list[PlanItem]
@@ -386,6 +563,7 @@ class Plan:
     excluded: tuple[int, ...] = ()
     missing: tuple[int, ...] = ()
     stale: tuple[int, ...] = ()
+    warnings: tuple[str, ...] = ()
 
     def _bytes(self, action: Action) -> int:
         return sum(i.bytes for i in self.items if i.action == action)
@@ -452,23 +630,61 @@ def shrink_guard(checkpoints: Sequence[CheckpointRecord], max_missing_fraction: 
         return (
             f"deletion suspended for job {live[0].job!r}: {gone} of {len(live)} checkpoints "
             f"missing from hot storage ({frac:.0%} > max_missing_fraction {max_missing_fraction:.0%}); "
-            f"check the scanned URL and credentials, then rescan"
+            f"check the scanned URL and credentials, then rescan; if the trainer rotates its own "
+            f"checkpoints, 'ckptier forget --job {live[0].job} --missing' tombstones those gone from every tier"
         )
     return None
 
 
+def newest_drilled(
+    checkpoints: Sequence[CheckpointRecord], drill_passed: Mapping[int, datetime], n: int
+) -> list[CheckpointRecord]:
+    """The ``n`` highest-step live checkpoints of ONE job whose most recent drill passed, newest first."""
+    passed = [c for c in checkpoints if c.id in drill_passed and c.state != State.DELETED]
+    return _newest_first(passed)[:n] if n > 0 else []
+
+
+def _promotion_wait(c: CheckpointRecord, policy: Policy, held_hot: set[int], now: datetime) -> str | None:
+    """Why a milestone without a verified archive copy is not promoted yet, or None."""
+    if policy.archive_after is not None:
+        age = now - _time_of(c)
+        if age < policy.archive_after:
+            return (f"archive_after {format_duration(policy.archive_after)}: promoted once older "
+                    f"(saved {format_duration(_whole_seconds(age))} ago)")
+    if policy.archive_when == "leaving_hot" and c.id in held_hot:
+        return "archive_when leaving_hot: promoted when no other rule keeps it in hot storage"
+    return None
+
+
+def _whole_seconds(d: timedelta) -> timedelta:
+    return timedelta(seconds=max(int(d.total_seconds()), 0))
+
+
 def _plan_job(
-    cs: Sequence[CheckpointRecord], policy: Policy, now: datetime
+    cs: Sequence[CheckpointRecord],
+    policy: Policy,
+    now: datetime,
+    drill_passed: Mapping[int, datetime],
+    tombstones: Sequence[CheckpointRecord] = (),
 ) -> tuple[list[PlanItem], str | None, list[int], list[int]]:
     kept_by: dict[int, list[str]] = {c.id: [] for c in cs}
     # Ids some rule other than Milestones keeps: those need their hot copy.
     held_hot: set[int] = set()
     milestone_ids: set[int] = set()
     for rule in policy.rules:
-        kept = rule.keeps(cs, now)
+        # Milestones see the tombstones too, so that a milestone passed on from one says so.
+        kept = rule.keeps([*cs, *tombstones] if isinstance(rule, Milestones) else cs, now)
         (milestone_ids if isinstance(rule, Milestones) else held_hot).update(kept)
         for cid, why in kept.items():
             kept_by[cid].append(why)
+    # Floor: the newest drill-passed recovery points keep their hot copy, like a rule.
+    for i, c in enumerate(newest_drilled(cs, drill_passed, policy.min_drilled)):
+        rank = "newest" if i == 0 else f"#{i + 1} newest"
+        kept_by[c.id].append(
+            f"min_drilled {policy.min_drilled}: {rank} drill-passed recovery point "
+            f"(drill passed {drill_passed[c.id].isoformat()})"
+        )
+        held_hot.add(c.id)
     verified = _newest_first(_verified(cs))
     newest_id = verified[0].id if verified else None
 
@@ -514,6 +730,9 @@ def _plan_job(
                     if not present:
                         action = "keep"
                         reasons.append("cannot promote while missing from hot storage")
+                    elif (wait := _promotion_wait(c, policy, held_hot, now)) is not None:
+                        action = "keep"
+                        reasons[-1] = f"no verified archive copy yet: {wait}"
                 elif c.id in held_hot or policy.hot_after_archive == "keep" or not present:
                     action = "keep"
                     reasons.append(f"archived copy verified at {_archive_verified_at(c)}")
@@ -584,13 +803,20 @@ def _plan_job(
 
 
 def plan_retention(
-    checkpoints: Sequence[CheckpointRecord], policy: Policy, *, now: datetime
+    checkpoints: Sequence[CheckpointRecord],
+    policy: Policy,
+    *,
+    now: datetime,
+    drill_passed: Mapping[int, datetime] | None = None,
 ) -> Plan:
     """Decide keep / promote / delete for every live checkpoint, with reasons.
 
     ``checkpoints`` may hold several jobs in any order; each job is planned
     separately under the same ``policy``. ``now`` is timezone-aware and is the
-    only time used (grace, keep_within). Pure and deterministic: the same
+    only time used (grace, keep_within, archive_after). ``drill_passed`` maps
+    a checkpoint id to when its most recent restore drill passed (only
+    checkpoints whose most recent drill passed; see :func:`drill_passed`);
+    it matters only with ``min_drilled``. Pure and deterministic: the same
     input in any order gives the same plan. Items cover every input
     checkpoint not in state ``deleted``, exactly once, ordered by
     (job, step, id). Raises :class:`ConfigError` when ``now`` is naive.
@@ -598,24 +824,29 @@ def plan_retention(
     if now.tzinfo is None:
         raise ConfigError(f"now = {now.isoformat()} has no timezone: pass an aware UTC datetime")
     by_job: dict[str, list[CheckpointRecord]] = {}
+    dead_by_job: dict[str, list[CheckpointRecord]] = {}
     excluded: list[int] = []
     for c in checkpoints:
         if c.state == State.DELETED:
             excluded.append(c.id)
+            dead_by_job.setdefault(c.job, []).append(c)
             continue
         by_job.setdefault(c.job, []).append(c)
     items: list[PlanItem] = []
     refused_jobs: dict[str, str] = {}
     missing: list[int] = []
     stale: list[int] = []
+    warnings: list[str] = []
     for job in sorted(by_job):
         cs = sorted(by_job[job], key=lambda c: (c.step, c.id))
-        job_items, refused, job_missing, job_stale = _plan_job(cs, policy, now)
+        dead = sorted(dead_by_job.get(job, []), key=lambda c: (c.step, c.id))
+        job_items, refused, job_missing, job_stale = _plan_job(cs, policy, now, drill_passed or {}, dead)
         items.extend(job_items)
         missing.extend(job_missing)
         stale.extend(job_stale)
         if refused:
             refused_jobs[job] = refused
+        warnings.extend(f"job {job!r}: {w}" for m in policy.milestones if (w := m.cadence_warning(cs)))
     return Plan(
         items=items,
         refused="; ".join(refused_jobs.values()) or None,
@@ -623,7 +854,35 @@ def plan_retention(
         excluded=tuple(sorted(excluded)),
         missing=tuple(sorted(missing)),
         stale=tuple(sorted(stale)),
+        warnings=tuple(warnings),
     )
+
+
+class DrillOutcome(Protocol):
+    """What :func:`drill_passed` reads of a drill record (the catalog's ``DrillRecord`` fits)."""
+
+    checkpoint_id: int | None
+    ok: bool
+    started_at: datetime
+    finished_at: datetime | None
+
+
+def drill_passed(drills: Iterable[DrillOutcome]) -> dict[int, datetime]:
+    """Checkpoint id -> when its most recent drill passed, for checkpoints whose most
+    recent drill (by start time, then finish time) passed. Pure; order-independent."""
+    latest: dict[int, DrillOutcome] = {}
+    for d in drills:
+        if d.checkpoint_id is None:
+            continue
+        seen = latest.get(d.checkpoint_id)
+        if seen is None or _drill_order(d) > _drill_order(seen):
+            latest[d.checkpoint_id] = d
+    return {cid: d.finished_at or d.started_at for cid, d in latest.items() if d.ok}
+
+
+def _drill_order(d: DrillOutcome) -> tuple[datetime, datetime, bool]:
+    # A failure outranks a pass at the very same instant: never trust the tie.
+    return (d.started_at, d.finished_at or d.started_at, not d.ok)
 
 
 def render_plan_table(plan: Plan) -> list[dict[str, Any]]:

@@ -110,13 +110,15 @@ def ok_checks(c: Catalog, job: str, step: int) -> list[FileCheck]:
 
 
 def test_migrations_create_schema_and_reopen_is_a_noop(catalog_url: str, statements: Statements) -> None:
+    from ckptier.storage.catalog import db
+
     with Catalog.open(catalog_url) as c:
         engine = c._engine
         assert set(TABLES) <= set(sa.inspect(engine).get_table_names())
         with engine.connect() as conn:
             # The migrated schema is exactly what the models describe.
             assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
-            assert MigrationContext.configure(conn).get_current_revision() == "0001"
+            assert MigrationContext.configure(conn).get_current_revision() == db.HEAD_REVISION
     assert any(s.upper().startswith("CREATE TABLE") for s in statements.writes())
     statements.sql.clear()
     with Catalog.open(catalog_url) as c:

@@ -102,7 +102,8 @@ def test_plan_apply_fetch_rescan_drill(env: dict[str, Path], capsys: pytest.Capt
     code, out, _ = run(capsys, "plan", "--json")
     plan = {r["step"]: r for r in json.loads(out)}
     assert plan[50]["action"] == "promote" and plan[100]["action"] == "promote"  # log milestones
-    assert plan[25]["action"] == "delete" and plan[75]["action"] == "delete"
+    assert plan[25]["action"] == "promote" and "holds milestone 20: first save at or after it" in plan[25]["reasons"][0]
+    assert plan[75]["action"] == "delete" and plan[125]["action"] == "delete"
     assert plan[200]["action"] == "keep" and any("in flight" in x for x in plan[200]["reasons"])
     assert all(r["reasons"] for r in plan.values())
 
@@ -133,9 +134,9 @@ def test_plan_apply_fetch_rescan_drill(env: dict[str, Path], capsys: pytest.Capt
     code, out, _ = run(capsys, "ls", "--json")
     rows = {r["step"]: r for r in json.loads(out)}
     assert rows[100]["tiers"] == ["archive"] and rows[100]["missing_since"] is None
-    assert 25 not in rows  # deleted checkpoints are tombstones, listed only with --all
+    assert 75 not in rows  # deleted checkpoints are tombstones, listed only with --all
     code, out, _ = run(capsys, "ls", "--all", "--json")
-    assert {r["step"]: r["state"] for r in json.loads(out)}[25] == "deleted"
+    assert {r["step"]: r["state"] for r in json.loads(out)}[75] == "deleted"
     code, out, _ = run(capsys, "plan", "--json")
     assert not [r for r in json.loads(out) if r["action"] != "keep"]
 
@@ -222,13 +223,13 @@ def test_deep_verify_reads_archive_copies_and_flags_an_only_copy_at_risk(
 
     for argv in (["scan", str(env["hot"])], ["verify"], ["apply"]):
         assert run(capsys, *argv)[0] == 0
-    # Milestones 50 and 100 now live in the archive only; a deep verify must not call them corrupt.
+    # Milestones (25 holds 1-20, 50, 100) now live in the archive only; a deep verify must not call them corrupt.
     code, out, err = run(capsys, "verify", "--deep", "--json")
     report = json.loads(out)
     assert code == 0, err
     archive_rows = {r["step"]: r for r in report["checkpoints"] if r["tier"] == "archive"}
-    assert sorted(archive_rows) == [50, 100] and all(r["state"] == "verified" for r in archive_rows.values())
-    assert report["totals"]["corrupt"] == 0 and report["totals"]["archive_checked"] == 2
+    assert sorted(archive_rows) == [25, 50, 100] and all(r["state"] == "verified" for r in archive_rows.values())
+    assert report["totals"]["corrupt"] == 0 and report["totals"]["archive_checked"] == 3
 
     stored = sorted((env["archive"] / "demo-run" / "step-00000100").rglob("model.pt.ckz"))[0]
     data = bytearray(stored.read_bytes())

@@ -104,6 +104,20 @@ def test_full_file(tmp_path: Path) -> None:
     assert d.allow_globals == ()
 
 
+def test_milestone_matching_tiering_and_drilled_floor_keys() -> None:
+    cfg = parse_config(
+        '[[policy]]\njobs = "a*"\nkeep_last = 5\nmilestones = "log"\nmilestone_match = "exact"\n'
+        'archive = "s3://bucket/arch"\narchive_after = "14d"\narchive_when = "leaving_hot"\nmin_drilled = 1\n'
+        '[[policy]]\nmilestones = { every_n_steps = 500 }\n'
+    )
+    p = cfg.policy_for("abc")
+    assert p is not None and p.rules == (KeepLast(5), Milestones(log=True, match="exact"))
+    assert (p.archive_after, p.archive_when, p.min_drilled) == (timedelta(days=14), "leaving_hot", 1)
+    other = cfg.policy_for("zzz")
+    assert other is not None and other.milestones == (Milestones(every=500, match="at_or_after"),)
+    assert (other.archive_after, other.archive_when, other.min_drilled) == (None, "immediately", 0)
+
+
 def test_first_matching_table_wins() -> None:
     cfg = parse_config('[[policy]]\njobs = "a*"\nkeep_last = 1\n[[policy]]\njobs = "ab*"\nkeep_last = 9\n')
     assert cfg.policy_for("abc").rules == (KeepLast(1),)  # type: ignore[union-attr]
@@ -193,6 +207,9 @@ BAD: list[tuple[str, tuple[str, ...]]] = [
     ('[[policy]]\narchive = "file://rel"\n', ("policy[0].archive", "file:///path")),
     ('[[policy]]\narchive = ""\n', ("policy[0].archive", "non-empty")),
     ('[[policy]]\nstorage_class = "GLACIER"\n', ("policy[0].storage_class", '"GLACIER"', "without archive")),
+    ('[[policy]]\narchive = "s3://bucket/a"\nstorage_class = "GLACIER-IR"\n', ("policy[0].storage_class", '"GLACIER-IR"', "did you mean 'GLACIER_IR'?")),
+    ('[[policy]]\narchive = "s3://bucket/a"\nstorage_class = "COLD"\n', ("policy[0].storage_class", '"COLD"', "must be one of STANDARD")),
+    ('[[policy]]\narchive = "/mnt/a"\nstorage_class = "GLACIER_IR"\n', ("policy[0].storage_class", "s3:// archives only", '"/mnt/a"')),
     ('[[policy]]\narchive = "/a"\nhot_after_archive = "delet"\n', ("policy[0].hot_after_archive", '"delet"', '"delete" or "keep"')),
     ("[[policy]]\nmax_missing_fraction = 1.5\n", ("policy[0].max_missing_fraction", "1.5", "between 0.0 and 1.0")),
     ("[[policy]]\nmax_missing_fraction = -0.1\n", ("policy[0].max_missing_fraction", "-0.1")),
@@ -222,6 +239,15 @@ BAD: list[tuple[str, tuple[str, ...]]] = [
     ('[catalog]\nuri = "sqlite://"\n', ("catalog.uri", "unknown key", "url")),
     ('catalog = "sqlite://"\n', ("catalog must be a table", "[catalog]")),
     ("[[polciy]]\nkeep_last = 3\n", ("unknown top-level key 'polciy'", "[[policy]]")),
+    ('[[policy]]\nmilestones = "log"\nmilestone_match = "nearest"\n', ("policy[0].milestone_match", '"nearest"', '"at_or_after" or "exact"')),
+    ('[[policy]]\nmilestone_match = "exact"\n', ("policy[0].milestone_match", '"exact"', "without milestones")),
+    ('[[policy]]\narchive = "/a"\narchive_after = "2 weeks"\n', ("policy[0].archive_after", '"2 weeks"', "'14d'")),
+    ('[[policy]]\narchive = "/a"\narchive_after = "0d"\n', ("policy[0].archive_after", '"0d"', "longer than zero")),
+    ('[[policy]]\narchive_after = "14d"\n', ("policy[0].archive_after", '"14d"', "without archive")),
+    ('[[policy]]\narchive = "/a"\narchive_when = "later"\n', ("policy[0].archive_when", '"later"', '"immediately" or "leaving_hot"')),
+    ('[[policy]]\narchive_when = "leaving_hot"\n', ("policy[0].archive_when", '"leaving_hot"', "without archive")),
+    ("[[policy]]\nmin_drilled = -1\n", ("policy[0].min_drilled", "-1", "≥ 0")),
+    ('[[policy]]\nmin_drilled = "one"\n', ("policy[0].min_drilled", '"one"', "whole number")),
 ]
 
 

@@ -11,6 +11,7 @@ and review the diff of the golden files before committing them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -33,9 +34,11 @@ from ckptier.tasks.retention import (
     Pinned,
     Plan,
     Policy,
+    drill_passed,
     format_duration,
     hot_present,
     is_log_milestone,
+    newest_drilled,
     parse_duration,
     plan_retention,
     render_plan_table,
@@ -128,7 +131,28 @@ def fixed_catalog() -> list[CheckpointRecord]:
         if step == 5000:
             kw = {"archive": "verified"}
         out.append(ckpt(len(out) + 1, "bert", step, start + i * 6 * H, size=500 + step // 500, **kw))  # type: ignore[arg-type]
+    # gpt: 15 checkpoints saved every 1,200 steps (never on a round number), one every 20 h.
+    start = NOW - 15 * 20 * H
+    special_gpt: dict[int, dict[str, object]] = {
+        2400: {"archive": "verified", "hot_gone": True},  # holds milestone 2000; hot copy deleted
+        6000: {"state": State.CORRUPT},  # would hold 5000: passed over
+        10800: {"state": State.COMMITTED},  # will hold 10000 once verified
+    }
+    for i in range(15):
+        step = 1200 * (i + 1)
+        kw = dict(special_gpt.get(step, {}))
+        out.append(ckpt(len(out) + 1, "gpt", step, start + i * 20 * H, size=3_000 + step // 1200, **kw))  # type: ignore[arg-type]
     return out
+
+
+def _id_of(catalog: Sequence[CheckpointRecord], job: str, step: int) -> int:
+    return next(c.id for c in catalog if c.job == job and c.step == step)
+
+
+def fixed_drills(catalog: Sequence[CheckpointRecord]) -> dict[int, datetime]:
+    """Checkpoints whose most recent restore drill passed (the golden drill input)."""
+    passed = {("llama", 33000): NOW - 2 * D, ("bert", 9000): NOW - 10 * H, ("gpt", 8400): NOW - 3 * D}
+    return {_id_of(catalog, job, step): t for (job, step), t in passed.items()}
 
 
 ARCH = "s3://arch/ckpt"
@@ -167,14 +191,34 @@ POLICIES: dict[str, Policy] = {
     "combo-hot-keep": Policy(
         (KeepLast(2), KeepDaily(5), Milestones(log=True)), archive=ARCH, hot_after_archive="keep"
     ),
+    # milestone matching: the first save at or after a milestone (default) against exact steps
+    "log-exact": Policy((Milestones(log=True, match="exact"),)),
+    "last3-log-exact-archive": Policy((KeepLast(3), Milestones(log=True, match="exact")), archive=ARCH),
+    "every1000-exact-archive": Policy((Milestones(every=1000, match="exact"),), archive=ARCH),
+    "steps-2500-6000": Policy((Milestones(steps=(2500, 6000)),)),
+    "every300-archive": Policy((KeepLast(1), Milestones(every=300)), archive=ARCH),
+    # tiering by age and by leaving the hot window
+    "last3-log-archive-leaving-hot": Policy((KeepLast(3), Milestones(log=True)), archive=ARCH, archive_when="leaving_hot"),
+    "last3-log-archive-after14d": Policy((KeepLast(3), Milestones(log=True)), archive=ARCH, archive_after=14 * D),
+    "daily3-log-archive-after2d-leaving-hot": Policy(
+        (KeepDaily(3), Milestones(log=True)), archive=ARCH, archive_after=2 * D, archive_when="leaving_hot"
+    ),
+    # the drilled recovery point as a floor
+    "last1-min0-drilled1": Policy((KeepLast(1),), min_verified=0, min_drilled=1),
+    "last2-drilled2": Policy((KeepLast(2),), min_drilled=2),
+    "log-archive-drilled1": Policy((Milestones(log=True),), archive=ARCH, min_drilled=1),
 }
 
 
 def _golden_doc(name: str, policy: Policy, plan: Plan) -> dict[str, object]:
+    catalog = fixed_catalog()
+    drilled = fixed_drills(catalog)
     return {
         "policy": str(policy),
         "now": NOW.isoformat(),
+        "drill_passed": [[c.job, c.step] for c in catalog if c.id in drilled],
         "refused": plan.refused,
+        "warnings": list(plan.warnings),
         "summary": plan.summary(),
         "excluded": list(plan.excluded),
         "missing": list(plan.missing),
@@ -185,14 +229,14 @@ def _golden_doc(name: str, policy: Policy, plan: Plan) -> dict[str, object]:
 
 def test_table_has_enough_rows() -> None:
     assert len(POLICIES) >= 20
-    assert len(fixed_catalog()) == 60
+    assert len(fixed_catalog()) == 75
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_golden_plans(name: str) -> None:
     policy = POLICIES[name]
     catalog = fixed_catalog()
-    plan = plan_retention(catalog, policy, now=NOW)
+    plan = plan_retention(catalog, policy, now=NOW, drill_passed=fixed_drills(catalog))
     live = {c.id for c in catalog if c.state != State.DELETED}
     # keep + promote + delete == input, on every row.
     ids = [i.checkpoint_id for i in plan.items]
@@ -240,6 +284,176 @@ def test_spot_checks_on_fixed_catalog() -> None:
     assert 7000 in {c.step for c in cat if c.id in plan.missing}
     assert all(i.step != 3000 for i in plan.items if i.job == "llama")
     assert plan.refused is None
+
+
+def _saves(
+    job: str, every: int, n: int, *, first_id: int = 1, gap: timedelta = H, special: dict[int, dict[str, object]] | None = None
+) -> list[CheckpointRecord]:
+    """``n`` verified saves of ``job`` every ``every`` steps, ``gap`` apart, the newest 3 hours old."""
+    special = special or {}
+    return [
+        ckpt(first_id + i, job, every * (i + 1), NOW - 3 * H - (n - 1 - i) * gap, **special.get(every * (i + 1), {}))  # type: ignore[arg-type]
+        for i in range(n)
+    ]
+
+
+def _series(upto: int) -> list[int]:
+    return sorted(d * 10**e for e in range(19) for d in (1, 2, 5) if d * 10**e <= upto)
+
+
+def _holding(plan: Plan) -> set[int]:
+    return {i.step for i in plan.items if any(r.startswith("milestones") for r in i.reasons)}
+
+
+@pytest.mark.parametrize("cadence", [1200, 800, 300, 750])
+def test_log_milestones_are_held_by_the_first_save_at_or_after_them(cadence: int) -> None:
+    """Saves every 1,200 (800, 300, 750) steps never land on 1, 2, 5, 10, ... × 10^k: by
+    default each milestone is held by the first verified save at or after it."""
+    cs = _saves("run", cadence, 60)
+    top = 60 * cadence
+    plan = plan_retention(cs, Policy((KeepLast(2), Milestones(log=True)), archive=ARCH), now=NOW)
+    expected = {-(-m // cadence) * cadence for m in _series(top)}
+    assert _holding(plan) == expected
+    assert {i.step for i in plan.by_action("promote")} == expected
+    assert not plan.warnings
+
+
+def test_the_reason_names_the_milestone_and_the_save_holding_it() -> None:
+    plan = plan_retention(_saves("run", 1200, 20), Policy((Milestones(log=True),), archive=ARCH), now=NOW)
+    first = _item(plan, "run", 1200).reasons[0]
+    assert "holds milestone 1000: first save at or after it, step 1200" in first
+    assert "also holds 9 smaller milestones" in first
+    assert "holds milestone 5000: first save at or after it, step 6000" in _item(plan, "run", 6000).reasons[0]
+    assert _item(plan, "run", 3600).action == "delete"
+
+
+@pytest.mark.parametrize("cadence", [1200, 300, 750])
+def test_exact_match_keeps_no_milestone_at_such_cadences_and_warns(cadence: int) -> None:
+    cs = _saves("run", cadence, 60)
+    plan = plan_retention(cs, Policy((KeepLast(2), Milestones(log=True, match="exact")), archive=ARCH), now=NOW)
+    assert not _holding(plan) and not plan.by_action("promote")
+    (warning,) = plan.warnings
+    assert f"job 'run': milestones log (1-2-5 series) (exact match): saves come every {cadence} steps" in warning
+    assert "no milestone is ever kept" in warning and 'milestone_match = "at_or_after"' in warning
+    assert "\n" not in warning
+
+
+def test_exact_match_warns_when_the_first_milestone_on_a_save_is_beyond_the_run() -> None:
+    plan = plan_retention(_saves("run", 800, 60), Policy((Milestones(log=True, match="exact"),)), now=NOW)
+    (warning,) = plan.warnings
+    assert "4 of the 5 milestones from step 800 to 48000 can never be kept (only step 20000 falls on a save)" in warning
+    short = plan_retention(_saves("run", 800, 20), Policy((Milestones(log=True, match="exact"),)), now=NOW)
+    assert "can never be kept (the first that can is step 20000)" in short.warnings[0]
+    assert not plan_retention(_saves("run", 1000, 20), Policy((Milestones(log=True, match="exact"),)), now=NOW).warnings
+    every = plan_retention(_saves("run", 1200, 10), Policy((Milestones(every=1000, match="exact"),)), now=NOW)
+    assert "only one milestone in 6 (every 6000 steps) can be kept" in every.warnings[0]
+    steps = plan_retention(_saves("run", 1200, 10), Policy((Milestones(steps=(2500, 3600, 7000), match="exact"),)), now=NOW)
+    assert "milestone steps 2500, 7000 never fall on a save" in steps.warnings[0]
+    assert _holding(steps) == {3600}
+
+
+def test_milestones_denser_than_the_saves_warn_that_everything_is_kept() -> None:
+    plan = plan_retention(_saves("run", 1200, 10), Policy((KeepLast(1), Milestones(every=1000)), archive=ARCH), now=NOW)
+    assert _holding(plan) == {1200 * i for i in range(1, 11)}
+    assert "every save holds a milestone and none is ever deleted; set every_n_steps above 1200" in plan.warnings[0]
+
+
+def test_a_milestone_stays_with_its_holder_after_the_hot_copy_is_deleted() -> None:
+    """The holder's hot copy went after archiving: the milestone must not slide to the next save."""
+    policy = Policy((KeepLast(2), Milestones(steps=(1000,))), archive=ARCH)
+    cs = _saves("run", 1200, 10, special={1200: {"archive": "verified", "hot_gone": True}})
+    plan = plan_retention(cs, policy, now=NOW)
+    held = _item(plan, "run", 1200)
+    assert held.action == "keep" and "holds milestone 1000" in held.reasons[0]
+    assert _item(plan, "run", 2400).action == "delete" and _holding(plan) == {1200}
+    assert not plan.by_action("promote")
+    # nor when a listing did not show it: the missing flag is no proof that it is gone
+    plan = plan_retention(_saves("run", 1200, 10, special={1200: {"missing": True}}), policy, now=NOW)
+    assert _item(plan, "run", 1200).action == "keep" and _holding(plan) == {1200}
+    assert _item(plan, "run", 2400).action == "delete"
+
+
+@pytest.mark.parametrize("state", [State.CORRUPT, State.INCOMPLETE, State.DELETED])
+def test_a_corrupt_or_torn_first_save_passes_the_milestone_on_saying_so(state: State) -> None:
+    cs = _saves("run", 1200, 10, special={1200: {"state": state}})
+    plan = plan_retention(cs, Policy((KeepLast(2), Milestones(steps=(1000,))), archive=ARCH), now=NOW)
+    two = _item(plan, "run", 2400)
+    assert two.action == "promote"
+    assert f"holds milestone 1000: first save at or after it, step 2400 (step 1200 is {state.value})" in two.reasons[0]
+
+
+def test_a_committed_first_save_holds_the_milestone_pending_verification() -> None:
+    cs = _saves("run", 1200, 10, special={1200: {"state": State.COMMITTED}})
+    plan = plan_retention(cs, Policy((KeepLast(2), Milestones(steps=(1000,))), archive=ARCH), now=NOW)
+    one = _item(plan, "run", 1200)
+    assert one.action == "keep" and any("will hold milestone 1000 once verified" in r for r in one.reasons)
+    assert _item(plan, "run", 2400).action == "delete"
+    assert not plan.by_action("promote")
+
+
+def test_archive_after_promotes_milestones_once_they_are_old_enough() -> None:
+    cs = _saves("run", 1000, 20, gap=D)  # ages 19 days 3 h ... 3 h
+    plan = plan_retention(cs, Policy((KeepLast(2), Milestones(every=5000)), archive=ARCH, archive_after=14 * D), now=NOW)
+    assert {i.step for i in plan.by_action("promote")} == {5000}
+    ten = _item(plan, "run", 10000)
+    assert ten.action == "keep"
+    assert "no verified archive copy yet: archive_after 2w: promoted once older (saved 1w3d3h ago)" in ten.reasons
+
+
+def test_leaving_hot_promotes_a_milestone_only_when_no_other_rule_keeps_it_hot() -> None:
+    """Nothing is stored twice: a milestone in the newest-N window waits for its archive copy."""
+    policy = Policy((KeepLast(3), Milestones(every=5000)), archive=ARCH, archive_when="leaving_hot")
+    cs = _saves("run", 1000, 20)
+    plan = plan_retention(cs, policy, now=NOW)
+    assert {i.step for i in plan.by_action("promote")} == {5000, 10000, 15000}
+    newest = _item(plan, "run", 20000)
+    assert newest.action == "keep"
+    assert any("archive_when leaving_hot: promoted when no other rule keeps it in hot storage" in r for r in newest.reasons)
+    # the default promotes at once: an early second copy
+    early = plan_retention(cs, dataclasses.replace(policy, archive_when="immediately"), now=NOW)
+    assert {i.step for i in early.by_action("promote")} == {5000, 10000, 15000, 20000}
+
+
+def test_min_drilled_keeps_the_newest_drill_passed_checkpoint_until_a_newer_one_passes() -> None:
+    cs = _saves("run", 100, 10)
+    policy = Policy((KeepLast(2),), min_verified=0, min_drilled=1)
+    passed = {cs[4].id: NOW - D}  # step 500
+    plan = plan_retention(cs, policy, now=NOW, drill_passed=passed)
+    five = _item(plan, "run", 500)
+    assert five.action == "keep"
+    assert five.reasons[0].startswith("min_drilled 1: newest drill-passed recovery point (drill passed ")
+    assert {i.step for i in plan.by_action("delete")} == {100, 200, 300, 400, 600, 700, 800}
+    # once a newer checkpoint passes a drill, the older one may go
+    plan = plan_retention(cs, policy, now=NOW, drill_passed={**passed, cs[6].id: NOW - H})
+    assert _item(plan, "run", 500).action == "delete" and _item(plan, "run", 700).action == "keep"
+    # without the floor it would have gone
+    assert _item(plan_retention(cs, dataclasses.replace(policy, min_drilled=0), now=NOW, drill_passed=passed),
+                 "run", 500).action == "delete"
+    # its hot copy stays even when an archive copy would allow deleting it
+    archived = _saves("run", 100, 10, special={500: {"archive": "verified"}})
+    plan = plan_retention(archived, Policy((KeepLast(2), Milestones(steps=(500,))), archive=ARCH, min_drilled=1),
+                          now=NOW, drill_passed={archived[4].id: NOW - D})
+    assert _item(plan, "run", 500).action == "keep"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Drill:
+    checkpoint_id: int | None
+    ok: bool
+    started_at: datetime
+    finished_at: datetime | None
+
+
+def test_drill_passed_reads_each_checkpoints_most_recent_drill() -> None:
+    t = NOW - D
+    drills = [
+        _Drill(1, True, t, t + H), _Drill(1, False, t + 2 * H, t + 3 * H),  # passed, then failed
+        _Drill(2, False, t, t + H), _Drill(2, True, t + 2 * H, t + 3 * H),  # failed, then passed
+        _Drill(3, True, t, None),  # passed, no finish time recorded
+        _Drill(None, True, t, t),  # its checkpoint is gone
+    ]
+    assert drill_passed(drills) == {2: t + 3 * H, 3: t}
+    assert drill_passed(reversed(drills)) == drill_passed(drills)
 
 
 def test_shrink_guard_refuses_only_the_job_that_shrank() -> None:
@@ -350,11 +564,14 @@ def catalogs(draw: st.DrawFn) -> list[CheckpointRecord]:
     return out
 
 
+matches = st.sampled_from(["at_or_after", "exact"])
 rules_st = st.one_of(
     st.integers(0, 6).map(KeepLast),
-    st.just(Milestones(log=True)),
-    st.integers(1, 20).map(lambda n: Milestones(every=n * 10)),
-    st.lists(st.integers(0, 60).map(lambda s: s * 10), min_size=1, max_size=5).map(lambda s: Milestones(steps=tuple(s))),
+    matches.map(lambda m: Milestones(log=True, match=m)),
+    st.tuples(st.integers(1, 20), matches).map(lambda a: Milestones(every=a[0] * 10, match=a[1])),
+    st.tuples(st.lists(st.integers(0, 60).map(lambda s: s * 10), min_size=1, max_size=5), matches).map(
+        lambda a: Milestones(steps=tuple(a[0]), match=a[1])
+    ),
     st.integers(1, 24 * 20).map(lambda h: KeepWithin(timedelta(hours=h))),
     st.integers(0, 10).map(KeepDaily),
     st.integers(0, 4).map(KeepWeekly),
@@ -375,7 +592,39 @@ def policies(draw: st.DrawFn) -> Policy:
         hot_after_archive=draw(st.sampled_from(["delete", "keep"])),
         max_missing_fraction=draw(st.sampled_from([0.0, 0.2, 0.5, 1.0])),
         delete_stale_incomplete=draw(st.booleans()),
+        archive_after=draw(st.sampled_from([None, None, timedelta(hours=12), 7 * D])),
+        archive_when=draw(st.sampled_from(["immediately", "leaving_hot"])),
+        min_drilled=draw(st.sampled_from([0, 0, 1, 2])),
     )
+
+
+@st.composite
+def drills_of(draw: st.DrawFn, cs: list[CheckpointRecord]) -> dict[int, datetime]:
+    """A drill-passed map over some of ``cs`` (tombstones included: a drill may predate a deletion)."""
+    chosen = draw(st.lists(st.sampled_from([c.id for c in cs]), unique=True, max_size=6)) if cs else []
+    return {cid: NOW - timedelta(hours=draw(st.integers(1, 500))) for cid in chosen}
+
+
+@st.composite
+def planning_inputs(draw: st.DrawFn) -> tuple[list[CheckpointRecord], Policy, dict[int, datetime]]:
+    cs = draw(catalogs())
+    return cs, draw(policies()), draw(drills_of(cs))
+
+
+def _held_hot(policy: Policy, cs: Sequence[CheckpointRecord], drilled: dict[int, datetime]) -> set[int]:
+    """Ids that something other than a milestone keeps in hot storage (the leaving_hot window)."""
+    out = _rule_kept(policy, cs, (KeepLast, KeepWithin, KeepDaily, KeepWeekly, Pinned))
+    for job in {c.job for c in cs}:
+        live = [c for c in cs if c.job == job and c.state != State.DELETED]
+        ver = [c for c in live if c.state == State.VERIFIED]
+        if ver:
+            out.add(max(ver, key=lambda c: (c.step, c.saved_at, c.id)).id)
+        out |= {c.id for c in newest_drilled(live, drilled, policy.min_drilled)}
+    return out
+
+
+def _holders(policy: Policy, cs: Sequence[CheckpointRecord]) -> set[int]:
+    return {cid for job in {c.job for c in cs} for cid in policy.milestone_holders([c for c in cs if c.job == job], NOW)}
 
 
 def _rule_kept(policy: Policy, cs: Sequence[CheckpointRecord], kinds: tuple[type, ...]) -> set[int]:
@@ -392,10 +641,13 @@ PROP = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCh
 
 
 @PROP
-@given(catalogs(), policies())
-def test_invariants(cs: list[CheckpointRecord], policy: Policy) -> None:
-    plan = plan_retention(cs, policy, now=NOW)
+@given(planning_inputs())
+def test_invariants(inputs: tuple[list[CheckpointRecord], Policy, dict[int, datetime]]) -> None:
+    cs, policy, drilled = inputs
+    plan = plan_retention(cs, policy, now=NOW, drill_passed=drilled)
     by_id = {c.id: c for c in cs}
+    holders = _holders(policy, cs)
+    held_hot = _held_hot(policy, cs, drilled)
     items = {i.checkpoint_id: i for i in plan.items}
     # disjoint and covering: one item per live checkpoint; tombstones excluded
     assert len(items) == len(plan.items)
@@ -414,7 +666,11 @@ def test_invariants(cs: list[CheckpointRecord], policy: Policy) -> None:
             assert item.scope == "checkpoint"
         if item.action == "promote":
             assert policy.archive and c.state == State.VERIFIED and not c.has_verified_archive()
-            assert hot_present(c) and policy.is_milestone(c.step)
+            assert hot_present(c) and cid in holders
+            if policy.archive_after is not None:
+                assert NOW - c.saved_at >= policy.archive_after  # type: ignore[operator]
+            if policy.archive_when == "leaving_hot":
+                assert cid not in held_hot, "stored twice: promoted while another rule keeps it hot"
     for cid in deleted:
         c = by_id[cid]
         assert hot_present(c), "nothing to delete when the hot copy is missing"
@@ -425,8 +681,24 @@ def test_invariants(cs: list[CheckpointRecord], policy: Policy) -> None:
             assert any(x.tier == Tier.ARCHIVE for x in c.copies)
         else:
             assert not any(x.tier == Tier.ARCHIVE and x.state == "present" for x in c.copies)
-        if c.state == State.VERIFIED and policy.is_milestone(c.step):
+        if c.state == State.VERIFIED and cid in holders:
             assert c.has_verified_archive() and policy.archive and items[cid].scope == "hot-copy"
+    # every verified checkpoint on a milestone step holds it, whichever the matching
+    assert {c.id for c in cs if c.state == State.VERIFIED and policy.is_milestone(c.step)} <= holders
+    for m in policy.milestones:
+        for job in {c.job for c in cs}:
+            live = [c for c in cs if c.job == job and c.state != State.DELETED]
+            kept = m.keeps(live, NOW)
+            if m.match == "exact":
+                assert all(m.is_milestone(by_id[cid].step) for cid in kept)
+            # a holder is verified, or committed and pending its verification
+            assert all(by_id[cid].state in (State.VERIFIED, State.COMMITTED) for cid in kept)
+    # the newest drill-passed recovery points are never deleted, not even their hot copy
+    for job in {c.job for c in cs}:
+        live = [c for c in cs if c.job == job and c.state != State.DELETED]
+        for c in newest_drilled(live, drilled, policy.min_drilled):
+            assert items[c.id].action != "delete"
+            assert any("drill-passed recovery point" in r for r in items[c.id].reasons)
     # the newest verified checkpoint of each job is never deleted
     for job in {c.job for c in cs}:
         ver = [c for c in cs if c.job == job and c.state == State.VERIFIED]
@@ -454,12 +726,41 @@ def test_invariants(cs: list[CheckpointRecord], policy: Policy) -> None:
 
 
 @PROP
-@given(catalogs(), policies(), st.randoms(use_true_random=False))
-def test_pure_and_order_independent(cs: list[CheckpointRecord], policy: Policy, rnd: random.Random) -> None:
-    first = plan_retention(cs, policy, now=NOW)
+@given(planning_inputs(), st.randoms(use_true_random=False))
+def test_pure_and_order_independent(
+    inputs: tuple[list[CheckpointRecord], Policy, dict[int, datetime]], rnd: random.Random
+) -> None:
+    cs, policy, drilled = inputs
+    first = plan_retention(cs, policy, now=NOW, drill_passed=drilled)
     shuffled = list(cs)
     rnd.shuffle(shuffled)
-    assert plan_retention(shuffled, policy, now=NOW) == first
+    assert plan_retention(shuffled, policy, now=NOW, drill_passed=dict(reversed(list(drilled.items())))) == first
+
+
+@PROP
+@given(catalogs(), policies(), st.data())
+def test_milestones_never_slide_when_a_holder_loses_its_hot_copy(
+    cs: list[CheckpointRecord], policy: Policy, data: st.DataObject
+) -> None:
+    """Deleting a holder's hot copy (archive kept), or a scan missing it, moves no milestone."""
+    holders = _holders(policy, cs)
+    verified_holders = sorted(cid for cid in holders if next(c for c in cs if c.id == cid).state == State.VERIFIED)
+    if not verified_holders:
+        return
+    victim = data.draw(st.sampled_from(verified_holders))
+    how = data.draw(st.sampled_from(["hot-copy-deleted", "missing"]))
+    changed = []
+    for c in cs:
+        if c.id == victim:
+            hot = CopyRecord(Tier.HOT, c.location, "deleted" if how == "hot-copy-deleted" else "missing", c.bytes, None)
+            arch = CopyRecord(Tier.ARCHIVE, f"s3://arch/{c.job}/{c.step}", "present", c.bytes, NOW - H, "zstd")
+            extra = (hot, arch) if how == "hot-copy-deleted" else (hot,)
+            c = dataclasses.replace(
+                c, copies=tuple(x for x in c.copies if x.tier != Tier.HOT) + extra,
+                missing_since=NOW - H if how == "missing" else c.missing_since,
+            )
+        changed.append(c)
+    assert _holders(policy, changed) == holders
 
 
 @PROP

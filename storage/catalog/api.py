@@ -729,7 +729,7 @@ class Catalog:
         ):
             copies.setdefault(c.checkpoint_id, []).append(
                 CopyRecord(tier=Tier(c.tier), url=c.url, state=c.state, stored_bytes=c.stored_bytes,
-                           verified_at=c.verified_at, codec=c.codec)
+                           verified_at=c.verified_at, codec=c.codec, storage_class=c.storage_class)
             )
         return [
             CheckpointRecord(
@@ -865,16 +865,18 @@ class Catalog:
         manifest_key: str | None,
         verified_at: datetime | None,
         now: datetime,
+        storage_class: str | None = None,
     ) -> None:
         """Insert or update (on ``(checkpoint_id, tier, url)``) a copy of a
-        checkpoint. ``created_at`` is set on insert only. Idempotent."""
+        checkpoint. ``created_at`` is set on insert only. ``storage_class``:
+        the S3 class its objects were confirmed in. Idempotent."""
         now = _aware(now)
         _check_copy_state(state)
         if verified_at is not None:
             verified_at = _aware(verified_at, "verified_at")
         values = {
             "state": state, "stored_bytes": stored_bytes, "codec": codec,
-            "manifest_key": manifest_key, "verified_at": verified_at,
+            "manifest_key": manifest_key, "verified_at": verified_at, "storage_class": storage_class,
         }
         stmt = self._insert(cp).values(
             checkpoint_id=checkpoint_id, tier=Tier(tier).value, url=url, created_at=now, **values
@@ -998,6 +1000,50 @@ class Catalog:
                     at=now, kind="deleted", job_id=row.job_id, checkpoint_id=checkpoint_id,
                     message=f"step {row.step}: deleted {row.location}: {'; '.join(reasons) or 'no reason given'}",
                     data={"reasons": list(reasons), "owner": owner, "generation": generation},
+                )
+            )
+            return True
+
+    # -- forgetting -------------------------------------------------------------------
+
+    def forget(self, checkpoint_id: int, *, missing_since: datetime, now: datetime, reason: str) -> bool:
+        """Tombstone a checkpoint whose files the caller has just found gone from every tier.
+
+        For rows a scan marked missing that will never come back (a trainer
+        that rotates its own checkpoints). Conditional, in one transaction:
+        only while the row is live, still missing since ``missing_since`` (a
+        scan that saw it reappear in between wins) and holds no unexpired
+        lease. Sets the state ``deleted`` with ``reason``, every copy not
+        already ``deleted`` to ``missing``, and logs a ``forgotten`` event.
+        Returns False and changes nothing otherwise. A tombstone whose files
+        reappear is revived by the next scan, as any other.
+        """
+        now = _aware(now)
+        missing_since = _aware(missing_since, "missing_since")
+        with self._write() as conn:
+            row = conn.execute(
+                update(ck)
+                .where(
+                    ck.c.id == checkpoint_id,
+                    ck.c.state != State.DELETED.value,
+                    ck.c.missing_since == missing_since,
+                    or_(ck.c.lease_owner.is_(None), ck.c.lease_expires.is_(None), ck.c.lease_expires <= now),
+                )
+                .values(state=State.DELETED.value, state_reason=reason)
+                .returning(ck.c.job_id, ck.c.step, ck.c.location, ck.c.state_reason)
+            ).first()
+            if row is None:
+                return False
+            conn.execute(
+                update(cp)
+                .where(cp.c.checkpoint_id == checkpoint_id, cp.c.state != "deleted")
+                .values(state="missing")
+            )
+            conn.execute(
+                insert(ev).values(
+                    at=now, kind="forgotten", job_id=row.job_id, checkpoint_id=checkpoint_id,
+                    message=f"step {row.step}: forgotten ({row.location}): {reason}",
+                    data={"missing_since": missing_since.isoformat()},
                 )
             )
             return True

@@ -154,6 +154,7 @@ class Copy(Base):
     manifest_key: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
     verified_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    storage_class: Mapped[str | None] = mapped_column(String(32))  # S3 class of an archive copy, as confirmed
 
 
 class Decision(Base):
