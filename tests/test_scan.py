@@ -113,3 +113,28 @@ def test_steps_past_2_63_on_s3(s3_bucket: Any, tmp_path: Path) -> None:
 
     _scan_out_of_range_steps(S3Store(s3_bucket.name, "hot", client=s3_bucket.client), tmp_path)
 
+
+def test_symlink_loops_are_skipped_and_reported_never_abort_the_scan(tmp_path: Path) -> None:
+    root = tmp_path / "hot"
+    store = LocalStore(root)
+    _guide_step(store, "llm", "00000100")
+    _guide_step(store, "llm", "00000200")
+    os.symlink("self", root / "llm" / "self")  # a loop of one
+    os.symlink("b", root / "llm/step-00000100/rank-0000/a")  # a loop of two, inside a checkpoint
+    os.symlink("a", root / "llm/step-00000100/rank-0000/b")
+    os.symlink(root, root / "llm/up")  # a directory symlink back to the root: never followed
+    os.symlink("nowhere", root / "llm/dangling")
+    os.symlink("metadata.json", root / "llm/step-00000200/meta-link.json")  # a symlink to a file is listed
+
+    found = recognise_store(store, now=NOW, name="root", prefetch=0)
+    assert [(c.step, c.committed) for c in found.checkpoints] == [(100, True), (200, True)]
+    assert "meta-link.json" in {f.relpath for f in found.checkpoints[1].files}
+    skipped = {u.key: u.reason for u in found.unrecognised}
+    for key in ("llm/self", "llm/step-00000100/rank-0000/a", "llm/step-00000100/rank-0000/b", "llm/up", "llm/dangling"):
+        assert key in skipped, skipped
+        assert "symlink" in skipped[key] and "not followed" in skipped[key]
+    assert "loop" in skipped["llm/self"]
+    # A listing of the store alone skips them too, telling whoever asks.
+    seen: list[tuple[str, str]] = []
+    assert len(list(store.list("", on_skip=lambda key, why: seen.append((key, why))))) == 5
+    assert sorted(k for k, _ in seen) == sorted(skipped)
