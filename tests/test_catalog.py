@@ -18,6 +18,7 @@ from alembic.runtime.migration import MigrationContext
 
 from ckptier.storage.catalog.api import Catalog, DrillRecord, FileCheck, UnknownCheckpoint
 from ckptier.storage.catalog.db import (
+    HEAD_REVISION,
     default_catalog_url,
     filesystem_type,
     make_engine,
@@ -116,7 +117,7 @@ def test_migrations_create_schema_and_reopen_is_a_noop(catalog_url: str, stateme
         with engine.connect() as conn:
             # The migrated schema is exactly what the models describe.
             assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
-            assert MigrationContext.configure(conn).get_current_revision() == "0001"
+            assert MigrationContext.configure(conn).get_current_revision() == HEAD_REVISION
     assert any(s.upper().startswith("CREATE TABLE") for s in statements.writes())
     statements.sql.clear()
     with Catalog.open(catalog_url) as c:
