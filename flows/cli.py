@@ -304,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a class the safe loader may unpickle from this checkpoint (repeatable; adds to [[drill]] allow_globals)")
     sp.add_argument("--json", action="store_true")
 
-    sp = add("janitor", cmd_janitor, "abort abandoned multipart uploads and remove archive copies that never got a manifest")
+    sp = add("janitor", cmd_janitor, "abort abandoned multipart uploads and remove what interrupted promotions left (only ckptier's own files)")
     sp.add_argument("--older-than", default="24h")
     sp.add_argument("--json", action="store_true")
 

@@ -2,16 +2,20 @@
 
 Archive layout (relative to the archive store's root)::
 
+    {job}/step-{step:08d}/.ckptier/upload.json     the upload marker, written FIRST
     {job}/step-{step:08d}/{relpath}.ckz     one codec stream per checkpoint file
     {job}/step-{step:08d}/ckptier-manifest.json     the commit marker, written LAST
 
 A step directory counts as an archive copy only when its ``ckptier-manifest.json``
 exists: the manifest is created with a conditional create (``if_absent``)
 after every data object was read back, decoded and found bit-identical to
-the hot file. Anything in a step directory without a manifest is debris of
-an interrupted promotion, which :func:`janitor` removes once it is old
-enough. The manifest lists every file's original size and CRC64NVME, so a
-lost catalog can be rebuilt from the archive alone.
+the hot file. Before uploading anything, a promotion writes the upload
+marker naming the objects it is about to write; that marker is what proves
+an uncommitted object is ckptier's own. :func:`janitor` removes only those
+objects (and aborts only those multipart uploads) once they are old enough,
+never anything else: a file ckptier did not write is reported, not removed.
+The manifest lists every file's original size and CRC64NVME, so a lost
+catalog can be rebuilt from the archive alone.
 
 Nothing here deletes or modifies a hot copy, and nothing here reads the
 clock: times are passed in.
@@ -19,18 +23,19 @@ clock: times are passed in.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import tempfile
 import time
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from ckptier.storage import codec as _codec
-from ckptier.storage.base import Store, join_key, read_bytes
+from ckptier.storage.base import Store, join_key, key_problem, read_bytes
 from ckptier.storage.errors import (
     AlreadyExists,
     CkptierError,
@@ -56,6 +61,11 @@ DATA_SUFFIX = ".ckz"
 MANIFEST_LIMIT = 64 << 20
 #: Read size for streaming copies, bytes.
 CHUNK = 8 << 20
+#: The upload marker, relative to a step directory (under ``.ckptier/``, which
+#: format recognition skips as ckptier's own).
+UPLOAD_MARKER = ".ckptier/upload.json"
+#: Largest upload marker we will read (bytes).
+UPLOAD_MARKER_LIMIT = 16 << 20
 
 _STEP_DIR_RE = re.compile(r"^(?P<dir>(?:.+/)?step-\d{8})/(?P<rest>.+)$")
 
@@ -80,6 +90,46 @@ def data_key(job: str, step: int, relpath: str) -> str:
 def manifest_key(job: str, step: int) -> str:
     """Key of the commit marker of one archived checkpoint."""
     return join_key(archive_dir(job, step), MANIFEST_NAME)
+
+
+def upload_marker_key(job: str, step: int) -> str:
+    """Key of the upload marker of one checkpoint's archive directory."""
+    return join_key(archive_dir(job, step), UPLOAD_MARKER)
+
+
+@dataclass(frozen=True)
+class UploadMarker:
+    """What a promotion is about to write into a step directory: ``keys``
+    relative to the directory, by ``owner`` at ``started_at``. Written
+    before the first upload; proof for :func:`janitor` that those objects,
+    if left uncommitted, are ckptier's own debris."""
+
+    job: str
+    step: int
+    owner: str
+    started_at: datetime
+    keys: tuple[str, ...]
+
+    def to_json(self) -> bytes:
+        return json.dumps({
+            "ckptier": "upload", "job": self.job, "step": self.step, "owner": self.owner,
+            "started_at": self.started_at.isoformat(), "keys": list(self.keys),
+        }, indent=1).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, *, where: str) -> UploadMarker:
+        """Parse a marker; ``ValueError`` naming ``where`` when it is not one ckptier wrote."""
+        try:
+            doc = json.loads(data)
+            if not isinstance(doc, dict) or doc.get("ckptier") != "upload":
+                raise ValueError("not a ckptier upload marker")
+            keys = doc["keys"]
+            if not isinstance(keys, list) or not all(isinstance(k, str) and key_problem(k) is None for k in keys):
+                raise ValueError("its keys are not a list of safe relative keys")
+            return cls(job=str(doc["job"]), step=int(doc["step"]), owner=str(doc["owner"]),
+                       started_at=datetime.fromisoformat(doc["started_at"]), keys=tuple(keys))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{where}: unreadable upload marker ({exc})") from exc
 
 
 def prefix_from_location(store: Store, location: str) -> str:
@@ -271,6 +321,10 @@ def promote(
     decode it and compare size and CRC64NVME with the hot bytes. Only when
     every file matches is ``ckptier-manifest.json`` created with ``if_absent=True``.
 
+    Before the first upload, the upload marker (:data:`UPLOAD_MARKER`)
+    names every object about to be written; it stays, so the janitor can
+    tell ckptier's own objects from anything else.
+
     Idempotent: when the manifest already exists with the same job, step and
     file hashes (the acknowledgement of an earlier commit was lost, or an
     earlier run finished), the data objects are checked for presence and the
@@ -303,7 +357,11 @@ def promote(
     if existing is not None:
         return _existing_copy(archive, record, existing, mkey, copy_url, now=now, t0=t0, owner=owner)
 
-    # 2. Encode + upload each file, hashing the raw bytes as they stream by.
+    # 2. Say what we are about to write (the janitor's proof that it is ours), then
+    #    encode + upload each file, hashing the raw bytes as they stream by.
+    marker = UploadMarker(record.job, record.step, owner, now,
+                          tuple(sorted(f.relpath + DATA_SUFFIX for f in record.files)))
+    archive.write(upload_marker_key(record.job, record.step), marker.to_json())
     hot_digests: dict[str, Digests] = {}
     for f in sorted(record.files, key=lambda f: f.relpath):
         hkey = hot_file_key(hot_prefix, record, f.relpath)
@@ -669,14 +727,17 @@ class JanitorReport:
     """What :func:`janitor` did.
 
     ``aborted_uploads``: (key, upload id) of multipart uploads aborted;
-    ``removed_dirs``: step directories without a manifest that were removed;
-    ``removed_keys``: their objects; ``young_dirs``: uncommitted directories
-    left alone because they are newer than the threshold (a promotion may be
-    running); ``failed``: key → reason for objects that could not be removed;
-    ``unexpected``: directories the catalog records as archive copies that
-    have lost their manifest (left alone: damage to look at, not debris);
-    ``removed_temp_files``: a local store's own ``.ckptier-tmp-*`` files left
-    by interrupted writes.
+    ``removed_dirs``: uncommitted step directories whose every object was
+    ckptier's own (named by their upload marker) and was removed;
+    ``removed_keys``: the objects removed; ``young_dirs``: uncommitted
+    directories left alone because they are newer than the threshold (a
+    promotion may be running); ``failed``: key → reason for objects that
+    could not be removed; ``unexpected``: directories the catalog records as
+    archive copies that have lost their manifest (left alone: damage to look
+    at, not debris); ``not_ours``: objects without a commit marker that no
+    upload marker names — ckptier did not write them, so they are left
+    where they are; ``removed_temp_files``: a local store's own
+    ``.ckptier-tmp-*`` files left by interrupted writes.
     """
 
     aborted_uploads: list[tuple[str, str]] = field(default_factory=list)
@@ -687,6 +748,7 @@ class JanitorReport:
     failed: dict[str, str] = field(default_factory=dict)
     unexpected: list[str] = field(default_factory=list)
     removed_temp_files: list[str] = field(default_factory=list)
+    not_ours: list[str] = field(default_factory=list)
 
 
 def _step_dir(key: str) -> str | None:
@@ -694,28 +756,49 @@ def _step_dir(key: str) -> str | None:
     return m.group("dir") if m else None
 
 
-def _group_step_dirs(archive: Store) -> Iterator[tuple[str, list[Any]]]:
+def _group_step_dirs(archive: Store) -> tuple[list[tuple[str, list[Any]]], list[str]]:
+    """Objects grouped by step directory (sorted), and the keys in no step directory."""
     groups: dict[str, list[Any]] = {}
+    loose: list[str] = []
     for info in archive.list(""):
         d = _step_dir(info.key)
-        if d is not None:
+        if d is None:
+            loose.append(info.key)
+        else:
             groups.setdefault(d, []).append(info)
-    yield from sorted(groups.items())
+    return sorted(groups.items()), sorted(loose)
+
+
+def _our_keys(archive: Store, d: str) -> set[str] | None:
+    """The keys in step directory ``d`` that its upload marker says ckptier
+    wrote (the marker included), or None when there is no readable marker."""
+    key = f"{d}/{UPLOAD_MARKER}"
+    try:
+        marker = UploadMarker.from_json(read_bytes(archive, key, limit=UPLOAD_MARKER_LIMIT), where=key)
+    except (NotFound, ValueError):
+        return None
+    return {f"{d}/{k}" for k in marker.keys} | {key}
 
 
 def janitor(archive: Store, *, now: datetime, older_than: timedelta,
             cataloged: Collection[str] = ()) -> JanitorReport:
-    """Remove what interrupted promotions left in ``archive``; never touch a committed copy.
+    """Remove what interrupted promotions left in ``archive``; never touch a
+    committed copy, and never anything ckptier did not write.
 
+    * Only ckptier's own objects are ever removed: those an upload marker
+      (written by :func:`promote` before its first upload) names, the marker
+      itself, and a local store's own temporary files (``.ckptier-tmp-*``).
+      Everything else without a commit marker is listed in ``not_ours`` and
+      left alone, however old.
     * Multipart uploads started more than ``older_than`` before ``now`` are
-      aborted (only on stores that have ``list_multipart_uploads``); a local
-      store's own temporary files (``.ckptier-tmp-*``) that old are removed.
-      Nothing else without a commit marker is ever treated as temporary.
-    * A step directory (``…/step-NNNNNNNN/``) without ``ckptier-manifest.json`` whose
-      newest object is older than ``older_than`` (by object mtime) is
-      removed. Directories holding a manifest are never touched, whatever
-      else they contain. Objects without an mtime count as new (kept).
-
+      aborted when an upload marker names their key (only on stores that
+      have ``list_multipart_uploads``); a local store's own temporary files
+      that old are removed.
+    * A step directory (``…/step-NNNNNNNN/``) without ``ckptier-manifest.json``
+      whose marked objects are all older than ``older_than`` (by object
+      mtime) loses them, the marker last (so a janitor killed half-way
+      finishes next time). Directories holding a manifest are never touched,
+      whatever else they contain. Objects without an mtime count as new.
     * A step directory in ``cataloged`` (keys relative to ``archive``, as
       :func:`archive_dir` gives them) is a copy the catalog holds as
       present: its missing manifest is damage to report, never something to
@@ -729,10 +812,17 @@ def janitor(archive: Store, *, now: datetime, older_than: timedelta,
         raise ValueError(f"janitor older_than = {older_than}: must be > 0, e.g. timedelta(hours=24)")
     report = JanitorReport()
     cutoff = now - older_than
+    groups, loose = _group_step_dirs(archive)
+    report.not_ours.extend(loose)
+    ours = {d: _our_keys(archive, d) for d, _ in groups}
+
     list_uploads = getattr(archive, "list_multipart_uploads", None)
     if list_uploads is not None:
+        marked = set().union(*(k for k in ours.values() if k))
         for key, upload_id, initiated in list_uploads(""):
-            if initiated is not None and initiated < cutoff:
+            if key not in marked:
+                report.not_ours.append(f"{key} (multipart upload {upload_id})")
+            elif initiated is not None and initiated < cutoff:
                 archive.abort_multipart(key, upload_id)  # type: ignore[attr-defined]
                 report.aborted_uploads.append((key, upload_id))
 
@@ -743,17 +833,22 @@ def janitor(archive: Store, *, now: datetime, older_than: timedelta,
             archive.remove_temp_file(rel)  # type: ignore[attr-defined]
             report.removed_temp_files.append(rel)
     protected = set(cataloged)
-    for d, infos in _group_step_dirs(archive):
+    for d, infos in groups:
         if any(i.key == f"{d}/{MANIFEST_NAME}" for i in infos):
             report.committed_dirs += 1
             continue
         if d in protected:
             report.unexpected.append(d)
             continue
-        if any(i.mtime is None or i.mtime >= cutoff_ts for i in infos):
+        mine = ours[d] or set()
+        report.not_ours.extend(sorted(i.key for i in infos if i.key not in mine))
+        victims = [i for i in infos if i.key in mine]
+        if not victims:
+            continue
+        if any(i.mtime is None or i.mtime >= cutoff_ts for i in victims):
             report.young_dirs.append(d)
             continue
-        keys = sorted(i.key for i in infos)
+        marker = f"{d}/{UPLOAD_MARKER}"
         # Re-check the commit marker right before deleting: a promotion may just have committed.
         try:
             archive.stat(f"{d}/{MANIFEST_NAME}")
@@ -762,9 +857,16 @@ def janitor(archive: Store, *, now: datetime, older_than: timedelta,
         else:
             report.committed_dirs += 1
             continue
-        res = archive.delete_many(keys)
-        report.removed_keys.extend(res.deleted)
-        report.failed.update(res.failed)
-        if not res.failed:
-            report.removed_dirs.append(d)
+        data = sorted(i.key for i in victims if i.key != marker)
+        res = archive.delete_many(data) if data else None
+        if res is not None:
+            report.removed_keys.extend(res.deleted)
+            report.failed.update(res.failed)
+        if res is None or not res.failed:
+            last = archive.delete_many([marker])
+            report.removed_keys.extend(last.deleted)
+            report.failed.update(last.failed)
+            if not last.failed and len(victims) == len(infos):
+                report.removed_dirs.append(d)
+    report.not_ours.sort()
     return report

@@ -25,7 +25,7 @@ from ckptier.storage.errors import CkptierError, ConfigError
 from ckptier.storage.model import CheckpointRecord, State
 from ckptier.storage.url import open_store, parse_url
 
-from .config import Config
+from .config import Config, check_archive_locations
 from .retention import Plan, PlanItem, Policy, plan_retention
 from .scan import ScanReport, scan_url
 
@@ -303,10 +303,13 @@ def run_apply(
     """Plan and carry out retention for every job (or ``job``): promote, then delete.
 
     Each policy's plan goes through :func:`ckptier.tasks.apply.apply_plan`
-    (canary, leases, read-back, fenced deletes). Returns a JSON-ready report
+    (canary, leases, read-back, fenced deletes). Refuses (:class:`ConfigError`)
+    a policy whose archive equals, contains or lies inside a hot location the
+    catalog knows. Returns a JSON-ready report
     with ``items``, per-policy ``summary`` lines, ``bytes_freed`` and
     ``failed`` (True when any item failed: re-running resumes).
     """
+    check_archive_locations(config, catalog.hot_locations())
     stores = stores or StoreCache()
     lines: list[str] = []
     items: list[dict[str, Any]] = []
@@ -409,14 +412,19 @@ def archive_root(copy_url: str, record: CheckpointRecord) -> str:
 
 def run_janitor(catalog: Catalog, config: Config, *, now: datetime, older_than: timedelta,
                 stores: StoreCache | None = None) -> dict[str, Any]:
-    """Clean every archive tier named by a policy: abandoned uploads, manifest-less copies.
+    """Clean every archive tier named by a policy of what interrupted promotions left.
 
-    Copies the catalog holds as present are never removed, even when their
-    manifest is gone: that is reported as damage instead.
+    Only ckptier's own objects go (those an upload marker names, and local
+    temporary files); anything else is reported, never removed. Copies the
+    catalog holds as present are never removed, even when their manifest is
+    gone: that is reported as damage instead. Refuses (:class:`ConfigError`)
+    an archive that equals, contains or lies inside a hot location the
+    catalog knows, before touching anything.
     """
 
     from .archive import archive_dir, janitor
 
+    check_archive_locations(config, catalog.hot_locations())
     stores = stores or StoreCache()
     lines: list[str] = []
     reports = {}
@@ -432,7 +440,10 @@ def run_janitor(catalog: Catalog, config: Config, *, now: datetime, older_than: 
         reports[url] = asdict(r)
         lines.append(f"{url}: aborted {len(r.aborted_uploads)} uploads, removed {len(r.removed_dirs)} copies without "
                      f"manifest ({len(r.removed_keys)} objects) and {len(r.removed_temp_files)} stale temporary files, "
-                     f"left {len(r.young_dirs)} young ones, {len(r.failed)} failures")
+                     f"left {len(r.young_dirs)} young ones and {len(r.not_ours)} objects ckptier did not write, "
+                     f"{len(r.failed)} failures")
+        lines.extend(f"{url}/{k}: not written by ckptier (no commit or upload marker names it); left in place"
+                     for k in r.not_ours[:20])
         lines.extend(f"{url}/{d}: cataloged archive copy has lost its manifest; left in place, check it"
                      for d in r.unexpected)
     if not reports:
