@@ -43,7 +43,7 @@ from ckptier.storage.errors import (
     NotFound,
     StoreError,
 )
-from ckptier.storage.hashing import Digests, Hasher
+from ckptier.storage.hashing import Digests, Hasher, store_crc64nvme
 from ckptier.storage.local import file_mode
 from ckptier.storage.manifest import MANIFEST_NAME as _MANIFEST_NAME
 from ckptier.storage.manifest import Manifest, ManifestFile, StoredObject
@@ -327,8 +327,10 @@ def promote(
 
     Idempotent: when the manifest already exists with the same job, step and
     file hashes (the acknowledgement of an earlier commit was lost, or an
-    earlier run finished), the data objects are checked for presence and the
-    existing copy is returned with ``already_archived=True``. A manifest with
+    earlier run finished), the data objects are proven again (the store's
+    full-object checksum against the manifest, else decoded) and the
+    existing copy is returned with ``already_archived=True``; a damaged one
+    raises :class:`IntegrityError` and nothing is recorded. A manifest with
     different content raises :class:`ArchiveConflict` before anything is
     uploaded (when seen up front) or instead of committing.
 
@@ -441,7 +443,8 @@ def _existing_copy(
     owner: str,
     ours: Manifest | None = None,
 ) -> ArchiveCopy:
-    """Judge a committed manifest found in the archive: same content → reuse it, else conflict."""
+    """Judge a committed manifest found in the archive: same content and intact objects → reuse
+    it; different content → conflict; damaged objects → :class:`IntegrityError`."""
     if ours is not None:
         same = _content(existing) == _content(ours)
     elif all(f.crc64nvme for f in record.files):
@@ -458,22 +461,32 @@ def _existing_copy(
     adir = archive_dir(record.job, record.step)
     for f in existing.files:
         dkey = _stored_key(adir, f)
+        damaged = (f"the committed archive copy {copy_url} is damaged; the hot copy is kept: inspect the copy, "
+                   f"remove it if it is bad, then apply again to promote anew")
         try:
             info = archive.stat(dkey)
         except NotFound:
             raise IntegrityError(
-                f"{_store_url(archive, dkey)}: listed in the committed manifest but missing; "
-                f"the archive copy is damaged, run a deep archive check",
+                f"{_store_url(archive, dkey)}: listed in the committed manifest but missing; {damaged}",
                 url=archive.url,
                 key=dkey,
             ) from None
         if f.stored is not None and info.size != f.stored.size:
             raise IntegrityError(
                 f"{_store_url(archive, dkey)}: {info.size} bytes but the committed manifest says "
-                f"{f.stored.size}; the archive copy is damaged, run a deep archive check",
+                f"{f.stored.size}; {damaged}",
                 url=archive.url,
                 key=dkey,
             )
+        if not _checksum_matches(archive, dkey, f):
+            back, _ = _decode_check(archive, dkey)
+            if back.size != f.size or back.crc64nvme != f.crc64nvme:
+                raise IntegrityError(
+                    f"{_store_url(archive, dkey)}: decodes to {back.size} bytes crc64nvme {back.crc64nvme}, the "
+                    f"committed manifest says {f.size} bytes crc64nvme {f.crc64nvme}; {damaged}",
+                    url=archive.url,
+                    key=dkey,
+                )
         stored_total += info.size
     return ArchiveCopy(
         url=copy_url,
@@ -566,54 +579,92 @@ def _archive_copy_url(record: CheckpointRecord) -> str | None:
 
 @dataclass(frozen=True)
 class ArchiveCheck:
-    """The deep read of one archive copy: ``ok`` when every stored object
+    """The proof of one archive copy: ``ok`` when every stored object
     decoded (zstd frame and segment checksums) to the size and CRC64NVME the
-    manifest and the catalog record. ``bytes_read`` counts stored bytes;
-    ``problems`` has one line per bad file (or the manifest)."""
+    manifest and the catalog record, or, where allowed, its full-object
+    checksum kept by the store equals the manifest's. ``bytes_read`` counts
+    stored bytes read; ``bytes_skipped`` those proven by the store's
+    checksum; ``problems`` has one line per bad file (or the manifest);
+    ``bad_files`` the relpaths of the bad files (every file of the record
+    when the manifest itself is bad)."""
 
     url: str
     ok: bool
     bytes_read: int
     problems: tuple[str, ...] = ()
+    bytes_skipped: int = 0
+    bad_files: tuple[str, ...] = ()
 
 
-def check_archive_copy(record: CheckpointRecord, archive: Store) -> ArchiveCheck:
+def _checksum_matches(archive: Store, key: str, m: ManifestFile) -> bool:
+    """True when the store keeps a full-object CRC64NVME of ``key`` equal to
+    the one the manifest recorded for the stored object (and the sizes agree)."""
+    if m.stored is None:
+        return False
+    info = archive.stat(key)
+    try:
+        kept = store_crc64nvme(info.checksum)
+    except ValueError:
+        return False
+    return kept is not None and kept == m.stored.crc64nvme and info.size == m.stored.size
+
+
+def check_archive_copy(record: CheckpointRecord, archive: Store, *, store_checksums: bool = False) -> ArchiveCheck:
     """Read back ``record``'s archive copy in ``archive`` and compare every file.
 
     Never writes. Transient and access errors propagate (nothing is proven
-    either way); a missing or unreadable manifest, a missing object, an
-    object that does not decode, or decoded bytes whose size or CRC64NVME
-    differ from the manifest or the catalog make the copy not ``ok``.
-    Raises :class:`NotFound` when the catalog records no archive copy.
+    either way); a missing or unreadable manifest, a manifest entry whose
+    size or CRC64NVME differs from the catalog, a missing object, an object
+    that does not decode, or decoded bytes whose size or CRC64NVME differ
+    from the manifest or the catalog make the copy not ``ok``. With
+    ``store_checksums``, an object whose full-object CRC64NVME kept by the
+    store equals the one the manifest recorded at commit (when the object
+    was read back and decoded bit-exact) counts as proven without reading
+    it; other objects are decoded. Raises :class:`NotFound` when the catalog
+    records no archive copy.
     """
     copy_url = _archive_copy_url(record)
     if copy_url is None:
         raise NotFound(f"job {record.job} step {record.step}: the catalog records no archive copy")
     adir = prefix_from_location(archive, copy_url)
+    everything = tuple(sorted(f.relpath for f in record.files))
     try:
         manifest = _read_manifest(archive, join_key(adir, MANIFEST_NAME))
     except (NotFound, IntegrityError, ValueError) as exc:
-        return ArchiveCheck(copy_url, False, 0, (f"{MANIFEST_NAME}: {exc}",))
-    catalog_crc = {f.relpath: f.crc64nvme for f in record.files}
+        return ArchiveCheck(copy_url, False, 0, (f"{MANIFEST_NAME}: {exc}",), bad_files=everything)
+    catalog_files = {f.relpath: f for f in record.files}
     problems: list[str] = []
-    read = 0
+    bad: list[str] = []
+    read = skipped = 0
     for m in manifest.files:
         key = _stored_key(adir, m)
+        want = catalog_files.get(m.relpath)
+        if want is not None and (m.size != want.size or (want.crc64nvme and m.crc64nvme != want.crc64nvme)):
+            problems.append(f"{m.relpath}: the manifest says {m.size} bytes crc64nvme {m.crc64nvme}, the catalog "
+                            f"{want.size} bytes crc64nvme {want.crc64nvme}")
+            bad.append(m.relpath)
+            continue
         try:
+            if store_checksums and _checksum_matches(archive, key, m):
+                skipped += m.stored.size if m.stored is not None else 0
+                continue
             raw, stored = _decode_check(archive, key)
         except (NotFound, IntegrityError) as exc:
             problems.append(f"{m.relpath}: {exc}")
+            bad.append(m.relpath)
             continue
         read += stored.size
-        expected = catalog_crc.get(m.relpath)
-        if raw.size != m.size or raw.crc64nvme != m.crc64nvme or (expected and raw.crc64nvme != expected):
+        if raw.size != m.size or raw.crc64nvme != m.crc64nvme:
             problems.append(
                 f"{m.relpath}: decoded {raw.size} bytes crc64nvme {raw.crc64nvme}, "
                 f"expected {m.size} bytes crc64nvme {m.crc64nvme}"
             )
-    missing = sorted(set(catalog_crc) - {m.relpath for m in manifest.files})
+            bad.append(m.relpath)
+    missing = sorted(set(catalog_files) - {m.relpath for m in manifest.files})
     problems.extend(f"{rel}: not in the archive manifest" for rel in missing)
-    return ArchiveCheck(copy_url, not problems, read, tuple(problems))
+    bad.extend(missing)
+    return ArchiveCheck(copy_url, not problems, read, tuple(problems), bytes_skipped=skipped,
+                        bad_files=tuple(sorted(set(bad) & set(catalog_files))))
 
 
 def fetch(
