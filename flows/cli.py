@@ -24,6 +24,8 @@ from .output import checkpoint_json, human_bytes, iso, print_checkpoints, print_
 
 EXIT_USER_ERROR = 2
 EXIT_NOT_FOUND = 1
+#: ``apply`` skipped work because another live run holds it (sysexits' EX_TEMPFAIL: try again later).
+EXIT_BUSY = 75
 
 
 
@@ -185,7 +187,13 @@ def cmd_apply(args: argparse.Namespace) -> int:
     else:
         for line in report["lines"]:
             print(line)
-    return 1 if report.get("failed") else 0
+    if report.get("failed"):
+        return 1
+    if report.get("held"):
+        print(f"ckptier: {len(report['held'])} item(s) skipped, held by another live run: {report['held'][0]}",
+              file=sys.stderr)
+        return EXIT_BUSY
+    return 0
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
@@ -321,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a class the safe loader may unpickle from this checkpoint (repeatable; adds to [[drill]] allow_globals)")
     sp.add_argument("--json", action="store_true")
 
-    sp = add("janitor", cmd_janitor, "abort abandoned multipart uploads and remove archive copies that never got a manifest")
+    sp = add("janitor", cmd_janitor, "abort abandoned multipart uploads and remove what interrupted promotions left (only ckptier's own files)")
     sp.add_argument("--older-than", default="24h")
     sp.add_argument("--json", action="store_true")
 

@@ -102,14 +102,14 @@ def tiering_flow(
         job: Only this job (default: every job).
         config_path: ckptier.toml with the [[policy]] tables (default: CKPTIER_CONFIG or ./ckptier.toml).
         catalog_url: Catalog SQLAlchemy URL (default: the config's [catalog] url, CKPTIER_CATALOG_URL, else SQLite).
-        lease_minutes: How long this run may hold a checkpoint before another run may take it over;
-            also how long it waits for another tiering run of the same job to finish.
+        lease_minutes: How long this run waits for another tiering run of the same job to finish
+            (checkpoint leases themselves are short and kept alive while the run lives).
     """
     locks = tiering_lock_names(job, [] if job else cataloged_jobs(catalog_url, config_path))
     with hold_job_locks(locks, timeout_seconds=lease_minutes * 60.0):
         rows = plan_task(catalog_url, config_path, job)
         publish_plan(rows)
-        report = apply_task(catalog_url, config_path, job, not apply, lease_minutes)
+        report = apply_task(catalog_url, config_path, job, not apply)
     if report["failed"]:
         raise RuntimeError("tiering: some items failed; re-run to resume: " + "; ".join(report["lines"][-3:]))
     return {"plan": rows, "apply": report}

@@ -71,7 +71,8 @@ Common rules:
   propagates so that the caller retries the scan; any other storage error
   makes the checkpoint incomplete with the error in its reason.
 * A step that does not parse (``step-abc``, ``checkpoint-best`` holding
-  checkpoint files, ``step=x.ckpt``) is Unrecognised, once per directory.
+  checkpoint files, ``step=x.ckpt``) is Unrecognised, once per directory;
+  so is one above :data:`MAX_STEP`, which no catalog column can hold.
 * Keys that :func:`key_problem` rejects (not UTF-8, ``..``, ...) are
   Unrecognised one by one; their ``key`` is made printable (undecodable bytes
   as ``\\xNN``).
@@ -125,6 +126,8 @@ DEFAULT_METADATA_LIMIT = 16 << 20
 MANIFEST_SUFFIX = "ckptier-manifest.json"
 #: A directory segment reserved for ckptier's own bookkeeping.
 OWN_DIR = ".ckptier"
+#: Largest step number the catalog stores (a signed 64-bit integer).
+MAX_STEP = 2**63 - 1
 
 _DATA_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".distcp", ".ckpt", ".pkl", ".npy", ".npz", ".h5", ".msgpack")
 _HF_STATE = "trainer_state.json"
@@ -367,6 +370,11 @@ class _Pass:
         loss: float | None = None,
         single: bool = False,
     ) -> None:
+        if step > MAX_STEP:
+            self.unrecognised.append(Unrecognised(
+                prefix if single else prefix + "/",
+                f"step {step} is out of range: ckptier catalogs steps up to 2^63-1 ({MAX_STEP})"))
+            return
         files.sort(key=_by_key)  # one common prefix: key order is relpath order
         if single:
             refs = [FileRef(f.key, f.key[f.key.rfind("/") + 1 :], f.size, f.mtime, f.etag, f.checksum) for f in files]

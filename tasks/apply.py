@@ -1,32 +1,54 @@
-"""Carry out a retention plan: promote first, then fenced deletes.
+"""Carry out a retention plan: promote, prove, then fenced deletes.
 
 The plan (``tasks/retention.py``) decides; this module only acts, and it
-trusts nothing stale. The order of a run:
+trusts nothing stale: like restic's prune, it proves the repository first
+and deletes afterwards. The order of a run:
 
 1. **Canary.** Every S3-like store that will be deleted from must pass its
    start-up canary (put, get, compare, delete) or nothing is deleted from it.
-2. **Promote.** Each ``promote`` item: claim the catalog lease, re-read the
+2. **Interrupted deletes.** A checkpoint with a pending delete intent (a run
+   was killed between deleting files and recording it) is resolved first:
+   every file still present → the intent is dropped (nothing was deleted;
+   the plan decides again, with fresh proofs); some or all gone → the rest
+   are deleted and the tombstone recorded.
+3. **Promote.** Each ``promote`` item: claim the catalog lease, re-read the
    record, copy it to the archive (``tasks/archive.py``: encode, upload, read
    back, commit marker), record the verified archive copy, release.
-3. **Delete.** Only for jobs whose promotions all succeeded. Each ``delete``
-   item: claim the lease, re-read the record and re-check the preconditions
-   against the *current* catalog (not the plan): not already deleted, not
-   corrupt, present in hot storage, the job's listing has not shrunk, not the
-   newest verified checkpoint, and for a hot-copy delete (a milestone) a
-   verified archive copy. Then delete the recorded files in batches of at
-   most 1,000 keys and record only what the store confirmed: all files gone
-   → ``mark_deleted`` with the lease's generation (a run whose lease was
-   taken over changes nothing); some failed → an event, state unchanged, the
-   next run resumes; only delete markers → an event "space not freed".
+4. **Prove.** Only for jobs whose promotions all succeeded. The checkpoints
+   the job's deletions rely on — the newest verified, the ``keep_last``
+   newest, the ``min_verified`` floor — are proven again now: a hot copy by
+   reading its bytes or comparing the store's full-object checksums
+   (:func:`ckptier.tasks.verify.verify_many`), an archive-only one by reading
+   its archive copy back. A keeper that fails is recorded corrupt and the
+   job is planned again (and the new keepers proven) before anything is
+   deleted; a keeper that cannot be read defers the job's deletions.
+5. **Delete.** Each ``delete`` item the fresh plan still deletes: claim the
+   lease, re-read the record and re-check the preconditions against the
+   *current* catalog (:func:`delete_refusal`). A hot-copy delete (a
+   milestone) first proves its archive copy again (decoded and compared with
+   the manifest and the catalog, or the store's full-object checksums
+   compared with the manifest); a copy that fails is marked ``degraded`` and
+   the hot copy kept. Then the delete intent is recorded (fenced), the files
+   deleted in batches of at most 1,000 keys while the lease holds, and only
+   what the store confirmed counts: all files gone → the tombstone (fenced
+   by the lease's generation, clearing the intent); some failed → an event,
+   intent kept, the next run finishes; only delete markers → an event
+   "space not freed".
+
+Leases are short and a heartbeat renews them while the run lives
+(``tasks/leases.py``); a lease whose holder's process is gone is taken over
+at once. An item another live run holds is ``held``, naming the holder.
 
 A crash anywhere leaves every kept checkpoint with at least one verified
-copy (the hot copy is never touched before an archive copy is committed and
-recorded), and a re-run finishes the work: promotion is idempotent (an
-existing commit marker with the same content counts as done) and deletes
-are idempotent (an absent key counts as deleted).
+copy (the hot copy is never touched before an archive copy is committed,
+recorded and proven again), and a re-run finishes the work: promotion is
+idempotent (an existing commit marker with the same, intact content counts
+as done), deletes are idempotent (an absent key counts as deleted) and
+resumable (the intent).
 
 ``dry_run`` runs the same decisions over :class:`DryRunStore`-wrapped stores
-and a catalog that is only read: the report says what would happen.
+and a catalog that is only read: the report says what would happen (without
+the proofs, which a real run makes before deleting).
 """
 
 from __future__ import annotations
@@ -38,19 +60,24 @@ from datetime import datetime, timedelta
 from typing import Any, Literal
 
 from ckptier.storage.base import MAX_DELETE_BATCH, DeleteResult, Store
-from ckptier.storage.errors import CkptierError, StoreError, Unavailable
+from ckptier.storage.catalog.api import DeleteIntent, FileCheck
+from ckptier.storage.errors import CkptierError, NotFound, StoreError, Unavailable
 from ckptier.storage.model import CheckpointRecord, State, Tier
 from ckptier.storage.wrappers import DryRunStore
 
-from .archive import hot_file_key, promote
-from .retention import Plan, PlanItem, Policy, plan_retention
+from .archive import check_archive_copy, hot_file_key, promote
+from .leases import DEFAULT_TTL, Lease, LeaseKeeper, this_process
+from .retention import KeepLast, Plan, PlanItem, Policy, hot_present, plan_retention, shrink_guard
 
 log = logging.getLogger(__name__)
 
-Outcome = Literal["done", "would", "skipped", "failed", "partial", "fenced", "deferred"]
+Outcome = Literal["done", "would", "skipped", "held", "failed", "partial", "fenced", "deferred"]
 
 #: Default shrink-guard threshold used by the re-check when the plan gives none.
 DEFAULT_MAX_MISSING_FRACTION = 0.5
+
+#: Threads reading keepers' bytes during the proof.
+PROOF_WORKERS = 4
 
 
 class ApplyFailed(CkptierError):
@@ -62,13 +89,14 @@ class ItemResult:
     """What happened to one plan item.
 
     ``outcome``: ``done`` (carried out), ``would`` (dry run: would be carried
-    out), ``skipped`` (nothing to do or not ours: already done, held by
-    another run, precondition no longer true), ``deferred`` (waits for a
-    later run: a promotion of the job failed, the canary failed), ``failed``
-    (an error), ``partial`` (some files deleted, the rest failed), ``fenced``
-    (files deleted but the lease was lost: the catalog row was not changed).
-    ``bytes`` is the checkpoint's size; ``freed`` the hot bytes actually
-    deleted (0 on a versioned bucket that only got delete markers).
+    out), ``skipped`` (nothing to do or no longer right: already done,
+    precondition no longer true), ``held`` (another live run holds the
+    checkpoint's lease; ``detail`` names it), ``deferred`` (waits for a later
+    run: a promotion of the job failed, the canary failed, a keeper could not
+    be proven), ``failed`` (an error), ``partial`` (some files deleted, the
+    rest failed), ``fenced`` (the lease was lost: the catalog row was not
+    changed). ``bytes`` is the checkpoint's size; ``freed`` the hot bytes
+    actually deleted (0 on a versioned bucket that only got delete markers).
     """
 
     job: str
@@ -82,6 +110,22 @@ class ItemResult:
     freed: int = 0
 
 
+@dataclass(frozen=True)
+class Proof:
+    """One keeper proven again before deletions: which copy (``tier``),
+    whether it held, and what it cost (bytes read; bytes proven by the
+    store's own full-object checksum without reading)."""
+
+    job: str
+    step: int
+    checkpoint_id: int
+    tier: str
+    ok: bool
+    detail: str
+    bytes_read: int = 0
+    bytes_skipped: int = 0
+
+
 @dataclass
 class ApplyReport:
     """Everything one :func:`apply_plan` run did or, in a dry run, would do."""
@@ -90,6 +134,7 @@ class ApplyReport:
     items: list[ItemResult] = field(default_factory=list)
     canary_failures: dict[str, str] = field(default_factory=dict)
     refused: str | None = None
+    proofs: list[Proof] = field(default_factory=list)
 
     def _with(self, action: str, *outcomes: str) -> list[ItemResult]:
         return [i for i in self.items if i.action == action and i.outcome in outcomes]
@@ -103,12 +148,17 @@ class ApplyReport:
         return self._with("delete", "done", "would")
 
     @property
+    def held(self) -> list[ItemResult]:
+        """Items skipped because another live run holds their checkpoint."""
+        return [i for i in self.items if i.outcome == "held"]
+
+    @property
     def failures(self) -> list[ItemResult]:
         return [i for i in self.items if i.outcome in ("failed", "partial", "fenced")]
 
     @property
     def ok(self) -> bool:
-        """True when nothing failed (skipped and deferred items are not failures)."""
+        """True when nothing failed (skipped, held and deferred items are not failures)."""
         return not self.failures and not self.canary_failures
 
     @property
@@ -116,16 +166,23 @@ class ApplyReport:
         return sum(i.freed for i in self.items)
 
     def summary(self) -> str:
-        """One line: counts by action and outcome, bytes freed."""
+        """One line: counts by action and outcome, bytes freed, keepers proven."""
         verb = "would " if self.dry_run else ""
         parts = [
             f"{verb}promote {len(self.promoted)}",
             f"{verb}delete {len(self.deleted)} ({self.bytes_freed} bytes freed)",
         ]
-        for outcome in ("skipped", "deferred", "failed", "partial", "fenced"):
+        for outcome in ("skipped", "held", "deferred", "failed", "partial", "fenced"):
             n = sum(1 for i in self.items if i.outcome == outcome)
             if n:
                 parts.append(f"{outcome} {n}")
+        if self.proofs:
+            bad = sum(1 for p in self.proofs if not p.ok)
+            parts.append(
+                f"proved {len(self.proofs) - bad} of {len(self.proofs)} keepers "
+                f"({sum(p.bytes_read for p in self.proofs)} bytes read, "
+                f"{sum(p.bytes_skipped for p in self.proofs)} by store checksum)"
+            )
         if self.canary_failures:
             parts.append(f"canary failed on {len(self.canary_failures)} store(s)")
         return ", ".join(parts)
@@ -138,7 +195,7 @@ class ApplyReport:
         raise ApplyFailed(f"apply: {self.summary()}; first failure: {first}; re-run apply to resume")
 
 
-# ---------------------------------------------------------------- pure re-checks
+# ---------------------------------------------------------------- pure decisions
 
 
 def delete_refusal(
@@ -187,6 +244,44 @@ def delete_refusal(
     return None
 
 
+def keepers(
+    records: Sequence[CheckpointRecord], policy: Policy | None, items: Sequence[PlanItem]
+) -> list[CheckpointRecord]:
+    """The checkpoints of one job whose soundness the plan's deletions rest on, newest first. Pure.
+
+    With a ``policy``: the newest verified checkpoint, the ``keep_last``
+    newest verified ones, and the ``min_verified`` newest verified ones
+    that keep a hot copy (the floor) — every checkpoint a deletion is
+    justified by. Without one: every verified checkpoint the plan (``items``)
+    does not delete. ``records`` are the job's current records; tombstones
+    and checkpoints in other states never count.
+    """
+    deleting = {i.checkpoint_id for i in items if i.action == "delete"}
+    verified = sorted((c for c in records if c.state == State.VERIFIED), key=lambda c: (c.step, c.id), reverse=True)
+    if policy is None:
+        chosen = [c for c in verified if c.id not in deleting]
+    else:
+        last = max([1] + [r.n for r in policy.rules if isinstance(r, KeepLast)])
+        floor = [c for c in verified if hot_present(c) and c.id not in deleting][: policy.min_verified]
+        chosen = verified[:last] + floor
+    unique: dict[int, CheckpointRecord] = {}
+    for c in chosen:
+        unique.setdefault(c.id, c)
+    return list(unique.values())
+
+
+def intent_progress(intent: DeleteIntent, listed: int, present: int) -> Literal["not-started", "started"]:
+    """Whether an interrupted delete had started deleting files. Pure.
+
+    ``listed`` is how many files the catalog lists for the checkpoint now,
+    ``present`` how many of them the store still has. Not started only when
+    every file it was to delete is still listed and present; a rescan that
+    dropped vanished files from the catalog shows as fewer listed.
+    """
+    wanted = intent.files if intent.files is not None else listed
+    return "not-started" if present == listed and listed >= wanted else "started"
+
+
 def _batches(keys: Sequence[str], size: int = MAX_DELETE_BATCH) -> list[Sequence[str]]:
     return [keys[i : i + size] for i in range(0, len(keys), size)]
 
@@ -207,27 +302,27 @@ class _ReadOnlyCatalog:
     def checkpoints(self, **kw: Any) -> list[CheckpointRecord]:
         return self._catalog.checkpoints(**kw)  # type: ignore[no-any-return]
 
-    def claim(self, checkpoint_id: int, owner: str, *, now: datetime, ttl: timedelta) -> int | None:
+    def delete_intents(self, **kw: Any) -> list[DeleteIntent]:
+        return self._catalog.delete_intents(**kw)  # type: ignore[no-any-return]
+
+    def lease_holder(self, checkpoint_id: int, *, now: datetime) -> Any:
+        return self._catalog.lease_holder(checkpoint_id, now=now)
+
+    def claim(self, checkpoint_id: int, owner: str, *, now: datetime, ttl: timedelta, **_: Any) -> int | None:
         self._gen += 1
         return self._gen
+
+    def renew(self, checkpoint_id: int, owner: str, generation: int, *, now: datetime, ttl: timedelta) -> datetime:
+        return now + ttl
 
     def release(self, checkpoint_id: int, owner: str, generation: int) -> bool:
         return True
 
-    def add_copy(self, *a: Any, **kw: Any) -> None:
-        return None
-
-    def set_copy_state(self, *a: Any, **kw: Any) -> None:
-        return None
-
-    def mark_deleted(self, *a: Any, **kw: Any) -> bool:
+    def _drop(self, *a: Any, **kw: Any) -> bool:
         return True
 
-    def record_decisions(self, *a: Any, **kw: Any) -> None:
-        return None
-
-    def log_event(self, *a: Any, **kw: Any) -> None:
-        return None
+    add_copy = set_copy_state = record_decisions = log_event = _drop
+    mark_deleted = mark_hot_copy_deleted = record_delete_intent = clear_delete_intent = _drop
 
 
 # --------------------------------------------------------------------------- apply
@@ -241,26 +336,32 @@ def apply_plan(
     archive_for: Callable[[str], Store | None],
     owner: str,
     now: Callable[[], datetime],
-    lease_ttl: timedelta,
+    lease_ttl: timedelta = DEFAULT_TTL,
     dry_run: bool = False,
     policy: str = "",
     max_missing_fraction: float = DEFAULT_MAX_MISSING_FRACTION,
     policy_for: Callable[[str], Policy | None] | None = None,
+    proven: set[int] | None = None,
 ) -> ApplyReport:
-    """Carry out ``plan``: promotions, then fenced deletions; return what happened.
+    """Carry out ``plan``: resume interrupted deletes, promote, prove, delete; return what happened.
 
     ``catalog`` is a :class:`ckptier.storage.catalog.api.Catalog`.
     ``hot_for(record)`` gives the hot store and the checkpoint's key prefix
     in it; ``archive_for(job)`` the job's archive store (``None``: no archive
-    tier). ``owner`` names this run in leases and events; ``now()`` is the
-    clock (called at each step, aware UTC); ``lease_ttl`` how long a claim
-    holds — a run that outlives it is fenced out. ``policy`` is recorded with
-    the decisions. ``policy_for(job)``, when given, re-plans each job on the
-    current catalog right before its deletions (after the promotions): an
-    item is deleted only if the fresh plan still deletes it with the same
-    scope; its ``max_missing_fraction`` then drives the shrink re-check.
-    Items are handled in (job, step) order; an item another
-    run holds is skipped, not waited for.
+    tier); an archive copy outside that store cannot be proven, so its hot
+    copy is kept. ``owner`` names this run in leases and events; ``now()``
+    is the clock (called at each step, aware UTC); ``lease_ttl`` how long a
+    claim holds between heartbeats — a run whose lease was lost is fenced
+    out. ``policy`` is recorded with the decisions. ``policy_for(job)``,
+    when given, re-plans each job on the current catalog after its keepers
+    were proven (and again whenever one failed): an item is deleted only if
+    the fresh plan still deletes it with the same scope; its
+    ``max_missing_fraction`` then drives the shrink re-check. Without it, a
+    keeper that fails defers the job's deletions. ``proven`` holds the ids
+    of checkpoints already proven earlier in the same run (not proven again)
+    and gains those proven now. Items are handled in
+    (job, step) order; an item another live run holds is ``held``, not
+    waited for.
 
     Errors of one item are recorded on it and the run goes on with the next
     (the store raising ``Unavailable`` after its retries stops deletions from
@@ -269,111 +370,14 @@ def apply_plan(
     into an exception. Idempotent: re-running the same plan after a crash
     finishes the remaining work and repeats nothing that was recorded.
     """
-    report = ApplyReport(dry_run=dry_run, refused=plan.refused)
-    cat: Any = _ReadOnlyCatalog(catalog) if dry_run else catalog
-    hot_cache: dict[str, Store] = {}
-    archive_cache: dict[str, Store | None] = {}
-
-    def wrap(store: Store) -> Store:
-        if not dry_run:
-            return store
-        key = f"{store.url}#{id(store)}"
-        if key not in hot_cache:
-            hot_cache[key] = DryRunStore(store)
-        return hot_cache[key]
-
-    def archive_of(job: str) -> Store | None:
-        if job not in archive_cache:
-            store = archive_for(job)
-            archive_cache[job] = None if store is None else wrap(store)
-        return archive_cache[job]
-
-    def event(kind: str, message: str, item: PlanItem | None = None, **data: Any) -> None:
-        log.info("%s: %s", kind, message)
-        cat.log_event(
-            kind,
-            message,
-            now=now(),
-            job=item.job if item else None,
-            checkpoint_id=item.checkpoint_id if item else None,
-            data=data or None,
-        )
-
-    items = sorted(plan.items, key=lambda i: (i.job, i.step, i.checkpoint_id))
-    promotes = [i for i in items if i.action == "promote"]
-    deletes = [i for i in items if i.action == "delete"]
-    if not dry_run and items:
-        cat.record_decisions(
-            [(i.checkpoint_id, i.action, list(i.reasons)) for i in items], policy=policy, now=now()
-        )
-    if plan.refused:
-        event("apply.refused", f"deletion suspended by the plan: {plan.refused}")
-
-    # 1. Canary every store we will delete from, before anything else.
-    delete_targets: dict[int, tuple[Store, str, CheckpointRecord]] = {}
-    canaried: dict[str, str | None] = {}
-    for item in deletes:
-        record = cat.get_by_id(item.checkpoint_id)
-        if record is None:
-            continue
-        try:
-            store, prefix = hot_for(record)
-        except CkptierError as exc:
-            report.items.append(_result(item, "failed", f"cannot open the hot store: {exc}"))
-            continue
-        store = wrap(store)
-        delete_targets[item.checkpoint_id] = (store, prefix, record)
-        if store.url not in canaried:
-            canaried[store.url] = _canary(store)
-            if canaried[store.url] is not None:
-                report.canary_failures[store.url] = canaried[store.url]  # type: ignore[assignment]
-                event("apply.canary_failed", f"{store.url}: {canaried[store.url]}; nothing deleted from it")
-
-    # 2. Promotions.
-    failed_jobs: dict[str, str] = {}
-    for item in promotes:
-        res = _promote_one(item, cat, hot_for, archive_of, wrap, owner, now, lease_ttl, dry_run, event)
-        report.items.append(res)
-        if res.outcome in ("failed", "fenced"):
-            failed_jobs.setdefault(item.job, f"promotion of step {item.step} failed")
-
-    # 3. Deletions, last, each fenced.
-    unavailable: dict[str, str] = {}
-    fresh: dict[str, dict[int, PlanItem] | None] = {}
-    for item in deletes:
-        if item.checkpoint_id not in delete_targets:
-            if not any(r.checkpoint_id == item.checkpoint_id for r in report.items):
-                report.items.append(_result(item, "skipped", "no longer in the catalog"))
-            continue
-        store, prefix, _ = delete_targets[item.checkpoint_id]
-        if item.job in failed_jobs:
-            report.items.append(_result(item, "deferred", f"{failed_jobs[item.job]}; deletes of job wait"))
-            continue
-        if canaried.get(store.url):
-            report.items.append(_result(item, "deferred", f"canary failed on {store.url}"))
-            continue
-        job_policy = policy_for(item.job) if policy_for is not None else None
-        if job_policy is not None:
-            if item.job not in fresh:
-                records = cat.checkpoints(job=item.job, with_files=False)
-                replan = plan_retention(records, job_policy, now=now())
-                fresh[item.job] = {i.checkpoint_id: i for i in replan.items}
-            again = (fresh[item.job] or {}).get(item.checkpoint_id)
-            if again is None or again.action != "delete" or again.scope != item.scope:
-                why = "; ".join(again.reasons) if again is not None else "no longer planned"
-                event("delete.refused", f"job {item.job} step {item.step}: a fresh plan keeps it ({why})", item)
-                report.items.append(_result(item, "skipped", f"a fresh plan no longer deletes it: {why}"))
-                continue
-        if store.url in unavailable:
-            report.items.append(_result(item, "deferred", f"{store.url} unavailable: {unavailable[store.url]}"))
-            continue
-        threshold = job_policy.max_missing_fraction if job_policy is not None else max_missing_fraction
-        res = _delete_one(item, cat, store, prefix, owner, now, lease_ttl, dry_run, event, threshold)
-        report.items.append(res)
-        if res.outcome == "failed" and res.detail.startswith("unavailable:"):
-            unavailable[store.url] = res.detail
-    event("apply.finished", report.summary(), None, ok=report.ok, dry_run=dry_run)
-    return report
+    run = _Run(plan, catalog=catalog, hot_for=hot_for, archive_for=archive_for, owner=owner, now=now,
+               lease_ttl=lease_ttl, dry_run=dry_run, policy_for=policy_for,
+               proven=proven if proven is not None else set())
+    try:
+        run.carry_out(policy=policy, max_missing_fraction=max_missing_fraction)
+    finally:
+        run.leases.close()
+    return run.report
 
 
 def _result(item: PlanItem, outcome: Outcome, detail: str, *, freed: int = 0) -> ItemResult:
@@ -402,96 +406,455 @@ def _canary(store: Store) -> str | None:
     return None
 
 
-def _promote_one(
-    item: PlanItem,
-    cat: Any,
-    hot_for: Callable[[CheckpointRecord], tuple[Store, str]],
-    archive_of: Callable[[str], Store | None],
-    wrap: Callable[[Store], Store],
-    owner: str,
-    now: Callable[[], datetime],
-    lease_ttl: timedelta,
-    dry_run: bool,
-    event: Callable[..., None],
-) -> ItemResult:
-    archive = archive_of(item.job)
-    if archive is None:
-        return _result(item, "failed", f"job {item.job}: plan says promote but no archive store is configured")
-    gen = cat.claim(item.checkpoint_id, owner, now=now(), ttl=lease_ttl)
-    if gen is None:
-        return _result(item, "skipped", "held by another run")
+def _present(store: Store, key: str) -> bool:
     try:
-        record = cat.get_by_id(item.checkpoint_id)
-        if record is None or record.state == State.DELETED:
-            return _result(item, "skipped", "no longer in the catalog")
-        if record.has_verified_archive():
-            return _result(item, "skipped", "already has a verified archive copy")
-        if record.state != State.VERIFIED:
-            return _result(item, "skipped", f"state is now {record.state.value}; only verified checkpoints are promoted")
-        if dry_run:
-            return _result(item, "would", f"would promote {record.bytes} bytes to {archive.url}")
+        store.stat(key)
+    except NotFound:
+        return False
+    return True
+
+
+class _Run:
+    """One :func:`apply_plan` run: its stores, leases, report and the steps in order."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        *,
+        catalog: Any,
+        hot_for: Callable[[CheckpointRecord], tuple[Store, str]],
+        archive_for: Callable[[str], Store | None],
+        owner: str,
+        now: Callable[[], datetime],
+        lease_ttl: timedelta,
+        dry_run: bool,
+        policy_for: Callable[[str], Policy | None] | None,
+        proven: set[int],
+    ) -> None:
+        self.plan = plan
+        self.cat: Any = _ReadOnlyCatalog(catalog) if dry_run else catalog
+        self.hot_for = hot_for
+        self._archive_for = archive_for
+        self.owner = owner
+        self.now = now
+        self.dry_run = dry_run
+        self.policy_for = policy_for
+        self.proven = proven
+        self.report = ApplyReport(dry_run=dry_run, refused=plan.refused)
+        self.leases = LeaseKeeper(self.cat, owner, now=now, ttl=lease_ttl, process=this_process())
+        self._wrapped: dict[str, Store] = {}
+        self._archives: dict[str, Store | None] = {}
+        self.canaried: dict[str, str | None] = {}
+
+    # -- helpers
+
+    def wrap(self, store: Store) -> Store:
+        if not self.dry_run:
+            return store
+        key = f"{store.url}#{id(store)}"
+        if key not in self._wrapped:
+            self._wrapped[key] = DryRunStore(store)
+        return self._wrapped[key]
+
+    def archive_of(self, job: str) -> Store | None:
+        if job not in self._archives:
+            store = self._archive_for(job)
+            self._archives[job] = None if store is None else self.wrap(store)
+        return self._archives[job]
+
+    def event(self, kind: str, message: str, item: PlanItem | None = None, *, job: str | None = None,
+              **data: Any) -> None:
+        log.info("%s: %s", kind, message)
+        self.cat.log_event(
+            kind,
+            message,
+            now=self.now(),
+            job=item.job if item else job,
+            checkpoint_id=item.checkpoint_id if item else None,
+            data=data or None,
+        )
+
+    def canary(self, store: Store) -> str | None:
+        """The store's canary verdict, run once per store per run (None: passed)."""
+        if store.url not in self.canaried:
+            why = _canary(store)
+            self.canaried[store.url] = why
+            if why is not None:
+                self.report.canary_failures[store.url] = why
+                self.event("apply.canary_failed", f"{store.url}: {why}; nothing deleted from it")
+        return self.canaried[store.url]
+
+    def held(self, item: PlanItem) -> ItemResult:
+        holder = self.leases.holder(item.checkpoint_id)
+        who = holder.describe() if holder is not None else "another run (released since)"
+        return _result(item, "held", f"held by another live run: {who}; re-run when it has finished")
+
+    # -- the run
+
+    def carry_out(self, *, policy: str, max_missing_fraction: float) -> None:
+        plan, report, cat = self.plan, self.report, self.cat
+        items = sorted(plan.items, key=lambda i: (i.job, i.step, i.checkpoint_id))
+        promotes = [i for i in items if i.action == "promote"]
+        deletes = [i for i in items if i.action == "delete"]
+        if not self.dry_run and items:
+            cat.record_decisions(
+                [(i.checkpoint_id, i.action, list(i.reasons)) for i in items], policy=policy, now=self.now()
+            )
+        if plan.refused:
+            self.event("apply.refused", f"deletion suspended by the plan: {plan.refused}")
+
+        # 1. Canary every store we will delete from, before anything else.
+        targets: dict[int, tuple[Store, str]] = {}
+        for item in deletes:
+            record = cat.get_by_id(item.checkpoint_id)
+            if record is None:
+                continue
+            try:
+                store, prefix = self.hot_for(record)
+            except CkptierError as exc:
+                report.items.append(_result(item, "failed", f"cannot open the hot store: {exc}"))
+                continue
+            targets[item.checkpoint_id] = (self.wrap(store), prefix)
+            self.canary(targets[item.checkpoint_id][0])
+
+        # 2. Deletes an earlier run started and never recorded.
+        jobs = sorted({i.job for i in items})
+        resumed: set[int] = set()  # settled here (or held): the plan's own item for it is not carried out
+        if not self.dry_run:
+            for job in jobs:
+                for intent in cat.delete_intents(job=job):
+                    res, settled = self.resume_delete(intent)
+                    report.items.append(res)
+                    if settled:
+                        resumed.add(intent.checkpoint_id)
+
+        # 3. Promotions.
+        failed_jobs: dict[str, str] = {}
+        for item in promotes:
+            res = self.promote_one(item)
+            report.items.append(res)
+            if res.outcome in ("failed", "fenced"):
+                failed_jobs.setdefault(item.job, f"promotion of step {item.step} failed")
+
+        # 4. Prove the keepers of every job that will delete, re-planning when one fails.
+        fresh: dict[str, dict[int, PlanItem] | None] = {}
+        for job in sorted({i.job for i in deletes} - set(failed_jobs)):
+            job_deletes = [i for i in deletes if i.job == job and i.checkpoint_id in targets]
+            if not any(self.canaried.get(targets[i.checkpoint_id][0].url) is None for i in job_deletes):
+                continue
+            job_policy = self.policy_for(job) if self.policy_for is not None else None
+            threshold = job_policy.max_missing_fraction if job_policy is not None else max_missing_fraction
+            why, replanned = self.prove_job(job, job_policy, [i for i in items if i.job == job], threshold)
+            if why is not None:
+                failed_jobs[job] = why
+            fresh[job] = replanned
+
+        # 5. Deletions, last, each fenced.
+        unavailable: dict[str, str] = {}
+        for item in deletes:
+            if item.checkpoint_id in resumed:
+                continue  # its interrupted delete was finished (or is held) above
+            if item.checkpoint_id not in targets:
+                if not any(r.checkpoint_id == item.checkpoint_id for r in report.items):
+                    report.items.append(_result(item, "skipped", "no longer in the catalog"))
+                continue
+            store, prefix = targets[item.checkpoint_id]
+            if item.job in failed_jobs:
+                report.items.append(_result(item, "deferred", f"{failed_jobs[item.job]}; deletes of job wait"))
+                continue
+            if self.canaried.get(store.url):
+                report.items.append(_result(item, "deferred", f"canary failed on {store.url}"))
+                continue
+            job_policy = self.policy_for(item.job) if self.policy_for is not None else None
+            if job_policy is not None:
+                if fresh.get(item.job) is None:
+                    records = cat.checkpoints(job=item.job, with_files=False)
+                    fresh[item.job] = {i.checkpoint_id: i for i in plan_retention(records, job_policy, now=self.now()).items}
+                again = (fresh[item.job] or {}).get(item.checkpoint_id)
+                if again is None or again.action != "delete" or again.scope != item.scope:
+                    why = "; ".join(again.reasons) if again is not None else "no longer planned"
+                    self.event("delete.refused", f"job {item.job} step {item.step}: a fresh plan keeps it ({why})", item)
+                    report.items.append(_result(item, "skipped", f"a fresh plan no longer deletes it: {why}"))
+                    continue
+            if store.url in unavailable:
+                report.items.append(_result(item, "deferred", f"{store.url} unavailable: {unavailable[store.url]}"))
+                continue
+            threshold = job_policy.max_missing_fraction if job_policy is not None else max_missing_fraction
+            res = self.delete_one(item, store, prefix, threshold)
+            report.items.append(res)
+            if res.outcome == "failed" and res.detail.startswith("unavailable:"):
+                unavailable[store.url] = res.detail
+        self.event("apply.finished", report.summary(), None, ok=report.ok, dry_run=self.dry_run)
+
+    # -- 2. interrupted deletes
+
+    def resume_delete(self, intent: DeleteIntent) -> tuple[ItemResult, bool]:
+        """Resolve one pending delete intent (see the module docstring, step 2).
+
+        Returns the result and whether the intent was settled here (False
+        when the delete had not started and the intent was dropped: the
+        plan's own item then decides, with fresh proofs).
+        """
+        item = PlanItem(job=intent.job, step=intent.step, checkpoint_id=intent.checkpoint_id, action="delete",
+                        reasons=("an interrupted delete",), bytes=0, scope=intent.scope)  # type: ignore[arg-type]
+        lease = self.leases.claim(intent.checkpoint_id)
+        if lease is None:
+            return self.held(item), True
         try:
-            hot, prefix = hot_for(record)
-            copy = promote(wrap(hot), prefix, record, archive, now=now(), owner=owner)
+            return self._resume(intent, item, lease)
+        finally:
+            self.leases.release(lease)
+
+    def _resume(self, intent: DeleteIntent, item: PlanItem, lease: Lease) -> tuple[ItemResult, bool]:
+        record = self.cat.get_by_id(intent.checkpoint_id)
+        if record is None:
+            return _result(item, "skipped", "no longer in the catalog"), True
+        item = PlanItem(job=item.job, step=item.step, checkpoint_id=item.checkpoint_id, action="delete",
+                        reasons=item.reasons, bytes=record.bytes, scope=item.scope)
+        try:
+            store, prefix = self.hot_for(record)
+            if (why := self.canary(store)) is not None:
+                return _result(item, "deferred", f"interrupted delete waits: canary failed on {store.url}: {why}"), True
+            keys = [hot_file_key(prefix, record, f.relpath) for f in record.files]
+            present = [k for k in keys if _present(store, k)]
         except CkptierError as exc:
-            event("promote.failed", f"job {item.job} step {item.step}: {exc}", item)
-            return _result(item, "failed", str(exc))
-        cat.add_copy(
-            item.checkpoint_id,
-            tier=Tier.ARCHIVE,
-            url=copy.url,
-            state="present",
-            stored_bytes=copy.stored_bytes,
-            codec=copy.codec,
-            manifest_key=copy.manifest_key,
-            verified_at=copy.verified_at,
-            now=now(),
-            storage_class=copy.storage_class,
-        )
-        what = "already archived" if copy.already_archived else "archived"
-        event(
-            "promote.done",
-            f"job {item.job} step {item.step}: {what} at {copy.url} ({copy.raw_bytes} → {copy.stored_bytes} bytes)",
-            item,
-            url=copy.url,
-            stored_bytes=copy.stored_bytes,
-            raw_bytes=copy.raw_bytes,
-        )
-        return _result(item, "done", f"{what} at {copy.url}")
-    finally:
-        cat.release(item.checkpoint_id, owner, gen)
+            return _result(item, "failed", f"cannot look at the interrupted delete's files: {exc}"), True
+        if intent_progress(intent, len(keys), len(present)) == "not-started":
+            self.cat.clear_delete_intent(intent.checkpoint_id, owner=self.owner, generation=lease.generation,
+                                         now=self.now(), why="every file still present: the delete had not started")
+            return _result(item, "skipped", "interrupted delete had not started; intent dropped, the plan decides "
+                                            "anew"), False
+        reasons = [f"finished a delete interrupted at {intent.at.isoformat() if intent.at else 'an unknown time'}"]
+        res = self.delete_keys(item, record, store, present, lease, reasons,
+                               freed_sizes={hot_file_key(prefix, record, f.relpath): f.size for f in record.files})
+        return res, True
 
+    # -- 3. promotions
 
-def _delete_one(
-    item: PlanItem,
-    cat: Any,
-    store: Store,
-    prefix: str,
-    owner: str,
-    now: Callable[[], datetime],
-    lease_ttl: timedelta,
-    dry_run: bool,
-    event: Callable[..., None],
-    max_missing_fraction: float,
-) -> ItemResult:
-    claimed_at = now()
-    gen = cat.claim(item.checkpoint_id, owner, now=claimed_at, ttl=lease_ttl)
-    if gen is None:
-        return _result(item, "skipped", "held by another run")
-    try:
-        record = cat.get_by_id(item.checkpoint_id)
-        job_records = cat.checkpoints(job=item.job, with_files=False) if record is not None else []
-        why = delete_refusal(item, record, job_records, max_missing_fraction=max_missing_fraction)
-        if why is not None:
-            if why != "already deleted":
-                event("delete.refused", f"job {item.job} step {item.step}: {why}", item)
-            return _result(item, "skipped", why)
-        assert record is not None
-        keys = [hot_file_key(prefix, record, f.relpath) for f in record.files]
+    def promote_one(self, item: PlanItem) -> ItemResult:
+        cat = self.cat
+        archive = self.archive_of(item.job)
+        if archive is None:
+            return _result(item, "failed", f"job {item.job}: plan says promote but no archive store is configured")
+        lease = self.leases.claim(item.checkpoint_id)
+        if lease is None:
+            return self.held(item)
+        try:
+            record = cat.get_by_id(item.checkpoint_id)
+            if record is None or record.state == State.DELETED:
+                return _result(item, "skipped", "no longer in the catalog")
+            if record.has_verified_archive():
+                return _result(item, "skipped", "already has a verified archive copy")
+            if record.state != State.VERIFIED:
+                return _result(item, "skipped", f"state is now {record.state.value}; only verified checkpoints are promoted")
+            if self.dry_run:
+                return _result(item, "would", f"would promote {record.bytes} bytes to {archive.url}")
+            try:
+                hot, prefix = self.hot_for(record)
+                copy = promote(self.wrap(hot), prefix, record, archive, now=self.now(), owner=self.owner)
+            except CkptierError as exc:
+                self.event("promote.failed", f"job {item.job} step {item.step}: {exc}", item)
+                return _result(item, "failed", str(exc))
+            cat.add_copy(
+                item.checkpoint_id,
+                tier=Tier.ARCHIVE,
+                url=copy.url,
+                state="present",
+                stored_bytes=copy.stored_bytes,
+                codec=copy.codec,
+                manifest_key=copy.manifest_key,
+                verified_at=copy.verified_at,
+                now=self.now(),
+                storage_class=copy.storage_class,
+            )
+            what = "already archived" if copy.already_archived else "archived"
+            self.event(
+                "promote.done",
+                f"job {item.job} step {item.step}: {what} at {copy.url} ({copy.raw_bytes} → {copy.stored_bytes} bytes)",
+                item,
+                url=copy.url,
+                stored_bytes=copy.stored_bytes,
+                raw_bytes=copy.raw_bytes,
+            )
+            return _result(item, "done", f"{what} at {copy.url}")
+        finally:
+            self.leases.release(lease)
+
+    # -- 4. proofs
+
+    def prove_job(
+        self, job: str, policy: Policy | None, items: Sequence[PlanItem], max_missing_fraction: float
+    ) -> tuple[str | None, dict[int, PlanItem] | None]:
+        """Prove the keepers of ``job`` again, re-planning while one fails.
+
+        Returns why the job's deletions must wait (None: they may go on) and
+        the fresh plan by checkpoint id (None without a policy). A job whose
+        listing shrank needs no proof: each of its deletions is refused.
+        """
+        from .verify import verify_many
+
+        if self.dry_run:
+            return None, None
+        proven = self.proven
+        for _ in range(len(items) + 1):  # each round turns at least one keeper corrupt
+            records = self.cat.checkpoints(job=job)
+            if shrink_guard(records, max_missing_fraction) is not None:
+                return None, None
+            fresh = plan_retention(records, policy, now=self.now()).items if policy is not None else list(items)
+            todo = [k for k in keepers(records, policy, fresh) if k.id not in proven]
+            if not todo:
+                return None, ({i.checkpoint_id: i for i in fresh} if policy is not None else None)
+            failed: list[str] = []
+            hot = [k for k in todo if hot_present(k)]
+            for record, outcome in verify_many(self.hot_for, hot, deep=False, workers=PROOF_WORKERS):
+                state = self.cat.record_verification(record.id, outcome.results, now=self.now())
+                problems = [f"{r.relpath}: {r.detail or r.status}" for r in outcome.results if r.status != "ok"]
+                ok = state == State.VERIFIED and outcome.ok
+                self.report.proofs.append(Proof(job, record.step, record.id, "hot", ok,
+                                                "; ".join(problems[:3]) or "intact", outcome.bytes_read,
+                                                outcome.bytes_skipped))
+                if state == State.CORRUPT:
+                    failed.append(f"step {record.step} ({'; '.join(problems[:2])})")
+                elif not ok:
+                    return (f"keeper step {record.step} could not be proven ({'; '.join(problems[:2])}); "
+                            f"re-run apply when its store answers"), None
+                else:
+                    proven.add(record.id)
+            for record in (k for k in todo if not hot_present(k)):
+                why = self.prove_archive_keeper(record)
+                if why is None:
+                    proven.add(record.id)
+                elif why.startswith("cannot"):
+                    return f"keeper step {record.step}: {why}", None
+                else:
+                    failed.append(f"step {record.step} ({why})")
+            if not failed:
+                return None, ({i.checkpoint_id: i for i in fresh} if policy is not None else None)
+            self.event("apply.keeper_failed",
+                       f"job {job}: keeper(s) failed their proof and are now corrupt: {', '.join(failed)}; "
+                       + ("planning the job again" if policy is not None else "its deletes wait"),
+                       None, job=job, keepers=failed)
+            if policy is None:
+                return f"keeper {failed[0]} failed its proof; re-run apply to plan again", None
+        return "keepers kept failing their proofs; re-run apply", None
+
+    def prove_archive_keeper(self, record: CheckpointRecord) -> str | None:
+        """Prove a keeper whose only copy is in the archive. None when intact; a
+        reason starting "cannot" when it could not be read (nothing learnt);
+        otherwise it failed: the copy is marked degraded and the checkpoint
+        corrupt."""
+        copy = record.archive_copy()
+        if copy is None or copy.state != "present":
+            return "cannot prove it: no present copy in any tier"
+        result = self.check_archive(record)
+        if isinstance(result, str):
+            return result
+        self.report.proofs.append(Proof(record.job, record.step, record.id, "archive", result.ok,
+                                        "; ".join(result.problems[:3]) or "intact", result.bytes_read,
+                                        result.bytes_skipped))
+        if result.ok:
+            return None
+        detail = "; ".join(result.problems[:2])
+        self.cat.record_verification(
+            record.id,
+            [FileCheck(rel, "corrupt", detail=f"archive copy {copy.url}: {detail}") for rel in result.bad_files],
+            now=self.now(),
+        )
+        return detail
+
+    def check_archive(self, record: CheckpointRecord) -> Any:
+        """Read back ``record``'s archive copy (store checksums allowed): the
+        :class:`~ckptier.tasks.archive.ArchiveCheck`, or why it could not be
+        read (a string starting "cannot"). A failed copy is marked degraded
+        with an ``archive.degraded`` event."""
+        copy = record.archive_copy()
+        archive = self.archive_of(record.job)
+        if copy is None or archive is None:
+            return "cannot prove the archive copy: no archive store is configured for the job"
+        try:
+            result = check_archive_copy(record, archive, store_checksums=True)
+        except StoreError as exc:
+            return f"cannot read the archive copy back: {exc}"
+        if not result.ok:
+            only = not hot_present(record)
+            self.cat.set_copy_state(record.id, tier=Tier.ARCHIVE, url=copy.url, state="degraded", now=self.now())
+            self.cat.log_event(
+                "archive.degraded",
+                f"{record.job} step {record.step}: archive copy {copy.url} is damaged"
+                + (" and it is the ONLY copy: restore it from elsewhere now" if only else "; the hot copy is kept")
+                + f" ({'; '.join(result.problems[:3])})",
+                now=self.now(), job=record.job, checkpoint_id=record.id,
+                data={"only_copy": only, "problems": list(result.problems)},
+            )
+        return result
+
+    # -- 5. deletions
+
+    def delete_one(self, item: PlanItem, store: Store, prefix: str, max_missing_fraction: float) -> ItemResult:
+        cat = self.cat
+        lease = self.leases.claim(item.checkpoint_id)
+        if lease is None:
+            return self.held(item)
+        try:
+            record = cat.get_by_id(item.checkpoint_id)
+            job_records = cat.checkpoints(job=item.job, with_files=False) if record is not None else []
+            why = delete_refusal(item, record, job_records, max_missing_fraction=max_missing_fraction)
+            if why is not None:
+                if why != "already deleted":
+                    self.event("delete.refused", f"job {item.job} step {item.step}: {why}", item)
+                return _result(item, "skipped", why)
+            assert record is not None
+            keys = [hot_file_key(prefix, record, f.relpath) for f in record.files]
+            if self.dry_run:
+                result = DeleteResult()
+                for batch in _batches(keys):
+                    result.merge(store.delete_many(batch))
+                return _result(item, "would", f"would delete {len(result.deleted)} files ({item.scope})",
+                               freed=record.bytes)
+            if item.scope == "hot-copy":
+                checked = self.check_archive(record)
+                if isinstance(checked, str):
+                    self.event("delete.refused", f"job {item.job} step {item.step}: {checked}; hot copy kept", item)
+                    return _result(item, "failed", f"{checked}; hot copy kept")
+                detail = "; ".join(checked.problems[:2])
+                self.report.proofs.append(Proof(record.job, record.step, record.id, "archive", checked.ok,
+                                                detail or "intact", checked.bytes_read, checked.bytes_skipped))
+                if not checked.ok:
+                    self.event("delete.refused", f"job {item.job} step {item.step}: archive copy failed its proof "
+                                                 f"({detail}); hot copy kept", item)
+                    return _result(item, "failed", f"archive copy failed its proof ({detail}); hot copy kept: "
+                                                   f"inspect the archive copy (ckptier verify --deep)")
+            if not cat.record_delete_intent(item.checkpoint_id, owner=self.owner, generation=lease.generation,
+                                            scope=item.scope, files=len(keys), now=self.now()):
+                self.event("delete.fenced", f"job {item.job} step {item.step}: lease lost before deleting", item)
+                return _result(item, "fenced", "lease was taken over before deleting; nothing deleted")
+            reasons = list(item.reasons)
+            if item.scope == "hot-copy":
+                reasons.append(f"archive copy proven at {self.now().isoformat()}")
+            return self.delete_keys(item, record, store, keys, lease, reasons,
+                                    freed_sizes={k: f.size for k, f in zip(keys, record.files)})
+        finally:
+            self.leases.release(lease)
+
+    def delete_keys(
+        self,
+        item: PlanItem,
+        record: CheckpointRecord,
+        store: Store,
+        keys: Sequence[str],
+        lease: Lease,
+        reasons: list[str],
+        *,
+        freed_sizes: dict[str, int],
+    ) -> ItemResult:
+        """Delete ``keys`` in batches while the lease holds, then record the
+        tombstone (of the checkpoint, or of its hot copy for a ``hot-copy``
+        scope); the delete intent must already be recorded."""
+        cat = self.cat
         result = DeleteResult()
         for batch in _batches(keys):
-            if now() >= claimed_at + lease_ttl:
-                event("delete.lease_expired", f"job {item.job} step {item.step}: lease expired mid-delete", item)
+            if not self.leases.valid(lease):
+                self.event("delete.lease_expired", f"job {item.job} step {item.step}: lease lost mid-delete", item)
                 break
             try:
                 result.merge(store.delete_many(batch))
@@ -499,22 +862,19 @@ def _delete_one(
                 partial = getattr(exc, "partial", None)
                 if isinstance(partial, DeleteResult):
                     result.merge(partial)
-                event(
+                self.event(
                     "delete.failed",
                     f"job {item.job} step {item.step}: {exc}; {len(result.deleted)} of {len(keys)} files "
-                    f"confirmed deleted, state left unchanged",
+                    f"confirmed deleted, the delete intent stays for the next run",
                     item,
                     deleted=list(result.deleted),
                 )
                 detail = f"unavailable: {exc}" if isinstance(exc, Unavailable) else str(exc)
                 return _result(item, "failed", detail)
         confirmed = set(result.deleted)
-        if dry_run:
-            return _result(item, "would", f"would delete {len(confirmed)} files ({item.scope})", freed=record.bytes)
-        sizes = {k: f.size for k, f in zip(keys, record.files)}
-        freed = sum(sizes[k] for k in confirmed - set(result.markers_only))
+        freed = sum(freed_sizes.get(k, 0) for k in confirmed - set(result.markers_only))
         if result.markers_only:
-            event(
+            self.event(
                 "delete.space_not_freed",
                 f"job {item.job} step {item.step}: space not freed: versioned bucket {store.url} kept old "
                 f"versions of {len(result.markers_only)} files behind delete markers; add a lifecycle rule",
@@ -523,36 +883,22 @@ def _delete_one(
             )
         if confirmed != set(keys):
             missing = sorted(set(keys) - confirmed)
-            event(
+            self.event(
                 "delete.partial",
                 f"job {item.job} step {item.step}: {len(confirmed)} of {len(keys)} files deleted; "
-                f"not deleted: {', '.join(missing[:5])}{' …' if len(missing) > 5 else ''}; state left unchanged, "
-                f"the next run resumes",
+                f"not deleted: {', '.join(missing[:5])}{' …' if len(missing) > 5 else ''}; the delete intent "
+                f"stays, the next run finishes",
                 item,
                 failed=dict(result.failed),
             )
             return _result(item, "partial", f"{len(missing)} of {len(keys)} files not deleted", freed=freed)
-        reasons = list(item.reasons)
-        if item.scope == "hot-copy":
-            # Only the hot copy went; the checkpoint lives on in the archive. The catalog has no
-            # fenced "hot copy deleted" call: check the lease is unexpired and still ours (release
-            # succeeds only for the holder's generation), then record the copy state.
-            fenced_ok = now() < claimed_at + lease_ttl and cat.release(item.checkpoint_id, owner, gen)
-            if not fenced_ok:
-                event("delete.fenced", f"job {item.job} step {item.step}: lease lost; hot copy state not recorded", item)
-                return _result(item, "fenced", "lease was taken over; catalog unchanged", freed=freed)
-            gen = -1  # released above
-            cat.set_copy_state(item.checkpoint_id, tier=Tier.HOT, url=record.location, state="deleted", now=now())
-            event("delete.hot_copy", f"job {item.job} step {item.step}: hot copy deleted; " + "; ".join(reasons), item)
-            return _result(item, "done", "hot copy deleted; archive copy remains", freed=freed)
-        if not cat.mark_deleted(item.checkpoint_id, owner=owner, generation=gen, now=now(), reasons=reasons):
-            event(
-                "delete.fenced",
-                f"job {item.job} step {item.step}: lease lost to another run; tombstone refused",
-                item,
-            )
+        mark = cat.mark_hot_copy_deleted if item.scope == "hot-copy" else cat.mark_deleted
+        if not mark(item.checkpoint_id, owner=self.owner, generation=lease.generation, now=self.now(), reasons=reasons):
+            self.event("delete.fenced", f"job {item.job} step {item.step}: lease lost to another run; tombstone "
+                                        f"refused (the delete intent stays for the next run)", item)
             return _result(item, "fenced", "lease was taken over; catalog unchanged", freed=freed)
+        if item.scope == "hot-copy":
+            self.event("delete.hot_copy", f"job {item.job} step {item.step}: hot copy deleted; " + "; ".join(reasons),
+                       item)
+            return _result(item, "done", "hot copy deleted; archive copy remains", freed=freed)
         return _result(item, "done", f"deleted {len(keys)} files", freed=freed)
-    finally:
-        if gen >= 0:
-            cat.release(item.checkpoint_id, owner, gen)

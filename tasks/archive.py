@@ -2,16 +2,20 @@
 
 Archive layout (relative to the archive store's root)::
 
+    {job}/step-{step:08d}/.ckptier/upload.json     the upload marker, written FIRST
     {job}/step-{step:08d}/{relpath}.ckz     one codec stream per checkpoint file
     {job}/step-{step:08d}/ckptier-manifest.json     the commit marker, written LAST
 
 A step directory counts as an archive copy only when its ``ckptier-manifest.json``
 exists: the manifest is created with a conditional create (``if_absent``)
 after every data object was read back, decoded and found bit-identical to
-the hot file. Anything in a step directory without a manifest is debris of
-an interrupted promotion, which :func:`janitor` removes once it is old
-enough. The manifest lists every file's original size and CRC64NVME, so a
-lost catalog can be rebuilt from the archive alone.
+the hot file. Before uploading anything, a promotion writes the upload
+marker naming the objects it is about to write; that marker is what proves
+an uncommitted object is ckptier's own. :func:`janitor` removes only those
+objects (and aborts only those multipart uploads) once they are old enough,
+never anything else: a file ckptier did not write is reported, not removed.
+The manifest lists every file's original size and CRC64NVME, so a lost
+catalog can be rebuilt from the archive alone.
 
 Nothing here deletes or modifies a hot copy, and nothing here reads the
 clock: times are passed in.
@@ -19,18 +23,19 @@ clock: times are passed in.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import tempfile
 import time
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from ckptier.storage import codec as _codec
-from ckptier.storage.base import ObjectInfo, Restorable, StorageClasses, Store, join_key, read_bytes
+from ckptier.storage.base import ObjectInfo, Restorable, StorageClasses, Store, join_key, key_problem, read_bytes
 from ckptier.storage.errors import (
     AlreadyExists,
     CkptierError,
@@ -39,7 +44,7 @@ from ckptier.storage.errors import (
     NotFound,
     StoreError,
 )
-from ckptier.storage.hashing import Digests, Hasher
+from ckptier.storage.hashing import Digests, Hasher, store_crc64nvme
 from ckptier.storage.local import file_mode
 from ckptier.storage.manifest import MANIFEST_NAME as _MANIFEST_NAME
 from ckptier.storage.manifest import Manifest, ManifestFile, StoredObject
@@ -58,6 +63,11 @@ DATA_SUFFIX = ".ckz"
 MANIFEST_LIMIT = 64 << 20
 #: Read size for streaming copies, bytes.
 CHUNK = 8 << 20
+#: The upload marker, relative to a step directory (under ``.ckptier/``, which
+#: format recognition skips as ckptier's own).
+UPLOAD_MARKER = ".ckptier/upload.json"
+#: Largest upload marker we will read (bytes).
+UPLOAD_MARKER_LIMIT = 16 << 20
 
 _STEP_DIR_RE = re.compile(r"^(?P<dir>(?:.+/)?step-\d{8})/(?P<rest>.+)$")
 
@@ -82,6 +92,46 @@ def data_key(job: str, step: int, relpath: str) -> str:
 def manifest_key(job: str, step: int) -> str:
     """Key of the commit marker of one archived checkpoint."""
     return join_key(archive_dir(job, step), MANIFEST_NAME)
+
+
+def upload_marker_key(job: str, step: int) -> str:
+    """Key of the upload marker of one checkpoint's archive directory."""
+    return join_key(archive_dir(job, step), UPLOAD_MARKER)
+
+
+@dataclass(frozen=True)
+class UploadMarker:
+    """What a promotion is about to write into a step directory: ``keys``
+    relative to the directory, by ``owner`` at ``started_at``. Written
+    before the first upload; proof for :func:`janitor` that those objects,
+    if left uncommitted, are ckptier's own debris."""
+
+    job: str
+    step: int
+    owner: str
+    started_at: datetime
+    keys: tuple[str, ...]
+
+    def to_json(self) -> bytes:
+        return json.dumps({
+            "ckptier": "upload", "job": self.job, "step": self.step, "owner": self.owner,
+            "started_at": self.started_at.isoformat(), "keys": list(self.keys),
+        }, indent=1).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, *, where: str) -> UploadMarker:
+        """Parse a marker; ``ValueError`` naming ``where`` when it is not one ckptier wrote."""
+        try:
+            doc = json.loads(data)
+            if not isinstance(doc, dict) or doc.get("ckptier") != "upload":
+                raise ValueError("not a ckptier upload marker")
+            keys = doc["keys"]
+            if not isinstance(keys, list) or not all(isinstance(k, str) and key_problem(k) is None for k in keys):
+                raise ValueError("its keys are not a list of safe relative keys")
+            return cls(job=str(doc["job"]), step=int(doc["step"]), owner=str(doc["owner"]),
+                       started_at=datetime.fromisoformat(doc["started_at"]), keys=tuple(keys))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{where}: unreadable upload marker ({exc})") from exc
 
 
 def prefix_from_location(store: Store, location: str) -> str:
@@ -287,10 +337,16 @@ def promote(
     full-object CRC64NVME of the bytes sent (the store's own checksum, so
     ``CKPTIER_S3_CHECKSUMS=when_required`` cannot archive to those classes).
 
+    Before the first upload, the upload marker (:data:`UPLOAD_MARKER`)
+    names every object about to be written; it stays, so the janitor can
+    tell ckptier's own objects from anything else.
+
     Idempotent: when the manifest already exists with the same job, step and
     file hashes (the acknowledgement of an earlier commit was lost, or an
-    earlier run finished), the data objects are checked for presence and the
-    existing copy is returned with ``already_archived=True``. A manifest with
+    earlier run finished), the data objects are proven again (the store's
+    full-object checksum against the manifest, else decoded) and the
+    existing copy is returned with ``already_archived=True``; a damaged one
+    raises :class:`IntegrityError` and nothing is recorded. A manifest with
     different content raises :class:`ArchiveConflict` before anything is
     uploaded (when seen up front) or instead of committing.
 
@@ -312,6 +368,9 @@ def promote(
     copy_url = _store_url(archive, adir)
     data_class = archive.storage_class if isinstance(archive, StorageClasses) else None
     sealed = data_class in RESTORE_CLASSES  # no GET until restored: prove by local decode + HEAD
+    # Bookkeeping objects (the upload marker, the manifest) stay in the bucket's
+    # default class, so that the janitor and every reader can always read them.
+    plain = archive.in_class(None) if data_class is not None else archive  # type: ignore[union-attr]
     enc_digests: dict[str, Digests] = {}
 
     # 1. Already committed? Then compare instead of uploading over it.
@@ -322,7 +381,11 @@ def promote(
     if existing is not None:
         return _existing_copy(archive, record, existing, mkey, copy_url, now=now, t0=t0, owner=owner)
 
-    # 2. Encode + upload each file, hashing the raw bytes as they stream by.
+    # 2. Say what we are about to write (the janitor's proof that it is ours), then
+    #    encode + upload each file, hashing the raw bytes as they stream by.
+    marker = UploadMarker(record.job, record.step, owner, now,
+                          tuple(sorted(f.relpath + DATA_SUFFIX for f in record.files)))
+    plain.write(upload_marker_key(record.job, record.step), marker.to_json())
     hot_digests: dict[str, Digests] = {}
     for f in sorted(record.files, key=lambda f: f.relpath):
         hkey = hot_file_key(hot_prefix, record, f.relpath)
@@ -374,9 +437,8 @@ def promote(
         replace(record, files=proven), created_at=now, codec=_codec.CODEC_ID,
         codec_params={"level": level}, stored=stored,
     )
-    marker = archive.in_class(None) if data_class is not None else archive  # type: ignore[union-attr]
     try:
-        marker.write(mkey, manifest.to_json(), if_absent=True)
+        plain.write(mkey, manifest.to_json(), if_absent=True)
     except AlreadyExists:
         existing = _read_manifest(archive, mkey)
         return _existing_copy(archive, record, existing, mkey, copy_url, now=now, t0=t0, owner=owner, ours=manifest)
@@ -461,7 +523,8 @@ def _existing_copy(
     owner: str,
     ours: Manifest | None = None,
 ) -> ArchiveCopy:
-    """Judge a committed manifest found in the archive: same content → reuse it, else conflict."""
+    """Judge a committed manifest found in the archive: same content and intact objects → reuse
+    it; different content → conflict; damaged objects → :class:`IntegrityError`."""
     if ours is not None:
         same = _content(existing) == _content(ours)
     elif all(f.crc64nvme for f in record.files):
@@ -479,23 +542,33 @@ def _existing_copy(
     adir = archive_dir(record.job, record.step)
     for f in existing.files:
         dkey = _stored_key(adir, f)
+        damaged = (f"the committed archive copy {copy_url} is damaged; the hot copy is kept: inspect the copy, "
+                   f"remove it if it is bad, then apply again to promote anew")
         try:
             info = archive.stat(dkey)
             classes.add(info.storage_class)
         except NotFound:
             raise IntegrityError(
-                f"{_store_url(archive, dkey)}: listed in the committed manifest but missing; "
-                f"the archive copy is damaged, run a deep archive check",
+                f"{_store_url(archive, dkey)}: listed in the committed manifest but missing; {damaged}",
                 url=archive.url,
                 key=dkey,
             ) from None
         if f.stored is not None and info.size != f.stored.size:
             raise IntegrityError(
                 f"{_store_url(archive, dkey)}: {info.size} bytes but the committed manifest says "
-                f"{f.stored.size}; the archive copy is damaged, run a deep archive check",
+                f"{f.stored.size}; {damaged}",
                 url=archive.url,
                 key=dkey,
             )
+        if not _checksum_matches(archive, dkey, f):
+            back, _ = _decode_check(archive, dkey)
+            if back.size != f.size or back.crc64nvme != f.crc64nvme:
+                raise IntegrityError(
+                    f"{_store_url(archive, dkey)}: decodes to {back.size} bytes crc64nvme {back.crc64nvme}, the "
+                    f"committed manifest says {f.size} bytes crc64nvme {f.crc64nvme}; {damaged}",
+                    url=archive.url,
+                    key=dkey,
+                )
         stored_total += info.size
     return ArchiveCopy(
         url=copy_url,
@@ -589,60 +662,100 @@ def _archive_copy_url(record: CheckpointRecord) -> str | None:
 
 @dataclass(frozen=True)
 class ArchiveCheck:
-    """The deep read of one archive copy: ``ok`` when every stored object
+    """The proof of one archive copy: ``ok`` when every stored object
     decoded (zstd frame and segment checksums) to the size and CRC64NVME the
-    manifest and the catalog record. ``bytes_read`` counts stored bytes;
-    ``problems`` has one line per bad file (or the manifest)."""
+    manifest and the catalog record, or, where allowed, its full-object
+    checksum kept by the store equals the manifest's. ``bytes_read`` counts
+    stored bytes read; ``bytes_skipped`` those proven by the store's
+    checksum; ``problems`` has one line per bad file (or the manifest);
+    ``bad_files`` the relpaths of the bad files (every file of the record
+    when the manifest itself is bad)."""
 
     url: str
     ok: bool
     bytes_read: int
     problems: tuple[str, ...] = ()
+    bytes_skipped: int = 0
+    bad_files: tuple[str, ...] = ()
 
 
-def check_archive_copy(record: CheckpointRecord, archive: Store) -> ArchiveCheck:
+def _checksum_matches(archive: Store, key: str, m: ManifestFile) -> bool:
+    """True when the store keeps a full-object CRC64NVME of ``key`` equal to
+    the one the manifest recorded for the stored object (and the sizes agree)."""
+    if m.stored is None:
+        return False
+    info = archive.stat(key)
+    try:
+        kept = store_crc64nvme(info.checksum)
+    except ValueError:
+        return False
+    return kept is not None and kept == m.stored.crc64nvme and info.size == m.stored.size
+
+
+def check_archive_copy(record: CheckpointRecord, archive: Store, *, store_checksums: bool = False) -> ArchiveCheck:
     """Read back ``record``'s archive copy in ``archive`` and compare every file.
 
     Never writes. Transient and access errors propagate (nothing is proven
-    either way); a missing or unreadable manifest, a missing object, an
-    object that does not decode, or decoded bytes whose size or CRC64NVME
-    differ from the manifest or the catalog make the copy not ``ok``. An
-    object in a class that cannot be read without a restore (GLACIER) is
-    checked by HEAD only: present, with the size and full-object CRC64NVME
-    the manifest recorded. Raises :class:`NotFound` when the catalog records
-    no archive copy.
+    either way); a missing or unreadable manifest, a manifest entry whose
+    size or CRC64NVME differs from the catalog, a missing object, an object
+    that does not decode, or decoded bytes whose size or CRC64NVME differ
+    from the manifest or the catalog make the copy not ``ok``. With
+    ``store_checksums``, an object whose full-object CRC64NVME kept by the
+    store equals the one the manifest recorded at commit (when the object
+    was read back and decoded bit-exact) counts as proven without reading
+    it; other objects are decoded. An object in a class that cannot be read
+    without a restore (GLACIER) is checked by HEAD only: present, with the
+    size and full-object CRC64NVME the manifest recorded. Raises
+    :class:`NotFound` when the catalog records no archive copy.
     """
     copy_url = _archive_copy_url(record)
     if copy_url is None:
         raise NotFound(f"job {record.job} step {record.step}: the catalog records no archive copy")
     adir = prefix_from_location(archive, copy_url)
+    everything = tuple(sorted(f.relpath for f in record.files))
     try:
         manifest = _read_manifest(archive, join_key(adir, MANIFEST_NAME))
     except (NotFound, IntegrityError, ValueError) as exc:
-        return ArchiveCheck(copy_url, False, 0, (f"{MANIFEST_NAME}: {exc}",))
-    catalog_crc = {f.relpath: f.crc64nvme for f in record.files}
+        return ArchiveCheck(copy_url, False, 0, (f"{MANIFEST_NAME}: {exc}",), bad_files=everything)
+    catalog_files = {f.relpath: f for f in record.files}
     problems: list[str] = []
-    read = 0
+    bad: list[str] = []
+    read = skipped = 0
     for m in manifest.files:
         key = _stored_key(adir, m)
+        want = catalog_files.get(m.relpath)
+        if want is not None and (m.size != want.size or (want.crc64nvme and m.crc64nvme != want.crc64nvme)):
+            problems.append(f"{m.relpath}: the manifest says {m.size} bytes crc64nvme {m.crc64nvme}, the catalog "
+                            f"{want.size} bytes crc64nvme {want.crc64nvme}")
+            bad.append(m.relpath)
+            continue
         try:
+            if store_checksums and _checksum_matches(archive, key, m):
+                skipped += m.stored.size if m.stored is not None else 0
+                continue
             raw, stored = _decode_check(archive, key)
         except NeedsRestore:  # unreadable until restored: the store's checksum against the manifest's
-            problems.extend(_head_check(archive, key, m))
+            head_problems = _head_check(archive, key, m)
+            problems.extend(head_problems)
+            if head_problems:
+                bad.append(m.relpath)
             continue
         except (NotFound, IntegrityError) as exc:
             problems.append(f"{m.relpath}: {exc}")
+            bad.append(m.relpath)
             continue
         read += stored.size
-        expected = catalog_crc.get(m.relpath)
-        if raw.size != m.size or raw.crc64nvme != m.crc64nvme or (expected and raw.crc64nvme != expected):
+        if raw.size != m.size or raw.crc64nvme != m.crc64nvme:
             problems.append(
                 f"{m.relpath}: decoded {raw.size} bytes crc64nvme {raw.crc64nvme}, "
                 f"expected {m.size} bytes crc64nvme {m.crc64nvme}"
             )
-    missing = sorted(set(catalog_crc) - {m.relpath for m in manifest.files})
+            bad.append(m.relpath)
+    missing = sorted(set(catalog_files) - {m.relpath for m in manifest.files})
     problems.extend(f"{rel}: not in the archive manifest" for rel in missing)
-    return ArchiveCheck(copy_url, not problems, read, tuple(problems))
+    bad.extend(missing)
+    return ArchiveCheck(copy_url, not problems, read, tuple(problems), bytes_skipped=skipped,
+                        bad_files=tuple(sorted(set(bad) & set(catalog_files))))
 
 
 def _head_check(archive: Store, key: str, m: ManifestFile) -> list[str]:
@@ -824,14 +937,17 @@ class JanitorReport:
     """What :func:`janitor` did.
 
     ``aborted_uploads``: (key, upload id) of multipart uploads aborted;
-    ``removed_dirs``: step directories without a manifest that were removed;
-    ``removed_keys``: their objects; ``young_dirs``: uncommitted directories
-    left alone because they are newer than the threshold (a promotion may be
-    running); ``failed``: key → reason for objects that could not be removed;
-    ``unexpected``: directories the catalog records as archive copies that
-    have lost their manifest (left alone: damage to look at, not debris);
-    ``removed_temp_files``: a local store's own ``.ckptier-tmp-*`` files left
-    by interrupted writes.
+    ``removed_dirs``: uncommitted step directories whose every object was
+    ckptier's own (named by their upload marker) and was removed;
+    ``removed_keys``: the objects removed; ``young_dirs``: uncommitted
+    directories left alone because they are newer than the threshold (a
+    promotion may be running); ``failed``: key → reason for objects that
+    could not be removed; ``unexpected``: directories the catalog records as
+    archive copies that have lost their manifest (left alone: damage to look
+    at, not debris); ``not_ours``: objects without a commit marker that no
+    upload marker names — ckptier did not write them, so they are left
+    where they are; ``removed_temp_files``: a local store's own
+    ``.ckptier-tmp-*`` files left by interrupted writes.
     """
 
     aborted_uploads: list[tuple[str, str]] = field(default_factory=list)
@@ -842,6 +958,7 @@ class JanitorReport:
     failed: dict[str, str] = field(default_factory=dict)
     unexpected: list[str] = field(default_factory=list)
     removed_temp_files: list[str] = field(default_factory=list)
+    not_ours: list[str] = field(default_factory=list)
 
 
 def _step_dir(key: str) -> str | None:
@@ -849,28 +966,49 @@ def _step_dir(key: str) -> str | None:
     return m.group("dir") if m else None
 
 
-def _group_step_dirs(archive: Store) -> Iterator[tuple[str, list[Any]]]:
+def _group_step_dirs(archive: Store) -> tuple[list[tuple[str, list[Any]]], list[str]]:
+    """Objects grouped by step directory (sorted), and the keys in no step directory."""
     groups: dict[str, list[Any]] = {}
+    loose: list[str] = []
     for info in archive.list(""):
         d = _step_dir(info.key)
-        if d is not None:
+        if d is None:
+            loose.append(info.key)
+        else:
             groups.setdefault(d, []).append(info)
-    yield from sorted(groups.items())
+    return sorted(groups.items()), sorted(loose)
+
+
+def _our_keys(archive: Store, d: str) -> set[str] | None:
+    """The keys in step directory ``d`` that its upload marker says ckptier
+    wrote (the marker included), or None when there is no readable marker."""
+    key = f"{d}/{UPLOAD_MARKER}"
+    try:
+        marker = UploadMarker.from_json(read_bytes(archive, key, limit=UPLOAD_MARKER_LIMIT), where=key)
+    except (NotFound, ValueError):
+        return None
+    return {f"{d}/{k}" for k in marker.keys} | {key}
 
 
 def janitor(archive: Store, *, now: datetime, older_than: timedelta,
             cataloged: Collection[str] = ()) -> JanitorReport:
-    """Remove what interrupted promotions left in ``archive``; never touch a committed copy.
+    """Remove what interrupted promotions left in ``archive``; never touch a
+    committed copy, and never anything ckptier did not write.
 
+    * Only ckptier's own objects are ever removed: those an upload marker
+      (written by :func:`promote` before its first upload) names, the marker
+      itself, and a local store's own temporary files (``.ckptier-tmp-*``).
+      Everything else without a commit marker is listed in ``not_ours`` and
+      left alone, however old.
     * Multipart uploads started more than ``older_than`` before ``now`` are
-      aborted (only on stores that have ``list_multipart_uploads``); a local
-      store's own temporary files (``.ckptier-tmp-*``) that old are removed.
-      Nothing else without a commit marker is ever treated as temporary.
-    * A step directory (``…/step-NNNNNNNN/``) without ``ckptier-manifest.json`` whose
-      newest object is older than ``older_than`` (by object mtime) is
-      removed. Directories holding a manifest are never touched, whatever
-      else they contain. Objects without an mtime count as new (kept).
-
+      aborted when an upload marker names their key (only on stores that
+      have ``list_multipart_uploads``); a local store's own temporary files
+      that old are removed.
+    * A step directory (``…/step-NNNNNNNN/``) without ``ckptier-manifest.json``
+      whose marked objects are all older than ``older_than`` (by object
+      mtime) loses them, the marker last (so a janitor killed half-way
+      finishes next time). Directories holding a manifest are never touched,
+      whatever else they contain. Objects without an mtime count as new.
     * A step directory in ``cataloged`` (keys relative to ``archive``, as
       :func:`archive_dir` gives them) is a copy the catalog holds as
       present: its missing manifest is damage to report, never something to
@@ -884,10 +1022,17 @@ def janitor(archive: Store, *, now: datetime, older_than: timedelta,
         raise ValueError(f"janitor older_than = {older_than}: must be > 0, e.g. timedelta(hours=24)")
     report = JanitorReport()
     cutoff = now - older_than
+    groups, loose = _group_step_dirs(archive)
+    report.not_ours.extend(loose)
+    ours = {d: _our_keys(archive, d) for d, _ in groups}
+
     list_uploads = getattr(archive, "list_multipart_uploads", None)
     if list_uploads is not None:
+        marked = set().union(*(k for k in ours.values() if k))
         for key, upload_id, initiated in list_uploads(""):
-            if initiated is not None and initiated < cutoff:
+            if key not in marked:
+                report.not_ours.append(f"{key} (multipart upload {upload_id})")
+            elif initiated is not None and initiated < cutoff:
                 archive.abort_multipart(key, upload_id)  # type: ignore[attr-defined]
                 report.aborted_uploads.append((key, upload_id))
 
@@ -898,17 +1043,22 @@ def janitor(archive: Store, *, now: datetime, older_than: timedelta,
             archive.remove_temp_file(rel)  # type: ignore[attr-defined]
             report.removed_temp_files.append(rel)
     protected = set(cataloged)
-    for d, infos in _group_step_dirs(archive):
+    for d, infos in groups:
         if any(i.key == f"{d}/{MANIFEST_NAME}" for i in infos):
             report.committed_dirs += 1
             continue
         if d in protected:
             report.unexpected.append(d)
             continue
-        if any(i.mtime is None or i.mtime >= cutoff_ts for i in infos):
+        mine = ours[d] or set()
+        report.not_ours.extend(sorted(i.key for i in infos if i.key not in mine))
+        victims = [i for i in infos if i.key in mine]
+        if not victims:
+            continue
+        if any(i.mtime is None or i.mtime >= cutoff_ts for i in victims):
             report.young_dirs.append(d)
             continue
-        keys = sorted(i.key for i in infos)
+        marker = f"{d}/{UPLOAD_MARKER}"
         # Re-check the commit marker right before deleting: a promotion may just have committed.
         try:
             archive.stat(f"{d}/{MANIFEST_NAME}")
@@ -917,9 +1067,16 @@ def janitor(archive: Store, *, now: datetime, older_than: timedelta,
         else:
             report.committed_dirs += 1
             continue
-        res = archive.delete_many(keys)
-        report.removed_keys.extend(res.deleted)
-        report.failed.update(res.failed)
-        if not res.failed:
-            report.removed_dirs.append(d)
+        data = sorted(i.key for i in victims if i.key != marker)
+        res = archive.delete_many(data) if data else None
+        if res is not None:
+            report.removed_keys.extend(res.deleted)
+            report.failed.update(res.failed)
+        if res is None or not res.failed:
+            last = archive.delete_many([marker])
+            report.removed_keys.extend(last.deleted)
+            report.failed.update(last.failed)
+            if not last.failed and len(victims) == len(infos):
+                report.removed_dirs.append(d)
+    report.not_ours.sort()
     return report

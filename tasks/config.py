@@ -74,6 +74,7 @@ import math
 import os
 import re
 import tomllib
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
@@ -568,6 +569,60 @@ def parse_config(text: str, *, where: str = DEFAULT_FILE) -> Config:
         prices=parse_prices(doc.get("prices"), where=where),
         patterns=patterns,
     )
+
+
+def location_overlap(archive: str, hot: str) -> str | None:
+    """How the archive location ``archive`` overlaps the hot location ``hot``:
+    ``"equals"``, ``"contains"``, ``"lies inside"``, or None when they are
+    apart. Pure: the URLs are parsed (:func:`parse_url`), never opened;
+    paths are compared component by component (``/a/b`` is not inside
+    ``/a/bc``), S3 locations only within one bucket. Raises
+    :class:`ConfigError` for a malformed URL.
+    """
+    a, h = parse_url(archive), parse_url(hot)
+    if a.scheme != h.scheme or a.bucket != h.bucket:
+        return None
+    sep = "/"
+    ap = [p for p in (a.path if a.scheme == "file" else a.prefix).split(sep) if p]
+    hp = [p for p in (h.path if h.scheme == "file" else h.prefix).split(sep) if p]
+    if ap == hp:
+        return "equals"
+    if hp[: len(ap)] == ap:
+        return "contains"
+    if ap[: len(hp)] == hp:
+        return "lies inside"
+    return None
+
+
+def check_archive_locations(config: Config, hot_locations: Iterable[str]) -> None:
+    """Refuse a ``[[policy]]`` archive that equals, contains or lies inside a
+    hot location (a URL scanned for checkpoints), with one line naming both.
+
+    Local paths are compared after resolving symlinks, so two spellings of
+    one directory are caught. An archive there would be scanned as hot
+    checkpoints (and deleted by retention), or hold hot checkpoints the
+    janitor and the archive tier would treat as their own.
+    """
+    where = str(config.source) if config.source is not None else DEFAULT_FILE
+    hots = sorted(set(hot_locations))
+    for index, policy in enumerate(config.policies):
+        if not policy.archive:
+            continue
+        archive = _resolved(policy.archive)
+        for hot in hots:
+            how = location_overlap(archive, _resolved(hot))
+            if how is not None:
+                raise ConfigError(
+                    f"{where}: policy[{index}].archive = {_show(policy.archive)} {how} the hot location {hot} "
+                    f"(scanned for checkpoints); put the archive outside every scanned location, "
+                    f"e.g. a sibling directory or another bucket"
+                )
+
+
+def _resolved(url: str) -> str:
+    """``url`` with a local path's symlinks resolved (S3 URLs unchanged)."""
+    parsed = parse_url(url)
+    return os.path.realpath(parsed.path) if parsed.scheme == "file" else url
 
 
 def load_config(path: str | Path | None = None) -> Config:

@@ -26,7 +26,8 @@ from ckptier.storage.formats import PatternRule
 from ckptier.storage.model import CheckpointRecord, State
 from ckptier.storage.url import open_store, parse_url
 
-from .config import Config
+from .config import Config, check_archive_locations
+from .leases import DEFAULT_TTL as DEFAULT_LEASE_TTL
 from .retention import Plan, PlanItem, Policy, drill_passed, plan_retention
 from .scan import ScanReport, scan_url
 
@@ -319,21 +320,30 @@ def run_apply(
     owner: str,
     job: str | None = None,
     dry_run: bool = False,
-    lease_ttl: timedelta = timedelta(hours=1),
+    lease_ttl: timedelta = DEFAULT_LEASE_TTL,
     stores: StoreCache | None = None,
 ) -> dict[str, Any]:
-    """Plan and carry out retention for every job (or ``job``): promote, then delete.
+    """Plan and carry out retention for every job (or ``job``): promote, prove, then delete.
 
     Each policy's plan goes through :func:`ckptier.tasks.apply.apply_plan`
-    (canary, leases, read-back, fenced deletes). Returns a JSON-ready report
-    with ``items``, per-policy ``summary`` lines, ``bytes_freed`` and
-    ``failed`` (True when any item failed: re-running resumes).
+    (canary, leases with a heartbeat, read-back, keepers proven again,
+    fenced deletes). Refuses (:class:`ConfigError`) a policy whose archive
+    equals, contains or lies inside a hot location the catalog knows.
+    Returns a JSON-ready report with ``items``, per-policy ``summary``
+    lines, ``bytes_freed``, ``failed`` (True when any item failed:
+    re-running resumes), ``held`` (lines naming the other live runs that
+    hold checkpoints this run skipped) and ``proofs`` (every copy proven
+    again before a deletion: job, step, tier, ok, detail, bytes read and
+    bytes proven by the store's checksum).
     """
+    check_archive_locations(config, catalog.hot_locations())
     stores = stores or StoreCache()
     lines: list[str] = []
     items: list[dict[str, Any]] = []
     failed = False
     freed = 0
+    proven: set[int] = set()  # keepers proven in this run, by either pass
+    proofs: list[dict[str, Any]] = []
     # A second pass lets hot copies of milestones promoted in the first one go
     # in the same run (the plan is made anew from the catalog each pass).
     passes = 1 if dry_run else 2
@@ -347,17 +357,21 @@ def run_apply(
             if n > 0 and not any(i.action == "delete" for i in plan.items):
                 continue
             report = _apply_one(catalog, config, policy, plan, stores=stores, now=now, owner=owner, dry_run=dry_run,
-                                lease_ttl=lease_ttl, lines=lines, items=items)
+                                lease_ttl=lease_ttl, lines=lines, items=items, proven=proven)
+            proofs.extend(asdict(p) for p in report.proofs)
             promoted |= bool(report.promoted)
             failed |= not report.ok
             freed += report.bytes_freed
         if not promoted or failed:
             break
-    return {"dry_run": dry_run, "items": items, "lines": lines, "bytes_freed": freed, "failed": failed}
+    held = [f"{i['job']} step {i['step']}: {i['action']} {i['detail']}" for i in items if i["outcome"] == "held"]
+    return {"dry_run": dry_run, "items": items, "lines": lines, "bytes_freed": freed, "failed": failed,
+            "held": held, "proofs": proofs}
 
 
 def _apply_one(catalog: Catalog, config: Config, policy: Policy, plan: Plan, *, stores: StoreCache, now: Clock, owner: str,
-               dry_run: bool, lease_ttl: timedelta, lines: list[str], items: list[dict[str, Any]]) -> Any:
+               dry_run: bool, lease_ttl: timedelta, lines: list[str], items: list[dict[str, Any]],
+               proven: set[int]) -> Any:
     """Carry out one policy's plan, appending report lines and item rows."""
     from .apply import apply_plan
 
@@ -365,8 +379,11 @@ def _apply_one(catalog: Catalog, config: Config, policy: Policy, plan: Plan, *, 
     report = apply_plan(
         plan, catalog=catalog, hot_for=stores.for_record, archive_for=lambda _job: archive_store,
         owner=owner, now=now, lease_ttl=lease_ttl, dry_run=dry_run, policy=str(policy),
-        max_missing_fraction=policy.max_missing_fraction, policy_for=config.policy_for,
+        max_missing_fraction=policy.max_missing_fraction, policy_for=config.policy_for, proven=proven,
     )
+    for p in report.proofs:
+        if not p.ok:
+            lines.append(f"{p.job} step {p.step}: keeper failed its proof ({p.tier} copy): {p.detail}")
     for r in report.items:
         if r.action == "keep" and r.outcome == "skipped":
             continue
@@ -445,14 +462,19 @@ def archive_root(copy_url: str, record: CheckpointRecord) -> str:
 
 def run_janitor(catalog: Catalog, config: Config, *, now: datetime, older_than: timedelta,
                 stores: StoreCache | None = None) -> dict[str, Any]:
-    """Clean every archive tier named by a policy: abandoned uploads, manifest-less copies.
+    """Clean every archive tier named by a policy of what interrupted promotions left.
 
-    Copies the catalog holds as present are never removed, even when their
-    manifest is gone: that is reported as damage instead.
+    Only ckptier's own objects go (those an upload marker names, and local
+    temporary files); anything else is reported, never removed. Copies the
+    catalog holds as present are never removed, even when their manifest is
+    gone: that is reported as damage instead. Refuses (:class:`ConfigError`)
+    an archive that equals, contains or lies inside a hot location the
+    catalog knows, before touching anything.
     """
 
     from .archive import archive_dir, janitor
 
+    check_archive_locations(config, catalog.hot_locations())
     stores = stores or StoreCache()
     lines: list[str] = []
     reports = {}
@@ -468,7 +490,10 @@ def run_janitor(catalog: Catalog, config: Config, *, now: datetime, older_than: 
         reports[url] = asdict(r)
         lines.append(f"{url}: aborted {len(r.aborted_uploads)} uploads, removed {len(r.removed_dirs)} copies without "
                      f"manifest ({len(r.removed_keys)} objects) and {len(r.removed_temp_files)} stale temporary files, "
-                     f"left {len(r.young_dirs)} young ones, {len(r.failed)} failures")
+                     f"left {len(r.young_dirs)} young ones and {len(r.not_ours)} objects ckptier did not write, "
+                     f"{len(r.failed)} failures")
+        lines.extend(f"{url}/{k}: not written by ckptier (no commit or upload marker names it); left in place"
+                     for k in r.not_ours[:20])
         lines.extend(f"{url}/{d}: cataloged archive copy has lost its manifest; left in place, check it"
                      for d in r.unexpected)
     if not reports:

@@ -9,7 +9,6 @@ Prefect.
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any
 
 from prefect import task
@@ -89,14 +88,12 @@ def plan_task(catalog_url: str | None, config_path: str | None, job: str | None)
 
 
 @task(name="apply-retention", retries=1, retry_delay_seconds=60, retry_condition_fn=retry_if_transient)
-def apply_task(catalog_url: str | None, config_path: str | None, job: str | None, dry_run: bool,
-               lease_minutes: int) -> dict[str, Any]:
-    """Promote milestones, then delete what the policy lets go (fenced, batched)."""
+def apply_task(catalog_url: str | None, config_path: str | None, job: str | None, dry_run: bool) -> dict[str, Any]:
+    """Promote milestones, then delete what the policy lets go (fenced, batched; short leases kept alive by a heartbeat)."""
     log = get_run_logger()
     config = load_config(config_path)
     with Catalog.open(catalog_url or config.catalog_url) as cat:
-        report = pipeline.run_apply(cat, config, now=pipeline.utcnow, owner=pipeline.run_owner(), job=job, dry_run=dry_run,
-                                    lease_ttl=timedelta(minutes=lease_minutes))
+        report = pipeline.run_apply(cat, config, now=pipeline.utcnow, owner=pipeline.run_owner(), job=job, dry_run=dry_run)
     for line in report["lines"]:
         log.info(line)
     return report

@@ -10,7 +10,7 @@ from __future__ import annotations
 import posixpath
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Self
 from urllib.parse import urlparse
@@ -18,6 +18,7 @@ from urllib.parse import urlparse
 from ckptier.storage.base import ObjectInfo, Store, read_bytes
 from ckptier.storage.catalog.api import Catalog, ScanSummary
 from ckptier.storage.formats import METADATA_NAMES, PatternRule, recognise
+from ckptier.storage.local import LocalStore
 from ckptier.storage.model import Recognition, Unrecognised
 from ckptier.storage.url import open_store
 
@@ -137,16 +138,25 @@ def recognise_store(
     are read by ``prefetch`` threads while the listing runs (0: read one by
     one afterwards); ``store`` must then allow concurrent reads, which every
     store in :mod:`ckptier.storage` does. The result does not depend on
-    ``prefetch``.
+    ``prefetch``. Entries a local listing skipped (symlink loops, dangling
+    or directory symlinks) are reported as not recognised, with the reason.
     """
+    skipped: list[Unrecognised] = []
+    if isinstance(store, LocalStore):
+        listing = store.list("", on_skip=lambda key, why: skipped.append(Unrecognised(key, why)))
+    else:
+        listing = store.list("")
     with Prefetcher(store, workers=prefetch, limit=METADATA_LIMIT) as fetcher:
-        return recognise(
-            fetcher.watch(counted(store.list(""), tick)),
+        found = recognise(
+            fetcher.watch(counted(listing, tick)),
             fetcher.read,
             root_name=name,
             now=now,
             patterns=patterns,
         )
+    if not skipped:
+        return found
+    return replace(found, unrecognised=tuple(sorted(found.unrecognised + tuple(skipped), key=lambda u: u.key)))
 
 
 def scan_url(

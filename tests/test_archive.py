@@ -29,11 +29,13 @@ from ckptier.storage.model import CheckpointRecord, CopyRecord, FileRecord, Form
 from ckptier.storage.wrappers import RetryingStore
 from ckptier.tasks.archive import (
     ArchiveConflict,
+    UploadMarker,
     data_key,
     fetch,
     janitor,
     manifest_key,
     promote,
+    upload_marker_key,
 )
 
 NOW = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
@@ -205,7 +207,7 @@ def test_promote_writes_data_then_manifest_and_fetch_returns_original_bytes(setu
     assert copy.verified_at == NOW and not copy.already_archived
     assert copy.raw_bytes == sum(len(d) for d in files.values())
     keys = {i.key for i in archive.list()}
-    assert keys == {data_key("llm", 100, r) for r in files} | {manifest_key("llm", 100)}
+    assert keys == {data_key("llm", 100, r) for r in files} | {manifest_key("llm", 100), upload_marker_key("llm", 100)}
     assert copy.stored_bytes == sum(archive.stat(data_key("llm", 100, r)).size for r in files)
     # The compressible file really got smaller; the manifest describes the originals.
     assert archive.stat(data_key("llm", 100, "rank-0000/optimizer.pt")).size < len(files["rank-0000/optimizer.pt"]) // 2
@@ -360,6 +362,12 @@ def _age(path: Path, seconds: float) -> None:
     os.utime(path, (t, t))
 
 
+def mark_upload(store: Store, job: str, step: int, *relpaths: str) -> None:
+    """Write the upload marker an interrupted promotion of job/step would have left."""
+    marker = UploadMarker(job, step, "run-0", NOW, tuple(r + ".ckz" for r in relpaths))
+    store.write(upload_marker_key(job, step), marker.to_json())
+
+
 def test_janitor_removes_only_old_uncommitted_step_dirs(setup: Any) -> None:
     hot, prefix, record, archive, _ = setup
     promote(hot, prefix, record, archive, now=NOW, owner="run-1")
@@ -367,8 +375,10 @@ def test_janitor_removes_only_old_uncommitted_step_dirs(setup: Any) -> None:
     # Debris of an interrupted promotion, old, and of one still running, young.
     (root / "llm/step-00000200").mkdir(parents=True)
     (root / "llm/step-00000200/model.pt.ckz").write_bytes(b"x" * 10)
+    mark_upload(archive, "llm", 200, "model.pt")
     (root / "llm/step-00000300").mkdir(parents=True)
     (root / "llm/step-00000300/model.pt.ckz").write_bytes(b"y" * 10)
+    mark_upload(archive, "llm", 300, "model.pt")
     # An old stray file inside the committed directory must survive too.
     (root / "llm/step-00000100/stray.ckz").write_bytes(b"z")
     for p in root.rglob("*"):
@@ -389,6 +399,37 @@ def test_janitor_removes_only_old_uncommitted_step_dirs(setup: Any) -> None:
     assert again.removed_dirs == [] and again.young_dirs == ["llm/step-00000300"]
 
 
+def test_janitor_never_removes_a_file_ckptier_did_not_write(setup: Any) -> None:
+    hot, prefix, record, archive, _ = setup
+    promote(hot, prefix, record, archive, now=NOW, owner="run-1")
+    root = archive.root
+    # Checkpoints copied in by hand (or a hot tier mistaken for the archive): no upload marker.
+    for step in (200, 300):
+        for rel in ("rank-0000/model.pt", "metadata.json"):
+            (root / f"llm/step-{step:08d}/{rel}").parent.mkdir(parents=True, exist_ok=True)
+            (root / f"llm/step-{step:08d}/{rel}").write_bytes(b"precious")
+    (root / "notes.txt").write_bytes(b"mine")
+    # An interrupted promotion's debris next to a file it did not write: only the debris goes.
+    (root / "llm/step-00000400").mkdir(parents=True)
+    (root / "llm/step-00000400/model.pt.ckz").write_bytes(b"debris")
+    (root / "llm/step-00000400/README").write_bytes(b"someone else's")
+    mark_upload(archive, "llm", 400, "model.pt")
+    for p in root.rglob("*"):
+        if p.is_file():
+            _age(p, 30 * 86400)
+
+    rep = janitor(archive, now=NOW, older_than=timedelta(hours=1))
+    assert rep.removed_dirs == [] and rep.removed_temp_files == []
+    assert sorted(rep.removed_keys) == ["llm/step-00000400/.ckptier/upload.json", "llm/step-00000400/model.pt.ckz"]
+    for step in (200, 300):
+        assert (root / f"llm/step-{step:08d}/rank-0000/model.pt").read_bytes() == b"precious"
+    assert (root / "notes.txt").read_bytes() == b"mine"
+    assert (root / "llm/step-00000400/README").exists()
+    assert set(rep.not_ours) == {"notes.txt", "llm/step-00000200/metadata.json", "llm/step-00000200/rank-0000/model.pt",
+                                 "llm/step-00000300/metadata.json", "llm/step-00000300/rank-0000/model.pt",
+                                 "llm/step-00000400/README"}
+
+
 class UploadsStore(LocalStore):
     """A local store that also has unfinished multipart uploads, like S3."""
 
@@ -404,13 +445,17 @@ class UploadsStore(LocalStore):
         self.aborted.append((key, upload_id))
 
 
-def test_janitor_aborts_only_uploads_older_than_the_threshold(tmp_path: Path) -> None:
+def test_janitor_aborts_only_our_uploads_older_than_the_threshold(tmp_path: Path) -> None:
     store = UploadsStore(
         tmp_path,
-        [("a/step-00000001/x.ckz", "old", NOW - timedelta(hours=5)), ("a/step-00000002/x.ckz", "new", NOW - timedelta(minutes=5))],
+        [("a/step-00000001/x.ckz", "old", NOW - timedelta(hours=5)), ("a/step-00000002/x.ckz", "new", NOW - timedelta(minutes=5)),
+         ("a/step-00000003/x.ckz", "foreign", NOW - timedelta(days=5))],
     )
+    mark_upload(store, "a", 1, "x")
+    mark_upload(store, "a", 2, "x")
     rep = janitor(store, now=NOW, older_than=timedelta(hours=1))
     assert rep.aborted_uploads == [("a/step-00000001/x.ckz", "old")] == store.aborted
+    assert rep.not_ours == ["a/step-00000003/x.ckz (multipart upload foreign)"]
 
 
 # ----------------------------------------------------------------------------- S3
@@ -435,6 +480,7 @@ def test_promote_to_s3_multipart_reads_back_and_fetches(s3_bucket: Any, tmp_path
     assert copy.url == f"s3://{s3_bucket.name}/archive/llm/step-00000100"
     listed = s3_bucket.client.list_objects_v2(Bucket=s3_bucket.name, Prefix="archive/")
     assert sorted(o["Key"] for o in listed["Contents"]) == [
+        "archive/llm/step-00000100/.ckptier/upload.json",
         "archive/llm/step-00000100/ckptier-manifest.json",
         "archive/llm/step-00000100/config.json.ckz",
         "archive/llm/step-00000100/model.pt.ckz",
@@ -511,8 +557,9 @@ def test_sigkill_mid_multipart_leaves_no_archive_copy_and_janitor_aborts_it(s3_b
         proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL
 
-    # No archive object and no manifest are visible; the hot copy is intact.
-    assert client.list_objects_v2(Bucket=s3_bucket.name).get("KeyCount", 0) == 0
+    # No archive object and no manifest are visible, only the upload marker; the hot copy is intact.
+    visible = [o["Key"] for o in client.list_objects_v2(Bucket=s3_bucket.name).get("Contents", [])]
+    assert visible == ["archive/llm/step-00000100/.ckptier/upload.json"]
     assert snapshot(tmp_path / "hot") == before
     archive = s3_store(s3_bucket)
     stuck = archive.list_multipart_uploads()
@@ -532,8 +579,76 @@ def test_janitor_on_s3_removes_uncommitted_dirs_but_never_committed_ones(s3_buck
     archive = s3_store(s3_bucket)
     promote(hot, "llm/step-00000100", make_record(files), archive, now=NOW, owner="run-1")
     archive.write("llm/step-00000200/model.pt.ckz", b"partial")
+    mark_upload(archive, "llm", 200, "model.pt")
+    archive.write("llm/step-00000300/model.pt", b"copied in by hand")
     later = datetime.now(UTC) + timedelta(days=2)
     rep = janitor(archive, now=later, older_than=timedelta(days=1))
     assert rep.removed_dirs == ["llm/step-00000200"] and rep.committed_dirs == 1
+    assert rep.not_ours == ["llm/step-00000300/model.pt"]
     left = {i.key for i in archive.list()}
     assert manifest_key("llm", 100) in left and not any(k.startswith("llm/step-00000200") for k in left)
+    assert "llm/step-00000300/model.pt" in left
+
+
+# ---------------------------------------------------------------- an archive must never overlap a hot tier
+
+
+@pytest.mark.parametrize(
+    ("archive", "hot", "how"),
+    [
+        ("/data/ckpt", "/data/ckpt", "equals"),
+        ("/data/ckpt/", "file:///data/ckpt", "equals"),
+        ("/data", "/data/ckpt", "contains"),
+        ("/data/ckpt/archive", "/data/ckpt", "lies inside"),
+        ("/data/ckpt-archive", "/data/ckpt", None),  # a sibling whose name starts alike is apart
+        ("/archive", "/data/ckpt", None),
+        ("s3://bkt/archive", "s3://bkt/hot", None),
+        ("s3://bkt", "s3://bkt/hot", "contains"),
+        ("s3://bkt/hot/cold", "s3://bkt/hot/", "lies inside"),
+        ("s3://other/hot", "s3://bkt/hot", None),
+        ("s3://bkt/hot", "/bkt/hot", None),
+    ],
+)
+def test_location_overlap(archive: str, hot: str, how: str | None) -> None:
+    from ckptier.tasks.config import location_overlap
+
+    assert location_overlap(archive, hot) == how
+
+
+@pytest.mark.parametrize("where", ["equal", "inside", "symlink"])
+def test_janitor_and_apply_refuse_an_archive_overlapping_a_scanned_hot_location(
+    tmp_path: Path, where: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckptier.flows.cli import main
+    from ckptier.storage.errors import ConfigError
+    from ckptier.tasks.config import Config
+    from ckptier.tasks.pipeline import run_apply, run_janitor
+    from ckptier.tasks.retention import KeepLast, Policy
+
+    from tests.test_apply import build_world
+
+    world = build_world(tmp_path, f"sqlite:///{tmp_path / 'catalog.db'}", steps=(100, 200, 300, 400, 500))
+    hot = world.hot.root
+    archive = {"equal": hot, "inside": hot / "llm" / "archive", "symlink": tmp_path / "alias"}[where]
+    if where == "symlink":
+        os.symlink(hot, archive)  # another spelling of the hot directory
+    before = snapshot(hot)
+    config = Config(policies=(Policy(rules=(KeepLast(2),), archive=str(archive)),))
+    later = datetime.now(UTC) + timedelta(days=2)  # everything looks old enough to clean
+    with pytest.raises(ConfigError) as err:
+        run_janitor(world.catalog, config, now=later, older_than=timedelta(hours=1))
+    message = str(err.value)
+    assert "\n" not in message and f'archive = "{archive}"' in message and world.hot.url in message
+    with pytest.raises(ConfigError, match="outside every scanned location"):
+        run_apply(world.catalog, config, now=lambda: later, owner="run-1")
+    assert snapshot(hot) == before  # nothing touched
+    # The command line says it in one line and exits 2.
+    toml = tmp_path / "ckptier.toml"
+    toml.write_text(f'[[policy]]\nkeep_last = 2\narchive = "{archive}"\n')
+    monkeypatch.setenv("CKPTIER_CATALOG_URL", world.url)
+    monkeypatch.setenv("CKPTIER_CONFIG", str(toml))
+    assert main(["janitor", "--older-than", "1s"]) == 2
+    _, stderr = capsys.readouterr()
+    assert stderr.count("\n") == 1 and "hot location" in stderr and str(toml) in stderr
+    assert snapshot(hot) == before
+    world.catalog.close()

@@ -303,6 +303,10 @@ def test_janitor_removes_orphans_but_never_a_cataloged_copy(env: dict[str, Path]
     orphan = env["archive"] / "demo-run" / "step-00000999"  # an interrupted promotion's leftovers
     orphan.mkdir()
     (orphan / "model.pt.ckz").write_bytes(b"partial")
+    (orphan / ".ckptier").mkdir()  # the upload marker it wrote first proves they are ckptier's own
+    (orphan / ".ckptier" / "upload.json").write_bytes(
+        b'{"ckptier": "upload", "job": "demo-run", "step": 999, "owner": "x", "started_at": "2001-09-09T01:46:40+00:00", '
+        b'"keys": ["model.pt.ckz"]}')
     temp = env["archive"] / "demo-run" / ".ckptier-tmp-abc123"  # an interrupted local write
     temp.write_bytes(b"half")
     os.utime(temp, (old, old))

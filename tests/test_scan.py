@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import pytest
 
+from ckptier.storage.base import Store
 from ckptier.storage.errors import AccessDenied, Unavailable
 from ckptier.storage.local import LocalStore
 from ckptier.storage.wrappers import MeteredStore
@@ -74,3 +76,65 @@ def test_prefetch_holds_at_most_its_byte_budget(tmp_path: Path) -> None:
         assert len(list(listed)) == 10
         assert len(pre._pending) == 3  # 3 × 1000 bytes fit the budget, the rest is read on demand
         assert all(pre.read(f"job/step-{i:08d}/metadata.json") == b"x" * 1000 for i in range(10))
+
+
+# -------------------------------------------------------------- bad input never aborts a scan
+
+
+def _guide_step(store: Store, job: str, step_text: str) -> None:
+    prefix = f"{job}/step-{step_text}"
+    store.write(f"{prefix}/rank-0000/model.pt", b"w" * 64)
+    store.write(f"{prefix}/metadata.json", b'{"step": %d}' % int(step_text))
+
+
+def _scan_out_of_range_steps(store: Store, tmp_path: Path) -> None:
+    from datetime import UTC, datetime
+
+    from ckptier.storage.catalog.api import Catalog
+    from ckptier.tasks.scan import scan_url
+
+    for text in ("00000100", "00000200", "9223372036854775807", "9223372036854775808", "99999999999999999999"):
+        _guide_step(store, "llm", text)
+    with Catalog.open(f"sqlite:///{tmp_path / 'catalog.db'}") as cat:
+        report = scan_url(store.url, cat, now=datetime(2026, 3, 1, tzinfo=UTC), store=store)
+        assert [c.step for c in cat.checkpoints(job="llm")] == [100, 200, 2**63 - 1]
+    skipped = {u.key: u.reason for u in report.unrecognised}
+    assert set(skipped) == {"llm/step-9223372036854775808/", "llm/step-99999999999999999999/"}
+    assert all("out of range" in why and "2^63" in why for why in skipped.values())
+
+
+def test_steps_past_2_63_are_not_recognised_and_the_rest_is_cataloged(tmp_path: Path) -> None:
+    _scan_out_of_range_steps(LocalStore(tmp_path / "hot"), tmp_path)
+
+
+@pytest.mark.s3
+def test_steps_past_2_63_on_s3(s3_bucket: Any, tmp_path: Path) -> None:
+    from ckptier.storage.s3 import S3Store
+
+    _scan_out_of_range_steps(S3Store(s3_bucket.name, "hot", client=s3_bucket.client), tmp_path)
+
+
+def test_symlink_loops_are_skipped_and_reported_never_abort_the_scan(tmp_path: Path) -> None:
+    root = tmp_path / "hot"
+    store = LocalStore(root)
+    _guide_step(store, "llm", "00000100")
+    _guide_step(store, "llm", "00000200")
+    os.symlink("self", root / "llm" / "self")  # a loop of one
+    os.symlink("b", root / "llm/step-00000100/rank-0000/a")  # a loop of two, inside a checkpoint
+    os.symlink("a", root / "llm/step-00000100/rank-0000/b")
+    os.symlink(root, root / "llm/up")  # a directory symlink back to the root: never followed
+    os.symlink("nowhere", root / "llm/dangling")
+    os.symlink("metadata.json", root / "llm/step-00000200/meta-link.json")  # a symlink to a file is listed
+
+    found = recognise_store(store, now=NOW, name="root", prefetch=0)
+    assert [(c.step, c.committed) for c in found.checkpoints] == [(100, True), (200, True)]
+    assert "meta-link.json" in {f.relpath for f in found.checkpoints[1].files}
+    skipped = {u.key: u.reason for u in found.unrecognised}
+    for key in ("llm/self", "llm/step-00000100/rank-0000/a", "llm/step-00000100/rank-0000/b", "llm/up", "llm/dangling"):
+        assert key in skipped, skipped
+        assert "symlink" in skipped[key] and "not followed" in skipped[key]
+    assert "loop" in skipped["llm/self"]
+    # A listing of the store alone skips them too, telling whoever asks.
+    seen: list[tuple[str, str]] = []
+    assert len(list(store.list("", on_skip=lambda key, why: seen.append((key, why))))) == 5
+    assert sorted(k for k, _ in seen) == sorted(skipped)

@@ -118,13 +118,15 @@ def test_promote_confirms_the_class_and_keeps_the_manifest_readable(
     copy = _promote(catalog, store(s3_bucket, storage_class=cls))
     assert copy.storage_class == cls and not copy.already_archived
     data = [o["Key"] for o in s3_bucket.client.list_objects_v2(Bucket=s3_bucket.name)["Contents"]]
-    assert sorted(data) == ["arch/run/step-00000100/ckptier-manifest.json",
+    assert sorted(data) == ["arch/run/step-00000100/.ckptier/upload.json",
+                            "arch/run/step-00000100/ckptier-manifest.json",
                             "arch/run/step-00000100/metadata.json.ckz",
                             "arch/run/step-00000100/rank-0000/model.pt.ckz",
                             "arch/run/step-00000100/rank-0000/optimizer.pt.ckz"]
     for key in data:
         h = head(s3_bucket, key)
-        assert h.get("StorageClass", "STANDARD") == ("STANDARD" if key.endswith("manifest.json") else cls)
+        bookkeeping = key.endswith(("manifest.json", "upload.json"))  # readable without a restore
+        assert h.get("StorageClass", "STANDARD") == ("STANDARD" if bookkeeping else cls)
     # the manifest (readable without a restore) records the stored bytes' CRC64NVME, as the store does
     manifest = json.loads(s3_bucket.client.get_object(Bucket=s3_bucket.name, Key="arch/" + manifest_key("run", 100))["Body"].read())
     for f in manifest["files"]:

@@ -13,7 +13,7 @@ checkpoint see exactly one winner on SQLite and PostgreSQL alike.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -60,6 +60,7 @@ from .models import jobs as jb
 from .models import scans as sc
 
 COPY_STATES = ("present", "missing", "deleted", "degraded")
+DELETE_SCOPES = ("checkpoint", "hot-copy")
 FILE_STATUSES = ("ok", "corrupt", "missing", "error")
 #: How many file names a state reason or event message lists before "+N more".
 _NAMES_SHOWN = 3
@@ -94,6 +95,58 @@ class ScanSummary:
     vanished: int = 0
     reappeared: int = 0
     resurrected: int = 0
+
+
+@dataclass(frozen=True)
+class ProcessId:
+    """The process holding a lease: ``host`` name, ``pid`` and ``started``, an
+    opaque token of the process's start (None when the platform cannot tell),
+    so that a pid reused by a later process is not mistaken for the holder."""
+
+    host: str
+    pid: int
+    started: str | None = None
+
+
+@dataclass(frozen=True)
+class LeaseHolder:
+    """Who holds a checkpoint's lease: the run's ``owner`` name, the
+    ``generation`` it claimed, when the lease runs out, and the holding
+    ``process`` when one was recorded."""
+
+    owner: str
+    generation: int
+    expires: datetime | None
+    process: ProcessId | None = None
+
+    @property
+    def host(self) -> str | None:
+        return self.process.host if self.process else None
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    def describe(self) -> str:
+        """One phrase naming the holder, e.g. ``run-7 (host gpu1 pid 4242, lease until 2026-...)``."""
+        parts = [f"host {self.process.host} pid {self.process.pid}"] if self.process else []
+        if self.expires is not None:
+            parts.append(f"lease until {self.expires.isoformat(timespec='seconds')}")
+        return self.owner + (f" ({', '.join(parts)})" if parts else "")
+
+
+@dataclass(frozen=True)
+class DeleteIntent:
+    """A delete that a run recorded before deleting files and never recorded
+    as finished: ``scope`` is ``"checkpoint"`` or ``"hot-copy"``, ``files``
+    how many files it was to delete (fewer listed now: it had started)."""
+
+    checkpoint_id: int
+    job: str
+    step: int
+    scope: str
+    at: datetime | None
+    files: int | None = None
 
 
 @dataclass(frozen=True)
@@ -261,6 +314,9 @@ class Catalog:
           ``missing_since = now`` (state kept) and its hot copy ``missing``;
           when it reappears both are undone. A ``deleted`` tombstone that
           reappears is revived to the state its files imply, with an event.
+          One that vanished while a delete intent was pending (a run killed
+          after deleting its files) is tombstoned instead (its hot copy only,
+          for a ``hot-copy`` intent) and the intent cleared.
         * Each job is one transaction: an error leaves earlier jobs written
           and the failing job untouched, and propagates.
         * When anything changed, one ``scans`` row records the statistics
@@ -294,6 +350,7 @@ class Catalog:
         for name in affected:
             with self._write() as conn:
                 self._scan_job(conn, name, by_job.get(name, {}), base, scope, now, tally)
+                self._settle_delete_intents(conn, name, scope, now, tally)
 
         summary = ScanSummary(
             store_url=store_url,
@@ -696,6 +753,14 @@ class Catalog:
         with self._read() as conn:
             return list(conn.execute(select(jb.c.name).order_by(jb.c.name)).scalars())
 
+    def hot_locations(self) -> list[str]:
+        """Every hot location the catalog knows, sorted and distinct: the URLs
+        scans recorded and each job's hot directory."""
+        with self._read() as conn:
+            scanned = set(conn.execute(select(sc.c.url).distinct()).scalars())
+            scanned |= set(conn.execute(select(jb.c.hot_url).where(jb.c.hot_url.is_not(None)).distinct()).scalars())
+        return sorted(scanned)
+
     def _load(
         self, conn: Connection, conds: Sequence[ColumnElement[bool]], *, with_files: bool
     ) -> list[CheckpointRecord]:
@@ -919,34 +984,110 @@ class Catalog:
 
     # -- leases and fenced deletion -------------------------------------------------
 
-    def claim(self, checkpoint_id: int, owner: str, *, now: datetime, ttl: timedelta) -> int | None:
+    @staticmethod
+    def _held(checkpoint_id: int, owner: str, generation: int, now: datetime) -> ColumnElement[bool]:
+        """The fence: ``owner`` holds an unexpired lease on the checkpoint at ``generation``."""
+        return and_(
+            ck.c.id == checkpoint_id,
+            ck.c.lease_owner == owner,
+            ck.c.generation == generation,
+            ck.c.lease_expires > now,
+        )
+
+    def claim(
+        self,
+        checkpoint_id: int,
+        owner: str,
+        *,
+        now: datetime,
+        ttl: timedelta,
+        process: ProcessId | None = None,
+        take_over: Callable[[LeaseHolder], bool] | None = None,
+    ) -> int | None:
         """Take the lease on a checkpoint for ``ttl``; return the new generation,
-        or None when anyone (``owner`` included) holds an unexpired lease.
+        or None when another holder (``owner`` included) keeps it.
 
         One conditional UPDATE: atomic on PostgreSQL (row lock, re-checked
         after waiting) and SQLite (``BEGIN IMMEDIATE``). Every successful
         claim bumps the generation, fencing out the previous holder.
+        ``process`` (this run's host, pid and process start) is recorded with
+        the lease. When the lease is held and unexpired, ``take_over(holder)``
+        (called outside any transaction: it may look at the process table)
+        may say the holder is gone; the lease is then taken over with a
+        compare-and-swap on the holder's generation, and a
+        ``lease.taken_over`` event names the old holder.
         """
         now = _aware(now)
         if ttl <= timedelta(0):
             raise ValueError(f"lease ttl={ttl} must be positive")
         if not owner:
             raise ValueError("lease owner is empty; pass a unique run id")
-        stmt = (
-            update(ck)
-            .where(
-                ck.c.id == checkpoint_id,
-                or_(ck.c.lease_owner.is_(None), ck.c.lease_expires.is_(None), ck.c.lease_expires <= now),
-            )
-            .values(lease_owner=owner, lease_expires=now + ttl, generation=ck.c.generation + 1)
-            .returning(ck.c.generation)
-        )
+        values = {
+            "lease_owner": owner, "lease_expires": now + ttl, "generation": ck.c.generation + 1,
+            "lease_host": process.host if process else None, "lease_pid": process.pid if process else None,
+            "lease_started": process.started if process else None,
+        }
+        free = or_(ck.c.lease_owner.is_(None), ck.c.lease_expires.is_(None), ck.c.lease_expires <= now)
         with self._write() as conn:
-            generation = conn.execute(stmt).scalar()
-            if generation is None:
-                self._require(conn, checkpoint_id)
-                return None
-            return int(generation)
+            generation = conn.execute(
+                update(ck).where(ck.c.id == checkpoint_id, free).values(**values).returning(ck.c.generation)
+            ).scalar()
+            if generation is not None:
+                return int(generation)
+            self._require(conn, checkpoint_id)
+        if take_over is None:
+            return None
+        current = self.lease_holder(checkpoint_id, now=now)
+        if current is None:  # released meanwhile: claim it the plain way
+            return self.claim(checkpoint_id, owner, now=now, ttl=ttl, process=process)
+        if not take_over(current):
+            return None
+        with self._write() as conn:
+            row = conn.execute(
+                update(ck)
+                .where(ck.c.id == checkpoint_id, ck.c.lease_owner == current.owner,
+                       ck.c.generation == current.generation)
+                .values(**values)
+                .returning(ck.c.generation, ck.c.job_id, ck.c.step)
+            ).first()
+            if row is None:
+                return None  # someone else moved first
+            conn.execute(
+                insert(ev).values(
+                    at=now, kind="lease.taken_over", job_id=row.job_id, checkpoint_id=checkpoint_id,
+                    message=f"step {row.step}: lease of {current.describe()} taken over by {owner}: "
+                            f"its process is gone",
+                    data={"from": current.owner, "from_generation": current.generation, "host": current.host,
+                          "pid": current.pid, "to": owner, "generation": int(row.generation)},
+                )
+            )
+            return int(row.generation)
+
+    def lease_holder(self, checkpoint_id: int, *, now: datetime) -> LeaseHolder | None:
+        """Who holds an unexpired lease on the checkpoint at ``now``, or None."""
+        now = _aware(now)
+        with self._read() as conn:
+            r = conn.execute(
+                select(ck.c.lease_owner, ck.c.generation, ck.c.lease_expires, ck.c.lease_host, ck.c.lease_pid,
+                       ck.c.lease_started)
+                .where(ck.c.id == checkpoint_id, ck.c.lease_owner.is_not(None), ck.c.lease_expires > now)
+            ).first()
+        if r is None:
+            return None
+        process = ProcessId(r.lease_host, int(r.lease_pid), r.lease_started) if r.lease_host and r.lease_pid else None
+        return LeaseHolder(owner=r.lease_owner, generation=int(r.generation), expires=r.lease_expires,
+                           process=process)
+
+    def renew(self, checkpoint_id: int, owner: str, generation: int, *, now: datetime, ttl: timedelta) -> datetime | None:
+        """Extend ``owner``'s unexpired lease at ``generation`` to ``now + ttl``
+        (the heartbeat of a live run); the new expiry, or None when the lease
+        was lost (expired or taken over): the run must then stop acting on it."""
+        now = _aware(now)
+        with self._write() as conn:
+            result = conn.execute(
+                update(ck).where(self._held(checkpoint_id, owner, generation, now)).values(lease_expires=now + ttl)
+            )
+            return now + ttl if result.rowcount == 1 else None
 
     def release(self, checkpoint_id: int, owner: str, generation: int) -> bool:
         """Give the lease back; False (and nothing changes) when ``owner`` at
@@ -955,9 +1096,60 @@ class Catalog:
             result = conn.execute(
                 update(ck)
                 .where(ck.c.id == checkpoint_id, ck.c.lease_owner == owner, ck.c.generation == generation)
-                .values(lease_owner=None, lease_expires=None)
+                .values(lease_owner=None, lease_expires=None, lease_host=None, lease_pid=None, lease_started=None)
             )
             return result.rowcount == 1
+
+    def record_delete_intent(
+        self, checkpoint_id: int, *, owner: str, generation: int, scope: str, files: int, now: datetime
+    ) -> bool:
+        """Record, before any file is deleted, that ``owner`` is deleting the
+        checkpoint (``scope="checkpoint"``) or only its hot copy
+        (``"hot-copy"``): its ``files`` files. Fenced like
+        :meth:`mark_deleted`; False and nothing changes when fenced out. The
+        tombstone clears it; a run killed between leaves it for a rescan or
+        the next apply to resolve."""
+        now = _aware(now)
+        if scope not in DELETE_SCOPES:
+            raise ValueError(f"delete scope {scope!r} is unknown; use one of {', '.join(DELETE_SCOPES)}")
+        with self._write() as conn:
+            result = conn.execute(
+                update(ck).where(self._held(checkpoint_id, owner, generation, now))
+                .values(delete_intent=scope, delete_intent_at=now, delete_intent_files=files)
+            )
+            return result.rowcount == 1
+
+    def clear_delete_intent(self, checkpoint_id: int, *, owner: str, generation: int, now: datetime, why: str) -> bool:
+        """Drop a delete intent whose delete never started (every file still
+        present); fenced. Logs ``delete.intent_cleared`` with ``why``."""
+        now = _aware(now)
+        with self._write() as conn:
+            row = conn.execute(
+                update(ck).where(self._held(checkpoint_id, owner, generation, now), ck.c.delete_intent.is_not(None))
+                .values(delete_intent=None, delete_intent_at=None, delete_intent_files=None)
+                .returning(ck.c.job_id, ck.c.step)
+            ).first()
+            if row is None:
+                return False
+            conn.execute(insert(ev).values(
+                at=now, kind="delete.intent_cleared", job_id=row.job_id, checkpoint_id=checkpoint_id,
+                message=f"step {row.step}: delete intent cleared: {why}", data={"owner": owner}))
+            return True
+
+    def delete_intents(self, *, job: str | None = None) -> list[DeleteIntent]:
+        """Pending delete intents (deletes a run started and never recorded
+        as finished), ordered by job and step."""
+        q = (
+            select(ck.c.id, jb.c.name, ck.c.step, ck.c.delete_intent, ck.c.delete_intent_at, ck.c.delete_intent_files)
+            .join(jb, jb.c.id == ck.c.job_id)
+            .where(ck.c.delete_intent.is_not(None))
+            .order_by(jb.c.name, ck.c.step)
+        )
+        if job is not None:
+            q = q.where(jb.c.name == job)
+        with self._read() as conn:
+            return [DeleteIntent(checkpoint_id=r.id, job=r.name, step=int(r.step), scope=r.delete_intent,
+                                 at=r.delete_intent_at, files=r.delete_intent_files) for r in conn.execute(q)]
 
     def mark_deleted(
         self,
@@ -972,20 +1164,17 @@ class Catalog:
 
         Fenced: in one transaction, and only when ``owner`` holds an unexpired
         lease at ``generation``; sets the state ``deleted``, the hot copy
-        ``deleted`` and logs a ``deleted`` event with the reasons. Returns
-        False and changes nothing when fenced out (a zombie run).
+        ``deleted``, clears the delete intent and logs a ``deleted`` event
+        with the reasons. Returns False and changes nothing when fenced out (a
+        zombie run).
         """
         now = _aware(now)
         with self._write() as conn:
             row = conn.execute(
                 update(ck)
-                .where(
-                    ck.c.id == checkpoint_id,
-                    ck.c.lease_owner == owner,
-                    ck.c.generation == generation,
-                    ck.c.lease_expires > now,
-                )
-                .values(state=State.DELETED.value, state_reason="; ".join(reasons) or "deleted")
+                .where(self._held(checkpoint_id, owner, generation, now))
+                .values(state=State.DELETED.value, state_reason="; ".join(reasons) or "deleted",
+                        delete_intent=None, delete_intent_at=None, delete_intent_files=None)
                 .returning(ck.c.job_id, ck.c.step, ck.c.location)
             ).first()
             if row is None:
@@ -1003,6 +1192,75 @@ class Catalog:
                 )
             )
             return True
+
+    def mark_hot_copy_deleted(
+        self,
+        checkpoint_id: int,
+        *,
+        owner: str,
+        generation: int,
+        now: datetime,
+        reasons: Sequence[str],
+    ) -> bool:
+        """Record that only the checkpoint's hot copy was deleted (an archive
+        copy remains): the hot copy becomes ``deleted``, the state is kept,
+        the delete intent is cleared and a ``copy-deleted`` event logged.
+        Fenced like :meth:`mark_deleted`."""
+        now = _aware(now)
+        with self._write() as conn:
+            row = conn.execute(
+                update(ck)
+                .where(self._held(checkpoint_id, owner, generation, now))
+                .values(delete_intent=None, delete_intent_at=None, delete_intent_files=None)
+                .returning(ck.c.job_id, ck.c.step, ck.c.location)
+            ).first()
+            if row is None:
+                return False
+            conn.execute(
+                update(cp)
+                .where(cp.c.checkpoint_id == checkpoint_id, cp.c.tier == Tier.HOT.value, cp.c.url == row.location)
+                .values(state="deleted")
+            )
+            conn.execute(
+                insert(ev).values(
+                    at=now, kind="copy-deleted", job_id=row.job_id, checkpoint_id=checkpoint_id,
+                    message=f"step {row.step}: hot copy {row.location} deleted: "
+                            f"{'; '.join(reasons) or 'no reason given'}",
+                    data={"tier": Tier.HOT.value, "url": row.location, "to": "deleted", "reasons": list(reasons),
+                          "owner": owner, "generation": generation},
+                )
+            )
+            return True
+
+    def _settle_delete_intents(self, conn: Connection, name: str, scope: str, now: datetime, tally: _Tally) -> None:
+        """Tombstone the checkpoints of job ``name`` under ``scope`` that have
+        a delete intent and that this scan found gone: a run was killed after
+        deleting their files and before recording it. A checkpoint still
+        partly listed keeps its intent (the next apply finishes the delete)."""
+        rows = conn.execute(
+            select(ck.c.id, ck.c.job_id, ck.c.step, ck.c.location, ck.c.delete_intent, ck.c.state)
+            .join(jb, jb.c.id == ck.c.job_id)
+            .where(jb.c.name == name, ck.c.delete_intent.is_not(None), ck.c.missing_since.is_not(None),
+                   ck.c.location.startswith(scope, autoescape=True))
+        ).all()
+        for r in rows:
+            whole = r.delete_intent == "checkpoint" and r.state != State.DELETED.value
+            why = "an interrupted delete: a rescan found every file gone"
+            values: dict[str, Any] = {"delete_intent": None, "delete_intent_at": None, "delete_intent_files": None,
+                                      "missing_since": None}
+            if whole:
+                values.update(state=State.DELETED.value, state_reason=why)
+            conn.execute(update(ck).where(ck.c.id == r.id).values(**values))
+            conn.execute(
+                update(cp).where(cp.c.checkpoint_id == r.id, cp.c.tier == Tier.HOT.value, cp.c.url == r.location)
+                .values(state="deleted")
+            )
+            conn.execute(insert(ev).values(
+                at=now, kind="deleted" if whole else "copy-deleted", job_id=r.job_id,
+                checkpoint_id=r.id,
+                message=f"step {r.step}: {'deleted' if whole else 'hot copy deleted'} {r.location}: {why}",
+                data={"reasons": [why], "settled_by": "scan", "scope": r.delete_intent}))
+            tally.rows_written += 1
 
     # -- forgetting -------------------------------------------------------------------
 

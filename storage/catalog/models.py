@@ -87,13 +87,14 @@ class Job(Base):
 
 
 class Checkpoint(Base):
-    """One checkpoint (a step of a job) and its lease for fenced operations."""
+    """One checkpoint (a step of a job), its lease for fenced operations and any pending delete."""
 
     __tablename__ = "checkpoints"
     __table_args__ = (
         UniqueConstraint("job_id", "step", name="uq_checkpoints_job_step"),
         Index("ix_checkpoints_state", "state"),
         Index("ix_checkpoints_location", "location"),
+        Index("ix_checkpoints_delete_intent", "delete_intent"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -114,6 +115,14 @@ class Checkpoint(Base):
     generation: Mapped[int] = mapped_column(BigInteger, default=0)
     lease_owner: Mapped[str | None] = mapped_column(String(256))
     lease_expires: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    # The lease holder's process: a run finding it gone takes the lease over at once.
+    lease_host: Mapped[str | None] = mapped_column(String(256))
+    lease_pid: Mapped[int | None] = mapped_column(Integer)
+    lease_started: Mapped[str | None] = mapped_column(String(64))  # process start, as leases.process_start gives it
+    # Set (fenced by the lease) before any file is deleted; cleared by the tombstone.
+    delete_intent: Mapped[str | None] = mapped_column(String(16))  # "checkpoint" / "hot-copy"
+    delete_intent_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    delete_intent_files: Mapped[int | None] = mapped_column(Integer)  # files it was to delete
 
 
 class File(Base):

@@ -1,7 +1,7 @@
 """Copies record their storage class (S3: STANDARD, GLACIER_IR, GLACIER...).
 
 Revision ID: 0004
-Revises: 0001
+Revises: 0002
 Create Date: 2026-11-30
 """
 
@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0004"
-down_revision: str | None = "0001"
+down_revision: str | None = "0002"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
