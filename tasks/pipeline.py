@@ -493,6 +493,7 @@ def run_drill(
     by_job: dict[str, list[CheckpointRecord]] = {}
     for c in candidates:
         by_job.setdefault(c.job, []).append(c)
+    _check_allowed_classes(config, by_job, allow_globals, scratch_root)
     reports: list[dict[str, Any]] = []
     for job_name, records in by_job.items():
         settings = config.drill_for(job_name)
@@ -537,6 +538,20 @@ def run_drill(
             if report["ok"] or report.get("stage") not in LOAD_STAGES:
                 break
     return reports
+
+
+def _check_allowed_classes(config: Config, jobs: Iterable[str], cli: Sequence[str], workdir: Path | None) -> None:
+    """Refuse (ConfigError) any class allowed for these drills that is not a
+    plain data class, before anything is fetched; the user's own modules are
+    imported only in a confined, credential-free child process."""
+    from .allowlist import check_allow_globals, refuse_unsafe
+
+    where = {name: "--allow-global" for name in cli}
+    for job_name in jobs:
+        settings = config.drill_for(job_name)
+        for name in settings.allow_globals if settings else ():
+            where.setdefault(name, f"[[drill]] allow_globals (job {job_name!r}) entry")
+    refuse_unsafe(check_allow_globals(where, workdir=workdir), where)
 
 
 def _drill_failure(record: CheckpointRecord, started: datetime, finished: datetime, *, stage: str, error: str) -> dict[str, Any]:
