@@ -699,3 +699,49 @@ def test_cli_drill_allow_global_lets_a_harmless_class_load(
     assert main(["drill", "--allow-global", "builtins.print"]) == 2
     err = capsys.readouterr().err
     assert "builtins.print" in err and len(err.strip().splitlines()) == 1
+
+
+def _guide_step(root: Path, step: int, spec: DrillSpec, loss: float, *, hostile_member: str | None = None) -> Path:
+    """A committed guide step (metadata.json with sizes and sha256s, so verify
+    passes); ``hostile_member`` adds that member name to model.pt's zip."""
+    import hashlib
+    import zipfile
+
+    step_dir = root / "zip-job" / f"step-{step:08d}"
+    (step_dir / "rank-0000").mkdir(parents=True)
+    torch.save(spec.model.state_dict(), step_dir / "rank-0000" / "model.pt")
+    torch.save(spec.optimizer.state_dict(), step_dir / "rank-0000" / "optimizer.pt")
+    if hostile_member is not None:
+        with zipfile.ZipFile(step_dir / "rank-0000" / "model.pt", "a") as archive:
+            archive.writestr(hostile_member, b"escape")
+    files = {f"rank-0000/{n}": {"size": (step_dir / "rank-0000" / n).stat().st_size,
+                                "sha256": hashlib.sha256((step_dir / "rank-0000" / n).read_bytes()).hexdigest()}
+             for n in ("model.pt", "optimizer.pt")}
+    (step_dir / "metadata.json").write_text(json.dumps({"step": step, "loss": loss, "files": files}))
+    return step_dir
+
+
+@pytest.mark.slow
+def test_drill_refuses_a_zip_escaping_its_archive_as_hostile_and_tries_the_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ckptier.flows.cli import main
+
+    spec = demo_model()
+    losses = demo_train(spec, range(1, 21))
+    _guide_step(tmp_path / "hot", 10, spec, losses[9])
+    _guide_step(tmp_path / "hot", 20, spec, losses[19], hostile_member="../../../tmp/escaped.txt")
+    config = tmp_path / "ckptier.toml"
+    config.write_text('[[drill]]\njobs = "*"\nmodel = "ckptier.tasks.models:demo_model"\nsteps = 2\ndevice = "cpu"\n')
+    monkeypatch.setenv("CKPTIER_CATALOG_URL", f"sqlite:///{tmp_path / 'catalog.db'}")
+    monkeypatch.setenv("CKPTIER_CONFIG", str(config))
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    assert main(["scan", str(tmp_path / "hot")]) == 0
+    assert main(["verify"]) == 0
+    capsys.readouterr()
+
+    assert main(["drill", "--json"]) == 1  # an attempt failed, even though an older checkpoint restored
+    first, second = json.loads(capsys.readouterr().out)
+    assert (first["step"], first["ok"], first["stage"]) == (20, False, "load")
+    assert "'../../../tmp/escaped.txt' points outside the archive" in first["error"] and "hostile" in first["error"]
+    assert (second["step"], second["ok"]) == (10, True), second["summary"]
