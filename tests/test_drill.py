@@ -700,6 +700,20 @@ def test_cli_drill_allow_global_lets_a_harmless_class_load(
     err = capsys.readouterr().err
     assert "builtins.print" in err and len(err.strip().splitlines()) == 1
 
+    # Classes that are not plain data are refused before anything is fetched, with the
+    # reason, whether named on the command line or in ckptier.toml; never suggested.
+    module = lib / f"{CUSTOM_MODULE}.py"
+    module.write_text(module.read_text() + "\n\nclass Hooked:\n    def __init__(self, path):\n        open(path, 'w').close()\n")
+    for name, why in [(f"{CUSTOM_MODULE}.Hooked", "Hooked defines __init__"), ("numpy.memmap", "memmap defines __new__"),
+                      ("timeit.Timer", "module 'timeit' can run code")]:
+        assert main(["drill", "--allow-global", name]) == 2
+        err = capsys.readouterr().err
+        assert f"--allow-global {name!r}" in err and why in err and len(err.strip().splitlines()) == 1
+    config.write_text(config.read_text().replace(f'allow_globals = ["{CUSTOM_CLASS}"]', f'allow_globals = ["{CUSTOM_MODULE}.Hooked"]'))
+    assert main(["drill"]) == 2
+    err = capsys.readouterr().err
+    assert "[[drill]] allow_globals (job 'notes-job') entry" in err and "Hooked defines __init__" in err
+
 
 def _guide_step(root: Path, step: int, spec: DrillSpec, loss: float, *, hostile_member: str | None = None) -> Path:
     """A committed guide step (metadata.json with sizes and sha256s, so verify
