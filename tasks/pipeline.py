@@ -523,12 +523,14 @@ def run_drill(
                                                   steps=k, timeout=limit, device=dev, allow_globals=allowed)
                     verdict = judge(result, loss_tolerance=tolerance)
                     timings.update({key: float(v) for key, v in result.timings.items()})
+                    unconfined = "" if result.confined else f"; {result.confinement}"
                     report = {
                         "job": record.job, "step": record.step, "ok": verdict.ok, "summary":
-                            f"{record.job} step {record.step} ({tier} tier, {result.device or dev}): {verdict.summary}",
+                            f"{record.job} step {record.step} ({tier} tier, {result.device or dev}): {verdict.summary}{unconfined}",
                         "checks": [asdict(c) for c in verdict.checks], "device": result.device, "tier": tier,
                         "timings": timings, "peak_memory_bytes": result.peak_memory_bytes,
                         "losses": list(result.losses), "error": result.error, "stage": result.error_stage,
+                        "confined": result.confined, "confinement": result.confinement,
                         "started_at": started.isoformat(), "finished_at": now().isoformat(),
                     }
             finally:
@@ -569,7 +571,8 @@ def _record_drill(catalog: Catalog, record: CheckpointRecord, report: dict[str, 
     catalog.record_drill(DrillRecord(
         job=record.job, step=record.step, checkpoint_id=record.id, started_at=started, finished_at=finished,
         ok=bool(report["ok"]), device=report.get("device"), source_tier=tier,
-        verdict={"summary": report["summary"], "checks": report["checks"], "losses": report.get("losses", [])},
+        verdict={"summary": report["summary"], "checks": report["checks"], "losses": report.get("losses", []),
+                 "confinement": report.get("confinement")},
         timings=report.get("timings", {}), peak_memory_bytes=report.get("peak_memory_bytes"), error=report.get("error"),
     ))
     catalog.log_event("drill.ok" if report["ok"] else "drill.failed", report["summary"], now=finished,
