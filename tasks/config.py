@@ -210,8 +210,10 @@ class DrillSettings:
     drill, ``loss_tolerance`` (optional, > 0) the allowed relative difference
     between the first drill loss and the loss the checkpoint recorded.
     ``allow_globals`` are ``module.Name`` classes the safe loader may unpickle
-    for these jobs (in file order, no duplicates; see
-    :func:`allow_global_problem`), added to those given on the command line.
+    for these jobs (in file order, no duplicates), added to those given on the
+    command line: plain data classes only (:mod:`ckptier.tasks.allowlist`);
+    standard-library, numpy and torch ones are checked when the file is
+    loaded, the user's own modules when a drill starts.
     """
 
     jobs: str = "*"
