@@ -70,12 +70,21 @@ _FILE_RIGHTS = FS_WRITE_FILE | FS_TRUNCATE
 
 DEVICE_PATHS: tuple[str, ...] = (
     "/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom",
-    # GPU drivers open their device nodes read-write: NVIDIA, AMD (kfd), DRM render nodes.
-    "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset", "/dev/nvidia-caps",
-    "/dev/kfd", "/dev/dri",
+    # GPU drivers open their compute device nodes read-write: NVIDIA (driver 570+ also
+    # opens nvidia-uvm-tools), MIG capabilities, AMD's kfd.
+    "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-caps", "/dev/kfd",
 )
-"""Device nodes that stay open for writing (and /dev/nvidiaN, found at run
-time): writing them changes no file, and CUDA cannot start without them."""
+"""Device nodes that stay open for writing (plus /dev/nvidiaN and DRM render
+nodes /dev/dri/renderD*, found at run time): writing them changes no file,
+and CUDA or ROCm cannot start without them. Display devices are not listed."""
+
+_OWN_TASKS = "/proc/self/task"
+"""The process's own thread entries: CUDA's cuInit names its threads by
+writing /proc/<pid>/task/<tid>/comm and fails (error 304) when refused.
+Only this process's entries; the rest of /proc (sysctls, other processes)
+stays read-only."""
+
+_pinned: list[int] = []
 
 
 @dataclass(frozen=True)
@@ -143,15 +152,29 @@ def _device_paths() -> list[str]:
     found = list(DEVICE_PATHS)
     try:
         found += sorted(f"/dev/{n}" for n in os.listdir("/dev") if n.startswith("nvidia") and n[6:].isdigit())
+        found += sorted(f"/dev/dri/{n}" for n in os.listdir("/dev/dri") if n.startswith("renderD"))
     except OSError:
         pass
     return found
 
 
+def _pin_own_tasks() -> str | None:
+    """``/proc/<pid>/task`` of this process, held open (across exec, which
+    keeps the pid) so that the rule's inode stays the one path look-ups find."""
+    try:
+        fd = os.open(_OWN_TASKS, _O_PATH)
+        os.set_inheritable(fd, True)  # the command exec'd next keeps it open
+    except OSError:
+        return None
+    _pinned.append(fd)
+    return f"/proc/{os.getpid()}/task"
+
+
 def confine_writes(writable: Sequence[str | Path], *, devices: Sequence[str] | None = None) -> Confinement:
     """Confine this process (and what it starts) so that it can change the
     filesystem only beneath ``writable`` (plus writing to ``devices``, by
-    default :data:`DEVICE_PATHS`).
+    default :data:`DEVICE_PATHS`, and to its own ``/proc/<pid>/task``
+    entries).
 
     Irreversible. Never raises: when Landlock is missing or a step fails, the
     process stays unconfined and the result says why. ``writable`` must exist.
@@ -172,6 +195,9 @@ def confine_writes(writable: Sequence[str | Path], *, devices: Sequence[str] | N
                 return Confinement(False, f"writes not confined: {problem}", abi)
         for path in _device_paths() if devices is None else devices:
             _allow(libc, int(ruleset), path, handled & _FILE_RIGHTS, required=False)
+        own_tasks = _pin_own_tasks()
+        if own_tasks is not None:
+            _allow(libc, int(ruleset), own_tasks, handled & _FILE_RIGHTS, required=False)
         if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
             return Confinement(False, f"writes not confined: prctl(NO_NEW_PRIVS) failed: {os.strerror(ctypes.get_errno())}", abi)
         if libc.syscall(_SYS_RESTRICT_SELF, ctypes.c_int(ruleset), ctypes.c_uint32(0)) != 0:

@@ -167,3 +167,82 @@ def test_a_missing_directory_is_reported(tmp_path: Path) -> None:
     status = Confinement.from_json(done.stdout)
     assert not status.confined
     assert ("absent" in status.detail) if ABI is not None else (WHY_NOT in status.detail)
+
+
+THREAD_NAME = textwrap.dedent(
+    """
+    import json, os, sys, threading
+    from ckptier.tasks.confine import confine_writes
+    confine_writes([sys.argv[1]])
+
+    def name_thread(out):
+        try:
+            with open(f"/proc/self/task/{threading.get_native_id()}/comm", "w") as fh:
+                fh.write("drill-worker")
+            out.append("ok")
+        except OSError as exc:
+            out.append(exc.strerror)
+
+    out = []
+    for _ in range(3):  # threads started after confining, as CUDA's are
+        thread = threading.Thread(target=name_thread, args=(out,))
+        thread.start()
+        thread.join()
+
+    def attempt(path):
+        try:
+            open(path, "w").close()
+            return "ok"
+        except OSError as exc:
+            return exc.strerror
+
+    print(json.dumps({"threads": out, "parent": attempt(f"/proc/{os.getppid()}/comm"), "sysctl": attempt("/proc/sys/kernel/hostname")}))
+    """
+)
+
+
+@needs_landlock
+def test_threads_can_still_name_themselves_but_the_rest_of_proc_stays_read_only(tmp_path: Path) -> None:
+    # CUDA's cuInit writes /proc/<pid>/task/<tid>/comm and fails when refused.
+    done = subprocess.run([sys.executable, "-c", THREAD_NAME, str(tmp_path)], capture_output=True, text=True, timeout=60, check=True)
+    result = json.loads(done.stdout)
+    assert result["threads"] == ["ok", "ok", "ok"]
+    assert result["parent"] != "ok" and result["sysctl"] != "ok"
+
+
+NAMER = textwrap.dedent(
+    """
+    import sys, threading
+    print("ready", flush=True)
+    sys.stdin.readline()  # wait while the test drops the kernel's dentry cache
+    out = []
+    def name_thread():
+        try:
+            open(f"/proc/self/task/{threading.get_native_id()}/comm", "w").write("drill-worker")
+            out.append("ok")
+        except OSError as exc:
+            out.append(exc.strerror)
+    for _ in range(3):
+        thread = threading.Thread(target=name_thread)
+        thread.start()
+        thread.join()
+    print(out)
+    """
+)
+
+
+@needs_landlock
+@pytest.mark.skipif(not os.access("/proc/sys/vm/drop_caches", os.W_OK), reason="dropping the dentry cache needs root")
+def test_thread_naming_survives_exec_and_a_dropped_dentry_cache(tmp_path: Path) -> None:
+    # The rule binds to the inode of /proc/<pid>/task; the launcher keeps it open
+    # across exec, else a later look-up finds a fresh inode and the write is refused.
+    proc = subprocess.Popen([sys.executable, "-m", "ckptier.tasks.confine", "--write", str(tmp_path), "--",
+                             sys.executable, "-c", NAMER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        with open("/proc/sys/vm/drop_caches", "w") as fh:
+            fh.write("2\n")
+        out, _ = proc.communicate("\n", timeout=60)
+    finally:
+        proc.kill()
+    assert out.strip() == "['ok', 'ok', 'ok']"
