@@ -264,11 +264,14 @@ def _scan_file(path: Path) -> PickleScan:
     leading pickles of a legacy (torch < 1.6) file."""
     scan = PickleScan()
     if zipfile.is_zipfile(path):
-        with zipfile.ZipFile(path) as archive:
-            names = archive.namelist()
-            top = names[0].split("/", 1)[0] if names else ""
-            if f"{top}/data.pkl" in names:
-                scan_pickle(archive.read(f"{top}/data.pkl"), scan)
+        try:
+            with zipfile.ZipFile(path) as archive:
+                names = archive.namelist()
+                top = names[0].split("/", 1)[0] if names else ""
+                if f"{top}/data.pkl" in names:
+                    scan_pickle(archive.read(f"{top}/data.pkl"), scan)
+        except (zipfile.BadZipFile, OSError, ValueError, NotImplementedError, RuntimeError, EOFError) as exc:
+            raise CheckpointLoadError(f"{path}: cannot read the archive's data.pkl ({exc}); re-fetch or re-verify the checkpoint") from None
         return scan
     with path.open("rb") as fh:
         for _ in range(5):  # magic number, protocol, sys info, the object, storage keys
@@ -377,6 +380,9 @@ def _refuse_archive(path: Path) -> None:
             names = archive.namelist()
     except (zipfile.BadZipFile, OSError) as exc:
         raise CheckpointLoadError(f"{path}: unreadable zip archive ({exc}); re-fetch or re-verify the checkpoint") from None
+    if len(set(names)) != len(names):
+        twice = next(n for n in names if names.count(n) > 1)
+        raise UnsafeCheckpoint(f"{path}: refused to load: archive member {twice!r} appears twice (readers disagree on which one counts); {_HOSTILE}")
     for name in names:
         parts = PurePosixPath(name.replace("\\", "/")).parts
         if name.startswith(("/", "\\")) or ".." in parts or "\x00" in name or re.match(r"^[A-Za-z]:", name):

@@ -375,3 +375,12 @@ def test_unreadable_torch_archive_is_a_load_error(tmp_path: Path) -> None:
                           zin.read(item.filename))
     with pytest.raises(CheckpointLoadError, match="not a readable torch checkpoint"):
         safe_torch_load(tmp_path / "renamed.pt")
+
+
+def test_archive_with_a_member_twice_is_hostile(tmp_path: Path) -> None:
+    # Zip readers differ on which copy of a duplicated name they return: what was
+    # checked need not be what torch loads.
+    path = torch_file(tmp_path / "twice.pt", dumps({"w": 1.0}),
+                      extra_members=[("archive/data.pkl", dumps(Call(Global("os.system"), ("true",))))])
+    refused = _refused(path)
+    assert "'archive/data.pkl' appears twice" in str(refused) and "hostile" in str(refused)
