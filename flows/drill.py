@@ -30,6 +30,7 @@ def render_report(reports: list[dict[str, Any]]) -> str:
         lines += [f"## {r['job']} step {r['step']}: {mark}", "", r["summary"], "",
                   f"device `{r.get('device') or '-'}`, tier `{r.get('tier') or '-'}`, "
                   f"peak memory {r.get('peak_memory_bytes') or 0:,} bytes", "",
+                  *([r["confinement"], ""] if r.get("confinement") else []),
                   "| check | result | detail |", "| --- | --- | --- |"]
         lines += [f"| {c['name']} | {'ok' if c['ok'] else '**FAIL**'} | {c['detail']} |" for c in r["checks"]]
         if r.get("timings"):

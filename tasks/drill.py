@@ -5,7 +5,8 @@ Three pieces, no Prefect and no torch here:
 * :func:`choose_candidates` - pure: the checkpoints worth drilling, best first.
 * :func:`run_drill_subprocess` - runs ``ckptier.tasks.drill_worker`` in a
   child process with a time limit, the scratch directory as its working
-  directory and home, and an environment that carries no credentials.
+  directory and home, an environment that carries no credentials, and its
+  writes confined to the scratch directory where the kernel allows.
 * :func:`judge` - pure: a :class:`Verdict` from the worker's measured numbers.
 
 Fetching the checkpoint into the scratch directory and recording the verdict
@@ -115,6 +116,9 @@ class WorkerResult:
     ``load_s``, ``build_s``, ``restore_s``, ``first_step_s``, ``steps_s``
     (all K steps), ``total_s``, and the epoch time ``first_step_done_at``.
     ``env_keys`` are the names (not values) of the worker's environment.
+    ``confined`` says whether the operating system confined the worker's
+    writes to its scratch directory, and ``confinement`` how, or why not
+    (measured before the worker started; None when run in-process).
     """
 
     checkpoint: str
@@ -143,6 +147,8 @@ class WorkerResult:
     torch_version: str | None = None
     returncode: int | None = None
     stderr_tail: str | None = None
+    confined: bool = False
+    confinement: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -361,6 +367,21 @@ def _tail(path: Path, limit: int = 2000) -> str:
     return text[-limit:]
 
 
+def _read_confinement(fd: int) -> tuple[bool, str]:
+    """What the confinement launcher reported on ``fd`` (written before the
+    worker started, so the worker cannot forge it)."""
+    from ckptier.tasks.confine import Confinement
+
+    chunks = []
+    while chunk := os.read(fd, 65536):
+        chunks.append(chunk)
+    try:
+        status = Confinement.from_json(b"".join(chunks).decode())
+    except (ValueError, KeyError, TypeError):
+        return False, "writes not confined: the confinement launcher reported nothing (it did not start)"
+    return status.confined, status.detail
+
+
 def _last_line(text: str) -> str:
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     return lines[-1] if lines else "no output"
@@ -387,6 +408,10 @@ def run_drill_subprocess(
     ``scratch`` as working directory and home, the environment of
     :func:`worker_env`, and its own process group; after ``timeout`` seconds
     the whole group is killed (SIGKILL) and the result says ``timed_out``.
+    Where the kernel offers Landlock the child can change the filesystem
+    only beneath ``scratch`` (:mod:`ckptier.tasks.confine`); it can still
+    read torch, the model's module and the checkpoint. The result's
+    ``confined``/``confinement`` say whether that held, and why not.
     Never raises for what happens inside the child; raises
     :class:`ConfigError` for bad arguments. ``timings["subprocess_s"]`` is the
     child's wall time and ``timings["spawned_at"]`` the epoch time of spawning.
@@ -417,32 +442,44 @@ def run_drill_subprocess(
     request_path = scratch / "drill-request.json"
     request_path.write_text(json.dumps(request.to_dict()))
     env = worker_env(os.environ, scratch, passthrough=env_passthrough)
+    status_read, status_write = os.pipe()
     spawned_at = time.time()
     started = time.perf_counter()
-    with (scratch / "worker.out").open("wb") as out, (scratch / "worker.err").open("wb") as err:
-        proc = subprocess.Popen(
-            [python, "-m", "ckptier.tasks.drill_worker", "--request", str(request_path)],
-            cwd=scratch,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=err,
-            start_new_session=True,
-        )
-        try:
-            returncode = proc.wait(timeout=timeout)
-            timed_out = False
-        except subprocess.TimeoutExpired:
+    try:
+        with (scratch / "worker.out").open("wb") as out, (scratch / "worker.err").open("wb") as err:
+            proc = subprocess.Popen(
+                [python, "-m", "ckptier.tasks.confine", "--write", str(scratch), "--status-fd", str(status_write), "--",
+                 python, "-m", "ckptier.tasks.drill_worker", "--request", str(request_path)],
+                cwd=scratch,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                start_new_session=True,
+                pass_fds=(status_write,),
+            )
+            os.close(status_write)
+            status_write = -1
             try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            returncode = proc.wait()
-            timed_out = True
+                returncode = proc.wait(timeout=timeout)
+                timed_out = False
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                returncode = proc.wait()
+                timed_out = True
+        confined, confinement = _read_confinement(status_read)
+    finally:
+        os.close(status_read)
+        if status_write >= 0:
+            os.close(status_write)
     elapsed = time.perf_counter() - started
     timings = {"subprocess_s": elapsed, "spawned_at": spawned_at}
     stderr_tail = _tail(scratch / "worker.err")
-    base = {"checkpoint": request.checkpoint, "format": fmt_value, "steps": steps, "returncode": returncode, "stderr_tail": stderr_tail or None}
+    base = {"checkpoint": request.checkpoint, "format": fmt_value, "steps": steps, "returncode": returncode,
+            "stderr_tail": stderr_tail or None, "confined": confined, "confinement": confinement}
     if timed_out:
         return WorkerResult(
             **base,
@@ -462,7 +499,6 @@ def run_drill_subprocess(
         data = json.loads(result_path.read_text())
     except ValueError as exc:
         return WorkerResult(**base, error_stage="crash", error=f"the drill worker wrote an unreadable result ({exc})", timings=timings)
-    data["returncode"] = returncode
-    data["stderr_tail"] = stderr_tail or None
+    data.update(returncode=returncode, stderr_tail=stderr_tail or None, confined=confined, confinement=confinement)
     data["timings"] = {**(data.get("timings") or {}), **timings}
     return WorkerResult.from_dict(data)

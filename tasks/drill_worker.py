@@ -9,7 +9,9 @@ exits 0 whenever it could write a result, including a failed drill; the
 verdict is the parent's (``judge``).
 
 Run only through ``run_drill_subprocess``: it gives this process no
-credentials and a scratch directory of its own.
+credentials, a scratch directory of its own, and, where the kernel offers
+Landlock, starts it already unable to change any file outside that directory
+(``ckptier.tasks.confine``).
 """
 
 from __future__ import annotations

@@ -554,6 +554,7 @@ def run_drill(
     by_job: dict[str, list[CheckpointRecord]] = {}
     for c in candidates:
         by_job.setdefault(c.job, []).append(c)
+    _check_allowed_classes(config, by_job, allow_globals, scratch_root)
     reports: list[dict[str, Any]] = []
     for job_name, records in by_job.items():
         settings = config.drill_for(job_name)
@@ -583,12 +584,14 @@ def run_drill(
                                                   steps=k, timeout=limit, device=dev, allow_globals=allowed)
                     verdict = judge(result, loss_tolerance=tolerance)
                     timings.update({key: float(v) for key, v in result.timings.items()})
+                    unconfined = "" if result.confined else f"; {result.confinement}"
                     report = {
                         "job": record.job, "step": record.step, "ok": verdict.ok, "summary":
-                            f"{record.job} step {record.step} ({tier} tier, {result.device or dev}): {verdict.summary}",
+                            f"{record.job} step {record.step} ({tier} tier, {result.device or dev}): {verdict.summary}{unconfined}",
                         "checks": [asdict(c) for c in verdict.checks], "device": result.device, "tier": tier,
                         "timings": timings, "peak_memory_bytes": result.peak_memory_bytes,
                         "losses": list(result.losses), "error": result.error, "stage": result.error_stage,
+                        "confined": result.confined, "confinement": result.confinement,
                         "started_at": started.isoformat(), "finished_at": now().isoformat(),
                     }
             finally:
@@ -598,6 +601,20 @@ def run_drill(
             if report["ok"] or report.get("stage") not in LOAD_STAGES:
                 break
     return reports
+
+
+def _check_allowed_classes(config: Config, jobs: Iterable[str], cli: Sequence[str], workdir: Path | None) -> None:
+    """Refuse (ConfigError) any class allowed for these drills that is not a
+    plain data class, before anything is fetched; the user's own modules are
+    imported only in a confined, credential-free child process."""
+    from .allowlist import check_allow_globals, refuse_unsafe
+
+    where = {name: "--allow-global" for name in cli}
+    for job_name in jobs:
+        settings = config.drill_for(job_name)
+        for name in settings.allow_globals if settings else ():
+            where.setdefault(name, f"[[drill]] allow_globals (job {job_name!r}) entry")
+    refuse_unsafe(check_allow_globals(where, workdir=workdir), where)
 
 
 def _drill_failure(record: CheckpointRecord, started: datetime, finished: datetime, *, stage: str, error: str) -> dict[str, Any]:
@@ -615,7 +632,8 @@ def _record_drill(catalog: Catalog, record: CheckpointRecord, report: dict[str, 
     catalog.record_drill(DrillRecord(
         job=record.job, step=record.step, checkpoint_id=record.id, started_at=started, finished_at=finished,
         ok=bool(report["ok"]), device=report.get("device"), source_tier=tier,
-        verdict={"summary": report["summary"], "checks": report["checks"], "losses": report.get("losses", [])},
+        verdict={"summary": report["summary"], "checks": report["checks"], "losses": report.get("losses", []),
+                 "confinement": report.get("confinement")},
         timings=report.get("timings", {}), peak_memory_bytes=report.get("peak_memory_bytes"), error=report.get("error"),
     ))
     catalog.log_event("drill.ok" if report["ok"] else "drill.failed", report["summary"], now=finished,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import textwrap
 import time
 from dataclasses import replace
@@ -77,6 +78,38 @@ FACTORIES = textwrap.dedent(
 
     def no_optimizer():
         return demo_model().model
+
+
+    def _attempt(action):
+        try:
+            action()
+            return "written"
+        except OSError as exc:
+            return type(exc).__name__
+
+
+    def writes_outside(metadata):
+        # A model factory gone bad: it tries to change files outside its scratch directory.
+        outside = Path(metadata["outside"])
+        attempts = {
+            "create": _attempt(lambda: (outside / "escaped.txt").write_text("x")),
+            "overwrite": _attempt(lambda: (outside / "precious.txt").write_text("gone")),
+            "delete": _attempt(lambda: (outside / "precious.txt").unlink()),
+            "checkpoint": _attempt(lambda: open(metadata["model_file"], "r+b").close()),
+            "own module": _attempt(lambda: open(__file__, "a").close()),
+            "shell": os.system(f"touch {outside / 'shell.txt'} 2>/dev/null"),
+            "scratch": _attempt(lambda: Path("inside.txt").write_text("ok")),
+        }
+        Path("attempts.json").write_text(json.dumps(attempts))
+        return demo_model()
+
+
+    def loads_unsafely(metadata):
+        # A factory that unpickles a file from the checkpoint without the safe loader:
+        # the checkpoint's own code runs, and tries to write outside.
+        import pickle
+        pickle.loads(Path(metadata["payload"]).read_bytes())
+        return demo_model()
     '''
 )
 
@@ -699,3 +732,164 @@ def test_cli_drill_allow_global_lets_a_harmless_class_load(
     assert main(["drill", "--allow-global", "builtins.print"]) == 2
     err = capsys.readouterr().err
     assert "builtins.print" in err and len(err.strip().splitlines()) == 1
+
+    # Classes that are not plain data are refused before anything is fetched, with the
+    # reason, whether named on the command line or in ckptier.toml; never suggested.
+    module = lib / f"{CUSTOM_MODULE}.py"
+    module.write_text(module.read_text() + "\n\nclass Hooked:\n    def __init__(self, path):\n        open(path, 'w').close()\n")
+    for name, why in [(f"{CUSTOM_MODULE}.Hooked", "Hooked defines __init__"), ("numpy.memmap", "memmap defines __new__"),
+                      ("timeit.Timer", "module 'timeit' can run code")]:
+        assert main(["drill", "--allow-global", name]) == 2
+        err = capsys.readouterr().err
+        assert f"--allow-global {name!r}" in err and why in err and len(err.strip().splitlines()) == 1
+    config.write_text(config.read_text().replace(f'allow_globals = ["{CUSTOM_CLASS}"]', f'allow_globals = ["{CUSTOM_MODULE}.Hooked"]'))
+    assert main(["drill"]) == 2
+    err = capsys.readouterr().err
+    assert "[[drill]] allow_globals (job 'notes-job') entry" in err and "Hooked defines __init__" in err
+
+
+def _guide_step(root: Path, step: int, spec: DrillSpec, loss: float, *, hostile_member: str | None = None) -> Path:
+    """A committed guide step (metadata.json with sizes and sha256s, so verify
+    passes); ``hostile_member`` adds that member name to model.pt's zip."""
+    import hashlib
+    import zipfile
+
+    step_dir = root / "zip-job" / f"step-{step:08d}"
+    (step_dir / "rank-0000").mkdir(parents=True)
+    torch.save(spec.model.state_dict(), step_dir / "rank-0000" / "model.pt")
+    torch.save(spec.optimizer.state_dict(), step_dir / "rank-0000" / "optimizer.pt")
+    if hostile_member is not None:
+        with zipfile.ZipFile(step_dir / "rank-0000" / "model.pt", "a") as archive:
+            archive.writestr(hostile_member, b"escape")
+    files = {f"rank-0000/{n}": {"size": (step_dir / "rank-0000" / n).stat().st_size,
+                                "sha256": hashlib.sha256((step_dir / "rank-0000" / n).read_bytes()).hexdigest()}
+             for n in ("model.pt", "optimizer.pt")}
+    (step_dir / "metadata.json").write_text(json.dumps({"step": step, "loss": loss, "files": files}))
+    return step_dir
+
+
+@pytest.mark.slow
+def test_drill_refuses_a_zip_escaping_its_archive_as_hostile_and_tries_the_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ckptier.flows.cli import main
+
+    spec = demo_model()
+    losses = demo_train(spec, range(1, 21))
+    _guide_step(tmp_path / "hot", 10, spec, losses[9])
+    _guide_step(tmp_path / "hot", 20, spec, losses[19], hostile_member="../../../tmp/escaped.txt")
+    config = tmp_path / "ckptier.toml"
+    config.write_text('[[drill]]\njobs = "*"\nmodel = "ckptier.tasks.models:demo_model"\nsteps = 2\ndevice = "cpu"\n')
+    monkeypatch.setenv("CKPTIER_CATALOG_URL", f"sqlite:///{tmp_path / 'catalog.db'}")
+    monkeypatch.setenv("CKPTIER_CONFIG", str(config))
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    assert main(["scan", str(tmp_path / "hot")]) == 0
+    assert main(["verify"]) == 0
+    capsys.readouterr()
+
+    assert main(["drill", "--json"]) == 1  # an attempt failed, even though an older checkpoint restored
+    first, second = json.loads(capsys.readouterr().out)
+    assert (first["step"], first["ok"], first["stage"]) == (20, False, "load")
+    assert "'../../../tmp/escaped.txt' points outside the archive" in first["error"] and "hostile" in first["error"]
+    assert (second["step"], second["ok"]) == (10, True), second["summary"]
+
+
+class _EscapeToOutside:
+    """Pickles to os.system(...) writing a file at ``target``."""
+
+    def __init__(self, target: Path) -> None:
+        self.target = target
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (os.system, (f"touch {self.target}",))
+
+
+def _confinement_expected() -> bool:
+    from ckptier.tasks.confine import landlock_abi
+
+    return landlock_abi()[0] is not None
+
+
+def test_drill_worker_cannot_write_outside_scratch(
+    tmp_path: Path, trained: tuple[DrillSpec, float], factories: Path
+) -> None:
+    spec, loss = trained
+    step_dir = write_guide(tmp_path / "hot", spec, loss)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious.txt").write_text("keep")
+    model_file = step_dir / "rank-0000" / "model.pt"
+    before = model_file.read_bytes()
+    (step_dir / "payload.pkl").write_bytes(pickle.dumps(_EscapeToOutside(outside / "from-checkpoint.txt")))
+    meta = json.loads((step_dir / "metadata.json").read_text())
+    meta.update(outside=str(outside), model_file=str(model_file), payload=str(step_dir / "payload.pkl"))
+    (step_dir / "metadata.json").write_text(json.dumps(meta))
+    factories_before = factories.read_text()
+
+    scratch = tmp_path / "scratch"
+    result = run_drill_subprocess(step_dir, Format.GUIDE, factory=f"{factories}:writes_outside", scratch=scratch,
+                                  steps=2, timeout=120, device="cpu")
+    assert judge(result).ok, (judge(result).summary, result.stderr_tail)  # torch, the module and the checkpoint still read
+    attempts = json.loads((scratch / "attempts.json").read_text())
+    assert attempts["scratch"] == "written" and (scratch / "inside.txt").read_text() == "ok"
+    if not _confinement_expected():
+        assert not result.confined and result.confinement and result.confinement.startswith("writes not confined:")
+        pytest.skip(f"writes were not confined here: {result.confinement}")
+    assert result.confined and "Landlock" in (result.confinement or "") and str(scratch.resolve()) in (result.confinement or "")
+    assert {k: v for k, v in attempts.items() if k not in ("scratch", "shell")} == dict.fromkeys(
+        ("create", "overwrite", "delete", "checkpoint", "own module"), "PermissionError")
+    assert attempts["shell"] != 0  # a command it starts is confined too
+    assert sorted(p.name for p in outside.iterdir()) == ["precious.txt"] and (outside / "precious.txt").read_text() == "keep"
+    assert model_file.read_bytes() == before and factories.read_text() == factories_before
+
+    # The checkpoint's own code, run by a factory that unpickles it unsafely, is confined the same way.
+    result = run_drill_subprocess(step_dir, Format.GUIDE, factory=f"{factories}:loads_unsafely", scratch=tmp_path / "scratch2",
+                                  steps=2, timeout=120, device="cpu")
+    assert result.confined and not (outside / "from-checkpoint.txt").exists()
+
+
+NESTED_DRILL = textwrap.dedent(
+    """
+    import json, sys
+    from ckptier.tasks.confine import confine_writes
+    for _ in range(16):  # the most Landlock domains a process may stack; each allows every write
+        assert confine_writes(["/"]).confined
+    from ckptier.flows.cli import main
+    sys.exit(main(["drill", "--json"]))
+    """
+)
+
+
+@pytest.mark.slow
+def test_drill_report_says_when_writes_were_not_confined(
+    tmp_path: Path, trained: tuple[DrillSpec, float], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import subprocess
+    import sys
+
+    from ckptier.flows.cli import main
+
+    if not _confinement_expected():
+        pytest.skip("no Landlock here: every drill already reports why its writes are not confined")
+    spec, loss = trained
+    _guide_step(tmp_path / "hot", TRAINED_STEPS, spec, loss)
+    config = tmp_path / "ckptier.toml"
+    config.write_text(f'[[drill]]\njobs = "*"\nmodel = "{DEMO}"\nsteps = 2\ndevice = "cpu"\n')
+    monkeypatch.setenv("CKPTIER_CATALOG_URL", f"sqlite:///{tmp_path / 'catalog.db'}")
+    monkeypatch.setenv("CKPTIER_CONFIG", str(config))
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    assert main(["scan", str(tmp_path / "hot")]) == 0
+    assert main(["verify"]) == 0
+    capsys.readouterr()
+    assert main(["drill", "--json"]) == 0
+    (confined,) = json.loads(capsys.readouterr().out)
+    assert confined["confined"] and "Landlock" in confined["confinement"] and "not confined" not in confined["summary"]
+
+    # The same drill from a process that already holds the most Landlock domains the
+    # kernel allows: the worker cannot be confined, and the report says so and why.
+    done = subprocess.run([sys.executable, "-c", NESTED_DRILL], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (report,) = json.loads(done.stdout)
+    assert report["ok"] and not report["confined"]
+    assert report["confinement"].startswith("writes not confined:") and "nested Landlock domains" in report["confinement"]
+    assert report["confinement"] in report["summary"]

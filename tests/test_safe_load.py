@@ -8,6 +8,7 @@ numpy RNG state of Hugging Face's rng_state.pth loads.
 
 from __future__ import annotations
 
+import copyreg
 import io
 import json
 import os
@@ -34,6 +35,7 @@ from ckptier.tasks.safe_load import (
     refused_global,
     safe_torch_load,
 )
+from tests.fixtures.hostile import Call, Global, New, dumps, torch_file
 
 
 class Canary:
@@ -69,7 +71,7 @@ def test_malicious_pickle_is_refused_and_never_runs(tmp_path: Path) -> None:
     with pytest.raises(UnsafeCheckpoint) as info:
         safe_torch_load(path)
     assert info.value.global_name in ("posix.system", "os.system")
-    assert "never allows" in str(info.value) and "\n" not in str(info.value)
+    assert "hostile" in str(info.value) and "\n" not in str(info.value)
     assert "--allow-global" not in str(info.value)  # no advice to allow os.system
     assert not canary.exists()
 
@@ -143,7 +145,7 @@ def test_only_classes_outside_unsafe_modules_can_be_allowlisted(tmp_path: Path, 
     # torch runs any allowlisted callable, so allowlisting a function would let a pickle call it.
     path = tmp_path / "speaks.pt"
     torch.save({"w": torch.ones(1), "x": Speaker()}, path)
-    with pytest.raises(UnsafeCheckpoint, match="calls print, which can run code") as info:
+    with pytest.raises(UnsafeCheckpoint, match=r"calls __builtin__\.print: module 'builtins' can run code") as info:
         safe_torch_load(path)
     assert "--allow-global" not in str(info.value)  # never advise allowlisting a builtin
     with pytest.raises(ConfigError, match="'builtins'"):
@@ -244,3 +246,141 @@ def test_mmap_load_leaves_the_file_unchanged(tmp_path: Path) -> None:
     del loaded
     assert path.read_bytes() == before
     assert io.BytesIO(before).getbuffer().nbytes > 0
+
+
+# --- every refusal names the global, however the pickle spells it ----------------
+
+class Outer:
+    class Inner:
+        """A plain class nested in another: pickles name it Outer.Inner."""
+
+
+def _refused(path: Path) -> UnsafeCheckpoint:
+    with pytest.raises(UnsafeCheckpoint) as info:
+        safe_torch_load(path)
+    message = str(info.value)
+    assert "\n" not in message and "refused to load: ;" not in message
+    return info.value
+
+
+def _evil(tmp_path: Path, name: str, pickle_bytes: bytes) -> Path:
+    return torch_file(tmp_path / f"{name}.pt", pickle_bytes)
+
+
+def test_numpy_object_array_is_refused_naming_its_dtype(tmp_path: Path) -> None:
+    path = tmp_path / "objects.pt"
+    torch.save({"a": np.array([{"x": 1}], dtype=object)}, path)
+    refused = _refused(path)
+    assert refused.global_name == "numpy.dtypes.ObjectDType"
+    assert "numpy.dtypes.ObjectDType (a numpy array of Python objects)" in str(refused)
+    assert "can never be allowed" in str(refused) and "--allow-global" not in str(refused)
+
+
+def test_stack_global_is_named_even_through_the_memo(tmp_path: Path) -> None:
+    # protocol 4: module and name pushed as strings, memoized, fetched back, then STACK_GLOBAL
+    hostile = b"\x80\x04\x8c\x02os\x94\x8c\x06system\x94h\x00h\x01\x93\x94\x8c\x04true\x94\x85\x94R\x94."
+    refused = _refused(_evil(tmp_path, "stack-global", hostile))
+    assert refused.global_name == "os.system"
+    assert "STACK_GLOBAL" in str(refused) and "hostile" in str(refused)
+    plain = pickle.dumps(TrainConfig(lr=0.1, name="x"), protocol=4)
+    refused = _refused(_evil(tmp_path, "stack-global-plain", plain))
+    assert refused.global_name == f"{__name__}.TrainConfig" and "STACK_GLOBAL" in str(refused)
+    assert "--allow-global" not in str(refused)  # allowing it would not help: torch refuses the opcode
+
+
+def test_inst_and_obj_are_named(tmp_path: Path) -> None:
+    inst = _refused(_evil(tmp_path, "inst", b"(S'true'\nios\nsystem\n."))
+    assert inst.global_name == "os.system" and "INST" in str(inst) and "hostile" in str(inst)
+    obj = _refused(_evil(tmp_path, "obj", b"\x80\x02(csubprocess\ngetoutput\nX\x04\x00\x00\x00trueo."))
+    assert obj.global_name == "subprocess.getoutput" and "hostile" in str(obj)
+
+
+def test_extension_codes_are_named(tmp_path: Path) -> None:
+    copyreg.add_extension("os", "system", 240)
+    try:
+        registered = _refused(_evil(tmp_path, "ext-os", b"\x80\x02\x82\xf0X\x04\x00\x00\x00true\x85R."))
+    finally:
+        copyreg.remove_extension("os", "system", 240)
+    assert registered.global_name == "os.system" and "EXT1" in str(registered) and "hostile" in str(registered)
+    unknown = _refused(_evil(tmp_path, "ext-unknown", b"\x80\x02\x82\x01)R."))
+    assert "extension code 1" in str(unknown) and "EXT1" in str(unknown)
+
+
+@pytest.mark.parametrize("name", ["mymod.f.<locals>.Config", "my-mod.Thing", "mod.", "Thing"])
+def test_names_no_class_has_are_named_and_never_suggested(tmp_path: Path, name: str) -> None:
+    module, _, attr = name.rpartition(".")
+    refused = _refused(_evil(tmp_path, "odd", dumps(New(Global(module or name, attr if module else "")))))
+    expected = f"{module}.{attr}" if module else f"{name}."
+    assert refused.global_name == expected and repr(expected) in str(refused)
+    assert "--allow-global" not in str(refused)
+
+
+def test_nested_plain_class_is_named_and_loads_once_allowed(tmp_path: Path) -> None:
+    name = f"{__name__}.Outer.Inner"
+    path = _evil(tmp_path, "nested", dumps({"inner": New(Global(__name__, "Outer.Inner"))}))
+    refused = _refused(path)
+    assert refused.global_name == name and f"--allow-global {name}" in str(refused)
+    assert isinstance(safe_torch_load(path, extra_allowlist=[name])["inner"], Outer.Inner)
+    # torch.save (protocol 2) spells a nested class as getattr(Outer, "Inner"): a call of getattr.
+    saved = tmp_path / "saved-nested.pt"
+    torch.save({"inner": Outer.Inner()}, saved)
+    refused = _refused(saved)
+    assert refused.global_name == "__builtin__.getattr" and "builtins.getattr" in str(refused)
+
+
+@pytest.mark.parametrize(
+    "alias, target",
+    [
+        ("commands.Popen", "subprocess.Popen"),
+        ("commands.getoutput", "subprocess.getoutput"),
+        ("__builtin__.eval", "builtins.eval"),
+        ("cPickle.loads", "pickle.loads"),
+        ("SocketServer.TCPServer", "socketserver.TCPServer"),
+        ("urllib.urlretrieve", "urllib.request.urlretrieve"),
+        ("multiprocessing.forking.Popen", "module 'multiprocessing'"),
+        ("copy_reg._reconstructor", "copyreg._reconstructor"),
+        ("posix.system", "posix.system"),
+        ("nt.system", "nt.system"),
+    ],
+)
+def test_python2_aliases_of_dangerous_globals_are_hostile(tmp_path: Path, alias: str, target: str) -> None:
+    canary = tmp_path / "canary"
+    refused = _refused(_evil(tmp_path, "alias", dumps(Call(Global(alias), (["touch", str(canary)],)))))
+    message = str(refused)
+    assert refused.global_name == alias and alias in message and target in message
+    assert "hostile" in message and "not allowlisted" not in message and "--allow-global" not in message
+    assert not canary.exists()
+
+
+def test_archive_member_escaping_the_archive_is_hostile(tmp_path: Path) -> None:
+    path = tmp_path / "model.pt"
+    torch.save({"w": torch.ones(2)}, path)
+    with zipfile.ZipFile(path, "a") as archive:
+        archive.writestr("../../etc/evil.txt", b"x")
+    refused = _refused(path)
+    assert "'../../etc/evil.txt' points outside the archive" in str(refused) and "hostile" in str(refused)
+
+
+def test_opcodes_torch_refuses_are_named(tmp_path: Path) -> None:
+    refused = _refused(_evil(tmp_path, "frame", b"\x80\x04\x95\x01\x00\x00\x00\x00\x00\x00\x00N."))
+    assert "FRAME" in str(refused)
+
+
+def test_unreadable_torch_archive_is_a_load_error(tmp_path: Path) -> None:
+    path = tmp_path / "torn.pt"
+    torch.save({"w": torch.ones(4)}, path)
+    with zipfile.ZipFile(path) as zin, zipfile.ZipFile(tmp_path / "renamed.pt", "w") as zout:
+        for item in zin.infolist():
+            zout.writestr("other/" + item.filename.split("/", 1)[1] if item.filename.endswith("version") else item.filename,
+                          zin.read(item.filename))
+    with pytest.raises(CheckpointLoadError, match="not a readable torch checkpoint"):
+        safe_torch_load(tmp_path / "renamed.pt")
+
+
+def test_archive_with_a_member_twice_is_hostile(tmp_path: Path) -> None:
+    # Zip readers differ on which copy of a duplicated name they return: what was
+    # checked need not be what torch loads.
+    path = torch_file(tmp_path / "twice.pt", dumps({"w": 1.0}),
+                      extra_members=[("archive/data.pkl", dumps(Call(Global("os.system"), ("true",))))])
+    refused = _refused(path)
+    assert "'archive/data.pkl' appears twice" in str(refused) and "hostile" in str(refused)
