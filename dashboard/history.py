@@ -70,8 +70,12 @@ def _tier_move(kind: str, data: Mapping[str, Any] | None) -> tuple[str, bool] | 
     return None
 
 
-def _ts(value: Any) -> datetime:
-    return pd.Timestamp(value).to_pydatetime()
+def _times(column: pd.Series) -> list[datetime | None]:
+    """A column of times as aware UTC datetimes (None where missing), converted in one go."""
+    if column.empty:
+        return []
+    converted = pd.to_datetime(column, utc=True)
+    return [None if pd.isna(t) else t.to_pydatetime() for t in converted]
 
 
 def storage_history(copies: pd.DataFrame, events: pd.DataFrame, *, now: datetime) -> pd.DataFrame:
@@ -86,16 +90,20 @@ def storage_history(copies: pd.DataFrame, events: pd.DataFrame, *, now: datetime
     Empty (with those columns) when there are no copies.
     """
     slots: dict[tuple[int, str], _Slot] = {}
-    for row in copies.itertuples(index=False):
-        key = (int(row.checkpoint_id), str(row.tier))
-        stored = int(row.stored_bytes) if pd.notna(row.stored_bytes) else int(row.bytes)
-        start = _ts(row.created_at)
-        if row.tier == "hot" and pd.notna(row.saved_at):
-            start = min(start, _ts(row.saved_at))
-        held_now = row.state in HELD
+    created = _times(copies["created_at"])
+    saved = _times(copies["saved_at"])
+    for cid, tier, state, stored_bytes, logical, c_at, s_at in zip(
+            copies["checkpoint_id"], copies["tier"], copies["state"], copies["stored_bytes"], copies["bytes"], created,
+            saved, strict=True):
+        key = (int(cid), str(tier))
+        stored = int(stored_bytes) if pd.notna(stored_bytes) else int(logical)
+        start = c_at
+        if tier == "hot" and s_at is not None:
+            start = min(start, s_at)
+        held_now = state in HELD
         slot = slots.get(key)
         if slot is None:
-            slots[key] = _Slot(tier=str(row.tier), stored=stored, logical=int(row.bytes), start=start, held_now=held_now)
+            slots[key] = _Slot(tier=str(tier), stored=stored, logical=int(logical), start=start, held_now=held_now)
         else:  # a second copy in the same tier (moved location): one slot, newest size
             slot.start = min(slot.start, start)
             slot.stored = stored
@@ -105,16 +113,16 @@ def storage_history(copies: pd.DataFrame, events: pd.DataFrame, *, now: datetime
 
     if len(events):
         ordered = events.sort_values("at", kind="stable")
-        for at, kind, cid, data in zip(ordered["at"], ordered["kind"], ordered["checkpoint_id"], ordered["data"],
+        for at, kind, cid, data in zip(_times(ordered["at"]), ordered["kind"], ordered["checkpoint_id"], ordered["data"],
                                        strict=True):
-            if pd.isna(cid):
+            if at is None or pd.isna(cid):
                 continue
             move = _tier_move(str(kind), data if isinstance(data, Mapping) else None)
             if move is None:
                 continue
             slot = slots.get((int(cid), move[0]))
             if slot is not None:
-                slot.move(_ts(at), move[1])
+                slot.move(at, move[1])
 
     latest = max([s.start for s in slots.values()] + [s.last_change for s in slots.values() if s.last_change])
     deltas: list[tuple[datetime, str, int, int]] = []

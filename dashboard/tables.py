@@ -138,7 +138,10 @@ class Snapshot:
 
     @cached_property
     def saves(self) -> pd.DataFrame:
-        return self._frame(q.recent_saves(self.job))
+        """The newest :data:`queries.RECENT_SAVES` saves of each job: ``job``, ``step``, ``saved_at``."""
+        df = q.frames(self.source.engine, [q.recent_saves(name) for name in self.jobs["job"]], ["job", "step", "saved_at"])
+        df["saved_at"] = pd.to_datetime(df["saved_at"], utc=True)
+        return df
 
     @cached_property
     def problems(self) -> pd.DataFrame:
@@ -252,82 +255,83 @@ def _first_loss(d: DrillRecord) -> float | None:
 # ------------------------------------------------------------------ catalog tables
 
 
+def _per_job(frame: pd.DataFrame, column: str, how: str, names: Sequence[str], *, fill: Any = 0) -> pd.Series:
+    """``frame[column]`` aggregated per job (``sum``/``min``/``max``), one value per name in ``names``."""
+    if frame.empty:
+        return pd.Series([fill] * len(names), index=list(names), dtype=object if fill is None else None)
+    agg = frame.groupby("job", sort=False)[column].agg(how)
+    return agg.reindex(list(names), fill_value=fill)
+
+
 def build_jobs(s: Snapshot) -> pd.DataFrame:
     """One row per job: counts by state/proof/tier, bytes, coverage, drills, recovery point, alerts."""
     names = list(s.jobs["job"])
     pl = s.placement
+    live = pl[pl["state"] != "deleted"]
+    hot, arch = live["hot"] == 1, live["archive"] == 1
+    states = (pl.groupby(["job", "state"], sort=False)["count"].sum().unstack(fill_value=0)
+              .reindex(index=names, columns=list(STATES), fill_value=0)) if len(pl) else \
+        pd.DataFrame(0, index=names, columns=list(STATES))
+    passed = s.drill_passed
+    drilled = _per_job(passed.assign(n=(passed["state"] == "verified").astype(int)), "n", "sum", names)
+    held_ok = passed[(passed["state"] == "verified") & (passed["held"] == 1)]
+    recovery = held_ok.loc[held_ok.groupby("job")["step"].idxmax()].set_index("job") if len(held_ok) else None
+    hot_bytes = _per_job(pl, "hot_bytes", "sum", names)
+    archive_stored = _per_job(pl, "archive_bytes", "sum", names)
+    keep_all = _per_job(pl, "bytes", "sum", names)
+    oldest = _per_job(pl[pl["state"] == "verified"], "oldest_verified_at", "min", names, fill=None)
+    saves = s.saves
+    newest = saves.loc[saves.groupby("job")["step"].idxmax()].set_index("job") if len(saves) else None
+    times = {name: [t.to_pydatetime() for t in g["saved_at"].dropna()] for name, g in saves.groupby("job", sort=False)}
     alerts = s.table("alerts")
+    n_alerts = alerts.groupby("job", sort=False).size() if len(alerts) else pd.Series(dtype=int)
+    worst = alerts.groupby("job", sort=False)["severity"].first() if len(alerts) else pd.Series(dtype=object)
     rows = []
-    by_job = {name: g for name, g in pl.groupby("job", sort=False)} if len(pl) else {}
-    saves = {name: g for name, g in s.saves.groupby("job", sort=False)} if len(s.saves) else {}
-    passed = {name: g for name, g in s.drill_passed.groupby("job", sort=False)} if len(s.drill_passed) else {}
-    alerts_by_job = {name: g for name, g in alerts.groupby("job", sort=False)} if len(alerts) else {}
     for name in names:
-        g = by_job.get(name, pl.iloc[0:0])
-        live = g[g["state"] != "deleted"]
-        state_counts = g.groupby("state")["count"].sum().to_dict()
-        held_hot, held_arch = live["hot"] == 1, live["archive"] == 1
-        verified_all = int(state_counts.get("verified", 0))
-        committed = int(state_counts.get("committed", 0))
-        p = passed.get(name)
-        drilled = int(((p["state"] == "verified")).sum()) if p is not None else 0
-        recovery = None
-        if p is not None:
-            ok = p[(p["state"] == "verified") & (p["held"] == 1)]
-            if len(ok):
-                recovery = ok.loc[ok["step"].idxmax()]
-        hot_bytes = int(g["hot_bytes"].sum())
-        archive_stored = int(g["archive_bytes"].sum())
-        keep_all = int(g["bytes"].sum())
-        verified_rows = g[g["state"] == "verified"]
-        oldest = verified_rows["oldest_verified_at"].min() if len(verified_rows) else None
-        sv = saves.get(name)
-        newest_step = newest_saved = interval = None
-        if sv is not None and len(sv):
-            top = sv.loc[sv["step"].idxmax()]
-            newest_step, newest_saved = int(top["step"]), _opt(sv["saved_at"].max())
-            interval = al.usual_interval([t.to_pydatetime() for t in sv["saved_at"].dropna()])
-        drills = s.drills.get(name, [])
-        last = drills[0] if drills else None
+        verified_all, committed = int(states.at[name, "verified"]), int(states.at[name, "committed"])
+        n_drilled = int(drilled[name])
+        rec = recovery.loc[name] if recovery is not None and name in recovery.index else None
+        top = newest.loc[name] if newest is not None and name in newest.index else None
+        interval = al.usual_interval(times.get(name, []))
+        last = (s.drills.get(name) or [None])[0]
         last_at = (last.finished_at or last.started_at) if last else None
-        job_alerts = alerts_by_job.get(name)
-        n_alerts = len(job_alerts) if job_alerts is not None else 0
-        worst = str(job_alerts["severity"].iloc[0]) if n_alerts else None  # alerts come most severe first
+        hb, ab, ka = int(hot_bytes[name]), int(archive_stored[name]), int(keep_all[name])
+        newest_saved = _opt(top["saved_at"]) if top is not None else None
         rows.append({
             "job": name,
-            "checkpoints": int(live["count"].sum()),
-            "incomplete": int(state_counts.get("incomplete", 0)),
+            "checkpoints": int(states.loc[name].sum() - states.at[name, "deleted"]),
+            "incomplete": int(states.at[name, "incomplete"]),
             "committed": committed,
-            "verified": verified_all - drilled,
-            "drilled": drilled,
-            "corrupt": int(state_counts.get("corrupt", 0)),
-            "deleted": int(state_counts.get("deleted", 0)),
-            "hot_only": int(live.loc[held_hot & ~held_arch, "count"].sum()),
-            "hot_and_archive": int(live.loc[held_hot & held_arch, "count"].sum()),
-            "archive_only": int(live.loc[~held_hot & held_arch, "count"].sum()),
-            "no_copy": int(live.loc[~held_hot & ~held_arch, "count"].sum()),
-            "hot_bytes": hot_bytes,
-            "archive_stored_bytes": archive_stored,
-            "archive_logical_bytes": int(g.loc[g["archive"] == 1, "bytes"].sum()),
-            "keep_all_bytes": keep_all,
-            "saved_bytes": keep_all - hot_bytes - archive_stored,
-            "saved_fraction": round((keep_all - hot_bytes - archive_stored) / keep_all, 4) if keep_all else None,
+            "verified": verified_all - n_drilled,
+            "drilled": n_drilled,
+            "corrupt": int(states.at[name, "corrupt"]),
+            "deleted": int(states.at[name, "deleted"]),
+            "hot_only": int(live.loc[hot & ~arch & (live["job"] == name), "count"].sum()),
+            "hot_and_archive": int(live.loc[hot & arch & (live["job"] == name), "count"].sum()),
+            "archive_only": int(live.loc[~hot & arch & (live["job"] == name), "count"].sum()),
+            "no_copy": int(live.loc[~hot & ~arch & (live["job"] == name), "count"].sum()),
+            "hot_bytes": hb,
+            "archive_stored_bytes": ab,
+            "archive_logical_bytes": int(pl.loc[(pl["archive"] == 1) & (pl["job"] == name), "bytes"].sum()),
+            "keep_all_bytes": ka,
+            "saved_bytes": ka - hb - ab,
+            "saved_fraction": round((ka - hb - ab) / ka, 4) if ka else None,
             "verified_coverage": round(verified_all / (committed + verified_all), 4) if committed + verified_all else None,
-            "oldest_verified_at": _opt(oldest),
-            "oldest_verification_age_s": _age_s(s.now, _opt(oldest)),
+            "oldest_verified_at": _opt(oldest[name]),
+            "oldest_verification_age_s": _age_s(s.now, _opt(oldest[name])),
             "last_drill_at": last_at,
             "last_drill_age_s": _age_s(s.now, last_at),
             "last_drill_step": last.step if last else None,
             "last_drill_ok": last.ok if last else None,
-            "recovery_step": int(recovery["step"]) if recovery is not None else None,
-            "recovery_saved_at": _opt(recovery["saved_at"]) if recovery is not None else None,
-            "recovery_age_s": _age_s(s.now, _opt(recovery["saved_at"])) if recovery is not None else None,
-            "newest_step": newest_step,
+            "recovery_step": int(rec["step"]) if rec is not None else None,
+            "recovery_saved_at": _opt(rec["saved_at"]) if rec is not None else None,
+            "recovery_age_s": _age_s(s.now, _opt(rec["saved_at"])) if rec is not None else None,
+            "newest_step": int(top["step"]) if top is not None else None,
             "newest_saved_at": newest_saved,
             "newest_save_age_s": _age_s(s.now, newest_saved),
             "usual_interval_s": interval.total_seconds() if interval is not None else None,
-            "alerts": n_alerts,
-            "worst_alert": worst,
+            "alerts": int(n_alerts.get(name, 0)),
+            "worst_alert": worst.get(name),  # alerts come most severe first
         })
     df = _records(rows, "jobs")
     for col in ("last_drill_step", "recovery_step", "newest_step"):
@@ -345,7 +349,7 @@ def build_alerts(s: Snapshot) -> pd.DataFrame:
     pl = s.placement
     live = pl[pl["state"] != "deleted"]
     counts = live.groupby("job")[["count", "missing"]].sum() if len(live) else None
-    saves = {name: g for name, g in s.saves.groupby("job", sort=False)} if len(s.saves) else {}
+    saves = dict(tuple(s.saves.groupby("job", sort=False)))
     for name in s.jobs["job"]:
         found.extend(al.problem_alerts(name, problems.get(name, [])))
         if counts is not None and name in counts.index:
