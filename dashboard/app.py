@@ -23,6 +23,7 @@ all, styles only from ``/static``). With a token, every route but
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import secrets
 import shlex
@@ -53,12 +54,14 @@ log = logging.getLogger("ckptier.dashboard")
 HERE = Path(__file__).resolve().parent
 #: Rows of a job's checkpoint table drawn on the page (the downloads hold all of them).
 PAGE_ROWS = 500
+#: Rows of the recent drills and events drawn on the overview.
+OVERVIEW_ROWS = 12
 CSP = ("default-src 'none'; style-src 'self'; img-src 'self' data:; form-action 'self'; "
        "frame-ancestors 'none'; base-uri 'none'")
 SECURITY_HEADERS = {
     "Content-Security-Policy": CSP,
     "X-Content-Type-Options": "nosniff",
-    "Referrer-Policy": "no-referrer",
+    "Referrer-Policy": "same-origin",  # "no-referrer" makes browsers send "Origin: null" on our own form posts
     "X-Frame-Options": "DENY",
     "Cache-Control": "no-store",
 }
@@ -86,6 +89,7 @@ def create_app(source: Source, *, token: str | None = None, prefect: PrefectDril
     env = _templates()
     drills = prefect or PrefectDrills(None)
     css = (HERE / "static" / "style.css").read_bytes()
+    env.globals["css_version"] = hashlib.sha256(css).hexdigest()[:12]  # a new stylesheet is never served from cache
 
     def page(request: Request, template: str, status: int = 200, **ctx: Any) -> HTMLResponse:
         csrf = request.cookies.get(security.CSRF_COOKIE) or security.new_csrf()
@@ -137,9 +141,13 @@ def create_app(source: Source, *, token: str | None = None, prefect: PrefectDril
         except CkptierError as exc:
             return error(request, 500, "Cannot read the catalog", str(exc))
         totals = _totals(jobs)
-        return page(request, "overview.html", now=now, jobs=python_rows(jobs),
-                    jobs_view=table_view(TABLES["jobs"], jobs), alerts=table_view(TABLES["alerts"], alerts,
-                    columns=["severity", "job", "kind", "steps", "message"]), totals=totals)
+        return page(request, "overview.html", now=now, jobs=python_rows(jobs), totals=totals,
+                    jobs_view=table_view(TABLES["jobs"], jobs),
+                    alerts=table_view(TABLES["alerts"], alerts, columns=["severity", "job", "kind", "steps", "message"]),
+                    drills=table_view(TABLES["drills"], snap.table("drills"), limit=OVERVIEW_ROWS,
+                                      columns=["started_at", "job", "step", "ok", "seconds", "tier", "summary"]),
+                    events=table_view(TABLES["events"], snap.table("events"), limit=OVERVIEW_ROWS,
+                                      columns=["at", "job", "step", "kind", "message"]))
 
     @app.get("/jobs/{job:path}", response_class=HTMLResponse)
     def job_page(request: Request, job: str, run: str | None = None) -> Response:

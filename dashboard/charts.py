@@ -65,19 +65,21 @@ def step_chart(marks: Sequence[Mark], *, milestones: Sequence[int] = (), recover
     recovery point as a flag. Ticks sharing a pixel merge, the most severe
     state showing (:data:`STATE_PRIORITY`)."""
     lanes = [lane for lane in ("hot", "archive", "deleted") if any(m.lane == lane for m in marks)] or ["hot"]
-    left, right, top = 70, 16, 26
+    left, right, top = 70, 24, 26
     plot_w = width - left - right
-    height = top + lane_height * len(lanes) + 34
+    height = top + lane_height * len(lanes) + 40
     if not marks:
         return Markup(f'<svg class="chart" viewBox="0 0 {width} 60" role="img" aria-label="no checkpoints">'
                       f'<text x="{left}" y="34" class="muted">no checkpoints</text></svg>')
     steps = [m.step for m in marks]
     lo, hi = min(steps), max(steps)
-    lo = min(lo, 0)
+    if lo <= hi * 0.25:  # a run seen from its start: the axis starts at step 0
+        lo = min(lo, 0)
     span = max(hi - lo, 1)
+    pad = 6.0  # pixels, so that the first and last ticks are whole
 
     def x(step: float) -> float:
-        return left + (step - lo) / span * plot_w
+        return left + pad + (step - lo) / span * (plot_w - 2 * pad)
 
     out = [f'<svg class="chart" viewBox="0 0 {width} {height}" role="img" aria-label="checkpoints by step">']
     for i, lane in enumerate(lanes):

@@ -198,14 +198,21 @@ def storage_events(job: str) -> Select[Any]:
     )
 
 
-def checkpoint_events(checkpoint_id: int, limit: int = 500) -> Select[Any]:
-    """The events of one checkpoint, newest first: ``at``, ``kind``, ``message``."""
-    return (
-        select(ev.c.at, ev.c.kind, ev.c.message)
-        .where(ev.c.checkpoint_id == checkpoint_id)
-        .order_by(ev.c.at.desc(), ev.c.id.desc())
-        .limit(limit)
+def events(job: str | None = None, *, checkpoint_id: int | None = None, kinds: Sequence[str] | None = None,
+           limit: int = 300) -> Select[Any]:
+    """Events newest first (time, then insertion order), at most ``limit``:
+    ``at``, ``job``, ``step`` (None for job-wide events), ``kind``, ``message``."""
+    stmt = (
+        select(ev.c.at, jb.c.name.label("job"), ck.c.step, ev.c.kind, ev.c.message)
+        .select_from(ev.outerjoin(jb, jb.c.id == ev.c.job_id).outerjoin(ck, ck.c.id == ev.c.checkpoint_id))
     )
+    if job is not None:
+        stmt = stmt.where(jb.c.name == job)
+    if checkpoint_id is not None:
+        stmt = stmt.where(ev.c.checkpoint_id == checkpoint_id)
+    if kinds is not None:
+        stmt = stmt.where(ev.c.kind.in_(list(kinds)))
+    return stmt.order_by(ev.c.at.desc(), ev.c.id.desc()).limit(limit)
 
 
 def file_hashes(checkpoint_id: int) -> Select[Any]:

@@ -67,8 +67,8 @@ class Column:
 class TableSpec:
     """A table of the registry.
 
-    ``scope`` says which filters it needs: ``catalog`` (``job`` optional),
-    ``job`` (``job`` required, ``step`` optional where it makes sense) or
+    ``scope`` says which filters it needs: ``catalog`` (``job`` optional;
+    with it, ``step`` where it makes sense), ``job`` (``job`` required) or
     ``checkpoint`` (both required). ``build`` returns a DataFrame with
     exactly ``columns``, in order.
     """
@@ -191,10 +191,6 @@ class Snapshot:
         """Every checkpoint of ``job``, tombstones included, with copies (no files)."""
         self.jobs  # noqa: B018 - raises for an unknown job
         return list(self.catalog.checkpoints(job=self.job, include_deleted=True, with_files=False))
-
-    @cached_property
-    def steps_by_id(self) -> dict[int, int]:
-        return {r.id: r.step for r in self.records}
 
     @cached_property
     def plan(self) -> Any:
@@ -433,8 +429,9 @@ def build_plan(s: Snapshot) -> pd.DataFrame:
 
 
 def build_drills(s: Snapshot) -> pd.DataFrame:
-    """The job's restore drills, newest first (those of ``step`` only, when given)."""
-    drills = s.drills.get(s.job or "", [])
+    """Restore drills, newest first: every job's (the newest :data:`DRILL_WINDOW` of each), or the
+    job's, or one checkpoint's."""
+    drills = sorted((d for ds in s.drills.values() for d in ds), key=lambda d: d.started_at, reverse=True)
     if s.step is not None:
         rid = s.record.id
         drills = [d for d in drills if d.checkpoint_id == rid]
@@ -450,29 +447,25 @@ def build_drills(s: Snapshot) -> pd.DataFrame:
     return df
 
 
-def _event_rows(s: Snapshot, kinds: Sequence[str] | None) -> list[dict[str, Any]]:
-    if s.step is not None:
-        df = q.frame(s.source.engine, q.checkpoint_events(s.record.id))
-        return [{"at": r.at, "job": s.job, "step": s.step, "kind": r.kind, "message": redact(r.message)}
-                for r in df.itertuples(index=False) if kinds is None or r.kind in kinds]
-    events = s.catalog.events(job=s.job, kinds=kinds, limit=EVENT_LIMIT)
-    steps = s.steps_by_id
-    return [{"at": e.at, "job": e.job or "", "step": steps.get(e.checkpoint_id) if e.checkpoint_id else None,
-             "kind": e.kind, "message": redact(e.message)} for e in events]
+def _events(s: Snapshot, kinds: Sequence[str] | None) -> pd.DataFrame:
+    if s.job is not None:
+        s.jobs  # noqa: B018 - raises for an unknown job
+    cid = s.record.id if s.step is not None else None
+    df = q.frame(s.source.engine, q.events(s.job, checkpoint_id=cid, kinds=kinds, limit=EVENT_LIMIT))
+    df["message"] = [redact(m) for m in df["message"]]
+    df["job"] = df["job"].fillna("")
+    df["step"] = df["step"].astype("Int64")
+    return df
 
 
 def build_verifications(s: Snapshot) -> pd.DataFrame:
-    """Verification outcomes of the job (state changes and archive read-backs), newest first."""
-    df = _records(_event_rows(s, q.VERIFICATION_EVENT_KINDS), "verifications")
-    df["step"] = df["step"].astype("Int64")
-    return df
+    """Verification outcomes (state changes and archive read-backs), newest first (at most :data:`EVENT_LIMIT`)."""
+    return _events(s, q.VERIFICATION_EVENT_KINDS)
 
 
 def build_events(s: Snapshot) -> pd.DataFrame:
-    """The job's event log, newest first (at most :data:`EVENT_LIMIT`)."""
-    df = _records(_event_rows(s, None), "events")
-    df["step"] = df["step"].astype("Int64")
-    return df
+    """The event log, newest first (at most :data:`EVENT_LIMIT`)."""
+    return _events(s, None)
 
 
 def build_storage(s: Snapshot) -> pd.DataFrame:
@@ -600,7 +593,7 @@ register(TableSpec("plan", "Retention plan", "job", (
     C("reasons", "text", "Reasons"),
 ), build_plan, "what 'ckptier apply' would do now, with its reasons"))
 
-register(TableSpec("drills", "Restore drills", "job", (
+register(TableSpec("drills", "Restore drills", "catalog", (
     C("job", "job", "Job"),
     C("step", "step", "Step"),
     C("started_at", "time", "Started"),
@@ -614,7 +607,7 @@ register(TableSpec("drills", "Restore drills", "job", (
     C("summary", "text", "Summary"),
 ), build_drills, "restore drills, newest first"))
 
-register(TableSpec("verifications", "Verification history", "job", (
+register(TableSpec("verifications", "Verification history", "catalog", (
     C("at", "time", "At"),
     C("job", "job", "Job"),
     C("step", "step", "Step"),
@@ -622,7 +615,7 @@ register(TableSpec("verifications", "Verification history", "job", (
     C("message", "text", "Message"),
 ), build_verifications, "verification outcomes (state changes, archive read-backs), newest first"))
 
-register(TableSpec("events", "Events", "job", (
+register(TableSpec("events", "Events", "catalog", (
     C("at", "time", "At"),
     C("job", "job", "Job"),
     C("step", "step", "Step"),
