@@ -367,6 +367,15 @@ def test_job_tables(facts: Any) -> None:
     assert storage["hot_bytes"].max() == 10000 and storage.iloc[-1]["at"] == pd.Timestamp(NOW)
 
 
+def test_drills_and_events_across_the_catalog(facts: Any) -> None:
+    snap = Snapshot(facts, now=NOW)
+    drills = snap.table("drills")
+    assert list(drills["step"]) == [900, 900, 800, 700] and set(drills["job"]) == {"alpha"}
+    events = snap.table("events")
+    assert {"alpha", "beta"} <= set(events["job"]) and list(events["at"]) == sorted(events["at"], reverse=True)
+    assert events[events["kind"] == "vanished"]["step"].tolist() == [3, 2, 1]
+
+
 def test_checkpoint_tables(facts: Any) -> None:
     snap = Snapshot(facts, now=NOW, job="alpha", step=600)
     copies = snap.table("copies").set_index("tier")
@@ -526,6 +535,7 @@ def test_pages_render_with_security_headers(sqlite_facts: Any) -> None:
         assert "<script" not in r.text
     home = client.get("/").text
     assert "the only copy of step 600 is a damaged archive copy" in home and 'href="/jobs/alpha"' in home
+    assert 'id="t-drills"' in home and 'id="t-events"' in home and "step 900 failed: loss is nan" in home
     job = client.get("/jobs/alpha").text
     assert 'aria-label="checkpoints by step"' in job and "recovery point 800" in job and 'aria-label="storage over time"' in job
     ck = client.get("/checkpoint?job=alpha&step=600").text
