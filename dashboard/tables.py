@@ -251,6 +251,10 @@ def _first_loss(d: DrillRecord) -> float | None:
 # ------------------------------------------------------------------ catalog tables
 
 
+#: Where a live checkpoint's bytes are held, by (hot held, archive held).
+_HELD_LABELS = {(1, 0): "hot_only", (1, 1): "hot_and_archive", (0, 1): "archive_only", (0, 0): "no_copy"}
+
+
 def _per_job(frame: pd.DataFrame, column: str, how: str, names: Sequence[str], *, fill: Any = 0) -> pd.Series:
     """``frame[column]`` aggregated per job (``sum``/``min``/``max``), one value per name in ``names``."""
     if frame.empty:
@@ -264,10 +268,14 @@ def build_jobs(s: Snapshot) -> pd.DataFrame:
     names = list(s.jobs["job"])
     pl = s.placement
     live = pl[pl["state"] != "deleted"]
-    hot, arch = live["hot"] == 1, live["archive"] == 1
     states = (pl.groupby(["job", "state"], sort=False)["count"].sum().unstack(fill_value=0)
               .reindex(index=names, columns=list(STATES), fill_value=0)) if len(pl) else \
         pd.DataFrame(0, index=names, columns=list(STATES))
+    where = live.assign(held=[_HELD_LABELS[(int(h), int(a))] for h, a in zip(live["hot"], live["archive"], strict=True)])
+    held = (where.groupby(["job", "held"], sort=False)["count"].sum().unstack(fill_value=0)
+            .reindex(index=names, columns=list(_HELD_LABELS.values()), fill_value=0)) if len(where) else \
+        pd.DataFrame(0, index=names, columns=list(_HELD_LABELS.values()))
+    archive_logical = _per_job(pl[pl["archive"] == 1], "bytes", "sum", names)
     passed = s.drill_passed
     drilled = _per_job(passed.assign(n=(passed["state"] == "verified").astype(int)), "n", "sum", names)
     held_ok = passed[(passed["state"] == "verified") & (passed["held"] == 1)]
@@ -302,13 +310,10 @@ def build_jobs(s: Snapshot) -> pd.DataFrame:
             "drilled": n_drilled,
             "corrupt": int(states.at[name, "corrupt"]),
             "deleted": int(states.at[name, "deleted"]),
-            "hot_only": int(live.loc[hot & ~arch & (live["job"] == name), "count"].sum()),
-            "hot_and_archive": int(live.loc[hot & arch & (live["job"] == name), "count"].sum()),
-            "archive_only": int(live.loc[~hot & arch & (live["job"] == name), "count"].sum()),
-            "no_copy": int(live.loc[~hot & ~arch & (live["job"] == name), "count"].sum()),
+            **{label: int(held.at[name, label]) for label in _HELD_LABELS.values()},
             "hot_bytes": hb,
             "archive_stored_bytes": ab,
-            "archive_logical_bytes": int(pl.loc[(pl["archive"] == 1) & (pl["job"] == name), "bytes"].sum()),
+            "archive_logical_bytes": int(archive_logical[name]),
             "keep_all_bytes": ka,
             "saved_bytes": ka - hb - ab,
             "saved_fraction": round((ka - hb - ab) / ka, 4) if ka else None,
@@ -429,9 +434,11 @@ def build_plan(s: Snapshot) -> pd.DataFrame:
 
 
 def build_drills(s: Snapshot) -> pd.DataFrame:
-    """Restore drills, newest first: every job's (the newest :data:`DRILL_WINDOW` of each), or the
-    job's, or one checkpoint's."""
+    """Restore drills, newest first: the catalog's newest :data:`EVENT_LIMIT`, or the job's newest
+    :data:`DRILL_WINDOW`, or one checkpoint's among those."""
     drills = sorted((d for ds in s.drills.values() for d in ds), key=lambda d: d.started_at, reverse=True)
+    if s.job is None:
+        drills = drills[:EVENT_LIMIT]
     if s.step is not None:
         rid = s.record.id
         drills = [d for d in drills if d.checkpoint_id == rid]
