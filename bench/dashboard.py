@@ -39,7 +39,6 @@ from fastapi.testclient import TestClient
 from ckptier.dashboard.app import create_app
 from ckptier.dashboard.source import open_source
 from ckptier.storage.catalog.api import Catalog, DrillRecord
-from ckptier.storage.model import Tier
 from ckptier.tasks.config import parse_config
 from ckptier.tasks.retention import is_log_milestone
 

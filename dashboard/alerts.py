@@ -24,7 +24,7 @@ kind                   severity  when
 
 from __future__ import annotations
 
-import statistics
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -153,10 +153,12 @@ def usual_interval(saved: Sequence[datetime]) -> timedelta | None:
     """The median gap between consecutive saves (any order given), None with
     fewer than :data:`MIN_SAVES_FOR_INTERVAL` saves or no positive gap."""
     times = sorted(saved)
-    gaps = [b - a for a, b in zip(times, times[1:], strict=False) if b > a]
+    gaps = [b - a for a, b in itertools.pairwise(times) if b > a]
     if len(times) < MIN_SAVES_FOR_INTERVAL or not gaps:
         return None
-    return statistics.median(gaps)
+    ordered = sorted(gaps)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def stale_alert(job: str, newest_step: int | None, newest_saved: datetime | None, interval: timedelta | None,

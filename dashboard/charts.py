@@ -105,8 +105,8 @@ def step_chart(marks: Sequence[Mark], *, milestones: Sequence[int] = (), recover
     # Ticks, merged per pixel column.
     tick_w = max(1.5, min(8.0, plot_w / max(len(set(steps)), 1) * 0.7))
     buckets: dict[tuple[str, int], list[Mark]] = {}
-    for m in marks:
-        buckets.setdefault((m.lane, int(x(m.step) // max(tick_w, 1.0))), []).append(m)
+    for mark in marks:
+        buckets.setdefault((mark.lane, int(x(mark.step) // max(tick_w, 1.0))), []).append(mark)
     for (lane, _px), group in sorted(buckets.items(), key=lambda kv: (kv[0][0], kv[1][0].step)):
         y = top + lanes.index(lane) * lane_height
         group.sort(key=lambda m: (STATE_PRIORITY.index(m.cls) if m.cls in STATE_PRIORITY else 99, m.step))

@@ -63,7 +63,7 @@ def ui_url(api_url: str, environ: Mapping[str, str] | None = None) -> str:
     if "api.prefect.cloud/api/accounts/" in url:
         return url.replace("api.prefect.cloud/api/accounts/", "app.prefect.cloud/account/").replace(
             "/workspaces/", "/workspace/")
-    return url[: -len("/api")] if url.endswith("/api") else url
+    return url.removesuffix("/api")
 
 
 def _headers(environ: Mapping[str, str]) -> dict[str, str]:

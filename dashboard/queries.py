@@ -71,7 +71,9 @@ def placement(job: str | None = None) -> Select[Any]:
     ``oldest_verified_at`` (min ``verified_at``), ``max_step``,
     ``newest_saved_at``. Tombstones are included (state ``deleted``).
     """
-    tier_held = lambda tier: and_(cp.c.tier == tier, cp.c.state.in_(HELD))  # noqa: E731
+    def tier_held(tier: str) -> Any:
+        return and_(cp.c.tier == tier, cp.c.state.in_(HELD))
+
     inner = (
         select(
             ck.c.job_id,

@@ -510,6 +510,28 @@ def test_dashboard_command_refuses_an_open_bind_without_token(tmp_path: Path) ->
     assert proc.returncode == 2 and "at least 16" in proc.stderr
 
 
+def test_dashboard_imports_only_storage_and_tasks(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'c.db'}"
+    build_catalog(url)
+    code = """
+import sys
+from datetime import UTC, datetime
+from ckptier.dashboard import app, cli, source, tables
+from ckptier.tasks.config import parse_config
+src = source.open_source(sys.argv[1], parse_config(sys.argv[2]))
+for job, step in ((None, None), ("alpha", None), ("alpha", 600)):
+    snap = tables.Snapshot(src, now=datetime.now(UTC), job=job, step=step)
+    for name, spec in tables.TABLES.items():
+        if (spec.scope == "job" and job is None) or (spec.scope == "checkpoint" and step is None):
+            continue
+        snap.table(name)
+print(sorted(m for m in sys.modules if m.startswith(("ckptier.flows", "ckptier.deployments", "prefect"))))
+"""
+    proc = subprocess.run([sys.executable, "-c", code, url, POLICY], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
 # ------------------------------------------------------------------ the web app, in process
 
 

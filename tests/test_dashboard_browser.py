@@ -433,7 +433,24 @@ def test_drill_button_starts_the_deployment_on_the_prefect_server(browser: Brows
     listed = httpx.post(f"{deployed['server'].api_url}/flow_runs/filter", timeout=10,
                         json={"deployments": {"id": {"any_": [deployed["deployment_id"]]}},
                               "flow_runs": {"tags": {"all_": ["ckptier-dashboard"]}}}).json()
-    assert [r["id"] for r in listed] == [run_id]
+    assert run_id in [r["id"] for r in listed] and len(listed) == len(deployed["runs"])
+
+
+@pytest.mark.prefect_server
+def test_drill_button_of_a_checkpoint_drills_that_step(browser: Browser, demo_dashboard: Dashboard,
+                                                       deployed: dict[str, Any]) -> None:
+    b = browser
+    b.open(demo_dashboard.url + "/checkpoint?job=demo-run&step=250")
+    button = b.find("#drill-button")
+    assert b.text(button) == "Run a drill now of step 250" and b.prop(button, "disabled") is False
+    b.click(button)
+    link = b.attr(b.find("#drill-started a"), "href") or ""
+    run_id = link.rsplit("/", 1)[-1]
+    deployed["runs"].append(run_id)
+    assert "/checkpoint?job=demo-run&step=250&run=" in b.url
+    run = httpx.get(f"{deployed['server'].api_url}/flow_runs/{run_id}", timeout=10).json()
+    assert run["deployment_id"] == deployed["deployment_id"]
+    assert (run["parameters"]["job"], run["parameters"]["step"]) == ("demo-run", 250)
 
 
 def test_job_name_that_is_html_renders_as_text(browser: Browser, xss_dir: Path, tmp_path: Path) -> None:
