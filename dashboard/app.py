@@ -252,12 +252,19 @@ def create_app(source: Source, *, token: str | None = None, prefect: PrefectDril
     return app
 
 
+_REFUSED = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>Token required · ckptier</title>
+<link rel="stylesheet" href="/static/style.css"></head>
+<body><header class="top"><span class="brand">ckptier</span><nav class="crumbs"><span>token required</span></nav></header>
+<main><section class="error"><h1>Token required</h1>
+<p>This dashboard needs its access token. Open it once with <code>?token=…</code> added to the address
+(the token given to <code>ckptier dashboard --token</code> or <code>CKPTIER_DASHBOARD_TOKEN</code>): the browser then
+keeps it in a cookie. Scripts send <code>Authorization: Bearer …</code>.</p></section></main></body></html>"""
+
+
 def _refused() -> Response:
-    return _secure(HTMLResponse(
-        "<!doctype html><title>ckptier: token required</title><h1>Token required</h1>"
-        "<p>This dashboard needs its access token: open it once with <code>?token=…</code> "
-        "(the token given to <code>ckptier dashboard --token</code> or CKPTIER_DASHBOARD_TOKEN), "
-        "or send <code>Authorization: Bearer …</code>.</p>", status_code=401))
+    """The answer without a valid token: says how to get in, tells nothing about the catalog."""
+    return _secure(HTMLResponse(_REFUSED, status_code=401, headers={"WWW-Authenticate": "Bearer"}))
 
 
 def _secure(response: Response) -> Response:

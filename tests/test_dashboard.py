@@ -618,7 +618,9 @@ def test_token_is_required_everywhere_once_set(sqlite_facts: Any) -> None:
     token = "t" * 24
     client = _client(sqlite_facts, token=token)
     for path in ("/", "/jobs/alpha", "/data/jobs.json", "/checkpoint?job=alpha&step=800"):
-        assert client.get(path).status_code == 401
+        r = client.get(path)
+        assert r.status_code == 401 and "Token required" in r.text
+        assert "alpha" not in r.text and "sqlite" not in r.text  # nothing about the catalog
     assert client.get("/", headers={"Authorization": "Bearer " + "t" * 23 + "x"}).status_code == 401
     assert client.get("/?token=wrong").status_code == 401
     assert client.get("/static/style.css").status_code == 200
