@@ -84,6 +84,23 @@ def format_age(delta: timedelta | None) -> str:
     return sign + " ".join(parts)
 
 
+# ------------------------------------------------------------------ proof
+
+
+PROOF_LEVELS = ("committed", "verified", "drilled")
+
+
+def proof_level(state: str, last_drill_ok: bool | None) -> str:
+    """A checkpoint's proof: ``committed`` < ``verified`` (every file's bytes
+    matched) < ``drilled`` (verified, and its most recent drill passed); ""
+    for incomplete, corrupt and deleted checkpoints, which prove nothing."""
+    if state == "committed":
+        return "committed"
+    if state != "verified":
+        return ""
+    return "drilled" if last_drill_ok else "verified"
+
+
 # ------------------------------------------------------------------ problems found by verification
 
 

@@ -50,7 +50,6 @@ DRILL_WINDOW = 200
 #: Events shown per job.
 EVENT_LIMIT = 300
 STATES = ("incomplete", "committed", "verified", "corrupt", "deleted")
-PROOFS = ("committed", "verified", "drilled")
 
 
 @dataclass(frozen=True)
@@ -113,6 +112,8 @@ class Snapshot:
             raise TableError(f"unknown table {name!r}; choose one of {', '.join(TABLES)}")
         if spec.scope in ("job", "checkpoint") and self.job is None:
             raise TableError(f"table {name!r} is per job: give the job (--job J / ?job=J)")
+        if self.step is not None and self.job is None:
+            raise TableError(f"a step ({self.step}) needs its job (--job J / ?job=J)")
         if spec.scope == "checkpoint" and self.step is None:
             raise TableError(f"table {name!r} is per checkpoint: give the step too (--step N / ?step=N)")
         if name not in self._tables:
@@ -204,14 +205,9 @@ class Snapshot:
             return None
 
     def proof(self, record: CheckpointRecord) -> str:
-        """The proof level of a checkpoint ("" when it has none)."""
-        state = record.state.value
-        if state == "committed":
-            return "committed"
-        if state != "verified":
-            return ""
+        """The proof level of a checkpoint (:func:`alerts.proof_level`)."""
         drill = self.latest_drill.get(record.id)
-        return "drilled" if drill is not None and drill.ok else "verified"
+        return al.proof_level(record.state.value, drill.ok if drill is not None else None)
 
 
 # ------------------------------------------------------------------ helpers
@@ -277,8 +273,9 @@ def build_jobs(s: Snapshot) -> pd.DataFrame:
         pd.DataFrame(0, index=names, columns=list(_HELD_LABELS.values()))
     archive_logical = _per_job(pl[pl["archive"] == 1], "bytes", "sum", names)
     passed = s.drill_passed
-    drilled = _per_job(passed.assign(n=(passed["state"] == "verified").astype(int)), "n", "sum", names)
-    held_ok = passed[(passed["state"] == "verified") & (passed["held"] == 1)]
+    is_drilled = [al.proof_level(str(state), True) == "drilled" for state in passed["state"]]
+    drilled = _per_job(passed.assign(n=[int(d) for d in is_drilled]), "n", "sum", names)
+    held_ok = passed[pd.Series(is_drilled, index=passed.index, dtype=bool) & (passed["held"] == 1)]
     recovery = held_ok.loc[held_ok.groupby("job")["step"].idxmax()].set_index("job") if len(held_ok) else None
     hot_bytes = _per_job(pl, "hot_bytes", "sum", names)
     archive_stored = _per_job(pl, "archive_bytes", "sum", names)

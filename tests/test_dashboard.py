@@ -107,6 +107,15 @@ def test_usual_interval_and_stale_alert() -> None:
     assert al.stale_alert("j", None, None, None, now=NOW) is None
 
 
+@pytest.mark.parametrize(("state", "drill", "proof"), [
+    ("committed", None, "committed"), ("committed", True, "committed"), ("verified", None, "verified"),
+    ("verified", False, "verified"), ("verified", True, "drilled"), ("corrupt", True, ""), ("incomplete", None, ""),
+    ("deleted", True, ""),
+])
+def test_proof_levels(state: str, drill: bool | None, proof: str) -> None:
+    assert al.proof_level(state, drill) == proof
+
+
 def test_drill_alert_and_ordering() -> None:
     assert al.drill_alert("j", 5, True, "ok") is None and al.drill_alert("j", None, None, None) is None
     failed = al.drill_alert("j", 5, False, "load: unknown global x.Y")
@@ -397,6 +406,8 @@ def test_tables_refuse_missing_filters_and_unknown_names(facts: Any) -> None:
         Snapshot(facts, now=NOW).table("nope")
     with pytest.raises(TableError, match="job 'gamma' is not in the catalog"):
         Snapshot(facts, now=NOW, job="gamma").table("checkpoints")
+    with pytest.raises(TableError, match="a step \\(600\\) needs its job"):
+        Snapshot(facts, now=NOW, step=600).table("events")
     with pytest.raises(TableError, match="no step 150"):
         Snapshot(facts, now=NOW, job="alpha", step=150).table("files")
 
