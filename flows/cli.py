@@ -265,6 +265,22 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     return deploy_all(work_pool=args.work_pool, gpu_pool=args.gpu_pool)
 
 
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    from ckptier.dashboard.cli import serve_dashboard
+
+    from .runner import configured_api_url
+
+    return serve_dashboard(catalog_url=_catalog_url(args), config_path=args.config, host=args.host, port=args.port,
+                           token=args.token, prefect_api_url=configured_api_url())
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from ckptier.dashboard.cli import print_report
+
+    return print_report(catalog_url=_catalog_url(args), config_path=args.config, job=args.job, step=args.step,
+                        fmt=args.format, tables=args.table)
+
+
 # ------------------------------------------------------------------ parser
 
 
@@ -352,6 +368,18 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("deploy", cmd_deploy, "register every deployment to its work pool")
     sp.add_argument("--work-pool", default="ckptier-process")
     sp.add_argument("--gpu-pool", default="ckptier-gpu")
+
+    sp = add("dashboard", cmd_dashboard, "serve the web dashboard over the catalog (http://127.0.0.1:8765/)")
+    sp.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; any other needs a token)")
+    sp.add_argument("--port", type=int, default=8765)
+    sp.add_argument("--token", help="access token every request must present (default: $CKPTIER_DASHBOARD_TOKEN)")
+
+    sp = add("report", cmd_report, "print the dashboard's tables: jobs and alerts, or one job's with --job")
+    sp.add_argument("--job")
+    sp.add_argument("--step", type=int, help="with --job: one checkpoint's tables")
+    sp.add_argument("--format", choices=("table", "csv", "json"), default="table")
+    sp.add_argument("--table", action="append", metavar="NAME", help="a table to print (repeatable): jobs, alerts, "
+                    "checkpoints, plan, drills, verifications, events, storage, files, copies")
     return p
 
 
