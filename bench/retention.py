@@ -224,9 +224,10 @@ def report(s: Scenario, index: int, policy: Policy, prices: Prices, *, codec_rat
     peak = max(r.nights, key=lambda n: n.stored_bytes)
     print(f"   peak stored: {gb(peak.stored_bytes)} GB on night {peak.day}")
     req_month = fc.monthly_cost - final.monthly_cost
-    print(f"   monthly cost: {money(final.monthly_cost, star)} storage + {money(req_month, star)} archive PUT requests "
-          f"(spread over the run) = {money(fc.monthly_cost, star)}, against {money(fc.keep_all_monthly_cost, star)} "
-          f"keep-all: {fc.cost_fraction:.2%}")
+    what = "archive uploads" + (", saves into S3" if hot_class != HOT else "")
+    print(f"   monthly cost: {money(final.monthly_cost, star)} storage + {money(req_month, star)} PUT requests "
+          f"({what}, per month of the run) = {money(fc.monthly_cost, star)}, against keep-all's "
+          f"{money(fc.keep_all_monthly_cost, star)}: {fc.cost_fraction:.2%}")
     gaps = [n for n in r.nights if n.recovery_gaps]
     print(f"   planner: {r.timer.calls} plans over {len(r.nights)} nights, {1000 * r.timer.seconds / r.timer.calls:.2f} ms each")
     verdicts = []

@@ -275,7 +275,9 @@ class StorageForecast:
     night. ``run_cost``/``keep_all_run_cost``: storage billed over the run
     (each night's state held for one day) plus ``requests_cost``.
     ``monthly_cost``: the final state's storage per month plus the run's
-    requests per month. ``price_note`` says where the prices come from;
+    requests per month; ``keep_all_monthly_cost``: keeping every save in
+    the hot class per month plus the saves' own PUT requests per month (an
+    S3 hot class; the policy pays them too). ``price_note`` says where the prices come from;
     ``prices_assumed`` is True when any is a list-price assumption.
     """
 
@@ -786,9 +788,8 @@ def forecast(nights: Sequence[Night], policy: Policy, policy_name: str | None, p
     used = {hot_class} | {s.storage_class for n in nights for s in n.stored}
     # Requests: every save into an S3 hot class, every archive upload (new archive
     # checkpoints between nights) into its first class.
-    requests = 0.0
-    if hot_class != HOT:
-        requests += final.saves * prices.puts(requests_for(size, ranks, part), hot_class)
+    saves_requests = final.saves * prices.puts(requests_for(size, ranks, part), hot_class) if hot_class != HOT else 0.0
+    requests = saves_requests
     archived = [sum(s.checkpoints for s in n.stored if s.tier == "archive") for n in nights]
     s3_archive = bool(policy.archive and policy.archive.startswith("s3://"))
     first_class = (policy.storage_class or "STANDARD") if s3_archive else HOT
@@ -798,15 +799,15 @@ def forecast(nights: Sequence[Night], policy: Policy, policy_name: str | None, p
     day_fraction = 86400 / MONTH_SECONDS
     months = run_length.total_seconds() / MONTH_SECONDS
     run_cost = sum(n.monthly_cost for n in nights) * day_fraction + requests
-    keep_all_run = sum(n.keep_all_monthly_cost for n in nights) * day_fraction
-    if hot_class != HOT:
-        keep_all_run += final.saves * prices.puts(requests_for(size, ranks, part), hot_class)
+    keep_all_run = sum(n.keep_all_monthly_cost for n in nights) * day_fraction + saves_requests
     archive = [s for s in final.stored if s.tier == "archive"]
     restore = None
     if archive:
         coldest = archive[-1]
         restore = prices.read_back(coldest.bytes / coldest.checkpoints, ranks, coldest.storage_class)
     monthly = final.monthly_cost + (requests / months if months else 0.0)
+    # Keep-all writes the same saves: their PUTs count on both sides of the comparison.
+    keep_all_monthly = final.keep_all_monthly_cost + (saves_requests / months if months else 0.0)
     return StorageForecast(
         policy=policy_name or str(policy),
         saves=final.saves,
@@ -815,8 +816,8 @@ def forecast(nights: Sequence[Night], policy: Policy, policy_name: str | None, p
         peak_bytes=max(n.stored_bytes for n in nights),
         stored_fraction=final.stored_bytes / final.keep_all_bytes if final.keep_all_bytes else 0.0,
         monthly_cost=monthly,
-        keep_all_monthly_cost=final.keep_all_monthly_cost,
-        cost_fraction=monthly / final.keep_all_monthly_cost if final.keep_all_monthly_cost else 0.0,
+        keep_all_monthly_cost=keep_all_monthly,
+        cost_fraction=monthly / keep_all_monthly if keep_all_monthly else 0.0,
         requests_cost=requests,
         run_cost=run_cost,
         keep_all_run_cost=keep_all_run,

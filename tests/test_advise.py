@@ -35,7 +35,7 @@ from ckptier.tasks.advise import (
     simulate_storage,
     young_interval,
 )
-from ckptier.tasks.prices import DEFAULT_PRICES, LIST_PRICE_NOTE
+from ckptier.tasks.prices import DEFAULT_PRICES, LIST_PRICE_NOTE, requests_for
 from ckptier.tasks.retention import (
     KeepLast,
     Milestones,
@@ -327,6 +327,11 @@ def test_forecast_costs_and_labels() -> None:
     assert st.requests_cost > 0  # archive uploads into GLACIER_IR
     on_s3 = advise(Request(params=7e9, hot_class="STANDARD"), POLICY, DEFAULT_PRICES).storage
     assert on_s3.requests_cost > st.requests_cost  # every save's parts are PUTs
+    # ... and keep-all writes the same saves: their PUTs count on both sides of the comparison
+    months = 21 * 24 / 730
+    save_puts = 1008 * DEFAULT_PRICES.puts(requests_for(56 * GB, 1, 8 << 20), "STANDARD")
+    assert on_s3.keep_all_monthly_cost == pytest.approx(DEFAULT_PRICES.monthly(1008 * 56 * GB, "STANDARD") + save_puts / months)
+    assert on_s3.cost_fraction == pytest.approx(on_s3.monthly_cost / on_s3.keep_all_monthly_cost)
 
 
 # ------------------------------------------------------------------ measured jobs
