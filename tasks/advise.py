@@ -572,10 +572,11 @@ def recovery_gaps(
       ``pinned``, as the rule says); at least ``min_verified`` verified
       checkpoints (as many as there are);
     * in hot storage or the archive: for every milestone step M reached
-      (M at most the newest verified step), the save that holds it: the
-      first save at or after M (``milestone_match = "exact"``: the save at
-      M, if any). Every save up to the newest verified step is assumed
-      verified (true of the simulation, where saves are verified in order).
+      (M at most the newest verified or committed step), the save that
+      holds it: the first save at or after M (``milestone_match =
+      "exact"``: the save at M, if any). Every save up to that step is
+      assumed verified or committed (true of the simulation, where saves
+      are verified in order).
 
     Returns ``(required, gaps)``: how many distinct checkpoints were
     required, and one line per required checkpoint not held (empty when
@@ -595,7 +596,7 @@ def recovery_gaps(
             by_id = {c.id: c.step for c in before}
             for cid in rule.keeps(before, now):
                 hot.setdefault(by_id[cid], str(rule))
-    reached = verified[0].step if verified else -1
+    reached = max((c.step for c in before if c.state in (State.VERIFIED, State.COMMITTED)), default=-1)
     for m in policy.milestones:
         prev = -1
         for s in saved_steps:

@@ -293,6 +293,15 @@ def test_recovery_gaps_table(after: list[CheckpointRecord], expected: tuple[str,
     assert gaps == expected
 
 
+def test_recovery_gaps_count_a_milestone_held_pending_verification() -> None:
+    """A committed save at step 10 holds milestone 10 pending verification: it must not vanish either."""
+    before = [_rec(s) for s in (1, 3, 4, 6)] + [dataclasses.replace(_rec(10), state=State.COMMITTED, verified_at=None)]
+    policy = Policy((KeepLast(2), Milestones(log=True)), archive="s3://cold/ckpt")
+    required, gaps = recovery_gaps(before, before[:4], [1, 3, 4, 6, 10], policy, now=SIM_START + 10 * D)
+    assert required == 5  # 6 and 4 hot; 1, 3, 6 and 10 hold milestones 1, 2, 5 and 10
+    assert gaps == ("step 10 (holds a milestone of milestones log (1-2-5 series)): held neither in hot storage nor in the archive",)
+
+
 def test_simulation_prices_archive_copies_by_age_with_archive_tiers() -> None:
     policy = Policy((KeepLast(2), Milestones(log=True)), archive="s3://cold/ckpt",
                     archive_tiers=(ArchiveTier(30 * D, "STANDARD_IA"), ArchiveTier(60 * D, "GLACIER_IR")))
