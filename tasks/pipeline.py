@@ -109,6 +109,8 @@ def scan_report_json(r: ScanReport) -> dict[str, Any]:
         "vanished": s.vanished if s else 0,
         "jobs": list(s.jobs) if s else [],
         "unrecognised": [{"key": u.key, "reason": u.reason} for u in r.unrecognised],
+        "listed": r.objects if r.listed is None else r.listed,
+        "unchanged_dirs": r.unchanged_dirs,
     }
 
 

@@ -3,20 +3,51 @@
 The decisions (which objects form which checkpoint, committed or not) are the
 pure :func:`ckptier.storage.formats.recognise`; this module is the thin I/O
 around it. It never deletes anything, and a failed listing records nothing.
+
+**Unchanged local directories are not listed again.** After a local scan,
+each ``committed`` checkpoint directory that holds nothing but the
+checkpoint's files gets a *stamp* in the catalog
+(:meth:`~ckptier.storage.local.LocalStore.take_stamp`): the mtime, link
+count and entry count of the directory, and the mtime and link count of
+every directory below it. A later scan does not enter a directory whose
+stamp is unchanged and whose checkpoint is still ``committed`` or
+``verified``, present and free of delete intents; the catalog's rows for it
+stand as they are (carried, not compared). What the skip trusts:
+
+* that files are added, removed or renamed, never rewritten in place: any
+  of the former changes the mtime of the directory holding the entry (and a
+  new subdirectory its parent's link count), which the stamp covers at every
+  level; a file rewritten in place (same name, new bytes) changes no
+  directory and goes unnoticed until that directory is listed again;
+* that nothing sets directory mtimes back (``touch -d``, ``rsync -t`` or
+  ``tar -x`` over an existing tree) while keeping every directory's link
+  count and the top directory's entry count;
+* that the filesystem's clock agrees with this host's within
+  :data:`STAMP_SETTLE_SECONDS`: a directory modified later than that before
+  the scan started gets no stamp.
+
+A full listing still runs: with ``full=True`` (``ckptier scan --full``); for
+every directory whose stamp is older than :data:`FULL_LISTING_EVERY` (so each
+checkpoint is listed completely at least that often, which catches files
+rewritten in place); for checkpoints not ``committed``/``verified`` (saves in
+flight), missing, or with a delete intent; and on S3, which has no
+directory mtimes. ``verify --deep`` reads every byte whatever the scan
+skipped.
 """
 
 from __future__ import annotations
 
 import posixpath
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Self
 from urllib.parse import urlparse
 
 from ckptier.storage.base import ObjectInfo, Store, read_bytes
-from ckptier.storage.catalog.api import Catalog, ScanSummary
+from ckptier.storage.catalog.api import Catalog, DirStampRecord, ScanSummary
 from ckptier.storage.formats import METADATA_NAMES, PatternRule, recognise
 from ckptier.storage.local import LocalStore
 from ckptier.storage.model import Recognition, Unrecognised
@@ -31,6 +62,14 @@ PREFETCH_WORKERS = 16
 #: Bytes of prefetched metadata held at once at most; beyond it, files are
 #: read when recognition asks for them, as without prefetching.
 PREFETCH_BYTES = 256 << 20
+#: A local directory stamp older than this is not trusted: the directory is
+#: listed again (and stamped anew), so every checkpoint is listed completely
+#: at least this often.
+FULL_LISTING_EVERY = timedelta(days=7)
+#: A directory modified less than this before a scan started gets no stamp
+#: (a coarse or slightly skewed filesystem clock could hide a change made
+#: while the scan listed it).
+STAMP_SETTLE_SECONDS = 2.0
 
 
 @dataclass
@@ -44,6 +83,11 @@ class ScanReport:
     incomplete: int
     unrecognised: list[Unrecognised] = field(default_factory=list)
     summary: ScanSummary | None = None
+    #: Checkpoint directories a local rescan did not enter (unchanged since
+    #: their stamp); their objects and checkpoints are counted above.
+    unchanged_dirs: int = 0
+    #: Objects actually listed (``objects`` less the files of unchanged directories).
+    listed: int | None = None
 
     @property
     def rows_written(self) -> int:
@@ -130,6 +174,8 @@ def recognise_store(
     patterns: Sequence[PatternRule] = (),
     tick: Callable[[int], None] | None = None,
     prefetch: int = PREFETCH_WORKERS,
+    skip_dir: Callable[[str], bool] | None = None,
+    on_link: Callable[[str], None] | None = None,
 ) -> Recognition:
     """List ``store`` completely and recognise its checkpoints.
 
@@ -140,10 +186,13 @@ def recognise_store(
     store in :mod:`ckptier.storage` does. The result does not depend on
     ``prefetch``. Entries a local listing skipped (symlink loops, dangling
     or directory symlinks) are reported as not recognised, with the reason.
+    ``skip_dir`` and ``on_link`` go to :meth:`LocalStore.list` (ignored for
+    other stores).
     """
     skipped: list[Unrecognised] = []
     if isinstance(store, LocalStore):
-        listing = store.list("", on_skip=lambda key, why: skipped.append(Unrecognised(key, why)))
+        listing = store.list("", on_skip=lambda key, why: skipped.append(Unrecognised(key, why)),
+                             skip_dir=skip_dir, on_link=on_link)
     else:
         listing = store.list("")
     with Prefetcher(store, workers=prefetch, limit=METADATA_LIMIT) as fetcher:
@@ -159,6 +208,72 @@ def recognise_store(
     return replace(found, unrecognised=tuple(sorted(found.unrecognised + tuple(skipped), key=lambda u: u.key)))
 
 
+class _Skipper:
+    """Decides, directory by directory during a local listing, which
+    checkpoint directories are unchanged since their stamp (see the module
+    docstring), and remembers them."""
+
+    def __init__(self, store: LocalStore, stamps: dict[str, DirStampRecord], now: datetime) -> None:
+        self.store = store
+        base = store.url.rstrip("/") + "/"
+        self.by_key = {
+            loc[len(base):]: rec for loc, rec in stamps.items()
+            if loc.startswith(base) and now - rec.taken_at < FULL_LISTING_EVERY
+        }
+        self.unchanged: dict[str, DirStampRecord] = {}
+
+    def __call__(self, key: str) -> bool:
+        rec = self.by_key.get(key)
+        if rec is None or self.store.check_stamp(key, rec.dirs) != rec.stamp:
+            return False
+        self.unchanged[rec.location] = rec
+        return True
+
+
+def _ancestors(key: str) -> Iterator[str]:
+    head = key.rpartition("/")[0]
+    while head:
+        yield head
+        head = head.rpartition("/")[0]
+
+
+def restamp(
+    store: LocalStore,
+    catalog: Catalog,
+    recognition: Recognition,
+    *,
+    links: Iterable[str],
+    listed_at: float,
+    now: datetime,
+) -> int:
+    """Stamp each listed ``committed`` checkpoint directory that holds nothing
+    else (no file left unrecognised, no other checkpoint, no symlink); forget
+    the stamps of the other listed checkpoints. Returns the stamps taken."""
+    base = store.url.rstrip("/")
+    busy: set[str] = set()  # directories holding something besides one checkpoint's files
+    for u in recognition.unrecognised:
+        busy.update(_ancestors(u.key))
+    for key in links:
+        busy.update(_ancestors(key))
+    for f in recognition.checkpoints:
+        busy.update(_ancestors(f.prefix))
+    stamps: dict[str, tuple[str, Sequence[str]]] = {}
+    dropped: list[str] = []
+    for f in recognition.checkpoints:
+        location = f"{base}/{f.prefix}"
+        taken = None
+        if f.committed and f.prefix not in busy:
+            taken = store.take_stamp(f.prefix, (r.relpath for r in f.files),
+                                     changed_before=listed_at - STAMP_SETTLE_SECONDS)
+        if taken is None:
+            dropped.append(location)
+        else:
+            stamps[location] = taken
+    if dropped:
+        catalog.drop_dir_stamps(dropped)
+    return catalog.put_dir_stamps(stamps, now=now) if stamps else 0
+
+
 def scan_url(
     url: str,
     catalog: Catalog,
@@ -167,23 +282,37 @@ def scan_url(
     patterns: Sequence[PatternRule] = (),
     store: Store | None = None,
     tick: Callable[[int], None] | None = None,
+    full: bool = False,
 ) -> ScanReport:
     """Scan ``url`` (a path, ``file://`` or ``s3://`` URL) into ``catalog``.
 
     Idempotent: scanning unchanged storage writes no catalog rows.
     Checkpoints of this URL that are no longer listed are marked missing,
-    never dropped.
+    never dropped. A local scan does not enter checkpoint directories
+    unchanged since their stamp unless ``full`` (see the module docstring).
     """
     store = store if store is not None else open_store(url)
-    recognition = recognise_store(store, now=now.timestamp(), name=root_name(url), patterns=patterns, tick=tick)
-    summary = catalog.record_scan(store.url, recognition, now=now)
+    skipper: _Skipper | None = None
+    links: list[str] = []
+    listed_at = time.time()
+    if isinstance(store, LocalStore) and not full:
+        skipper = _Skipper(store, catalog.dir_stamps(store.url.rstrip("/") + "/"), now)
+    recognition = recognise_store(store, now=now.timestamp(), name=root_name(url), patterns=patterns, tick=tick,
+                                  skip_dir=skipper, on_link=links.append)
+    unchanged = skipper.unchanged if skipper is not None else {}
+    summary = catalog.record_scan(store.url, recognition, now=now, unchanged=unchanged.keys())
+    if isinstance(store, LocalStore):
+        restamp(store, catalog, recognition, links=links, listed_at=listed_at, now=now)
     committed = sum(1 for c in recognition.checkpoints if c.committed)
+    carried = sum(r.files for r in unchanged.values())
     return ScanReport(
         url=store.url,
-        objects=recognition.objects,
-        checkpoints=len(recognition.checkpoints),
-        committed=committed,
+        objects=recognition.objects + carried,
+        checkpoints=len(recognition.checkpoints) + len(unchanged),
+        committed=committed + len(unchanged),
         incomplete=len(recognition.checkpoints) - committed,
         unrecognised=list(recognition.unrecognised),
         summary=summary,
+        unchanged_dirs=len(unchanged),
+        listed=recognition.objects,
     )

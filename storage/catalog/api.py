@@ -13,7 +13,7 @@ checkpoint see exactly one winner on SQLite and PostgreSQL alike.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Container, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -53,6 +53,7 @@ from . import db
 from .models import checkpoints as ck
 from .models import copies as cp
 from .models import decisions as dec
+from .models import dir_stamps as ds
 from .models import drills as dr
 from .models import events as ev
 from .models import files as fl
@@ -136,6 +137,20 @@ class LeaseHolder:
 
 
 @dataclass(frozen=True)
+class DirStampRecord:
+    """A checkpoint directory's stamp (see :meth:`Catalog.dir_stamps`): the
+    digest, the subdirectories it covers (relative; ``""`` is the directory
+    itself) and when it was taken."""
+
+    checkpoint_id: int
+    location: str
+    stamp: str
+    dirs: tuple[str, ...]
+    taken_at: datetime
+    files: int = 0
+
+
+@dataclass(frozen=True)
 class DeleteIntent:
     """A delete that a run recorded before deleting files and never recorded
     as finished: ``scope`` is ``"checkpoint"`` or ``"hot-copy"``, ``files``
@@ -210,6 +225,16 @@ def _parent(prefix: str) -> str:
 def _join_url(base: str, key: str) -> str:
     key = key.strip("/")
     return f"{base}/{key}" if key else base
+
+
+class _Everywhere:
+    """The container of every location (what an inventory scan did not list is not vanished)."""
+
+    def __contains__(self, item: object) -> bool:
+        return True
+
+
+_EVERYWHERE = _Everywhere()
 
 
 @dataclass
@@ -292,9 +317,18 @@ class Catalog:
         *,
         now: datetime,
         scope_prefix: str = "",
+        unchanged: Collection[str] = (),
+        live: bool = True,
     ) -> ScanSummary:
         """Bring the catalog in line with one listing of ``store_url`` (under
         ``scope_prefix``, a raw key prefix as given to ``Store.list``).
+
+        ``unchanged`` holds hot locations the scan did not list because their
+        directory trees had not changed since the last scan (a local rescan's
+        skip): their rows are left exactly as they are, neither vanished nor
+        compared, and a job with nothing else to record is not read at all.
+        ``live=False`` records a past listing (an S3 Inventory report): what
+        it lacks is never marked missing and no delete intent is settled.
 
         * New checkpoints are inserted (``incomplete`` or ``committed`` as the
           recognition says) with their files and a ``hot`` copy at
@@ -324,6 +358,7 @@ class Catalog:
           ``rows_written``).
         """
         now = _aware(now)
+        unchanged = frozenset(unchanged)
         base = store_url.rstrip("/")
         scope = base + "/" + scope_prefix.lstrip("/")
         by_job: dict[str, dict[int, Found]] = {}
@@ -334,23 +369,25 @@ class Catalog:
                 steps[found.step] = found
 
         with self._read() as conn:
-            stale_jobs = conn.execute(
-                select(jb.c.name)
+            stale = conn.execute(
+                select(jb.c.name, ck.c.location)
                 .join(ck, ck.c.job_id == jb.c.id)
                 .where(
                     ck.c.location.startswith(scope, autoescape=True),
                     ck.c.state != State.DELETED.value,
                     ck.c.missing_since.is_(None),
                 )
-                .distinct()
-            ).scalars()
-            affected = sorted(set(by_job) | set(stale_jobs))
+            ) if live else ()
+            stale_jobs = {name for name, location in stale if location not in unchanged}
+            affected = sorted(set(by_job) | stale_jobs)
 
         tally = _Tally()
+        unlisted: Container[str] = unchanged if live else _EVERYWHERE
         for name in affected:
             with self._write() as conn:
-                self._scan_job(conn, name, by_job.get(name, {}), base, scope, now, tally)
-                self._settle_delete_intents(conn, name, scope, now, tally)
+                self._scan_job(conn, name, by_job.get(name, {}), base, scope, now, tally, unlisted=unlisted)
+                if live:
+                    self._settle_delete_intents(conn, name, scope, now, tally)
 
         summary = ScanSummary(
             store_url=store_url,
@@ -397,6 +434,8 @@ class Catalog:
         scope: str,
         now: datetime,
         tally: _Tally,
+        *,
+        unlisted: Container[str] = (),
     ) -> None:
         if self.dialect == "postgresql":
             # Two scans of the same job queue here instead of racing on inserts;
@@ -618,6 +657,7 @@ class Catalog:
         for step, old in existing.items():
             if (
                 step in found_by_step
+                or old.location in unlisted  # not listed, and not vanished either
                 or old.state == State.DELETED.value
                 or old.missing_since is not None
                 or not old.location.startswith(scope)
@@ -1406,6 +1446,64 @@ class Catalog:
                 )
                 for r in conn.execute(q)
             ]
+
+    # -- directory stamps (local rescans) ------------------------------------
+
+    def dir_stamps(self, scope: str) -> dict[str, DirStampRecord]:
+        """Stamps of the checkpoints whose hot location starts with ``scope``,
+        by location, for those a rescan may skip only: ``committed`` or
+        ``verified``, not missing, no delete intent pending, the hot copy
+        present at the location the stamp was taken of."""
+        with self._read() as conn:
+            rows = conn.execute(
+                select(ds.c.checkpoint_id, ds.c.location, ds.c.stamp, ds.c.dirs, ds.c.taken_at, ck.c.file_count)
+                .join(ck, ck.c.id == ds.c.checkpoint_id)
+                .join(cp, (cp.c.checkpoint_id == ck.c.id) & (cp.c.url == ck.c.location))
+                .where(
+                    ds.c.location.startswith(scope, autoescape=True),
+                    ds.c.location == ck.c.location,
+                    ck.c.state.in_([State.COMMITTED.value, State.VERIFIED.value]),
+                    ck.c.missing_since.is_(None),
+                    ck.c.delete_intent.is_(None),
+                    cp.c.tier == Tier.HOT.value,
+                    cp.c.state == "present",
+                )
+            ).all()
+        return {
+            r.location: DirStampRecord(int(r.checkpoint_id), r.location, r.stamp, tuple(r.dirs.split("\n")),
+                                       r.taken_at, int(r.file_count))
+            for r in rows
+        }
+
+    def put_dir_stamps(self, stamps: Mapping[str, tuple[str, Sequence[str]]], *, now: datetime) -> int:
+        """Record ``stamps`` (hot location -> (digest, subdirectories)), replacing
+        the stamps those checkpoints had; locations no checkpoint is at are
+        ignored. Bookkeeping: not counted as catalog rows written. Returns
+        how many stamps were recorded."""
+        now = _aware(now)
+        written = 0
+        items = sorted(stamps.items())
+        with self._write() as conn:
+            for start in range(0, len(items), 500):
+                chunk = dict(items[start : start + 500])
+                ids = dict(conn.execute(select(ck.c.location, ck.c.id).where(ck.c.location.in_(list(chunk)))).tuples().all())
+                if not ids:
+                    continue
+                conn.execute(delete(ds).where(ds.c.checkpoint_id.in_(list(ids.values()))))
+                conn.execute(insert(ds), [
+                    {"checkpoint_id": cid, "location": loc, "stamp": chunk[loc][0],
+                     "dirs": "\n".join(chunk[loc][1]), "taken_at": now}
+                    for loc, cid in ids.items()
+                ])
+                written += len(ids)
+        return written
+
+    def drop_dir_stamps(self, locations: Collection[str]) -> None:
+        """Forget the stamps taken of ``locations`` (their next scan lists them)."""
+        items = sorted(set(locations))
+        with self._write() as conn:
+            for start in range(0, len(items), 500):
+                conn.execute(delete(ds).where(ds.c.location.in_(items[start : start + 500])))
 
     def summary(self) -> list[dict[str, Any]]:
         """One row per (job, state), sorted: ``job``, ``state``, ``count``,

@@ -235,6 +235,25 @@ class Scan(Base):
     rows_written: Mapped[int] = mapped_column(Integer)
 
 
+class DirStamp(Base):
+    """What a local scan saw of a checkpoint directory's tree, so that an
+    unchanged rescan can skip listing it (see :mod:`ckptier.tasks.scan`).
+
+    ``stamp`` digests the directory's mtime, link count and entry count and
+    every subdirectory's mtime and link count; ``dirs`` lists those
+    subdirectories (relative, one per line), which the next scan stats.
+    ``location`` is the checkpoint's hot location when the stamp was taken.
+    """
+
+    __tablename__ = "dir_stamps"
+
+    checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id", ondelete="CASCADE"), primary_key=True)
+    location: Mapped[str] = mapped_column(Text)
+    stamp: Mapped[str] = mapped_column(String(64))
+    dirs: Mapped[str] = mapped_column(Text)
+    taken_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
 jobs = cast(Table, Job.__table__)
 checkpoints = cast(Table, Checkpoint.__table__)
 files = cast(Table, File.__table__)
@@ -243,3 +262,4 @@ decisions = cast(Table, Decision.__table__)
 events = cast(Table, Event.__table__)
 drills = cast(Table, Drill.__table__)
 scans = cast(Table, Scan.__table__)
+dir_stamps = cast(Table, DirStamp.__table__)
