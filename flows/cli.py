@@ -142,13 +142,20 @@ def cmd_scan(args: argparse.Namespace) -> int:
     from ckptier.flows import runner
 
     reports = runner.scan(args.urls, catalog_url=_catalog_url(args), use_prefect=_use_prefect(args), progress=not args.json,
-                          config_path=args.config)
+                          config_path=args.config, inventory=args.inventory, full=args.full)
     if args.json:
         print_json(reports)
         return 0
     for r in reports:
         print(f"{r['url']}: {r['objects']:,} objects, {r['checkpoints']} checkpoints "
               f"({r['committed']} committed, {r['incomplete']} incomplete), {r['rows_written']} catalog rows written")
+        if r.get("unchanged_dirs"):
+            print(f"  {r['unchanged_dirs']:,} checkpoint directories unchanged since the last scan were not listed "
+                  "(--full lists everything)")
+        if inv := r.get("inventory"):
+            print(f"  from the S3 Inventory report {inv['url']} taken {inv['created_at']} "
+                  f"({inv['age_s'] / 3600:.1f} h ago); {inv['left_as_cataloged']} checkpoints left as the catalog "
+                  "has them; nothing marked missing")
         for u in r["unrecognised"][:20]:
             print(f"  not recognised: {u['key']}: {u['reason']}")
         if len(r["unrecognised"]) > 20:
@@ -302,6 +309,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("scan", cmd_scan, "catalog every checkpoint under URL (a path, file:///path or s3://bucket/prefix)", flowopts)
     sp.add_argument("urls", nargs="+", metavar="URL")
     sp.add_argument("--json", action="store_true")
+    sp.add_argument("--inventory", metavar="MANIFEST",
+                    help="read this S3 Inventory report (s3://.../manifest.json, or the inventory configuration's "
+                         "folder for its newest report) instead of listing the bucket")
+    sp.add_argument("--full", action="store_true",
+                    help="list every local directory, even those unchanged since the last scan")
 
     sp = add("ls", cmd_ls, "list cataloged checkpoints")
     sp.add_argument("--job")

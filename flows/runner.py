@@ -89,19 +89,26 @@ def _open(catalog_url: str | None) -> Any:
 
 
 def scan(urls: list[str], *, catalog_url: str | None, use_prefect: bool, progress: bool = True,
-         config_path: str | None = None) -> list[dict[str, Any]]:
+         config_path: str | None = None, inventory: str | None = None, full: bool = False) -> list[dict[str, Any]]:
+    if inventory is not None and len(urls) != 1:
+        from ckptier.storage.errors import ConfigError
+
+        raise ConfigError(f"--inventory {inventory} names the report of one bucket; scan one s3:// URL with it, "
+                          f"not {len(urls)}")
     if use_prefect:
         from .scan_verify import scan_flow
 
-        return list(run_flow(scan_flow, urls=urls, catalog_url=catalog_url))
+        return list(run_flow(scan_flow, urls=urls, catalog_url=catalog_url, inventory=inventory, full=full))
     from ckptier.tasks.config import load_config
     from ckptier.tasks.pipeline import run_scan, utcnow
 
-    patterns = load_config(config_path).patterns
+    config = load_config(config_path)
+    inventories = [*config.inventories, *([(urls[0], inventory)] if inventory else [])]
     bar = Progress("listing", unit="objects", enabled=None if progress else False)
     try:
         with _open(catalog_url) as cat:
-            return run_scan(urls, cat, now=utcnow, tick=bar.update, patterns=patterns)
+            return run_scan(urls, cat, now=utcnow, tick=bar.update, patterns=config.patterns,
+                            inventories=inventories, full=full)
     finally:
         bar.close()
 

@@ -66,14 +66,18 @@ def raise_on_corruption(report: dict[str, Any]) -> None:
 def scan_flow(
     urls: list[str],
     catalog_url: str | None = None,
+    inventory: str | None = None,
+    full: bool = False,
 ) -> list[dict[str, Any]]:
     """Catalog every checkpoint under each URL; publishes the ``catalog-summary`` table.
 
     Args:
         urls: Where checkpoints are written: paths, file:///path or s3://bucket/prefix.
         catalog_url: Catalog SQLAlchemy URL (default: CKPTIER_CATALOG_URL, else SQLite in the data dir).
+        inventory: S3 Inventory report read instead of listing (one s3:// URL only); else ckptier.toml's [[inventory]].
+        full: List every local directory, even those unchanged since the last scan.
     """
-    reports = [scan_task(url, catalog_url) for url in urls]
+    reports = [scan_task(url, catalog_url, inventory=inventory, full=full) for url in urls]
     publish_catalog_summary(catalog_url)
     return reports
 

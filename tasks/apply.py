@@ -406,6 +406,26 @@ def _canary(store: Store) -> str | None:
     return None
 
 
+def live_keys(store: Store, prefix: str, record: CheckpointRecord, keys: Sequence[str]) -> tuple[list[str], str | None]:
+    """Deletion trusts only a live listing: list the checkpoint's keys now and
+    return those of ``keys`` (the catalog's) that are listed, or why nothing
+    may be deleted: a file listed under the checkpoint that the catalog does
+    not know (it changed since it was scanned, or the catalog's files came
+    from an older S3 Inventory report), or nothing listed at all."""
+    from .verify import is_single_file
+
+    wanted = set(keys)
+    single = is_single_file(prefix, record)
+    listed = {i.key for i in store.list(prefix if single else prefix.rstrip("/") + "/") if not single or i.key == prefix}
+    unknown = sorted(listed - wanted)
+    if unknown:
+        return [], (f"{len(unknown)} file(s) listed now under {store.url}/{prefix} are not in the catalog "
+                    f"(first: {unknown[0]}): it changed since it was scanned; rescan it before deleting")
+    if not listed & wanted:
+        return [], f"none of its files is listed now under {store.url}/{prefix}; rescan it (nothing deleted)"
+    return [k for k in keys if k in listed], None
+
+
 def _present(store: Store, key: str) -> bool:
     try:
         store.stat(key)
@@ -805,6 +825,10 @@ class _Run:
                 return _result(item, "skipped", why)
             assert record is not None
             keys = [hot_file_key(prefix, record, f.relpath) for f in record.files]
+            keys, why = live_keys(store, prefix, record, keys)
+            if why is not None:
+                self.event("delete.refused", f"job {item.job} step {item.step}: {why}", item)
+                return _result(item, "skipped", why)
             if self.dry_run:
                 result = DeleteResult()
                 for batch in _batches(keys):

@@ -45,6 +45,10 @@ Shape (every key optional unless said)::
     settle = "2m"                 # and/or: committed once no file changed for this long
                                   # (at least one of the two; with both, both must hold)
 
+    [[inventory]]                 # scans of url read this S3 Inventory report instead of listing
+    url = "s3://ckpts/runs"
+    report = "s3://inventory/ckpts/daily/"   # a manifest.json, or the configuration's folder (newest report)
+
     [[drill]]
     jobs = "*"
     model = "mypkg.models:build"  # "module:function" returning the model
@@ -119,7 +123,8 @@ _DRILL_KEYS = frozenset({"jobs", "model", "steps", "device", "timeout", "loss_to
 _CATALOG_KEYS = frozenset({"url"})
 _POLICY_KEYS |= {"archive_tiers"}  # parsed by _archive_tiers
 _PATTERN_KEYS = frozenset({"glob", "step_regex", "commit_marker", "settle"})
-_TOP_KEYS = frozenset({"policy", "drill", "catalog", "pattern", "prices"})
+_TOP_KEYS = frozenset({"policy", "drill", "catalog", "pattern", "prices", "inventory"})
+_INVENTORY_KEYS = frozenset({"url", "report"})
 _MODEL_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 _FILE_MODEL_RE = re.compile(r"^[^:]+\.py:[A-Za-z_]\w*$")
 _GLOBAL_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
@@ -271,6 +276,9 @@ class Config:
     source: Path | None = None
     prices: Prices = DEFAULT_PRICES
     patterns: tuple[PatternRule, ...] = ()
+    #: ``[[inventory]]``: scanned s3:// URL (canonical) -> its S3 Inventory report
+    #: (a manifest.json URL or the inventory configuration's folder).
+    inventories: tuple[tuple[str, str], ...] = ()
 
     def policy_for(self, job: str) -> Policy | None:
         """The first ``[[policy]]`` (in file order) whose ``jobs`` glob matches ``job``.
@@ -629,6 +637,7 @@ def parse_config(text: str, *, where: str = DEFAULT_FILE) -> Config:
     policies = tuple(_policy(where, i, d) for i, d in enumerate(_array_of_tables(where, doc, "policy")))
     drills = tuple(_drill(where, i, d) for i, d in enumerate(_array_of_tables(where, doc, "drill")))
     patterns = tuple(_pattern(where, i, d) for i, d in enumerate(_array_of_tables(where, doc, "pattern")))
+    inventories = tuple(_inventory(where, i, d) for i, d in enumerate(_array_of_tables(where, doc, "inventory")))
     catalog_url = None
     if "catalog" in doc:
         cat = doc["catalog"]
@@ -643,7 +652,31 @@ def parse_config(text: str, *, where: str = DEFAULT_FILE) -> Config:
         catalog_url=catalog_url,
         prices=parse_prices(doc.get("prices"), where=where),
         patterns=patterns,
+        inventories=inventories,
     )
+
+
+def _inventory(where: str, index: int, data: Any) -> tuple[str, str]:
+    """One ``[[inventory]]`` table: scans of ``url`` read the S3 Inventory ``report``."""
+    name = f"inventory[{index}]"
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: {name} must be a table with url and report")
+    t = _Table(where, name, data, _INVENTORY_KEYS)
+    url = t.get_str("url", None, example="s3://ckpts/runs")
+    report = t.get_str("report", None, example="s3://inventory/ckpts/daily/")
+    if url is None or report is None:
+        t.fail("url" if url is None else "report", None,
+               "both url (the s3:// URL scanned) and report (its S3 Inventory manifest.json or the "
+               "inventory configuration's folder) are required")
+    assert url is not None and report is not None
+    for key, value in (("url", url), ("report", report)):
+        try:
+            parsed = parse_url(value)
+        except ConfigError as exc:
+            t.fail(key, value, str(exc))
+        if parsed.scheme != "s3":
+            t.fail(key, value, "must be an s3:// URL (only S3 buckets have inventory reports)")
+    return parse_url(url).url, report
 
 
 def location_overlap(archive: str, hot: str) -> str | None:

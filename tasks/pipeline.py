@@ -13,7 +13,7 @@ import posixpath
 import socket
 import sys
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -24,7 +24,7 @@ from ckptier.storage.catalog.api import Catalog
 from ckptier.storage.errors import CkptierError, ConfigError
 from ckptier.storage.formats import PatternRule
 from ckptier.storage.model import CheckpointRecord, State
-from ckptier.storage.url import open_store, parse_url
+from ckptier.storage.url import canonical_url, open_store, parse_url
 
 from .config import Config, check_archive_locations
 from .leases import DEFAULT_TTL as DEFAULT_LEASE_TTL
@@ -111,6 +111,12 @@ def scan_report_json(r: ScanReport) -> dict[str, Any]:
         "unrecognised": [{"key": u.key, "reason": u.reason} for u in r.unrecognised],
         "listed": r.objects if r.listed is None else r.listed,
         "unchanged_dirs": r.unchanged_dirs,
+        "inventory": None if r.inventory is None else {
+            "url": r.inventory,
+            "created_at": r.inventory_created_at.isoformat() if r.inventory_created_at else None,
+            "age_s": r.inventory_age_s,
+            "left_as_cataloged": r.left_as_cataloged,
+        },
     }
 
 
@@ -121,13 +127,23 @@ def run_scan(
     now: Clock,
     tick: Callable[[int], None] | None = None,
     patterns: Sequence[PatternRule] = (),
+    inventories: Mapping[str, str] | Sequence[tuple[str, str]] = (),
+    full: bool = False,
 ) -> list[dict[str, Any]]:
     """Scan each URL in turn into ``catalog``; returns one report per URL.
 
     ``patterns`` are the ``[[pattern]]`` rules of ``ckptier.toml``
     (``Config.patterns``), tried on files no built-in format claims.
+    ``inventories`` maps a URL (any spelling) to the S3 Inventory report its
+    scan reads instead of listing (``Config.inventories``, ``--inventory``);
+    ``full`` lists local directories even where their stamps are unchanged.
     """
-    return [scan_report_json(scan_url(url, catalog, now=now(), tick=tick, patterns=patterns)) for url in urls]
+    by_url = {canonical_url(u): r for u, r in (inventories.items() if isinstance(inventories, Mapping) else inventories)}
+    return [
+        scan_report_json(scan_url(url, catalog, now=now(), tick=tick, patterns=patterns, full=full,
+                                  inventory=by_url.get(canonical_url(url))))
+        for url in urls
+    ]
 
 
 # ------------------------------------------------------------------ verify

@@ -32,12 +32,16 @@ def retry_if_transient(task: Any, task_run: Any, state: Any) -> bool:
 
 
 @task(name="scan", retries=2, retry_delay_seconds=10, retry_condition_fn=retry_if_transient)
-def scan_task(url: str, catalog_url: str | None, config_path: str | None = None) -> dict[str, Any]:
-    """List one URL and bring the catalog in line with it (with the config's ``[[pattern]]`` rules)."""
+def scan_task(url: str, catalog_url: str | None, config_path: str | None = None, inventory: str | None = None,
+              full: bool = False) -> dict[str, Any]:
+    """List one URL and bring the catalog in line with it (with the config's ``[[pattern]]`` rules);
+    from an S3 Inventory report instead (``inventory``, else the config's ``[[inventory]]``)."""
     log = get_run_logger()
-    patterns = load_config(config_path).patterns
+    config = load_config(config_path)
+    inventories = [*config.inventories, *([(url, inventory)] if inventory else [])]
     with Catalog.open(catalog_url) as cat:
-        (report,) = pipeline.run_scan([url], cat, now=pipeline.utcnow, patterns=patterns)
+        (report,) = pipeline.run_scan([url], cat, now=pipeline.utcnow, patterns=config.patterns,
+                                      inventories=inventories, full=full)
     log.info("%s: %d objects, %d checkpoints, %d catalog rows written",
              report["url"], report["objects"], report["checkpoints"], report["rows_written"])
     return report

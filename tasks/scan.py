@@ -49,9 +49,11 @@ from urllib.parse import urlparse
 from ckptier.storage.base import ObjectInfo, Store, read_bytes
 from ckptier.storage.catalog.api import Catalog, DirStampRecord, ScanSummary
 from ckptier.storage.formats import METADATA_NAMES, PatternRule, recognise
+from ckptier.storage.errors import ConfigError
+from ckptier.storage.inventory import InventoryReport, open_report
 from ckptier.storage.local import LocalStore
-from ckptier.storage.model import Recognition, Unrecognised
-from ckptier.storage.url import open_store
+from ckptier.storage.model import Found, Recognition, State, Tier, Unrecognised
+from ckptier.storage.url import open_store, parse_url
 
 #: Metadata and marker files larger than this are refused, not read.
 METADATA_LIMIT = 16 << 20
@@ -88,6 +90,13 @@ class ScanReport:
     unchanged_dirs: int = 0
     #: Objects actually listed (``objects`` less the files of unchanged directories).
     listed: int | None = None
+    #: For a scan from an S3 Inventory report: the manifest's URL, when S3
+    #: took the report, its age at the scan, and how many checkpoints it
+    #: showed that were left as the catalog has them (see :func:`scan_inventory`).
+    inventory: str | None = None
+    inventory_created_at: datetime | None = None
+    inventory_age_s: float | None = None
+    left_as_cataloged: int = 0
 
     @property
     def rows_written(self) -> int:
@@ -176,6 +185,7 @@ def recognise_store(
     prefetch: int = PREFETCH_WORKERS,
     skip_dir: Callable[[str], bool] | None = None,
     on_link: Callable[[str], None] | None = None,
+    listing: Iterable[ObjectInfo] | None = None,
 ) -> Recognition:
     """List ``store`` completely and recognise its checkpoints.
 
@@ -187,10 +197,13 @@ def recognise_store(
     ``prefetch``. Entries a local listing skipped (symlink loops, dangling
     or directory symlinks) are reported as not recognised, with the reason.
     ``skip_dir`` and ``on_link`` go to :meth:`LocalStore.list` (ignored for
-    other stores).
+    other stores). ``listing`` replaces the store's own listing (an
+    inventory's objects); metadata files are still read from ``store``.
     """
     skipped: list[Unrecognised] = []
-    if isinstance(store, LocalStore):
+    if listing is not None:
+        pass
+    elif isinstance(store, LocalStore):
         listing = store.list("", on_skip=lambda key, why: skipped.append(Unrecognised(key, why)),
                              skip_dir=skip_dir, on_link=on_link)
     else:
@@ -283,6 +296,7 @@ def scan_url(
     store: Store | None = None,
     tick: Callable[[int], None] | None = None,
     full: bool = False,
+    inventory: str | None = None,
 ) -> ScanReport:
     """Scan ``url`` (a path, ``file://`` or ``s3://`` URL) into ``catalog``.
 
@@ -290,8 +304,12 @@ def scan_url(
     Checkpoints of this URL that are no longer listed are marked missing,
     never dropped. A local scan does not enter checkpoint directories
     unchanged since their stamp unless ``full`` (see the module docstring).
+    With ``inventory`` (an S3 Inventory manifest, see :func:`scan_inventory`)
+    the report is read instead of listing.
     """
     store = store if store is not None else open_store(url)
+    if inventory is not None:
+        return scan_inventory(url, inventory, catalog, now=now, patterns=patterns, store=store, tick=tick)
     skipper: _Skipper | None = None
     links: list[str] = []
     listed_at = time.time()
@@ -316,3 +334,121 @@ def scan_url(
         unchanged_dirs=len(unchanged),
         listed=recognition.objects,
     )
+
+
+def scan_inventory(
+    url: str,
+    inventory: str,
+    catalog: Catalog,
+    *,
+    now: datetime,
+    patterns: Sequence[PatternRule] = (),
+    store: Store | None = None,
+    tick: Callable[[int], None] | None = None,
+    report: InventoryReport | None = None,
+) -> ScanReport:
+    """Scan the ``s3://`` ``url`` from the S3 Inventory report ``inventory``
+    (a ``manifest.json`` URL or the inventory configuration's folder, see
+    :func:`ckptier.storage.inventory.open_report`) instead of listing it.
+
+    The report is a past listing, as of its ``created_at``, so the scan
+    records only what it can vouch for:
+
+    * checkpoints the catalog does not know are added, and ones it knows are
+      brought up to date (e.g. ``incomplete`` -> ``committed``), but only
+      when nothing the catalog holds about them is newer than the report: a
+      row changed, verified or marked missing after the report was taken, a
+      tombstone, a hot copy ckptier deleted, a checkpoint whose cataloged
+      files the report lacks, or one the catalog holds complete that the
+      report's files no longer prove complete (a report never takes commit
+      evidence away), is left as it is (``left_as_cataloged``);
+    * nothing is ever marked missing (a checkpoint absent from the report
+      may have been written since) and no delete intent is settled: only a
+      live listing can show that files are gone;
+    * metadata files (``metadata.json``...) are read live from the bucket.
+
+    Nothing is deleted on the strength of a report: ``apply`` lists each
+    checkpoint's keys live before deleting them (see
+    :mod:`ckptier.tasks.apply`). The report's URL, creation time and age are
+    in the returned report and in a ``scan.inventory`` catalog event.
+    """
+    from ckptier.storage.s3 import S3Store
+
+    store = store if store is not None else open_store(url)
+    bucket, prefix = getattr(store, "bucket", None), getattr(store, "prefix", None)
+    if not isinstance(bucket, str) or not isinstance(prefix, str):
+        raise ConfigError(f"--inventory {inventory}: only s3:// URLs have S3 Inventory reports, not {url!r}; "
+                          "scan it without --inventory")
+    if report is None:
+        client = getattr(store, "client", None)
+        report = open_report(inventory, open_store=(lambda u: S3Store(parse_url(u).bucket, client=client))
+                             if client is not None else None)
+    if report.manifest.source_bucket != bucket:
+        raise ConfigError(f"inventory {report.url} is a report of bucket {report.manifest.source_bucket!r}, "
+                          f"not {bucket!r}; give the inventory of s3://{bucket}")
+    recognition = recognise_store(store, now=now.timestamp(), name=root_name(url), patterns=patterns, tick=tick,
+                                  listing=report.objects(prefix))
+    kept, older = _newer_than_catalog(recognition, catalog, store.url, report.created_at)
+    recognition = replace(recognition, checkpoints=kept)
+    summary = catalog.record_scan(store.url, recognition, now=now, live=False)
+    age = (now - report.created_at).total_seconds()
+    catalog.log_event(
+        "scan.inventory",
+        f"scanned {store.url} from the S3 Inventory report {report.url} taken {report.created_at.isoformat()} "
+        f"({age / 3600:.1f} h old): {recognition.objects:,} objects, {len(kept)} checkpoints, "
+        f"{older} left as the catalog has them (it knew newer, or they would lose commit evidence)",
+        now=now,
+        data={"url": store.url, "inventory": report.url, "created_at": report.created_at.isoformat(),
+              "age_s": age, "objects": recognition.objects, "checkpoints": len(kept),
+              "left_as_cataloged": older, "rows_written": summary.rows_written},
+    )
+    committed = sum(1 for c in kept if c.committed)
+    return ScanReport(
+        url=store.url,
+        objects=recognition.objects,
+        checkpoints=len(kept),
+        committed=committed,
+        incomplete=len(kept) - committed,
+        unrecognised=list(recognition.unrecognised),
+        summary=summary,
+        listed=0,
+        inventory=report.url,
+        inventory_created_at=report.created_at,
+        inventory_age_s=age,
+        left_as_cataloged=older,
+    )
+
+
+def _newer_than_catalog(
+    recognition: Recognition, catalog: Catalog, store_url: str, created_at: datetime
+) -> tuple[tuple[Found, ...], int]:
+    """The checkpoints of ``recognition`` (from a report taken at ``created_at``)
+    the catalog knows nothing newer about, and how many others there were
+    (see :func:`scan_inventory`)."""
+    base = store_url.rstrip("/")
+    kept: list[Found] = []
+    older = 0
+    for job in sorted({f.job for f in recognition.checkpoints}):
+        known = {r.step: r for r in catalog.checkpoints(job=job, include_deleted=True)}
+        for f in recognition.checkpoints:
+            if f.job != job:
+                continue
+            row = known.get(f.step)
+            if row is None:
+                kept.append(f)
+                continue
+            hot = [c for c in row.copies if c.tier == Tier.HOT and c.url == row.location]
+            times = [t for t in (row.last_seen, row.verified_at, row.missing_since) if t is not None]
+            if (
+                row.state == State.DELETED
+                or row.location != f"{base}/{f.prefix}"
+                or any(c.state == "deleted" for c in hot)
+                or any(t > created_at for t in times)
+                or not {x.relpath for x in row.files} <= {x.relpath for x in f.files}
+                or (not f.committed and row.state != State.INCOMPLETE)
+            ):
+                older += 1
+            else:
+                kept.append(f)
+    kept.sort(key=lambda f: (f.job, f.step))
+    return tuple(kept), older
