@@ -192,7 +192,7 @@ class LocalStore:
         seconds: a change made while the scan ran, or too close to its start
         for a coarse filesystem clock to order), or is not a directory.
         """
-        base = self.root / key if key else self.root
+        base = os.path.join(self.root, key) if key else str(self.root)
         dirs: set[str] = {""}
         for rel in relpaths:
             head = rel.rpartition("/")[0]
@@ -210,7 +210,7 @@ class LocalStore:
         while pending:
             d = pending.pop()
             try:
-                st = os.lstat(base / d if d else base)
+                st = os.lstat(f"{base}/{d}" if d else base)
             except OSError:
                 return None
             if not stat.S_ISDIR(st.st_mode) or st.st_mtime_ns >= limit:
@@ -218,7 +218,7 @@ class LocalStore:
             stats[d] = st
             if st.st_nlink != 2 + children.get(d, 0):
                 try:
-                    with os.scandir(base / d if d else base) as it:
+                    with os.scandir(f"{base}/{d}" if d else base) as it:
                         for entry in it:
                             sub = f"{d}/{entry.name}" if d else entry.name
                             if sub not in dirs and entry.is_dir(follow_symlinks=False):
@@ -228,34 +228,43 @@ class LocalStore:
                 except OSError:
                     return None
         covered = tuple(sorted(dirs))
-        digest = self._digest(base, covered, stats)
-        return None if digest is None else (digest, covered)
-
-    def check_stamp(self, key: str, dirs: Sequence[str]) -> str | None:
-        """The stamp the directory ``key`` and its subdirectories ``dirs`` have now
-        (as :meth:`take_stamp` computes it), or None when one is gone."""
-        base = self.root / key if key else self.root
-        stats: dict[str, os.stat_result] = {}
-        try:
-            for d in dirs:
-                stats[d] = os.lstat(base / d if d else base)
-        except OSError:
-            return None
-        return self._digest(base, dirs, stats)
-
-    @staticmethod
-    def _digest(base: Path, dirs: Sequence[str], stats: dict[str, os.stat_result]) -> str | None:
         try:
             entries = len(os.listdir(base))
         except OSError:
             return None
-        h = hashlib.sha1(f"{entries}".encode(), usedforsecurity=False)
+        digest = self._digest(entries, covered, stats)
+        return None if digest is None else (digest, covered)
+
+    def check_stamp(self, key: str, dirs: Sequence[str]) -> str | None:
+        """The stamp the directory ``key`` and its subdirectories ``dirs`` have now
+        (as :meth:`take_stamp` computes it), or None when one is gone.
+
+        One ``fstatat`` per directory, relative to the open top directory (no
+        ``pathlib``, no walk from the root for each: this runs for every
+        checkpoint of every rescan)."""
+        try:
+            fd = os.open(os.path.join(self.root, key) if key else self.root, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError:
+            return None
+        try:
+            lstat = os.lstat
+            stats = {d: lstat(d or ".", dir_fd=fd) for d in dirs}
+            entries = len(os.listdir(fd))
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        return self._digest(entries, dirs, stats)
+
+    @staticmethod
+    def _digest(entries: int, dirs: Sequence[str], stats: dict[str, os.stat_result]) -> str | None:
+        parts = [str(entries)]
         for d in dirs:
             st = stats[d]
             if not stat.S_ISDIR(st.st_mode):
                 return None
-            h.update(f"\0{d}\0{st.st_mtime_ns}\0{st.st_nlink}".encode("utf-8", "surrogateescape"))
-        return h.hexdigest()
+            parts.append(f"{d}\0{st.st_mtime_ns}\0{st.st_nlink}")
+        return hashlib.sha1("\0".join(parts).encode("utf-8", "surrogateescape"), usedforsecurity=False).hexdigest()
 
     def stat(self, key: str) -> ObjectInfo:
         path = self._path(key)
