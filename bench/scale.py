@@ -44,16 +44,15 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import scan as scanbench  # noqa: E402  (bench/scan.py: layouts, tree, moto, timing)
+import scan as scanbench
 
 
 def verdict(ratio: float, target: float, *, faster: bool) -> str:

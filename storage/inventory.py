@@ -118,9 +118,16 @@ def parse_manifest(data: bytes, *, where: str) -> Manifest:
     )
 
 
+def _missing(value: Any) -> bool:
+    """None, NaN, NaT or an empty CSV field."""
+    import pandas as pd
+
+    return value is None or (not isinstance(value, str) and bool(pd.isna(value))) or value == ""
+
+
 def _etag(value: Any) -> str | None:
     """The ETag as ListObjectsV2 gives it (quoted), so a listing and an inventory agree."""
-    if value is None or value != value or value == "":  # None, NaN
+    if _missing(value):
         return None
     text = str(value)
     return text if text.startswith('"') else f'"{text}"'
@@ -135,16 +142,16 @@ def _to_info(key: str, prefix: str, size: Any, modified: Any, etag: Any, storage
     if not rel or rel.endswith("/") or key_problem(rel) is not None:
         return None
     mtime: float | None
-    if modified is None or modified != modified or modified == "":
+    if _missing(modified):
         mtime = None
     elif isinstance(modified, datetime):
         mtime = (modified if modified.tzinfo else modified.replace(tzinfo=UTC)).timestamp()
     elif hasattr(modified, "timestamp"):
         mtime = float(modified.timestamp())
     else:
-        mtime = datetime.fromisoformat(str(modified).replace("Z", "+00:00")).timestamp()
-    cls = None if storage_class is None or storage_class != storage_class or storage_class == "" else str(storage_class)
-    return ObjectInfo(key=rel, size=int(size) if size is not None and size == size and size != "" else 0,
+        mtime = datetime.fromisoformat(str(modified).replace("Z", "+00:00")).timestamp()  # noqa: FURB162
+    cls = None if _missing(storage_class) else str(storage_class)
+    return ObjectInfo(key=rel, size=0 if _missing(size) else int(size),
                       mtime=mtime, etag=_etag(etag), storage_class=cls)
 
 
@@ -171,7 +178,7 @@ def _frame_rows(frame: Any, *, bucket: str, prefix: str, encoded: bool) -> Itera
     if "is_delete_marker" in cols:
         keep &= ~frame["is_delete_marker"].map(_truthy).astype(bool)
     if "is_latest" in cols:
-        keep &= frame["is_latest"].map(lambda v: v is None or v == "" or v != v or _truthy(v)).astype(bool)
+        keep &= frame["is_latest"].map(lambda v: _missing(v) or _truthy(v)).astype(bool)
     frame, keys = frame[keep], keys[keep]
     n = len(frame)
     none = [None] * n
@@ -201,7 +208,7 @@ def columnar_rows(path: str, file_format: str, *, bucket: str, prefix: str) -> I
         present = [c for c in columns if c in pf.schema_arrow.names]
         batches: Iterator[Any] = pf.iter_batches(batch_size=200_000, columns=present)
     else:
-        import pyarrow.orc as orc
+        from pyarrow import orc
 
         of = orc.ORCFile(path)
         present = [c for c in columns if c in of.schema.names]

@@ -104,7 +104,7 @@ def fast_timestamp(value: Any) -> datetime:
     form S3 uses in listings (the same aware UTC datetime botocore would give)."""
     if isinstance(value, str) and len(value) >= 20 and value[10] == "T" and value[-1] == "Z":
         try:
-            return datetime.fromisoformat(value[:-1] + "+00:00")
+            return datetime.fromisoformat(value[:-1] + "+00:00")  # noqa: FURB162 - py3.10 form, explicit
         except ValueError:
             pass
     from botocore.utils import parse_timestamp
@@ -280,9 +280,8 @@ class S3Store:
     ) -> Any:
         import boto3
         import botocore.exceptions
-        from botocore.config import Config
-
         import botocore.session
+        from botocore.config import Config
 
         core = botocore.session.get_session()
         # Listing pages carry a LastModified per key; botocore parses each with
@@ -587,7 +586,7 @@ class S3Store:
         def run(lo: str, hi: str | None, first: bool) -> None:
             try:
                 self._list_range(full, lo, hi, first, put)
-            except BaseException as exc:  # handed to the consumer, raised there
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer, raised there
                 put(exc)
             finally:
                 put(done)

@@ -48,8 +48,8 @@ from urllib.parse import urlparse
 
 from ckptier.storage.base import ObjectInfo, Store, read_bytes
 from ckptier.storage.catalog.api import Catalog, DirStampRecord, ScanSummary
-from ckptier.storage.formats import METADATA_NAMES, PatternRule, recognise
 from ckptier.storage.errors import ConfigError
+from ckptier.storage.formats import METADATA_NAMES, PatternRule, recognise
 from ckptier.storage.inventory import InventoryReport, open_report
 from ckptier.storage.local import LocalStore
 from ckptier.storage.model import Found, Recognition, State, Tier, Unrecognised
@@ -111,7 +111,7 @@ def root_name(url: str) -> str:
     return name or parsed.netloc or "default"
 
 
-def counted(listing: Iterator[ObjectInfo], tick: Callable[[int], None] | None, every: int = 1000) -> Iterator[ObjectInfo]:
+def counted(listing: Iterable[ObjectInfo], tick: Callable[[int], None] | None, every: int = 1000) -> Iterator[ObjectInfo]:
     """Pass ``listing`` through, calling ``tick(n)`` every ``every`` objects and at the end."""
     n = 0
     for info in listing:

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from ckptier.flows.cli import main
 from ckptier.storage.catalog.api import Catalog
 from ckptier.storage.errors import ConfigError, IntegrityError
@@ -21,6 +20,7 @@ from ckptier.storage.s3 import S3Store
 from ckptier.tasks.apply import live_keys
 from ckptier.tasks.config import parse_config
 from ckptier.tasks.scan import scan_url
+
 from tests.fixtures.inventory import Row, live_rows, write_report
 from tests.fixtures.s3 import S3Bucket
 

@@ -12,11 +12,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-
 from ckptier.storage.base import ObjectInfo, read_bytes
 from ckptier.storage.formats import recognise
 from ckptier.storage.s3 import S3Store
-from tests.fixtures.s3 import S3Bucket, make_client
+
+from tests.fixtures.s3 import make_client
 from tests.test_s3_faults import error_xml, fake_response
 
 pytestmark = [pytest.mark.s3, pytest.mark.slow]
@@ -181,7 +181,6 @@ def test_missing_bucket_is_not_found(moto_endpoint: str) -> None:
                                   "Mon, 30 Nov 2026 15:03:29 GMT", "1796051009"])
 def test_the_fast_timestamp_parser_agrees_with_botocores(text: str) -> None:
     from botocore.utils import parse_timestamp
-
     from ckptier.storage.s3 import fast_timestamp
 
     assert fast_timestamp(text) == parse_timestamp(text)

@@ -12,7 +12,6 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-
 from ckptier.storage.catalog.api import Catalog
 from ckptier.storage.local import LocalStore
 from ckptier.tasks.scan import FULL_LISTING_EVERY, ScanReport, scan_url
