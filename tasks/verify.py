@@ -1,10 +1,13 @@
 """Prove checkpoints intact: decide what to verify, read and hash, judge.
 
 Pure decisions: :func:`needs_verification` (why a checkpoint must be read
-again, or ``None``), :func:`select_sample` / :func:`parse_sample` (the K-th
+again, or ``None``) and :func:`select_sample` / :func:`parse_sample` (the K-th
 of N disjoint slices of the catalog, for a nightly schedule that re-reads
-every byte every N nights, like restic's ``check --read-data-subset``), and
-:func:`judge_files` (the checkpoint's new state from per-file results).
+every byte every N nights, like restic's ``check --read-data-subset``). What
+the results mean for the checkpoint's state is decided in one place,
+:func:`ckptier.storage.transitions.on_verification` (the catalog applies it
+when :meth:`~ckptier.storage.catalog.api.Catalog.record_verification` stores
+the results).
 
 I/O: :func:`verify_checkpoint` checks one checkpoint's files against a store,
 :func:`verify_many` checks many with a bounded thread pool and a fixed pool of
@@ -222,56 +225,9 @@ def _check_sample(k: int, n: int, text: str) -> None:
         raise ConfigError(f"--sample {text!r}: K must be between 1 and N ({n}), e.g. 1/{n}")
 
 
-def judge_files(record: CheckpointRecord, results: Sequence[FileCheck]) -> tuple[State, str]:
-    """The checkpoint's state after verification, and the reason.
-
-    * any recorded file ``missing`` or ``corrupt`` -> ``corrupt``;
-    * otherwise any file ``error`` or without a result -> the current state
-      unchanged: an unreadable file proves nothing either way;
-    * otherwise (every file ``ok``) -> ``verified``.
-
-    ``incomplete`` and ``deleted`` checkpoints keep their state (a save in
-    flight is never judged). Raises ``ValueError`` for a result naming a file
-    the record does not have.
-    """
-    known = {f.relpath for f in record.files}
-    by_path: dict[str, FileCheck] = {}
-    for r in results:
-        if r.relpath not in known:
-            raise ValueError(f"result for {r.relpath!r}, which is not a file of {record.job} step {record.step}")
-        by_path[r.relpath] = r
-    n = len(record.files)
-    if record.state in (State.INCOMPLETE, State.DELETED):
-        return record.state, f"not judged: the checkpoint is {record.state.value}"
-    if n == 0:
-        return record.state, "no files recorded; nothing to verify"
-    bad = [r for r in by_path.values() if r.status in ("missing", "corrupt")]
-    if bad:
-        missing = sum(1 for r in bad if r.status == "missing")
-        head = ", ".join(
-            x for x in (f"{missing} missing" if missing else "", f"{len(bad) - missing} corrupt" if len(bad) > missing else "") if x
-        )
-        return State.CORRUPT, f"{head} of {n} files: " + _details(bad)
-    unread = [r for r in by_path.values() if r.status == "error"]
-    unchecked = [f.relpath for f in record.files if f.relpath not in by_path]
-    if unread or unchecked:
-        parts = []
-        if unread:
-            parts.append(f"{len(unread)} of {n} files could not be read ({_details(unread)})")
-        if unchecked:
-            parts.append(f"{len(unchecked)} of {n} files were not checked ({_examples(unchecked)})")
-        return record.state, "; ".join(parts) + f"; state stays {record.state.value}, verify again"
-    total = sum(f.size for f in record.files)
-    return State.VERIFIED, f"all {n} files intact ({total} bytes)"
-
-
 def _examples(items: Sequence[str]) -> str:
     shown = ", ".join(items[:_REASON_EXAMPLES])
     return shown + (f" and {len(items) - _REASON_EXAMPLES} more" if len(items) > _REASON_EXAMPLES else "")
-
-
-def _details(checks: Sequence[FileCheck]) -> str:
-    return _examples([f"{c.relpath} ({c.detail or c.status})" for c in checks])
 
 
 # -- I/O ------------------------------------------------------------------------

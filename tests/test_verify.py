@@ -20,11 +20,11 @@ from ckptier.storage.errors import AccessDenied, ConfigError, IntegrityError
 from ckptier.storage.hashing import hash_bytes
 from ckptier.storage.local import LocalStore
 from ckptier.storage.model import CheckpointRecord, FileRecord, Format, State
+from ckptier.storage.transitions import Row, Verification, on_verification
 from ckptier.tasks.verify import (
     BufferPool,
     FileCheck,
     VerifyOutcome,
-    judge_files,
     needs_verification,
     parse_sample,
     rotating_slice,
@@ -75,6 +75,17 @@ def _record(store: Store, prefix: str = PREFIX, *, sha256: dict[str, str] | None
     )
 
 
+def _judge(record: CheckpointRecord, results: Sequence[FileCheck]) -> Verification:
+    """What the catalog makes of ``results`` (the one verdict, storage.transitions)."""
+    row = Row(record.state, record.state_reason, record.first_seen, record.saved_at, record.verified_at)
+    return on_verification(row, record.files, results, label=f"step {record.step}", now=NOW, grace=timedelta(hours=2))
+
+
+def _verdict(record: CheckpointRecord, results: Sequence[FileCheck]) -> tuple[State, str | None]:
+    t = _judge(record, results).transition
+    return t.state, t.reason
+
+
 def _recorded(record: CheckpointRecord, outcome: VerifyOutcome) -> CheckpointRecord:
     """What a catalog makes of an outcome: ok files keep their digests as the baseline."""
     by = {r.relpath: r for r in outcome.results}
@@ -83,7 +94,7 @@ def _recorded(record: CheckpointRecord, outcome: VerifyOutcome) -> CheckpointRec
         r = by[f.relpath]
         crc = f.crc64nvme if f.crc64nvme is not None else (r.crc64nvme if r.status == "ok" else None)
         files.append(replace(f, crc64nvme=crc, status=r.status, detail=r.detail))
-    state, reason = judge_files(record, outcome.results)
+    state, reason = _verdict(record, outcome.results)
     return replace(record, files=tuple(files), state=state, state_reason=reason, verified_at=NOW)
 
 
@@ -109,7 +120,7 @@ def test_first_verification_records_baseline_then_compares(store: LocalStore) ->
         assert r.sha256 is None  # nothing expected it: not computed
     assert first.bytes_read == sum(map(len, FILES.values())) and first.bytes_skipped == 0
     assert first.extra == [] and first.notes == []
-    assert judge_files(rec, first.results)[0] == State.VERIFIED
+    assert _verdict(rec, first.results)[0] == State.VERIFIED
 
     rec = _recorded(rec, first)
     assert needs_verification(rec, {i.key[len(PREFIX) + 1:]: i for i in store.list(PREFIX + "/")}) is None
@@ -129,8 +140,8 @@ def test_flipped_byte_is_corrupt(store: LocalStore) -> None:
     assert bad.status == "corrupt" and "crc64nvme" in (bad.detail or "")
     assert bad.crc64nvme == hash_bytes(bytes(data)).crc64nvme  # the evidence, not the baseline
     assert out.count("ok") == 3  # the other files are still checked
-    state, reason = judge_files(rec, out.results)
-    assert state == State.CORRUPT and "rank-0000/optimizer.pt" in reason and "1 corrupt of 4 files" in reason
+    state, reason = _verdict(rec, out.results)
+    assert state == State.CORRUPT and (reason or "").startswith("rank-0000/optimizer.pt: crc64nvme")
 
 
 def test_truncated_file_is_corrupt_without_reading(store: LocalStore) -> None:
@@ -152,8 +163,8 @@ def test_missing_shard(store: LocalStore) -> None:
     out = verify_checkpoint(store, PREFIX, rec, deep=False)
     assert _by(out)["rank-0001/model.pt"].status == "missing"
     assert out.count("ok") == 3
-    state, reason = judge_files(rec, out.results)
-    assert state == State.CORRUPT and reason.startswith("1 missing of 4 files: rank-0001/model.pt")
+    state, reason = _verdict(rec, out.results)
+    assert state == State.CORRUPT and (reason or "").startswith("rank-0001/model.pt: not found at")
 
 
 def test_extra_file_is_reported_not_corruption(store: LocalStore) -> None:
@@ -164,7 +175,7 @@ def test_extra_file_is_reported_not_corruption(store: LocalStore) -> None:
     (store.root / "llama/step-00000200/model.pt").write_bytes(b"neighbour, not ours")
     out = verify_checkpoint(store, PREFIX, rec, deep=False)
     assert out.ok and out.extra == ["rank-0002/model.pt"]
-    assert judge_files(rec, out.results)[0] == State.VERIFIED
+    assert _verdict(rec, out.results)[0] == State.VERIFIED
     # A caller's listing (relpath -> info) spares the extra list call.
     listing = {"metadata.json": ObjectInfo("x", 1), "stray.tmp": ObjectInfo("y", 1)}
     assert verify_checkpoint(store, PREFIX, rec, deep=False, listing=listing).extra == ["stray.tmp"]
@@ -263,9 +274,9 @@ def test_unreadable_files_are_errors_not_corruption(store: LocalStore) -> None:
     assert r["rank-0000/model.pt"].status == "error" and "AccessDenied" in (r["rank-0000/model.pt"].detail or "")
     assert r["rank-0000/optimizer.pt"].status == "error" and "Input/output error" in (r["rank-0000/optimizer.pt"].detail or "")
     assert r["rank-0001/model.pt"].status == "ok" and r["metadata.json"].status == "ok"  # the rest still checked
-    state, reason = judge_files(rec, out.results)
-    assert state == State.VERIFIED  # unchanged: unreadable proves nothing either way
-    assert "2 of 4 files could not be read" in reason and "\n" not in reason
+    v = _judge(rec, out.results)
+    assert v.transition.state == State.VERIFIED  # unchanged: unreadable proves nothing either way
+    assert v.errors == ("rank-0000/model.pt", "rank-0000/optimizer.pt")
     assert needs_verification(_recorded(rec, out)) == "could not be read last time: rank-0000/model.pt, rank-0000/optimizer.pt"
 
 
@@ -386,38 +397,6 @@ def _rec(*files: FileRecord, state: State = State.VERIFIED, verified: bool = Tru
 def test_needs_verification(record: CheckpointRecord, listing: dict[str, ObjectInfo] | None, deep: bool,
                             expected: str | None) -> None:
     assert needs_verification(record, listing, deep=deep) == expected
-
-
-def _fc(rel: str, status: str, detail: str | None = None) -> FileCheck:
-    return FileCheck(rel, status, 10, None, None, detail)  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize(
-    ("state", "checks", "expected_state", "reason_part"),
-    [
-        (State.COMMITTED, [_fc("a", "ok"), _fc("b", "ok")], State.VERIFIED, "all 2 files intact (20 bytes)"),
-        (State.CORRUPT, [_fc("a", "ok"), _fc("b", "ok")], State.VERIFIED, "all 2 files intact"),
-        (State.VERIFIED, [_fc("a", "corrupt", "crc64nvme X, recorded Y"), _fc("b", "ok")], State.CORRUPT,
-         "1 corrupt of 2 files: a (crc64nvme X, recorded Y)"),
-        (State.VERIFIED, [_fc("a", "missing"), _fc("b", "corrupt", "truncated")], State.CORRUPT,
-         "1 missing, 1 corrupt of 2 files"),
-        (State.VERIFIED, [_fc("a", "error", "AccessDenied: no"), _fc("b", "corrupt", "x")], State.CORRUPT, "b (x)"),
-        (State.COMMITTED, [_fc("a", "error", "Unavailable: down"), _fc("b", "ok")], State.COMMITTED,
-         "1 of 2 files could not be read (a (Unavailable: down)); state stays committed"),
-        (State.VERIFIED, [_fc("a", "ok")], State.VERIFIED, "1 of 2 files were not checked (b)"),
-        (State.INCOMPLETE, [_fc("a", "ok"), _fc("b", "ok")], State.INCOMPLETE, "not judged"),
-    ],
-)
-def test_judge_files(state: State, checks: list[FileCheck], expected_state: State, reason_part: str) -> None:
-    rec = _rec(_fr("a"), _fr("b"), state=state)
-    got_state, reason = judge_files(rec, checks)
-    assert got_state == expected_state
-    assert reason_part in reason and "\n" not in reason
-
-
-def test_judge_files_refuses_foreign_results() -> None:
-    with pytest.raises(ValueError, match="'zzz', which is not a file of j step 1"):
-        judge_files(_rec(_fr("a")), [_fc("zzz", "ok")])
 
 
 def test_sample_slices_are_disjoint_covering_and_stable() -> None:
