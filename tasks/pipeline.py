@@ -110,15 +110,29 @@ def scan_report_json(r: ScanReport) -> dict[str, Any]:
     }
 
 
+def policy_grace(config: Config | None) -> Callable[[str], timedelta]:
+    """A job's ``grace`` (how long a save may be in flight): its ``[[policy]]``'s, else 2 h."""
+    from ckptier.storage.transitions import DEFAULT_GRACE
+
+    def grace_for(job: str) -> timedelta:
+        policy = config.policy_for(job) if config is not None else None
+        return policy.grace if policy is not None else DEFAULT_GRACE
+
+    return grace_for
+
+
 def run_scan(
     urls: Sequence[str],
     catalog: Catalog,
     *,
     now: Clock,
     tick: Callable[[int], None] | None = None,
+    config: Config | None = None,
 ) -> list[dict[str, Any]]:
-    """Scan each URL in turn into ``catalog``; returns one report per URL."""
-    return [scan_report_json(scan_url(url, catalog, now=now(), tick=tick)) for url in urls]
+    """Scan each URL in turn into ``catalog``; returns one report per URL.
+    ``config`` gives each job's grace (default 2 h)."""
+    return [scan_report_json(scan_url(url, catalog, now=now(), tick=tick, grace_for=policy_grace(config)))
+            for url in urls]
 
 
 # ------------------------------------------------------------------ verify
@@ -134,6 +148,7 @@ def run_verify(
     workers: int = 4,
     progress: Callable[[int, int], None] | None = None,
     stores: StoreCache | None = None,
+    config: Config | None = None,
 ) -> dict[str, Any]:
     """Verify the checkpoints that need it and record the results.
 
@@ -143,7 +158,9 @@ def run_verify(
     with ``deep`` or a sample (a periodic deep read), or when its files
     changed since (a rescan put it back to ``committed``). Returns a report
     with one row per checkpoint and totals; ``totals['corrupt']`` > 0 means
-    corruption was found.
+    corruption was found. ``config`` gives each job's grace (default 2 h):
+    a checkpoint whose manifest requires absent files is ``incomplete``
+    within it, ``corrupt`` after.
     """
     from .verify import select_sample, verify_many
 
@@ -160,12 +177,14 @@ def run_verify(
     if sample is None and not deep:
         records = [c for c in records if c.state == State.COMMITTED]
     rows: list[dict[str, Any]] = []
-    totals = {"checked": 0, "verified": 0, "corrupt": 0, "errors": 0, "bytes_read": 0, "bytes_skipped": 0,
+    totals = {"checked": 0, "verified": 0, "corrupt": 0, "incomplete": 0, "errors": 0, "bytes_read": 0, "bytes_skipped": 0,
               "archive_checked": 0, "archive_degraded": 0}
     # Verify against the store's checksum unless a deep read was asked for.
+    grace_for = policy_grace(config)
     for record, outcome in verify_many(stores.for_record, records, deep=deep or sample is not None,
                                        workers=workers, progress=progress):
-        state = catalog.record_verification(record.id, outcome.results, now=now())
+        state = catalog.record_verification(record.id, outcome.results, now=now(), grace=grace_for(record.job),
+                                            extra=outcome.extra)
         errors = outcome.count("error")
         detail = "; ".join(
             [f"{r.relpath}: {r.detail}" for r in outcome.results if r.status != "ok" and r.detail][:3]
@@ -180,6 +199,7 @@ def run_verify(
         totals["checked"] += 1
         totals["verified"] += state == State.VERIFIED
         totals["corrupt"] += state == State.CORRUPT
+        totals["incomplete"] += state == State.INCOMPLETE
         totals["errors"] += errors > 0
         totals["bytes_read"] += outcome.bytes_read
         totals["bytes_skipped"] += outcome.bytes_skipped
