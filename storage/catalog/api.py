@@ -43,6 +43,7 @@ from ..model import (
     FileCheck,
     CheckpointRecord,
     CopyRecord,
+    DrillOutcome,
     FileRecord,
     Format,
     Found,
@@ -657,25 +658,29 @@ class Catalog:
             rows = self._load(conn, [ck.c.id == checkpoint_id], with_files=True)
         return rows[0] if rows else None
 
-    def latest(self, job: str) -> CheckpointRecord | None:
+    def latest(self, job: str, *, drilled: bool = False) -> CheckpointRecord | None:
+        """The checkpoint of ``job`` safe to resume from, or None: see :meth:`choose_latest`."""
+        return self.choose_latest(job, drilled=drilled).record
+
+    def choose_latest(self, job: str, *, drilled: bool = False) -> transitions.Latest:
         """The highest-step ``verified`` checkpoint of ``job`` that still has a
-        ``present`` copy in some tier (safe to resume from), or None."""
+        ``present`` copy in some tier and whose most recent drill did not fail
+        (with ``drilled``: passed), its proof, and the newer ones passed over
+        with why (:func:`ckptier.storage.transitions.pick_latest`). The
+        chosen record carries its files."""
         has_copy = (
             select(cp.c.id)
             .where(cp.c.checkpoint_id == ck.c.id, cp.c.state == "present")
             .exists()
         )
         with self._read() as conn:
-            cid = conn.execute(
-                select(ck.c.id)
-                .join(jb, jb.c.id == ck.c.job_id)
-                .where(jb.c.name == job, ck.c.state == State.VERIFIED.value, has_copy)
-                .order_by(ck.c.step.desc())
-                .limit(1)
-            ).scalar()
-            if cid is None:
-                return None
-            return self._load(conn, [ck.c.id == cid], with_files=True)[0]
+            candidates = self._load(conn, [jb.c.name == job, ck.c.state == State.VERIFIED.value, has_copy],
+                                    with_files=False)
+            latest = transitions.pick_latest(candidates, drilled=drilled)
+            if latest.record is None:
+                return latest
+            record = self._load(conn, [ck.c.id == latest.record.id], with_files=True)[0]
+        return transitions.Latest(record, latest.proof, latest.proven_at, latest.passed_over)
 
     def jobs(self) -> list[str]:
         """Names of all jobs, sorted."""
@@ -709,6 +714,18 @@ class Catalog:
                     FileRecord(relpath=rel, size=size, mtime=mtime, etag=etag, crc64nvme=crc,
                                sha256_expected=exp, status=status, detail=detail)
                 )
+        last_drill: dict[int, DrillOutcome] = {}
+        for d in conn.execute(
+            select(dr.c.checkpoint_id, dr.c.ok, dr.c.started_at, dr.c.finished_at, dr.c.error, dr.c.verdict)
+            .where(dr.c.checkpoint_id.in_(ids))
+            .order_by(dr.c.checkpoint_id, dr.c.started_at.desc(), dr.c.id.desc())
+        ):
+            if d.checkpoint_id not in last_drill:
+                summary = d.verdict.get("summary") if isinstance(d.verdict, dict) else None
+                last_drill[d.checkpoint_id] = DrillOutcome(
+                    ok=bool(d.ok), at=d.finished_at or d.started_at,
+                    detail=None if d.ok else (d.error or summary),
+                )
         copies: dict[int, list[CopyRecord]] = {}
         for c in conn.execute(
             select(cp).where(cp.c.checkpoint_id.in_(ids)).order_by(cp.c.checkpoint_id, cp.c.tier, cp.c.url)
@@ -724,6 +741,7 @@ class Catalog:
                 last_seen=r.last_seen, missing_since=r.missing_since, verified_at=r.verified_at,
                 state_reason=r.state_reason, recorded_loss=r.recorded_loss, generation=r.generation,
                 files=tuple(files.get(r.id, ())), copies=tuple(copies.get(r.id, ())),
+                last_drill=last_drill.get(r.id),
             )
             for r in rows
         ]
