@@ -440,13 +440,16 @@ class Checker:
         return Structure(self.kind, self._problem, tuple(self._needs), tuple(self._notes))
 
 
-def checker_for(relpath: str, fmt: Format | str | None = None) -> Checker | None:
+def checker_for(relpath: str, fmt: Format | str | None = None, *, manifests_only: bool = False) -> Checker | None:
     """A checker for the file ``relpath`` (relative to its checkpoint) of a
     checkpoint of format ``fmt``, or ``None`` when it has no checkable
-    structure. Manifests are checked only in their own format."""
+    structure. Manifests are checked only in their own format; with
+    ``manifests_only``, data files (torch zip, safetensors) get none."""
     name = relpath[relpath.rfind("/") + 1 :]
     base = relpath[: len(relpath) - len(name)]
     fmt = Format(fmt) if fmt is not None else None
+    if manifests_only and name.endswith((".safetensors", *_ZIP_SUFFIXES)):
+        return None
     if name.endswith(".safetensors"):
         return Checker("safetensors", _safetensors)
     if name.endswith(_ZIP_SUFFIXES):

@@ -270,11 +270,13 @@ def check_file(
     """Verify one file; returns ``(check, bytes_read, bytes_skipped, needs)``. Never raises a store error.
 
     When the file has a structure to check (:func:`ckptier.storage.structure.checker_for`
-    for a checkpoint of format ``fmt``), it is checked in the same read
-    pass as the hashing: a broken one is ``corrupt``, naming the structure
-    and what is wrong; its first verification reads it even when the store
-    keeps a checksum (a checksum proves the bytes are what was uploaded, not
-    that a whole file was). ``needs`` are the files a manifest read here
+    for a checkpoint of format ``fmt``), it is checked on its first
+    verification (no CRC64NVME baseline yet), in the same read pass as the
+    hashing: a broken one is ``corrupt``, naming the structure and what is
+    wrong. That first verification reads it even when the store keeps a
+    checksum (a checksum proves the bytes are what was uploaded, not that a
+    whole file was); later ones compare with the baseline, which proves the
+    same bytes. Manifests are parsed whenever they are read. ``needs`` are the files a manifest read here
     requires of the checkpoint. ``on_bytes`` is told about progress in bytes
     (read or skipped); the amounts add up to exactly ``f.size`` by the time
     this returns.
@@ -335,7 +337,10 @@ def _check_file(
 
     want_sha = f.sha256_expected is not None
     for attempt in range(_INTEGRITY_ATTEMPTS):
-        checker = checker_for(f.relpath, fmt)
+        # A data file's structure is checked on its first verification; later reads that match
+        # the CRC64NVME baseline are the same bytes. Manifests are parsed on every read (cheap):
+        # what they require must be there now.
+        checker = checker_for(f.relpath, fmt, manifests_only=baseline is not None)
         observe = checker.feed if checker is not None else None
         try:
             with pool.buffer() as buf:
