@@ -105,6 +105,7 @@ def scan_report_json(r: ScanReport) -> dict[str, Any]:
         "new": s.new if s else 0,
         "changed": s.changed if s else 0,
         "vanished": s.vanished if s else 0,
+        "corrupt": s.corrupt if s else 0,
         "jobs": list(s.jobs) if s else [],
         "unrecognised": [{"key": u.key, "reason": u.reason} for u in r.unrecognised],
     }

@@ -79,8 +79,9 @@ class ScanSummary:
 
     ``rows_written`` counts rows of jobs, checkpoints, files and copies that
     were inserted, updated or deleted (0 on an unchanged rescan). ``new``,
-    ``changed``, ``committed``, ``vanished``, ``reappeared`` and
-    ``resurrected`` count checkpoints.
+    ``changed``, ``committed``, ``vanished``, ``reappeared``,
+    ``resurrected`` and ``corrupt`` (found incomplete past the grace: files
+    its manifest lists are missing or short) count checkpoints.
     """
 
     store_url: str
@@ -96,6 +97,7 @@ class ScanSummary:
     vanished: int = 0
     reappeared: int = 0
     resurrected: int = 0
+    corrupt: int = 0
 
 
 @dataclass(frozen=True)
@@ -172,6 +174,7 @@ class _Tally:
     vanished: int = 0
     reappeared: int = 0
     resurrected: int = 0
+    corrupt: int = 0
 
 
 def _row(old: Any) -> transitions.Row:
@@ -472,6 +475,7 @@ class Catalog:
                     }
                 )
                 new_events.append(t.events)
+                tally.corrupt += t.state == State.CORRUPT
                 continue
 
             cid = int(old.id)
@@ -518,6 +522,7 @@ class Catalog:
                     )
             for counter in t.counts:
                 setattr(tally, counter, getattr(tally, counter) + 1)
+            tally.corrupt += t.state == State.CORRUPT and old.state != State.CORRUPT.value
             for e in t.events:
                 event(e, cid)
 
