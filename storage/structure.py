@@ -316,7 +316,7 @@ def dcp_needs(data: bytes, base: str = "") -> list[Need]:
         path, offset, length = st.get("relative_path"), st.get("offset"), st.get("length")
         if not isinstance(path, str) or key_problem(path) is not None:
             raise StructureError(f"storage entry with unusable relative_path {path!r}")
-        if not (_count(offset) and _count(length)):
+        if not (isinstance(offset, int) and isinstance(length, int) and _count(offset) and _count(length)):
             raise StructureError(f"{path}: offset {offset!r} / length {length!r} are not byte counts")
         sizes[path] = max(sizes.get(path, 0), offset + length)
     return [Need(base + p, _DCP_META, n) for p, n in sorted(sizes.items())]

@@ -192,6 +192,7 @@ def on_scan(old: Row | None, seen: Seen, *, label: str, location: str, now: date
     * ``missing_since`` is cleared when it was set (``reappeared``).
     """
     evidence = State.COMMITTED if seen.committed else State.INCOMPLETE
+    reason: str | None
     if old is None:
         state, reason = evidence, seen.reason
         verdict = completeness(seen.shortfalls, saved_at=seen.saved_at, first_seen=now, now=now, grace=grace) \

@@ -106,6 +106,7 @@ def scan_report_json(r: ScanReport) -> dict[str, Any]:
         "changed": s.changed if s else 0,
         "vanished": s.vanished if s else 0,
         "corrupt": s.corrupt if s else 0,
+        "corrupt_found": [{"job": j, "step": step, "detail": why} for j, step, why in (s.corrupt_found if s else ())],
         "jobs": list(s.jobs) if s else [],
         "unrecognised": [{"key": u.key, "reason": u.reason} for u in r.unrecognised],
     }

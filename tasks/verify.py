@@ -505,7 +505,7 @@ class _InFlight:
     """A record whose files are submitted to the pool (or that failed to open)."""
 
     record: CheckpointRecord
-    files: list[Future[tuple[FileCheck, int, int]]]
+    files: list[Future[tuple[FileCheck, int, int, tuple[Need, ...]]]]
     extras: Future[tuple[list[str], list[str]]] | None
     failure: str | None
 

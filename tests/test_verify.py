@@ -699,3 +699,13 @@ def test_truncated_lightning_checkpoint_on_s3_is_read_once_and_corrupt(
         again = run_verify(cat, now=lambda: now, stores=stores, sample=(1, 1))
         assert again["totals"]["bytes_read"] > 0  # a sample is a deep read
         assert run_verify(cat, now=lambda: now, stores=stores)["totals"]["bytes_read"] == 0
+
+
+def test_the_scan_verify_flow_alerts_on_corruption_a_scan_found() -> None:
+    """A checkpoint found corrupt by the scan (files missing past the grace) alerts like one found by verification."""
+    from ckptier.flows.scan_verify import corruption_in
+
+    found = {"job": "j", "step": 3, "detail": "incomplete: ..."}
+    verified = {"job": "j", "step": 1, "state": "corrupt", "detail": "x"}
+    assert corruption_in({"checkpoints": []}, [{"url": "file:///x", "corrupt_found": []}]) == []
+    assert corruption_in({"checkpoints": [verified]}, [{"corrupt_found": [found]}]) == [verified, {**found, "tier": "hot"}]

@@ -81,7 +81,8 @@ class ScanSummary:
     were inserted, updated or deleted (0 on an unchanged rescan). ``new``,
     ``changed``, ``committed``, ``vanished``, ``reappeared``,
     ``resurrected`` and ``corrupt`` (found incomplete past the grace: files
-    its manifest lists are missing or short) count checkpoints.
+    its manifest lists are missing or short) count checkpoints;
+    ``corrupt_found`` names those (job, step, reason).
     """
 
     store_url: str
@@ -98,6 +99,7 @@ class ScanSummary:
     reappeared: int = 0
     resurrected: int = 0
     corrupt: int = 0
+    corrupt_found: tuple[tuple[str, int, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -175,6 +177,7 @@ class _Tally:
     reappeared: int = 0
     resurrected: int = 0
     corrupt: int = 0
+    corrupt_found: list[tuple[str, int, str]] = field(default_factory=list)
 
 
 def _row(old: Any) -> transitions.Row:
@@ -328,7 +331,7 @@ class Catalog:
             checkpoints=len(recognition.checkpoints),
             unrecognised=len(recognition.unrecognised),
             jobs=tuple(sorted(by_job)),
-            **asdict(tally),
+            **{**asdict(tally), "corrupt_found": tuple(tally.corrupt_found)},
         )
         if tally.rows_written:
             with self._write() as conn:
@@ -475,7 +478,9 @@ class Catalog:
                     }
                 )
                 new_events.append(t.events)
-                tally.corrupt += t.state == State.CORRUPT
+                if t.state == State.CORRUPT:
+                    tally.corrupt += 1
+                    tally.corrupt_found.append((name, step, t.reason or ""))
                 continue
 
             cid = int(old.id)
@@ -522,7 +527,9 @@ class Catalog:
                     )
             for counter in t.counts:
                 setattr(tally, counter, getattr(tally, counter) + 1)
-            tally.corrupt += t.state == State.CORRUPT and old.state != State.CORRUPT.value
+            if t.state == State.CORRUPT and old.state != State.CORRUPT.value:
+                tally.corrupt += 1
+                tally.corrupt_found.append((name, step, t.reason or ""))
             for e in t.events:
                 event(e, cid)
 
