@@ -87,25 +87,36 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def cmd_latest(args: argparse.Namespace) -> int:
     with _open_catalog(args) as cat:
-        record = cat.latest(args.job)
+        latest = cat.choose_latest(args.job, drilled=args.drilled)
+        record = latest.record
         others = cat.checkpoints(job=args.job) if record is None else []
+    passed = [{"step": step, "reason": why} for step, why in latest.passed_over]
     if record is None:
         if not others:
             reason = f"job {args.job!r} has no checkpoints in the catalog (scan it first, or check the name)"
+        elif args.drilled:
+            reason = (f"job {args.job!r} has no verified checkpoint whose most recent drill passed; "
+                      f"run 'ckptier drill --job {args.job}'")
         else:
             states = sorted({c.state.value for c in others})
             reason = (
                 f"job {args.job!r} has no verified checkpoint to resume from "
                 f"({len(others)} checkpoints, states: {', '.join(states)}); run 'ckptier verify --job {args.job}'"
             )
+        if passed:
+            reason += "; passed over: " + "; ".join(f"step {p['step']}: {p['reason']}" for p in passed)
         if args.json:
-            print_json({"job": args.job, "latest": None, "reason": reason})
+            print_json({"job": args.job, "latest": None, "reason": reason, "passed_over": passed})
         print(f"ckptier: {reason}", file=sys.stderr)
         return EXIT_NOT_FOUND
     if args.json:
-        print_json(checkpoint_json(record))
+        print_json({**checkpoint_json(record), "passed_over": passed})
     else:
-        print(f"{record.job} step {record.step}: {record.location} ({record.format.value}, {human_bytes(record.bytes)}, verified {iso(record.verified_at)})")
+        proof = latest.proof.value if latest.proof is not None else "-"
+        print(f"{record.job} step {record.step}: {record.location} ({record.format.value}, {human_bytes(record.bytes)}, "
+              f"{proof} {iso(latest.proven_at)})")
+        for p in passed:
+            print(f"  passed over step {p['step']}: {p['reason']}")
     return 0
 
 
@@ -315,8 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--workers", type=int, default=4, help="files read in parallel (default 4)")
     sp.add_argument("--json", action="store_true")
 
-    sp = add("latest", cmd_latest, "newest verified checkpoint of a job (exit 1 if none)")
+    sp = add("latest", cmd_latest, "newest verified checkpoint of a job whose last drill did not fail (exit 1 if none)")
     sp.add_argument("--job", required=True)
+    sp.add_argument("--drilled", action="store_true", help="only a checkpoint whose most recent restore drill passed")
     sp.add_argument("--json", action="store_true")
 
     sp = add("plan", cmd_plan, "dry run of retention: keep / promote / delete, with reasons")

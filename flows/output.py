@@ -13,6 +13,7 @@ from datetime import datetime
 from typing import Any, TextIO
 
 from ckptier.storage.model import CheckpointRecord
+from ckptier.storage.transitions import proof_of
 
 
 def human_bytes(n: int | None) -> str:
@@ -51,7 +52,27 @@ def checkpoint_json(c: CheckpointRecord) -> dict[str, Any]:
              "storage_class": x.storage_class, "verified_at": iso(x.verified_at)}
             for x in c.copies
         ],
+        **proof_json(c),
     }
+
+
+def proof_json(c: CheckpointRecord) -> dict[str, Any]:
+    """``proof`` (committed < verified < drilled, or None), when it was obtained,
+    and the most recent drill (``ok``, ``at``, ``detail``) or None."""
+    proof, at = proof_of(c)
+    drill = c.last_drill
+    return {
+        "proof": proof.value if proof is not None else None,
+        "proven_at": iso(at),
+        "last_drill": None if drill is None else {"ok": drill.ok, "at": iso(drill.at), "detail": drill.detail},
+    }
+
+
+def proof_cell(c: CheckpointRecord) -> str:
+    """The PROOF column: the level, and a failed last drill."""
+    proof, _ = proof_of(c)
+    text = proof.value if proof is not None else "-"
+    return text + (" (drill failed)" if c.last_drill is not None and not c.last_drill.ok else "")
 
 
 def table(rows: Sequence[Sequence[Any]], headers: Sequence[str], *, out: TextIO | None = None) -> None:
@@ -97,10 +118,11 @@ def print_checkpoints(records: Iterable[CheckpointRecord], *, out: TextIO | None
             len(c.files),
             ",".join(c.tiers) or "-",
             iso(c.saved_at) or "-",
+            proof_cell(c),
         )
         for c in records
     ]
-    table(rows, ("JOB", "STEP", "FORMAT", "STATE", "SIZE", "FILES", "TIERS", "SAVED"), out=out)
+    table(rows, ("JOB", "STEP", "FORMAT", "STATE", "SIZE", "FILES", "TIERS", "SAVED", "PROOF"), out=out)
 
 
 class Progress:

@@ -7,6 +7,7 @@ alert.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -52,8 +53,16 @@ def publish_verification(report: dict[str, Any]) -> None:
                           key="verification", description="Verification results per job")
 
 
-def raise_on_corruption(report: dict[str, Any]) -> None:
+def corruption_in(report: dict[str, Any], scans: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+    """The corrupt checkpoints (and degraded copies) a verify report holds, plus
+    those scans found corrupt (files their manifest lists missing past the grace)."""
     corrupt = [r for r in report["checkpoints"] if r["state"] in ("corrupt", "degraded")]
+    return corrupt + [{**c, "tier": "hot"} for scan in scans for c in scan.get("corrupt_found", ())]
+
+
+def raise_on_corruption(report: dict[str, Any], scans: Sequence[dict[str, Any]] = ()) -> None:
+    """Emit an event per corrupt checkpoint (:func:`corruption_in`) and fail the run."""
+    corrupt = corruption_in(report, scans)
     if not corrupt:
         return
     for r in corrupt:
@@ -140,6 +149,5 @@ def scan_verify_flow(
         result["verify"] = report
     # One summary per run, after verification has settled the states.
     publish_catalog_summary(catalog_url)
-    if verify:
-        raise_on_corruption(result["verify"])
+    raise_on_corruption(result.get("verify", {"checkpoints": []}), scans)
     return result

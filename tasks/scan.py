@@ -11,7 +11,7 @@ import posixpath
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Self
 from urllib.parse import urlparse
 
@@ -167,16 +167,18 @@ def scan_url(
     patterns: Sequence[PatternRule] = (),
     store: Store | None = None,
     tick: Callable[[int], None] | None = None,
+    grace_for: Callable[[str], timedelta] | None = None,
 ) -> ScanReport:
     """Scan ``url`` (a path, ``file://`` or ``s3://`` URL) into ``catalog``.
 
     Idempotent: scanning unchanged storage writes no catalog rows.
     Checkpoints of this URL that are no longer listed are marked missing,
-    never dropped.
+    never dropped. ``grace_for(job)`` is how long a save whose manifest
+    lists absent files may still be in flight (default 2 h).
     """
     store = store if store is not None else open_store(url)
     recognition = recognise_store(store, now=now.timestamp(), name=root_name(url), patterns=patterns, tick=tick)
-    summary = catalog.record_scan(store.url, recognition, now=now)
+    summary = catalog.record_scan(store.url, recognition, now=now, grace_for=grace_for)
     committed = sum(1 for c in recognition.checkpoints if c.committed)
     return ScanReport(
         url=store.url,
