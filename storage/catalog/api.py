@@ -190,12 +190,14 @@ class Catalog:
     # -- lifecycle -----------------------------------------------------------------
 
     @classmethod
-    def open(cls, url: str | None = None) -> Catalog:
+    def open(cls, url: str | None = None, *, create: bool = True) -> Catalog:
         """Open (creating if needed) the catalog at ``url`` and migrate it to
-        the newest schema; ``None`` means :func:`db.default_catalog_url`.
-        Raises :class:`~ckptier.storage.errors.ConfigError` (one line) when it
-        cannot."""
-        return cls(db.open_engine(url if url is not None else db.default_catalog_url()))
+        the newest schema; ``None`` means :func:`db.resolve_catalog_url`
+        without a config file. With ``create=False`` (read-only commands) a
+        catalog that does not exist raises :class:`db.CatalogMissing` and
+        nothing is created. Raises :class:`~ckptier.storage.errors.ConfigError`
+        (one line) when it cannot."""
+        return cls(db.open_engine(url if url is not None else db.resolve_catalog_url(None).url, create=create))
 
     def close(self) -> None:
         """Release the database connections. Idempotent."""
