@@ -17,9 +17,10 @@ from urllib.parse import urlparse
 
 from ckptier.storage.base import ObjectInfo, Store, read_bytes
 from ckptier.storage.catalog.api import Catalog, ScanSummary
+from ckptier.storage.errors import ConfigError
 from ckptier.storage.formats import METADATA_NAMES, PatternRule, recognise
 from ckptier.storage.model import Recognition, Unrecognised
-from ckptier.storage.url import open_store
+from ckptier.storage.url import open_store, parse_url
 
 #: Metadata and marker files larger than this are refused, not read.
 METADATA_LIMIT = 16 << 20
@@ -149,6 +150,17 @@ def recognise_store(
         )
 
 
+def _refuse_a_file(url: str) -> None:
+    """A local URL naming a file (not a directory of checkpoints) is one line, not a listing error."""
+    import os
+
+    parsed = parse_url(url)
+    if parsed.scheme == "file" and os.path.isfile(parsed.path):
+        parent = os.path.dirname(parsed.path.rstrip("/")) or "/"
+        raise ConfigError(f"{url}: is a file, not a directory; scan the directory that holds your checkpoints "
+                          f"(e.g. {parent})")
+
+
 def scan_url(
     url: str,
     catalog: Catalog,
@@ -164,6 +176,8 @@ def scan_url(
     Checkpoints of this URL that are no longer listed are marked missing,
     never dropped.
     """
+    if store is None:
+        _refuse_a_file(url)
     store = store if store is not None else open_store(url)
     recognition = recognise_store(store, now=now.timestamp(), name=root_name(url), patterns=patterns, tick=tick)
     summary = catalog.record_scan(store.url, recognition, now=now)
