@@ -31,8 +31,21 @@ def iso(t: datetime | None) -> str | None:
     return t.isoformat(timespec="seconds") if t is not None else None
 
 
+def current_location(c: CheckpointRecord) -> str:
+    """Where the checkpoint can be had now: its hot location while the hot
+    copy is held, else its archive copy's URL (never a deleted hot path)."""
+    if "hot" in c.tiers:
+        return c.location
+    copy = c.archive_copy()
+    return copy.url if copy is not None else c.location
+
+
 def checkpoint_json(c: CheckpointRecord) -> dict[str, Any]:
-    """The JSON object of ``ckptier ls --json`` (DESIGN.md's contract fields first)."""
+    """The JSON object of ``ckptier ls --json`` (DESIGN.md's contract fields first).
+
+    ``location`` is :func:`current_location`; ``hot_location`` is where the
+    checkpoint was written (scanned), whether or not that copy still exists.
+    """
     return {
         "job": c.job,
         "step": c.step,
@@ -41,7 +54,8 @@ def checkpoint_json(c: CheckpointRecord) -> dict[str, Any]:
         "bytes": c.bytes,
         "files": len(c.files),
         "tiers": list(c.tiers),
-        "location": c.location,
+        "location": current_location(c),
+        "hot_location": c.location,
         "saved_at": iso(c.saved_at),
         "verified_at": iso(c.verified_at),
         "missing_since": iso(c.missing_since),
@@ -92,10 +106,11 @@ def print_checkpoints(records: Iterable[CheckpointRecord], *, out: TextIO | None
             len(c.files),
             ",".join(c.tiers) or "-",
             iso(c.saved_at) or "-",
+            current_location(c),
         )
         for c in records
     ]
-    table(rows, ("JOB", "STEP", "FORMAT", "STATE", "SIZE", "FILES", "TIERS", "SAVED"), out=out)
+    table(rows, ("JOB", "STEP", "FORMAT", "STATE", "SIZE", "FILES", "TIERS", "SAVED", "LOCATION"), out=out)
 
 
 class Progress:

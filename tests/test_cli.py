@@ -165,6 +165,7 @@ def test_plan_apply_fetch_rescan_drill(env: dict[str, Path], capsys: pytest.Capt
 )
 def test_bad_input_is_one_line_and_non_zero(env: dict[str, Path], capsys: pytest.CaptureFixture[str],
                                             argv: list[str], needle: str) -> None:
+    assert run(capsys, "scan", str(env["hot"]))[0] == 0  # the catalog exists; the job does not
     code, out, err = run(capsys, *argv)
     assert code != 0
     lines = [ln for ln in err.splitlines() if ln.strip()]
@@ -179,6 +180,7 @@ def test_broken_config_names_table_and_key(env: dict[str, Path], capsys: pytest.
 
 def test_console_script_read_only_commands_do_not_import_prefect(env: dict[str, Path]) -> None:
     """``ls``/``latest``/``plan`` must answer without importing Prefect (it costs seconds)."""
+    assert main(["scan", str(env["hot"]), "--json"]) == 0
     code = (
         "import sys; from ckptier.flows.cli import main; rc = main(sys.argv[1:]); "
         "assert 'prefect' not in sys.modules, 'prefect imported'; sys.exit(rc)"
