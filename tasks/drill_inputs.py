@@ -21,6 +21,7 @@ Every problem is a one-line :class:`ConfigError` naming the value and the fix.
 from __future__ import annotations
 
 import ast
+import difflib
 import importlib.machinery
 import os
 import sys
@@ -171,6 +172,9 @@ def _source_problem(file: Path, func: str, what: str) -> str | None:
     names, dynamic = top_level_names(tree)
     if func in names or dynamic:
         return None
+    close = difflib.get_close_matches(func, [n for n in names if not n.startswith("_")], n=1)
+    if close:
+        return f"{what} defines no {func!r}; did you mean {close[0]!r}?"
     defined = [n for n, kind in names.items() if kind == "def" and not n.startswith("_")]
     shown = ", ".join(defined[:_NAMES_SHOWN]) + (", ..." if len(defined) > _NAMES_SHOWN else "")
     return f"{what} defines no {func!r}" + (f" (it defines {shown})" if shown else "") + "; fix the function name"
