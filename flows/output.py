@@ -91,8 +91,15 @@ def _is_number(v: str) -> bool:
 
 
 def print_json(obj: Any, *, out: TextIO | None = None) -> None:
-    json.dump(obj, out or sys.stdout, indent=2, sort_keys=False, default=str)
-    (out or sys.stdout).write("\n")
+    """``obj`` as JSON on ``out``. A list of objects (``ls --json``, say) is printed one
+    object per line, which Python's C encoder writes several times faster than an
+    indented document; anything else is indented."""
+    out = out or sys.stdout
+    if isinstance(obj, list) and obj and all(isinstance(x, dict) for x in obj):
+        out.write("[\n" + ",\n".join("  " + json.dumps(x, default=str) for x in obj) + "\n]\n")
+        return
+    json.dump(obj, out, indent=2, sort_keys=False, default=str)
+    out.write("\n")
 
 
 def print_checkpoints(records: Iterable[CheckpointRecord], *, out: TextIO | None = None) -> None:

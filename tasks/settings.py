@@ -16,11 +16,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ckptier.storage.catalog.db import CatalogLocation, resolve_catalog_url
 from ckptier.storage.errors import ConfigError
 
-from .config import DEFAULT_FILE, ENV_VAR, Config, load_config
+if TYPE_CHECKING:
+    from .config import Config
 
 #: What to write when there is no policy to apply (shown in one line).
 POLICY_EXAMPLE = '[[policy]] with jobs = "*" and keep_last = 5 (plus milestones = "log" and archive = "..." to keep milestones)'
@@ -38,6 +40,8 @@ def catalog_location(
     """
 
     def from_file() -> tuple[str | None, str | None]:
+        from .config import load_config  # only when the file decides: ls and latest stay light
+
         cfg = config if config is not None else load_config(config_path)
         return cfg.catalog_url, str(cfg.source) if cfg.source is not None else None
 
@@ -51,6 +55,8 @@ def catalog_url(explicit: str | None, config_path: str | Path | None = None, *, 
 
 def config_file_name(config: Config, config_path: str | Path | None = None) -> str:
     """The file a config came from, or (when there is none) where one was looked for, in words."""
+    from .config import DEFAULT_FILE, ENV_VAR
+
     if config.source is not None:
         return str(config.source)
     return str(config_path) if config_path else f"./{DEFAULT_FILE} (and ${ENV_VAR} is unset)"
