@@ -24,8 +24,8 @@ from .output import human_bytes, print_checkpoints
 
 #: Seconds the demo gives Prefect's temporary server to start (Prefect's own
 #: default, 20 s, is too short for a first start on 2 cores: creating its
-#: database there takes about 45 s). A larger
-#: ``PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS`` wins.
+#: database there takes about 45 s). ``PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS``
+#: set in the environment wins; one set in a Prefect profile wins when larger.
 SERVER_STARTUP_TIMEOUT_S = 300
 
 
@@ -121,7 +121,9 @@ def start_prefect() -> None:
         return
     print("ckptier demo: starting Prefect's temporary local server for the flow runs (a first start creates "
           "its database and can take a minute; --no-prefect runs the demo without Prefect)", file=sys.stderr, flush=True)
-    timeout = max(SERVER_STARTUP_TIMEOUT_S, int(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()))
+    setting = int(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value())
+    chosen = os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "").strip()
+    timeout = setting if chosen else max(SERVER_STARTUP_TIMEOUT_S, setting)  # the user's own choice wins
     try:
         server.start(timeout=timeout)
     except Exception as exc:  # noqa: BLE001 - any failure to start is reported as one line
@@ -160,6 +162,8 @@ def run_demo(base: Path | None, *, steps: int = 300, use_prefect: bool = True) -
     """Run the demo in ``base`` (a new temporary directory when None); returns the exit code."""
     from ckptier.tasks.demo import train_demo_run
 
+    if use_prefect:
+        start_prefect()  # first: a Prefect that cannot start is said before anything is written
     base = (base or Path(tempfile.mkdtemp(prefix="ckptier-demo-"))).absolute()
     hot, archive = base / "hot", base / "archive"
     hot.mkdir(parents=True, exist_ok=True)

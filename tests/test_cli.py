@@ -600,3 +600,21 @@ def test_demo_from_a_fresh_home_with_prefect_defaults(tmp_path: Path) -> None:
     assert "Traceback" not in proc.stderr
     errors = [ln for ln in proc.stderr.splitlines() if "| ERROR" in ln or "| CRITICAL" in ln]
     assert errors == []  # no "Failed to send telemetry" or any other ERROR that is not one
+
+
+@pytest.mark.slow
+def test_demo_says_in_one_line_when_prefect_cannot_start(tmp_path: Path) -> None:
+    """Instead of a 50-line RuntimeError: one line that suggests --no-prefect, before anything is written."""
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {"PATH": os.environ["PATH"], "LANG": os.environ.get("LANG", "C.UTF-8"), "HOME": str(home),
+           "PREFECT_HOME": str(home / ".prefect"), "TMPDIR": str(tmp_path),
+           "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "0"}  # no time at all: it cannot come up
+    script = Path(sys.executable).parent / "ckptier"
+    proc = subprocess.run([str(script) if script.exists() else "ckptier", "demo", "--dir", str(tmp_path / "demo")],
+                          capture_output=True, text=True, env=env, cwd=home, timeout=300)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[-1].startswith("ckptier: Prefect's temporary server did not start within 0 s")
+    assert "ckptier demo --no-prefect" in lines[-1] and len(lines[-1]) < 400
+    assert not (tmp_path / "demo").exists()
