@@ -41,7 +41,7 @@ ROOT = Path("/tmp/ckptier-bench-cli")
 FILES = ("rank-0000/model.pt", "rank-0000/optimizer.pt", "metadata.json")
 
 #: Reads every checkpoint row and prints it as JSON: what printing 100,000 rows costs at least.
-SQLITE_REFERENCE = """
+SQLITE_REFERENCE = r"""
 import json, sqlite3, sys
 conn = sqlite3.connect(sys.argv[1])
 rows = conn.execute(

@@ -19,7 +19,9 @@ Conventions:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import UTC, datetime
+from typing import Any
 
 from sqlalchemy import (
     JSON,
@@ -69,6 +71,20 @@ class UTCDateTime(TypeDecorator[datetime]):
         if value.tzinfo is not None:
             return value.astimezone(UTC)
         return value.replace(tzinfo=UTC)
+
+    def result_processor(self, dialect: Dialect, coltype: object) -> Callable[[Any], datetime | None]:
+        """The driver's value to an aware UTC datetime in one call (a listing of 100,000
+        checkpoints converts 700,000 of them; the default chain costs twice as much)."""
+        parse = self.impl_instance.dialect_impl(dialect).result_processor(dialect, coltype)
+
+        def process(value: Any) -> datetime | None:
+            if value is None:
+                return None
+            if parse is not None:
+                value = parse(value)
+            return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+        return process
 
 
 metadata = MetaData()
