@@ -82,17 +82,19 @@ def cmd_ls(args: argparse.Namespace) -> int:
     location = _location(args)
     _announce(args, location)
     with _open_read_only(args, location) as cat:
-        records = cat.checkpoints(job=args.job, include_deleted=args.all)
+        # Files are counted, not loaded: a listing of 100,000 checkpoints needs no 300,000 file rows.
+        records = cat.checkpoints(job=args.job, include_deleted=args.all, with_files=False)
+        counts = cat.file_counts(job=args.job) if records else {}
     if args.job and not records:
         from ckptier.tasks.pipeline import unknown_job
 
         raise unknown_job(args.job)
     if args.json:
-        print_json([checkpoint_json(c) for c in records])
+        print_json([checkpoint_json(c, files=counts.get(c.id, 0)) for c in records])
     elif not records:
         print("no checkpoints cataloged yet; run 'ckptier scan URL' to catalog a checkpoint directory or prefix")
     else:
-        print_checkpoints(records)
+        print_checkpoints(records, file_counts=counts)
     return 0
 
 

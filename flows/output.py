@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, TextIO
 
@@ -40,11 +40,12 @@ def current_location(c: CheckpointRecord) -> str:
     return copy.url if copy is not None else c.location
 
 
-def checkpoint_json(c: CheckpointRecord) -> dict[str, Any]:
+def checkpoint_json(c: CheckpointRecord, *, files: int | None = None) -> dict[str, Any]:
     """The JSON object of ``ckptier ls --json`` (DESIGN.md's contract fields first).
 
     ``location`` is :func:`current_location`; ``hot_location`` is where the
     checkpoint was written (scanned), whether or not that copy still exists.
+    ``files`` is the file count when ``c`` was loaded without its files.
     """
     return {
         "job": c.job,
@@ -52,7 +53,7 @@ def checkpoint_json(c: CheckpointRecord) -> dict[str, Any]:
         "format": c.format.value,
         "state": c.state.value,
         "bytes": c.bytes,
-        "files": len(c.files),
+        "files": len(c.files) if files is None else files,
         "tiers": list(c.tiers),
         "location": current_location(c),
         "hot_location": c.location,
@@ -102,7 +103,9 @@ def print_json(obj: Any, *, out: TextIO | None = None) -> None:
     out.write("\n")
 
 
-def print_checkpoints(records: Iterable[CheckpointRecord], *, out: TextIO | None = None) -> None:
+def print_checkpoints(records: Iterable[CheckpointRecord], *, out: TextIO | None = None,
+                      file_counts: Mapping[int, int] | None = None) -> None:
+    """The ``ls`` table; ``file_counts`` (id → files) when the records were loaded without files."""
     rows = [
         (
             c.job,
@@ -110,7 +113,7 @@ def print_checkpoints(records: Iterable[CheckpointRecord], *, out: TextIO | None
             c.format.value,
             c.state.value + (" (missing)" if c.missing_since else ""),
             human_bytes(c.bytes),
-            len(c.files),
+            len(c.files) if file_counts is None else file_counts.get(c.id, 0),
             ",".join(c.tiers) or "-",
             iso(c.saved_at) or "-",
             current_location(c),

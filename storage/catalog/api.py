@@ -704,6 +704,15 @@ class Catalog:
                 return None
             return self._load(conn, [ck.c.id == cid], with_files=True)[0]
 
+    def file_counts(self, *, job: str | None = None) -> dict[int, int]:
+        """How many files the catalog lists for each checkpoint (by id) of ``job``, or
+        of every job: what a listing shows without loading every file row."""
+        stmt = select(fl.c.checkpoint_id, func.count()).group_by(fl.c.checkpoint_id)
+        if job is not None:
+            stmt = stmt.join(ck, ck.c.id == fl.c.checkpoint_id).join(jb, jb.c.id == ck.c.job_id).where(jb.c.name == job)
+        with self._read() as conn:
+            return {int(cid): int(n) for cid, n in conn.execute(stmt).tuples()}
+
     def jobs(self) -> list[str]:
         """Names of all jobs, sorted."""
         with self._read() as conn:
