@@ -375,7 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
     flowopts.add_argument("--no-prefect", action="store_true", help="run directly even when PREFECT_API_URL is set")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
 
-    def add(name: str, func: Callable[[argparse.Namespace], int], help: str, *parents: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    def add(name: str, func: Callable[[argparse.Namespace], int], help: str, *parents: _Parser) -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help, description=help, parents=[common, *parents])
         sp.set_defaults(func=func)
         return sp

@@ -40,7 +40,7 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
 )
-from sqlalchemy.types import TypeDecorator
+from sqlalchemy.types import TypeDecorator, TypeEngine
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -100,11 +100,14 @@ def _id() -> Column[int]:
     return Column("id", Integer, primary_key=True)
 
 
-def _required(name: str, type_: object) -> Column[object]:
+_Type = TypeEngine[Any] | type[TypeEngine[Any]]
+
+
+def _required(name: str, type_: _Type) -> Column[Any]:
     return Column(name, type_, nullable=False)
 
 
-def _optional(name: str, type_: object) -> Column[object]:
+def _optional(name: str, type_: _Type) -> Column[Any]:
     return Column(name, type_, nullable=True)
 
 
