@@ -170,25 +170,23 @@ def verify(*, job: str | None, deep: bool, sample: tuple[int, int] | None, worke
 
 def apply(*, job: str | None, dry_run: bool, config_path: str | None, catalog_url: str | None,
           use_prefect: bool) -> dict[str, Any]:
+    if not dry_run:  # deletes only under a [[policy]] someone wrote; a dry run may preview the default
+        _check_policy_written(job, config_path, catalog_url)
     if use_prefect:
         from .tiering import tiering_flow
 
-        if not dry_run:
-            _check_policy_written(job, config_path, catalog_url)
         result = run_flow(tiering_flow, apply=not dry_run, job=job, config_path=config_path, catalog_url=catalog_url)
         return dict(result["apply"])
     from ckptier.tasks.config import load_config
     from ckptier.tasks.pipeline import run_apply, run_owner, utcnow
-    from ckptier.tasks.settings import require_written_policy
 
-    config = load_config(config_path)
     with _open(catalog_url) as cat:
-        if not dry_run:
-            require_written_policy(config, [job] if job else cat.jobs(), config_path)
-        return run_apply(cat, config, now=utcnow, owner=run_owner("ckptier-cli"), job=job, dry_run=dry_run)
+        return run_apply(cat, load_config(config_path), now=utcnow, owner=run_owner("ckptier-cli"), job=job,
+                         dry_run=dry_run)
 
 
 def _check_policy_written(job: str | None, config_path: str | None, catalog_url: str | None) -> None:
+    """Raise ``NoPolicyWritten`` when a job to act on has no ``[[policy]]`` the user wrote."""
     from ckptier.tasks.config import load_config
     from ckptier.tasks.settings import require_written_policy
 
