@@ -171,6 +171,7 @@ def run_demo(base: Path | None, *, steps: int = 300, use_prefect: bool = True) -
     config_path.write_text(DEMO_CONFIG.format(archive=archive.as_uri()))
     catalog_url = f"sqlite:///{base / 'catalog.db'}"
 
+    print(f"catalog: {catalog_url} (the demo's own)")
     print(f"ckptier demo in {base}")
     run = train_demo_run(hot, steps=steps)
     print(f"1. trained {steps} steps on CPU; {len(run.steps)} checkpoints in {run.job_dir} "
