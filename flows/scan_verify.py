@@ -17,8 +17,10 @@ from prefect.artifacts import create_table_artifact
 from ckptier.storage.catalog.api import Catalog
 from ckptier.storage.errors import CkptierError
 from ckptier.tasks.prefect_tasks import scan_task, verify_task
+from ckptier.tasks.settings import catalog_url as resolve_catalog_url
 
 from .events import CORRUPTION_FOUND, emit_checkpoint_event
+from .runner import resolve_sample
 
 
 class CorruptionFound(CkptierError):
@@ -75,13 +77,16 @@ def raise_on_corruption(report: dict[str, Any], scans: Sequence[dict[str, Any]] 
 def scan_flow(
     urls: list[str],
     catalog_url: str | None = None,
+    config_path: str | None = None,
 ) -> list[dict[str, Any]]:
     """Catalog every checkpoint under each URL; publishes the ``catalog-summary`` table.
 
     Args:
         urls: Where checkpoints are written: paths, file:///path or s3://bucket/prefix.
-        catalog_url: Catalog SQLAlchemy URL (default: CKPTIER_CATALOG_URL, else SQLite in the data dir).
+        catalog_url: Catalog SQLAlchemy URL (default: CKPTIER_CATALOG_URL, else the config's [catalog] url, else SQLite in the data dir).
+        config_path: ckptier.toml path, read for its [catalog] url (default: CKPTIER_CONFIG or ./ckptier.toml).
     """
+    catalog_url = resolve_catalog_url(catalog_url, config_path)
     reports = [scan_task(url, catalog_url) for url in urls]
     publish_catalog_summary(catalog_url)
     return reports
@@ -94,6 +99,7 @@ def verify_flow(
     sample: str | None = None,
     workers: int = 4,
     catalog_url: str | None = None,
+    config_path: str | None = None,
 ) -> dict[str, Any]:
     """Verify checkpoints; fails the run (and emits an event) when corruption is found.
 
@@ -102,24 +108,14 @@ def verify_flow(
         deep: Read every byte even when the store keeps a full-object checksum.
         sample: K/N verifies the K-th of N disjoint slices; auto/N picks tonight's slice.
         workers: Files read in parallel.
-        catalog_url: Catalog SQLAlchemy URL (default: CKPTIER_CATALOG_URL, else SQLite in the data dir).
+        catalog_url: Catalog SQLAlchemy URL (default: CKPTIER_CATALOG_URL, else the config's [catalog] url, else SQLite in the data dir).
+        config_path: ckptier.toml path, read for its [catalog] url (default: CKPTIER_CONFIG or ./ckptier.toml).
     """
+    catalog_url = resolve_catalog_url(catalog_url, config_path)
     report = verify_task(catalog_url, job, deep, resolve_sample(sample, datetime.now(UTC)), workers)
     publish_verification(report)
     raise_on_corruption(report)
     return report
-
-
-def resolve_sample(sample: str | None, now: datetime) -> tuple[int, int] | None:
-    """``"K/N"`` → (K, N); ``"auto/N"`` → today's slice of N (every byte re-read every N nights)."""
-    from ckptier.tasks.verify import parse_sample, rotating_slice
-
-    if not sample:
-        return None
-    if sample.strip().lower().startswith("auto/"):
-        n = parse_sample("1/" + sample.split("/", 1)[1])[1]
-        return rotating_slice(now.date(), n), n
-    return parse_sample(sample)
 
 
 @flow(name="scan-verify")
@@ -130,6 +126,7 @@ def scan_verify_flow(
     sample: str | None = None,
     workers: int = 4,
     catalog_url: str | None = None,
+    config_path: str | None = None,
 ) -> dict[str, Any]:
     """Scan, then verify: the hourly (and, with ``sample``, nightly) catalog upkeep.
 
@@ -139,8 +136,10 @@ def scan_verify_flow(
         deep: Read every byte even when the store keeps a full-object checksum.
         sample: K/N or auto/N: deep-read one slice of the catalog (every byte every N runs).
         workers: Files read in parallel.
-        catalog_url: Catalog SQLAlchemy URL (default: CKPTIER_CATALOG_URL, else SQLite in the data dir).
+        catalog_url: Catalog SQLAlchemy URL (default: CKPTIER_CATALOG_URL, else the config's [catalog] url, else SQLite in the data dir).
+        config_path: ckptier.toml path, read for its [catalog] url (default: CKPTIER_CONFIG or ./ckptier.toml).
     """
+    catalog_url = resolve_catalog_url(catalog_url, config_path)
     scans = [scan_task(url, catalog_url) for url in urls]
     result: dict[str, Any] = {"scans": scans}
     if verify:

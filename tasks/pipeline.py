@@ -564,10 +564,12 @@ def run_drill(
 
     from .config import allow_global_problem
     from .drill import DEFAULT_LOSS_TOLERANCE, choose_candidates, judge, run_drill_subprocess
+    from .drill_inputs import check_drill_inputs
 
     for name in allow_globals:
         if (problem := allow_global_problem(name)) is not None:
             raise ConfigError(f"--allow-global {name!r}: {problem}")
+    check_drill_inputs(model=model, device=device, steps=steps, timeout=timeout)  # before anything slow
 
     stores = stores or StoreCache()
     candidates = choose_candidates(catalog.checkpoints(job=job), job=job, step=step)
@@ -577,6 +579,8 @@ def run_drill(
     by_job: dict[str, list[CheckpointRecord]] = {}
     for c in candidates:
         by_job.setdefault(c.job, []).append(c)
+    for job_name in by_job:  # each job's [[drill]] model and device, before any fetch
+        check_drill_inputs(config.drill_for(job_name), model=model, device=device)
     _check_allowed_classes(config, by_job, allow_globals, scratch_root)
     reports: list[dict[str, Any]] = []
     for job_name, records in by_job.items():

@@ -17,10 +17,11 @@ from urllib.parse import urlparse
 
 from ckptier.storage.base import ObjectInfo, Store, read_bytes
 from ckptier.storage.catalog.api import Catalog, ScanSummary
+from ckptier.storage.errors import ConfigError
 from ckptier.storage.formats import METADATA_NAMES, PatternRule, recognise
 from ckptier.storage.local import LocalStore
 from ckptier.storage.model import Recognition, Unrecognised
-from ckptier.storage.url import open_store
+from ckptier.storage.url import open_store, parse_url
 
 #: Metadata and marker files larger than this are refused, not read.
 METADATA_LIMIT = 16 << 20
@@ -159,6 +160,17 @@ def recognise_store(
     return replace(found, unrecognised=tuple(sorted(found.unrecognised + tuple(skipped), key=lambda u: u.key)))
 
 
+def _refuse_a_file(url: str) -> None:
+    """A local URL naming a file (not a directory of checkpoints) is one line, not a listing error."""
+    import os
+
+    parsed = parse_url(url)
+    if parsed.scheme == "file" and os.path.isfile(parsed.path):
+        parent = os.path.dirname(parsed.path.rstrip("/")) or "/"
+        raise ConfigError(f"{url}: is a file, not a directory; scan the directory that holds your checkpoints "
+                          f"(e.g. {parent})")
+
+
 def scan_url(
     url: str,
     catalog: Catalog,
@@ -176,6 +188,8 @@ def scan_url(
     never dropped. ``grace_for(job)`` is how long a save whose manifest
     lists absent files may still be in flight (default 2 h).
     """
+    if store is None:
+        _refuse_a_file(url)
     store = store if store is not None else open_store(url)
     recognition = recognise_store(store, now=now.timestamp(), name=root_name(url), patterns=patterns, tick=tick)
     summary = catalog.record_scan(store.url, recognition, now=now, grace_for=grace_for)

@@ -34,8 +34,6 @@ from sqlalchemy import (
     true,
     update,
 )
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from .. import transitions
 from ..errors import CkptierError
@@ -68,6 +66,11 @@ FILE_STATUSES = transitions.FILE_STATUSES
 _NAMES_SHOWN = 3
 #: First key of the PostgreSQL advisory locks that serialise scans of one job.
 _SCAN_LOCK_CLASS = 0x636B73  # "cks"
+# Stored values to enum members by dictionary: ``Enum(value)`` costs ~1 µs a call,
+# a noticeable part of listing 100,000 checkpoints.
+_FORMATS = {f.value: f for f in Format}
+_STATES = {s.value: s for s in State}
+_TIERS = {t.value: t for t in Tier}
 
 
 class UnknownCheckpoint(CkptierError, LookupError):
@@ -266,12 +269,14 @@ class Catalog:
     # -- lifecycle -----------------------------------------------------------------
 
     @classmethod
-    def open(cls, url: str | None = None) -> Catalog:
+    def open(cls, url: str | None = None, *, create: bool = True) -> Catalog:
         """Open (creating if needed) the catalog at ``url`` and migrate it to
-        the newest schema; ``None`` means :func:`db.default_catalog_url`.
-        Raises :class:`~ckptier.storage.errors.ConfigError` (one line) when it
-        cannot."""
-        return cls(db.open_engine(url if url is not None else db.default_catalog_url()))
+        the newest schema; ``None`` means :func:`db.resolve_catalog_url`
+        without a config file. With ``create=False`` (read-only commands) a
+        catalog that does not exist raises :class:`db.CatalogMissing` and
+        nothing is created. Raises :class:`~ckptier.storage.errors.ConfigError`
+        (one line) when it cannot."""
+        return cls(db.open_engine(url if url is not None else db.resolve_catalog_url(None).url, create=create))
 
     def close(self) -> None:
         """Release the database connections. Idempotent."""
@@ -415,7 +420,15 @@ class Catalog:
         return int(conn.execute(select(jb.c.id).where(jb.c.name == name)).scalar_one()), True
 
     def _insert(self, table: Any) -> Any:
-        return pg_insert(table) if self.dialect == "postgresql" else sqlite_insert(table)
+        # The dialect's own INSERT (for ON CONFLICT), imported when a write needs it:
+        # read-only commands never load the PostgreSQL dialect for a SQLite catalog.
+        if self.dialect == "postgresql":
+            from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+            return pg_insert(table)
+        from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+        return sqlite_insert(table)
 
     def _scan_job(
         self,
@@ -751,6 +764,15 @@ class Catalog:
             record = self._load(conn, [ck.c.id == latest.record.id], with_files=True)[0]
         return transitions.Latest(record, latest.proof, latest.proven_at, latest.passed_over)
 
+    def file_counts(self, *, job: str | None = None) -> dict[int, int]:
+        """How many files the catalog lists for each checkpoint (by id) of ``job``, or
+        of every job: what a listing shows without loading every file row."""
+        stmt = select(fl.c.checkpoint_id, func.count()).group_by(fl.c.checkpoint_id)
+        if job is not None:
+            stmt = stmt.join(ck, ck.c.id == fl.c.checkpoint_id).join(jb, jb.c.id == ck.c.job_id).where(jb.c.name == job)
+        with self._read() as conn:
+            return {int(cid): int(n) for cid, n in conn.execute(stmt).tuples()}
+
     def jobs(self) -> list[str]:
         """Names of all jobs, sorted."""
         with self._read() as conn:
@@ -769,15 +791,19 @@ class Catalog:
     ) -> list[CheckpointRecord]:
         where = and_(true(), *conds)
         base = select(ck.c.id).join(jb, jb.c.id == ck.c.job_id).where(where)
+        # Columns named and rows unpacked as tuples: attribute access on 100,000
+        # rows costs more than the query itself.
         rows = conn.execute(
-            select(ck, jb.c.name.label("job_name"))
+            select(ck.c.id, jb.c.name, ck.c.step, ck.c.format, ck.c.state, ck.c.location, ck.c.bytes,
+                   ck.c.saved_at, ck.c.first_seen, ck.c.last_seen, ck.c.missing_since, ck.c.verified_at,
+                   ck.c.state_reason, ck.c.recorded_loss, ck.c.generation)
             .join(jb, jb.c.id == ck.c.job_id)
             .where(where)
             .order_by(jb.c.name, ck.c.step)
-        ).all()
+        ).tuples().all()
         if not rows:
             return []
-        ids = base.scalar_subquery() if len(rows) > 500 else [r.id for r in rows]
+        ids = base.scalar_subquery() if len(rows) > 500 else [r[0] for r in rows]
         files: dict[int, list[FileRecord]] = {}
         if with_files:
             cols = (fl.c.relpath, fl.c.size, fl.c.mtime, fl.c.etag, fl.c.crc64nvme,
@@ -804,23 +830,26 @@ class Catalog:
                     detail=None if d.ok else (d.error or summary),
                 )
         copies: dict[int, list[CopyRecord]] = {}
-        for c in conn.execute(
-            select(cp).where(cp.c.checkpoint_id.in_(ids)).order_by(cp.c.checkpoint_id, cp.c.tier, cp.c.url)
-        ):
-            copies.setdefault(c.checkpoint_id, []).append(
-                CopyRecord(tier=Tier(c.tier), url=c.url, state=c.state, stored_bytes=c.stored_bytes,
-                           verified_at=c.verified_at, codec=c.codec, storage_class=c.storage_class)
+        for ccid, tier, url, cstate, stored, cverified, codec, sclass in conn.execute(
+            select(cp.c.checkpoint_id, cp.c.tier, cp.c.url, cp.c.state, cp.c.stored_bytes, cp.c.verified_at,
+                   cp.c.codec, cp.c.storage_class)
+            .where(cp.c.checkpoint_id.in_(ids)).order_by(cp.c.checkpoint_id, cp.c.tier, cp.c.url)
+        ).tuples():
+            copies.setdefault(ccid, []).append(
+                CopyRecord(tier=_TIERS[tier], url=url, state=cstate, stored_bytes=stored,
+                           verified_at=cverified, codec=codec, storage_class=sclass)
             )
         return [
             CheckpointRecord(
-                id=r.id, job=r.job_name, step=r.step, format=Format(r.format), state=State(r.state),
-                location=r.location, bytes=r.bytes, saved_at=r.saved_at, first_seen=r.first_seen,
-                last_seen=r.last_seen, missing_since=r.missing_since, verified_at=r.verified_at,
-                state_reason=r.state_reason, recorded_loss=r.recorded_loss, generation=r.generation,
-                files=tuple(files.get(r.id, ())), copies=tuple(copies.get(r.id, ())),
-                last_drill=last_drill.get(r.id),
+                id=cid, job=job, step=step, format=_FORMATS[fmt], state=_STATES[state],
+                location=location, bytes=size, saved_at=saved_at, first_seen=first_seen,
+                last_seen=last_seen, missing_since=missing_since, verified_at=verified_at,
+                state_reason=reason, recorded_loss=loss, generation=generation,
+                files=tuple(files.get(cid, ())), copies=tuple(copies.get(cid, ())),
+                last_drill=last_drill.get(cid),
             )
-            for r in rows
+            for (cid, job, step, fmt, state, location, size, saved_at, first_seen, last_seen, missing_since,
+                 verified_at, reason, loss, generation) in rows
         ]
 
     # -- verification --------------------------------------------------------------
