@@ -68,6 +68,13 @@ def _open_read_only(args: argparse.Namespace, location: Any) -> Any:
     return Catalog.open(location.url, create=False)
 
 
+def _open_existing(args: argparse.Namespace, config: Any = None) -> Any:
+    """The existing catalog this command uses, named first in human output (never created)."""
+    location = _location(args, config)
+    _announce(args, location)
+    return _open_read_only(args, location)
+
+
 def _use_prefect(args: argparse.Namespace) -> bool:
     """Go through a Prefect flow run when an API is configured (or forced)."""
     if getattr(args, "no_prefect", False):
@@ -333,7 +340,7 @@ def cmd_forget(args: argparse.Namespace) -> int:
         raise ConfigError("forget: say what to forget: --missing (rows whose files are gone from every tier)")
     older = parse_duration(args.older_than) if args.older_than else None
     config = _config(args)
-    with _open_catalog(args) as cat:
+    with _open_existing(args, config) as cat:
         report = run_forget(cat, config, job=args.job, now=utcnow, older_than=older, dry_run=args.dry_run)
     print_json(report) if args.json else [print(line) for line in report["lines"]]
     return 1 if report["unchecked"] else 0
@@ -356,14 +363,17 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
 
     from .runner import configured_api_url
 
-    return serve_dashboard(catalog_url=_catalog_url(args), config_path=args.config, host=args.host, port=args.port,
+    return serve_dashboard(catalog_url=_location(args).url, config_path=args.config, host=args.host, port=args.port,
                            token=args.token, prefect_api_url=configured_api_url())
 
 
 def cmd_report(args: argparse.Namespace) -> int:
     from ckptier.dashboard.cli import print_report
 
-    return print_report(catalog_url=_catalog_url(args), config_path=args.config, job=args.job, step=args.step,
+    location = _location(args)
+    if args.format == "table":
+        _announce(args, location)
+    return print_report(catalog_url=location.url, config_path=args.config, job=args.job, step=args.step,
                         fmt=args.format, tables=args.table)
 
 

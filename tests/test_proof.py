@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import json
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -85,7 +86,8 @@ def test_cli_latest_and_ls_show_the_proof(cat: Catalog, catalog_url: str, capsys
     assert "passed over step" not in out
     drill(cat, 4, False, T0 + timedelta(hours=3), error="load: unexpected key 'x'")
     code, out, _ = run(capsys, "latest", "--job", JOB, "--catalog", catalog_url)
-    assert code == 0 and out.startswith(f"{JOB} step 2:")
+    catalog_line, answer = out.split("\n", 1)
+    assert code == 0 and catalog_line.startswith("catalog: ") and answer.startswith(f"{JOB} step 2:")
     assert "  passed over step 4: its drill failed at 2026-01-01T15:01:00+00:00: load: unexpected key 'x'" in out
 
     code, out, _ = run(capsys, "latest", "--job", JOB, "--drilled", "--json", "--catalog", catalog_url)
@@ -100,9 +102,11 @@ def test_cli_latest_and_ls_show_the_proof(cat: Catalog, catalog_url: str, capsys
     assert proofs == {1: ("drilled", True), 2: ("verified", None), 3: ("verified", False), 4: ("verified", False),
                       5: ("committed", None)}
     code, out, _ = run(capsys, "ls", "--job", JOB, "--catalog", catalog_url)
-    lines = out.splitlines()
-    assert lines[0].split()[-1] == "PROOF"
-    assert lines[1].endswith("drilled") and lines[3].endswith("verified (drill failed)") and lines[5].endswith("committed")
+    assert out.startswith("catalog: ")
+    header, *rows = [re.split(r"\s{2,}", line.strip()) for line in out.splitlines()[1:]]
+    proof = {int(r[header.index("STEP")]): r[header.index("PROOF")] for r in rows}
+    assert proof == {1: "drilled", 2: "verified", 3: "verified (drill failed)", 4: "verified (drill failed)",
+                     5: "committed"}
 
 
 def test_cli_latest_drilled_with_none_says_so(catalog_url: str, capsys: pytest.CaptureFixture[str]) -> None:
