@@ -62,7 +62,7 @@ def restore_drill_flow(
         model: Model factory as module:function (default: the job's [[drill]] model in ckptier.toml).
         timeout_seconds: Kill the drill after this many seconds (default: the [[drill]] timeout, 15 minutes).
         config_path: ckptier.toml path (default: CKPTIER_CONFIG or ./ckptier.toml).
-        catalog_url: Catalog SQLAlchemy URL (default: the config's, CKPTIER_CATALOG_URL, else SQLite).
+        catalog_url: Catalog SQLAlchemy URL (default: CKPTIER_CATALOG_URL, else the config's [catalog] url, else SQLite).
         allow_globals: Classes (module.Name) the safe loader may unpickle, besides the [[drill]] allow_globals.
     """
     reports = drill_task(catalog_url, config_path, job, step, steps, device, model, timeout_seconds, allow_globals)

@@ -7,6 +7,7 @@ alert.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -16,8 +17,10 @@ from prefect.artifacts import create_table_artifact
 from ckptier.storage.catalog.api import Catalog
 from ckptier.storage.errors import CkptierError
 from ckptier.tasks.prefect_tasks import scan_task, verify_task
+from ckptier.tasks.settings import catalog_url as resolve_catalog_url
 
 from .events import CORRUPTION_FOUND, emit_checkpoint_event
+from .runner import resolve_sample
 
 
 class CorruptionFound(CkptierError):
@@ -52,8 +55,16 @@ def publish_verification(report: dict[str, Any]) -> None:
                           key="verification", description="Verification results per job")
 
 
-def raise_on_corruption(report: dict[str, Any]) -> None:
+def corruption_in(report: dict[str, Any], scans: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+    """The corrupt checkpoints (and degraded copies) a verify report holds, plus
+    those scans found corrupt (files their manifest lists missing past the grace)."""
     corrupt = [r for r in report["checkpoints"] if r["state"] in ("corrupt", "degraded")]
+    return corrupt + [{**c, "tier": "hot"} for scan in scans for c in scan.get("corrupt_found", ())]
+
+
+def raise_on_corruption(report: dict[str, Any], scans: Sequence[dict[str, Any]] = ()) -> None:
+    """Emit an event per corrupt checkpoint (:func:`corruption_in`) and fail the run."""
+    corrupt = corruption_in(report, scans)
     if not corrupt:
         return
     for r in corrupt:
@@ -66,6 +77,7 @@ def raise_on_corruption(report: dict[str, Any]) -> None:
 def scan_flow(
     urls: list[str],
     catalog_url: str | None = None,
+    config_path: str | None = None,
     inventory: str | None = None,
     full: bool = False,
 ) -> list[dict[str, Any]]:
@@ -73,10 +85,12 @@ def scan_flow(
 
     Args:
         urls: Where checkpoints are written: paths, file:///path or s3://bucket/prefix.
-        catalog_url: Catalog SQLAlchemy URL (default: CKPTIER_CATALOG_URL, else SQLite in the data dir).
+        catalog_url: Catalog SQLAlchemy URL (default: CKPTIER_CATALOG_URL, else the config's [catalog] url, else SQLite in the data dir).
+        config_path: ckptier.toml path, read for its [catalog] url (default: CKPTIER_CONFIG or ./ckptier.toml).
         inventory: S3 Inventory report read instead of listing (one s3:// URL only); else ckptier.toml's [[inventory]].
         full: List every local directory, even those unchanged since the last scan.
     """
+    catalog_url = resolve_catalog_url(catalog_url, config_path)
     reports = [scan_task(url, catalog_url, inventory=inventory, full=full) for url in urls]
     publish_catalog_summary(catalog_url)
     return reports
@@ -89,6 +103,7 @@ def verify_flow(
     sample: str | None = None,
     workers: int = 4,
     catalog_url: str | None = None,
+    config_path: str | None = None,
 ) -> dict[str, Any]:
     """Verify checkpoints; fails the run (and emits an event) when corruption is found.
 
@@ -97,24 +112,14 @@ def verify_flow(
         deep: Read every byte even when the store keeps a full-object checksum.
         sample: K/N verifies the K-th of N disjoint slices; auto/N picks tonight's slice.
         workers: Files read in parallel.
-        catalog_url: Catalog SQLAlchemy URL (default: CKPTIER_CATALOG_URL, else SQLite in the data dir).
+        catalog_url: Catalog SQLAlchemy URL (default: CKPTIER_CATALOG_URL, else the config's [catalog] url, else SQLite in the data dir).
+        config_path: ckptier.toml path, read for its [catalog] url (default: CKPTIER_CONFIG or ./ckptier.toml).
     """
+    catalog_url = resolve_catalog_url(catalog_url, config_path)
     report = verify_task(catalog_url, job, deep, resolve_sample(sample, datetime.now(UTC)), workers)
     publish_verification(report)
     raise_on_corruption(report)
     return report
-
-
-def resolve_sample(sample: str | None, now: datetime) -> tuple[int, int] | None:
-    """``"K/N"`` → (K, N); ``"auto/N"`` → today's slice of N (every byte re-read every N nights)."""
-    from ckptier.tasks.verify import parse_sample, rotating_slice
-
-    if not sample:
-        return None
-    if sample.strip().lower().startswith("auto/"):
-        n = parse_sample("1/" + sample.split("/", 1)[1])[1]
-        return rotating_slice(now.date(), n), n
-    return parse_sample(sample)
 
 
 @flow(name="scan-verify")
@@ -125,6 +130,7 @@ def scan_verify_flow(
     sample: str | None = None,
     workers: int = 4,
     catalog_url: str | None = None,
+    config_path: str | None = None,
 ) -> dict[str, Any]:
     """Scan, then verify: the hourly (and, with ``sample``, nightly) catalog upkeep.
 
@@ -134,8 +140,10 @@ def scan_verify_flow(
         deep: Read every byte even when the store keeps a full-object checksum.
         sample: K/N or auto/N: deep-read one slice of the catalog (every byte every N runs).
         workers: Files read in parallel.
-        catalog_url: Catalog SQLAlchemy URL (default: CKPTIER_CATALOG_URL, else SQLite in the data dir).
+        catalog_url: Catalog SQLAlchemy URL (default: CKPTIER_CATALOG_URL, else the config's [catalog] url, else SQLite in the data dir).
+        config_path: ckptier.toml path, read for its [catalog] url (default: CKPTIER_CONFIG or ./ckptier.toml).
     """
+    catalog_url = resolve_catalog_url(catalog_url, config_path)
     scans = [scan_task(url, catalog_url) for url in urls]
     result: dict[str, Any] = {"scans": scans}
     if verify:
@@ -144,6 +152,5 @@ def scan_verify_flow(
         result["verify"] = report
     # One summary per run, after verification has settled the states.
     publish_catalog_summary(catalog_url)
-    if verify:
-        raise_on_corruption(result["verify"])
+    raise_on_corruption(result.get("verify", {"checkpoints": []}), scans)
     return result

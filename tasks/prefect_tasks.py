@@ -20,6 +20,8 @@ from ckptier.storage.errors import is_transient
 from . import pipeline
 from .config import load_config
 from .retention import render_plan_table
+from .settings import catalog_url as resolve_catalog_url
+from .settings import require_written_policy
 
 
 def retry_if_transient(task: Any, task_run: Any, state: Any) -> bool:
@@ -34,14 +36,14 @@ def retry_if_transient(task: Any, task_run: Any, state: Any) -> bool:
 @task(name="scan", retries=2, retry_delay_seconds=10, retry_condition_fn=retry_if_transient)
 def scan_task(url: str, catalog_url: str | None, config_path: str | None = None, inventory: str | None = None,
               full: bool = False) -> dict[str, Any]:
-    """List one URL and bring the catalog in line with it (with the config's ``[[pattern]]`` rules);
-    from an S3 Inventory report instead (``inventory``, else the config's ``[[inventory]]``)."""
+    """List one URL and bring the catalog in line with it (creating the catalog on first use),
+    with the config's ``[[pattern]]`` rules and each job's grace; from an S3 Inventory report
+    instead (``inventory``, else the config's ``[[inventory]]``)."""
     log = get_run_logger()
     config = load_config(config_path)
-    inventories = [*config.inventories, *([(url, inventory)] if inventory else [])]
-    with Catalog.open(catalog_url) as cat:
-        (report,) = pipeline.run_scan([url], cat, now=pipeline.utcnow, patterns=config.patterns,
-                                      inventories=inventories, full=full)
+    with Catalog.open(resolve_catalog_url(catalog_url, config_path, config=config)) as cat:
+        (report,) = pipeline.run_scan([url], cat, now=pipeline.utcnow, patterns=config.patterns, config=config,
+                                      inventories=[(url, inventory)] if inventory else (), full=full)
     log.info("%s: %d objects, %d checkpoints, %d catalog rows written",
              report["url"], report["objects"], report["checkpoints"], report["rows_written"])
     return report
@@ -49,10 +51,10 @@ def scan_task(url: str, catalog_url: str | None, config_path: str | None = None,
 
 @task(name="verify", retries=1, retry_delay_seconds=30, retry_condition_fn=retry_if_transient)
 def verify_task(catalog_url: str | None, job: str | None, deep: bool, sample: tuple[int, int] | None,
-                workers: int) -> dict[str, Any]:
+                workers: int, config_path: str | None = None) -> dict[str, Any]:
     """Verify what needs it (or the sample) and record the results."""
     log = get_run_logger()
-    with Catalog.open(catalog_url) as cat:
+    with Catalog.open(resolve_catalog_url(catalog_url, config_path), create=False) as cat:
         report = pipeline.run_verify(cat, now=pipeline.utcnow, job=job, deep=deep, sample=sample, workers=workers,
                                      progress=_progress_artifact("verify-progress"))
     t = report["totals"]
@@ -86,7 +88,7 @@ def _progress_artifact(key: str) -> Any:
 def plan_task(catalog_url: str | None, config_path: str | None, job: str | None) -> list[dict[str, Any]]:
     """The retention plan as rows (job, step, action, scope, reasons, bytes)."""
     config = load_config(config_path)
-    with Catalog.open(catalog_url or config.catalog_url) as cat:
+    with Catalog.open(resolve_catalog_url(catalog_url, config_path, config=config), create=False) as cat:
         plan = pipeline.make_plan(cat, config, job=job, now=pipeline.utcnow())
     return render_plan_table(plan)
 
@@ -96,7 +98,9 @@ def apply_task(catalog_url: str | None, config_path: str | None, job: str | None
     """Promote milestones, then delete what the policy lets go (fenced, batched; short leases kept alive by a heartbeat)."""
     log = get_run_logger()
     config = load_config(config_path)
-    with Catalog.open(catalog_url or config.catalog_url) as cat:
+    with Catalog.open(resolve_catalog_url(catalog_url, config_path, config=config), create=False) as cat:
+        if not dry_run:
+            require_written_policy(config, [job] if job else cat.jobs(), config_path)
         report = pipeline.run_apply(cat, config, now=pipeline.utcnow, owner=pipeline.run_owner(), job=job, dry_run=dry_run)
     for line in report["lines"]:
         log.info(line)
@@ -110,7 +114,7 @@ def drill_task(catalog_url: str | None, config_path: str | None, job: str | None
     """Fetch, safely load, train K steps, judge and record (see ``pipeline.run_drill``)."""
     log = get_run_logger()
     config = load_config(config_path)
-    with Catalog.open(catalog_url or config.catalog_url) as cat:
+    with Catalog.open(resolve_catalog_url(catalog_url, config_path, config=config), create=False) as cat:
         reports = pipeline.run_drill(cat, config, now=pipeline.utcnow, job=job, step=step, steps=steps, device=device,
                                      model=model, timeout=timeout_seconds, allow_globals=allow_globals or ())
     for r in reports:

@@ -287,6 +287,17 @@ def restamp(
     return catalog.put_dir_stamps(stamps, now=now) if stamps else 0
 
 
+def _refuse_a_file(url: str) -> None:
+    """A local URL naming a file (not a directory of checkpoints) is one line, not a listing error."""
+    import os
+
+    parsed = parse_url(url)
+    if parsed.scheme == "file" and os.path.isfile(parsed.path):
+        parent = os.path.dirname(parsed.path.rstrip("/")) or "/"
+        raise ConfigError(f"{url}: is a file, not a directory; scan the directory that holds your checkpoints "
+                          f"(e.g. {parent})")
+
+
 def scan_url(
     url: str,
     catalog: Catalog,
@@ -295,6 +306,7 @@ def scan_url(
     patterns: Sequence[PatternRule] = (),
     store: Store | None = None,
     tick: Callable[[int], None] | None = None,
+    grace_for: Callable[[str], timedelta] | None = None,
     full: bool = False,
     inventory: str | None = None,
 ) -> ScanReport:
@@ -302,14 +314,19 @@ def scan_url(
 
     Idempotent: scanning unchanged storage writes no catalog rows.
     Checkpoints of this URL that are no longer listed are marked missing,
-    never dropped. A local scan does not enter checkpoint directories
-    unchanged since their stamp unless ``full`` (see the module docstring).
-    With ``inventory`` (an S3 Inventory manifest, see :func:`scan_inventory`)
-    the report is read instead of listing.
+    never dropped. ``grace_for(job)`` is how long a save whose manifest
+    lists absent files may still be in flight (default 2 h). A local scan
+    does not enter checkpoint directories unchanged since their stamp unless
+    ``full`` (see the module docstring). With ``inventory`` (an S3 Inventory
+    manifest, see :func:`scan_inventory`) the report is read instead of
+    listing.
     """
+    if store is None:
+        _refuse_a_file(url)
     store = store if store is not None else open_store(url)
     if inventory is not None:
-        return scan_inventory(url, inventory, catalog, now=now, patterns=patterns, store=store, tick=tick)
+        return scan_inventory(url, inventory, catalog, now=now, patterns=patterns, store=store, tick=tick,
+                              grace_for=grace_for)
     skipper: _Skipper | None = None
     links: list[str] = []
     listed_at = time.time()
@@ -318,7 +335,8 @@ def scan_url(
     recognition = recognise_store(store, now=now.timestamp(), name=root_name(url), patterns=patterns, tick=tick,
                                   skip_dir=skipper, on_link=links.append)
     unchanged = skipper.unchanged if skipper is not None else {}
-    summary = catalog.record_scan(store.url, recognition, now=now, unchanged=unchanged.keys())
+    summary = catalog.record_scan(store.url, recognition, now=now, unchanged=unchanged.keys(),
+                                 grace_for=grace_for)
     if isinstance(store, LocalStore):
         restamp(store, catalog, recognition, links=links, listed_at=listed_at, now=now)
     committed = sum(1 for c in recognition.checkpoints if c.committed)
@@ -346,6 +364,7 @@ def scan_inventory(
     store: Store | None = None,
     tick: Callable[[int], None] | None = None,
     report: InventoryReport | None = None,
+    grace_for: Callable[[str], timedelta] | None = None,
 ) -> ScanReport:
     """Scan the ``s3://`` ``url`` from the S3 Inventory report ``inventory``
     (a ``manifest.json`` URL or the inventory configuration's folder, see
@@ -390,7 +409,7 @@ def scan_inventory(
                                   listing=report.objects(prefix))
     kept, older = _newer_than_catalog(recognition, catalog, store.url, report.created_at)
     recognition = replace(recognition, checkpoints=kept)
-    summary = catalog.record_scan(store.url, recognition, now=now, live=False)
+    summary = catalog.record_scan(store.url, recognition, now=now, live=False, grace_for=grace_for)
     age = (now - report.created_at).total_seconds()
     catalog.log_event(
         "scan.inventory",
