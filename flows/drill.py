@@ -15,7 +15,6 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
 from ckptier.storage.errors import CkptierError
-from ckptier.tasks.config import load_config
 from ckptier.tasks.prefect_tasks import drill_task
 
 from .artifacts import publish_catalog_summary, publish_dashboard_links
@@ -77,7 +76,7 @@ def restore_drill_flow(
         model: Model factory as module:function (default: the job's [[drill]] model in ckptier.toml).
         timeout_seconds: Kill the drill after this many seconds (default: the [[drill]] timeout, 15 minutes).
         config_path: ckptier.toml path (default: CKPTIER_CONFIG or ./ckptier.toml).
-        catalog_url: Catalog SQLAlchemy URL (default: the config's, CKPTIER_CATALOG_URL, else SQLite).
+        catalog_url: Catalog SQLAlchemy URL (default: CKPTIER_CATALOG_URL, else the config's [catalog] url, else SQLite).
         allow_globals: Classes (module.Name) the safe loader may unpickle, besides the [[drill]] allow_globals.
     """
     try:
@@ -93,7 +92,7 @@ def restore_drill_flow(
     for r in failed:
         emit_ckptier_event(DRILL_FAILED, r["job"], r["step"], summary=r["summary"],
                            started=r.get("stage") != "not-started")
-    summary = publish_catalog_summary(catalog_url or load_config(config_path).catalog_url)
+    summary = publish_catalog_summary(catalog_url, config_path)
     publish_dashboard_links([job] if job else [j["job"] for j in summary])
     # Any failed attempt fails the run, even when an older checkpoint then passed:
     # the newest ones not restoring (a serialization change, say) is what to hear about.

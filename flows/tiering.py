@@ -23,6 +23,8 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from ckptier.storage.catalog.api import Catalog
 from ckptier.tasks.config import load_config
 from ckptier.tasks.prefect_tasks import apply_task, plan_task
+from ckptier.tasks.settings import catalog_url as resolve_catalog_url
+from ckptier.tasks.settings import require_written_policy
 
 from .artifacts import publish_catalog_summary, publish_dashboard_links
 from .output import human_bytes
@@ -72,7 +74,7 @@ def hold_job_locks(names: list[str], timeout_seconds: float) -> Iterator[None]:
 
 def cataloged_jobs(catalog_url: str | None, config_path: str | None) -> list[str]:
     config = load_config(config_path)
-    with Catalog.open(catalog_url or config.catalog_url) as cat:
+    with Catalog.open(resolve_catalog_url(catalog_url, config_path, config=config), create=False) as cat:
         return cat.jobs()
 
 
@@ -153,18 +155,22 @@ def tiering_flow(
         apply: Carry out the plan. Off (the default) is a dry run that only publishes the plan.
         job: Only this job (default: every job).
         config_path: ckptier.toml with the [[policy]] tables (default: CKPTIER_CONFIG or ./ckptier.toml).
-        catalog_url: Catalog SQLAlchemy URL (default: the config's [catalog] url, CKPTIER_CATALOG_URL, else SQLite).
+        catalog_url: Catalog SQLAlchemy URL (default: CKPTIER_CATALOG_URL, else the config's [catalog] url, else SQLite).
         lease_minutes: How long this run waits for another tiering run of the same job to finish
             (checkpoint leases themselves are short and kept alive while the run lives).
     """
-    locks = tiering_lock_names(job, [] if job else cataloged_jobs(catalog_url, config_path))
+    catalog_url = resolve_catalog_url(catalog_url, config_path)
+    jobs = [job] if job else cataloged_jobs(catalog_url, config_path)
+    if apply:  # deletes only under a [[policy]] someone wrote; a dry run may preview the default
+        require_written_policy(load_config(config_path), jobs, config_path)
+    locks = tiering_lock_names(job, jobs)
     with hold_job_locks(locks, timeout_seconds=lease_minutes * 60.0):
         plan = plan_task(catalog_url, config_path, job)
         publish_plan(plan)
         report = apply_task(catalog_url, config_path, job, not apply)
     if apply:
         publish_outcome(report)
-    summary = publish_catalog_summary(catalog_url or load_config(config_path).catalog_url)
+    summary = publish_catalog_summary(catalog_url)
     publish_dashboard_links([job] if job else [j["job"] for j in summary])
     if report["failed"]:
         raise RuntimeError("tiering: some items failed; re-run to resume: " + "; ".join(report["lines"][-3:]))

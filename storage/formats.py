@@ -2,7 +2,9 @@
 
 :func:`recognise` is a pure function of a store listing, the bytes of a few
 small metadata files (read through the injected ``read_small``) and ``now``.
-It never reads the clock, never opens weights, and never unpickles anything.
+It never reads the clock, never opens weights, and never unpickles anything
+but DCP's ``.metadata``, with a restricted unpickler that constructs nothing
+executable (:func:`ckptier.storage.structure.dcp_needs`).
 
 Layouts and their commit evidence (DESIGN.md, "Formats to recognise"):
 
@@ -23,13 +25,14 @@ Layouts and their commit evidence (DESIGN.md, "Formats to recognise"):
     Entry paths may be relative to the step directory or start with the step
     directory's name; ``name``/``relpath``/``file`` stand in for ``path``,
     ``bytes`` for ``size``, ``hash`` for ``sha256``. Listed digests go to
-    ``Found.expected_sha256``, including those of listed files that are
-    *missing* from the listing (verification then marks the checkpoint
-    corrupt). A listed file that is missing or has another size leaves the
-    checkpoint committed, with the damage named in ``reason``. Unusable
-    entries (unsafe path, malformed digest) are ignored and named in
-    ``reason``. A ``step`` that differs from N makes the directory
-    :class:`Unrecognised` (ckptier does not guess which one is right).
+    ``Found.expected_sha256``. A listed file that is missing or has another
+    size, and a ``rank-XXXX/`` directory missing below ``"world_size": N``,
+    are ``Found.shortfalls`` (the checkpoint is committed but not complete:
+    :func:`ckptier.storage.transitions.completeness` decides incomplete or
+    corrupt), named in ``reason`` too. Unusable entries (unsafe path,
+    malformed digest) are ignored and named in ``reason``. A ``step`` that
+    differs from N makes the directory :class:`Unrecognised` (ckptier does
+    not guess which one is right).
 
 ``dcp``  torch.distributed.checkpoint as torchtitan writes it:
     ``{job}/step-{N}/*.distcp`` [``.metadata``]. ``.metadata`` is a pickle and
@@ -40,8 +43,9 @@ Layouts and their commit evidence (DESIGN.md, "Formats to recognise"):
     ``.bin``, sharded variants with an index, FSDP/DeepSpeed sub-folders),
     ``optimizer.pt``, ``scheduler.pt``, ``rng_state*.pth`` and
     ``trainer_state.json``. Committed when ``trainer_state.json`` parses, its
-    ``global_step`` equals N, and some weights exist (plus every shard a
-    ``*.index.json`` names). ``global_step`` != N makes it Unrecognised. The
+    ``global_step`` equals N and some weights exist; a shard a
+    ``*.index.json`` names that is absent is a shortfall (an index without a
+    ``weight_map`` makes it incomplete). ``global_step`` != N makes it Unrecognised. The
     ``loss`` of the last ``log_history`` entry that has one is the recorded
     loss. The job is ``output_dir``.
 
@@ -105,7 +109,8 @@ from typing import Any
 from .base import ObjectInfo, key_problem
 from .errors import ConfigError, StoreError, is_transient
 from .local import TEMP_PREFIX
-from .model import FileRef, Format, Found, Recognition, Unrecognised
+from .model import FileRef, Format, Found, Recognition, Shortfall, Unrecognised
+from .structure import Need, StructureError, dcp_needs, guide_listed_files, guide_needs, hf_index_needs, shortfalls
 
 __all__ = [
     "DEFAULT_LIGHTNING_SETTLE_SECONDS",
@@ -136,9 +141,8 @@ _HF_NOT_WEIGHTS = frozenset({"optimizer.pt", "scheduler.pt", "scaler.pt", "train
 _GUIDE_META = "metadata.json"
 #: The file names whose bytes :func:`recognise` may ask ``read_small`` for
 #: (no other file is ever read), so a caller can fetch them ahead of time.
-METADATA_NAMES = frozenset({_GUIDE_META, _HF_STATE, *_HF_INDEXES})
 _DCP_META = ".metadata"
-_HEX = frozenset("0123456789abcdef")
+METADATA_NAMES = frozenset({_GUIDE_META, _HF_STATE, *_HF_INDEXES, _DCP_META})
 _LIGHTNING_STEP = re.compile(r"(?:^|[^0-9A-Za-z])step=([^-_.=]*)")
 _MAX_NAMED = 3  # how many files a reason names before "(+N more)"
 
@@ -330,23 +334,9 @@ class _Pass:
 
     def read_json(self, info: ObjectInfo, label: str) -> tuple[Any, str | None]:
         """Parse a small JSON file; return (value, None) or (None, reason)."""
-        if info.size > self.metadata_limit:
-            return None, (
-                f"{label}: {info.size} bytes, over the {self.metadata_limit}-byte limit for metadata files; "
-                "raise metadata_limit if it is genuine"
-            )
-        if info.size == 0:
-            return None, f"{label}: empty file (0 bytes)"
-        try:
-            data = self.read_small(info.key)
-        except StoreError as exc:
-            if is_transient(exc):
-                raise
-            return None, f"{label}: could not be read ({exc})"
-        except ValueError as exc:  # e.g. read_bytes' size limit
-            return None, f"{label}: could not be read ({exc})"
-        if not data:
-            return None, f"{label}: empty file (0 bytes)"
+        data, problem = self.read_raw(info, label)
+        if problem is not None:
+            return None, problem
         try:
             return json.loads(data), None
         except json.JSONDecodeError as exc:
@@ -355,6 +345,27 @@ class _Pass:
             return None, f"{label}: not valid UTF-8 text"
         except RecursionError:
             return None, f"{label}: JSON nested too deeply"
+
+    def read_raw(self, info: ObjectInfo, label: str) -> tuple[bytes, str | None]:
+        """A small file's bytes; return (bytes, None) or (b"", reason)."""
+        if info.size > self.metadata_limit:
+            return b"", (
+                f"{label}: {info.size} bytes, over the {self.metadata_limit}-byte limit for metadata files; "
+                "raise metadata_limit if it is genuine"
+            )
+        if info.size == 0:
+            return b"", f"{label}: empty file (0 bytes)"
+        try:
+            data = self.read_small(info.key)
+        except StoreError as exc:
+            if is_transient(exc):
+                raise
+            return b"", f"{label}: could not be read ({exc})"
+        except ValueError as exc:  # e.g. read_bytes' size limit
+            return b"", f"{label}: could not be read ({exc})"
+        if not data:
+            return b"", f"{label}: empty file (0 bytes)"
+        return data, None
 
     def emit(
         self,
@@ -369,6 +380,7 @@ class _Pass:
         expected: dict[str, str] | None = None,
         loss: float | None = None,
         single: bool = False,
+        short: Sequence[Shortfall] = (),
     ) -> None:
         if step > MAX_STEP:
             self.unrecognised.append(Unrecognised(
@@ -397,6 +409,7 @@ class _Pass:
                 reason=reason,
                 expected_sha256=dict(expected or {}),
                 recorded_loss=loss,
+                shortfalls=tuple(short),
             )
         )
 
@@ -470,6 +483,19 @@ class _Pass:
             committed, reason = False, ".metadata present but no .distcp shards: torn or partly deleted"
         else:
             committed, reason = True, f"committed: .metadata present with {shards} .distcp shard(s)"
+        short: list[Shortfall] = []
+        if committed and meta is not None:
+            data, problem = self.read_raw(meta, _DCP_META)
+            if problem is None:
+                try:
+                    cut = len(prefix) + 1
+                    short = shortfalls(dcp_needs(data), {f.key[cut:]: f.size for f in files})
+                except StructureError as exc:
+                    problem = f".metadata: {exc}"
+            if problem is not None:
+                committed, reason = False, problem
+            elif short:
+                reason += f"; .metadata requires missing or short shard(s): {_names([str(x) for x in short])}"
         loss = None
         extra = top.get(_GUIDE_META)
         if extra is not None and committed:  # a training script's own notes; not commit evidence
@@ -478,7 +504,7 @@ class _Pass:
                 loss = _as_loss(meta.get("loss", meta.get("train_loss")))
         self.emit(
             job=job, step=step, fmt=Format.DCP, prefix=prefix, files=files, committed=committed, reason=reason,
-            loss=loss,
+            loss=loss, short=short,
         )
 
     def _guide(
@@ -520,27 +546,20 @@ class _Pass:
                     )
                 )
                 return
-        listed, notes = _guide_listed_files(meta, dirname)
+        listed, _ = guide_listed_files(meta, dirname)
+        needs, notes = guide_needs(meta, dirname)
         cut = len(prefix) + 1
-        sizes = {f.key[cut:]: f.size for f in files} if listed else {}
-        missing = [rel for rel in listed if rel not in sizes]
-        wrong = [
-            f"{rel}: {sizes[rel]} bytes, metadata.json says {want}"
-            for rel, (want, _) in listed.items()
-            if want is not None and rel in sizes and sizes[rel] != want
-        ]
+        short = shortfalls(needs, {f.key[cut:]: f.size for f in files}) if needs else []
         reason = "committed: metadata.json present"
-        if missing:
-            reason += "; listed in metadata.json but missing: " + _names(missing)
-        if wrong:
-            reason += "; size differs: " + _names(wrong)
+        if short:
+            reason += "; metadata.json requires missing or short file(s): " + _names([str(x) for x in short])
         if notes:
             reason += "; " + "; ".join(notes)
         expected = {rel: digest for rel, (_, digest) in listed.items() if digest is not None}
         loss = _as_loss(meta.get("loss", meta.get("train_loss")))
         self.emit(
             job=job, step=step, fmt=Format.GUIDE, prefix=prefix, files=files, committed=True, reason=reason,
-            expected=expected, loss=loss,
+            expected=expected, loss=loss, short=short,
         )
 
     def hf_group(self, group: _Group) -> None:
@@ -610,24 +629,26 @@ class _Pass:
         committed, reason = True, "committed: trainer_state.json global_step matches"
         if not weights:
             committed, reason = False, "no model weights (model.safetensors, pytorch_model.bin or shards) beside trainer_state.json"
+        needs: list[Need] = []
         for index_name in _HF_INDEXES:
             index_info = top.get(index_name)
             if index_info is None or not committed:
                 continue
             index, problem = self.read_json(index_info, index_name)
             if problem is None:
-                shard_names = _hf_index_shards(index)
-                if shard_names is None:
+                named = hf_index_needs(index, index_name)
+                if named is None:
                     problem = f"{index_name}: no weight_map object"
                 else:
-                    absent = sorted(s for s in shard_names if s not in top)
-                    if absent:
-                        problem = f"{index_name} names missing shard(s): {_names(absent)}"
+                    needs.extend(named)
             if problem is not None:
                 committed, reason = False, problem
+        short = shortfalls(needs, {rel: f.size for rel, f in top.items()}) if committed and needs else []
+        if short:
+            reason += f"; the weight index requires missing shard(s): {_names([str(x) for x in short])}"
         self.emit(
             job=job, step=step, fmt=Format.HF, prefix=prefix, files=group.files, committed=committed, reason=reason,
-            loss=loss,
+            loss=loss, short=short,
         )
 
     def lightning(self, prefix: str, files: list[ObjectInfo], single: bool) -> None:
@@ -914,77 +935,4 @@ def _hf_last_loss(history: Any) -> float | None:
             loss = _as_loss(entry.get("loss"))
             if loss is not None:
                 return loss
-    return None
-
-
-def _hf_index_shards(index: Any) -> set[str] | None:
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict):
-        return None
-    return {v for v in weight_map.values() if isinstance(v, str)}
-
-
-def _digest(value: Any) -> str | None:
-    if not isinstance(value, str):
-        return None
-    text = value.strip().lower()
-    if text.startswith("sha256:"):
-        text = text[7:]
-    return text if len(text) == 64 and set(text) <= _HEX else None
-
-
-def _guide_listed_files(meta: dict[str, Any], dirname: str) -> tuple[dict[str, tuple[int | None, str | None]], list[str]]:
-    """Files ``metadata.json`` lists: relpath -> (size, sha256 hex), plus notes on unusable entries."""
-    entries: list[tuple[Any, Any, Any]] = []  # (path, size, digest)
-    files = meta.get("files")
-    if isinstance(files, dict):
-        for path, entry in files.items():
-            if isinstance(entry, dict):
-                entries.append((path, _first(entry, "size", "bytes", "size_bytes"), _first(entry, "sha256", "hash")))
-            else:
-                entries.append((path, None, entry))
-    elif isinstance(files, list):
-        for entry in files:
-            if isinstance(entry, dict):
-                entries.append(
-                    (
-                        _first(entry, "path", "relpath", "name", "file"),
-                        _first(entry, "size", "bytes", "size_bytes"),
-                        _first(entry, "sha256", "hash"),
-                    )
-                )
-    hashes = meta.get("sha256")
-    if isinstance(hashes, dict):
-        entries.extend((path, None, digest) for path, digest in hashes.items())
-    listed: dict[str, tuple[int | None, str | None]] = {}
-    bad_paths: list[str] = []
-    bad_digests: list[str] = []
-    for path, size, digest_value in entries:
-        if not isinstance(path, str):
-            bad_paths.append(repr(path))
-            continue
-        rel = path[2:] if path.startswith("./") else path
-        if rel.startswith(dirname + "/"):
-            rel = rel[len(dirname) + 1 :]
-        if key_problem(rel) is not None:
-            bad_paths.append(repr(path))
-            continue
-        digest = _digest(digest_value)
-        if digest_value is not None and digest is None:
-            bad_digests.append(rel)
-        want = size if isinstance(size, int) and not isinstance(size, bool) and size >= 0 else None
-        old_size, old_digest = listed.get(rel, (None, None))
-        listed[rel] = (want if want is not None else old_size, digest or old_digest)
-    notes = []
-    if bad_paths:
-        notes.append("metadata.json: unusable file path(s) ignored: " + _names(bad_paths))
-    if bad_digests:
-        notes.append("metadata.json: malformed sha256 ignored for " + _names(bad_digests))
-    return listed, notes
-
-
-def _first(entry: dict[str, Any], *names: str) -> Any:
-    for name in names:
-        if name in entry:
-            return entry[name]
     return None

@@ -63,6 +63,34 @@ class FileRef:
     checksum: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Shortfall:
+    """A file that a checkpoint's own manifest requires and storage does not satisfy.
+
+    ``manifest`` names the file that requires it (``metadata.json``,
+    ``.metadata``, ``model.safetensors.index.json``...). ``have`` is the
+    size found in bytes, ``None`` when the file is absent. ``need`` is the
+    size the manifest requires in bytes (``None``: presence only); with
+    ``exact`` the manifest records the exact size, otherwise ``need`` is a
+    minimum (the largest offset + length it references). A ``relpath``
+    ending in ``/`` is a directory that must hold at least one file (a rank
+    the manifest's ``world_size`` implies).
+    """
+
+    relpath: str
+    manifest: str
+    have: int | None = None
+    need: int | None = None
+    exact: bool = False
+
+    def __str__(self) -> str:
+        if self.have is None:
+            return f"{self.relpath} (absent, listed in {self.manifest})"
+        if self.exact:
+            return f"{self.relpath} ({self.have} bytes, {self.manifest} says {self.need})"
+        return f"{self.relpath} ({self.have} bytes, {self.manifest} needs at least {self.need})"
+
+
 @dataclass(frozen=True)
 class Found:
     """A checkpoint recognised in a listing.
@@ -74,6 +102,9 @@ class Found:
     ``expected_sha256`` maps relpath to a hex digest when the format records
     expected hashes (the guide's metadata.json). ``recorded_loss`` is the
     training loss the checkpoint's own metadata recorded, if any.
+    ``shortfalls`` lists the files the checkpoint's own manifest requires
+    that the listing does not satisfy (absent, or fewer bytes than it
+    says); a committed checkpoint with shortfalls is not complete.
     """
 
     job: str
@@ -85,6 +116,7 @@ class Found:
     reason: str
     expected_sha256: Mapping[str, str] = field(default_factory=dict)
     recorded_loss: float | None = None
+    shortfalls: tuple[Shortfall, ...] = ()
 
     @property
     def bytes(self) -> int:
@@ -145,12 +177,24 @@ class CopyRecord:
 
 
 @dataclass(frozen=True)
+class DrillOutcome:
+    """The most recent restore drill of a checkpoint: whether it passed,
+    when it finished (aware UTC; the start time when it never finished), and
+    in one line why it failed (``None`` when it passed)."""
+
+    ok: bool
+    at: datetime
+    detail: str | None = None
+
+
+@dataclass(frozen=True)
 class CheckpointRecord:
     """The catalog's view of one checkpoint (the input of pure decisions).
 
     Times are timezone-aware UTC. ``saved_at`` is when the save finished as
     far as storage tells (newest file mtime); ``missing_since`` is set when a
-    scan no longer found it in the hot store.
+    scan no longer found it in the hot store. ``last_drill`` is its most
+    recent restore drill, if any.
     """
 
     id: int
@@ -170,6 +214,7 @@ class CheckpointRecord:
     generation: int = 0
     files: tuple[FileRecord, ...] = ()
     copies: tuple[CopyRecord, ...] = ()
+    last_drill: DrillOutcome | None = None
 
     @property
     def tiers(self) -> tuple[str, ...]:
@@ -201,7 +246,10 @@ class FileCheck:
     nothing either way). ``size``, ``crc64nvme`` (S3's base64) and
     ``sha256`` (hex) are what was observed; on ``ok`` ``crc64nvme`` is the
     baseline to record. ``detail`` is a one-line explanation, expected vs
-    actual where it applies.
+    actual where it applies. ``shortfall`` is set when the file is
+    ``missing`` or ``corrupt`` only because a manifest of the checkpoint
+    requires it (absent, or too few bytes): a save may still be in flight,
+    so the verdict waits for the job's grace period.
     """
 
     relpath: str
@@ -210,3 +258,4 @@ class FileCheck:
     crc64nvme: str | None = None
     sha256: str | None = None
     detail: str | None = None
+    shortfall: Shortfall | None = None

@@ -277,12 +277,20 @@ class S3Store:
         if custom_endpoint:
             # MinIO, Ceph and most S3-compatible stores need path-style URLs.
             options["s3"] = {"addressing_style": "path"}
-        return session.client(
-            "s3",
-            endpoint_url=endpoint_url,
-            region_name=session.region_name or "us-east-1",
-            config=Config(**options),
-        )
+        try:
+            return session.client(
+                "s3",
+                endpoint_url=endpoint_url,
+                region_name=session.region_name or "us-east-1",
+                config=Config(**options),
+            )
+        except ValueError as exc:  # botocore: "Invalid endpoint: ..."
+            source = "endpoint_url" if endpoint_url else (
+                "AWS_ENDPOINT_URL_S3" if os.environ.get("AWS_ENDPOINT_URL_S3") else "AWS_ENDPOINT_URL")
+            raise ConfigError(
+                f"{source}={custom_endpoint!r} is not a valid S3 endpoint URL ({exc}); "
+                "write it like http://127.0.0.1:9000 or https://s3.example.com, or unset it for AWS"
+            ) from None
 
     # -- error translation -------------------------------------------------
 

@@ -260,10 +260,22 @@ class DrillSettings:
     allow_globals: tuple[str, ...] = ()
 
 
+#: The ``[[policy]]`` keys that state a retention rule; a table without any of
+#: them (``jobs`` alone, say) is not a policy the user wrote (see ``Config.unwritten``).
+RULE_KEYS = frozenset({"keep_last", "milestones", "keep_within", "keep_daily", "keep_weekly", "pinned"})
+
+
 @dataclass(frozen=True)
 class Config:
     """The parsed file. ``source`` is the file read, or None for built-in defaults.
-    ``patterns``: the ``[[pattern]]`` rules every scan uses, in file order."""
+    ``patterns``: the ``[[pattern]]`` rules every scan uses, in file order.
+
+    ``unwritten`` holds the indexes (into ``policies``) of policies made of
+    built-in defaults rather than rules the user wrote: the default policy
+    when the file has no ``[[policy]]`` (or there is no file), and tables
+    that set none of :data:`RULE_KEYS`. ``plan`` may preview with them;
+    ``apply`` never deletes under them.
+    """
 
     policies: tuple[Policy, ...] = ()
     drills: tuple[DrillSettings, ...] = ()
@@ -271,6 +283,7 @@ class Config:
     source: Path | None = None
     prices: Prices = DEFAULT_PRICES
     patterns: tuple[PatternRule, ...] = ()
+    unwritten: frozenset[int] = frozenset()
 
     def policy_for(self, job: str) -> Policy | None:
         """The first ``[[policy]]`` (in file order) whose ``jobs`` glob matches ``job``.
@@ -297,7 +310,7 @@ def default_policy() -> Policy:
 
 
 def default_config() -> Config:
-    return Config(policies=(default_policy(),))
+    return Config(policies=(default_policy(),), unwritten=frozenset({0}))
 
 
 # ------------------------------------------------------------------ validation
@@ -637,12 +650,15 @@ def parse_config(text: str, *, where: str = DEFAULT_FILE) -> Config:
         catalog_url = _Table(where, "catalog", cat, _CATALOG_KEYS).get_str(
             "url", None, example="sqlite:////var/lib/ckptier/catalog.db"
         )
+    tables = _array_of_tables(where, doc, "policy")
+    unwritten = {i for i, d in enumerate(tables) if not RULE_KEYS & set(d)} if policies else {0}
     return Config(
         policies=policies or (default_policy(),),
         drills=drills,
         catalog_url=catalog_url,
         prices=parse_prices(doc.get("prices"), where=where),
         patterns=patterns,
+        unwritten=frozenset(unwritten),
     )
 
 

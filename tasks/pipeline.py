@@ -118,9 +118,22 @@ def scan_report_json(r: ScanReport) -> dict[str, Any]:
         "new": s.new if s else 0,
         "changed": s.changed if s else 0,
         "vanished": s.vanished if s else 0,
+        "corrupt": s.corrupt if s else 0,
+        "corrupt_found": [{"job": j, "step": step, "detail": why} for j, step, why in (s.corrupt_found if s else ())],
         "jobs": list(s.jobs) if s else [],
         "unrecognised": [{"key": u.key, "reason": u.reason} for u in r.unrecognised],
     }
+
+
+def policy_grace(config: Config | None) -> Callable[[str], timedelta]:
+    """A job's ``grace`` (how long a save may be in flight): its ``[[policy]]``'s, else 2 h."""
+    from ckptier.storage.transitions import DEFAULT_GRACE
+
+    def grace_for(job: str) -> timedelta:
+        policy = config.policy_for(job) if config is not None else None
+        return policy.grace if policy is not None else DEFAULT_GRACE
+
+    return grace_for
 
 
 def run_scan(
@@ -130,13 +143,17 @@ def run_scan(
     now: Clock,
     tick: Callable[[int], None] | None = None,
     patterns: Sequence[PatternRule] = (),
+    config: Config | None = None,
 ) -> list[dict[str, Any]]:
     """Scan each URL in turn into ``catalog``; returns one report per URL.
 
     ``patterns`` are the ``[[pattern]]`` rules of ``ckptier.toml``
-    (``Config.patterns``), tried on files no built-in format claims.
+    (``Config.patterns``), tried on files no built-in format claims;
+    ``config`` gives each job's grace (default 2 h).
     """
-    return [scan_report_json(scan_url(url, catalog, now=now(), tick=tick, patterns=patterns)) for url in urls]
+    return [scan_report_json(scan_url(url, catalog, now=now(), tick=tick, patterns=patterns,
+                                      grace_for=policy_grace(config)))
+            for url in urls]
 
 
 # ------------------------------------------------------------------ verify
@@ -152,6 +169,7 @@ def run_verify(
     workers: int = 4,
     progress: Callable[[int, int], None] | None = None,
     stores: StoreCache | None = None,
+    config: Config | None = None,
 ) -> dict[str, Any]:
     """Verify the checkpoints that need it and record the results.
 
@@ -161,8 +179,10 @@ def run_verify(
     with ``deep`` or a sample (a periodic deep read), or when its files
     changed since (a rescan put it back to ``committed``). Returns a report
     with one row per checkpoint and totals; ``totals['corrupt']`` > 0 means
-    corruption was found. A row's ``files`` lists every file found bad, with
-    the expected and the actual size and hashes
+    corruption was found. ``config`` gives each job's grace (default 2 h):
+    a checkpoint whose manifest requires absent files is ``incomplete``
+    within it, ``corrupt`` after. A row's ``files`` lists every file found
+    bad, with the expected and the actual size and hashes
     (:class:`~ckptier.tasks.reports.FileProblem`); an archive copy's row
     also has ``problems``, one line per damaged file of the copy.
     """
@@ -181,12 +201,14 @@ def run_verify(
     if sample is None and not deep:
         records = [c for c in records if c.state == State.COMMITTED]
     rows: list[dict[str, Any]] = []
-    totals = {"checked": 0, "verified": 0, "corrupt": 0, "errors": 0, "bytes_read": 0, "bytes_skipped": 0,
+    totals = {"checked": 0, "verified": 0, "corrupt": 0, "incomplete": 0, "errors": 0, "bytes_read": 0, "bytes_skipped": 0,
               "archive_checked": 0, "archive_degraded": 0}
     # Verify against the store's checksum unless a deep read was asked for.
+    grace_for = policy_grace(config)
     for record, outcome in verify_many(stores.for_record, records, deep=deep or sample is not None,
                                        workers=workers, progress=progress):
-        state = catalog.record_verification(record.id, outcome.results, now=now())
+        state = catalog.record_verification(record.id, outcome.results, now=now(), grace=grace_for(record.job),
+                                            extra=outcome.extra)
         errors = outcome.count("error")
         detail = "; ".join(
             [f"{r.relpath}: {r.detail}" for r in outcome.results if r.status != "ok" and r.detail][:3]
@@ -202,6 +224,7 @@ def run_verify(
         totals["checked"] += 1
         totals["verified"] += state == State.VERIFIED
         totals["corrupt"] += state == State.CORRUPT
+        totals["incomplete"] += state == State.INCOMPLETE
         totals["errors"] += errors > 0
         totals["bytes_read"] += outcome.bytes_read
         totals["bytes_skipped"] += outcome.bytes_skipped
@@ -604,10 +627,12 @@ def run_drill(
 
     from .config import allow_global_problem
     from .drill import DEFAULT_LOSS_TOLERANCE, choose_candidates, judge, run_drill_subprocess
+    from .drill_inputs import check_drill_inputs
 
     for name in allow_globals:
         if (problem := allow_global_problem(name)) is not None:
             raise ConfigError(f"--allow-global {name!r}: {problem}")
+    check_drill_inputs(model=model, device=device, steps=steps, timeout=timeout)  # before anything slow
 
     stores = stores or StoreCache()
     cataloged = catalog.checkpoints(job=job)
@@ -618,6 +643,8 @@ def run_drill(
     by_job: dict[str, list[CheckpointRecord]] = {}
     for c in candidates:
         by_job.setdefault(c.job, []).append(c)
+    for job_name in by_job:  # each job's [[drill]] model and device, before any fetch
+        check_drill_inputs(config.drill_for(job_name), model=model, device=device)
     _check_allowed_classes(config, by_job, allow_globals, scratch_root)
     reports: list[dict[str, Any]] = []
     for job_name, records in by_job.items():

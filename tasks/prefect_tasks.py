@@ -22,6 +22,8 @@ from . import pipeline
 from .config import load_config
 from .reports import verification_by_job
 from .retention import render_plan_table
+from .settings import catalog_url as resolve_catalog_url
+from .settings import require_written_policy
 
 
 def retry_if_transient(task: Any, task_run: Any, state: Any) -> bool:
@@ -35,11 +37,12 @@ def retry_if_transient(task: Any, task_run: Any, state: Any) -> bool:
 
 @task(name="scan", retries=2, retry_delay_seconds=10, retry_condition_fn=retry_if_transient)
 def scan_task(url: str, catalog_url: str | None, config_path: str | None = None) -> dict[str, Any]:
-    """List one URL and bring the catalog in line with it (with the config's ``[[pattern]]`` rules)."""
+    """List one URL and bring the catalog in line with it (creating the catalog on first use),
+    with the config's ``[[pattern]]`` rules and each job's grace."""
     log = get_run_logger()
-    patterns = load_config(config_path).patterns
-    with Catalog.open(catalog_url) as cat:
-        (report,) = pipeline.run_scan([url], cat, now=pipeline.utcnow, patterns=patterns)
+    config = load_config(config_path)
+    with Catalog.open(resolve_catalog_url(catalog_url, config_path, config=config)) as cat:
+        (report,) = pipeline.run_scan([url], cat, now=pipeline.utcnow, patterns=config.patterns, config=config)
     log.info("%s: %d objects, %d checkpoints, %d catalog rows written",
              report["url"], report["objects"], report["checkpoints"], report["rows_written"])
     return report
@@ -47,14 +50,14 @@ def scan_task(url: str, catalog_url: str | None, config_path: str | None = None)
 
 @task(name="verify", retries=1, retry_delay_seconds=30, retry_condition_fn=retry_if_transient)
 def verify_task(catalog_url: str | None, job: str | None, deep: bool, sample: tuple[int, int] | None,
-                workers: int) -> dict[str, Any]:
+                workers: int, config_path: str | None = None) -> dict[str, Any]:
     """Verify what needs it (or the sample) and record the results; ``by_job`` adds the totals per job.
 
     The ``verify-progress`` artifact reaches 100% when the run ends, also
     when there was nothing to verify."""
     log = get_run_logger()
     progress = ProgressArtifact("verify-progress", "bytes verified so far")
-    with Catalog.open(catalog_url) as cat:
+    with Catalog.open(resolve_catalog_url(catalog_url, config_path), create=False) as cat:
         report = pipeline.run_verify(cat, now=pipeline.utcnow, job=job, deep=deep, sample=sample, workers=workers,
                                      progress=progress)
     progress.finish()
@@ -103,15 +106,15 @@ def plan_task(catalog_url: str | None, config_path: str | None, job: str | None)
     the hot bytes carrying it out frees (:class:`ckptier.tasks.reports.FreedForecast`)."""
     config = load_config(config_path)
     now = pipeline.utcnow()
-    with Catalog.open(catalog_url or config.catalog_url) as cat:
+    with Catalog.open(resolve_catalog_url(catalog_url, config_path, config=config), create=False) as cat:
         plan, forecast = pipeline.plan_with_forecast(cat, config, job=job, now=now)
     return {"rows": render_plan_table(plan), "forecast": {**asdict(forecast), "freed_bytes": forecast.freed_bytes}}
 
 
 @task(name="catalog-summary")
-def catalog_summary_task(catalog_url: str | None) -> list[dict[str, Any]]:
+def catalog_summary_task(catalog_url: str | None, config_path: str | None = None) -> list[dict[str, Any]]:
     """Every job of the catalog: checkpoints by state, bytes per tier (:class:`ckptier.tasks.reports.JobSummary`)."""
-    with Catalog.open(catalog_url) as cat:
+    with Catalog.open(resolve_catalog_url(catalog_url, config_path), create=False) as cat:
         return [asdict(j) for j in pipeline.catalog_summary(cat)]
 
 
@@ -120,7 +123,9 @@ def apply_task(catalog_url: str | None, config_path: str | None, job: str | None
     """Promote milestones, then delete what the policy lets go (fenced, batched; short leases kept alive by a heartbeat)."""
     log = get_run_logger()
     config = load_config(config_path)
-    with Catalog.open(catalog_url or config.catalog_url) as cat:
+    with Catalog.open(resolve_catalog_url(catalog_url, config_path, config=config), create=False) as cat:
+        if not dry_run:
+            require_written_policy(config, [job] if job else cat.jobs(), config_path)
         report = pipeline.run_apply(cat, config, now=pipeline.utcnow, owner=pipeline.run_owner(), job=job, dry_run=dry_run)
     for line in report["lines"]:
         log.info(line)
@@ -134,7 +139,7 @@ def drill_task(catalog_url: str | None, config_path: str | None, job: str | None
     """Fetch, safely load, train K steps, judge and record (see ``pipeline.run_drill``)."""
     log = get_run_logger()
     config = load_config(config_path)
-    with Catalog.open(catalog_url or config.catalog_url) as cat:
+    with Catalog.open(resolve_catalog_url(catalog_url, config_path, config=config), create=False) as cat:
         reports = pipeline.run_drill(cat, config, now=pipeline.utcnow, job=job, step=step, steps=steps, device=device,
                                      model=model, timeout=timeout_seconds, allow_globals=allow_globals or ())
     for r in reports:

@@ -11,16 +11,17 @@ import posixpath
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Self
 from urllib.parse import urlparse
 
 from ckptier.storage.base import ObjectInfo, Store, read_bytes
 from ckptier.storage.catalog.api import Catalog, ScanSummary
+from ckptier.storage.errors import ConfigError
 from ckptier.storage.formats import METADATA_NAMES, PatternRule, recognise
 from ckptier.storage.local import LocalStore
 from ckptier.storage.model import Recognition, Unrecognised
-from ckptier.storage.url import open_store
+from ckptier.storage.url import open_store, parse_url
 
 #: Metadata and marker files larger than this are refused, not read.
 METADATA_LIMIT = 16 << 20
@@ -159,6 +160,17 @@ def recognise_store(
     return replace(found, unrecognised=tuple(sorted(found.unrecognised + tuple(skipped), key=lambda u: u.key)))
 
 
+def _refuse_a_file(url: str) -> None:
+    """A local URL naming a file (not a directory of checkpoints) is one line, not a listing error."""
+    import os
+
+    parsed = parse_url(url)
+    if parsed.scheme == "file" and os.path.isfile(parsed.path):
+        parent = os.path.dirname(parsed.path.rstrip("/")) or "/"
+        raise ConfigError(f"{url}: is a file, not a directory; scan the directory that holds your checkpoints "
+                          f"(e.g. {parent})")
+
+
 def scan_url(
     url: str,
     catalog: Catalog,
@@ -167,16 +179,20 @@ def scan_url(
     patterns: Sequence[PatternRule] = (),
     store: Store | None = None,
     tick: Callable[[int], None] | None = None,
+    grace_for: Callable[[str], timedelta] | None = None,
 ) -> ScanReport:
     """Scan ``url`` (a path, ``file://`` or ``s3://`` URL) into ``catalog``.
 
     Idempotent: scanning unchanged storage writes no catalog rows.
     Checkpoints of this URL that are no longer listed are marked missing,
-    never dropped.
+    never dropped. ``grace_for(job)`` is how long a save whose manifest
+    lists absent files may still be in flight (default 2 h).
     """
+    if store is None:
+        _refuse_a_file(url)
     store = store if store is not None else open_store(url)
     recognition = recognise_store(store, now=now.timestamp(), name=root_name(url), patterns=patterns, tick=tick)
-    summary = catalog.record_scan(store.url, recognition, now=now)
+    summary = catalog.record_scan(store.url, recognition, now=now, grace_for=grace_for)
     committed = sum(1 for c in recognition.checkpoints if c.committed)
     return ScanReport(
         url=store.url,

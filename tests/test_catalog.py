@@ -654,7 +654,7 @@ def test_default_catalog_url(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.delenv("CKPTIER_CATALOG_URL")
     monkeypatch.setenv("CKPTIER_HOME", str(tmp_path / "home"))
     assert default_catalog_url() == f"sqlite:///{tmp_path}/home/catalog.db"
-    assert (tmp_path / "home").is_dir()
+    assert not (tmp_path / "home").exists()  # naming the default creates nothing; opening it for writing does
     monkeypatch.delenv("CKPTIER_HOME")
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
     assert default_catalog_url() == f"sqlite:///{tmp_path}/xdg/ckptier/catalog.db"

@@ -259,7 +259,8 @@ def test_deployments_schedules_schemas_and_limits_are_as_defined(deployed: Prefe
             assert d.pull_steps == dep.PULL_STEPS
             assert set(d.parameter_openapi_schema["properties"]) >= set(spec.parameters)
         assert deps["scan-verify"].parameters == {"urls": [str(demo_dir / "hot")],
-                                                  "catalog_url": f"sqlite:///{demo_dir / 'catalog.db'}"}
+                                                  "catalog_url": f"sqlite:///{demo_dir / 'catalog.db'}",
+                                                  "config_path": str(demo_dir / "ckptier.toml")}
         assert deps["tiering"].parameters["apply"] is False
         assert deps["tiering"].parameters["config_path"] == str(demo_dir / "ckptier.toml")
         assert deps["restore-drill"].parameter_openapi_schema["properties"]["device"]["anyOf"][0]["enum"] == ["auto", "cpu", "cuda"]

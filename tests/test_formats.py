@@ -20,7 +20,7 @@ from ckptier.storage.base import ObjectInfo, read_bytes
 from ckptier.storage.errors import ConfigError, NotFound, Unavailable
 from ckptier.storage.formats import PatternRule, is_own_file, recognise
 from ckptier.storage.local import LocalStore
-from ckptier.storage.model import FileRef, Format, Found, Recognition
+from ckptier.storage.model import FileRef, Format, Found, Recognition, Shortfall
 from tests.fixtures.checkpoints import LR, CheckpointRun, copy_run, tiny_batch, tiny_gpt2_config, tiny_loss, tiny_mlp
 
 LATER = time.time() + 86_400  # far past every settle time of files written now
@@ -56,6 +56,18 @@ def set_json_fields(path: Path, **fields: Any) -> None:
     data = json.loads(path.read_text())
     data.update(fields)
     path.write_text(json.dumps(data))
+
+
+def dcp_meta(shards: dict[str, int]) -> bytes:
+    """A real DCP ``.metadata`` (torch's own classes, pickled as torch does) whose
+    storage entries reference each shard file up to the given byte count."""
+    import pickle
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+    storage = {MetadataIndex(f"t{i}"): _StorageInfo(name, 0, size) for i, (name, size) in enumerate(shards.items())}
+    return pickle.dumps(Metadata(state_dict_metadata={}, storage_data=storage))
 
 
 def reader(contents: dict[str, bytes]) -> Callable[[str], bytes]:
@@ -224,26 +236,77 @@ def test_guide_step_mismatch_is_reported_not_guessed(guide_run: CheckpointRun, t
     assert "metadata.json says step 5 but the directory is 'step-00000004'" in reasons(rec)["runs/mlp/step-00000004/"]
 
 
-def test_guide_missing_or_resized_listed_file_stays_committed_with_reason(
-    guide_run: CheckpointRun, tmp_path: Path
-) -> None:
+def test_guide_missing_or_resized_listed_file_is_a_shortfall(guide_run: CheckpointRun, tmp_path: Path) -> None:
     run = copy_run(guide_run, tmp_path / "r")
+    listed = (run.path(2) / "rank-0000/optimizer.pt").stat().st_size
     (run.path(2) / "rank-0000/optimizer.pt").unlink()
     with open(run.path(4) / "rank-0000/model.pt", "ab") as fh:
         fh.write(b"x")
     rec = scan(run.root)
 
     gone = only(rec.checkpoints, 2)
-    assert gone.committed
-    assert "listed in metadata.json but missing: rank-0000/optimizer.pt" in gone.reason
-    # The hash of the missing file stays expected, so verification marks it corrupt.
+    assert gone.committed  # the commit evidence is there; completeness is the state rules' call
+    assert gone.shortfalls == (Shortfall("rank-0000/optimizer.pt", "metadata.json", None, listed, True),)
+    assert "rank-0000/optimizer.pt (absent, listed in metadata.json)" in gone.reason
     assert "rank-0000/optimizer.pt" in gone.expected_sha256
     assert [f.relpath for f in gone.files] == ["metadata.json", "rank-0000/model.pt"]
 
     grown = only(rec.checkpoints, 4)
     size = (run.path(4) / "rank-0000/model.pt").stat().st_size
     assert grown.committed
-    assert f"rank-0000/model.pt: {size} bytes, metadata.json says {size - 1}" in grown.reason
+    assert grown.shortfalls == (Shortfall("rank-0000/model.pt", "metadata.json", size, size - 1, True),)
+    assert f"rank-0000/model.pt ({size} bytes, metadata.json says {size - 1})" in grown.reason
+    assert only(rec.checkpoints, 6).shortfalls == ()
+
+
+def test_guide_world_size_needs_every_rank_directory(guide_run: CheckpointRun, tmp_path: Path) -> None:
+    """The repro: metadata.json names rank-0001's files (world_size 2) but rank 1 never arrived."""
+    run = copy_run(guide_run, tmp_path / "r")
+    meta = json.loads((run.path(6) / "metadata.json").read_text())
+    meta["world_size"] = 2
+    meta["files"]["rank-0001/optimizer.pt"] = {"size": 5439, "sha256": "0" * 64}
+    (run.path(6) / "metadata.json").write_text(json.dumps(meta))
+    set_json_fields(run.path(4) / "metadata.json", world_size=2)  # no files listed for rank 1 at all
+    rec = scan(run.root)
+    assert [str(x) for x in only(rec.checkpoints, 6).shortfalls] == [
+        "rank-0001/ (absent, listed in metadata.json)",
+        "rank-0001/optimizer.pt (absent, listed in metadata.json)",
+    ]
+    assert [x.relpath for x in only(rec.checkpoints, 4).shortfalls] == ["rank-0001/"]
+    assert only(rec.checkpoints, 2).shortfalls == ()
+
+
+def test_dcp_metadata_needs_every_shard_with_enough_bytes(dcp_run: CheckpointRun, tmp_path: Path) -> None:
+    """.metadata is read (restricted unpickler): a referenced .distcp that is gone or short is a shortfall."""
+    run = copy_run(dcp_run, tmp_path / "r")
+    assert all(only(scan(run.root).checkpoints, s).shortfalls == () for s in run.steps)
+    (shard,) = [p for p in run.path(4).iterdir() if p.suffix == ".distcp"]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    (run.path(6) / ".metadata").write_bytes((run.path(2) / ".metadata").read_bytes()[:-20])
+    rec = scan(run.root)
+    (short,) = only(rec.checkpoints, 4).shortfalls
+    assert (short.relpath, short.manifest, short.have, short.exact) == (shard.name, ".metadata", len(data) // 2, False)
+    assert short.need is not None and len(data) // 2 < short.need <= len(data)
+    torn = only(rec.checkpoints, 6)
+    assert not torn.committed and torn.reason.startswith(".metadata: not a readable pickle")
+
+
+def test_dcp_metadata_referencing_a_second_shard_that_is_gone(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    import warnings
+
+    model = tiny_mlp()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore")
+        dcp.save({"model": model.state_dict()}, storage_writer=dcp.FileSystemWriter(
+            str(tmp_path / "job/step-7"), thread_count=2, single_file_per_rank=False))
+    shards = sorted(p.name for p in (tmp_path / "job/step-7").glob("*.distcp"))
+    assert len(shards) > 1
+    assert only(scan(tmp_path).checkpoints, 7).shortfalls == ()
+    (tmp_path / "job/step-7" / shards[-1]).unlink()
+    (c,) = scan(tmp_path).checkpoints
+    assert c.committed and [x.relpath for x in c.shortfalls] == [shards[-1]]
 
 
 def test_zero_byte_weights_make_a_checkpoint_incomplete(guide_run: CheckpointRun, tmp_path: Path) -> None:
@@ -268,12 +331,14 @@ def test_dcp_shards_without_metadata_are_incomplete(dcp_run: CheckpointRun, tmp_
 
 def test_dcp_reads_loss_from_a_metadata_json_beside_the_shards() -> None:
     keys = ["j/step-7/__0_0.distcp", "j/step-7/.metadata", "j/step-7/metadata.json"]
-    (c,) = recognise(infos(*keys), reader({keys[2]: b'{"loss": 0.75}'}), root_name="r", now=LATER).checkpoints
+    files = {keys[1]: dcp_meta({"__0_0.distcp": 10}), keys[2]: b'{"loss": 0.75}'}
+    (c,) = recognise(infos(*keys), reader(files), root_name="r", now=LATER).checkpoints
     assert (c.format, c.committed, c.recorded_loss) == (Format.DCP, True, 0.75)
 
 
 def test_dcp_at_the_root_takes_the_root_name() -> None:
-    rec = recognise(infos("step-7/__0_0.distcp", "step-7/.metadata"), reader({}), root_name="titan-out", now=LATER)
+    meta = {"step-7/.metadata": dcp_meta({"__0_0.distcp": 10})}
+    rec = recognise(infos("step-7/__0_0.distcp", "step-7/.metadata"), reader(meta), root_name="titan-out", now=LATER)
     (c,) = rec.checkpoints
     assert (c.job, c.step, c.format, c.prefix, c.committed) == ("titan-out", 7, Format.DCP, "step-7", True)
 
@@ -308,11 +373,13 @@ def test_hf_sharded_weights_need_every_indexed_shard() -> None:
     shard1 = infos(base + "model-00001-of-00002.safetensors")
     rec = recognise([*listing, *shard1], reader(files), root_name="r", now=LATER)
     (c,) = rec.checkpoints
-    assert not c.committed
-    assert c.reason == "model.safetensors.index.json names missing shard(s): model-00002-of-00002.safetensors"
+    assert c.committed
+    assert c.shortfalls == (Shortfall("model-00002-of-00002.safetensors", "model.safetensors.index.json"),)
+    assert c.reason.endswith("the weight index requires missing shard(s): model-00002-of-00002.safetensors "
+                             "(absent, listed in model.safetensors.index.json)")
     shard2 = infos(base + "model-00002-of-00002.safetensors")
     (c,) = recognise([*listing, *shard1, *shard2], reader(files), root_name="r", now=LATER).checkpoints
-    assert (c.committed, c.recorded_loss, c.job) == (True, 2.0, "out")
+    assert (c.committed, c.recorded_loss, c.job, c.shortfalls) == (True, 2.0, "out", ())
 
 
 # --------------------------------------------------------------------------
@@ -366,7 +433,7 @@ def test_duplicate_steps_keep_the_newest_and_report_the_rest() -> None:
 
 def test_dotdot_keys_are_unrecognised_and_never_part_of_a_checkpoint() -> None:
     listing = infos("job/step-1/__0_0.distcp", "job/step-1/.metadata", "job/../step-1/__1_0.distcp", "job/step-1/./x.distcp")
-    rec = recognise(listing, reader({}), root_name="r", now=LATER)
+    rec = recognise(listing, reader({"job/step-1/.metadata": dcp_meta({"__0_0.distcp": 10})}), root_name="r", now=LATER)
     (c,) = rec.checkpoints
     assert [f.relpath for f in c.files] == [".metadata", "__0_0.distcp"]
     got = reasons(rec)

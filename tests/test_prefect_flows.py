@@ -354,3 +354,35 @@ def test_events_and_artifacts_link_the_run_and_the_dashboard(harness: None, tree
         event["related"][0].items()
     assert event["payload"]["files"] == ["rank-0000/model.pt"]
     assert _dashboard_links(state.state_details.flow_run_id) == ["http://dash.example:8765/jobs/demo-run"]
+
+
+def test_flows_take_the_catalog_by_the_command_lines_precedence(
+    harness: None, tree: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """scan-verify ignored [catalog] url in ckptier.toml while tiering honoured it (and above the
+    environment): every flow now takes catalog_url, then CKPTIER_CATALOG_URL, then the file."""
+    from ckptier.flows.drill import restore_drill_flow
+    from ckptier.flows.scan_verify import scan_flow, scan_verify_flow, verify_flow
+    from ckptier.flows.tiering import tiering_flow
+
+    monkeypatch.delenv("CKPTIER_CATALOG_URL", raising=False)
+    from_file = tmp_path / "from-config.db"
+    config = Path(tree["config"])
+    config.write_text(f'[catalog]\nurl = "sqlite:///{from_file}"\n' + config.read_text())
+    result = scan_verify_flow(urls=[str(tree["hot"])], config_path=str(config))
+    assert from_file.exists() and result["verify"]["totals"]["verified"] == 2
+    assert scan_flow(urls=[str(tree["hot"])], config_path=str(config))[0]["rows_written"] == 0
+    assert tiering_flow(config_path=str(config))["plan"]
+    (drill,) = restore_drill_flow(config_path=str(config), steps=2, model="ckptier.tasks.models:demo_model")
+    assert drill["ok"]
+
+    env_url = f"sqlite:///{tmp_path / 'from-env.db'}"  # does not exist: the flows must look there and say so
+    monkeypatch.setenv("CKPTIER_CATALOG_URL", env_url)
+    for flow, params in ((verify_flow, {}), (tiering_flow, {}), (restore_drill_flow, {"steps": 2})):
+        state = flow(config_path=str(config), return_state=True, **params)
+        assert state.is_failed()
+        with pytest.raises(Exception, match="no catalog at " + env_url):
+            state.result()
+    assert not (tmp_path / "from-env.db").exists()
+    explicit = scan_flow(urls=[str(tree["hot"])], catalog_url=tree["catalog_url"], config_path=str(config))
+    assert explicit[0]["rows_written"] > 0 and Path(tree["catalog_url"].removeprefix("sqlite:///")).exists()
