@@ -476,9 +476,11 @@ def serve_all(*, path: Path = PREFECT_YAML, automations: Path | None = AUTOMATIO
 
     The served deployments are named ``<name>-served`` (``tiering/tiering-served``...), apart from
     the ones ``ckptier deploy`` registers for workers, which serving never touches. Runs execute
-    as subprocesses of this one; at most one drill at a time. On shutdown the served deployments
-    are paused (their schedules stop until ``ckptier serve`` runs again); returns 0."""
+    as subprocesses of this one; at most one drill at a time. However serving stops (a signal
+    while it starts, while it waits, or a second Ctrl-C), the served deployments end up paused:
+    their schedules stop until ``ckptier serve`` runs again. Returns 0."""
     import asyncio
+    import signal
 
     from prefect.client.orchestration import get_client
     from prefect.runner import Runner
@@ -487,22 +489,37 @@ def serve_all(*, path: Path = PREFECT_YAML, automations: Path | None = AUTOMATIO
     specs = load_specs(path)
     built = _deploy(specs, work_pool=None, gpu_pool=None, serve=True)
     runner = Runner(name="ckptier", pause_on_shutdown=True)
-    for dep, _pool, spec in built:
-        deployment_id = runner.add_deployment(dep)
-        with get_client(sync_client=True) as client:
-            reconcile_schedules(client, deployment_id, spec.schedules)
-        print(f"serving {dep.flow_name}/{dep.name}: " + ", ".join(s.slug for s in spec.schedules), flush=True)
-    if automations is not None:
-        with get_client(sync_client=True) as client:
-            for line in apply_automations(client, automations):
-                print(line, flush=True)
-    print("waiting for scheduled and triggered runs; stop with Ctrl-C or SIGTERM", flush=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        try:
+    served: list[Any] = []
+
+    def stop(*_: Any) -> None:
+        # Once running: stop polling, cancel what runs, pause (and return from start). Before: SystemExit.
+        # Ctrl-C goes the same way: as a KeyboardInterrupt it would cancel the runner's pause too.
+        runner.handle_sigterm()
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for dep, _pool, spec in built:
+            deployment_id = runner.add_deployment(dep)
+            served.append(deployment_id)
+            with get_client(sync_client=True) as client:
+                reconcile_schedules(client, deployment_id, spec.schedules)
+            print(f"serving {dep.flow_name}/{dep.name}: " + ", ".join(s.slug for s in spec.schedules), flush=True)
+        if automations is not None:
+            with get_client(sync_client=True) as client:
+                for line in apply_automations(client, automations):
+                    print(line, flush=True)
+        print("waiting for scheduled and triggered runs; stop with Ctrl-C or SIGTERM", flush=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
             asyncio.run(runner.start())
-        except KeyboardInterrupt:
-            pass  # the runner has paused its deployments on the way out
+    except (KeyboardInterrupt, SystemExit):
+        pass  # stopped before the runner ran, or a second Ctrl-C
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        with get_client(sync_client=True) as client:
+            for deployment_id in served:  # idempotent: the runner pauses them too when it got to run
+                client.pause_deployment(deployment_id)
     print("stopped serving; the served deployments are paused until 'ckptier serve' runs again", flush=True)
     return 0
 

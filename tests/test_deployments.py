@@ -444,6 +444,7 @@ def test_a_drill_alert_links_the_flow_run_and_the_dashboard(deployed: PrefectSer
 
     from prefect.blocks.notifications import CustomWebhookNotificationBlock
     from prefect.client.orchestration import get_client
+    from prefect.events.worker import EventsWorker
 
     from ckptier.flows.drill import restore_drill_flow
 
@@ -455,9 +456,13 @@ def test_a_drill_alert_links_the_flow_run_and_the_dashboard(deployed: PrefectSer
         with get_client(sync_client=True) as client:
             assert dep.apply_automations(client)  # pointed at the block as it is now
         monkeypatch.setenv("CKPTIER_DASHBOARD_URL", "http://dash.example:8765")
+        # Events go through one worker per process, bound to the API it first saw (another test's
+        # temporary server, in a whole run): start a fresh one for this server.
+        EventsWorker.drain_all(timeout=30)
         state = restore_drill_flow(job="no-such-job", catalog_url=f"sqlite:///{demo_dir / 'catalog.db'}",
                                    config_path=str(demo_dir / "ckptier.toml"), return_state=True)
         assert state.is_failed()
+        EventsWorker.drain_all(timeout=30)  # the event is sent
         run_id = str(state.state_details.flow_run_id)
         (alert,) = _wait_for(lambda: [json.loads(b) for b in hook.bodies], "the drill alert", 90)
     finally:
