@@ -2,8 +2,9 @@
 
 ``deployments/prefect.yaml`` is the one definition; ``ckptier deploy``
 (:func:`deploy_all`) registers it to work pools, ``ckptier serve``
-(:func:`serve_all`) serves it from this process. Both are idempotent: running
-them again updates everything in place.
+(:func:`serve_all`) serves it from this process under names of its own
+(``<name>-served``), so the two never replace or pause each other's. Both are
+idempotent: running them again updates everything in place.
 
 Schedules are reconciled by slug, never replaced wholesale: Prefect's own
 redeploy drops *every* schedule of a deployment when one of them has no slug
