@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from ckptier.storage.base import ObjectInfo, read_bytes
 from ckptier.storage.errors import ConfigError, NotFound, Unavailable
-from ckptier.storage.formats import PatternRule, is_own_file, recognise
+from ckptier.formats import PatternRule, is_own_file, recognise
 from ckptier.storage.local import LocalStore
 from ckptier.storage.model import FileRef, Format, Found, Recognition, Shortfall
 from tests.fixtures.checkpoints import LR, CheckpointRun, copy_run, tiny_batch, tiny_gpt2_config, tiny_loss, tiny_mlp
@@ -532,18 +532,18 @@ def test_oversized_metadata_is_not_read() -> None:
 
 def test_pattern_rules_group_by_step_directory_or_file() -> None:
     rules = [
-        PatternRule("megatron/iter_*/**", r"iter_(?P<step>\d+)", 30),
+        PatternRule("mylib/save_*/**", r"save_(?P<step>\d+)", 30),
         PatternRule("snaps/*.tar", r"snap-(\d+)\.tar", 30),
     ]
     listing = [
-        *infos("megatron/iter_0000100/mp_rank_00/model_optim_rng.pt", "megatron/iter_0000100/mp_rank_01/model_optim_rng.pt", mtime=1000),
-        *infos("megatron/iter_0000200/mp_rank_00/model_optim_rng.pt", mtime=1990),
+        *infos("mylib/save_0000100/part_00/model_optim_rng.pt", "mylib/save_0000100/part_01/model_optim_rng.pt", mtime=1000),
+        *infos("mylib/save_0000200/part_00/model_optim_rng.pt", mtime=1990),
         *infos("snaps/snap-5.tar", "snaps/other.tar", mtime=1000),
     ]
     rec = recognise(listing, reader({}), root_name="r", now=2000.0, patterns=rules)
     assert [(c.job, c.step, c.prefix, c.committed, len(c.files)) for c in rec.checkpoints] == [
-        ("megatron", 100, "megatron/iter_0000100", True, 2),
-        ("megatron", 200, "megatron/iter_0000200", False, 1),
+        ("mylib", 100, "mylib/save_0000100", True, 2),
+        ("mylib", 200, "mylib/save_0000200", False, 1),
         ("snaps", 5, "snaps/snap-5.tar", True, 1),
     ]
     assert all(c.format is Format.PATTERN for c in rec.checkpoints)

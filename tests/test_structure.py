@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 
 from ckptier.storage.model import Format, Shortfall
+from ckptier.formats import checker_for
+from ckptier.formats.dcp import dcp_needs
 from ckptier.storage.structure import (
     MAX_MANIFEST,
     Need,
     Structure,
-    checker_for,
     crc32,
-    dcp_needs,
     shortfalls,
 )
 from tests.fixtures.checkpoints import CheckpointRun
