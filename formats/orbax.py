@@ -11,8 +11,9 @@ Layout (orbax-checkpoint 0.12: ``CheckpointManager.save``, step names from
 Commit evidence: ``_CHECKPOINT_METADATA`` with a ``commit_timestamp_nsecs``,
 or ``commit_success.txt``, directly in the step directory. A directory with
 the ``.orbax-checkpoint-tmp-`` suffix is a save in flight: ``incomplete``,
-so retention never deletes it before the job's grace. A numeric loss in the
-metadata's ``metrics`` is the recorded loss. Item directories are part of
+so retention never deletes it before the job's grace. A numeric ``loss`` in
+the metadata's ``metrics``, or in the ``metrics/metrics`` item the manager
+writes when it tracks a best metric, is the recorded loss. Item directories are part of
 their step's checkpoint.
 
 Drills need JAX and ``orbax-checkpoint`` in the drill's environment: the
@@ -39,6 +40,7 @@ __all__ = ["PLUGIN", "TMP_SUFFIX"]
 TMP_SUFFIX = ".orbax-checkpoint-tmp-"
 _META = "_CHECKPOINT_METADATA"
 _SUCCESS = "commit_success.txt"
+_METRICS = "metrics/metrics"
 _STEP = re.compile(r"^(?:.*_)?(\d+)$")
 _NEEDS_JAX = ("an Orbax checkpoint needs JAX to drill, and JAX or orbax-checkpoint is not installed in the drill's "
               "environment; install them there (pip install jax orbax-checkpoint) or drill another format")
@@ -52,7 +54,7 @@ def orbax_step(dirname: str) -> int | None:
 
 class OrbaxFormat(FormatPlugin):
     format = Format.ORBAX
-    metadata_names = frozenset({_META})
+    metadata_names = frozenset({_META, "metrics"})
     adopts_subdirs = True
     why_factory = "an Orbax checkpoint holds arrays only; give a torch model whose state dict keys are its tree paths"
 
@@ -97,6 +99,10 @@ class OrbaxFormat(FormatPlugin):
                     committed, reason = True, f"committed: {_META} records its commit time"
         if not committed and _SUCCESS in top and (meta is None or reason.startswith("no ")):
             committed, reason = True, f"committed: {_SUCCESS} present"
+        metrics_file = next((f for f in files if group.relpath(f) == _METRICS), None)
+        if committed and loss is None and metrics_file is not None:  # CheckpointManager's metrics item
+            metrics, _ = scan.read_json(metrics_file, _METRICS)
+            loss = as_loss(metrics.get("loss")) if isinstance(metrics, dict) else None
         scan.emit(job=job, step=step, fmt=self.format, prefix=prefix, files=files, committed=committed,
                   reason=reason, loss=loss)
 

@@ -63,7 +63,7 @@ from typing import Any
 
 from ckptier.formats.base import Group, Scan, Tally
 from ckptier.formats.pattern import PatternRule, recognise_patterns
-from ckptier.formats.registry import ANCHORING, SIDECAR_NAMES, plugin
+from ckptier.formats.registry import ANCHORING, SIDECAR_NAMES, SIDECAR_OWNERS, plugin
 from ckptier.storage.base import ObjectInfo, key_problem
 from ckptier.storage.local import TEMP_PREFIX
 from ckptier.storage.model import Found, Recognition, Unrecognised
@@ -272,8 +272,12 @@ def _recognise(
     for group in sorted(groups.values(), key=lambda g: g.prefix):
         owner = min(group.claimants, key=_RANK.__getitem__)
         plugin(owner).recognise(group, scan)
+    owned = {(f.prefix.rpartition("/")[0], f.format) for f in scan.found}
     for key, info in scan.sidecars.items():
-        if key not in scan.used_sidecars:
+        where, _, name = key.rpartition("/")
+        if key not in scan.used_sidecars and not any(
+            (where, fmt) in owned for fmt in SIDECAR_OWNERS.get(name, ())
+        ):
             leftovers(info)
     recognise_patterns(scan, leftovers.patterns, leftovers.pattern_files)
     leftovers.report(scan)

@@ -47,6 +47,11 @@ METADATA_NAMES: frozenset[str] = frozenset().union(*(p.metadata_names for p in P
 """File names recognition may read, so a scan can fetch them ahead of time."""
 
 SIDECAR_NAMES: frozenset[str] = frozenset().union(*(p.sidecar_names for p in PLUGINS))
+SIDECAR_OWNERS: dict[str, tuple[Format, ...]] = {
+    name: tuple(p.format for p in PLUGINS if name in p.sidecar_names) for name in SIDECAR_NAMES
+}
+"""Job-level file name -> the formats that own it: beside a checkpoint of one
+of those formats it is never reported as stray."""
 
 DRILLABLE_FORMATS: frozenset[Format] = frozenset(p.format for p in PLUGINS if p.drillable)
 

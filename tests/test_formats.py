@@ -8,7 +8,7 @@ import json
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,67 +17,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptier.storage.base import ObjectInfo, read_bytes
-from ckptier.storage.errors import ConfigError, NotFound, Unavailable
+from ckptier.storage.errors import ConfigError, Unavailable
 from ckptier.formats import PatternRule, is_own_file, recognise
 from ckptier.storage.local import LocalStore
-from ckptier.storage.model import FileRef, Format, Found, Recognition, Shortfall
+from ckptier.storage.model import FileRef, Format, Recognition, Shortfall
+from tests.fixtures.listing import LATER, dcp_meta, infos, only, reader, reasons, scan, set_json_fields
 from tests.fixtures.checkpoints import LR, CheckpointRun, copy_run, tiny_batch, tiny_gpt2_config, tiny_loss, tiny_mlp
-
-LATER = time.time() + 86_400  # far past every settle time of files written now
-
-
-def scan(root: Path, *, now: float = LATER, **kwargs: object) -> Recognition:
-    store = LocalStore(root)
-    return recognise(
-        store.list(),
-        lambda key: read_bytes(store, key, limit=16 << 20),
-        root_name=root.name,
-        now=now,
-        **kwargs,  # type: ignore[arg-type]
-    )
-
-
-def only(found: Iterable[Found], step: int) -> Found:
-    matches = [f for f in found if f.step == step]
-    assert len(matches) == 1, matches
-    return matches[0]
-
-
-def reasons(rec: Recognition) -> dict[str, str]:
-    return {u.key: u.reason for u in rec.unrecognised}
-
-
-def infos(*keys: str, size: int = 10, mtime: float = 1000.0) -> list[ObjectInfo]:
-    return [ObjectInfo(key=k, size=size, mtime=mtime) for k in keys]
-
-
-def set_json_fields(path: Path, **fields: Any) -> None:
-    """Overwrite top-level fields of the JSON object in ``path``."""
-    data = json.loads(path.read_text())
-    data.update(fields)
-    path.write_text(json.dumps(data))
-
-
-def dcp_meta(shards: dict[str, int]) -> bytes:
-    """A real DCP ``.metadata`` (torch's own classes, pickled as torch does) whose
-    storage entries reference each shard file up to the given byte count."""
-    import pickle
-
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
-
-    storage = {MetadataIndex(f"t{i}"): _StorageInfo(name, 0, size) for i, (name, size) in enumerate(shards.items())}
-    return pickle.dumps(Metadata(state_dict_metadata={}, storage_data=storage))
-
-
-def reader(contents: dict[str, bytes]) -> Callable[[str], bytes]:
-    def read(key: str) -> bytes:
-        if key not in contents:
-            raise NotFound(f"{key}: no such object", key=key)
-        return contents[key]
-
-    return read
-
 
 # --------------------------------------------------------------------------
 # Checkpoints written by the real libraries
