@@ -5,7 +5,8 @@ see :mod:`ckptier.formats.base`), one line below, and its name in
 :class:`ckptier.storage.model.Format` (the catalog stores it). Order matters
 only where layouts nest: a Hugging Face ``checkpoint-N`` claims the DCP or
 DeepSpeed folders inside it, Megatron's ``iter_N`` claims its ``torch_dist``
-DCP files, DCP claims ``.distcp`` before the guide claims a ``step-N``.
+DCP files, DCP claims ``.distcp`` and ``.metadata`` before DeepSpeed claims
+a ``global_stepN`` or the guide a ``step-N``.
 Importing this module never imports torch.
 """
 
@@ -21,8 +22,8 @@ from ckptier.storage.structure import Checker, data_checker
 _MODULES = (
     "hf_trainer",
     "megatron",
-    "deepspeed",
     "dcp",
+    "deepspeed",
     "guide",
     "hf_weights",
     "orbax",

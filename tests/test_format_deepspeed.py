@@ -18,13 +18,17 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from ckptier.formats.deepspeed import LIBRARY_GLOBALS, rank_shortfalls
-from ckptier.formats.safe_load import UnsafeCheckpoint, load_checkpoint_dir, safe_torch_load
+from ckptier.formats.safe_load import (
+    UnsafeCheckpoint,
+    load_checkpoint_dir,
+    safe_torch_load,
+)
 from ckptier.storage.local import LocalStore
 from ckptier.storage.model import Format
 from ckptier.tasks.drill import DrillRequest, judge
 from ckptier.tasks.drill_worker import run_request
+
 from tests.fixtures.checkpoints import CheckpointRun, copy_run
 from tests.fixtures.listing import LATER, only, reasons, recognise_listing, scan
 

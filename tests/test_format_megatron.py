@@ -20,13 +20,23 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from ckptier.formats.megatron import LIBRARY_GLOBALS, TRACKER, legacy_shortfalls
-from ckptier.formats.safe_load import UnsafeCheckpoint, load_checkpoint_dir, safe_torch_load
+from ckptier.formats.safe_load import (
+    UnsafeCheckpoint,
+    load_checkpoint_dir,
+    safe_torch_load,
+)
 from ckptier.storage.model import Format
 from ckptier.tasks.drill import DrillRequest, judge
 from ckptier.tasks.drill_worker import run_request
-from tests.fixtures.checkpoints import CheckpointRun, copy_run, tiny_batch, tiny_loss, tiny_mlp
+
+from tests.fixtures.checkpoints import (
+    CheckpointRun,
+    copy_run,
+    tiny_batch,
+    tiny_loss,
+    tiny_mlp,
+)
 from tests.fixtures.listing import dcp_meta, only, reasons, recognise_listing, scan
 
 REPO = Path(__file__).resolve().parents[1]
