@@ -339,3 +339,43 @@ def test_100k_objects_fast_and_linear() -> None:
     assert t_big < 8 * t_small, (t_big, t_small)
     # About 3-4x the bare minimum here (0.3-0.5 s for 100k objects on an idle core).
     assert t_big < 8 * t_base, f"100,000 objects: {t_big:.2f} s vs baseline {t_base:.2f} s"
+
+
+# --------------------------------------------------------------------------
+# The plug-ins and their layers
+
+
+def test_every_format_has_one_plugin_module_and_the_registry_lists_them() -> None:
+    from ckptier.formats.registry import PLUGINS, plugin
+
+    assert sorted(p.format for p in PLUGINS) == sorted(Format)
+    for fmt in Format:
+        module = type(plugin(fmt)).__module__
+        assert module.startswith("ckptier.formats.") and plugin(fmt.value) is plugin(fmt)
+        assert plugin(fmt).why_factory and (plugin(fmt).anchor is not None)
+
+
+def test_recognition_and_the_registry_never_import_torch_and_storage_never_imports_formats() -> None:
+    import ast
+    import subprocess
+    import sys
+
+    code = ("import sys\nimport ckptier.formats, ckptier.formats.registry, ckptier.formats.recognise\n"
+            "from ckptier.formats.registry import PLUGINS\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'ckptier.tasks'))))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+    storage = Path(__file__).resolve().parents[1] / "storage"
+    for path in storage.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                assert not node.module.startswith(("ckptier.formats", "ckptier.tasks")), (path, node.module)
+            if isinstance(node, ast.Import):
+                assert not any(a.name.startswith(("ckptier.formats", "ckptier.tasks")) for a in node.names), path
+    formats = Path(__file__).resolve().parents[1] / "formats"
+    for path in formats.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else (
+                [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            assert not any(n.startswith(("ckptier.tasks", "ckptier.flows", "prefect")) for n in names), (path, names)
