@@ -137,6 +137,7 @@ def test_real_deepspeed_files_verify_as_torch_zips(deepspeed_run: CheckpointRun,
     assert "truncated" in (checker.finish().problem or "")
 
 
+@pytest.mark.slow
 def test_deepspeed_classes_are_never_imported_and_unknown_ones_are_refused(deepspeed_run: CheckpointRun) -> None:
     optim = deepspeed_run.path(6) / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
     with pytest.raises(UnsafeCheckpoint, match="deepspeed.runtime") as caught:
@@ -187,6 +188,7 @@ def test_a_deepspeed_drill_without_a_factory_says_what_to_pass(deepspeed_run: Ch
     assert "--model module:function" in (result.error or "")
 
 
+@pytest.mark.slow
 def test_cli_scan_ls_verify_and_drill_a_deepspeed_job(
     deepspeed_run: CheckpointRun, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

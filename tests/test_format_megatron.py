@@ -164,6 +164,7 @@ def test_torch_dist_iteration_restores_its_model_tensors(tmp_path: Path) -> None
     assert loaded.optimizer_state is None and set(loaded.model_state) == set(model.state_dict())
 
 
+@pytest.mark.slow
 def test_cli_scan_ls_and_drill_a_megatron_job(
     megatron_run: CheckpointRun, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -109,6 +109,7 @@ def test_real_orbax_checkpoint_drills_with_jax(orbax_run: CheckpointRun, tmp_pat
     assert not result.optimizer_loaded and result.checkpoint_step == step
 
 
+@pytest.mark.slow
 def test_without_jax_the_drill_says_so_in_one_line(tmp_path: Path) -> None:
     shadow = tmp_path / "shadow"
     (shadow / "orbax").mkdir(parents=True)
