@@ -145,3 +145,36 @@ def test_cli_lists_orbax_checkpoints_with_their_states(
     rows = json.loads(capsys.readouterr().out)
     assert sorted((r["step"], r["format"], r["state"]) for r in rows) == [
         (2, "orbax", "verified"), (4, "orbax", "verified"), (6, "orbax", "incomplete")]
+
+
+@pytest.mark.slow
+def test_orbax_checkpoints_are_tiered_and_a_save_in_flight_is_never_deleted(
+    orbax_run: CheckpointRun, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import filecmp
+
+    from ckptier.flows.cli import main
+
+    hot, archive = tmp_path / "hot", tmp_path / "archive"
+    shutil.copytree(orbax_run.root, hot)
+    job_dir = hot / orbax_run.job
+    flight = "8.orbax-checkpoint-tmp-1796050348643"
+    shutil.copytree(job_dir / "6", job_dir / flight)
+    (tmp_path / "ckptier.toml").write_text(
+        f'[[policy]]\njobs = "*"\nkeep_last = 1\nmin_verified = 1\nmilestones = [2]\narchive = "{archive}"\n')
+    monkeypatch.setenv("CKPTIER_CATALOG_URL", f"sqlite:///{tmp_path / 'catalog.db'}")
+    monkeypatch.setenv("CKPTIER_CONFIG", str(tmp_path / "ckptier.toml"))
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert main(["scan", str(hot)]) == 0
+    assert main(["verify"]) == 0
+    assert main(["apply", "--no-prefect"]) == 0
+    capsys.readouterr()
+    assert sorted(p.name for p in job_dir.iterdir()) == ["6", flight]  # 2 archived, 4 deleted, the save in flight kept
+    assert main(["ls", "--json"]) == 0
+    rows = {r["step"]: r for r in json.loads(capsys.readouterr().out)}
+    assert (rows[2]["tiers"], rows[6]["tiers"], rows[8]["state"]) == (["archive"], ["hot"], "incomplete")
+    dest = tmp_path / "restored"
+    assert main(["fetch", "--job", orbax_run.job, "--step", "2", str(dest)]) == 0
+    for rel in orbax_run.steps[2].files:
+        assert filecmp.cmp(dest / rel, orbax_run.path(2) / rel, shallow=False), rel
