@@ -33,13 +33,17 @@ class State(enum.StrEnum):
 
 
 class Format(enum.StrEnum):
-    """Checkpoint layouts ckptier recognises (see DESIGN.md, Formats)."""
+    """Checkpoint layouts ckptier recognises: each has its plug-in in :mod:`ckptier.formats`."""
 
     GUIDE = "guide"  # {job}/step-{step:08d}/rank-{rank:04d}/*.pt + metadata.json
     DCP = "dcp"  # torch.distributed.checkpoint: *.distcp + .metadata
     HF = "hf-trainer"  # checkpoint-{N}/ + trainer_state.json
     LIGHTNING = "lightning"  # epoch=E-step=S.ckpt
     PATTERN = "pattern"  # user-configured pattern + settle time
+    DEEPSPEED = "deepspeed"  # global_step{N}/mp_rank_*_model_states.pt + the latest tag
+    MEGATRON = "megatron"  # iter_{N:07d}/mp_rank_*/model_optim_rng.pt or torch_dist + the tracker
+    HF_WEIGHTS = "hf-weights"  # model-0000k-of-0000n.safetensors + model.safetensors.index.json
+    ORBAX = "orbax"  # {step}/_CHECKPOINT_METADATA or commit_success.txt (JAX)
 
 
 class Tier(enum.StrEnum):

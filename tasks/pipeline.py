@@ -22,7 +22,7 @@ from typing import Any
 from ckptier.storage.base import StorageClasses, Store
 from ckptier.storage.catalog.api import Catalog
 from ckptier.storage.errors import CkptierError, ConfigError
-from ckptier.storage.formats import PatternRule
+from ckptier.formats import PatternRule
 from ckptier.storage.model import CheckpointRecord, State
 from ckptier.storage.url import open_store, parse_url
 
@@ -563,7 +563,7 @@ def run_drill(
     import tempfile
 
     from .config import allow_global_problem
-    from .drill import DEFAULT_LOSS_TOLERANCE, choose_candidates, judge, run_drill_subprocess
+    from .drill import DEFAULT_LOSS_TOLERANCE, choose_candidates, drill_path, judge, run_drill_subprocess
     from .drill_inputs import check_drill_inputs
 
     for name in allow_globals:
@@ -604,9 +604,7 @@ def run_drill(
                 else:
                     tier = fetched["tier"]
                     timings["fetch_s"] = fetched["seconds"]
-                    path = scratch / "checkpoint"
-                    if record.format.value == "lightning":
-                        path = path / record.files[0].relpath
+                    path = drill_path(record, scratch / "checkpoint")
                     result = run_drill_subprocess(path, record.format, factory=factory, scratch=scratch / "work",
                                                   steps=k, timeout=limit, device=dev, allow_globals=allowed)
                     verdict = judge(result, loss_tolerance=tolerance)

@@ -1,7 +1,7 @@
 """Scan: list a store, recognise checkpoints, record them in the catalog.
 
 The decisions (which objects form which checkpoint, committed or not) are the
-pure :func:`ckptier.storage.formats.recognise`; this module is the thin I/O
+pure :func:`ckptier.formats.recognise`; this module is the thin I/O
 around it. It never deletes anything, and a failed listing records nothing.
 """
 
@@ -17,8 +17,8 @@ from urllib.parse import urlparse
 
 from ckptier.storage.base import ObjectInfo, Store, read_bytes
 from ckptier.storage.catalog.api import Catalog, ScanSummary
+from ckptier.formats import METADATA_NAMES, PatternRule, recognise
 from ckptier.storage.errors import ConfigError
-from ckptier.storage.formats import METADATA_NAMES, PatternRule, recognise
 from ckptier.storage.local import LocalStore
 from ckptier.storage.model import Recognition, Unrecognised
 from ckptier.storage.url import open_store, parse_url
