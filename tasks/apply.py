@@ -62,7 +62,7 @@ from typing import Any, Literal
 from ckptier.storage.base import MAX_DELETE_BATCH, DeleteResult, Store
 from ckptier.storage.catalog.api import DeleteIntent, FileCheck
 from ckptier.storage.errors import CkptierError, NotFound, StoreError, Unavailable
-from ckptier.storage.model import CheckpointRecord, State, Tier
+from ckptier.storage.model import CheckpointRecord, CopyState, State, Tier
 from ckptier.storage.wrappers import DryRunStore
 
 from .archive import check_archive_copy, hot_file_key, promote
@@ -225,7 +225,7 @@ def delete_refusal(
         return f"state is now {record.state.value} (plan saw {item.state or 'unknown'}); not deleting"
     if record.missing_since is not None:
         return f"missing from hot storage since {record.missing_since.isoformat()}; nothing to delete"
-    if any(c.tier == Tier.HOT and c.state in ("missing", "deleted") for c in record.copies):
+    if any(c.tier == Tier.HOT and c.state in (CopyState.MISSING, CopyState.DELETED) for c in record.copies):
         return "the catalog records no present hot copy; nothing to delete"
     live = [c for c in job_records if c.state != State.DELETED]
     gone = sum(1 for c in live if c.missing_since is not None)
@@ -659,7 +659,7 @@ class _Run:
                 item.checkpoint_id,
                 tier=Tier.ARCHIVE,
                 url=copy.url,
-                state="present",
+                state=CopyState.PRESENT,
                 stored_bytes=copy.stored_bytes,
                 codec=copy.codec,
                 manifest_key=copy.manifest_key,
@@ -744,7 +744,7 @@ class _Run:
         otherwise it failed: the copy is marked degraded and the checkpoint
         corrupt."""
         copy = record.archive_copy()
-        if copy is None or copy.state != "present":
+        if copy is None or copy.state != CopyState.PRESENT:
             return "cannot prove it: no present copy in any tier"
         result = self.check_archive(record)
         if isinstance(result, str):
@@ -777,7 +777,7 @@ class _Run:
             return f"cannot read the archive copy back: {exc}"
         if not result.ok:
             only = not hot_present(record)
-            self.cat.set_copy_state(record.id, tier=Tier.ARCHIVE, url=copy.url, state="degraded", now=self.now())
+            self.cat.set_copy_state(record.id, tier=Tier.ARCHIVE, url=copy.url, state=CopyState.DEGRADED, now=self.now())
             self.cat.log_event(
                 "archive.degraded",
                 f"{record.job} step {record.step}: archive copy {copy.url} is damaged"

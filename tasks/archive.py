@@ -51,7 +51,7 @@ from ckptier.storage.hashing import Digests, Hasher, store_crc64nvme
 from ckptier.storage.local import file_mode
 from ckptier.storage.manifest import MANIFEST_NAME as _MANIFEST_NAME
 from ckptier.storage.manifest import Manifest, ManifestFile, StoredObject
-from ckptier.storage.model import CheckpointRecord, FileRecord, State, Tier
+from ckptier.storage.model import HELD_COPY_STATES, CheckpointRecord, FileRecord, State, Tier
 from ckptier.storage.s3 import RESTORE_CLASSES, RESTORE_HOURS
 from ckptier.tasks.verify import (
     file_key as hot_file_key,  # the single-file rule lives there
@@ -655,7 +655,7 @@ def _fetch_files(
 
 
 def _present(record: CheckpointRecord, tier: Tier) -> bool:
-    return any(c.tier == tier and c.state in ("present", "degraded") for c in record.copies)
+    return any(c.tier == tier and c.state in HELD_COPY_STATES for c in record.copies)
 
 
 def _archive_copy_url(record: CheckpointRecord) -> str | None:

@@ -23,7 +23,7 @@ from ckptier.storage.base import StorageClasses, Store
 from ckptier.storage.catalog.api import Catalog
 from ckptier.storage.errors import CkptierError, ConfigError
 from ckptier.storage.formats import PatternRule
-from ckptier.storage.model import CheckpointRecord, State
+from ckptier.storage.model import CheckpointRecord, CopyState, State
 from ckptier.storage.url import open_store, parse_url
 
 from .config import Config, check_archive_locations
@@ -217,7 +217,7 @@ def run_verify(
         for row in _verify_archive_copies(catalog, with_archive_copy(cataloged), stores=stores, now=now):
             rows.append(row)
             totals["archive_checked"] += 1
-            totals["archive_degraded"] += row["state"] == "degraded"
+            totals["archive_degraded"] += row["state"] == CopyState.DEGRADED
             totals["bytes_read"] += row["bytes_read"]
     return {"checkpoints": rows, "totals": totals, "sample": f"{sample[0]}/{sample[1]}" if sample else None}
 
@@ -243,7 +243,7 @@ def _verify_archive_copies(catalog: Catalog, records: Sequence[CheckpointRecord]
         copy = record.archive_copy()
         assert copy is not None  # with_archive_copy() chose these records
         check = check_archive_copy(record, stores.store(archive_root(copy.url, record)))
-        state = "present" if check.ok else "degraded"
+        state = CopyState.PRESENT if check.ok else CopyState.DEGRADED
         if state != copy.state:
             catalog.set_copy_state(record.id, tier=Tier.ARCHIVE, url=copy.url, state=state, now=now())
         detail = "; ".join(check.problems[:3]) or None
@@ -257,7 +257,7 @@ def _verify_archive_copies(catalog: Catalog, records: Sequence[CheckpointRecord]
                 now=now(), job=record.job, checkpoint_id=record.id,
                 data={"only_copy": only, "problems": list(check.problems)},
             )
-        yield {"job": record.job, "step": record.step, "tier": "archive", "state": "verified" if check.ok else "degraded",
+        yield {"job": record.job, "step": record.step, "tier": "archive", "state": "verified" if check.ok else CopyState.DEGRADED.value,
                "bytes_read": check.bytes_read, "bytes_skipped": 0, "errors": 0, "extra": [],
                "detail": (("only copy at risk: " if only else "") + detail) if detail else None}
 
