@@ -85,7 +85,9 @@ class Store(Protocol):
       the write are one atomic step.
     * ``delete_many(keys)`` deletes in batches of at most
       :data:`MAX_DELETE_BATCH` and reports per key; it never raises for a
-      single key's failure.
+      single key's failure. When a whole batch fails it raises
+      :class:`~.errors.DeleteInterrupted`, which carries what was confirmed
+      before (its ``result``) and the batch's error.
     """
 
     url: str

@@ -48,6 +48,7 @@ from .errors import (
     AccessDenied,
     AlreadyExists,
     ConfigError,
+    DeleteInterrupted,
     IntegrityError,
     NeedsRestore,
     NotFound,
@@ -575,11 +576,11 @@ class S3Store:
         ``failed`` and never sent.
 
         When a whole batch fails (SlowDown or 5xx after botocore's retries,
-        access denied, unreachable endpoint) this raises that error and
-        nothing of that batch or later batches is reported as deleted; the
-        confirmed result of earlier batches rides on the exception as
-        ``exc.partial`` (a :class:`DeleteResult`). Deletes are idempotent, so
-        the caller may simply run the remaining keys again.
+        access denied, unreachable endpoint) this raises
+        :class:`~.errors.DeleteInterrupted`: its ``error`` is that failure,
+        its ``result`` the confirmed outcome of earlier batches; nothing of
+        the failed batch or later ones is reported as deleted. Deletes are
+        idempotent, so the caller may simply run the remaining keys again.
         """
         result = DeleteResult()
         valid: list[str] = []
@@ -594,8 +595,7 @@ class S3Store:
             try:
                 self._delete_batch(batch, result)
             except StoreError as exc:
-                exc.partial = result  # type: ignore[attr-defined]
-                raise
+                raise DeleteInterrupted(exc, result) from exc
         return result
 
     def _delete_batch(self, batch: Sequence[str], result: DeleteResult) -> None:

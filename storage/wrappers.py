@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from .base import DeleteResult, ObjectInfo, ReaderOver, Store, key_problem, validate_key
-from .errors import AlreadyExists, NotFound, is_transient
+from .errors import AlreadyExists, DeleteInterrupted, NotFound, StoreError, is_transient
 
 
 class _Delegating:
@@ -54,8 +54,9 @@ class RetryingStore(_Delegating):
       retried ``if_absent`` write whose first try landed unacknowledged
       raises ``AlreadyExists``: the caller must compare the object.
     * ``delete_many`` retries only the keys a failed call did not confirm
-      (from ``exc.partial`` when the store provides it); deletes are
-      idempotent.
+      (those not in the ``result`` of its :class:`DeleteInterrupted`);
+      deletes are idempotent. When it gives up it raises
+      ``DeleteInterrupted`` with everything confirmed over all tries.
     """
 
     def __init__(
@@ -136,16 +137,16 @@ class RetryingStore(_Delegating):
             try:
                 result.merge(self.inner.delete_many(remaining))
                 return result
-            except Exception as exc:
-                partial = getattr(exc, "partial", None)
-                if isinstance(partial, DeleteResult):
-                    result.merge(partial)
-                    done = set(partial.deleted) | set(partial.failed)
-                    remaining = [k for k in remaining if k not in done]
-                    exc.partial = result  # type: ignore[attr-defined]
-                if not is_transient(exc) or attempt + 1 >= self.attempts:
-                    raise
-                self._sleep(self.delay(attempt))
+            except DeleteInterrupted as exc:
+                result.merge(exc.result)
+                done = set(exc.result.deleted) | set(exc.result.failed)
+                remaining = [k for k in remaining if k not in done]
+                error = exc.error
+            except StoreError as exc:  # a store that stopped without saying what it confirmed
+                error = exc
+            if not is_transient(error) or attempt + 1 >= self.attempts:
+                raise DeleteInterrupted(error, result) from error
+            self._sleep(self.delay(attempt))
         raise AssertionError("unreachable")  # pragma: no cover
 
 

@@ -601,6 +601,52 @@ def test_retrying_delete_many_retries_transient(local: LocalStore) -> None:
     assert flaky.calls["delete_many"] == 2
 
 
+class Interrupting(Flaky):
+    """``delete_many`` confirms the first key it is given, then stops as a throttled batch would."""
+
+    sent: list[list[str]]
+
+    def __init__(self, inner: LocalStore, error: Exception, **failures: int) -> None:
+        super().__init__(inner, error, **failures)
+        self.sent = []
+
+    def delete_many(self, keys: Any) -> Any:
+        from ckptier.storage.base import DeleteResult
+        from ckptier.storage.errors import DeleteInterrupted
+
+        self.calls["delete_many"] = self.calls.get("delete_many", 0) + 1
+        self.sent.append(list(keys))
+        if self.failures.get("delete_many", 0) > 0 and len(keys) > 1:
+            self.failures["delete_many"] -= 1
+            done = self.inner.delete_many(keys[:1])
+            raise DeleteInterrupted(self.error, DeleteResult(deleted=done.deleted))  # type: ignore[arg-type]
+        return self.inner.delete_many(keys)
+
+
+def test_retrying_delete_many_gives_up_with_everything_confirmed(local: LocalStore) -> None:
+    import pickle
+
+    from ckptier.storage.errors import DeleteInterrupted, Unavailable, is_transient
+
+    keys = ["a", "b", "c", "d"]
+    for k in keys:
+        local.write(k, b"1")
+    flaky = Interrupting(local, transient(), delete_many=10)
+    with pytest.raises(DeleteInterrupted) as info:
+        RetryingStore(flaky, attempts=3, sleep=lambda _s: None).delete_many(keys)
+    assert flaky.sent == [["a", "b", "c", "d"], ["b", "c", "d"], ["c", "d"]]  # only what was not confirmed is resent
+    assert info.value.result.deleted == ["a", "b", "c"]  # everything confirmed over all three tries
+    assert isinstance(info.value.error, Unavailable) and is_transient(info.value)
+    assert info.value.__cause__ is info.value.error
+    again = pickle.loads(pickle.dumps(info.value))  # crosses process boundaries (Prefect) intact
+    assert type(again) is DeleteInterrupted and again.result.deleted == ["a", "b", "c"] and str(again) == str(info.value)
+    # A permanent failure is not retried, and still says what was confirmed.
+    with pytest.raises(DeleteInterrupted) as permanent:
+        RetryingStore(Interrupting(local, NotFound("s3://b: no such bucket"), delete_many=1),
+                      sleep=lambda _s: None).delete_many(["c", "d"])
+    assert permanent.value.result.deleted == ["c"] and not is_transient(permanent.value)
+
+
 def test_wrappers_delegate_extra_attributes(local: LocalStore) -> None:
     assert RetryingStore(local).root == local.root
     assert MeteredStore(RetryingStore(local)).root == local.root
