@@ -1,4 +1,4 @@
-"""Stores that wrap a store: retry, dry-run, metering.
+"""Stores that wrap a store: retry, dry-run.
 
 Each implements the :class:`~.base.Store` protocol itself and passes other
 attributes (``list_multipart_uploads``, ``bucket``, ...) through to the
@@ -9,14 +9,13 @@ cannot change anything.
 from __future__ import annotations
 
 import io
-import threading
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from .base import DeleteResult, ObjectInfo, ReaderOver, Store, key_problem, validate_key
+from .base import DeleteResult, ObjectInfo, Store, key_problem, validate_key
 from .errors import AlreadyExists, DeleteInterrupted, NotFound, StoreError, is_transient
 
 
@@ -252,67 +251,3 @@ def _measure(data: bytes | BinaryIO) -> int:
     while chunk := data.read(8 << 20):
         size += len(chunk)
     return size
-
-
-class _CountingReader(ReaderOver):
-    """Counts bytes read through it into ``meter.bytes_read``."""
-
-    def __init__(self, inner: BinaryIO, meter: MeteredStore) -> None:
-        super().__init__(inner)
-        self._meter = meter
-
-    def read(self, size: int | None = -1) -> bytes:
-        data = self._inner.read(-1 if size is None else size)
-        self._meter._add("bytes_read", len(data))
-        return data
-
-
-class MeteredStore(_Delegating):
-    """Counts calls per method, bytes read through returned streams, bytes written.
-
-    ``calls`` maps method name to the number of calls (failed ones too);
-    ``bytes_written`` adds the size of each successful write; ``bytes_read``
-    counts bytes actually read from streams ``open_read`` returned;
-    ``keys_deleted`` counts confirmed deletions. Safe to use from several
-    threads (a scan reads metadata files in parallel).
-    """
-
-    def __init__(self, inner: Store) -> None:
-        self.inner = inner
-        self.calls: dict[str, int] = {}
-        self.bytes_read = 0
-        self.bytes_written = 0
-        self.keys_deleted = 0
-        self._lock = threading.Lock()
-
-    def _count(self, name: str) -> None:
-        with self._lock:
-            self.calls[name] = self.calls.get(name, 0) + 1
-
-    def _add(self, counter: str, n: int) -> None:
-        with self._lock:
-            setattr(self, counter, getattr(self, counter) + n)
-
-    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        self._count("list")
-        return self.inner.list(prefix)
-
-    def stat(self, key: str) -> ObjectInfo:
-        self._count("stat")
-        return self.inner.stat(key)
-
-    def open_read(self, key: str) -> BinaryIO:
-        self._count("open_read")
-        return _CountingReader(self.inner.open_read(key), self)  # type: ignore[return-value]
-
-    def write(self, key: str, data: bytes | BinaryIO, *, if_absent: bool = False) -> ObjectInfo:
-        self._count("write")
-        info = self.inner.write(key, data, if_absent=if_absent)
-        self._add("bytes_written", info.size)
-        return info
-
-    def delete_many(self, keys: Sequence[str]) -> DeleteResult:
-        self._count("delete_many")
-        result = self.inner.delete_many(keys)
-        self._add("keys_deleted", len(result.deleted))
-        return result

@@ -20,7 +20,7 @@ from ckptier.storage.base import MAX_DELETE_BATCH, ObjectInfo, Store, read_bytes
 from ckptier.storage.errors import AlreadyExists, InvalidKey, NotFound
 from ckptier.storage.local import LocalStore
 from ckptier.storage.s3 import S3Store
-from ckptier.storage.wrappers import MeteredStore, RetryingStore
+from ckptier.storage.wrappers import RetryingStore
 from tests.fixtures.s3 import S3Bucket
 
 MiB = 1 << 20
@@ -390,17 +390,6 @@ class TestRetryingLocalStore(StoreContract):
         return RetryingStore(LocalStore(tmp_path / "missing"), sleep=lambda _s: None)
 
 
-class TestMeteredLocalStore(StoreContract):
-    @pytest.fixture
-    def store(self, tmp_path: Path) -> Store:
-        (tmp_path / "root").mkdir()
-        return MeteredStore(LocalStore(tmp_path / "root"))
-
-    @pytest.fixture
-    def missing_store(self, tmp_path: Path) -> Store:
-        return MeteredStore(LocalStore(tmp_path / "missing"))
-
-
 # -- S3 over HTTP ----------------------------------------------------------------
 
 
@@ -649,7 +638,6 @@ def test_retrying_delete_many_gives_up_with_everything_confirmed(local: LocalSto
 
 def test_wrappers_delegate_extra_attributes(local: LocalStore) -> None:
     assert RetryingStore(local).root == local.root
-    assert MeteredStore(RetryingStore(local)).root == local.root
     assert RetryingStore(local).url == local.url
     with pytest.raises(AttributeError):
         RetryingStore(local).no_such_method  # noqa: B018
@@ -689,22 +677,3 @@ def test_dry_run_changes_nothing_and_records_intent(local: LocalStore) -> None:
     assert dry.root == local.root  # read-only attributes pass through
     with pytest.raises(AttributeError, match="might change the store"):
         dry.some_mutating_extra  # noqa: B018
-
-
-def test_metered_counts_calls_and_bytes(local: LocalStore) -> None:
-    metered = MeteredStore(local)
-    metered.write("a", b"x" * 1000)
-    metered.write("b", io.BytesIO(b"y" * 500))
-    with metered.open_read("a") as fh:
-        assert fh.read(300) == b"x" * 300
-    assert metered.bytes_read == 300  # only what was actually read
-    assert read_bytes(metered, "b") == b"y" * 500
-    list(metered.list())
-    metered.stat("a")
-    metered.delete_many(["a", "b"])
-    with pytest.raises(NotFound):
-        metered.stat("a")
-    assert metered.bytes_written == 1500
-    assert metered.bytes_read == 800
-    assert metered.keys_deleted == 2
-    assert metered.calls == {"write": 2, "open_read": 2, "list": 1, "stat": 2, "delete_many": 1}
