@@ -184,6 +184,10 @@ class S3Store:
     ``multipart_threshold`` plus one part. A failed multipart upload is
     aborted (best effort); one left by a killed process is found by
     :meth:`list_multipart_uploads` and removed by :meth:`abort_multipart`.
+
+    Capabilities (:mod:`.base`): :class:`~.base.Canary`,
+    :class:`~.base.MultipartUploads`, :class:`~.base.StorageClasses`,
+    :class:`~.base.Restorable`, :class:`~.base.Taggable`.
     """
 
     def __init__(
@@ -641,7 +645,7 @@ class S3Store:
             Tagging={"TagSet": [{"Key": k, "Value": v} for k, v in merged.items()]},
         )
 
-    # -- extras for the janitor and the start-up canary ----------------------
+    # -- the MultipartUploads, Restorable and Canary capabilities --------------
 
     def list_multipart_uploads(self, prefix: str = "") -> builtins.list[tuple[str, str, datetime]]:
         """Unfinished multipart uploads under ``prefix``: ``(key, upload_id, initiated)``.

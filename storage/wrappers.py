@@ -1,43 +1,105 @@
 """Stores that wrap a store: retry, dry-run.
 
-Each implements the :class:`~.base.Store` protocol itself and passes other
-attributes (``list_multipart_uploads``, ``bucket``, ...) through to the
-wrapped store, except :class:`DryRunStore`, which passes through only what
-cannot change anything.
+Each implements the :class:`~.base.Store` protocol itself and, of the
+optional capabilities (:data:`~.base.CAPABILITIES`), exactly those the
+wrapped store has: ``isinstance(wrapper, Capability)`` is true when and only
+when ``isinstance(wrapper.inner, Capability)`` is. Each capability is
+forwarded by a method written out for it (retried by :class:`RetryingStore`,
+recorded instead of done by :class:`DryRunStore` where it would change
+something); nothing else of the wrapped store shows through.
+
+How: a wrapper class maps each capability to a subclass of itself that adds
+that capability's methods (:attr:`_Wrapper.FORWARDS`); constructing a
+wrapper picks the subclasses for the capabilities ``inner`` has and makes an
+instance of their combination (one class per combination, cached).
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import random
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from datetime import datetime
+from pathlib import Path
+from typing import Any, BinaryIO, ClassVar, Self, TypeVar, cast
 
-from .base import DeleteResult, ObjectInfo, Store, key_problem, validate_key
+from .base import (
+    Canary,
+    DeleteResult,
+    ListingSkips,
+    LocalPaths,
+    MultipartUploads,
+    ObjectInfo,
+    Restorable,
+    RestoreState,
+    StorageClasses,
+    Store,
+    Taggable,
+    TempFiles,
+    key_problem,
+    validate_key,
+)
 from .errors import AlreadyExists, DeleteInterrupted, NotFound, StoreError, is_transient
 
+T = TypeVar("T")
 
-class _Delegating:
-    """Passes unknown attributes through to ``inner``."""
+
+class _Wrapper:
+    """A store around ``inner``, with exactly the capabilities ``inner`` has.
+
+    Subclasses set :attr:`FORWARDS` (capability protocol -> the subclass of
+    themselves that forwards it) and :meth:`rewrap` (the same wrapper, same
+    settings, around another store: what ``in_class`` returns).
+    """
+
+    #: Capability protocol -> subclass adding its methods; filled in after the subclasses exist.
+    FORWARDS: ClassVar[Mapping[type, type[_Wrapper]]] = {}
+    #: On a combined class: the wrapper class it was made from (else None).
+    _origin: ClassVar[type[_Wrapper] | None] = None
 
     inner: Store
+
+    def __new__(cls, inner: Store, *args: Any, **kwargs: Any) -> Self:
+        if cls._origin is not None:
+            raise TypeError(f"construct {cls._origin.__name__}, not one of its combined classes")
+        forwards = tuple(sub for cap, sub in cls.FORWARDS.items() if isinstance(inner, cap))
+        return super().__new__(_combined(cls, forwards))
+
+    @classmethod
+    def origin(cls) -> type[Self]:
+        """The wrapper class to construct for another store (``type(self)`` is a combination)."""
+        return cast(type[Self], cls._origin or cls)
 
     @property
     def url(self) -> str:
         return self.inner.url
 
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
+    def rewrap(self, inner: Store) -> Self:  # pragma: no cover - every wrapper overrides it
+        """This wrapper, with the same settings, around ``inner``."""
+        raise NotImplementedError
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.inner!r})"
 
 
-class RetryingStore(_Delegating):
+@functools.cache
+def _combined(cls: type[_Wrapper], forwards: tuple[type[_Wrapper], ...]) -> type[_Wrapper]:
+    """``cls`` with the methods of each class in ``forwards``, named like ``cls``.
+
+    The classes in ``forwards`` subclass the wrapper class whose ``FORWARDS``
+    they come from: ``cls`` itself, or a class ``cls`` derives from (then
+    ``cls`` goes first, so that its own methods win)."""
+    if not forwards:
+        return cls
+    bases = forwards if all(issubclass(f, cls) for f in forwards) else (cls, *forwards)
+    return type(cls.__name__, bases, {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                                      "__doc__": cls.__doc__, "_origin": cls})
+
+
+class RetryingStore(_Wrapper):
     """Retries calls that fail with a transient error (:func:`is_transient`).
 
     Up to ``attempts`` tries per call, sleeping ``uniform(0, min(max_delay,
@@ -56,6 +118,11 @@ class RetryingStore(_Delegating):
       (those not in the ``result`` of its :class:`DeleteInterrupted`);
       deletes are idempotent. When it gives up it raises
       ``DeleteInterrupted`` with everything confirmed over all tries.
+
+    Capabilities of the wrapped store are retried the same way (all of them
+    are idempotent), ``list_with_skips`` like ``list`` (each skipped entry is
+    told once), and ``in_class`` gives a ``RetryingStore`` with the same
+    settings; ``local_path`` does no I/O and is passed on.
     """
 
     def __init__(
@@ -81,7 +148,11 @@ class RetryingStore(_Delegating):
         """Seconds to wait before retry number ``retry`` (0-based)."""
         return self._rng() * min(self.max_delay, self.base_delay * (1 << retry))
 
-    def _run(self, fn: Callable[[], Any], *, retryable: bool = True) -> Any:
+    def rewrap(self, inner: Store) -> Self:
+        return self.origin()(inner, attempts=self.attempts, base_delay=self.base_delay, max_delay=self.max_delay,
+                             sleep=self._sleep, rng=self._rng)
+
+    def _run(self, fn: Callable[[], T], *, retryable: bool = True) -> T:
         for attempt in range(self.attempts):
             try:
                 return fn()
@@ -92,10 +163,14 @@ class RetryingStore(_Delegating):
         raise AssertionError("unreachable")  # pragma: no cover
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        return self._listing(lambda: self.inner.list(prefix))
+
+    def _listing(self, start: Callable[[], Iterator[ObjectInfo]]) -> Iterator[ObjectInfo]:
+        """The listing ``start()`` begins, started again after a transient failure, each key yielded once."""
         seen: set[str] = set()
         for attempt in range(self.attempts):
             try:
-                for info in self.inner.list(prefix):
+                for info in start():
                     if info.key not in seen:
                         seen.add(info.key)
                         yield info
@@ -106,14 +181,14 @@ class RetryingStore(_Delegating):
                 self._sleep(self.delay(attempt))
 
     def stat(self, key: str) -> ObjectInfo:
-        return self._run(lambda: self.inner.stat(key))  # type: ignore[no-any-return]
+        return self._run(lambda: self.inner.stat(key))
 
     def open_read(self, key: str) -> BinaryIO:
-        return self._run(lambda: self.inner.open_read(key))  # type: ignore[no-any-return]
+        return self._run(lambda: self.inner.open_read(key))
 
     def write(self, key: str, data: bytes | BinaryIO, *, if_absent: bool = False) -> ObjectInfo:
         if isinstance(data, (bytes, bytearray, memoryview)):
-            return self._run(lambda: self.inner.write(key, data, if_absent=if_absent))  # type: ignore[no-any-return]
+            return self._run(lambda: self.inner.write(key, data, if_absent=if_absent))
         seekable = False
         start = 0
         try:
@@ -127,7 +202,7 @@ class RetryingStore(_Delegating):
                 data.seek(start)
             return self.inner.write(key, data, if_absent=if_absent)
 
-        return self._run(attempt, retryable=seekable)  # type: ignore[no-any-return]
+        return self._run(attempt, retryable=seekable)
 
     def delete_many(self, keys: Sequence[str]) -> DeleteResult:
         result = DeleteResult()
@@ -149,6 +224,86 @@ class RetryingStore(_Delegating):
         raise AssertionError("unreachable")  # pragma: no cover
 
 
+class _RetryingCanary(RetryingStore):
+    def canary(self) -> None:
+        self._run(cast(Canary, self.inner).canary)
+
+
+class _RetryingMultipartUploads(RetryingStore):
+    def list_multipart_uploads(self, prefix: str = "") -> list[tuple[str, str, datetime]]:
+        inner = cast(MultipartUploads, self.inner)
+        return self._run(lambda: inner.list_multipart_uploads(prefix))
+
+    def abort_multipart(self, key: str, upload_id: str) -> None:
+        inner = cast(MultipartUploads, self.inner)
+        self._run(lambda: inner.abort_multipart(key, upload_id))
+
+
+class _RetryingTempFiles(RetryingStore):
+    def stale_temp_files(self, older_than: float) -> list[str]:
+        inner = cast(TempFiles, self.inner)
+        return self._run(lambda: inner.stale_temp_files(older_than))
+
+    def remove_temp_file(self, key: str) -> None:
+        inner = cast(TempFiles, self.inner)
+        self._run(lambda: inner.remove_temp_file(key))
+
+
+class _RetryingLocalPaths(RetryingStore):
+    def local_path(self, key: str) -> Path:
+        return cast(LocalPaths, self.inner).local_path(key)
+
+
+class _RetryingListingSkips(RetryingStore):
+    def list_with_skips(self, prefix: str, on_skip: Callable[[str, str], None]) -> Iterator[ObjectInfo]:
+        inner = cast(ListingSkips, self.inner)
+        told: set[str] = set()
+
+        def once(key: str, why: str) -> None:
+            if key not in told:
+                told.add(key)
+                on_skip(key, why)
+
+        return self._listing(lambda: inner.list_with_skips(prefix, once))
+
+
+class _RetryingStorageClasses(RetryingStore):
+    @property
+    def storage_class(self) -> str | None:
+        return cast(StorageClasses, self.inner).storage_class
+
+    def in_class(self, storage_class: str | None) -> Store:
+        return self.rewrap(cast(StorageClasses, self.inner).in_class(storage_class))
+
+
+class _RetryingRestorable(RetryingStore):
+    def restore(self, key: str, *, days: int = 1, tier: str = "Standard") -> RestoreState:
+        inner = cast(Restorable, self.inner)
+        return self._run(lambda: inner.restore(key, days=days, tier=tier))
+
+
+class _RetryingTaggable(RetryingStore):
+    def put_object_tagging(self, key: str, tags: Mapping[str, str]) -> None:
+        inner = cast(Taggable, self.inner)
+        self._run(lambda: inner.put_object_tagging(key, tags))
+
+    def get_object_tagging(self, key: str) -> dict[str, str]:
+        inner = cast(Taggable, self.inner)
+        return self._run(lambda: inner.get_object_tagging(key))
+
+
+RetryingStore.FORWARDS = {
+    Canary: _RetryingCanary,
+    MultipartUploads: _RetryingMultipartUploads,
+    TempFiles: _RetryingTempFiles,
+    LocalPaths: _RetryingLocalPaths,
+    ListingSkips: _RetryingListingSkips,
+    StorageClasses: _RetryingStorageClasses,
+    Restorable: _RetryingRestorable,
+    Taggable: _RetryingTaggable,
+}
+
+
 @dataclass(frozen=True, slots=True)
 class IntendedWrite:
     """A write a :class:`DryRunStore` did not do: key, size in bytes, if_absent."""
@@ -158,38 +313,43 @@ class IntendedWrite:
     if_absent: bool
 
 
-class DryRunStore(_Delegating):
-    """Reads pass through; writes and deletes are only recorded.
+class DryRunStore(_Wrapper):
+    """Reads pass through; writes, deletes and every other change are only recorded.
 
     ``write`` validates the key, measures the data (reading a stream to EOF
     unless it is seekable), checks ``if_absent`` against the real store, and
     returns the :class:`ObjectInfo` a real write would (without ``mtime``,
     ``etag`` or ``checksum``). ``delete_many`` reports every safe key as
     deleted (``markers_only`` stays empty: a dry run cannot know) and unsafe
-    keys as failed. ``abort_multipart`` is recorded in ``intended_aborts``, and
-    ``put_object_tagging`` (when the wrapped store can tag) in ``intended_tags``;
-    ``canary`` does nothing. Of other attributes only the read-only ones in
-    :attr:`PASS_THROUGH` reach the wrapped store.
-    """
+    keys as failed.
 
-    PASS_THROUGH = frozenset(
-        {"list_multipart_uploads", "versioning_enabled", "get_object_tagging", "bucket", "prefix", "root", "endpoint"}
-    )
+    Capabilities of the wrapped store: those that only read pass through
+    (``list_multipart_uploads``, ``stale_temp_files``, ``local_path``,
+    ``list_with_skips``, ``storage_class``, ``get_object_tagging``); those
+    that would change something are recorded and not done:
+    ``abort_multipart`` in ``intended_aborts``, ``remove_temp_file`` in
+    ``intended_removals``, ``restore`` in ``intended_restores`` (answering
+    ``"requested"``), ``put_object_tagging`` in ``intended_tags``; ``canary``
+    does nothing (a dry run writes nothing it would have to prove);
+    ``in_class`` gives a dry run of the other class that records into the
+    same lists.
+    """
 
     def __init__(self, inner: Store) -> None:
         self.inner = inner
         self.intended_writes: list[IntendedWrite] = []
         self.intended_deletes: list[str] = []
         self.intended_aborts: list[tuple[str, str]] = []
+        self.intended_removals: list[str] = []
+        self.intended_restores: list[tuple[str, int, str]] = []
         self.intended_tags: list[tuple[str, dict[str, str]]] = []
 
-    def __getattr__(self, name: str) -> Any:
-        if name in DryRunStore.PASS_THROUGH:
-            return getattr(self.inner, name)
-        if name == "put_object_tagging":
-            getattr(self.inner, name)  # AttributeError when the wrapped store cannot tag
-            return self._record_tagging
-        raise AttributeError(f"DryRunStore does not pass {name!r} through: it might change the store")
+    def rewrap(self, inner: Store) -> Self:
+        other = self.origin()(inner)
+        other.intended_writes, other.intended_deletes = self.intended_writes, self.intended_deletes
+        other.intended_aborts, other.intended_removals = self.intended_aborts, self.intended_removals
+        other.intended_restores, other.intended_tags = self.intended_restores, self.intended_tags
+        return other
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         return self.inner.list(prefix)
@@ -224,16 +384,72 @@ class DryRunStore(_Delegating):
                 self.intended_deletes.append(key)
         return result
 
-    def abort_multipart(self, key: str, upload_id: str) -> None:
-        self.intended_aborts.append((key, upload_id))
 
+class _DryCanary(DryRunStore):
     def canary(self) -> None:
         """Nothing to prove: a dry run never writes or deletes."""
 
-    def _record_tagging(self, key: str, tags: Any) -> None:
-        """``put_object_tagging`` of a taggable wrapped store: recorded in ``intended_tags``."""
+
+class _DryMultipartUploads(DryRunStore):
+    def list_multipart_uploads(self, prefix: str = "") -> list[tuple[str, str, datetime]]:
+        return cast(MultipartUploads, self.inner).list_multipart_uploads(prefix)
+
+    def abort_multipart(self, key: str, upload_id: str) -> None:
+        self.intended_aborts.append((key, upload_id))
+
+
+class _DryTempFiles(DryRunStore):
+    def stale_temp_files(self, older_than: float) -> list[str]:
+        return cast(TempFiles, self.inner).stale_temp_files(older_than)
+
+    def remove_temp_file(self, key: str) -> None:
+        self.intended_removals.append(validate_key(key))
+
+
+class _DryLocalPaths(DryRunStore):
+    def local_path(self, key: str) -> Path:
+        return cast(LocalPaths, self.inner).local_path(key)
+
+
+class _DryListingSkips(DryRunStore):
+    def list_with_skips(self, prefix: str, on_skip: Callable[[str, str], None]) -> Iterator[ObjectInfo]:
+        return cast(ListingSkips, self.inner).list_with_skips(prefix, on_skip)
+
+
+class _DryStorageClasses(DryRunStore):
+    @property
+    def storage_class(self) -> str | None:
+        return cast(StorageClasses, self.inner).storage_class
+
+    def in_class(self, storage_class: str | None) -> Store:
+        return self.rewrap(cast(StorageClasses, self.inner).in_class(storage_class))
+
+
+class _DryRestorable(DryRunStore):
+    def restore(self, key: str, *, days: int = 1, tier: str = "Standard") -> RestoreState:
+        self.intended_restores.append((validate_key(key), days, tier))
+        return "requested"
+
+
+class _DryTaggable(DryRunStore):
+    def put_object_tagging(self, key: str, tags: Mapping[str, str]) -> None:
         validate_key(key)
         self.intended_tags.append((key, dict(tags)))
+
+    def get_object_tagging(self, key: str) -> dict[str, str]:
+        return cast(Taggable, self.inner).get_object_tagging(key)
+
+
+DryRunStore.FORWARDS = {
+    Canary: _DryCanary,
+    MultipartUploads: _DryMultipartUploads,
+    TempFiles: _DryTempFiles,
+    LocalPaths: _DryLocalPaths,
+    ListingSkips: _DryListingSkips,
+    StorageClasses: _DryStorageClasses,
+    Restorable: _DryRestorable,
+    Taggable: _DryTaggable,
+}
 
 
 def _measure(data: bytes | BinaryIO) -> int:

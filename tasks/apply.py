@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
-from ckptier.storage.base import MAX_DELETE_BATCH, DeleteResult, Store
+from ckptier.storage.base import MAX_DELETE_BATCH, Canary, DeleteResult, Store
 from ckptier.storage.catalog.api import DeleteIntent, FileCheck
 from ckptier.storage.errors import CkptierError, DeleteInterrupted, NotFound, StoreError, Unavailable
 from ckptier.storage.model import CheckpointRecord, CopyState, State, Tier
@@ -405,12 +405,11 @@ def _result(item: PlanItem, outcome: Outcome, detail: str, *, freed: int = 0) ->
 
 
 def _canary(store: Store) -> str | None:
-    """Run the store's start-up canary if it has one; return why it failed, or None."""
-    probe = getattr(store, "canary", None)
-    if probe is None:
+    """Run the store's start-up canary if it has one (:class:`Canary`); return why it failed, or None."""
+    if not isinstance(store, Canary):
         return None
     try:
-        probe()
+        store.canary()
     except CkptierError as exc:
         return str(exc)
     return None

@@ -15,11 +15,10 @@ from datetime import datetime, timedelta
 from typing import Self
 from urllib.parse import urlparse
 
-from ckptier.storage.base import ObjectInfo, Store, read_bytes
+from ckptier.storage.base import ListingSkips, ObjectInfo, Store, read_bytes
 from ckptier.storage.catalog.api import Catalog, ScanSummary
 from ckptier.storage.errors import ConfigError
 from ckptier.storage.formats import METADATA_NAMES, PatternRule, recognise
-from ckptier.storage.local import LocalStore
 from ckptier.storage.model import Recognition, Unrecognised
 from ckptier.storage.url import open_store, parse_url
 
@@ -143,8 +142,8 @@ def recognise_store(
     or directory symlinks) are reported as not recognised, with the reason.
     """
     skipped: list[Unrecognised] = []
-    if isinstance(store, LocalStore):
-        listing = store.list("", on_skip=lambda key, why: skipped.append(Unrecognised(key, why)))
+    if isinstance(store, ListingSkips):
+        listing = store.list_with_skips("", lambda key, why: skipped.append(Unrecognised(key, why)))
     else:
         listing = store.list("")
     with Prefetcher(store, workers=prefetch, limit=METADATA_LIMIT) as fetcher:
