@@ -213,6 +213,29 @@ class ListingSkips(Protocol):
     def list_with_skips(self, prefix: str, on_skip: Callable[[str, str], None]) -> Iterator[ObjectInfo]: ...
 
 
+@runtime_checkable
+class ResumableReads(Protocol):
+    """A store whose reads can go on part-way through an object after the
+    connection broke, as long as the object has not changed (S3: a ranged GET
+    pinned to the ETag; botocore retries requests, never a body that breaks
+    off).
+
+    Contract (checked by ``tests/test_store_contract.py`` for every store that has it):
+
+    * ``open_versioned(key)`` returns ``(stream, version)``: the stream
+      ``open_read(key)`` would return and the version of the object it reads
+      (an opaque change token: S3's ETag). Raises as ``open_read`` does.
+    * ``open_from(key, offset, version)`` returns a stream of the object's
+      bytes from ``offset`` on (empty at or past the end), provided the
+      object is still ``version``; raises :class:`~.errors.ObjectChanged`
+      when it was replaced since, :class:`~.errors.NotFound` when it is gone.
+    """
+
+    def open_versioned(self, key: str) -> tuple[BinaryIO, str]: ...
+
+    def open_from(self, key: str, offset: int, version: str) -> BinaryIO: ...
+
+
 #: What :meth:`Restorable.restore` answers: a restore was started now, one is
 #: already running, or the object is readable (restored, or never archived).
 RestoreState = Literal["requested", "in-progress", "ready"]
@@ -287,7 +310,8 @@ class Taggable(Protocol):
 
 #: Every optional capability a store may have, beyond :class:`Store`.
 CAPABILITIES: tuple[type, ...] = (
-    Canary, MultipartUploads, TempFiles, LocalPaths, ListingSkips, StorageClasses, Restorable, Taggable,
+    Canary, MultipartUploads, TempFiles, LocalPaths, ListingSkips, ResumableReads, StorageClasses, Restorable,
+    Taggable,
 )
 
 

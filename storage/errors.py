@@ -62,6 +62,13 @@ class IntegrityError(StoreError):
     """Bytes read back do not match what was expected (size or checksum)."""
 
 
+class ObjectChanged(StoreError):
+    """An object was replaced while it was being read, so a read that broke off
+    cannot go on where it stopped (the bytes would mix two versions); read it
+    again from the start. Not transient in the retry sense: resuming again
+    fails the same way."""
+
+
 class NeedsRestore(StoreError):
     """The object sits in a storage class that must be restored before it can be read
     (S3 ``GLACIER``, ``DEEP_ARCHIVE``). ``storage_class`` names it when the store said.

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import builtins
 import copy
+import io
 import logging
 import os
 import uuid
@@ -52,6 +53,7 @@ from .errors import (
     IntegrityError,
     NeedsRestore,
     NotFound,
+    ObjectChanged,
     StoreError,
     Unavailable,
 )
@@ -186,8 +188,9 @@ class S3Store:
     :meth:`list_multipart_uploads` and removed by :meth:`abort_multipart`.
 
     Capabilities (:mod:`.base`): :class:`~.base.Canary`,
-    :class:`~.base.MultipartUploads`, :class:`~.base.StorageClasses`,
-    :class:`~.base.Restorable`, :class:`~.base.Taggable`.
+    :class:`~.base.MultipartUploads`, :class:`~.base.ResumableReads`,
+    :class:`~.base.StorageClasses`, :class:`~.base.Restorable`,
+    :class:`~.base.Taggable`.
     """
 
     def __init__(
@@ -645,7 +648,7 @@ class S3Store:
             Tagging={"TagSet": [{"Key": k, "Value": v} for k, v in merged.items()]},
         )
 
-    # -- the MultipartUploads, Restorable and Canary capabilities --------------
+    # -- the MultipartUploads, ResumableReads, Restorable and Canary capabilities
 
     def list_multipart_uploads(self, prefix: str = "") -> builtins.list[tuple[str, str, datetime]]:
         """Unfinished multipart uploads under ``prefix``: ``(key, upload_id, initiated)``.
@@ -677,6 +680,45 @@ class S3Store:
             raise self._translate(exc, key) from exc
         except (bex.BotoCoreError, OSError) as exc:
             raise self._translate(exc, key) from exc
+
+    def open_versioned(self, key: str) -> tuple[BinaryIO, str]:
+        """:meth:`open_read` and the object's ETag, which :meth:`open_from` resumes against
+        (:class:`~.base.ResumableReads`)."""
+        response = self._call("get_object", key, Bucket=self.bucket, Key=self._full_key(key))
+        return _S3Reader(response["Body"], self, key), str(response.get("ETag") or "")  # type: ignore[return-value]
+
+    def open_from(self, key: str, offset: int, version: str) -> BinaryIO:
+        """The object's bytes from ``offset`` on (a ranged GET), only while its ETag is still
+        ``version`` (``If-Match``); :class:`ObjectChanged` when it was replaced since."""
+        import botocore.exceptions as bex
+
+        full = self._full_key(key)
+        changed = ObjectChanged(f"{self.url}/{key}: replaced while it was being read (its ETag is no longer "
+                                f"{version or 'known'}); read it again from the start", url=self.url, key=key)
+        if not version:
+            raise changed
+        try:
+            response = self.client.get_object(Bucket=self.bucket, Key=full, Range=f"bytes={offset}-", IfMatch=version)
+        except bex.ClientError as exc:
+            code, status = _error_code(exc)
+            if code in _PRECONDITION or status == 412:
+                raise changed from exc
+            if code != "InvalidRange" and status != 416:
+                raise self._translate(exc, key) from exc
+            # Nothing left past ``offset``; still the same object?
+            try:
+                self.client.head_object(Bucket=self.bucket, Key=full, IfMatch=version)
+            except bex.ClientError as head_exc:
+                code, status = _error_code(head_exc)
+                if code in _PRECONDITION or status == 412:
+                    raise changed from head_exc
+                raise self._translate(head_exc, key) from head_exc
+            except (bex.BotoCoreError, OSError) as head_exc:
+                raise self._translate(head_exc, key) from head_exc
+            return io.BytesIO(b"")
+        except (bex.BotoCoreError, OSError) as exc:
+            raise self._translate(exc, key) from exc
+        return _S3Reader(response["Body"], self, key)  # type: ignore[return-value]
 
     def restore(self, key: str, *, days: int = 1, tier: str = "Standard") -> RestoreState:
         """Ask S3 for a readable copy of an archived object (RestoreObject) for ``days`` days.

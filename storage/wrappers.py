@@ -33,8 +33,10 @@ from .base import (
     LocalPaths,
     MultipartUploads,
     ObjectInfo,
+    ReaderOver,
     Restorable,
     RestoreState,
+    ResumableReads,
     StorageClasses,
     Store,
     Taggable,
@@ -100,7 +102,8 @@ def _combined(cls: type[_Wrapper], forwards: tuple[type[_Wrapper], ...]) -> type
 
 
 class RetryingStore(_Wrapper):
-    """Retries calls that fail with a transient error (:func:`is_transient`).
+    """Retries calls that fail with a transient error (:func:`is_transient`)
+    and resumes work that a transient error cut off part-way.
 
     Up to ``attempts`` tries per call, sleeping ``uniform(0, min(max_delay,
     base_delay * 2**n))`` seconds (full jitter) between them; the last error
@@ -109,7 +112,10 @@ class RetryingStore(_Wrapper):
 
     * ``list`` restarts a listing that failed part-way and skips keys already
       yielded, so each key is still yielded once.
-    * ``open_read`` retries the open, not reads of the returned stream.
+    * ``open_read`` retries the open. Where the wrapped store has
+      :class:`~.base.ResumableReads`, a read of the returned stream that
+      fails goes on from the byte where it stopped, on the same version of
+      the object (:class:`~.errors.ObjectChanged` when it was replaced).
     * ``write`` retries only when ``data`` is bytes or a seekable stream (it
       seeks back to where it started); a one-shot stream is tried once. A
       retried ``if_absent`` write whose first try landed unacknowledged
@@ -119,10 +125,17 @@ class RetryingStore(_Wrapper):
       deletes are idempotent. When it gives up it raises
       ``DeleteInterrupted`` with everything confirmed over all tries.
 
-    Capabilities of the wrapped store are retried the same way (all of them
-    are idempotent), ``list_with_skips`` like ``list`` (each skipped entry is
-    told once), and ``in_class`` gives a ``RetryingStore`` with the same
-    settings; ``local_path`` does no I/O and is passed on.
+    With ``resume_only`` (what :func:`resuming` builds, for stores whose
+    backend already retries each request: botocore does), a call that fails
+    before it made any progress is not tried again, so retries never
+    multiply: only work cut off part-way goes on, each time after new
+    progress — a listing that had yielded new keys, a stream that had
+    returned new bytes, a batch delete that had confirmed a batch.
+
+    Capabilities of the wrapped store are retried like single calls (all of
+    them are idempotent), ``list_with_skips`` like ``list`` (each skipped
+    entry is told once), and ``in_class`` gives a ``RetryingStore`` with the
+    same settings; ``local_path`` does no I/O and is passed on.
     """
 
     def __init__(
@@ -134,6 +147,7 @@ class RetryingStore(_Wrapper):
         max_delay: float = 5.0,
         sleep: Callable[[float], None] = time.sleep,
         rng: Callable[[], float] = random.random,
+        resume_only: bool = False,
     ) -> None:
         if attempts < 1:
             raise ValueError(f"attempts={attempts} must be at least 1")
@@ -141,6 +155,7 @@ class RetryingStore(_Wrapper):
         self.attempts = attempts
         self.base_delay = base_delay
         self.max_delay = max_delay
+        self.resume_only = resume_only
         self._sleep = sleep
         self._rng = rng
 
@@ -150,17 +165,25 @@ class RetryingStore(_Wrapper):
 
     def rewrap(self, inner: Store) -> Self:
         return self.origin()(inner, attempts=self.attempts, base_delay=self.base_delay, max_delay=self.max_delay,
-                             sleep=self._sleep, rng=self._rng)
+                             sleep=self._sleep, rng=self._rng, resume_only=self.resume_only)
+
+    def again(self, exc: BaseException, failures: int, *, progressed: bool) -> bool:
+        """Whether to try again after failure number ``failures`` (1-based) raised ``exc``,
+        having made progress since the previous try or not; sleeps first when so."""
+        if not is_transient(exc) or failures >= self.attempts or (self.resume_only and not progressed):
+            return False
+        self._sleep(self.delay(failures - 1))
+        return True
 
     def _run(self, fn: Callable[[], T], *, retryable: bool = True) -> T:
-        for attempt in range(self.attempts):
+        failures = 0
+        while True:
             try:
                 return fn()
             except Exception as exc:
-                if not retryable or not is_transient(exc) or attempt + 1 >= self.attempts:
+                failures += 1
+                if not retryable or not self.again(exc, failures, progressed=False):
                     raise
-                self._sleep(self.delay(attempt))
-        raise AssertionError("unreachable")  # pragma: no cover
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         return self._listing(lambda: self.inner.list(prefix))
@@ -168,23 +191,30 @@ class RetryingStore(_Wrapper):
     def _listing(self, start: Callable[[], Iterator[ObjectInfo]]) -> Iterator[ObjectInfo]:
         """The listing ``start()`` begins, started again after a transient failure, each key yielded once."""
         seen: set[str] = set()
-        for attempt in range(self.attempts):
+        failures = 0
+        while True:
+            progressed = False
             try:
                 for info in start():
                     if info.key not in seen:
                         seen.add(info.key)
+                        progressed = True
                         yield info
                 return
             except Exception as exc:
-                if not is_transient(exc) or attempt + 1 >= self.attempts:
+                failures += 1
+                if not self.again(exc, failures, progressed=progressed):
                     raise
-                self._sleep(self.delay(attempt))
 
     def stat(self, key: str) -> ObjectInfo:
         return self._run(lambda: self.inner.stat(key))
 
     def open_read(self, key: str) -> BinaryIO:
-        return self._run(lambda: self.inner.open_read(key))
+        inner = self.inner
+        if isinstance(inner, ResumableReads):
+            stream, version = self._run(lambda: inner.open_versioned(key))
+            return _ResumingReader(self, inner, key, stream, version)  # type: ignore[return-value]
+        return self._run(lambda: inner.open_read(key))
 
     def write(self, key: str, data: bytes | BinaryIO, *, if_absent: bool = False) -> ObjectInfo:
         if isinstance(data, (bytes, bytearray, memoryview)):
@@ -207,7 +237,8 @@ class RetryingStore(_Wrapper):
     def delete_many(self, keys: Sequence[str]) -> DeleteResult:
         result = DeleteResult()
         remaining = list(keys)
-        for attempt in range(self.attempts):
+        failures = 0
+        while True:
             try:
                 result.merge(self.inner.delete_many(remaining))
                 return result
@@ -215,13 +246,64 @@ class RetryingStore(_Wrapper):
                 result.merge(exc.result)
                 done = set(exc.result.deleted) | set(exc.result.failed)
                 remaining = [k for k in remaining if k not in done]
-                error = exc.error
+                error, progressed = exc.error, bool(done)
             except StoreError as exc:  # a store that stopped without saying what it confirmed
-                error = exc
-            if not is_transient(error) or attempt + 1 >= self.attempts:
+                error, progressed = exc, False
+            failures += 1
+            if not self.again(error, failures, progressed=progressed):
                 raise DeleteInterrupted(error, result) from error
-            self._sleep(self.delay(attempt))
-        raise AssertionError("unreachable")  # pragma: no cover
+
+
+def resuming(store: Store) -> Store:
+    """``store`` as every operation of a run uses it: a :class:`RetryingStore` with ``resume_only``.
+
+    Each request is already retried where it is made (botocore's standard
+    mode, 5 attempts, for S3), so single calls are not tried again here:
+    that would multiply the attempts against a store that is down or
+    throttling. What this adds is going on with work a failure cut off
+    part-way, which no request-level retry does: a listing that failed
+    mid-pagination is started again (yielding only keys not yet yielded), a
+    read whose connection broke goes on from the byte where it stopped (same
+    version of the object), a batch delete resends only what was not
+    confirmed.
+    """
+    return RetryingStore(store, resume_only=True)
+
+
+class _ResumingReader(ReaderOver):
+    """A stream of ``key`` that, when a read fails with a transient error, opens
+    the same version of the object again from the byte where it stopped
+    (:meth:`~.base.ResumableReads.open_from`) and goes on; ``retrying``
+    decides whether (:meth:`RetryingStore.again`) and how long to wait."""
+
+    def __init__(self, retrying: RetryingStore, store: ResumableReads, key: str, stream: BinaryIO,
+                 version: str) -> None:
+        super().__init__(stream)
+        self._retrying, self._store, self._key, self._version = retrying, store, key, version
+        self._pos = 0
+
+    def read(self, size: int | None = -1) -> bytes:
+        failures = 0
+        progressed = True  # the open itself
+        while True:
+            try:
+                data = self._inner.read(-1 if size is None else size)
+            except Exception as exc:
+                failures += 1
+                if not self._retrying.again(exc, failures, progressed=progressed):
+                    raise
+                self._reopen()
+                progressed = False
+                continue
+            self._pos += len(data)
+            return bytes(data)
+
+    def _reopen(self) -> None:
+        try:
+            self._inner.close()
+        except Exception:  # noqa: BLE001 - the broken stream's close may fail too; it is discarded
+            pass
+        self._inner = self._retrying._run(lambda: self._store.open_from(self._key, self._pos, self._version))
 
 
 class _RetryingCanary(RetryingStore):
@@ -267,6 +349,16 @@ class _RetryingListingSkips(RetryingStore):
         return self._listing(lambda: inner.list_with_skips(prefix, once))
 
 
+class _RetryingResumableReads(RetryingStore):
+    def open_versioned(self, key: str) -> tuple[BinaryIO, str]:
+        inner = cast(ResumableReads, self.inner)
+        return self._run(lambda: inner.open_versioned(key))
+
+    def open_from(self, key: str, offset: int, version: str) -> BinaryIO:
+        inner = cast(ResumableReads, self.inner)
+        return self._run(lambda: inner.open_from(key, offset, version))
+
+
 class _RetryingStorageClasses(RetryingStore):
     @property
     def storage_class(self) -> str | None:
@@ -298,6 +390,7 @@ RetryingStore.FORWARDS = {
     TempFiles: _RetryingTempFiles,
     LocalPaths: _RetryingLocalPaths,
     ListingSkips: _RetryingListingSkips,
+    ResumableReads: _RetryingResumableReads,
     StorageClasses: _RetryingStorageClasses,
     Restorable: _RetryingRestorable,
     Taggable: _RetryingTaggable,
@@ -325,7 +418,8 @@ class DryRunStore(_Wrapper):
 
     Capabilities of the wrapped store: those that only read pass through
     (``list_multipart_uploads``, ``stale_temp_files``, ``local_path``,
-    ``list_with_skips``, ``storage_class``, ``get_object_tagging``); those
+    ``list_with_skips``, ``open_versioned``, ``open_from``,
+    ``storage_class``, ``get_object_tagging``); those
     that would change something are recorded and not done:
     ``abort_multipart`` in ``intended_aborts``, ``remove_temp_file`` in
     ``intended_removals``, ``restore`` in ``intended_restores`` (answering
@@ -416,6 +510,14 @@ class _DryListingSkips(DryRunStore):
         return cast(ListingSkips, self.inner).list_with_skips(prefix, on_skip)
 
 
+class _DryResumableReads(DryRunStore):
+    def open_versioned(self, key: str) -> tuple[BinaryIO, str]:
+        return cast(ResumableReads, self.inner).open_versioned(key)
+
+    def open_from(self, key: str, offset: int, version: str) -> BinaryIO:
+        return cast(ResumableReads, self.inner).open_from(key, offset, version)
+
+
 class _DryStorageClasses(DryRunStore):
     @property
     def storage_class(self) -> str | None:
@@ -446,6 +548,7 @@ DryRunStore.FORWARDS = {
     TempFiles: _DryTempFiles,
     LocalPaths: _DryLocalPaths,
     ListingSkips: _DryListingSkips,
+    ResumableReads: _DryResumableReads,
     StorageClasses: _DryStorageClasses,
     Restorable: _DryRestorable,
     Taggable: _DryTaggable,

@@ -25,6 +25,7 @@ from ckptier.storage.errors import CkptierError, ConfigError
 from ckptier.storage.formats import PatternRule
 from ckptier.storage.model import CheckpointRecord, CopyState, State
 from ckptier.storage.url import open_store, parse_url
+from ckptier.storage.wrappers import resuming
 
 from .config import Config, check_archive_locations
 from .leases import DEFAULT_TTL as DEFAULT_LEASE_TTL
@@ -67,7 +68,10 @@ class StoreCache:
     S3 locations share one store per bucket (``prefix`` is the key within
     the bucket); a local location is served by a store rooted at its parent
     directory (``prefix`` is the last path component), which works for
-    checkpoint directories and single-file checkpoints alike. Thread-safe.
+    checkpoint directories and single-file checkpoints alike. Every store
+    ``opener`` gives is used through :func:`~ckptier.storage.wrappers.resuming`
+    (a listing, a read or a batch delete that breaks off part-way goes on).
+    Thread-safe.
     """
 
     def __init__(self, opener: Callable[[str], Store] = open_store) -> None:
@@ -78,7 +82,7 @@ class StoreCache:
     def store(self, url: str) -> Store:
         with self._lock:
             if url not in self._stores:
-                self._stores[url] = self._opener(url)
+                self._stores[url] = resuming(self._opener(url))
             return self._stores[url]
 
     def locate(self, location: str) -> tuple[Store, str]:

@@ -103,6 +103,16 @@ class Everything(Bare):
         on_skip("dangling", "dangling symlink")
         return self.inner.list(prefix)
 
+    def open_versioned(self, key: str) -> tuple[BinaryIO, str]:
+        self._call("open_versioned")
+        return self.inner.open_read(key), "v1"
+
+    def open_from(self, key: str, offset: int, version: str) -> BinaryIO:
+        self._call("open_from")
+        stream = self.inner.open_read(key)
+        stream.seek(offset)
+        return stream
+
     def in_class(self, storage_class: str | None) -> Store:
         self._call("in_class")
         other = Everything(self.inner, storage_class)
@@ -182,6 +192,8 @@ CALLS: list[tuple[str, Callable[[Any], Any]]] = [
     ("stale_temp_files", lambda s: s.stale_temp_files(0.0)),
     ("remove_temp_file", lambda s: s.remove_temp_file(".ckptier-tmp-x")),
     ("list_with_skips", lambda s: list(s.list_with_skips("", lambda k, why: None))),
+    ("open_versioned", lambda s: s.open_versioned("f")[0].read()),
+    ("open_from", lambda s: s.open_from("f", 2, "v1").read()),
     ("restore", lambda s: s.restore("k", days=2, tier="Bulk")),
     ("put_object_tagging", lambda s: s.put_object_tagging("k", {"a": "b"})),
     ("get_object_tagging", lambda s: s.get_object_tagging("k")),
@@ -192,6 +204,7 @@ CALLS: list[tuple[str, Callable[[Any], Any]]] = [
 def test_retrying_retries_each_capability_and_only_transient_errors(
     local: LocalStore, name: str, call: Callable[[Any], Any]
 ) -> None:
+    local.write("f", b"0123456789")
     inner = Everything(local)
     expected = call(Everything(local))
     inner.fail[name] = (2, Unavailable("SlowDown"))

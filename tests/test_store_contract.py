@@ -25,6 +25,7 @@ from ckptier.storage.base import (
     MultipartUploads,
     ObjectInfo,
     Restorable,
+    ResumableReads,
     StorageClasses,
     Store,
     Taggable,
@@ -482,6 +483,33 @@ class ListingSkipsContract(CapabilityContract):
         assert "\n" not in told[0][1] and told[0][1]
 
 
+class ResumableReadsContract(CapabilityContract):
+    capability = ResumableReads
+
+    def test_a_read_goes_on_from_an_offset_of_the_same_version_only(self, store: Any) -> None:
+        from ckptier.storage.errors import ObjectChanged
+
+        data = payload(BIG, seed=9)
+        store.write("r/obj", data)
+        stream, version = store.open_versioned("r/obj")
+        with stream:
+            assert stream.read(1000) == data[:1000]
+        assert isinstance(version, str) and version
+        with store.open_from("r/obj", 1000, version) as rest:
+            assert rest.read() == data[1000:]
+        with store.open_from("r/obj", len(data), version) as end:
+            assert end.read() == b""
+        store.write("r/obj", data[::-1])  # replaced: a resumed read would mix two versions
+        with pytest.raises(ObjectChanged):
+            store.open_from("r/obj", 1000, version)
+        with pytest.raises(ObjectChanged):
+            store.open_from("r/obj", len(data), version)
+        with pytest.raises(NotFound):
+            store.open_from("r/never", 0, version)
+        with pytest.raises(NotFound):
+            store.open_versioned("r/never")
+
+
 class StorageClassesContract(CapabilityContract):
     capability = StorageClasses
 
@@ -534,8 +562,8 @@ class LocalCapabilities(TempFilesContract, LocalPathsContract, ListingSkipsContr
         os.symlink("nowhere", path)
 
 
-class S3Capabilities(CanaryContract, MultipartUploadsContract, StorageClassesContract, RestorableContract,
-                     TaggableContract):
+class S3Capabilities(CanaryContract, MultipartUploadsContract, ResumableReadsContract, StorageClassesContract,
+                     RestorableContract, TaggableContract):
     """What an S3 store can do; the test class sets ``self.bucket`` and ``self.prefix`` in its ``store`` fixture."""
 
     bucket: S3Bucket
