@@ -99,7 +99,10 @@ class Store(Protocol):
       before (its ``result``) and the batch's error.
     """
 
-    url: str
+    @property
+    def url(self) -> str:
+        """The store's root URL (``file:///path``, ``s3://bucket/prefix``); keys are relative to it."""
+        ...
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]: ...
 

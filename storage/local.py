@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import errno
 import logging
 import os
@@ -233,11 +234,11 @@ class LocalStore:
         leaves out (:class:`~.base.ListingSkips`)."""
         return self.list(prefix, on_skip=on_skip)
 
-    def stale_temp_files(self, older_than: float) -> list[str]:
+    def stale_temp_files(self, older_than: float) -> builtins.list[str]:
         """This store's own temporary files (``.ckptier-tmp-*``, left by an
         interrupted ``write``) last modified before ``older_than`` (epoch
         seconds), as paths relative to the root. Never lists anything else."""
-        stale: list[str] = []
+        stale: builtins.list[str] = []
         for directory, _dirs, files in os.walk(self.root):
             for name in files:
                 if not name.startswith(TEMP_PREFIX):

@@ -16,7 +16,7 @@ instance of their combination (one class per combination, cached).
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import io
 import random
 import time
@@ -68,7 +68,8 @@ class _Wrapper:
         if cls._origin is not None:
             raise TypeError(f"construct {cls._origin.__name__}, not one of its combined classes")
         forwards = tuple(sub for cap, sub in cls.FORWARDS.items() if isinstance(inner, cap))
-        return super().__new__(_combined(cls, forwards))
+        combined: type[_Wrapper] = _combined(cast(type[_Wrapper], cls), forwards)
+        return cast(Self, super().__new__(combined))
 
     @classmethod
     def origin(cls) -> type[Self]:
@@ -87,7 +88,10 @@ class _Wrapper:
         return f"{type(self).__name__}({self.inner!r})"
 
 
-@functools.cache
+#: (wrapper class, forwarding classes) -> their combination, made once.
+_COMBINED: dict[tuple[type[_Wrapper], tuple[type[_Wrapper], ...]], type[_Wrapper]] = {}
+
+
 def _combined(cls: type[_Wrapper], forwards: tuple[type[_Wrapper], ...]) -> type[_Wrapper]:
     """``cls`` with the methods of each class in ``forwards``, named like ``cls``.
 
@@ -96,9 +100,13 @@ def _combined(cls: type[_Wrapper], forwards: tuple[type[_Wrapper], ...]) -> type
     ``cls`` goes first, so that its own methods win)."""
     if not forwards:
         return cls
-    bases = forwards if all(issubclass(f, cls) for f in forwards) else (cls, *forwards)
-    return type(cls.__name__, bases, {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
-                                      "__doc__": cls.__doc__, "_origin": cls})
+    made = _COMBINED.get((cls, forwards))
+    if made is None:
+        bases = forwards if all(issubclass(f, cls) for f in forwards) else (cls, *forwards)
+        made = type(cls.__name__, bases, {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                                          "__doc__": cls.__doc__, "_origin": cls})
+        made = _COMBINED.setdefault((cls, forwards), made)  # two threads at once: one class wins
+    return made
 
 
 class RetryingStore(_Wrapper):
@@ -299,10 +307,8 @@ class _ResumingReader(ReaderOver):
             return bytes(data)
 
     def _reopen(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # the broken stream's close may fail too; it is discarded
             self._inner.close()
-        except Exception:  # noqa: BLE001 - the broken stream's close may fail too; it is discarded
-            pass
         self._inner = self._retrying._run(lambda: self._store.open_from(self._key, self._pos, self._version))
 
 

@@ -15,20 +15,16 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import pytest
-
 from ckptier.storage.base import (
     CAPABILITIES,
     Canary,
     DeleteResult,
-    ListingSkips,
     LocalPaths,
     MultipartUploads,
     ObjectInfo,
-    Restorable,
     RestoreState,
     StorageClasses,
     Store,
-    Taggable,
     TempFiles,
 )
 from ckptier.storage.errors import NotFound, StoreError, Unavailable

@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from ckptier.storage.base import MAX_DELETE_BATCH, read_bytes
 from ckptier.storage.catalog.api import Catalog
 from ckptier.storage.errors import DeleteInterrupted, ObjectChanged, Unavailable
 from ckptier.storage.model import State
 from ckptier.storage.s3 import S3Store
 from ckptier.storage.wrappers import resuming
+
 from tests.fixtures.s3 import S3Bucket, make_client
 from tests.test_s3_faults import error_xml, fake_response, keys_in
 
@@ -133,7 +133,6 @@ def test_an_object_replaced_before_the_read_resumes_is_never_mixed(s3_bucket: S3
 
 def _guide_checkpoint(root: Path, step: int) -> None:
     import torch
-
     from ckptier.tasks.demo import write_guide_checkpoint
 
     gen = torch.Generator().manual_seed(step)
@@ -182,7 +181,7 @@ def test_a_deep_verify_through_the_run_stores_survives_broken_reads(
 def test_a_scan_whose_listing_fails_part_way_is_started_again(
     s3_bucket: S3Bucket, client: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import ckptier.tasks.scan as scan
+    from ckptier.tasks import scan
     from ckptier.tasks.scan import scan_url
 
     steps = (100, 200, 300)
