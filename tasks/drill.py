@@ -28,6 +28,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from ckptier.formats.registry import DRILLABLE_FORMATS as DRILLABLE
+from ckptier.formats.registry import plugin
 from ckptier.storage.errors import ConfigError
 from ckptier.storage.model import CheckpointRecord, Format, State
 from ckptier.tasks.config import parse_factory_spec
@@ -42,7 +44,8 @@ layer) miss by far more."""
 DEFAULT_CUDA_RTOL = 1e-4
 """Relative tolerance between the two repeated runs on CUDA (CPU must be bit-exact)."""
 
-DRILLABLE_FORMATS = frozenset({Format.GUIDE, Format.DCP, Format.HF, Format.LIGHTNING})
+DRILLABLE_FORMATS = DRILLABLE
+"""Formats a drill can load (each plug-in says: :attr:`ckptier.formats.base.FormatPlugin.drillable`)."""
 
 
 # --- choosing ---------------------------------------------------------------
@@ -82,6 +85,15 @@ def choose_candidates(
         and _restorable(r)
     ]
     return sorted(chosen, key=newest_first)
+
+
+def drill_path(record: CheckpointRecord, fetched: Path) -> Path:
+    """What the worker loads from ``fetched`` (the checkpoint's copy, its
+    files at their relpaths): the directory, or the one file of a
+    single-file checkpoint, as its format says; pure."""
+    relpaths = [f.relpath for f in record.files]
+    single = len(relpaths) == 1 and record.location.rstrip("/").rsplit("/", 1)[-1] == relpaths[0]
+    return plugin(record.format).drill_path(Path(fetched), relpaths, single)
 
 
 # --- the worker's result ----------------------------------------------------

@@ -33,7 +33,8 @@ from torch import nn
 from ckptier.storage.errors import CkptierError, ConfigError
 from ckptier.tasks.drill import DrillRequest, WorkerResult
 from ckptier.tasks.models import DrillSpec, build_spec, hf_spec, resolve_factory, train_step, trainer_optimizer
-from ckptier.tasks.safe_load import LoadedCheckpoint, UnsafeCheckpoint, load_checkpoint_dir
+from ckptier.formats.registry import plugin
+from ckptier.formats.safe_load import LoadedCheckpoint, UnsafeCheckpoint, load_checkpoint_dir
 
 
 class DrillFailure(CkptierError):
@@ -54,16 +55,14 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-_WHY_FACTORY = {
-    "lightning": "a Lightning .ckpt holds tensors only and the LightningModule's code is needed",
-    "hf-trainer": "the Hugging Face checkpoint has no config.json to build the model from",
-}
-
-
 def no_factory_message(checkpoint: str, fmt: str) -> str:
     """The one-line error for a drill with no model factory where one is
-    needed (every format but a Hugging Face checkpoint with config.json); pure."""
-    why = _WHY_FACTORY.get(fmt, f"a {fmt} checkpoint holds tensors only and the model's code is needed")
+    needed (every format but Hugging Face weights with a config.json); the
+    reason is the format's own (:attr:`ckptier.formats.base.FormatPlugin.why_factory`); pure."""
+    try:
+        why = plugin(fmt).why_factory
+    except (KeyError, ValueError):
+        why = f"a {fmt} checkpoint holds tensors only and the model's code is needed"
     return (
         f"{checkpoint}: no drill model given: {why}; pass --model module:function "
         "(or set model = \"module:function\" in the job's [[drill]] table of ckptier.toml), "

@@ -22,9 +22,10 @@ from typing import Any
 from ckptier.storage.base import StorageClasses, Store
 from ckptier.storage.catalog.api import Catalog
 from ckptier.storage.errors import CkptierError, ConfigError
-from ckptier.storage.formats import PatternRule
-from ckptier.storage.model import CheckpointRecord, State
+from ckptier.formats import PatternRule
+from ckptier.storage.model import CheckpointRecord, CopyState, State
 from ckptier.storage.url import open_store, parse_url
+from ckptier.storage.wrappers import resuming
 
 from .config import Config, check_archive_locations
 from .leases import DEFAULT_TTL as DEFAULT_LEASE_TTL
@@ -78,7 +79,10 @@ class StoreCache:
     S3 locations share one store per bucket (``prefix`` is the key within
     the bucket); a local location is served by a store rooted at its parent
     directory (``prefix`` is the last path component), which works for
-    checkpoint directories and single-file checkpoints alike. Thread-safe.
+    checkpoint directories and single-file checkpoints alike. Every store
+    ``opener`` gives is used through :func:`~ckptier.storage.wrappers.resuming`
+    (a listing, a read or a batch delete that breaks off part-way goes on).
+    Thread-safe.
     """
 
     def __init__(self, opener: Callable[[str], Store] = open_store) -> None:
@@ -89,7 +93,7 @@ class StoreCache:
     def store(self, url: str) -> Store:
         with self._lock:
             if url not in self._stores:
-                self._stores[url] = self._opener(url)
+                self._stores[url] = resuming(self._opener(url))
             return self._stores[url]
 
     def locate(self, location: str) -> tuple[Store, str]:
@@ -232,7 +236,7 @@ def run_verify(
         for row in _verify_archive_copies(catalog, with_archive_copy(cataloged), stores=stores, now=now):
             rows.append(row)
             totals["archive_checked"] += 1
-            totals["archive_degraded"] += row["state"] == "degraded"
+            totals["archive_degraded"] += row["state"] == CopyState.DEGRADED
             totals["bytes_read"] += row["bytes_read"]
     return {"checkpoints": rows, "totals": totals, "sample": f"{sample[0]}/{sample[1]}" if sample else None}
 
@@ -258,7 +262,7 @@ def _verify_archive_copies(catalog: Catalog, records: Sequence[CheckpointRecord]
         copy = record.archive_copy()
         assert copy is not None  # with_archive_copy() chose these records
         check = check_archive_copy(record, stores.store(archive_root(copy.url, record)))
-        state = "present" if check.ok else "degraded"
+        state = CopyState.PRESENT if check.ok else CopyState.DEGRADED
         if state != copy.state:
             catalog.set_copy_state(record.id, tier=Tier.ARCHIVE, url=copy.url, state=state, now=now())
         detail = "; ".join(check.problems[:3]) or None
@@ -272,7 +276,7 @@ def _verify_archive_copies(catalog: Catalog, records: Sequence[CheckpointRecord]
                 now=now(), job=record.job, checkpoint_id=record.id,
                 data={"only_copy": only, "problems": list(check.problems)},
             )
-        yield {"job": record.job, "step": record.step, "tier": "archive", "state": "verified" if check.ok else "degraded",
+        yield {"job": record.job, "step": record.step, "tier": "archive", "state": "verified" if check.ok else CopyState.DEGRADED.value,
                "bytes_read": check.bytes_read, "bytes_skipped": 0, "errors": 0, "extra": [],
                "detail": (("only copy at risk: " if only else "") + detail) if detail else None,
                "files": [asdict(f) for f in archive_file_problems(record.files, check.bad_files)],
@@ -626,7 +630,7 @@ def run_drill(
     import tempfile
 
     from .config import allow_global_problem
-    from .drill import DEFAULT_LOSS_TOLERANCE, choose_candidates, judge, run_drill_subprocess
+    from .drill import DEFAULT_LOSS_TOLERANCE, choose_candidates, drill_path, judge, run_drill_subprocess
     from .drill_inputs import check_drill_inputs
 
     for name in allow_globals:
@@ -668,9 +672,7 @@ def run_drill(
                 else:
                     tier = fetched["tier"]
                     timings["fetch_s"] = fetched["seconds"]
-                    path = scratch / "checkpoint"
-                    if record.format.value == "lightning":
-                        path = path / record.files[0].relpath
+                    path = drill_path(record, scratch / "checkpoint")
                     result = run_drill_subprocess(path, record.format, factory=factory, scratch=scratch / "work",
                                                   steps=k, timeout=limit, device=dev, allow_globals=allowed)
                     if result.error_stage == "factory":
