@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import errno
 import hashlib
 import logging
@@ -13,7 +14,14 @@ from pathlib import Path
 from typing import BinaryIO
 
 from .base import DeleteResult, ObjectInfo, as_stream, validate_key
-from .errors import AccessDenied, AlreadyExists, InvalidKey, NotFound, StoreError, Unavailable
+from .errors import (
+    AccessDenied,
+    AlreadyExists,
+    InvalidKey,
+    NotFound,
+    StoreError,
+    Unavailable,
+)
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +95,10 @@ class LocalStore:
     renamed into place, so readers never see a partial file. ``if_absent``
     uses ``link()``, which fails atomically when the target exists.
     Temporary files (``.ckptier-tmp-*``) are skipped by ``list``.
+
+    Capabilities (:mod:`.base`): :class:`~.base.LocalPaths`,
+    :class:`~.base.ListingSkips`, :class:`~.base.TempFiles`,
+    :class:`~.base.DirectoryStamps`.
     """
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
@@ -328,11 +340,26 @@ class LocalStore:
                 self._prune_empty_dirs(path.parent)
         return result
 
-    def stale_temp_files(self, older_than: float) -> list[str]:
+    def local_path(self, key: str) -> Path:
+        """The file holding object ``key`` (:class:`~.base.LocalPaths`); validates the key, no I/O."""
+        return self._path(key)
+
+    def list_with_skips(self, prefix: str, on_skip: Callable[[str, str], None]) -> Iterator[ObjectInfo]:
+        """:meth:`list`, telling ``on_skip(key, reason)`` about every symlink it
+        leaves out (:class:`~.base.ListingSkips`)."""
+        return self.list(prefix, on_skip=on_skip)
+
+    def list_pruned(self, prefix: str, skip_dir: Callable[[str], bool], on_skip: Callable[[str, str], None],
+                    on_link: Callable[[str], None]) -> Iterator[ObjectInfo]:
+        """:meth:`list`, not entering the directories ``skip_dir`` names and telling
+        ``on_skip`` and ``on_link`` (:class:`~.base.DirectoryStamps`)."""
+        return self.list(prefix, on_skip=on_skip, skip_dir=skip_dir, on_link=on_link)
+
+    def stale_temp_files(self, older_than: float) -> builtins.list[str]:
         """This store's own temporary files (``.ckptier-tmp-*``, left by an
         interrupted ``write``) last modified before ``older_than`` (epoch
         seconds), as paths relative to the root. Never lists anything else."""
-        stale: list[str] = []
+        stale: builtins.list[str] = []
         for directory, _dirs, files in os.walk(self.root):
             for name in files:
                 if not name.startswith(TEMP_PREFIX):
@@ -345,11 +372,11 @@ class LocalStore:
                     continue
         return sorted(stale)
 
-    def remove_temp_file(self, relpath: str) -> None:
+    def remove_temp_file(self, key: str) -> None:
         """Remove one file :meth:`stale_temp_files` listed; refuses any other name."""
-        path = self._path(relpath)
+        path = self._path(key)
         if not path.name.startswith(TEMP_PREFIX):
-            raise InvalidKey(f"{self.url}/{relpath}: not a ckptier temporary file; refusing to remove it", key=relpath)
+            raise InvalidKey(f"{self.url}/{key}: not a ckptier temporary file; refusing to remove it", key=key)
         path.unlink(missing_ok=True)
 
     def _prune_empty_dirs(self, directory: Path) -> None:

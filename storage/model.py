@@ -33,18 +33,43 @@ class State(enum.StrEnum):
 
 
 class Format(enum.StrEnum):
-    """Checkpoint layouts ckptier recognises (see DESIGN.md, Formats)."""
+    """Checkpoint layouts ckptier recognises: each has its plug-in in :mod:`ckptier.formats`."""
 
     GUIDE = "guide"  # {job}/step-{step:08d}/rank-{rank:04d}/*.pt + metadata.json
     DCP = "dcp"  # torch.distributed.checkpoint: *.distcp + .metadata
     HF = "hf-trainer"  # checkpoint-{N}/ + trainer_state.json
     LIGHTNING = "lightning"  # epoch=E-step=S.ckpt
     PATTERN = "pattern"  # user-configured pattern + settle time
+    DEEPSPEED = "deepspeed"  # global_step{N}/mp_rank_*_model_states.pt + the latest tag
+    MEGATRON = "megatron"  # iter_{N:07d}/mp_rank_*/model_optim_rng.pt or torch_dist + the tracker
+    HF_WEIGHTS = "hf-weights"  # model-0000k-of-0000n.safetensors + model.safetensors.index.json
+    ORBAX = "orbax"  # {step}/_CHECKPOINT_METADATA or commit_success.txt (JAX)
 
 
 class Tier(enum.StrEnum):
     HOT = "hot"
     ARCHIVE = "archive"
+
+
+class CopyState(enum.StrEnum):
+    """Where one copy of a checkpoint (in one tier, at one URL) stands; stored as its value.
+
+    ``present``: its bytes are there, as far as the last scan, promotion or
+    proof knows. ``missing``: a scan no longer lists the hot copy (it may
+    come back; a forgotten checkpoint's copies end here too). ``deleted``:
+    ckptier removed it on purpose. ``degraded``: an archive copy whose
+    read-back failed its proof; its bytes are still there (kept as evidence),
+    but nothing relies on it.
+    """
+
+    PRESENT = "present"
+    MISSING = "missing"
+    DELETED = "deleted"
+    DEGRADED = "degraded"
+
+
+#: Copy states whose bytes are still stored (a tier "holds" the checkpoint).
+HELD_COPY_STATES = frozenset({CopyState.PRESENT, CopyState.DEGRADED})
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,14 +187,13 @@ class FileRecord:
 
 @dataclass(frozen=True)
 class CopyRecord:
-    """Where a checkpoint's bytes live. ``state`` is one of
-    ``present``, ``missing``, ``deleted``, ``degraded``. ``storage_class``:
+    """Where a checkpoint's bytes live (see :class:`CopyState`). ``storage_class``:
     the S3 storage class the copy's objects were confirmed in (``None``
     where the store has none, or it was not recorded)."""
 
     tier: Tier
     url: str
-    state: str
+    state: CopyState
     stored_bytes: int | None
     verified_at: datetime | None
     codec: str | None = None
@@ -219,16 +243,16 @@ class CheckpointRecord:
     @property
     def tiers(self) -> tuple[str, ...]:
         """Tiers holding a present (or degraded) copy, hot first."""
-        present = {c.tier for c in self.copies if c.state in ("present", "degraded")}
+        present = {c.tier for c in self.copies if c.state in HELD_COPY_STATES}
         return tuple(t.value for t in (Tier.HOT, Tier.ARCHIVE) if t in present)
 
     def archive_copy(self) -> CopyRecord | None:
         """The archive copy still held (present or degraded), if any."""
-        return next((c for c in self.copies if c.tier == Tier.ARCHIVE and c.state in ("present", "degraded")), None)
+        return next((c for c in self.copies if c.tier == Tier.ARCHIVE and c.state in HELD_COPY_STATES), None)
 
     def has_verified_archive(self) -> bool:
         return any(
-            c.tier == Tier.ARCHIVE and c.state == "present" and c.verified_at is not None
+            c.tier == Tier.ARCHIVE and c.state == CopyState.PRESENT and c.verified_at is not None
             for c in self.copies
         )
 

@@ -8,7 +8,7 @@ wrong (one line) and which other files the checkpoint must hold. Pure: no
 I/O, no clock; nothing here imports torch, and nothing a file holds is ever
 executed.
 
-Checked, by file name (:func:`checker_for`):
+Checked here, by file name (:func:`data_checker`), whatever the format:
 
 * torch zip files (``.pt``, ``.pth``, ``.bin``, ``.ckpt`` that start with a
   zip local header; torch.save, Lightning): every local header, every
@@ -24,14 +24,9 @@ Checked, by file name (:func:`checker_for`):
 * safetensors: the 8-byte header length (at most 100 MB), the JSON header,
   each tensor's dtype, shape and offsets (``end - begin`` = elements × dtype
   size, tensors contiguous from 0) against the file size.
-* manifests, which also name the files the checkpoint must hold
-  (:class:`Need`): the guide's ``metadata.json`` (``files`` with sizes,
-  ``world_size`` against ``rank-*`` directories), DCP's ``.metadata`` (a
-  pickle, read by :func:`dcp_needs` with a restricted unpickler that
-  constructs nothing executable; every referenced ``.distcp`` must have
-  enough bytes for the largest offset + length) and Hugging Face's
-  ``model.safetensors.index.json`` / ``pytorch_model.bin.index.json``
-  (every shard in ``weight_map``). Manifests are buffered whole, up to
+* manifests, through :func:`manifest_checker`: each format's plug-in
+  (:mod:`ckptier.formats`) parses its own and names the files the checkpoint
+  must hold (:class:`Need`); manifests are buffered whole, up to
   :data:`MAX_MANIFEST` bytes.
 
 CRC-32 runs at memory speed only with a CLMUL implementation: zlib-ng's
@@ -42,10 +37,8 @@ used).
 
 from __future__ import annotations
 
-import io
 import json
 import math
-import pickle
 import re
 import struct
 import zlib
@@ -53,9 +46,8 @@ from collections.abc import Callable, Generator, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .base import key_problem
 from .codec_layout import torch_storages
-from .model import Format, Shortfall
+from .model import Shortfall
 
 try:  # CLMUL CRC-32: ~10x zlib's (see the module docstring)
     from zlib_ng.zlib_ng import crc32 as _crc32
@@ -68,12 +60,10 @@ __all__ = [
     "Need",
     "Structure",
     "StructureError",
-    "checker_for",
     "crc32",
-    "dcp_needs",
-    "guide_listed_files",
-    "guide_needs",
-    "hf_index_needs",
+    "data_checker",
+    "manifest_checker",
+    "parse_json",
     "shortfalls",
 ]
 
@@ -87,11 +77,6 @@ MAX_DESCRIPTOR_SEARCH = 64 << 20
 crc32: Callable[..., int] = _crc32
 
 _ZIP_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
-_GUIDE_META = "metadata.json"
-_DCP_META = ".metadata"
-_HF_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
-_HEX = frozenset("0123456789abcdef")
-_MAX_NAMED = 3
 
 
 class StructureError(ValueError):
@@ -157,169 +142,6 @@ def shortfalls(needs: Iterable[Need], present: Mapping[str, int], *, also_presen
 
 
 # -- manifests (pure functions of their parsed content) --------------------------------
-
-
-def guide_listed_files(meta: dict[str, Any], dirname: str) -> tuple[dict[str, tuple[int | None, str | None]], list[str]]:
-    """Files the guide's ``metadata.json`` lists: relpath -> (size, sha256 hex), plus notes on unusable entries.
-
-    Accepted forms (every field optional): ``"files": {path: {"size", "sha256"}}``,
-    ``"files": {path: "<hex>"}``, ``"files": [{"path", "size", "sha256"}, ...]``
-    (``name``/``relpath``/``file`` for ``path``, ``bytes``/``size_bytes`` for
-    ``size``, ``hash`` for ``sha256``), ``"sha256": {path: "<hex>"}``. Paths
-    may start with the step directory's name (``dirname``).
-    """
-    entries: list[tuple[Any, Any, Any]] = []  # (path, size, digest)
-    files = meta.get("files")
-    if isinstance(files, dict):
-        for path, entry in files.items():
-            if isinstance(entry, dict):
-                entries.append((path, _first(entry, "size", "bytes", "size_bytes"), _first(entry, "sha256", "hash")))
-            else:
-                entries.append((path, None, entry))
-    elif isinstance(files, list):
-        for entry in files:
-            if isinstance(entry, dict):
-                entries.append(
-                    (
-                        _first(entry, "path", "relpath", "name", "file"),
-                        _first(entry, "size", "bytes", "size_bytes"),
-                        _first(entry, "sha256", "hash"),
-                    )
-                )
-    hashes = meta.get("sha256")
-    if isinstance(hashes, dict):
-        entries.extend((path, None, digest) for path, digest in hashes.items())
-    listed: dict[str, tuple[int | None, str | None]] = {}
-    bad_paths: list[str] = []
-    bad_digests: list[str] = []
-    for path, size, digest_value in entries:
-        if not isinstance(path, str):
-            bad_paths.append(repr(path))
-            continue
-        rel = path[2:] if path.startswith("./") else path
-        if rel.startswith(dirname + "/"):
-            rel = rel[len(dirname) + 1 :]
-        if key_problem(rel) is not None:
-            bad_paths.append(repr(path))
-            continue
-        digest = _digest(digest_value)
-        if digest_value is not None and digest is None:
-            bad_digests.append(rel)
-        want = size if isinstance(size, int) and not isinstance(size, bool) and size >= 0 else None
-        old_size, old_digest = listed.get(rel, (None, None))
-        listed[rel] = (want if want is not None else old_size, digest or old_digest)
-    notes = []
-    if bad_paths:
-        notes.append("metadata.json: unusable file path(s) ignored: " + _names(bad_paths))
-    if bad_digests:
-        notes.append("metadata.json: malformed sha256 ignored for " + _names(bad_digests))
-    return listed, notes
-
-
-def guide_needs(meta: dict[str, Any], dirname: str) -> tuple[list[Need], list[str]]:
-    """What the guide's ``metadata.json`` requires: every listed file (with
-    its exact size when recorded) and, for ``world_size`` N, the directories
-    ``rank-0000/`` .. ``rank-{N-1:04d}/``. Plus notes on unusable entries."""
-    listed, notes = guide_listed_files(meta, dirname)
-    needs = [Need(rel, _GUIDE_META, size, size is not None) for rel, (size, _) in listed.items()]
-    world = meta.get("world_size")
-    if isinstance(world, int) and not isinstance(world, bool) and world > 0:
-        if world > 1 << 16:
-            notes.append(f"metadata.json: world_size {world} is implausible; ranks not checked")
-        else:
-            needs.extend(Need(f"rank-{r:04d}/", _GUIDE_META) for r in range(world))
-    elif world is not None:
-        notes.append(f"metadata.json: world_size {world!r} is not a positive integer; ranks not checked")
-    return needs, notes
-
-
-def hf_index_needs(index: Any, manifest: str, base: str = "") -> list[Need] | None:
-    """Every shard a Hugging Face ``*.index.json`` names in ``weight_map``
-    (relative to ``base``, the index's directory), or ``None`` when it has
-    no ``weight_map`` object."""
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict):
-        return None
-    shards = {v for v in weight_map.values() if isinstance(v, str) and key_problem(v) is None}
-    return [Need(base + s, manifest) for s in sorted(shards)]
-
-
-class _Inert:
-    """Stand-in for every global a pickle names: records what it is given, does nothing."""
-
-    qualname = "?"
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.args = args
-
-    @property
-    def fields(self) -> dict[str, Any]:
-        """The state the pickle gave this object (``{}`` when none)."""
-        return self.__dict__.setdefault("_fields", {})
-
-    def __setstate__(self, state: Any) -> None:
-        if isinstance(state, tuple) and len(state) == 2:  # (dict state, slot state)
-            for part in state:
-                if isinstance(part, dict):
-                    self.fields.update(part)
-        elif isinstance(state, dict):
-            self.fields.update(state)
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        pass
-
-    def append(self, item: Any) -> None:
-        pass
-
-    def extend(self, items: Any) -> None:
-        pass
-
-
-class _InertUnpickler(pickle.Unpickler):
-    """Every global becomes a fresh :class:`_Inert` subclass: no module is
-    imported and no real callable is reached, so nothing in the pickle runs."""
-
-    def find_class(self, module: str, name: str) -> type:
-        return type("Inert", (_Inert,), {"qualname": f"{module}.{name}"})
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise pickle.UnpicklingError("persistent ids are not part of DCP metadata")
-
-
-_DCP_ROOT = "torch.distributed.checkpoint.metadata.Metadata"
-
-
-def dcp_needs(data: bytes, base: str = "") -> list[Need]:
-    """The ``.distcp`` files a DCP ``.metadata`` references, each needing at
-    least the largest ``offset + length`` it references (relative to
-    ``base``, the ``.metadata``'s directory), sorted.
-
-    Read by a restricted unpickler that constructs nothing executable (every
-    global is an inert placeholder). Raises :class:`StructureError` when
-    ``data`` is not DCP metadata (truncated, not a pickle, another object).
-    """
-    try:
-        root = _InertUnpickler(io.BytesIO(data)).load()
-    except Exception as exc:  # noqa: BLE001 - any malformed pickle: named in one line
-        raise StructureError(f"not a readable pickle ({type(exc).__name__}: {str(exc)[:120]})") from None
-    if not isinstance(root, _Inert) or root.qualname != _DCP_ROOT:
-        what = root.qualname if isinstance(root, _Inert) else type(root).__name__
-        raise StructureError(f"holds {what}, not {_DCP_ROOT}")
-    storage = root.fields.get("storage_data")
-    if storage is None:
-        return []
-    if not isinstance(storage, dict):
-        raise StructureError(f"storage_data is a {type(storage).__name__}, not a dict")
-    sizes: dict[str, int] = {}
-    for info in storage.values():
-        st = info.fields if isinstance(info, _Inert) else {}
-        path, offset, length = st.get("relative_path"), st.get("offset"), st.get("length")
-        if not isinstance(path, str) or key_problem(path) is not None:
-            raise StructureError(f"storage entry with unusable relative_path {path!r}")
-        if not (isinstance(offset, int) and isinstance(length, int) and _count(offset) and _count(length)):
-            raise StructureError(f"{path}: offset {offset!r} / length {length!r} are not byte counts")
-        sizes[path] = max(sizes.get(path, 0), offset + length)
-    return [Need(base + p, _DCP_META, n) for p, n in sorted(sizes.items())]
 
 
 # -- checkers ---------------------------------------------------------------------------
@@ -440,33 +262,26 @@ class Checker:
         return Structure(self.kind, self._problem, tuple(self._needs), tuple(self._notes))
 
 
-def checker_for(relpath: str, fmt: Format | str | None = None, *, manifests_only: bool = False) -> Checker | None:
-    """A checker for the file ``relpath`` (relative to its checkpoint) of a
-    checkpoint of format ``fmt``, or ``None`` when it has no checkable
-    structure. Manifests are checked only in their own format; with
-    ``manifests_only``, data files (torch zip, safetensors) get none."""
+def data_checker(relpath: str) -> Checker | None:
+    """A checker for a data file with a structure of its own (torch zip,
+    safetensors), judged by its name, or ``None``. Manifests are checked by
+    their format's plug-in (:meth:`ckptier.formats.base.FormatPlugin.checker`)."""
     name = relpath[relpath.rfind("/") + 1 :]
-    base = relpath[: len(relpath) - len(name)]
-    fmt = Format(fmt) if fmt is not None else None
-    if manifests_only and name.endswith((".safetensors", *_ZIP_SUFFIXES)):
-        return None
     if name.endswith(".safetensors"):
         return Checker("safetensors", _safetensors)
     if name.endswith(_ZIP_SUFFIXES):
         return Checker("torch zip", _zip)
-    if fmt == Format.GUIDE and relpath == _GUIDE_META:
-        return _manifest(relpath, _guide_manifest)
-    if name == _DCP_META and fmt in (Format.DCP, Format.HF):
-        return _manifest(relpath, lambda c, data: c.need(_dcp_manifest(data, base)))
-    if name in _HF_INDEXES and fmt == Format.HF:
-        return _manifest(relpath, lambda c, data: c.need(_hf_manifest(data, name, base)))
     return None
 
 
 # -- manifest parsers ---------------------------------------------------------------------
 
 
-def _manifest(relpath: str, parse: Callable[[Checker, bytes], None]) -> Checker:
+def manifest_checker(relpath: str, parse: Callable[[Checker, bytes], None]) -> Checker:
+    """A checker that buffers a manifest whole (up to :data:`MAX_MANIFEST`
+    bytes) and hands it to ``parse``, which notes, requires (``c.need``) or
+    raises :class:`StructureError`."""
+
     def parser(c: Checker) -> Generator[tuple[Any, ...], Any, None]:
         data = yield ("peek", MAX_MANIFEST + 1, "")
         if len(data) > MAX_MANIFEST:
@@ -480,7 +295,8 @@ def _manifest(relpath: str, parse: Callable[[Checker, bytes], None]) -> Checker:
     return Checker(relpath[relpath.rfind("/") + 1 :], parser)
 
 
-def _json(data: bytes, label: str) -> Any:
+def parse_json(data: bytes, label: str) -> Any:
+    """``data`` as JSON; :class:`StructureError` naming ``label`` and the position otherwise."""
     try:
         return json.loads(data)
     except json.JSONDecodeError as exc:
@@ -489,30 +305,6 @@ def _json(data: bytes, label: str) -> Any:
         raise StructureError(f"{label}: not valid UTF-8 text") from None
     except RecursionError:
         raise StructureError(f"{label}: JSON nested too deeply") from None
-
-
-def _guide_manifest(c: Checker, data: bytes) -> None:
-    meta = _json(data, _GUIDE_META)
-    if not isinstance(meta, dict):
-        raise StructureError(f"{_GUIDE_META}: expected a JSON object, found {type(meta).__name__}")
-    needs, notes = guide_needs(meta, "")
-    c.need(needs)
-    for n in notes:
-        c.note(n)
-
-
-def _dcp_manifest(data: bytes, base: str) -> list[Need]:
-    try:
-        return dcp_needs(data, base)
-    except StructureError as exc:
-        raise StructureError(f"DCP .metadata: {exc}") from None
-
-
-def _hf_manifest(data: bytes, name: str, base: str) -> list[Need]:
-    needs = hf_index_needs(_json(data, name), name, base)
-    if needs is None:
-        raise StructureError(f"{name}: no weight_map object")
-    return needs
 
 
 # -- safetensors ----------------------------------------------------------------------------
@@ -532,7 +324,7 @@ def _safetensors(c: Checker) -> Generator[tuple[Any, ...], Any, None]:
     if n > MAX_SAFETENSORS_HEADER:
         raise StructureError(f"header length {n} bytes is over safetensors' {MAX_SAFETENSORS_HEADER}-byte limit")
     raw = yield ("read", n, f"inside the {n}-byte JSON header")
-    header = _json(raw, "header")
+    header = parse_json(raw, "header")
     if not isinstance(header, dict):
         raise StructureError(f"header is a JSON {type(header).__name__}, not an object")
     spans: list[tuple[int, int, str]] = []
@@ -836,24 +628,3 @@ def _zip64_fields(extra: bytes, wanted: list[bool]) -> list[int]:
 
 def _count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _digest(value: Any) -> str | None:
-    if not isinstance(value, str):
-        return None
-    text = value.strip().lower()
-    if text.startswith("sha256:"):
-        text = text[7:]
-    return text if len(text) == 64 and set(text) <= _HEX else None
-
-
-def _first(entry: dict[str, Any], *names: str) -> Any:
-    for name in names:
-        if name in entry:
-            return entry[name]
-    return None
-
-
-def _names(items: list[str]) -> str:
-    shown = ", ".join(items[:_MAX_NAMED])
-    return shown + (f" (+{len(items) - _MAX_NAMED} more)" if len(items) > _MAX_NAMED else "")

@@ -1,13 +1,13 @@
 """Scan: list a store, recognise checkpoints, record them in the catalog.
 
 The decisions (which objects form which checkpoint, committed or not) are the
-pure :func:`ckptier.storage.formats.recognise`; this module is the thin I/O
+pure :func:`ckptier.formats.recognise`; this module is the thin I/O
 around it. It never deletes anything, and a failed listing records nothing.
 
 **Unchanged local directories are not listed again.** After a local scan,
 each ``committed`` checkpoint directory that holds nothing but the
 checkpoint's files gets a *stamp* in the catalog
-(:meth:`~ckptier.storage.local.LocalStore.take_stamp`): the mtime, link
+(:meth:`~ckptier.storage.base.DirectoryStamps.take_stamp`): the mtime, link
 count and entry count of the directory, and the mtime and link count of
 every directory below it. A later scan does not enter a directory whose
 stamp is unchanged and whose checkpoint is still ``committed`` or
@@ -46,14 +46,21 @@ from datetime import datetime, timedelta
 from typing import Self
 from urllib.parse import urlparse
 
-from ckptier.storage.base import ObjectInfo, Store, read_bytes
+from ckptier.formats import METADATA_NAMES, PatternRule, recognise
+from ckptier.storage.base import (
+    BucketLocation,
+    DirectoryStamps,
+    ListingSkips,
+    ObjectInfo,
+    Store,
+    read_bytes,
+)
 from ckptier.storage.catalog.api import Catalog, DirStampRecord, ScanSummary
 from ckptier.storage.errors import ConfigError
-from ckptier.storage.formats import METADATA_NAMES, PatternRule, recognise
 from ckptier.storage.inventory import InventoryReport, open_report
-from ckptier.storage.local import LocalStore
 from ckptier.storage.model import Found, Recognition, State, Tier, Unrecognised
 from ckptier.storage.url import open_store, parse_url
+from ckptier.storage.wrappers import resuming
 
 #: Metadata and marker files larger than this are refused, not read.
 METADATA_LIMIT = 16 << 20
@@ -196,16 +203,21 @@ def recognise_store(
     store in :mod:`ckptier.storage` does. The result does not depend on
     ``prefetch``. Entries a local listing skipped (symlink loops, dangling
     or directory symlinks) are reported as not recognised, with the reason.
-    ``skip_dir`` and ``on_link`` go to :meth:`LocalStore.list` (ignored for
-    other stores). ``listing`` replaces the store's own listing (an
+    ``skip_dir`` and ``on_link`` go to
+    :meth:`~ckptier.storage.base.DirectoryStamps.list_pruned` (ignored for
+    stores without it). ``listing`` replaces the store's own listing (an
     inventory's objects); metadata files are still read from ``store``.
     """
     skipped: list[Unrecognised] = []
+    def on_skip(key: str, why: str) -> None:
+        skipped.append(Unrecognised(key, why))
+
     if listing is not None:
         pass
-    elif isinstance(store, LocalStore):
-        listing = store.list("", on_skip=lambda key, why: skipped.append(Unrecognised(key, why)),
-                             skip_dir=skip_dir, on_link=on_link)
+    elif isinstance(store, DirectoryStamps) and (skip_dir is not None or on_link is not None):
+        listing = store.list_pruned("", skip_dir or _enter, on_skip, on_link or _ignore)
+    elif isinstance(store, ListingSkips):
+        listing = store.list_with_skips("", on_skip)
     else:
         listing = store.list("")
     with Prefetcher(store, workers=prefetch, limit=METADATA_LIMIT) as fetcher:
@@ -221,14 +233,23 @@ def recognise_store(
     return replace(found, unrecognised=tuple(sorted(found.unrecognised + tuple(skipped), key=lambda u: u.key)))
 
 
+def _enter(key: str) -> bool:
+    """Skip no directory."""
+    return False
+
+
+def _ignore(key: str) -> None:
+    """Nothing to note about a link."""
+
+
 class _Skipper:
     """Decides, directory by directory during a local listing, which
     checkpoint directories are unchanged since their stamp (see the module
     docstring), and remembers them."""
 
-    def __init__(self, store: LocalStore, stamps: dict[str, DirStampRecord], now: datetime) -> None:
+    def __init__(self, store: DirectoryStamps, url: str, stamps: dict[str, DirStampRecord], now: datetime) -> None:
         self.store = store
-        base = store.url.rstrip("/") + "/"
+        base = url.rstrip("/") + "/"
         self.by_key = {
             loc[len(base):]: rec for loc, rec in stamps.items()
             if loc.startswith(base) and now - rec.taken_at < FULL_LISTING_EVERY
@@ -251,7 +272,8 @@ def _ancestors(key: str) -> Iterator[str]:
 
 
 def restamp(
-    store: LocalStore,
+    store: DirectoryStamps,
+    url: str,
     catalog: Catalog,
     recognition: Recognition,
     *,
@@ -261,8 +283,9 @@ def restamp(
 ) -> int:
     """Stamp each listed ``committed`` checkpoint directory that holds nothing
     else (no file left unrecognised, no other checkpoint, no symlink); forget
-    the stamps of the other listed checkpoints. Returns the stamps taken."""
-    base = store.url.rstrip("/")
+    the stamps of the other listed checkpoints. ``url`` is the store's URL.
+    Returns the stamps taken."""
+    base = url.rstrip("/")
     busy: set[str] = set()  # directories holding something besides one checkpoint's files
     for u in recognition.unrecognised:
         busy.update(_ancestors(u.key))
@@ -312,7 +335,10 @@ def scan_url(
 ) -> ScanReport:
     """Scan ``url`` (a path, ``file://`` or ``s3://`` URL) into ``catalog``.
 
-    Idempotent: scanning unchanged storage writes no catalog rows.
+    ``store`` defaults to ``url``'s store through
+    :func:`~ckptier.storage.wrappers.resuming` (a listing that fails part-way
+    is started again). Idempotent: scanning unchanged storage writes no
+    catalog rows.
     Checkpoints of this URL that are no longer listed are marked missing,
     never dropped. ``grace_for(job)`` is how long a save whose manifest
     lists absent files may still be in flight (default 2 h). A local scan
@@ -323,22 +349,23 @@ def scan_url(
     """
     if store is None:
         _refuse_a_file(url)
-    store = store if store is not None else open_store(url)
+    store = store if store is not None else resuming(open_store(url))
     if inventory is not None:
         return scan_inventory(url, inventory, catalog, now=now, patterns=patterns, store=store, tick=tick,
                               grace_for=grace_for)
     skipper: _Skipper | None = None
     links: list[str] = []
     listed_at = time.time()
-    if isinstance(store, LocalStore) and not full:
-        skipper = _Skipper(store, catalog.dir_stamps(store.url.rstrip("/") + "/"), now)
+    stamps = store if isinstance(store, DirectoryStamps) else None
+    if stamps is not None and not full:
+        skipper = _Skipper(stamps, store.url, catalog.dir_stamps(store.url.rstrip("/") + "/"), now)
     recognition = recognise_store(store, now=now.timestamp(), name=root_name(url), patterns=patterns, tick=tick,
-                                  skip_dir=skipper, on_link=links.append)
+                                  skip_dir=skipper, on_link=links.append if stamps is not None else None)
     unchanged = skipper.unchanged if skipper is not None else {}
     summary = catalog.record_scan(store.url, recognition, now=now, unchanged=unchanged.keys(),
                                  grace_for=grace_for)
-    if isinstance(store, LocalStore):
-        restamp(store, catalog, recognition, links=links, listed_at=listed_at, now=now)
+    if stamps is not None:
+        restamp(stamps, store.url, catalog, recognition, links=links, listed_at=listed_at, now=now)
     committed = sum(1 for c in recognition.checkpoints if c.committed)
     carried = sum(r.files for r in unchanged.values())
     return ScanReport(
@@ -391,17 +418,14 @@ def scan_inventory(
     :mod:`ckptier.tasks.apply`). The report's URL, creation time and age are
     in the returned report and in a ``scan.inventory`` catalog event.
     """
-    from ckptier.storage.s3 import S3Store
-
-    store = store if store is not None else open_store(url)
-    bucket, prefix = getattr(store, "bucket", None), getattr(store, "prefix", None)
-    if not isinstance(bucket, str) or not isinstance(prefix, str):
+    store = store if store is not None else resuming(open_store(url))
+    if not isinstance(store, BucketLocation):
         raise ConfigError(f"--inventory {inventory}: only s3:// URLs have S3 Inventory reports, not {url!r}; "
                           "scan it without --inventory")
+    bucket, prefix = store.bucket, store.prefix
     if report is None:
-        client = getattr(store, "client", None)
-        report = open_report(inventory, open_store=(lambda u: S3Store(parse_url(u).bucket, client=client))
-                             if client is not None else None)
+        located = store
+        report = open_report(inventory, open_store=lambda u: located.in_bucket(parse_url(u).bucket))
     if report.manifest.source_bucket != bucket:
         raise ConfigError(f"inventory {report.url} is a report of bucket {report.manifest.source_bucket!r}, "
                           f"not {bucket!r}; give the inventory of s3://{bucket}")

@@ -14,9 +14,11 @@ from typing import Any
 
 import pytest
 from ckptier.flows.cli import main
+from ckptier.storage.base import Store
 from ckptier.storage.catalog.api import Catalog
 from ckptier.storage.errors import ConfigError, IntegrityError
 from ckptier.storage.s3 import S3Store
+from ckptier.storage.wrappers import resuming
 from ckptier.tasks.apply import live_keys
 from ckptier.tasks.config import parse_config
 from ckptier.tasks.scan import scan_url
@@ -59,8 +61,10 @@ def report_rows(client: Any, bucket: str) -> list[Row]:
     return rows
 
 
-def store(b: S3Bucket) -> S3Store:
-    return S3Store(b.name, "runs", client=b.client)
+def store(b: S3Bucket) -> Store:
+    """The bucket's store as production uses it: wrapped by ``resuming`` (the report's
+    bucket is reached through the wrapper's ``in_bucket``)."""
+    return resuming(S3Store(b.name, "runs", client=b.client))
 
 
 def catalog_at(path: Path) -> Catalog:

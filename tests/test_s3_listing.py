@@ -12,8 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
+from ckptier.formats import recognise
 from ckptier.storage.base import ObjectInfo, read_bytes
-from ckptier.storage.formats import recognise
 from ckptier.storage.s3 import S3Store
 
 from tests.fixtures.s3 import make_client
@@ -98,6 +98,22 @@ def test_parallel_listing_yields_exactly_the_flat_listing(filled: tuple[str, str
     assert par_requests.count("delimiter") >= 2
     assert flat_requests == ["flat"] * -(-len(keys) // PAGE)
     assert par_requests.count("flat") <= len(flat_requests) + 4 * 4 + 1
+
+
+def test_the_production_wrapper_lists_in_parallel(filled: tuple[str, str, dict[str, bytes]]) -> None:
+    """Runs list through ``resuming``: the wrapped store's listing is still the parallel one."""
+    from ckptier.storage.wrappers import resuming
+
+    endpoint, bucket, keys = filled
+    inner = store_for(endpoint, bucket, workers=4)
+    requests = count_lists(inner)
+    threads: set[str] = set()
+    inner.client.meta.events.register("before-parameter-build.s3.ListObjectsV2",
+                                      lambda **_: threads.add(threading.current_thread().name))
+    listed = list(resuming(inner).list())
+    assert len(listed) == len({i.key for i in listed}) == len({k for k in keys if not k.endswith("/") and "//" not in k})
+    assert requests.count("delimiter") >= 2
+    assert len({t for t in threads if t.startswith("ckptier-s3-list")}) >= 2
 
 
 def test_parallel_listing_of_a_sub_prefix_and_of_nothing(filled: tuple[str, str, dict[str, bytes]]) -> None:

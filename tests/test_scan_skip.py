@@ -12,6 +12,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+from ckptier.storage.base import Store
 from ckptier.storage.catalog.api import Catalog
 from ckptier.storage.local import LocalStore
 from ckptier.tasks.scan import FULL_LISTING_EVERY, ScanReport, scan_url
@@ -76,6 +77,28 @@ def test_unchanged_rescan_lists_nothing_and_changes_nothing(tree: Path, catalog:
     assert (again.objects, again.checkpoints, again.committed) == (first.objects, first.checkpoints, first.committed)
     assert again.rows_written == 0 and again.summary is not None and again.summary.vanished == 0
     assert state(catalog) == before
+
+
+@pytest.mark.parametrize("wrap", ["resuming", "dry-run(resuming)"])
+def test_a_wrapped_store_still_skips_unchanged_directories(tree: Path, catalog: Catalog, wrap: str) -> None:
+    """Runs use the store through ``resuming`` (and ``--dry-run`` through a DryRunStore):
+    the wrappers forward directory stamps, so the skipping survives them."""
+    from ckptier.storage.wrappers import DryRunStore, resuming
+
+    def store() -> Store:
+        wrapped = resuming(LocalStore(tree))
+        return DryRunStore(wrapped) if wrap.startswith("dry-run") else wrapped
+
+    now = datetime.now(UTC)
+    first = scan_url(str(tree), catalog, now=now, store=store())
+    assert first.listed == first.objects and len(catalog.dir_stamps(LocalStore(tree).url + "/")) == len(STEPS)
+    before = state(catalog)
+    again = scan_url(str(tree), catalog, now=now + timedelta(minutes=1), store=store())
+    assert (again.unchanged_dirs, again.listed, again.objects) == (len(STEPS), 0, first.objects)
+    assert state(catalog) == before
+    (tree / "job" / "step-00000200" / "rank-0001" / "extra.pt").write_bytes(b"new")
+    third = scan_url(str(tree), catalog, now=now + timedelta(minutes=2), store=store())
+    assert third.unchanged_dirs == len(STEPS) - 1 and third.listed == 2 * RANKS + 2
 
 
 def test_a_file_added_in_a_rank_subdirectory_is_seen(tree: Path, catalog: Catalog) -> None:

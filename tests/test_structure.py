@@ -4,33 +4,22 @@ from __future__ import annotations
 
 import io
 import os
-import pickle
 import struct
 import zipfile
-from pathlib import Path
 
 import pytest
-
+from ckptier.formats import checker_for
 from ckptier.storage.model import Format, Shortfall
 from ckptier.storage.structure import (
     MAX_MANIFEST,
     Need,
     Structure,
-    checker_for,
     crc32,
-    dcp_needs,
     shortfalls,
 )
+
 from tests.fixtures.checkpoints import CheckpointRun
-
-
-def check(name: str, data: bytes, *, chunk: int = 1 << 20, fmt: Format | None = None) -> Structure:
-    c = checker_for(name, fmt)
-    assert c is not None, name
-    view = memoryview(data)
-    for i in range(0, len(data), chunk):
-        c.feed(view[i : i + chunk])
-    return c.finish()
+from tests.fixtures.listing import check
 
 
 def torch_file() -> bytes:
@@ -190,45 +179,6 @@ def test_safetensors_garbage_header() -> None:
 
 
 # -- manifests --------------------------------------------------------------------------------
-
-
-def test_dcp_metadata_of_a_real_save(dcp_run: CheckpointRun) -> None:
-    for step in dcp_run.steps:
-        meta = (dcp_run.path(step) / ".metadata").read_bytes()
-        got = check(".metadata", meta, chunk=100, fmt=Format.DCP)
-        assert got.problem is None
-        (need,) = got.needs
-        shard = dcp_run.path(step) / need.relpath
-        assert need.manifest == ".metadata" and 0 < need.size <= shard.stat().st_size  # type: ignore[operator]
-        assert (check(".metadata", meta[:-7], fmt=Format.DCP).problem or "").startswith("DCP .metadata: not a readable")
-
-
-def test_dcp_metadata_is_never_executed(tmp_path: Path) -> None:
-    canary = tmp_path / "ran"
-
-    class Payload:
-        def __reduce__(self) -> tuple:
-            return (os.system, (f"touch {canary}",))
-
-    class Nested:
-        def __reduce__(self) -> tuple:
-            return (Path.write_text, (canary, "x"))
-
-    for evil in (Payload(), {"storage_data": Nested()}, [Payload()]):
-        got = check(".metadata", pickle.dumps(evil), fmt=Format.DCP)
-        assert got.problem is not None and "not torch.distributed.checkpoint.metadata.Metadata" in got.problem
-    assert not canary.exists()
-
-
-def test_dcp_needs_from_torch_objects() -> None:
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
-
-    storage = {MetadataIndex("a"): _StorageInfo("__0_0.distcp", 0, 100),
-               MetadataIndex("b"): _StorageInfo("__0_0.distcp", 100, 50),
-               MetadataIndex("c"): _StorageInfo("__1_0.distcp", 8, 8)}
-    data = pickle.dumps(Metadata(state_dict_metadata={}, storage_data=storage))
-    assert dcp_needs(data, "sub/") == [Need("sub/__0_0.distcp", ".metadata", 150), Need("sub/__1_0.distcp", ".metadata", 16)]
 
 
 def test_manifests_are_checked_only_in_their_own_format() -> None:
