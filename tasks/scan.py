@@ -209,6 +209,7 @@ def recognise_store(
     inventory's objects); metadata files are still read from ``store``.
     """
     skipped: list[Unrecognised] = []
+
     def on_skip(key: str, why: str) -> None:
         skipped.append(Unrecognised(key, why))
 
