@@ -1,4 +1,4 @@
-"""The ``ckptier`` command line (the contract in DESIGN.md).
+"""The ``ckptier`` command line (the contract README.md documents).
 
 Commands that only read the catalog (``ls``, ``latest``, ``plan``) never
 import Prefect or torch, so they answer at once, and they never create a
