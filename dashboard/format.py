@@ -114,7 +114,8 @@ def display(v: Any, kind: str) -> str:
     if kind == "int":
         return f"{int(v):,}"
     if kind == "money":
-        return f"{float(v):,.2f}"
+        m = float(v)
+        return "<0.01" if 0 < m < 0.005 else f"{m:,.2f}"
     if kind == "rate":
         return human_bytes(v) + "/s"
     return str(v)
