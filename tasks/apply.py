@@ -443,7 +443,7 @@ def tag_keys(store: Store, keys: Sequence[str], tag: tuple[str, str]) -> dict[st
         return None
 
     with ThreadPoolExecutor(max_workers=min(TAG_WORKERS, len(keys))) as pool:
-        return {k: why for k, why in zip(keys, pool.map(one, keys)) if why is not None}
+        return {k: why for k, why in zip(keys, pool.map(one, keys), strict=True) if why is not None}
 
 
 def _present(store: Store, key: str) -> bool:

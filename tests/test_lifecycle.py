@@ -40,6 +40,7 @@ from ckptier.tasks.retention import KeepLast, Milestones, Policy, plan_retention
 from ckptier.tasks.tiers import ArchiveTier
 
 from tests.fixtures.s3 import S3Bucket
+from tests.test_apply_faults import s3_world  # noqa: F401 - the S3 world fixture
 
 D = timedelta(days=1)
 NOW = datetime(2026, 6, 1, tzinfo=UTC)
@@ -386,10 +387,10 @@ def _plan_targets(world: Any, bucket: S3Bucket) -> set[str]:
 
 
 @pytest.mark.s3
-def test_apply_tags_exactly_what_it_deletes_before_deleting(s3_world: Any, s3_bucket: S3Bucket) -> None:
+def test_apply_tags_exactly_what_it_deletes_before_deleting(request: pytest.FixtureRequest, s3_bucket: S3Bucket) -> None:
     from tests.test_apply import DELETED_STEPS
 
-    w = s3_world
+    w = request.getfixturevalue("s3_world")
     targets = _plan_targets(w, s3_bucket)
     assert {k.split("/")[2] for k in targets} == {f"step-{s:08d}" for s in DELETED_STEPS}
     witness = TagWitness(w.hot)
@@ -402,8 +403,8 @@ def test_apply_tags_exactly_what_it_deletes_before_deleting(s3_world: Any, s3_bu
 
 @pytest.mark.s3
 def test_a_run_stopped_before_deleting_leaves_the_lifecycle_rule_exactly_the_plans_deletions(
-        s3_world: Any, s3_bucket: S3Bucket) -> None:
-    w = s3_world
+        request: pytest.FixtureRequest, s3_bucket: S3Bucket) -> None:
+    w = request.getfixturevalue("s3_world")
     targets = _plan_targets(w, s3_bucket)
     report = w.apply(hot=TagWitness(w.hot, refuse_deletes=True))
     assert not report.ok and not report.deleted
@@ -430,13 +431,11 @@ def test_a_run_stopped_before_deleting_leaves_the_lifecycle_rule_exactly_the_pla
 
 
 @pytest.mark.s3
-def test_dry_run_says_it_would_tag_and_puts_no_tag(s3_world: Any, s3_bucket: S3Bucket) -> None:
+def test_dry_run_says_it_would_tag_and_puts_no_tag(request: pytest.FixtureRequest, s3_bucket: S3Bucket) -> None:
     from tests.test_apply import DELETED_STEPS
 
-    report = s3_world.apply(dry_run=True)
+    report = request.getfixturevalue("s3_world").apply(dry_run=True)
     assert report.ok and [r.step for r in report.deleted] == DELETED_STEPS
     assert all(r.detail.endswith(f"tagged {DELETE_TAG[0]}={DELETE_TAG[1]} first") for r in report.deleted)
     assert not _tagged(_bucket_tags(s3_bucket))
 
-
-from tests.test_apply_faults import s3_world  # noqa: E402,F401 - the S3 world fixture
