@@ -4,8 +4,11 @@ Routes:
 
 ==============================  ===============================================
 ``GET /``                       overview: every job, alerts
-``GET /jobs/{job}``             a job: step chart, storage over time, plan,
-                                drills, verifications, events
+``GET /jobs/{job}``             a job: step chart, storage over time, costs,
+                                plan, drills, verifications, events
+``GET /costs``                  every job's costs (read from every checkpoint
+                                row, so not on the overview, which stays an
+                                aggregate)
 ``GET /checkpoint?job=&step=``  a checkpoint: files, copies, drills, events,
                                 the ``ckptier fetch`` command
 ``GET /data/{table}.{csv|json}``  any table of :data:`tables.TABLES`
@@ -142,13 +145,18 @@ def create_app(source: Source, *, token: str | None = None, prefect: PrefectDril
         except CkptierError as exc:
             return error(request, 500, "Cannot read the catalog", str(exc))
         totals = _totals(jobs)
-        return page(request, "overview.html", now=now, jobs=python_rows(jobs), totals=totals, **_costs(snap),
+        return page(request, "overview.html", now=now, jobs=python_rows(jobs), totals=totals,
                     jobs_view=table_view(TABLES["jobs"], jobs),
                     alerts=table_view(TABLES["alerts"], alerts, columns=["severity", "job", "kind", "steps", "message"]),
                     drills=table_view(TABLES["drills"], snap.table("drills"), limit=OVERVIEW_ROWS,
                                       columns=["started_at", "job", "step", "ok", "seconds", "tier", "summary"]),
                     events=table_view(TABLES["events"], snap.table("events"), limit=OVERVIEW_ROWS,
                                       columns=["at", "job", "step", "kind", "message"]))
+
+    @app.get("/costs", response_class=HTMLResponse)
+    def costs_page(request: Request) -> Response:
+        now = clock()
+        return page(request, "costs.html", now=now, **_costs(Snapshot(source, now=now)))
 
     @app.get("/jobs/{job:path}", response_class=HTMLResponse)
     def job_page(request: Request, job: str, run: str | None = None) -> Response:

@@ -382,9 +382,12 @@ def test_walkthrough_overview_job_checkpoint_downloads(browser: Browser, demo_da
     text = b.page_text()
     assert "JOBS" in text.upper() and "demo-run" in text and "SAVED VS KEEP-ALL" in text.upper()
     b.screenshot("overview")
-    assert {"jobs.csv", "jobs.json", "costs.csv", "cost_tiers.json"} <= set(_check_downloads(b, demo_dir, "overview"))
+    assert {"jobs.csv", "jobs.json"} <= set(_check_downloads(b, demo_dir, "overview"))
 
-    b.click(b.find('#t-costs a[href="/jobs/demo-run"]'))  # the cost table leads to the job's costs
+    b.click(b.find("#costs-link"))  # every job's costs, then the job's own
+    assert b.url.endswith("/costs") and "Expected restore" in b.text(b.find("#t-costs"))
+    assert {"costs.csv", "costs.json", "cost_tiers.csv", "cost_tiers.json"} <= set(_check_downloads(b, demo_dir, "costs"))
+    b.click(b.find('#t-costs a[href="/jobs/demo-run"]'))
     assert b.url.endswith("/jobs/demo-run") and b.find_all("#t-cost_tiers tbody tr")
     costs = b.text(b.find("#costs"))
     assert "Expected restore" in costs and "Saved / month" in costs and "prices: list-price assumption" in costs

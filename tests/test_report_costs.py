@@ -134,7 +134,10 @@ def test_dashboard_shows_costs_with_downloads(catalog: tuple[str, Path, Any]) ->
     _, _, source = catalog
     client = TestClient(create_app(source, clock=lambda: NOW), base_url="http://127.0.0.1:8765")
     home = client.get("/").text
-    assert 'id="t-costs"' in home and 'href="/data/costs.csv"' in home and 'href="/data/costs.json"' in home
+    assert 'id="costs-link" href="/costs"' in home and 'id="t-costs"' not in home  # the overview stays an aggregate
+    page = client.get("/costs").text
+    assert 'id="t-costs"' in page and 'href="/data/costs.csv"' in page and 'href="/data/costs.json"' in page
+    assert 'id="t-cost_tiers"' in page and 'href="/jobs/alpha"' in page and "prices: list-price assumption" in page
     job = client.get("/jobs/alpha").text
     assert 'id="costs"' in job and 'id="t-cost_tiers"' in job and 'href="/data/cost_tiers.csv?job=alpha"' in job
     snap = Snapshot(source, now=NOW, job="alpha")
