@@ -1,4 +1,4 @@
-"""The ``ckptier`` command line (the contract in DESIGN.md).
+"""The ``ckptier`` command line (the contract README.md documents).
 
 Commands that only read the catalog (``ls``, ``latest``, ``plan``) never
 import Prefect or torch, so they answer at once, and they never create a
@@ -381,7 +381,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     if args.format == "table":
         _announce(args, location)
     return print_report(catalog_url=location.url, config_path=args.config, job=args.job, step=args.step,
-                        fmt=args.format, tables=args.table)
+                        fmt=args.format, tables=args.table, costs=args.costs)
 
 
 # ------------------------------------------------------------------ parser
@@ -532,9 +532,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("report", cmd_report, "print the dashboard's tables: jobs and alerts, or one job's with --job")
     sp.add_argument("--job")
     sp.add_argument("--step", type=int, help="with --job: one checkpoint's tables")
+    sp.add_argument("--costs", action="store_true", help="bytes and monthly cost per tier and class, savings "
+                    "against keep-all, recovery point, expected restore time")
     sp.add_argument("--format", choices=("table", "csv", "json"), default="table")
     sp.add_argument("--table", action="append", metavar="NAME", help="a table to print (repeatable): jobs, alerts, "
-                    "checkpoints, plan, drills, verifications, events, storage, files, copies")
+                    "checkpoints, plan, drills, verifications, events, storage, files, copies, costs, cost_tiers")
     return p
 
 

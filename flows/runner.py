@@ -1,6 +1,6 @@
 """Run an operation directly, or as a Prefect flow run when an API is configured.
 
-DESIGN.md: starting Prefect's temporary local API costs ~10 s per process,
+Starting Prefect's temporary local API costs ~10 s per process,
 so the command line runs the task code directly unless ``PREFECT_API_URL``
 is set; then it goes through the flow so the run shows in the UI. Both paths
 return the same JSON-ready report.

@@ -8,9 +8,10 @@ and deletes afterwards. The order of a run:
    start-up canary (put, get, compare, delete) or nothing is deleted from it.
 2. **Interrupted deletes.** A checkpoint with a pending delete intent (a run
    was killed between deleting files and recording it) is resolved first:
-   every file still present → the intent is dropped (nothing was deleted;
-   the plan decides again, with fresh proofs); some or all gone → the rest
-   are deleted and the tombstone recorded.
+   every file still present → the intent is dropped and the files' delete
+   tag turned to ``keep`` (nothing was deleted; the plan decides again,
+   with fresh proofs, and tags again what it still deletes); some or all
+   gone → the rest are tagged and deleted and the tombstone recorded.
 3. **Promote.** Each ``promote`` item: claim the catalog lease, re-read the
    record, copy it to the archive (``tasks/archive.py``: encode, upload, read
    back, commit marker), record the verified archive copy, release.
@@ -28,7 +29,11 @@ and deletes afterwards. The order of a run:
    milestone) first proves its archive copy again (decoded and compared with
    the manifest and the catalog, or the store's full-object checksums
    compared with the manifest); a copy that fails is marked ``degraded`` and
-   the hot copy kept. Then the delete intent is recorded (fenced), the files
+   the hot copy kept. Then the delete intent is recorded (fenced), each
+   file tagged ``ckptier:retention = delete`` on a store that can tag
+   (:class:`~ckptier.storage.base.Taggable`: S3), so that the bucket's
+   lifecycle rule from ``ckptier lifecycle`` expires what this run decided
+   to delete and nothing else should the run stop before deleting, then the files
    deleted in batches of at most 1,000 keys while the lease holds, and only
    what the store confirmed counts: all files gone → the tombstone (fenced
    by the lease's generation, clearing the intent); some failed → an event,
@@ -59,7 +64,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
-from ckptier.storage.base import MAX_DELETE_BATCH, Canary, DeleteResult, Store
+from ckptier.storage.base import MAX_DELETE_BATCH, Canary, DeleteResult, Store, Taggable
 from ckptier.storage.catalog.api import DeleteIntent, FileCheck
 from ckptier.storage.errors import CkptierError, DeleteInterrupted, NotFound, StoreError, Unavailable
 from ckptier.storage.model import CheckpointRecord, CopyState, State, Tier
@@ -67,6 +72,7 @@ from ckptier.storage.wrappers import DryRunStore
 
 from .archive import ArchiveCheck, check_archive_copy, hot_file_key, promote
 from .leases import DEFAULT_TTL, Lease, LeaseKeeper, this_process
+from .lifecycle import DELETE_TAG, KEEP_TAG
 from .retention import KeepLast, Plan, PlanItem, Policy, hot_present, plan_retention, shrink_guard
 
 log = logging.getLogger(__name__)
@@ -78,6 +84,9 @@ DEFAULT_MAX_MISSING_FRACTION = 0.5
 
 #: Threads reading keepers' bytes during the proof.
 PROOF_WORKERS = 4
+
+#: Threads tagging a checkpoint's files before they are deleted (two requests per file on S3).
+TAG_WORKERS = 8
 
 
 class ApplyFailed(CkptierError):
@@ -435,6 +444,28 @@ def live_keys(store: Store, prefix: str, record: CheckpointRecord, keys: Sequenc
     return [k for k in keys if k in listed], None
 
 
+def tag_keys(store: Store, keys: Sequence[str], tag: tuple[str, str]) -> dict[str, str]:
+    """Put ``tag`` on every object of ``keys`` when ``store`` can tag
+    (:class:`Taggable`); nothing on any other store. Returns the keys that
+    could not be tagged, with why (a key already gone is not a failure).
+    Idempotent; other tags of the objects stay."""
+    if not isinstance(store, Taggable) or not keys:
+        return {}
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(key: str) -> str | None:
+        try:
+            store.put_object_tagging(key, {tag[0]: tag[1]})
+        except NotFound:
+            return None
+        except CkptierError as exc:
+            return str(exc)
+        return None
+
+    with ThreadPoolExecutor(max_workers=min(TAG_WORKERS, len(keys))) as pool:
+        return {k: why for k, why in zip(keys, pool.map(one, keys), strict=True) if why is not None}
+
+
 def _present(store: Store, key: str) -> bool:
     try:
         store.stat(key)
@@ -648,6 +679,12 @@ class _Run:
         except CkptierError as exc:
             return _result(item, "failed", f"cannot look at the interrupted delete's files: {exc}"), True
         if intent_progress(intent, len(keys), len(present)) == "not-started":
+            untagged = tag_keys(store, present, KEEP_TAG)
+            if untagged:
+                key, why = next(iter(untagged.items()))
+                return _result(item, "failed", f"interrupted delete had not started, but {len(untagged)} file(s) still "
+                                               f"carry the delete tag (e.g. {key}: {why}); the intent stays, re-run "
+                                               f"apply"), True
             self.cat.clear_delete_intent(intent.checkpoint_id, owner=self.owner, generation=lease.generation,
                                          now=self.now(), why="every file still present: the delete had not started")
             return _result(item, "skipped", "interrupted delete had not started; intent dropped, the plan decides "
@@ -832,8 +869,8 @@ class _Run:
                     self.event("delete.refused", f"job {item.job} step {item.step}: {why}", item)
                 return _result(item, "skipped", why)
             assert record is not None
-            keys = [hot_file_key(prefix, record, f.relpath) for f in record.files]
-            keys, why = live_keys(store, prefix, record, keys)
+            sizes = {hot_file_key(prefix, record, f.relpath): f.size for f in record.files}
+            keys, why = live_keys(store, prefix, record, list(sizes))
             if why is not None:
                 self.event("delete.refused", f"job {item.job} step {item.step}: {why}", item)
                 return _result(item, "skipped", why)
@@ -841,7 +878,8 @@ class _Run:
                 result = DeleteResult()
                 for batch in _batches(keys):
                     result.merge(store.delete_many(batch))
-                return _result(item, "would", f"would delete {len(result.deleted)} files ({item.scope})",
+                tagged = f", tagged {DELETE_TAG[0]}={DELETE_TAG[1]} first" if isinstance(store, Taggable) else ""
+                return _result(item, "would", f"would delete {len(result.deleted)} files ({item.scope}){tagged}",
                                freed=record.bytes)
             if item.scope == "hot-copy":
                 checked = self.check_archive(record)
@@ -864,7 +902,7 @@ class _Run:
             if item.scope == "hot-copy":
                 reasons.append(f"archive copy proven at {self.now().isoformat()}")
             return self.delete_keys(item, record, store, keys, lease, reasons,
-                                    freed_sizes={k: f.size for k, f in zip(keys, record.files)})
+                                    freed_sizes={k: sizes[k] for k in keys})
         finally:
             self.leases.release(lease)
 
@@ -879,10 +917,17 @@ class _Run:
         *,
         freed_sizes: dict[str, int],
     ) -> ItemResult:
-        """Delete ``keys`` in batches while the lease holds, then record the
-        tombstone (of the checkpoint, or of its hot copy for a ``hot-copy``
-        scope); the delete intent must already be recorded."""
+        """Tag ``keys`` with :data:`DELETE_TAG` (on a taggable store), delete
+        them in batches while the lease holds, then record the tombstone (of
+        the checkpoint, or of its hot copy for a ``hot-copy`` scope); the
+        delete intent must already be recorded."""
         cat = self.cat
+        untagged = tag_keys(store, keys, DELETE_TAG)
+        if untagged:  # the tag is the lifecycle rule's backstop; ckptier deletes the files itself now
+            key, why = next(iter(untagged.items()))
+            self.event("delete.untagged", f"job {item.job} step {item.step}: {len(untagged)} of {len(keys)} files "
+                                          f"could not be tagged {DELETE_TAG[0]}={DELETE_TAG[1]} (e.g. {key}: {why}); "
+                                          f"deleting them anyway", item, keys=sorted(untagged))
         result = DeleteResult()
         for batch in _batches(keys):
             if not self.leases.valid(lease):

@@ -279,7 +279,7 @@ def test_conditional_create_race_loser_gets_already_exists(store: S3Store, clien
 def test_lost_ack_retry_gets_already_exists(store: S3Store, client: Any) -> None:
     """The write landed, the answer was lost: the retry's 412 is AlreadyExists, not success.
 
-    The caller must then compare the object (RELIABILITY.md #7); nothing
+    The caller must then compare the object (docs/failure-scenarios.md, lost acknowledgements); nothing
     here may report the retried write as done.
     """
     answers: list[int] = []
