@@ -241,7 +241,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
     location = _location(args, config)
     _announce(args, location)
     report = runner.apply(job=args.job, dry_run=args.dry_run, config_path=args.config,
-                          catalog_url=location.url, use_prefect=_use_prefect(args))
+                          catalog_url=location.url, use_prefect=_use_prefect(args), runner=args.runner)
     if args.json:
         print_json(report)
     else:
@@ -478,6 +478,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("apply", cmd_apply, "carry out the retention plan: promote milestones, then delete what the policy lets go", flowopts)
     sp.add_argument("--job")
     sp.add_argument("--dry-run", action="store_true", help="say what would happen, change nothing")
+    sp.add_argument("--runner", choices=RUNNERS, help="where archive copies are made: threads here, or dask "
+                    "(default: [runner] kind in ckptier.toml, else threads)")
     sp.add_argument("--json", action="store_true")
 
     sp = add("fetch", cmd_fetch, "restore a checkpoint's original files from any tier, verified, into a new directory DEST")

@@ -194,20 +194,27 @@ def _fanout(config_path: str | None, runner: str | None, claim_rows: bool = Fals
 
 
 def apply(*, job: str | None, dry_run: bool, config_path: str | None, catalog_url: str | None,
-          use_prefect: bool) -> dict[str, Any]:
+          use_prefect: bool, runner: str | None = None) -> dict[str, Any]:
     if not dry_run:  # deletes only under a [[policy]] someone wrote; a dry run may preview the default
         _check_policy_written(job, config_path, catalog_url)
     if use_prefect:
         from .tiering import tiering_flow
 
-        result = run_flow(tiering_flow, apply=not dry_run, job=job, config_path=config_path, catalog_url=catalog_url)
+        fanned = {"runner": runner} if runner else {}
+        result = run_flow(tiering_flow, apply=not dry_run, job=job, config_path=config_path, catalog_url=catalog_url,
+                          **fanned)
         return dict(result["apply"])
     from ckptier.tasks.config import load_config
     from ckptier.tasks.pipeline import run_apply, run_owner, utcnow
 
-    with _open(catalog_url) as cat:
-        return run_apply(cat, load_config(config_path), now=utcnow, owner=run_owner("ckptier-cli"), job=job,
-                         dry_run=dry_run)
+    fanout, _ = _fanout(config_path, runner)
+    try:
+        with _open(catalog_url) as cat:
+            return run_apply(cat, load_config(config_path), now=utcnow, owner=run_owner("ckptier-cli"), job=job,
+                             dry_run=dry_run, fanout=fanout)
+    finally:
+        if fanout is not None:
+            fanout.close()
 
 
 def _check_policy_written(job: str | None, config_path: str | None, catalog_url: str | None) -> None:

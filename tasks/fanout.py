@@ -61,13 +61,24 @@ class Fanout(Protocol):
     #: How many items run at once (a batching hint).
     parallelism: int
 
-    def map(self, fn: Callable[[T], R], items: Sequence[T]) -> Iterator[R]:
-        """Submit every item, then yield each result in order (raising its error when it failed)."""
+    def map(self, fn: Callable[[T], R], items: Sequence[T], *, errors: bool = False) -> Iterator[Any]:
+        """Submit every item, then yield each result in order; an item that failed raises its
+        error there, or (``errors``) is yielded as the exception and the rest go on."""
         ...
 
     def close(self) -> None:
         """Release the threads or the cluster. Idempotent."""
         ...
+
+
+def settle(result: Callable[[], R], errors: bool) -> R | Exception:
+    """``result()``; with ``errors``, the exception it raises instead of raising it."""
+    if not errors:
+        return result()
+    try:
+        return result()
+    except Exception as exc:  # noqa: BLE001 - handed to the caller as the item's outcome
+        return exc
 
 
 def retrying(fn: Callable[[T], R], item: T, *, attempts: int = ATTEMPTS, delay: float = RETRY_DELAY_S) -> R:
@@ -93,10 +104,10 @@ class ThreadFanout:
         self.parallelism = workers
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptier-fanout")
 
-    def map(self, fn: Callable[[T], R], items: Sequence[T]) -> Iterator[R]:
+    def map(self, fn: Callable[[T], R], items: Sequence[T], *, errors: bool = False) -> Iterator[Any]:
         futures = [self._pool.submit(retrying, fn, item) for item in items]
         for f in futures:
-            yield f.result()
+            yield settle(f.result, errors)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -134,11 +145,11 @@ class DaskFanout:
         self.parallelism = max(1, sum(w.get("nthreads", 1) for w in
                                       self._client.scheduler_info().get("workers", {}).values()))
 
-    def map(self, fn: Callable[[T], R], items: Sequence[T]) -> Iterator[R]:
+    def map(self, fn: Callable[[T], R], items: Sequence[T], *, errors: bool = False) -> Iterator[Any]:
         futures = [self._client.submit(retrying, fn, item, pure=False) for item in items]
         try:
             for f in futures:
-                yield f.result()
+                yield settle(f.result, errors)
         finally:
             for f in futures:
                 f.cancel()
@@ -275,6 +286,18 @@ class PromoteWork:
     storage_class: str | None
     now: datetime
     owner: str
+
+
+def promoter(fanout: Fanout, *, archive_url: str, storage_class: str | None, now: Callable[[], datetime],
+             owner: str) -> Callable[[Sequence[CheckpointRecord]], Iterator[Any]]:
+    """``promote_many`` for :func:`ckptier.tasks.apply.apply_plan`: one :class:`PromoteWork`
+    per record on ``fanout``, each outcome (copy or exception) in order."""
+
+    def promote_many(records: Sequence[CheckpointRecord]) -> Iterator[Any]:
+        work = [PromoteWork(r, archive_url, storage_class, now(), owner) for r in records]
+        return fanout.map(promote_work, work, errors=True)
+
+    return promote_many
 
 
 def promote_work(work: PromoteWork) -> Any:

@@ -521,8 +521,13 @@ def run_apply(
     dry_run: bool = False,
     lease_ttl: timedelta = DEFAULT_LEASE_TTL,
     stores: StoreCache | None = None,
+    fanout: Any = None,
 ) -> dict[str, Any]:
     """Plan and carry out retention for every job (or ``job``): promote, prove, then delete.
+
+    ``fanout`` (a :class:`ckptier.tasks.fanout.Fanout`) makes the archive
+    copies of a pass's promotions there, several at once (compress, upload,
+    read back); this process claims, checks and records each.
 
     Each policy's plan goes through :func:`ckptier.tasks.apply.apply_plan`
     (canary, leases with a heartbeat, read-back, keepers proven again,
@@ -558,7 +563,7 @@ def run_apply(
             if n > 0 and not any(i.action == "delete" for i in plan.items):
                 continue
             report = _apply_one(catalog, config, policy, plan, stores=stores, now=now, owner=owner, dry_run=dry_run,
-                                lease_ttl=lease_ttl, lines=lines, items=items, proven=proven)
+                                lease_ttl=lease_ttl, lines=lines, items=items, proven=proven, fanout=fanout)
             proofs.extend(asdict(p) for p in report.proofs)
             promoted |= bool(report.promoted)
             failed |= not report.ok
@@ -577,15 +582,22 @@ def run_apply(
 
 def _apply_one(catalog: Catalog, config: Config, policy: Policy, plan: Plan, *, stores: StoreCache, now: Clock, owner: str,
                dry_run: bool, lease_ttl: timedelta, lines: list[str], items: list[dict[str, Any]],
-               proven: set[int]) -> Any:
+               proven: set[int], fanout: Any = None) -> Any:
     """Carry out one policy's plan, appending report lines and item rows."""
     from .apply import apply_plan
 
     archive_store = archive_store_for(stores, policy)
+    promote_many = None
+    if fanout is not None and policy.archive:
+        from .fanout import promoter
+
+        promote_many = promoter(fanout, archive_url=policy.archive, storage_class=policy.storage_class, now=now,
+                                owner=owner)
     report = apply_plan(
         plan, catalog=catalog, hot_for=stores.for_record, archive_for=lambda _job: archive_store,
         owner=owner, now=now, lease_ttl=lease_ttl, dry_run=dry_run, policy=str(policy),
         max_missing_fraction=policy.max_missing_fraction, policy_for=config.policy_for, proven=proven,
+        promote_many=promote_many,
     )
     for p in report.proofs:
         if not p.ok:

@@ -139,12 +139,12 @@ class PrefectFanout:
         self._runner = runner.__enter__()
         return self._runner
 
-    def map(self, fn: Callable[[Any], Any], items: Sequence[Any]) -> Iterator[Any]:
+    def map(self, fn: Callable[[Any], Any], items: Sequence[Any], *, errors: bool = False) -> Iterator[Any]:
         work = WORK_TASKS[fn]
         runner = self._start()
         futures = [runner.submit(work, {"work": item}) for item in items]
         for f in futures:
-            yield f.result()
+            yield fanout_work.settle(f.result, errors)
 
     def close(self) -> None:
         runner, self._runner = self._runner, None
@@ -203,14 +203,24 @@ def catalog_summary_task(catalog_url: str | None, config_path: str | None = None
 
 
 @task(name="apply-retention", retries=1, retry_delay_seconds=60, retry_condition_fn=retry_if_transient)
-def apply_task(catalog_url: str | None, config_path: str | None, job: str | None, dry_run: bool) -> dict[str, Any]:
-    """Promote milestones, then delete what the policy lets go (fenced, batched; short leases kept alive by a heartbeat)."""
+def apply_task(catalog_url: str | None, config_path: str | None, job: str | None, dry_run: bool,
+               runner: str | None = None) -> dict[str, Any]:
+    """Promote milestones, then delete what the policy lets go (fenced, batched; short leases kept alive by a heartbeat).
+
+    The archive copies are made by ``promote-checkpoint`` task runs, several
+    at once, on the task runner ``[runner]`` names (``runner`` overrides its
+    kind); this task claims, checks and records each."""
     log = get_run_logger()
     config = load_config(config_path)
-    with Catalog.open(resolve_catalog_url(catalog_url, config_path, config=config), create=False) as cat:
-        if not dry_run:
-            require_written_policy(config, [job] if job else cat.jobs(), config_path)
-        report = pipeline.run_apply(cat, config, now=pipeline.utcnow, owner=pipeline.run_owner(), job=job, dry_run=dry_run)
+    fanout = PrefectFanout(runner_settings(config.runner, runner))
+    try:
+        with Catalog.open(resolve_catalog_url(catalog_url, config_path, config=config), create=False) as cat:
+            if not dry_run:
+                require_written_policy(config, [job] if job else cat.jobs(), config_path)
+            report = pipeline.run_apply(cat, config, now=pipeline.utcnow, owner=pipeline.run_owner(), job=job,
+                                        dry_run=dry_run, fanout=fanout)
+    finally:
+        fanout.close()
     for line in report["lines"]:
         log.info(line)
     return report

@@ -235,3 +235,26 @@ def test_the_verify_flow_fans_out_as_prefect_tasks_on_dask(prefect_server: Any, 
     runs = httpx.post(prefect_server.api_url + "/task_runs/filter", json={"limit": 200}, timeout=30).json()
     names = [r["name"] for r in runs]
     assert sum(n.startswith("verify-checkpoints") for n in names) >= 2, names
+
+
+@pytest.mark.slow
+def test_promotions_fan_out_on_dask_and_the_run_records_them(dask_cluster: Any, tmp_path: Path) -> None:
+    from ckptier.tasks.pipeline import run_apply
+
+    hot = make_tree(tmp_path / "hot", 6, size=4096)
+    archive = tmp_path / "archive"
+    archive.mkdir()
+    config = parse_config(f'[[policy]]\njobs = "*"\nkeep_last = 1\nmilestones = [2, 4, 5]\narchive = "{archive}"\n'
+                          'hot_after_archive = "keep"\n')
+    with scanned(hot, f"sqlite:///{tmp_path / 'catalog.db'}") as cat:
+        run_verify(cat, now=lambda: datetime.now(UTC))
+        report = run_apply(cat, config, now=lambda: datetime.now(UTC), owner="fan-test", fanout=dask_cluster)
+        promoted = sorted(i["step"] for i in report["items"] if i["action"] == "promote" and i["outcome"] == "done")
+        assert promoted == [2, 4, 5], report["lines"]
+        for step in promoted:
+            rec = cat.get("fan", step)
+            assert rec is not None and rec.has_verified_archive()
+        assert sum(e.kind == "promote.done" for e in cat.events(job="fan")) == 3
+        # A second run finds them archived: nothing is copied twice.
+        again = run_apply(cat, config, now=lambda: datetime.now(UTC), owner="fan-test-2", fanout=dask_cluster)
+        assert not [i for i in again["items"] if i["action"] == "promote" and i["outcome"] == "done"]
