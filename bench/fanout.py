@@ -119,7 +119,7 @@ def start_postgres() -> tuple[str, Callable[[], None]]:
 
     def stop() -> None:
         subprocess.run([*as_pg, _pg_tool("pg_ctl"), "-D", str(root / "data"), "-m", "immediate", "stop"],
-                       capture_output=True)
+                       capture_output=True, check=False)
         shutil.rmtree(root, ignore_errors=True)
 
     return f"postgresql+psycopg://postgres@127.0.0.1:{port}/postgres", stop

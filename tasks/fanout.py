@@ -129,6 +129,7 @@ class DaskFanout:
             raise ConfigError("runner kind 'dask' needs Dask: pip install 'ckptier[dask]' "
                               "(or use kind = \"threads\")") from None
         self._cluster: Any = None
+        self._client: Any = None
         try:
             if address is not None:
                 self._client = Client(address, timeout=timeout_s)
@@ -145,6 +146,11 @@ class DaskFanout:
         self.parallelism = max(1, sum(w.get("nthreads", 1) for w in
                                       self._client.scheduler_info().get("workers", {}).values()))
 
+    @property
+    def address(self) -> str:
+        """The scheduler's address (``tcp://127.0.0.1:PORT`` for a local cluster)."""
+        return str(self._client.scheduler.address)
+
     def map(self, fn: Callable[[T], R], items: Sequence[T], *, errors: bool = False) -> Iterator[Any]:
         futures = [self._client.submit(retrying, fn, item, pure=False) for item in items]
         try:
@@ -155,7 +161,7 @@ class DaskFanout:
                 f.cancel()
 
     def close(self) -> None:
-        client, self._client = getattr(self, "_client", None), None
+        client, self._client = self._client, None
         if client is not None:
             client.close()
         cluster, self._cluster = self._cluster, None
@@ -269,8 +275,7 @@ def verify_fanned(fanout: Fanout, records: Sequence[CheckpointRecord], *, deep: 
     total = sum(f.size for r in records for f in r.files)
     done = 0
     for w, outcomes in zip(work, fanout.map(verify_work, work), strict=True):
-        for record, outcome in zip(w.records, outcomes, strict=True):
-            yield record, outcome
+        yield from zip(w.records, outcomes, strict=True)
         done += sum(f.size for r in w.records for f in r.files)
         if progress is not None:
             progress(done, total)

@@ -8,20 +8,23 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
-
 from ckptier.storage.catalog.api import Catalog, LeaseLost
 from ckptier.storage.errors import ConfigError, Unavailable
 from ckptier.storage.model import FileCheck, State
 from ckptier.tasks.config import RunnerSettings, parse_config
-from ckptier.tasks.fanout import ThreadFanout, batches, retrying, row_claims, runner_settings
+from ckptier.tasks.fanout import (
+    ThreadFanout,
+    batches,
+    retrying,
+    row_claims,
+    runner_settings,
+)
 from ckptier.tasks.pipeline import RowClaims, run_scan, run_verify
 
 T0 = datetime(2026, 3, 1, tzinfo=UTC)
@@ -216,25 +219,26 @@ def test_thread_fanout_keeps_order() -> None:
 
 @pytest.mark.slow
 @pytest.mark.prefect_server
-def test_the_verify_flow_fans_out_as_prefect_tasks_on_dask(prefect_server: Any, tmp_path: Path) -> None:
-    """``ckptier verify --runner dask`` with a Prefect API: the flow's checkpoints are
-    read by ``verify-checkpoints`` task runs on a DaskTaskRunner (2 local workers)."""
+def test_the_verify_flow_fans_out_as_prefect_tasks_on_dask(dask_cluster: Any, prefect_api: Any, tmp_path: Path) -> None:
+    """The ``verify`` flow with ``runner="dask"``: its checkpoints are read by
+    ``verify-checkpoints`` task runs on a DaskTaskRunner (here the cluster at
+    ``[runner] address``: the module's 2 local workers), and the flow records them."""
+    from ckptier.flows.scan_verify import verify_flow
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
     hot = make_tree(tmp_path / "hot", 8)
     url = f"sqlite:///{tmp_path / 'catalog.db'}"
     scanned(hot, url).close()
     config = tmp_path / "ckptier.toml"
-    config.write_text('[runner]\nkind = "threads"\nworkers = 2\n')
-    env = {**prefect_server.env, "CKPTIER_CATALOG_URL": url}
-    done = subprocess.run([sys.executable, "-m", "ckptier.flows.cli", "verify", "--deep", "--json", "--runner", "dask",
-                           "--config", str(config)], env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout)
-    assert report["totals"]["verified"] == 8
-    import httpx
-
-    runs = httpx.post(prefect_server.api_url + "/task_runs/filter", json={"limit": 200}, timeout=30).json()
-    names = [r["name"] for r in runs]
-    assert sum(n.startswith("verify-checkpoints") for n in names) >= 2, names
+    config.write_text(f'[runner]\nkind = "dask"\naddress = "{dask_cluster.address}"\n')
+    state = verify_flow(deep=True, catalog_url=url, config_path=str(config), runner="dask", return_state=True)
+    assert state.is_completed(), state
+    assert state.result()["totals"]["verified"] == 8
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+    fanned = [r for r in runs if r.name.startswith("verify-checkpoints")]
+    assert len(fanned) >= 2 and all(r.state is not None and r.state.is_completed() for r in fanned)
 
 
 @pytest.mark.slow

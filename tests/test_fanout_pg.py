@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from ckptier.storage.catalog.api import Catalog
 from ckptier.storage.model import State
+
 from tests.test_fanout import make_tree, scanned
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]

@@ -934,7 +934,6 @@ class Catalog:
                 _bulk_update(conn, fl, updates)
 
             t = v.transition
-            old = State(head.state)
             values: dict[str, Any] = {"state": t.state.value, "state_reason": t.reason, "checked_at": now}
             if t.state == State.VERIFIED:
                 values["verified_at"] = t.verified_at
