@@ -290,8 +290,8 @@ class RowClaims:
     owner: str
     ttl: timedelta = DEFAULT_LEASE_TTL
     since: datetime | None = None
-    batch: int = 8
-    poll: float = 1.0
+    batch: int = 16
+    poll: float = 0.5
 
 
 def _claimed_verification(
@@ -312,40 +312,53 @@ def _claimed_verification(
     is marked checked and released. Ends when no candidate is left unchecked
     since ``claims.since``.
     """
-    import time
+    from concurrent.futures import ThreadPoolExecutor
 
     from .leases import LeaseKeeper, this_process
 
     since = claims.since or now()
     hot_ids = {r.id for r in records}
-    candidates = sorted(hot_ids | {r.id for r in archive_only if "hot" not in r.tiers})
-    pending = list(candidates)
-    with LeaseKeeper(catalog, claims.owner, now=now, ttl=claims.ttl, process=this_process(), take_over=None) as keeper:
-        while pending:
+    pending = sorted(hot_ids | {r.id for r in archive_only if "hot" not in r.tiers})
+    stop = threading.Event()
+
+    def next_batch(keeper: LeaseKeeper) -> list[tuple[CheckpointRecord, Any, Any]] | None:
+        """Claim a batch (waiting while others hold the rest) and read it; None: the sweep is done."""
+        while True:
             leases = keeper.claim_rows(pending, since=since, limit=claims.batch)
-            if not leases:
-                if not catalog.unchecked(pending, since=since):
-                    return
-                time.sleep(claims.poll)
+            if leases:
+                break
+            if stop.is_set() or not catalog.unchecked(pending, since=since):
+                return None
+            stop.wait(claims.poll)
+        by_id = {lease.checkpoint_id: lease for lease in leases}
+        fresh = catalog.get_many(by_id)
+        to_read: list[CheckpointRecord] = []
+        for record in fresh:
+            if record.id in hot_ids and "hot" in record.tiers and record.state != State.DELETED:
+                to_read.append(record)
+                claimed.append(record)
                 continue
-            by_id = {lease.checkpoint_id: lease for lease in leases}
-            fresh = catalog.get_many(by_id)
-            to_read: list[CheckpointRecord] = []
-            for record in fresh:
-                if record.id in hot_ids and "hot" in record.tiers and record.state != State.DELETED:
-                    to_read.append(record)
-                    claimed.append(record)
-                    continue
-                if record.state != State.DELETED and record.archive_copy() is not None:
-                    claimed.append(record)  # archive copy only: read back by the caller
-                catalog.finish_claim(record.id, claims.owner, by_id[record.id].generation, now=now())
-                keeper.settled(by_id[record.id])
-            for gone in set(by_id) - {r.id for r in fresh}:
-                keeper.release(by_id[gone])
-                pending.remove(gone)
-            for record, outcome in verified(to_read):
-                yield record, outcome, by_id[record.id]
-                keeper.settled(by_id[record.id])
+            if record.state != State.DELETED and record.archive_copy() is not None:
+                claimed.append(record)  # archive copy only: read back by the caller
+            catalog.finish_claim(record.id, claims.owner, by_id[record.id].generation, now=now())
+            keeper.settled(by_id[record.id])
+        for gone in set(by_id) - {r.id for r in fresh}:
+            keeper.release(by_id[gone])
+            pending.remove(gone)
+        return [(record, outcome, by_id[record.id]) for record, outcome in verified(to_read)]
+
+    # The next batch is claimed and read while this one's results are recorded.
+    with LeaseKeeper(catalog, claims.owner, now=now, ttl=claims.ttl, process=this_process(), take_over=None) as keeper, \
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptier-claims") as ahead:
+        try:
+            batch = ahead.submit(next_batch, keeper)
+            while (got := batch.result()) is not None:
+                batch = ahead.submit(next_batch, keeper)
+                for record, outcome, lease in got:
+                    yield record, outcome, lease
+                    keeper.settled(lease)
+        finally:
+            stop.set()
 
 
 def _record_claimed(catalog: Catalog, record: CheckpointRecord, outcome: Any, lease: Any, claims: RowClaims | None,
