@@ -36,6 +36,8 @@ EXIT_BUSY = 75
 EXIT_INTERNAL = 70
 #: Set to print the traceback of an unexpected error (for a bug report).
 TRACEBACK_ENV = "CKPTIER_TRACEBACK"
+#: ``--runner`` choices (``ckptier.tasks.config.RUNNER_KINDS``, not imported: help answers at once).
+RUNNERS = ("threads", "dask")
 #: The demo saves every this many steps and needs two saves (one committed, one in flight).
 DEMO_SAVE_EVERY = 25
 
@@ -221,7 +223,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     location = _location(args)
     _announce(args, location)
     report = runner.verify(job=args.job, deep=args.deep, sample=sample, workers=args.workers,
-                           catalog_url=location.url, use_prefect=_use_prefect(args), progress=not args.json)
+                           catalog_url=location.url, use_prefect=_use_prefect(args), progress=not args.json,
+                           config_path=args.config, runner=args.runner, claim_rows=args.claim_rows, since=args.since)
     if args.json:
         print_json(report)
     elif not report["checkpoints"]:
@@ -245,7 +248,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
     location = _location(args, config)
     _announce(args, location)
     report = runner.apply(job=args.job, dry_run=args.dry_run, config_path=args.config,
-                          catalog_url=location.url, use_prefect=_use_prefect(args))
+                          catalog_url=location.url, use_prefect=_use_prefect(args), runner=args.runner)
     if args.json:
         print_json(report)
     else:
@@ -467,6 +470,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--deep", action="store_true", help="read every byte even when the store keeps a checksum")
     sp.add_argument("--sample", metavar="K/N", help="verify only the K-th of N disjoint slices of the catalog (auto/N: today's slice)")
     sp.add_argument("--workers", type=_positive_int, default=4, help="files read in parallel (default 4)")
+    sp.add_argument("--runner", choices=RUNNERS, help="where files are read: threads here, or dask "
+                    "(default: [runner] kind in ckptier.toml, else threads)")
+    sp.add_argument("--claim-rows", action="store_true", help="share the work with other ckptier processes on "
+                    "this catalog: claim rows under a lease (default: [runner] claim_rows)")
+    sp.add_argument("--since", metavar="TIME", help="with --claim-rows: ISO 8601 start of the sweep the processes "
+                    "share; rows checked since are done (default: now)")
     sp.add_argument("--json", action="store_true")
 
     sp = add("latest", cmd_latest, "newest verified checkpoint of a job whose last drill did not fail (exit 1 if none)")
@@ -481,6 +490,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("apply", cmd_apply, "carry out the retention plan: promote milestones, then delete what the policy lets go", flowopts)
     sp.add_argument("--job")
     sp.add_argument("--dry-run", action="store_true", help="say what would happen, change nothing")
+    sp.add_argument("--runner", choices=RUNNERS, help="where archive copies are made: threads here, or dask "
+                    "(default: [runner] kind in ckptier.toml, else threads)")
     sp.add_argument("--json", action="store_true")
 
     sp = add("fetch", cmd_fetch, "restore a checkpoint's original files from any tier, verified, into a new directory DEST")

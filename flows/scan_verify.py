@@ -154,6 +154,8 @@ def verify_flow(
     workers: int = 4,
     catalog_url: str | None = None,
     config_path: str | None = None,
+    runner: str | None = None,
+    sweep_since: str | None = None,
 ) -> dict[str, Any]:
     """Verify checkpoints; fails the run (and emits an event) when corruption is found.
 
@@ -167,9 +169,12 @@ def verify_flow(
         workers: Files read in parallel.
         catalog_url: Catalog SQLAlchemy URL (default: CKPTIER_CATALOG_URL, else the config's [catalog] url, else SQLite in the data dir).
         config_path: ckptier.toml path, read for its [catalog] url (default: CKPTIER_CONFIG or ./ckptier.toml).
+        runner: Where the checkpoints are read: threads or dask (default: the config's [runner] kind).
+        sweep_since: With [runner] claim_rows: the ISO 8601 start of the sweep this run shares with others (default: now).
     """
     catalog_url = resolve_catalog_url(catalog_url, config_path)
-    report = verify_task(catalog_url, job, deep, resolve_sample(sample, datetime.now(UTC)), workers)
+    report = verify_task(catalog_url, job, deep, resolve_sample(sample, datetime.now(UTC)), workers, config_path,
+                         runner, sweep_since)
     publish_verification(report)
     summary = publish_catalog_summary(catalog_url)
     publish_dashboard_links(_jobs(job, summary))
@@ -186,6 +191,8 @@ def scan_verify_flow(
     workers: int = 4,
     catalog_url: str | None = None,
     config_path: str | None = None,
+    runner: str | None = None,
+    sweep_since: str | None = None,
 ) -> dict[str, Any]:
     """Scan, then verify: the hourly (and, with ``sample``, nightly) catalog upkeep.
 
@@ -197,12 +204,15 @@ def scan_verify_flow(
         workers: Files read in parallel.
         catalog_url: Catalog SQLAlchemy URL (default: CKPTIER_CATALOG_URL, else the config's [catalog] url, else SQLite in the data dir).
         config_path: ckptier.toml path, read for its [catalog] url (default: CKPTIER_CONFIG or ./ckptier.toml).
+        runner: Where the checkpoints are read: threads or dask (default: the config's [runner] kind).
+        sweep_since: With [runner] claim_rows: the ISO 8601 start of the sweep this run shares with others (default: now).
     """
     catalog_url = resolve_catalog_url(catalog_url, config_path)
     scans = [scan_task(url, catalog_url) for url in urls]
     result: dict[str, Any] = {"scans": scans}
     if verify:
-        report = verify_task(catalog_url, None, deep, resolve_sample(sample, datetime.now(UTC)), workers)
+        report = verify_task(catalog_url, None, deep, resolve_sample(sample, datetime.now(UTC)), workers, config_path,
+                             runner, sweep_since)
         publish_verification(report, scans)
         result["verify"] = report
     elif corruption_in(NOTHING_VERIFIED, scans):

@@ -59,7 +59,7 @@ the proofs, which a real run makes before deleting).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Literal
@@ -361,8 +361,15 @@ def apply_plan(
     max_missing_fraction: float = DEFAULT_MAX_MISSING_FRACTION,
     policy_for: Callable[[str], Policy | None] | None = None,
     proven: set[int] | None = None,
+    promote_many: Callable[[Sequence[CheckpointRecord]], Iterable[Any]] | None = None,
 ) -> ApplyReport:
     """Carry out ``plan``: resume interrupted deletes, promote, prove, delete; return what happened.
+
+    ``promote_many(records)``, when given, makes the archive copies of
+    several checkpoints at once elsewhere (a thread pool, a Dask cluster:
+    :mod:`ckptier.tasks.fanout`), yielding for each, in order, its
+    :class:`~ckptier.tasks.archive.ArchiveCopy` or the exception that
+    stopped it; this run still claims, checks and records every one.
 
     ``catalog`` is a :class:`ckptier.storage.catalog.api.Catalog`.
     ``hot_for(record)`` gives the hot store and the checkpoint's key prefix
@@ -392,6 +399,7 @@ def apply_plan(
     run = _Run(plan, catalog=catalog, hot_for=hot_for, archive_for=archive_for, owner=owner, now=now,
                lease_ttl=lease_ttl, dry_run=dry_run, policy_for=policy_for,
                proven=proven if proven is not None else set())
+    run.promote_many = promote_many
     try:
         run.carry_out(policy=policy, max_missing_fraction=max_missing_fraction)
     finally:
@@ -507,6 +515,8 @@ class _Run:
         self.canaried: dict[str, str | None] = {}
         #: Stores that answered ``Unavailable`` (after their retries) to a delete: url -> why.
         self.unavailable: dict[str, str] = {}
+        #: Makes several archive copies at once (see :func:`apply_plan`); None: one by one here.
+        self.promote_many: Callable[[Sequence[CheckpointRecord]], Iterable[Any]] | None = None
 
     # -- helpers
 
@@ -592,8 +602,8 @@ class _Run:
 
         # 3. Promotions.
         failed_jobs: dict[str, str] = {}
-        for item in promotes:
-            res = self.promote_one(item)
+        fanned = self.promote_many is not None and not self.dry_run and len(promotes) > 1
+        for item, res in zip(promotes, self.promote_fanned(promotes) if fanned else map(self.promote_one, promotes)):
             report.items.append(res)
             if res.outcome in ("failed", "fenced"):
                 failed_jobs.setdefault(item.job, f"promotion of step {item.step} failed")
@@ -697,53 +707,96 @@ class _Run:
     # -- 3. promotions
 
     def promote_one(self, item: PlanItem) -> ItemResult:
-        cat = self.cat
-        archive = self.archive_of(item.job)
-        if archive is None:
-            return _result(item, "failed", f"job {item.job}: plan says promote but no archive store is configured")
-        lease = self.leases.claim(item.checkpoint_id)
-        if lease is None:
-            return self.held(item)
+        ready = self._promote_ready(item)
+        if isinstance(ready, ItemResult):
+            return ready
+        lease, record, archive = ready
         try:
-            record = cat.get_by_id(item.checkpoint_id)
-            if record is None or record.state == State.DELETED:
-                return _result(item, "skipped", "no longer in the catalog")
-            if record.has_verified_archive():
-                return _result(item, "skipped", "already has a verified archive copy")
-            if record.state != State.VERIFIED:
-                return _result(item, "skipped", f"state is now {record.state.value}; only verified checkpoints are promoted")
             if self.dry_run:
                 return _result(item, "would", f"would promote {record.bytes} bytes to {archive.url}")
             try:
                 hot, prefix = self.hot_for(record)
                 copy = promote(self.wrap(hot), prefix, record, archive, now=self.now(), owner=self.owner)
             except CkptierError as exc:
-                self.event("promote.failed", f"job {item.job} step {item.step}: {exc}", item)
-                return _result(item, "failed", str(exc))
-            cat.add_copy(
-                item.checkpoint_id,
-                tier=Tier.ARCHIVE,
-                url=copy.url,
-                state=CopyState.PRESENT,
-                stored_bytes=copy.stored_bytes,
-                codec=copy.codec,
-                manifest_key=copy.manifest_key,
-                verified_at=copy.verified_at,
-                now=self.now(),
-                storage_class=copy.storage_class,
-            )
-            what = "already archived" if copy.already_archived else "archived"
-            self.event(
-                "promote.done",
-                f"job {item.job} step {item.step}: {what} at {copy.url} ({copy.raw_bytes} → {copy.stored_bytes} bytes)",
-                item,
-                url=copy.url,
-                stored_bytes=copy.stored_bytes,
-                raw_bytes=copy.raw_bytes,
-            )
-            return _result(item, "done", f"{what} at {copy.url}")
+                return self._promote_done(item, exc)
+            return self._promote_done(item, copy)
         finally:
             self.leases.release(lease)
+
+    def promote_fanned(self, items: Sequence[PlanItem]) -> list[ItemResult]:
+        """Promote ``items`` at once through ``promote_many`` (the copies made elsewhere, in
+        parallel; this run claims, checks and records each, as :meth:`promote_one` does)."""
+        assert self.promote_many is not None
+        results: dict[int, ItemResult] = {}
+        ready: list[tuple[PlanItem, Lease, CheckpointRecord]] = []
+        for item in items:
+            got = self._promote_ready(item)
+            if isinstance(got, ItemResult):
+                results[item.checkpoint_id] = got
+            else:
+                ready.append((item, got[0], got[1]))
+        try:
+            outcomes = self.promote_many([r for _, _, r in ready])
+            for (item, lease, _), outcome in zip(ready, outcomes, strict=True):
+                if not self.leases.valid(lease):
+                    outcome = CkptierError(f"lease on step {item.step} was lost while it was being promoted; "
+                                           "re-run to resume")
+                results[item.checkpoint_id] = self._promote_done(item, outcome)
+        finally:
+            for _, lease, _ in ready:
+                self.leases.release(lease)
+        return [results[i.checkpoint_id] for i in items]
+
+    def _promote_ready(self, item: PlanItem) -> ItemResult | tuple[Lease, CheckpointRecord, Store]:
+        """Claim ``item`` and check it still needs promoting: the lease, the fresh record and the
+        archive store, or the result that ends it (held, skipped, failed; nothing claimed then)."""
+        archive = self.archive_of(item.job)
+        if archive is None:
+            return _result(item, "failed", f"job {item.job}: plan says promote but no archive store is configured")
+        lease = self.leases.claim(item.checkpoint_id)
+        if lease is None:
+            return self.held(item)
+        record = self.cat.get_by_id(item.checkpoint_id)
+        why = None
+        if record is None or record.state == State.DELETED:
+            why = "no longer in the catalog"
+        elif record.has_verified_archive():
+            why = "already has a verified archive copy"
+        elif record.state != State.VERIFIED:
+            why = f"state is now {record.state.value}; only verified checkpoints are promoted"
+        if why is not None or record is None:
+            self.leases.release(lease)
+            return _result(item, "skipped", why or "no longer in the catalog")
+        return lease, record, archive
+
+    def _promote_done(self, item: PlanItem, copy: Any) -> ItemResult:
+        """Record a promotion's outcome: the archive copy made, or the error that stopped it."""
+        cat = self.cat
+        if isinstance(copy, BaseException):
+            self.event("promote.failed", f"job {item.job} step {item.step}: {copy}", item)
+            return _result(item, "failed", str(copy))
+        cat.add_copy(
+            item.checkpoint_id,
+            tier=Tier.ARCHIVE,
+            url=copy.url,
+            state=CopyState.PRESENT,
+            stored_bytes=copy.stored_bytes,
+            codec=copy.codec,
+            manifest_key=copy.manifest_key,
+            verified_at=copy.verified_at,
+            now=self.now(),
+            storage_class=copy.storage_class,
+        )
+        what = "already archived" if copy.already_archived else "archived"
+        self.event(
+            "promote.done",
+            f"job {item.job} step {item.step}: {what} at {copy.url} ({copy.raw_bytes} → {copy.stored_bytes} bytes)",
+            item,
+            url=copy.url,
+            stored_bytes=copy.stored_bytes,
+            raw_bytes=copy.raw_bytes,
+        )
+        return _result(item, "done", f"{what} at {copy.url}")
 
     # -- 4. proofs
 

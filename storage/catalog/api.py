@@ -81,6 +81,11 @@ class UnknownCheckpoint(CkptierError, LookupError):
     """A checkpoint id (or copy) that the catalog does not hold."""
 
 
+class LeaseLost(CkptierError):
+    """A claimed row's lease ran out or was taken over before its result was recorded:
+    nothing was written, and the row's new holder records it instead."""
+
+
 @dataclass(frozen=True)
 class ScanSummary:
     """What :meth:`Catalog.record_scan` found and changed.
@@ -905,8 +910,15 @@ class Catalog:
         now: datetime,
         grace: timedelta = transitions.DEFAULT_GRACE,
         extra: Sequence[str] = (),
+        claim: tuple[str, int] | None = None,
     ) -> State:
         """Record per-file read-back results and return the checkpoint's state.
+
+        ``checked_at`` is set to ``now`` whatever the results. With ``claim``
+        (``owner``, ``generation`` of a row claimed by :meth:`claim_rows`), the
+        results are recorded only while that lease holds, and the lease is
+        released in the same transaction; otherwise :class:`LeaseLost` is
+        raised and nothing changes (exactly one holder records a row).
 
         What the results mean is :func:`ckptier.storage.transitions.on_verification`:
         a file reported ``corrupt``/``missing``, or ``ok`` but contradicting
@@ -933,6 +945,12 @@ class Catalog:
             ).first()
             if head is None:
                 raise UnknownCheckpoint(f"checkpoint id {checkpoint_id} is not in the catalog; rescan first")
+            if claim is not None and conn.execute(
+                update(ck).where(self._held(checkpoint_id, claim[0], claim[1], now))
+                .values(lease_owner=None, lease_expires=None, lease_host=None, lease_pid=None, lease_started=None)
+            ).rowcount != 1:
+                raise LeaseLost(f"checkpoint id {checkpoint_id} (step {head.step}): the claim of {claim[0]} at "
+                                f"generation {claim[1]} ran out or was taken over; its new holder verifies it")
             rows = {
                 r.relpath: r
                 for r in conn.execute(
@@ -956,12 +974,10 @@ class Catalog:
                 _bulk_update(conn, fl, updates)
 
             t = v.transition
-            old = State(head.state)
-            values: dict[str, Any] = {"state": t.state.value, "state_reason": t.reason}
+            values: dict[str, Any] = {"state": t.state.value, "state_reason": t.reason, "checked_at": now}
             if t.state == State.VERIFIED:
                 values["verified_at"] = t.verified_at
-            if t.state != old or t.reason != head.state_reason or t.state == State.VERIFIED:
-                conn.execute(update(ck).where(ck.c.id == checkpoint_id).values(**values))
+            conn.execute(update(ck).where(ck.c.id == checkpoint_id).values(**values))
             if t.state == State.VERIFIED:
                 conn.execute(
                     update(cp)
@@ -1123,6 +1139,86 @@ class Catalog:
                 )
             )
             return int(row.generation)
+
+    def claim_rows(
+        self,
+        ids: Sequence[int],
+        owner: str,
+        *,
+        now: datetime,
+        ttl: timedelta,
+        since: datetime,
+        limit: int,
+        process: ProcessId | None = None,
+    ) -> list[tuple[int, int]]:
+        """Lease up to ``limit`` of the checkpoints ``ids`` that nobody holds and that
+        no verification finished at or after ``since`` (``checked_at``); returns
+        ``(id, generation)`` pairs in id order (empty: nothing free now).
+
+        The lease is the one :meth:`claim` takes (owner, expiry, process, a new
+        generation), so tiering and verification never hold one row at once,
+        a heartbeat (:meth:`renew`) keeps it, and a dead holder's rows come
+        free when it runs out. One statement: on PostgreSQL the candidates are
+        locked ``FOR UPDATE SKIP LOCKED`` (concurrent claimers take disjoint
+        rows without waiting); on SQLite the conditional ``UPDATE`` runs under
+        ``BEGIN IMMEDIATE``. Several processes claiming the same ``ids`` thus
+        each get different rows.
+        """
+        now, since = _aware(now), _aware(since, "since")
+        if ttl <= timedelta(0):
+            raise ValueError(f"lease ttl={ttl} must be positive")
+        if not owner:
+            raise ValueError("lease owner is empty; pass a unique run id")
+        if limit < 1 or not ids:
+            return []
+        free = or_(ck.c.lease_owner.is_(None), ck.c.lease_expires.is_(None), ck.c.lease_expires <= now)
+        unchecked = or_(ck.c.checked_at.is_(None), ck.c.checked_at < since)
+        pick = select(ck.c.id).where(ck.c.id.in_(list(ids)), free, unchecked).order_by(ck.c.id).limit(limit)
+        values = {
+            "lease_owner": owner, "lease_expires": now + ttl, "generation": ck.c.generation + 1,
+            "lease_host": process.host if process else None, "lease_pid": process.pid if process else None,
+            "lease_started": process.started if process else None,
+        }
+        if self.dialect == "postgresql":  # a CTE is evaluated once: never more than ``limit`` rows
+            picked = pick.with_for_update(skip_locked=True).cte("picked")
+            stmt = update(ck).where(ck.c.id == picked.c.id)
+        else:
+            stmt = update(ck).where(ck.c.id.in_(pick.scalar_subquery()))
+        with self._write() as conn:
+            rows = conn.execute(stmt.values(**values).returning(ck.c.id, ck.c.generation)).tuples().all()
+        return sorted((int(i), int(g)) for i, g in rows)
+
+    def finish_claim(self, checkpoint_id: int, owner: str, generation: int, *, now: datetime) -> bool:
+        """End a claim of :meth:`claim_rows` without recording a verification: set
+        ``checked_at = now`` and release the lease, only while ``owner`` holds it at
+        ``generation``; False (nothing changes) when the lease was lost."""
+        now = _aware(now)
+        with self._write() as conn:
+            return conn.execute(
+                update(ck).where(self._held(checkpoint_id, owner, generation, now))
+                .values(checked_at=now, lease_owner=None, lease_expires=None, lease_host=None, lease_pid=None,
+                        lease_started=None)
+            ).rowcount == 1
+
+    def unchecked(self, ids: Sequence[int], *, since: datetime) -> int:
+        """How many of the checkpoints ``ids`` no verification finished at or after ``since``
+        (free or leased): what a sweep sharing them still waits for."""
+        since = _aware(since, "since")
+        if not ids:
+            return 0
+        with self._read() as conn:
+            return int(conn.execute(
+                select(func.count()).select_from(ck)
+                .where(ck.c.id.in_(list(ids)), or_(ck.c.checked_at.is_(None), ck.c.checked_at < since))
+            ).scalar_one())
+
+    def get_many(self, ids: Iterable[int]) -> list[CheckpointRecord]:
+        """The checkpoints with these ids (any state, with files), ordered by job and step."""
+        wanted = list(ids)
+        if not wanted:
+            return []
+        with self._read() as conn:
+            return self._load(conn, [ck.c.id.in_(wanted)], with_files=True)
 
     def lease_holder(self, checkpoint_id: int, *, now: datetime) -> LeaseHolder | None:
         """Who holds an unexpired lease on the checkpoint at ``now``, or None."""

@@ -140,6 +140,9 @@ checkpoints = Table(
     _required("last_seen", UTCDateTime()),
     _optional("missing_since", UTCDateTime()),
     _optional("verified_at", UTCDateTime()),
+    # When a verification last finished, whatever it found (workers sharing the catalog skip rows
+    # checked since their sweep began).
+    _optional("checked_at", UTCDateTime()),
     _optional("recorded_loss", Float),
     Column("generation", BigInteger, nullable=False, default=0),
     _optional("lease_owner", String(256)),
