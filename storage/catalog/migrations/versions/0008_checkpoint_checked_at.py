@@ -6,7 +6,7 @@ checkpoint is verified once per sweep even when it stays ``committed`` (only
 read errors) or is read again on purpose (a deep sweep).
 
 Revision ID: 0008
-Revises: 0004
+Revises: 0005
 Create Date: 2026-11-30
 """
 
@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0008"
-down_revision: str | None = "0004"
+down_revision: str | None = "0005"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

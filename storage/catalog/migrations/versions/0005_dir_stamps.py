@@ -1,7 +1,7 @@
 """Directory stamps: what a local scan saw of each checkpoint directory's tree,
 so that an unchanged rescan can skip listing it.
 
-Revision ID: 0008
+Revision ID: 0005
 Revises: 0004
 Create Date: 2026-11-30
 """
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0008"
+revision: str = "0005"
 down_revision: str | None = "0004"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
