@@ -104,8 +104,9 @@ def test_a_killed_workers_claims_are_finished_by_the_others_after_its_lease(pg_u
         since = datetime.now(UTC)
         victim = start(pg_url, since, "victim", tmp_path / "victim.json", lease_s=3, slow=True)
         deadline = time.monotonic() + 60
-        while not (held := [i for i in ids if (h := cat.lease_holder(i, now=datetime.now(UTC))) and h.owner == "victim"]):
-            assert time.monotonic() < deadline and victim.poll() is None, "the victim never claimed a row"
+        # Wait until the victim holds its whole first batch of 10 (and not just some of it, on a loaded machine).
+        while len(held := [i for i in ids if (h := cat.lease_holder(i, now=datetime.now(UTC))) and h.owner == "victim"]) < 10:
+            assert time.monotonic() < deadline and victim.poll() is None, f"the victim holds {len(held)} of 10 rows"
             time.sleep(0.1)
         os.kill(victim.pid, signal.SIGKILL)  # mid-claim: its batch is leased, nothing recorded
         victim.wait(timeout=30)
@@ -115,7 +116,7 @@ def test_a_killed_workers_claims_are_finished_by_the_others_after_its_lease(pg_u
         counts = recorded(outs)
         assert len(counts) == 60 and set(counts.values()) == {1}
         steps_held = {c.step for c in cat.get_many(held)}
-        assert steps_held <= {step for _, step in counts} and len(steps_held) == 10
+        assert steps_held <= {step for _, step in counts} and len(steps_held) >= 10
         # Its rows were verified only once its lease had run out.
         for c in cat.get_many(held):
             assert c.state == State.VERIFIED and c.verified_at is not None and c.verified_at > killed_at
