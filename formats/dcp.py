@@ -146,16 +146,7 @@ class DcpFormat(FormatPlugin):
                               saved_world=self.saved_ranks(relpaths))
 
     def load(self, path: Path, allow: Sequence[Any]) -> LoadedCheckpoint:
-        from ckptier.formats.safe_load import LoadedCheckpoint, float_or_none, read_json, step_from_name
-
-        tensors = load_dcp_tensors(path)
-        model = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
-        if not model:  # a model-only export: the state dict at the top level
-            model = {k: v for k, v in tensors.items() if not k.startswith("optimizer.")}
-        optimizer = {k[len("optimizer."):]: v for k, v in tensors.items() if k.startswith("optimizer.state.")}
-        extra = read_json(path / "metadata.json") if (path / "metadata.json").is_file() else {}
-        step = extra.get("step") if isinstance(extra.get("step"), int) else step_from_name(path)
-        return LoadedCheckpoint(model, optimizer or None, extra, "fqn-flat", step, float_or_none(extra.get("loss")))
+        return load_dcp(path)
 
 
 PLUGIN = DcpFormat()
@@ -606,6 +597,35 @@ def load_dcp_tensors(
     except Exception as exc:
         raise CheckpointLoadError(f"{path}: DCP load failed: {dcp_failure(exc)}; re-fetch or re-verify the checkpoint") from None
     return template
+
+
+def load_dcp(path: Path, available: Mapping[str, Sequence[Range] | None] | None = None) -> LoadedCheckpoint:
+    """A whole DCP checkpoint for a drill (:func:`load_dcp_tensors`; ``available``
+    as there): ``model.*`` (or a model-only state dict) as the model state,
+    ``optimizer.state.*`` as the flattened optimizer state, ``metadata.json``
+    beside the shards for the step and the recorded loss."""
+    from ckptier.formats.safe_load import LoadedCheckpoint, float_or_none
+
+    tensors = load_dcp_tensors(path, available=available)
+    model = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
+    if not model:  # a model-only export: the state dict at the top level
+        model = {k: v for k, v in tensors.items() if not k.startswith("optimizer.")}
+    optimizer = {k[len("optimizer."):]: v for k, v in tensors.items() if k.startswith("optimizer.state.")}
+    extra, step, loss = checkpoint_notes(Path(path))
+    return LoadedCheckpoint(model, optimizer or None, extra, "fqn-flat", step, float_or_none(loss))
+
+
+def checkpoint_notes(path: Path) -> tuple[dict[str, Any], int | None, Any]:
+    """``(metadata.json, step, recorded loss)`` of a checkpoint directory: the
+    JSON beside the shards when there is one, the step from it or from the
+    directory's name."""
+    from ckptier.formats.safe_load import read_json, step_from_name
+
+    extra = read_json(path / "metadata.json") if (path / "metadata.json").is_file() else {}
+    step = extra.get("step") if isinstance(extra.get("step"), int) and not isinstance(extra.get("step"), bool) else None
+    if step is None:
+        step = step_from_name(path)
+    return extra, step, extra.get("loss", extra.get("train_loss"))
 
 
 def dcp_failure(exc: BaseException) -> str:

@@ -23,7 +23,7 @@ import resource
 import sys
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -174,11 +174,15 @@ class _Restored:
         self.load_s, self.build_s, self.restore_s = load_s, build_s, restore_s
 
 
-def restore(request: DrillRequest, device: torch.device) -> _Restored:
-    """Load the checkpoint safely, build the model and restore strictly."""
+def restore(request: DrillRequest, device: torch.device, load: Callable[[], LoadedCheckpoint] | None = None) -> _Restored:
+    """Load the checkpoint safely (with ``load`` when given, else by its
+    format's loader), build the model and restore strictly."""
     t0 = time.perf_counter()
     try:
-        loaded = load_checkpoint_dir(request.checkpoint, request.format, extra_allowlist=request.allow_globals)
+        if load is not None:
+            loaded = load()
+        else:
+            loaded = load_checkpoint_dir(request.checkpoint, request.format, extra_allowlist=request.allow_globals)
     except CkptierError as exc:
         raise DrillFailure("load", str(exc), unsafe=isinstance(exc, UnsafeCheckpoint)) from None
     t1 = time.perf_counter()
