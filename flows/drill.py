@@ -51,6 +51,7 @@ def restore_drill_flow(
     config_path: str | None = None,
     catalog_url: str | None = None,
     allow_globals: list[str] | None = None,
+    world_size: int | None = None,
 ) -> list[dict[str, Any]]:
     """Restore a checkpoint, train a few steps and record whether recovery works.
 
@@ -64,8 +65,10 @@ def restore_drill_flow(
         config_path: ckptier.toml path (default: CKPTIER_CONFIG or ./ckptier.toml).
         catalog_url: Catalog SQLAlchemy URL (default: CKPTIER_CATALOG_URL, else the config's [catalog] url, else SQLite).
         allow_globals: Classes (module.Name) the safe loader may unpickle, besides the [[drill]] allow_globals.
+        world_size: Restore into this many ranks (default: as many as saved the checkpoint) and report whether the run resumes on them.
     """
-    reports = drill_task(catalog_url, config_path, job, step, steps, device, model, timeout_seconds, allow_globals)
+    reports = drill_task(catalog_url, config_path, job, step, steps, device, model, timeout_seconds, allow_globals,
+                         world_size)
     create_markdown_artifact(render_report(reports), key="drill-report", description="Restore drill report")
     failed = [r for r in reports if not r["ok"]]
     for r in failed:

@@ -80,6 +80,11 @@ _STAGES = ("start", "rendezvous", "build", "load", "restore", "train", "done")
 """The stages a worker reports in its progress file, in order."""
 
 
+class UnsupportedDrill(ConfigError):
+    """The checkpoint's ranks cannot be drilled yet (partitioned: model
+    parallelism, ZeRO partitions); nothing is wrong with the checkpoint."""
+
+
 # --- the device and backend ---------------------------------------------------
 
 
@@ -840,8 +845,9 @@ def run_ranked_drill(
     and the verdict says whether the run resumes on ``world_size`` ranks.
     Everything goes under ``scratch`` (the caller removes it). Raises
     :class:`ConfigError` when the checkpoint cannot be drilled on that many
-    ranks (partitioned ranks: not supported yet; ``--device cuda`` without a
-    GPU per rank), before any shard is fetched.
+    ranks (:class:`UnsupportedDrill` for partitioned ranks: not supported
+    yet; ``--device cuda`` without a GPU per rank), before any shard is
+    fetched.
     """
     handler = plugin(fmt)
     saved = handler.saved_ranks(relpaths)
@@ -859,7 +865,7 @@ def run_ranked_drill(
         except ValueError as exc:
             raise ConfigError(f"{fmt} checkpoint of {saved} rank{'s' if saved > 1 else ''}: cannot drill it on {world}: {exc}") from None
         if plan.layout == PARTITIONED:
-            raise ConfigError(
+            raise UnsupportedDrill(
                 f"{fmt} checkpoint of {plan.saved_world} ranks: not supported yet: its ranks hold model-parallel slices "
                 "or optimizer partitions of their own; multi-rank drills restore replicated (DDP) and sharded "
                 "(FSDP2, DCP) checkpoints")
