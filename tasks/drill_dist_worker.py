@@ -137,7 +137,7 @@ def _digest(model: nn.Module) -> str:
 # --- replicated: every rank loads one replica -----------------------------------------
 
 
-def restore_replica(request: RankRequest, device: torch.device) -> tuple[DrillSpec, LoadedCheckpoint, str, dict[str, float]]:
+def restore_replica(request: RankRequest, device: torch.device, progress: _Progress) -> tuple[DrillSpec, LoadedCheckpoint, str, dict[str, float]]:
     """Load this rank's replica as a single-rank drill does, strictly; then
     wrap the model in DDP (no initial broadcast) when there are other ranks."""
     single = DrillRequest(request.checkpoint, request.format, request.factory, request.steps, str(device),
@@ -148,7 +148,7 @@ def restore_replica(request: RankRequest, device: torch.device) -> tuple[DrillSp
 
         available = {k: (None if v is None else [tuple(r) for r in v]) for k, v in request.available.items()}
         loader = lambda: load_dcp(Path(request.checkpoint), available)  # noqa: E731
-    restored = restore(single, device, loader)
+    restored = restore(single, device, loader, progress)
     spec = restored.spec
     digest = _digest(spec.model)
     if request.world_size > 1:
@@ -219,7 +219,7 @@ def _check_keys(model_sd: Mapping[str, Any], saved: Mapping[str, Any]) -> None:
         raise DrillFailure("restore", f"checkpoint does not fit the model: {problems[0]}{more}")
 
 
-def restore_shards(request: RankRequest, device: torch.device) -> tuple[DrillSpec, dict[str, Any], dict[str, float]]:
+def restore_shards(request: RankRequest, device: torch.device, progress: _Progress) -> tuple[DrillSpec, dict[str, Any], dict[str, float]]:
     """Shard the model with FSDP2 and load this rank's parts through DCP's planner."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -244,7 +244,9 @@ def restore_shards(request: RankRequest, device: torch.device) -> tuple[DrillSpe
     saved = {k: tuple(v.size) for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
     prefixed = any(k.startswith("model.") for k in saved)
     t1 = time.perf_counter()
+    progress("build")
     spec = _build(request, extra)
+    progress("restore")
     names = {id(p): n for n, p in spec.model.named_parameters()}
     spec.model.to(device)
     mesh = init_device_mesh(device.type, (request.world_size,))
@@ -387,14 +389,13 @@ def run_rank(request: RankRequest) -> RankResult:
         digest = None
         if request.layout == "sharded":
             base["parallel"] = "fsdp2"
-            spec, notes, times = restore_shards(request, device)
+            spec, notes, times = restore_shards(request, device, progress)
             base.update(notes)
         else:
             base["parallel"] = "ddp" if request.world_size > 1 else "none"
-            spec, loaded, digest, times = restore_replica(request, device)
+            spec, loaded, digest, times = restore_replica(request, device, progress)
             base.update(recorded_loss=loaded.recorded_loss, checkpoint_step=loaded.step,
                         optimizer_loaded=loaded.optimizer_state is not None)
-        progress("restore")
         try:
             losses, info = train_ranked(spec, request, device, base.get("checkpoint_step") or 0, progress)
         except CkptierError:

@@ -174,9 +174,16 @@ class _Restored:
         self.load_s, self.build_s, self.restore_s = load_s, build_s, restore_s
 
 
-def restore(request: DrillRequest, device: torch.device, load: Callable[[], LoadedCheckpoint] | None = None) -> _Restored:
+def restore(
+    request: DrillRequest,
+    device: torch.device,
+    load: Callable[[], LoadedCheckpoint] | None = None,
+    progress: Callable[[str], None] = lambda stage: None,
+) -> _Restored:
     """Load the checkpoint safely (with ``load`` when given, else by its
-    format's loader), build the model and restore strictly."""
+    format's loader), build the model and restore strictly; ``progress`` is
+    told each stage (``load``, ``build``, ``restore``) as it starts."""
+    progress("load")
     t0 = time.perf_counter()
     try:
         if load is not None:
@@ -186,6 +193,7 @@ def restore(request: DrillRequest, device: torch.device, load: Callable[[], Load
     except CkptierError as exc:
         raise DrillFailure("load", str(exc), unsafe=isinstance(exc, UnsafeCheckpoint)) from None
     t1 = time.perf_counter()
+    progress("build")
     try:
         if request.factory is not None:
             spec = build_spec(resolve_factory(request.factory), loaded.extra, name=request.factory)
@@ -204,6 +212,7 @@ def restore(request: DrillRequest, device: torch.device, load: Callable[[], Load
     if spec.optimizer is None:
         spec.optimizer = torch.optim.SGD(spec.model.parameters(), lr=1e-4)
     t2 = time.perf_counter()
+    progress("restore")
     problems = state_dict_problems(spec.model.state_dict(), loaded.model_state)
     if problems:
         more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
