@@ -40,6 +40,7 @@ from jinja2 import Environment, FileSystemLoader, select_autoescape
 
 from ckptier import __version__
 from ckptier.storage.errors import CkptierError
+from ckptier.storage.model import HELD_COPY_STATES, CopyState
 
 from . import charts, security
 from .alerts import format_age
@@ -307,12 +308,12 @@ def _marks(row: dict[str, Any]) -> list[charts.Mark]:
     job, step, state = str(row["job"]), int(row["step"]), str(row["state"])
     cls = row["proof"] if row["proof"] == "drilled" else state
     href = checkpoint_url(job, step)
-    tiers = [t for t in ("hot", "archive") if row[t] in ("present", "degraded")]
+    tiers = [t for t in ("hot", "archive") if row[t] in HELD_COPY_STATES]
     text = f"step {step:,}: {state}" + (f", {row['proof']}" if row["proof"] and row["proof"] != state else "")
     out = []
     for t in tiers:
         gone = t == "hot" and not missing(row.get("missing_since"))
-        copy_cls = "degraded" if row[t] == "degraded" else ("missing" if gone else cls)
+        copy_cls = "degraded" if row[t] == CopyState.DEGRADED else ("missing" if gone else cls)
         out.append(charts.Mark(step, t, copy_cls, f"{text}; {t} copy {row[t]}", href))
     if not tiers:
         out.append(charts.Mark(step, "deleted" if state == "deleted" else "hot", "deleted" if state == "deleted" else "missing",

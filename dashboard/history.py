@@ -29,7 +29,9 @@ from typing import Any
 
 import pandas as pd
 
-HELD = ("present", "degraded")
+from ckptier.storage.model import CopyState
+
+HELD = (CopyState.PRESENT.value, CopyState.DEGRADED.value)
 _OUT_HOT = ("deleted", "vanished")
 _IN_HOT = ("reappeared", "resurrected")
 COLUMNS = ("at", "hot_bytes", "archive_stored_bytes", "archive_logical_bytes")
@@ -63,7 +65,7 @@ def _tier_move(kind: str, data: Mapping[str, Any] | None) -> tuple[str, bool] | 
         return "hot", True
     if kind.startswith("copy-") and data and isinstance(data.get("tier"), str):
         to = kind[len("copy-"):]
-        if to in ("deleted", "missing"):
+        if to in (CopyState.DELETED, CopyState.MISSING):
             return str(data["tier"]), False
         if to in HELD:
             return str(data["tier"]), True

@@ -21,9 +21,10 @@ from ckptier.storage.catalog.models import copies as cp
 from ckptier.storage.catalog.models import events as ev
 from ckptier.storage.catalog.models import files as fl
 from ckptier.storage.catalog.models import jobs as jb
+from ckptier.storage.model import CopyState
 
 #: Copy states that still hold the bytes (a degraded copy is damaged, but stored).
-HELD = ("present", "degraded")
+HELD = (CopyState.PRESENT.value, CopyState.DEGRADED.value)
 #: Newest saves per job read to learn the job's usual checkpoint interval.
 RECENT_SAVES = 21
 #: Event kinds that change which copies hold bytes (storage over time).
@@ -85,7 +86,7 @@ def placement(job: str | None = None) -> Select[Any]:
             ck.c.saved_at,
             func.max(case((tier_held("hot"), 1), else_=0)).label("hot"),
             func.max(case((tier_held("archive"), 1), else_=0)).label("archive"),
-            func.max(case((and_(cp.c.tier == "archive", cp.c.state == "degraded"), 1), else_=0)).label("degraded"),
+            func.max(case((and_(cp.c.tier == "archive", cp.c.state == CopyState.DEGRADED.value), 1), else_=0)).label("degraded"),
             func.sum(case((tier_held("hot"), cp.c.stored_bytes), else_=0)).label("hot_bytes"),
             func.sum(case((tier_held("archive"), cp.c.stored_bytes), else_=0)).label("archive_bytes"),
         )
@@ -159,7 +160,7 @@ def problems(job: str | None = None) -> Select[Any]:
         select(jb.c.name.label("job"), ck.c.step, literal("degraded").label("problem"),
                case((_held("hot"), 1), else_=0).label("hot"), cp.c.url.label("detail"))
         .select_from(cp.join(ck, ck.c.id == cp.c.checkpoint_id).join(jb, jb.c.id == ck.c.job_id))
-        .where(cp.c.tier == "archive", cp.c.state == "degraded", ck.c.state != "deleted"),
+        .where(cp.c.tier == "archive", cp.c.state == CopyState.DEGRADED.value, ck.c.state != "deleted"),
         job,
     )
     return corrupt.union_all(degraded).order_by("job", "step")  # type: ignore[return-value]

@@ -385,8 +385,8 @@ def _copy_cells(record: CheckpointRecord) -> dict[str, Any]:
 
     h, a = best(hot), best(arch)
     return {
-        "hot": h.state if h else "",
-        "archive": a.state if a else "",
+        "hot": str(h.state) if h else "",
+        "archive": str(a.state) if a else "",
         "archive_stored_bytes": a.stored_bytes if a is not None and a.state in q.HELD else None,
     }
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from ckptier import __version__
-from ckptier.storage.errors import CkptierError
+from ckptier.storage.errors import CkptierError, ConfigError
 
 from .output import checkpoint_json, current_location, human_bytes, iso, print_checkpoints, print_json, table
 

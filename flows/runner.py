@@ -44,9 +44,10 @@ def configured_api_url(environ: Mapping[str, str] | None = None) -> str | None:
     return url if isinstance(url, str) and url else None
 
 
-def check_prefect_api(url: str | None = None) -> str:
+def check_prefect_api(url: str | None = None, *, direct: str | None = "pass --no-prefect to run directly") -> str:
     """``url`` (default: the configured Prefect API URL) if it answers; otherwise
-    a one-line error naming ``PREFECT_API_URL``."""
+    a one-line error naming ``PREFECT_API_URL`` and, when the command has a
+    way to run without Prefect, ``direct`` (None: it has none)."""
     import httpx
 
     url = url or configured_api_url()
@@ -57,10 +58,10 @@ def check_prefect_api(url: str | None = None) -> str:
         response = httpx.get(url.rstrip("/") + "/health", timeout=5.0)
         response.raise_for_status()
     except (httpx.HTTPError, ValueError) as exc:
-        raise ConfigError(
-            f"PREFECT_API_URL={url!r} does not answer ({type(exc).__name__}); start 'prefect server start', "
-            f"fix PREFECT_API_URL (environment or 'prefect config set'), or pass --no-prefect to run directly"
-        ) from None
+        fixes = ["start 'prefect server start' (and wait until it answers)",
+                 "fix PREFECT_API_URL (environment or 'prefect config set')", *([direct] if direct else [])]
+        raise ConfigError(f"PREFECT_API_URL={url!r} does not answer ({type(exc).__name__}); "
+                          + ", ".join(fixes[:-1]) + ", or " + fixes[-1]) from None
     return url
 
 

@@ -43,7 +43,7 @@ _SUCCESS = "commit_success.txt"
 _METRICS = "metrics/metrics"
 _STEP = re.compile(r"^(?:.*_)?(\d+)$")
 _NEEDS_JAX = ("an Orbax checkpoint needs JAX to drill, and JAX or orbax-checkpoint is not installed in the drill's "
-              "environment; install them there (pip install jax orbax-checkpoint) or drill another format")
+              "environment; install them there (pip install 'ckptier[orbax]') or drill another format")
 
 
 def orbax_step(dirname: str) -> int | None:

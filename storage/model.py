@@ -51,6 +51,27 @@ class Tier(enum.StrEnum):
     ARCHIVE = "archive"
 
 
+class CopyState(enum.StrEnum):
+    """Where one copy of a checkpoint (in one tier, at one URL) stands; stored as its value.
+
+    ``present``: its bytes are there, as far as the last scan, promotion or
+    proof knows. ``missing``: a scan no longer lists the hot copy (it may
+    come back; a forgotten checkpoint's copies end here too). ``deleted``:
+    ckptier removed it on purpose. ``degraded``: an archive copy whose
+    read-back failed its proof; its bytes are still there (kept as evidence),
+    but nothing relies on it.
+    """
+
+    PRESENT = "present"
+    MISSING = "missing"
+    DELETED = "deleted"
+    DEGRADED = "degraded"
+
+
+#: Copy states whose bytes are still stored (a tier "holds" the checkpoint).
+HELD_COPY_STATES = frozenset({CopyState.PRESENT, CopyState.DEGRADED})
+
+
 @dataclass(frozen=True, slots=True)
 class FileRef:
     """One file of a checkpoint as storage lists it.
@@ -166,14 +187,13 @@ class FileRecord:
 
 @dataclass(frozen=True)
 class CopyRecord:
-    """Where a checkpoint's bytes live. ``state`` is one of
-    ``present``, ``missing``, ``deleted``, ``degraded``. ``storage_class``:
+    """Where a checkpoint's bytes live (see :class:`CopyState`). ``storage_class``:
     the S3 storage class the copy's objects were confirmed in (``None``
     where the store has none, or it was not recorded)."""
 
     tier: Tier
     url: str
-    state: str
+    state: CopyState
     stored_bytes: int | None
     verified_at: datetime | None
     codec: str | None = None
@@ -223,16 +243,16 @@ class CheckpointRecord:
     @property
     def tiers(self) -> tuple[str, ...]:
         """Tiers holding a present (or degraded) copy, hot first."""
-        present = {c.tier for c in self.copies if c.state in ("present", "degraded")}
+        present = {c.tier for c in self.copies if c.state in HELD_COPY_STATES}
         return tuple(t.value for t in (Tier.HOT, Tier.ARCHIVE) if t in present)
 
     def archive_copy(self) -> CopyRecord | None:
         """The archive copy still held (present or degraded), if any."""
-        return next((c for c in self.copies if c.tier == Tier.ARCHIVE and c.state in ("present", "degraded")), None)
+        return next((c for c in self.copies if c.tier == Tier.ARCHIVE and c.state in HELD_COPY_STATES), None)
 
     def has_verified_archive(self) -> bool:
         return any(
-            c.tier == Tier.ARCHIVE and c.state == "present" and c.verified_at is not None
+            c.tier == Tier.ARCHIVE and c.state == CopyState.PRESENT and c.verified_at is not None
             for c in self.copies
         )
 

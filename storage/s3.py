@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import builtins
 import copy
+import io
 import logging
 import os
 import uuid
@@ -48,9 +49,11 @@ from .errors import (
     AccessDenied,
     AlreadyExists,
     ConfigError,
+    DeleteInterrupted,
     IntegrityError,
     NeedsRestore,
     NotFound,
+    ObjectChanged,
     StoreError,
     Unavailable,
 )
@@ -183,6 +186,11 @@ class S3Store:
     ``multipart_threshold`` plus one part. A failed multipart upload is
     aborted (best effort); one left by a killed process is found by
     :meth:`list_multipart_uploads` and removed by :meth:`abort_multipart`.
+
+    Capabilities (:mod:`.base`): :class:`~.base.Canary`,
+    :class:`~.base.MultipartUploads`, :class:`~.base.ResumableReads`,
+    :class:`~.base.StorageClasses`, :class:`~.base.Restorable`,
+    :class:`~.base.Taggable`.
     """
 
     def __init__(
@@ -575,11 +583,11 @@ class S3Store:
         ``failed`` and never sent.
 
         When a whole batch fails (SlowDown or 5xx after botocore's retries,
-        access denied, unreachable endpoint) this raises that error and
-        nothing of that batch or later batches is reported as deleted; the
-        confirmed result of earlier batches rides on the exception as
-        ``exc.partial`` (a :class:`DeleteResult`). Deletes are idempotent, so
-        the caller may simply run the remaining keys again.
+        access denied, unreachable endpoint) this raises
+        :class:`~.errors.DeleteInterrupted`: its ``error`` is that failure,
+        its ``result`` the confirmed outcome of earlier batches; nothing of
+        the failed batch or later ones is reported as deleted. Deletes are
+        idempotent, so the caller may simply run the remaining keys again.
         """
         result = DeleteResult()
         valid: list[str] = []
@@ -594,8 +602,7 @@ class S3Store:
             try:
                 self._delete_batch(batch, result)
             except StoreError as exc:
-                exc.partial = result  # type: ignore[attr-defined]
-                raise
+                raise DeleteInterrupted(exc, result) from exc
         return result
 
     def _delete_batch(self, batch: Sequence[str], result: DeleteResult) -> None:
@@ -641,7 +648,7 @@ class S3Store:
             Tagging={"TagSet": [{"Key": k, "Value": v} for k, v in merged.items()]},
         )
 
-    # -- extras for the janitor and the start-up canary ----------------------
+    # -- the MultipartUploads, ResumableReads, Restorable and Canary capabilities
 
     def list_multipart_uploads(self, prefix: str = "") -> builtins.list[tuple[str, str, datetime]]:
         """Unfinished multipart uploads under ``prefix``: ``(key, upload_id, initiated)``.
@@ -673,6 +680,45 @@ class S3Store:
             raise self._translate(exc, key) from exc
         except (bex.BotoCoreError, OSError) as exc:
             raise self._translate(exc, key) from exc
+
+    def open_versioned(self, key: str) -> tuple[BinaryIO, str]:
+        """:meth:`open_read` and the object's ETag, which :meth:`open_from` resumes against
+        (:class:`~.base.ResumableReads`)."""
+        response = self._call("get_object", key, Bucket=self.bucket, Key=self._full_key(key))
+        return _S3Reader(response["Body"], self, key), str(response.get("ETag") or "")  # type: ignore[return-value]
+
+    def open_from(self, key: str, offset: int, version: str) -> BinaryIO:
+        """The object's bytes from ``offset`` on (a ranged GET), only while its ETag is still
+        ``version`` (``If-Match``); :class:`ObjectChanged` when it was replaced since."""
+        import botocore.exceptions as bex
+
+        full = self._full_key(key)
+        changed = ObjectChanged(f"{self.url}/{key}: replaced while it was being read (its ETag is no longer "
+                                f"{version or 'known'}); read it again from the start", url=self.url, key=key)
+        if not version:
+            raise changed
+        try:
+            response = self.client.get_object(Bucket=self.bucket, Key=full, Range=f"bytes={offset}-", IfMatch=version)
+        except bex.ClientError as exc:
+            code, status = _error_code(exc)
+            if code in _PRECONDITION or status == 412:
+                raise changed from exc
+            if code != "InvalidRange" and status != 416:
+                raise self._translate(exc, key) from exc
+            # Nothing left past ``offset``; still the same object?
+            try:
+                self.client.head_object(Bucket=self.bucket, Key=full, IfMatch=version)
+            except bex.ClientError as head_exc:
+                code, status = _error_code(head_exc)
+                if code in _PRECONDITION or status == 412:
+                    raise changed from head_exc
+                raise self._translate(head_exc, key) from head_exc
+            except (bex.BotoCoreError, OSError) as head_exc:
+                raise self._translate(head_exc, key) from head_exc
+            return io.BytesIO(b"")
+        except (bex.BotoCoreError, OSError) as exc:
+            raise self._translate(exc, key) from exc
+        return _S3Reader(response["Body"], self, key)  # type: ignore[return-value]
 
     def restore(self, key: str, *, days: int = 1, tier: str = "Standard") -> RestoreState:
         """Ask S3 for a readable copy of an archived object (RestoreObject) for ``days`` days.

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from .model import CheckpointRecord, FileCheck, FileRecord, Shortfall, State
+from .model import CheckpointRecord, CopyState, FileCheck, FileRecord, Shortfall, State
 
 __all__ = [
     "DEFAULT_GRACE",
@@ -476,7 +476,7 @@ def pick_latest(records: Iterable[CheckpointRecord], *, drilled: bool = False) -
     """
     passed: list[tuple[int, str]] = []
     candidates = sorted(
-        (r for r in records if r.state == State.VERIFIED and any(c.state == "present" for c in r.copies)),
+        (r for r in records if r.state == State.VERIFIED and any(c.state == CopyState.PRESENT for c in r.copies)),
         key=lambda r: r.step, reverse=True,
     )
     for r in candidates:

@@ -48,7 +48,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
 from ckptier.storage.errors import ConfigError
-from ckptier.storage.model import CheckpointRecord, CopyRecord, Format, State, Tier
+from ckptier.storage.model import HELD_COPY_STATES, CheckpointRecord, CopyRecord, CopyState, Format, State, Tier
 
 from .prices import MONTH_SECONDS, Prices, requests_for
 from .retention import (
@@ -378,7 +378,7 @@ def observe_job(records: Sequence[CheckpointRecord]) -> JobObservation:
     gaps = [b - a for a, b in itertools.pairwise(times) if b > a]
     steps = [b.step - a.step for a, b in itertools.pairwise(saved) if b.step > a.step]
     archived = [(r.bytes, c.stored_bytes) for r in saved for c in r.copies
-                if c.tier == Tier.ARCHIVE and c.state in ("present", "degraded") and c.stored_bytes]
+                if c.tier == Tier.ARCHIVE and c.state in HELD_COPY_STATES and c.stored_bytes]
     newest = saved[-1] if saved else None
     return JobObservation(
         job=jobs[0],
@@ -528,7 +528,7 @@ def apply_night(
             c = live[item.checkpoint_id]
             if c.has_verified_archive():
                 continue  # already archived: promotion is idempotent
-            copy = CopyRecord(Tier.ARCHIVE, f"{policy.archive}/{c.job}/step-{c.step:08d}", "present",
+            copy = CopyRecord(Tier.ARCHIVE, f"{policy.archive}/{c.job}/step-{c.step:08d}", CopyState.PRESENT,
                               round(c.bytes / codec_ratio), now, "ckz1")
             live[c.id] = dataclasses.replace(c, copies=c.copies + (copy,))
             promoted.append(c.id)
@@ -545,7 +545,7 @@ def apply_night(
                 del live[c.id]
             else:
                 live[c.id] = dataclasses.replace(
-                    c, copies=c.copies + (CopyRecord(Tier.HOT, c.location, "deleted", None, None),))
+                    c, copies=c.copies + (CopyRecord(Tier.HOT, c.location, CopyState.DELETED, None, None),))
         if not this_pass:
             break
     return promoted
@@ -632,7 +632,7 @@ def _night(day: int, saves: int, size: int, live: Any, promoted_at: Mapping[int,
             counts[("hot", hot_class)][0] += 1
             counts[("hot", hot_class)][1] += c.bytes
         for x in c.copies:
-            if x.tier == Tier.ARCHIVE and x.state == "present":
+            if x.tier == Tier.ARCHIVE and x.state == CopyState.PRESENT:
                 cls = class_at(now - promoted_at[c.id], policy.storage_class, policy.archive_tiers) if s3_archive else HOT
                 entry = counts.setdefault(("archive", cls), [0, 0])
                 entry[0] += 1

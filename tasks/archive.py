@@ -37,7 +37,17 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ckptier.storage import codec as _codec
-from ckptier.storage.base import ObjectInfo, Restorable, StorageClasses, Store, join_key, key_problem, read_bytes
+from ckptier.storage.base import (
+    MultipartUploads,
+    ObjectInfo,
+    Restorable,
+    StorageClasses,
+    Store,
+    TempFiles,
+    join_key,
+    key_problem,
+    read_bytes,
+)
 from ckptier.storage.errors import (
     AlreadyExists,
     CkptierError,
@@ -51,7 +61,7 @@ from ckptier.storage.hashing import Digests, Hasher, store_crc64nvme
 from ckptier.storage.local import file_mode
 from ckptier.storage.manifest import MANIFEST_NAME as _MANIFEST_NAME
 from ckptier.storage.manifest import Manifest, ManifestFile, StoredObject
-from ckptier.storage.model import CheckpointRecord, FileRecord, State, Tier
+from ckptier.storage.model import HELD_COPY_STATES, CheckpointRecord, FileRecord, State, Tier
 from ckptier.storage.s3 import RESTORE_CLASSES, RESTORE_HOURS
 from ckptier.tasks.verify import (
     file_key as hot_file_key,  # the single-file rule lives there
@@ -373,7 +383,7 @@ def promote(
     sealed = data_class in RESTORE_CLASSES  # no GET until restored: prove by local decode + HEAD
     # Bookkeeping objects (the upload marker, the manifest) stay in the bucket's
     # default class, so that the janitor and every reader can always read them.
-    plain = archive.in_class(None) if data_class is not None else archive  # type: ignore[union-attr]
+    plain = archive.in_class(None) if isinstance(archive, StorageClasses) and data_class is not None else archive
     enc_digests: dict[str, Digests] = {}
 
     # 1. Already committed? Then compare instead of uploading over it.
@@ -655,7 +665,7 @@ def _fetch_files(
 
 
 def _present(record: CheckpointRecord, tier: Tier) -> bool:
-    return any(c.tier == tier and c.state in ("present", "degraded") for c in record.copies)
+    return any(c.tier == tier and c.state in HELD_COPY_STATES for c in record.copies)
 
 
 def _archive_copy_url(record: CheckpointRecord) -> str | None:
@@ -1210,21 +1220,19 @@ def janitor(archive: Store, *, now: datetime, older_than: timedelta,
     report.not_ours.extend(loose)
     ours = {d: _our_keys(archive, d) for d, _ in groups}
 
-    list_uploads = getattr(archive, "list_multipart_uploads", None)
-    if list_uploads is not None:
+    if isinstance(archive, MultipartUploads):
         marked = set().union(*(k for k in ours.values() if k))
-        for key, upload_id, initiated in list_uploads(""):
+        for key, upload_id, initiated in archive.list_multipart_uploads(""):
             if key not in marked:
                 report.not_ours.append(f"{key} (multipart upload {upload_id})")
             elif initiated is not None and initiated < cutoff:
-                archive.abort_multipart(key, upload_id)  # type: ignore[attr-defined]
+                archive.abort_multipart(key, upload_id)
                 report.aborted_uploads.append((key, upload_id))
 
     cutoff_ts = cutoff.timestamp()
-    stale_temps = getattr(archive, "stale_temp_files", None)
-    if stale_temps is not None:
-        for rel in stale_temps(cutoff_ts):
-            archive.remove_temp_file(rel)  # type: ignore[attr-defined]
+    if isinstance(archive, TempFiles):
+        for rel in archive.stale_temp_files(cutoff_ts):
+            archive.remove_temp_file(rel)
             report.removed_temp_files.append(rel)
     protected = set(cataloged)
     for d, infos in groups:

@@ -118,10 +118,11 @@ class WorkerResult:
     memory in bytes).
 
     ``error``/``error_stage`` are set when the drill could not finish; stage
-    is one of ``setup``, ``load``, ``build``, ``restore``, ``train``,
-    ``timeout``, ``crash``. ``unsafe`` marks a refused load. Losses are per
-    step; ``None`` stands for a non-finite loss. ``losses_repeat`` is the
-    second run from a fresh restore. ``optimizer_step_before``/``after`` are
+    is one of ``setup``, ``factory`` (the model factory does not import),
+    ``load``, ``build``, ``restore``, ``train``, ``timeout``, ``crash``.
+    ``unsafe`` marks a refused load. Losses are per step; ``None`` stands
+    for a non-finite loss. ``losses_repeat`` is the second run from a fresh
+    restore. ``optimizer_step_before``/``after`` are
     the optimizer's step counter right after restoring and after the K steps.
     ``grad_problems`` lists trainable parameters whose gradient was missing,
     zero at every step, or non-finite at some step. ``timings`` holds

@@ -195,8 +195,12 @@ def restore(
     t1 = time.perf_counter()
     progress("build")
     try:
-        if request.factory is not None:
-            spec = build_spec(resolve_factory(request.factory), loaded.extra, name=request.factory)
+        factory = resolve_factory(request.factory) if request.factory is not None else None
+    except CkptierError as exc:  # the operator's model does not import: nothing to do with the checkpoint
+        raise DrillFailure("factory", str(exc)) from None
+    try:
+        if factory is not None:
+            spec = build_spec(factory, loaded.extra, name=request.factory or "factory")
         elif "hf_config_dir" in loaded.extra:
             spec = hf_spec(loaded.extra["hf_config_dir"])
             if loaded.optimizer_state is not None:

@@ -9,6 +9,7 @@ Prefect.
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 from prefect import task
@@ -19,6 +20,7 @@ from ckptier.storage.errors import is_transient
 
 from . import pipeline
 from .config import load_config
+from .reports import verification_by_job
 from .retention import render_plan_table
 from .settings import catalog_url as resolve_catalog_url
 from .settings import require_written_policy
@@ -49,45 +51,71 @@ def scan_task(url: str, catalog_url: str | None, config_path: str | None = None)
 @task(name="verify", retries=1, retry_delay_seconds=30, retry_condition_fn=retry_if_transient)
 def verify_task(catalog_url: str | None, job: str | None, deep: bool, sample: tuple[int, int] | None,
                 workers: int, config_path: str | None = None) -> dict[str, Any]:
-    """Verify what needs it (or the sample) and record the results."""
+    """Verify what needs it (or the sample) and record the results; ``by_job`` adds the totals per job.
+
+    The ``verify-progress`` artifact reaches 100% when the run ends, also
+    when there was nothing to verify."""
     log = get_run_logger()
+    progress = ProgressArtifact("verify-progress", "bytes verified so far")
     with Catalog.open(resolve_catalog_url(catalog_url, config_path), create=False) as cat:
         report = pipeline.run_verify(cat, now=pipeline.utcnow, job=job, deep=deep, sample=sample, workers=workers,
-                                     progress=_progress_artifact("verify-progress"))
+                                     progress=progress)
+    progress.finish()
+    report["by_job"] = [asdict(j) for j in verification_by_job(report["checkpoints"])]
     t = report["totals"]
     log.info("%d checked: %d verified, %d corrupt, %d with errors; %d bytes read, %d skipped",
              t["checked"], t["verified"], t["corrupt"], t["errors"], t["bytes_read"], t["bytes_skipped"])
     return report
 
 
-def _progress_artifact(key: str) -> Any:
-    """A progress callback that updates a Prefect progress artifact (at most every 2%).
+class ProgressArtifact:
+    """A progress callback ``(done, total)`` that updates a Prefect progress artifact (at most every 2%).
 
     The artifact is created here, in the task's own thread, so it belongs to
-    the run; the callback (called from verify's reader threads, serialized)
-    only updates it by id.
+    the run; calls (from verify's reader threads, serialized) only update it
+    by id. :meth:`finish` sets 100% at the end of the work, however much
+    there was (a run with nothing to verify is done, not stuck at 0%).
     """
-    from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
-    artifact_id = create_progress_artifact(0.0, key=key, description="bytes verified so far")
-    state = {"last": 0.0}
+    def __init__(self, key: str, description: str) -> None:
+        from prefect.artifacts import create_progress_artifact
 
-    def update(done: int, total: int) -> None:
+        # Called from a sync task: the id itself, never the coroutine of the async variant.
+        self.artifact_id: Any = create_progress_artifact(0.0, key=key, description=description)
+        self.last = 0.0
+
+    def __call__(self, done: int, total: int) -> None:
         pct = 100.0 if not total else min(100.0, 100.0 * done / total)
-        if pct - state["last"] >= 2.0 or (pct == 100.0 and state["last"] < 100.0):
-            update_progress_artifact(artifact_id, pct)
-            state["last"] = pct
+        if pct - self.last >= 2.0 or (pct == 100.0 and self.last < 100.0):
+            self._set(pct)
 
-    return update
+    def finish(self) -> None:
+        if self.last < 100.0:
+            self._set(100.0)
+
+    def _set(self, pct: float) -> None:
+        from prefect.artifacts import update_progress_artifact
+
+        update_progress_artifact(self.artifact_id, pct)
+        self.last = pct
 
 
 @task(name="plan-retention")
-def plan_task(catalog_url: str | None, config_path: str | None, job: str | None) -> list[dict[str, Any]]:
-    """The retention plan as rows (job, step, action, scope, reasons, bytes)."""
+def plan_task(catalog_url: str | None, config_path: str | None, job: str | None) -> dict[str, Any]:
+    """The retention plan: ``rows`` (job, step, action, scope, reasons, bytes) and ``forecast``,
+    the hot bytes carrying it out frees (:class:`ckptier.tasks.reports.FreedForecast`)."""
     config = load_config(config_path)
+    now = pipeline.utcnow()
     with Catalog.open(resolve_catalog_url(catalog_url, config_path, config=config), create=False) as cat:
-        plan = pipeline.make_plan(cat, config, job=job, now=pipeline.utcnow())
-    return render_plan_table(plan)
+        plan, forecast = pipeline.plan_with_forecast(cat, config, job=job, now=now)
+    return {"rows": render_plan_table(plan), "forecast": {**asdict(forecast), "freed_bytes": forecast.freed_bytes}}
+
+
+@task(name="catalog-summary")
+def catalog_summary_task(catalog_url: str | None, config_path: str | None = None) -> list[dict[str, Any]]:
+    """Every job of the catalog: checkpoints by state, bytes per tier (:class:`ckptier.tasks.reports.JobSummary`)."""
+    with Catalog.open(resolve_catalog_url(catalog_url, config_path), create=False) as cat:
+        return [asdict(j) for j in pipeline.catalog_summary(cat)]
 
 
 @task(name="apply-retention", retries=1, retry_delay_seconds=60, retry_condition_fn=retry_if_transient)

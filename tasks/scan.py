@@ -15,13 +15,13 @@ from datetime import datetime, timedelta
 from typing import Self
 from urllib.parse import urlparse
 
-from ckptier.storage.base import ObjectInfo, Store, read_bytes
+from ckptier.storage.base import ListingSkips, ObjectInfo, Store, read_bytes
 from ckptier.storage.catalog.api import Catalog, ScanSummary
 from ckptier.formats import METADATA_NAMES, PatternRule, recognise
 from ckptier.storage.errors import ConfigError
-from ckptier.storage.local import LocalStore
 from ckptier.storage.model import Recognition, Unrecognised
 from ckptier.storage.url import open_store, parse_url
+from ckptier.storage.wrappers import resuming
 
 #: Metadata and marker files larger than this are refused, not read.
 METADATA_LIMIT = 16 << 20
@@ -143,8 +143,8 @@ def recognise_store(
     or directory symlinks) are reported as not recognised, with the reason.
     """
     skipped: list[Unrecognised] = []
-    if isinstance(store, LocalStore):
-        listing = store.list("", on_skip=lambda key, why: skipped.append(Unrecognised(key, why)))
+    if isinstance(store, ListingSkips):
+        listing = store.list_with_skips("", lambda key, why: skipped.append(Unrecognised(key, why)))
     else:
         listing = store.list("")
     with Prefetcher(store, workers=prefetch, limit=METADATA_LIMIT) as fetcher:
@@ -183,14 +183,17 @@ def scan_url(
 ) -> ScanReport:
     """Scan ``url`` (a path, ``file://`` or ``s3://`` URL) into ``catalog``.
 
-    Idempotent: scanning unchanged storage writes no catalog rows.
+    ``store`` defaults to ``url``'s store through
+    :func:`~ckptier.storage.wrappers.resuming` (a listing that fails part-way
+    is started again). Idempotent: scanning unchanged storage writes no
+    catalog rows.
     Checkpoints of this URL that are no longer listed are marked missing,
     never dropped. ``grace_for(job)`` is how long a save whose manifest
     lists absent files may still be in flight (default 2 h).
     """
     if store is None:
         _refuse_a_file(url)
-    store = store if store is not None else open_store(url)
+    store = store if store is not None else resuming(open_store(url))
     recognition = recognise_store(store, now=now.timestamp(), name=root_name(url), patterns=patterns, tick=tick)
     summary = catalog.record_scan(store.url, recognition, now=now, grace_for=grace_for)
     committed = sum(1 for c in recognition.checkpoints if c.committed)

@@ -33,10 +33,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import date
 
-from ckptier.storage.base import ObjectInfo, Store, join_key, validate_key
+from ckptier.storage.base import LocalPaths, ObjectInfo, Store, join_key
 from ckptier.storage.errors import CkptierError, ConfigError, IntegrityError, NotFound, StoreError
 from ckptier.storage.hashing import DEFAULT_CHUNK, Digests, hash_file, hash_stream, store_crc64nvme
-from ckptier.storage.local import LocalStore
 from ckptier.storage.model import CheckpointRecord, FileCheck, FileRecord, FileStatus, Format, State
 from ckptier.formats import checker_for
 from ckptier.storage.structure import Need, shortfalls
@@ -345,8 +344,8 @@ def _check_file(
         observe = checker.feed if checker is not None else None
         try:
             with pool.buffer() as buf:
-                if isinstance(store, LocalStore):
-                    d = hash_file(store.root / validate_key(key), sha256=want_sha, buffer=buf, progress=tell,
+                if isinstance(store, LocalPaths):  # a plain file: hashed straight from the page cache
+                    d = hash_file(store.local_path(key), sha256=want_sha, buffer=buf, progress=tell,
                                   observe=observe)
                 else:
                     with store.open_read(key) as stream:

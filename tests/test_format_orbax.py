@@ -123,7 +123,7 @@ def test_without_jax_the_drill_says_so_in_one_line(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(shadow), str(REPO)])}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env, check=False)
     stage, error = json.loads(done.stdout.strip().splitlines()[-1])
-    assert stage == "load" and "needs JAX to drill" in error and "pip install jax orbax-checkpoint" in error
+    assert stage == "load" and "needs JAX to drill" in error and "pip install 'ckptier[orbax]'" in error
     assert "\n" not in error
 
 

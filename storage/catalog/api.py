@@ -41,10 +41,12 @@ from ..model import (
     FileCheck,
     CheckpointRecord,
     CopyRecord,
+    CopyState,
     DrillOutcome,
     FileRecord,
     Format,
     Found,
+    HELD_COPY_STATES,
     Recognition,
     State,
     Tier,
@@ -59,7 +61,7 @@ from .models import files as fl
 from .models import jobs as jb
 from .models import scans as sc
 
-COPY_STATES = ("present", "missing", "deleted", "degraded")
+COPY_STATES = tuple(s.value for s in CopyState)
 DELETE_SCOPES = ("checkpoint", "hot-copy")
 FILE_STATUSES = transitions.FILE_STATUSES
 #: How many file names a state reason or event message lists before "+N more".
@@ -71,6 +73,7 @@ _SCAN_LOCK_CLASS = 0x636B73  # "cks"
 _FORMATS = {f.value: f for f in Format}
 _STATES = {s.value: s for s in State}
 _TIERS = {t.value: t for t in Tier}
+_COPY_STATES = {c.value: c for c in CopyState}
 
 
 class UnknownCheckpoint(CkptierError, LookupError):
@@ -621,8 +624,8 @@ class Catalog:
             hot = hot_copies.get((cid, location))
             if hot is None:
                 copy_inserts.append(self._hot_copy_row(cid, location, found.bytes, now))
-            elif hot[1] != "present" or hot[2] != found.bytes:
-                copy_updates.append({"_id": hot[0], "state": "present", "stored_bytes": found.bytes})
+            elif hot[1] != CopyState.PRESENT or hot[2] != found.bytes:
+                copy_updates.append({"_id": hot[0], "state": CopyState.PRESENT.value, "stored_bytes": found.bytes})
 
         # Vanished: cataloged under this store and scope, not listed now.
         for step, old in existing.items():
@@ -635,7 +638,7 @@ class Catalog:
                 continue
             cid = int(old.id)
             hot = hot_copies.get((cid, old.location))
-            if hot is not None and hot[1] == "deleted":
+            if hot is not None and hot[1] == CopyState.DELETED:
                 continue  # ckptier removed this hot copy on purpose (an archive copy remains)
             t = transitions.on_vanished(_row(old), label=f"{name} step {step}", location=old.location, now=now)
             ck_updates.append(
@@ -645,8 +648,8 @@ class Catalog:
                  "state": t.state.value, "state_reason": t.reason, "verified_at": t.verified_at,
                  "missing_since": t.missing_since}
             )
-            if hot is not None and hot[1] == "present":
-                copy_updates.append({"_id": hot[0], "state": "missing", "stored_bytes": hot[2]})
+            if hot is not None and hot[1] == CopyState.PRESENT:
+                copy_updates.append({"_id": hot[0], "state": CopyState.MISSING.value, "stored_bytes": hot[2]})
             for counter in t.counts:
                 setattr(tally, counter, getattr(tally, counter) + 1)
             for e in t.events:
@@ -696,7 +699,7 @@ class Catalog:
     @staticmethod
     def _hot_copy_row(cid: int, url: str, size: int, now: datetime) -> dict[str, Any]:
         return {
-            "checkpoint_id": cid, "tier": Tier.HOT.value, "url": url, "state": "present",
+            "checkpoint_id": cid, "tier": Tier.HOT.value, "url": url, "state": CopyState.PRESENT.value,
             "stored_bytes": size, "codec": None, "manifest_key": None, "created_at": now,
             "verified_at": None,
         }
@@ -752,7 +755,7 @@ class Catalog:
         chosen record carries its files."""
         has_copy = (
             select(cp.c.id)
-            .where(cp.c.checkpoint_id == ck.c.id, cp.c.state == "present")
+            .where(cp.c.checkpoint_id == ck.c.id, cp.c.state == CopyState.PRESENT.value)
             .exists()
         )
         with self._read() as conn:
@@ -836,7 +839,7 @@ class Catalog:
             .where(cp.c.checkpoint_id.in_(ids)).order_by(cp.c.checkpoint_id, cp.c.tier, cp.c.url)
         ).tuples():
             copies.setdefault(ccid, []).append(
-                CopyRecord(tier=_TIERS[tier], url=url, state=cstate, stored_bytes=stored,
+                CopyRecord(tier=_TIERS[tier], url=url, state=_COPY_STATES[cstate], stored_bytes=stored,
                            verified_at=cverified, codec=codec, storage_class=sclass)
             )
         return [
@@ -923,7 +926,7 @@ class Catalog:
                 conn.execute(
                     update(cp)
                     .where(cp.c.checkpoint_id == checkpoint_id, cp.c.tier == Tier.HOT.value,
-                           cp.c.url == head.location, cp.c.state == "present")
+                           cp.c.url == head.location, cp.c.state == CopyState.PRESENT.value)
                     .values(verified_at=now)
                 )
             for e in t.events:
@@ -942,7 +945,7 @@ class Catalog:
         *,
         tier: Tier,
         url: str,
-        state: str = "present",
+        state: CopyState = CopyState.PRESENT,
         stored_bytes: int | None,
         codec: str | None,
         manifest_key: str | None,
@@ -954,11 +957,11 @@ class Catalog:
         checkpoint. ``created_at`` is set on insert only. ``storage_class``:
         the S3 class its objects were confirmed in. Idempotent."""
         now = _aware(now)
-        _check_copy_state(state)
+        state = _check_copy_state(state)
         if verified_at is not None:
             verified_at = _aware(verified_at, "verified_at")
         values = {
-            "state": state, "stored_bytes": stored_bytes, "codec": codec,
+            "state": state.value, "stored_bytes": stored_bytes, "codec": codec,
             "manifest_key": manifest_key, "verified_at": verified_at, "storage_class": storage_class,
         }
         stmt = self._insert(cp).values(
@@ -969,11 +972,11 @@ class Catalog:
             self._require(conn, checkpoint_id)
             conn.execute(stmt)
 
-    def set_copy_state(self, checkpoint_id: int, *, tier: Tier, url: str, state: str, now: datetime) -> None:
+    def set_copy_state(self, checkpoint_id: int, *, tier: Tier, url: str, state: CopyState, now: datetime) -> None:
         """Set the state of an existing copy; raises :class:`UnknownCheckpoint`
         when there is no such copy. Logs an event when the state changes."""
         now = _aware(now)
-        _check_copy_state(state)
+        state = _check_copy_state(state)
         with self._write() as conn:
             row = conn.execute(
                 select(cp.c.id, cp.c.state, ck.c.job_id, ck.c.step)
@@ -986,12 +989,12 @@ class Catalog:
                 )
             if row.state == state:
                 return
-            conn.execute(update(cp).where(cp.c.id == row.id).values(state=state))
+            conn.execute(update(cp).where(cp.c.id == row.id).values(state=state.value))
             conn.execute(
                 insert(ev).values(
-                    at=now, kind="copy-" + state, job_id=row.job_id, checkpoint_id=checkpoint_id,
-                    message=f"step {row.step}: {Tier(tier).value} copy {url}: {row.state} -> {state}",
-                    data={"tier": Tier(tier).value, "url": url, "from": row.state, "to": state},
+                    at=now, kind="copy-" + state.value, job_id=row.job_id, checkpoint_id=checkpoint_id,
+                    message=f"step {row.step}: {Tier(tier).value} copy {url}: {row.state} -> {state.value}",
+                    data={"tier": Tier(tier).value, "url": url, "from": row.state, "to": state.value},
                 )
             )
 
@@ -1200,7 +1203,7 @@ class Catalog:
             conn.execute(
                 update(cp)
                 .where(cp.c.checkpoint_id == checkpoint_id, cp.c.tier == Tier.HOT.value)
-                .values(state="deleted")
+                .values(state=CopyState.DELETED.value)
             )
             conn.execute(
                 insert(ev).values(
@@ -1237,14 +1240,14 @@ class Catalog:
             conn.execute(
                 update(cp)
                 .where(cp.c.checkpoint_id == checkpoint_id, cp.c.tier == Tier.HOT.value, cp.c.url == row.location)
-                .values(state="deleted")
+                .values(state=CopyState.DELETED.value)
             )
             conn.execute(
                 insert(ev).values(
                     at=now, kind="copy-deleted", job_id=row.job_id, checkpoint_id=checkpoint_id,
                     message=f"step {row.step}: hot copy {row.location} deleted: "
                             f"{'; '.join(reasons) or 'no reason given'}",
-                    data={"tier": Tier.HOT.value, "url": row.location, "to": "deleted", "reasons": list(reasons),
+                    data={"tier": Tier.HOT.value, "url": row.location, "to": CopyState.DELETED.value, "reasons": list(reasons),
                           "owner": owner, "generation": generation},
                 )
             )
@@ -1271,7 +1274,7 @@ class Catalog:
             conn.execute(update(ck).where(ck.c.id == r.id).values(**values))
             conn.execute(
                 update(cp).where(cp.c.checkpoint_id == r.id, cp.c.tier == Tier.HOT.value, cp.c.url == r.location)
-                .values(state="deleted")
+                .values(state=CopyState.DELETED.value)
             )
             conn.execute(insert(ev).values(
                 at=now, kind="deleted" if whole else "copy-deleted", job_id=r.job_id,
@@ -1312,8 +1315,8 @@ class Catalog:
                 return False
             conn.execute(
                 update(cp)
-                .where(cp.c.checkpoint_id == checkpoint_id, cp.c.state != "deleted")
-                .values(state="missing")
+                .where(cp.c.checkpoint_id == checkpoint_id, cp.c.state != CopyState.DELETED.value)
+                .values(state=CopyState.MISSING.value)
             )
             conn.execute(
                 insert(ev).values(
@@ -1451,7 +1454,7 @@ class Catalog:
                 select(jb.c.name, cp.c.tier)
                 .join(ck, ck.c.job_id == jb.c.id)
                 .join(cp, cp.c.checkpoint_id == ck.c.id)
-                .where(cp.c.state.in_(("present", "degraded")), ck.c.state != State.DELETED.value)
+                .where(cp.c.state.in_(sorted(s.value for s in HELD_COPY_STATES)), ck.c.state != State.DELETED.value)
                 .distinct()
             ):
                 tiers.setdefault(name, set()).add(tier)
@@ -1516,6 +1519,8 @@ def _bulk_update(conn: Connection, table: Any, rows: list[dict[str, Any]]) -> in
     return len(rows)
 
 
-def _check_copy_state(state: str) -> None:
-    if state not in COPY_STATES:
+def _check_copy_state(state: CopyState | str) -> CopyState:
+    """``state`` as a :class:`CopyState`; a string that names none is a ``ValueError``."""
+    if state not in _COPY_STATES:
         raise ValueError(f"copy state {state!r} is unknown; use one of {', '.join(COPY_STATES)}")
+    return _COPY_STATES[state]
