@@ -114,7 +114,11 @@ def _build(request: RankRequest, metadata: Mapping[str, Any]) -> DrillSpec:
 
         raise DrillFailure("build", no_factory_message(request.checkpoint, request.format))
     try:
-        spec = build_spec(resolve_factory(request.factory), metadata, name=request.factory)
+        factory = resolve_factory(request.factory)
+    except CkptierError as exc:  # the operator's factory does not load: says nothing about the checkpoint
+        raise DrillFailure("factory", str(exc)) from None
+    try:
+        spec = build_spec(factory, metadata, name=request.factory)
     except CkptierError as exc:
         raise DrillFailure("build", str(exc)) from None
     if spec.batch is None or spec.loss is None:

@@ -681,7 +681,7 @@ def run_drill(
                     report = _ranked_drill(record, config, stores, scratch, started=started, now=now, factory=factory,
                                            steps=k, device=dev, timeout=limit, tolerance=tolerance,
                                            allow_globals=allowed, world_size=world_size)
-                    if report["stage"] == "unsupported":  # said in the report, not recorded as a failed drill
+                    if report["stage"] in ("unsupported", "not-started"):  # said in the report, not recorded as a failed drill
                         reports.append(report)
                         break
                     tier = report.get("tier")
@@ -736,7 +736,8 @@ def _ranked_drill(record: CheckpointRecord, config: Config, stores: StoreCache, 
                   now: Clock, factory: str | None, steps: int, device: str, timeout: float, tolerance: float,
                   allow_globals: Sequence[str], world_size: int | None) -> dict[str, Any]:
     """A multi-rank drill of ``record``, as a report (``stage`` ``unsupported``
-    when its ranks cannot be drilled yet)."""
+    when its ranks cannot be drilled yet, ``not-started`` when the model
+    factory does not load in the workers)."""
     from dataclasses import replace
 
     from .drill_dist import Fetched, UnsupportedDrill, run_ranked_drill
@@ -764,6 +765,8 @@ def _ranked_drill(record: CheckpointRecord, config: Config, stores: StoreCache, 
     except CkptierError as exc:  # a fetch failure is this candidate's verdict
         return _drill_failure(record, started, now(), stage="fetch", error=str(exc))
     fields = drill.report()
+    if fields.get("stage") == "factory":  # the operator's factory does not load: says nothing about this checkpoint
+        return _not_started(record, f"drill model {factory!r} does not load: {fields['error']}", started, now())
     ranks = f"{drill.world} rank{'s' if drill.world > 1 else ''}"
     where = f"{fields['tier']} tier, {ranks} on {fields['device'] or device}/{fields['backend']}"
     if fields.get("reshard"):

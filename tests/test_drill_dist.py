@@ -248,6 +248,19 @@ def test_cli_drills_the_done_when_checkpoints(
     newest = {j: max(r["step"] for r in rows if r["job"] == j) for j in jobs}
     assert {(r["job"], r["format"], r["state"]) for r in rows if r["step"] == newest[r["job"]]} == {
         (j, f, "verified") for j, f in jobs.items()}
+    # a model whose module does not import on the ranks: the operator's error, not the checkpoint's; nothing recorded
+    broken = tmp_path / "broken_model.py"
+    broken.write_text("import no_such_module_for_ckptier\n\n\ndef build():\n    return None\n")
+    code = main(["drill", "--job", "ddp2/guide", "--device", "cpu", "--steps", "2", "--model", f"{broken}:build",
+                 "--json", "--no-prefect"])
+    (bad,) = json.loads(capsys.readouterr().out)
+    assert code != 0 and (bad["ok"], bad["stage"], bad["recorded"]) == (False, "not-started", False), bad
+    assert f"drill not started: drill model '{broken}:build' does not load" in bad["summary"], bad
+    assert "no_such_module_for_ckptier" in bad["summary"], bad
+    from ckptier.storage.catalog.api import Catalog
+
+    with Catalog.open(f"sqlite:///{tmp_path / 'catalog.db'}") as cat:
+        assert cat.drills() == []
     reports = {}
     for job in jobs:
         code = main(["drill", "--job", job, "--device", "cpu", "--steps", "2", "--model", FACTORY, "--json", "--no-prefect"])
