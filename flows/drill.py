@@ -47,11 +47,32 @@ def render_report(reports: list[dict[str, Any]]) -> str:
                   *([r["confinement"], ""] if r.get("confinement") else []),
                   "| check | result | detail |", "| --- | --- | --- |"]
         lines += [f"| {c['name']} | {'ok' if c['ok'] else '**FAIL**'} | {c['detail']} |" for c in r["checks"]]
+        lines += _ranks_section(r)
         if r.get("timings"):
             lines += ["", "| phase | seconds |", "| --- | ---: |"]
             lines += [f"| {k} | {v:.3f} |" for k, v in r["timings"].items() if not k.endswith("_at")]
         lines.append("")
     return "\n".join(lines)
+
+
+def _ranks_section(report: dict[str, Any]) -> list[str]:
+    """Markdown lines for a multi-rank drill: the resharding outcome and one
+    row per rank (its files, the bytes its scratch held, its first loss);
+    none for a single-rank drill."""
+    ranks = report.get("ranks")
+    if not ranks:
+        return []
+    lines = [""]
+    if reshard := report.get("reshard"):
+        lines += [f"Resharding {reshard['from']} -> {reshard['to']} ranks: "
+                  f"{'resumes' if reshard['resumes'] else '**does not resume**'} ({reshard.get('detail') or '-'})", ""]
+    lines += ["| rank | result | files | scratch bytes | first loss |", "| ---: | --- | ---: | ---: | ---: |"]
+    for rank in ranks:
+        loss = rank["losses"][0] if rank.get("losses") else None
+        result = "ok" if rank["ok"] else f"**FAIL** ({rank.get('stage') or '-'}: {rank.get('error') or '-'})"
+        lines.append(f"| {rank['rank']} | {result} | {len(rank.get('files') or [])} | {rank.get('held_bytes') or 0:,} | "
+                     f"{'-' if loss is None else f'{loss:.6g}'} |")
+    return lines
 
 
 @flow(name="restore-drill")

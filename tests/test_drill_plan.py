@@ -371,3 +371,16 @@ def test_rank_result_round_trips_through_json() -> None:
     result = _rank(1, losses=(0.5, float("inf"), 0.3), grad_problems=("w: no gradient",))
     back = RankResult.from_dict(json.loads(json.dumps(result.to_dict())))
     assert back.losses == (0.5, None, 0.3) and back.grad_problems == ("w: no gradient",) and back.rank == 1
+
+
+def test_the_drill_report_artifact_has_a_row_per_rank_and_the_resharding_outcome() -> None:
+    from ckptier.flows.drill import render_report
+
+    base = {"job": "j", "step": 6, "ok": False, "summary": "j step 6: drill failed: resumes: ...", "checks": [],
+            "device": "cpu", "tier": "hot", "peak_memory_bytes": 1, "timings": {}}
+    ranks = [{"rank": 0, "ok": True, "losses": [0.5, 0.4], "files": ["a", "b"], "held_bytes": 2048, "stage": None, "error": None},
+             {"rank": 1, "ok": False, "losses": [], "files": ["c"], "held_bytes": 0, "stage": "load", "error": "boom"}]
+    text = render_report([{**base, "ranks": ranks, "reshard": {"from": 4, "to": 2, "resumes": False, "detail": "off by 3%"}}])
+    assert "Resharding 4 -> 2 ranks: **does not resume** (off by 3%)" in text
+    assert "| 0 | ok | 2 | 2,048 | 0.5 |" in text and "| 1 | **FAIL** (load: boom) | 1 | 0 | - |" in text
+    assert "| rank |" not in render_report([base])  # a single-rank drill: no rank table
