@@ -6,7 +6,8 @@ check that it resumes on M GPUs), one per rank, that rendezvous on
 there is a CUDA device per rank), each from its own scratch directory
 holding only what its rank reads. Pieces, no torch here:
 
-* :func:`choose_backend` - pure: the device kind and backend for a world size.
+* :func:`choose_backend`, :func:`drill_backends` - pure: the device kind
+  and backend for a world size, and for a resharding drill's reference.
 * :func:`prepare_ranks` - fetches each rank's files (the format's
   :meth:`~ckptier.formats.base.FormatPlugin.rank_files`) into its scratch
   directory: each file crosses the network once, to the rank that reads it
@@ -111,6 +112,24 @@ def choose_backend(device: str, world: int, cuda_devices: int) -> tuple[str, str
             )
         return "cuda", "nccl"
     raise ConfigError(f"drill device {device!r} is unknown; use auto, cpu or cuda")
+
+
+def drill_backends(device: str, world: int, saved_world: int, cuda_devices: int
+                   ) -> tuple[tuple[str, str], tuple[str, str] | None]:
+    """``(device kind, backend)`` of a drill of ``world`` ranks of a checkpoint
+    saved by ``saved_world``, and of its same-size reference restore (None
+    when ``world`` is the saved size); pure.
+
+    The drill follows :func:`choose_backend`. The reference runs where the
+    drill does when there are CUDA devices for all ``saved_world`` ranks,
+    else on CPU/gloo (resharding 8 -> 2 on a 2-GPU machine still compares
+    against an 8-rank restore), whatever ``device`` says.
+    """
+    run = choose_backend(device, world, cuda_devices)
+    if world == saved_world:
+        return run, None
+    ref_device = device if device == "cpu" or cuda_devices >= saved_world else "cpu"
+    return run, choose_backend(ref_device, saved_world, cuda_devices)
 
 
 def visible_cuda_devices(environ: Mapping[str, str], device_nodes: Sequence[str]) -> int:
@@ -874,12 +893,11 @@ def run_ranked_drill(
     cuda = cuda_device_count() if cuda_devices is None else cuda_devices
     world = world_size or saved
     plan = plan_for(world)
-    kind, backend = choose_backend(device, world, cuda)
+    (kind, backend), ref_choice = drill_backends(device, world, plan.saved_world, cuda)
     reference = None
-    if world != plan.saved_world:
+    if ref_choice is not None:
         ref_plan = plan_for(plan.saved_world)
-        ref_kind, ref_backend = choose_backend(device if device == "cpu" or cuda >= plan.saved_world else "cpu",
-                                               plan.saved_world, cuda)
+        ref_kind, ref_backend = ref_choice
         reference = _run_once(fmt, ref_plan, sizes, fetch, scratch / f"same-{plan.saved_world}", shared_dir, ref_kind,
                               ref_backend, factory=factory, steps=steps, timeout=timeout, allow_globals=allow_globals,
                               env_passthrough=env_passthrough, python=python, seed=seed, single=single)

@@ -32,6 +32,7 @@ from ckptier.tasks.drill_dist import (
     RankResult,
     _listen_loopback,
     choose_backend,
+    drill_backends,
     judge_ranks,
     prepare_ranks,
     rank_env,
@@ -63,6 +64,33 @@ def test_choose_backend(device: str, world: int, gpus: int, expected: tuple[str,
             choose_backend(device, world, gpus)
     else:
         assert choose_backend(device, world, gpus) == expected
+
+
+CPU, GPU = ("cpu", "gloo"), ("cuda", "nccl")
+
+
+@pytest.mark.parametrize(
+    "device, world, saved, gpus, expected",
+    [
+        ("auto", 4, 4, 0, (CPU, None)),  # no GPU: gloo, whatever the ranks
+        ("auto", 4, 4, 4, (GPU, None)),  # a GPU per rank: NCCL
+        ("auto", 4, 4, 3, (CPU, None)),  # one GPU short: gloo, never two ranks on one GPU
+        ("auto", 2, 4, 2, (GPU, CPU)),  # resharding 4 -> 2 on 2 GPUs: the 4-rank reference on CPU
+        ("auto", 2, 4, 4, (GPU, GPU)),
+        ("auto", 1, 2, 0, (CPU, CPU)),
+        ("cpu", 2, 4, 8, (CPU, CPU)),  # --device cpu: gloo even with GPUs
+        ("cuda", 2, 4, 2, (GPU, CPU)),
+        ("cuda", 2, 4, 4, (GPU, GPU)),
+        ("cuda", 4, 2, 2, "needs 4 CUDA devices, found 2"),
+    ],
+)
+def test_drill_backends_nccl_only_with_a_gpu_per_rank(device: str, world: int, saved: int, gpus: int,
+                                                       expected: object) -> None:
+    if isinstance(expected, str):
+        with pytest.raises(ConfigError, match=expected):
+            drill_backends(device, world, saved, gpus)
+    else:
+        assert drill_backends(device, world, saved, gpus) == expected
 
 
 @pytest.mark.parametrize(
