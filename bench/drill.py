@@ -19,7 +19,11 @@ SQLite catalog. Then measures, alternating, best of ``--reps``:
   shard straight from the hot directory, one step; from starting the
   processes to the moment the last one finished its step.
 
-Both pay 4 interpreter starts and 4 ``import torch`` on the same cores.
+Both pay 4 interpreter starts and 4 ``import torch`` on the same cores,
+each process in a session of its own (the drill starts its workers so, and
+with the kernel's scheduler autogroups a busy machine gives each session an
+equal share: a baseline in one session measured 2x slower than the drill
+under load for that reason alone).
 The baseline also turns on ``torch.use_deterministic_algorithms`` as the
 drill does: without it, ``fully_shard`` of this model on CPU took 2.5 s
 per rank instead of 0.1-0.5 s here (torch 2.13), which would flatter the
@@ -155,8 +159,10 @@ def _launch(code: str, args: list[str], *, cwd: Path) -> list[subprocess.Popen[s
     for rank in range(RANKS):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(RANKS), "LOCAL_RANK": str(rank),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+        # Each in a session of its own, as the drill starts its workers: where the kernel groups
+        # processes by session for scheduling (autogroup), a shared machine then gives both the same share.
         procs.append(subprocess.Popen([sys.executable, "-c", code, *args], env=env, cwd=cwd, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True))
     return procs
 
 
