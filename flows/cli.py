@@ -278,6 +278,8 @@ def cmd_drill(args: argparse.Namespace) -> int:
 
     model = normalise_factory(args.model) if args.model and ":" in args.model else args.model
     check_drill_inputs(model=model, device=args.device, steps=args.steps, timeout=args.timeout)
+    if args.world_size is not None and args.world_size < 1:
+        raise ConfigError(f"--world-size {args.world_size}: a drill runs on at least 1 rank; give e.g. --world-size 2")
     config = _config(args)
     location = _location(args, config)
     _announce(args, location)
