@@ -19,7 +19,7 @@ import torch
 
 from ckptier.formats.dcp import dcp_layout
 from ckptier.formats.safe_load import load_checkpoint_dir, safe_torch_load
-from ckptier.tasks.drill_dist import Fetched, RankedDrill, run_ranked_drill
+from ckptier.tasks.drill_dist import Fetched, RankedDrill, cuda_device_count, run_ranked_drill
 from tests.fixtures.checkpoints import CheckpointRun, tiny_batch, tiny_loss, tiny_mlp
 from tests.fixtures.dist_checkpoints import DIST_STEPS, DistRuns, dist_runs  # noqa: F401 - the session fixture
 
@@ -66,7 +66,7 @@ def _files(src: Path) -> tuple[list[str], dict[str, int]]:
 
 
 def drill(src: Path, fmt: str, scratch: Path, *, world: int | None = None, factory: str = FACTORY,
-          timeout: float = 180, steps: int = 2) -> tuple[RankedDrill, list[list[str]]]:
+          timeout: float = 180, steps: int = 2, device: str = "cpu") -> tuple[RankedDrill, list[list[str]]]:
     """``run_ranked_drill`` on a local copy; also returns what each fetch was asked for."""
     rels, sizes = _files(src)
     asked: list[list[str]] = []
@@ -79,7 +79,7 @@ def drill(src: Path, fmt: str, scratch: Path, *, world: int | None = None, facto
             shutil.copyfile(src / rel, dest / rel)
         return Fetched("hot", 0.0, sum(sizes[r] for r in relpaths))
 
-    return run_ranked_drill(fmt, rels, sizes, fetch=fetch, scratch=scratch, factory=factory, steps=steps, device="cpu",
+    return run_ranked_drill(fmt, rels, sizes, fetch=fetch, scratch=scratch, factory=factory, steps=steps, device=device,
                             timeout=timeout, world_size=world), asked
 
 
@@ -200,6 +200,22 @@ def test_a_rank_that_dies_or_hangs_fails_the_drill_within_the_timeout_leaving_no
         pids.append(int((result.run.scratches[1].work / "child").read_text()))  # what the rank started dies with it
     assert len(pids) == len(set(pids)) >= 2
     assert [p for p in pids if _alive(p)] == []
+
+
+@pytest.mark.skipif(cuda_device_count() < 1, reason="needs a CUDA GPU: the NCCL path runs on GPU machines only")
+def test_nccl_on_the_gpus_there_are_resumes_like_the_gloo_restore(dist_runs: DistRuns, tmp_path: Path) -> None:
+    """On a GPU machine: the FSDP2 checkpoint of 2 ranks restored on
+    ``min(GPUs, 2)`` ranks over NCCL; on 1 GPU that is resharding 2 -> 1,
+    checked against the same-size restore on CPU/gloo."""
+    world = min(cuda_device_count(), 2)
+    result, _ = drill(dist_runs.step_dir("fsdp2", "dcp"), "dcp", tmp_path, world=world, device="cuda")
+    assert result.verdict.ok, result.verdict.summary
+    assert (result.run.backend, result.run.device) == ("nccl", "cuda")
+    assert [r.device for r in result.run.results] == [f"cuda:{r}" for r in range(world)]
+    assert {r.parallel for r in result.run.results} == {"fsdp2"}
+    if world == 1:
+        assert result.reference is not None and result.reference.backend == "gloo"
+        assert "resumes on 1 rank (first losses match the 2-rank restore)" in result.verdict.summary
 
 
 @pytest.mark.parametrize("job", ["deepspeed", "megatron"])
