@@ -675,6 +675,7 @@ def run_drill(
             scratch = Path(tempfile.mkdtemp(prefix="ckptier-drill-", dir=scratch_root))
             timings: dict[str, float] = {}
             tier: str | None = None
+            fetched: dict[str, Any] | None = None
             try:
                 relpaths = [f.relpath for f in record.files]
                 if _ranked(record, relpaths, world_size):
@@ -685,7 +686,6 @@ def run_drill(
                         reports.append(report)
                         break
                     tier = report.get("tier")
-                    fetched = None
                 else:
                     try:
                         fetched = fetch_record(record, config, dest=scratch / "checkpoint", stores=stores)
