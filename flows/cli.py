@@ -288,12 +288,15 @@ def cmd_drill(args: argparse.Namespace) -> int:
 
     model = normalise_factory(args.model) if args.model and ":" in args.model else args.model
     check_drill_inputs(model=model, device=args.device, steps=args.steps, timeout=args.timeout)
+    if args.world_size is not None and args.world_size < 1:
+        raise ConfigError(f"--world-size {args.world_size}: a drill runs on at least 1 rank; give e.g. --world-size 2")
     config = _config(args)
     location = _location(args, config)
     _announce(args, location)
     reports = runner.drill(job=args.job, step=args.step, steps=args.steps, device=args.device, model=model,
                            timeout=args.timeout, config_path=args.config, catalog_url=location.url,
-                           use_prefect=_use_prefect(args), allow_globals=args.allow_global or [])
+                           use_prefect=_use_prefect(args), allow_globals=args.allow_global or [],
+                           world_size=args.world_size)
     if args.json:
         print_json(reports)
     else:
@@ -509,6 +512,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--timeout", type=_seconds, default=None, help="seconds before the drill is killed")
     sp.add_argument("--allow-global", action="append", metavar="MODULE.NAME",
                     help="a class the safe loader may unpickle from this checkpoint (repeatable; adds to [[drill]] allow_globals)")
+    sp.add_argument("--world-size", type=int, default=None, metavar="M",
+                    help="restore into M ranks (default: as many as saved the checkpoint) and say whether the run resumes on M")
     sp.add_argument("--json", action="store_true")
 
     sp = add("janitor", cmd_janitor, "abort abandoned multipart uploads and remove what interrupted promotions left (only ckptier's own files)")

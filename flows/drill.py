@@ -47,11 +47,32 @@ def render_report(reports: list[dict[str, Any]]) -> str:
                   *([r["confinement"], ""] if r.get("confinement") else []),
                   "| check | result | detail |", "| --- | --- | --- |"]
         lines += [f"| {c['name']} | {'ok' if c['ok'] else '**FAIL**'} | {c['detail']} |" for c in r["checks"]]
+        lines += _ranks_section(r)
         if r.get("timings"):
             lines += ["", "| phase | seconds |", "| --- | ---: |"]
             lines += [f"| {k} | {v:.3f} |" for k, v in r["timings"].items() if not k.endswith("_at")]
         lines.append("")
     return "\n".join(lines)
+
+
+def _ranks_section(report: dict[str, Any]) -> list[str]:
+    """Markdown lines for a multi-rank drill: the resharding outcome and one
+    row per rank (its files, the bytes its scratch held, its first loss);
+    none for a single-rank drill."""
+    ranks = report.get("ranks")
+    if not ranks:
+        return []
+    lines = [""]
+    if reshard := report.get("reshard"):
+        lines += [f"Resharding {reshard['from']} -> {reshard['to']} ranks: "
+                  f"{'resumes' if reshard['resumes'] else '**does not resume**'} ({reshard.get('detail') or '-'})", ""]
+    lines += ["| rank | result | files | scratch bytes | first loss |", "| ---: | --- | ---: | ---: | ---: |"]
+    for rank in ranks:
+        loss = rank["losses"][0] if rank.get("losses") else None
+        result = "ok" if rank["ok"] else f"**FAIL** ({rank.get('stage') or '-'}: {rank.get('error') or '-'})"
+        lines.append(f"| {rank['rank']} | {result} | {len(rank.get('files') or [])} | {rank.get('held_bytes') or 0:,} | "
+                     f"{'-' if loss is None else f'{loss:.6g}'} |")
+    return lines
 
 
 @flow(name="restore-drill")
@@ -65,6 +86,7 @@ def restore_drill_flow(
     config_path: str | None = None,
     catalog_url: str | None = None,
     allow_globals: list[str] | None = None,
+    world_size: int | None = None,
 ) -> list[dict[str, Any]]:
     """Restore a checkpoint, train a few steps and record whether recovery works.
 
@@ -78,9 +100,11 @@ def restore_drill_flow(
         config_path: ckptier.toml path (default: CKPTIER_CONFIG or ./ckptier.toml).
         catalog_url: Catalog SQLAlchemy URL (default: CKPTIER_CATALOG_URL, else the config's [catalog] url, else SQLite).
         allow_globals: Classes (module.Name) the safe loader may unpickle, besides the [[drill]] allow_globals.
+        world_size: Restore into this many ranks (default: as many as saved the checkpoint) and report whether the run resumes on them.
     """
     try:
-        reports = drill_task(catalog_url, config_path, job, step, steps, device, model, timeout_seconds, allow_globals)
+        reports = drill_task(catalog_url, config_path, job, step, steps, device, model, timeout_seconds, allow_globals,
+                             world_size)
     except CkptierError as exc:  # nothing could be drilled: say why, alert, fail
         create_markdown_artifact(render_not_started(job, step, str(exc)), key="drill-report",
                                  description="Restore drill report: not started")

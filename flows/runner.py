@@ -252,9 +252,10 @@ def janitor(*, config_path: str | None, older_than: timedelta, catalog_url: str 
 
 def drill(*, job: str | None, step: int | None, steps: int | None, device: str | None, model: str | None,
           timeout: float | None, config_path: str | None, catalog_url: str | None, use_prefect: bool,
-          allow_globals: list[str] | None = None) -> list[dict[str, Any]]:
+          allow_globals: list[str] | None = None, world_size: int | None = None) -> list[dict[str, Any]]:
     """Restore drills (``pipeline.run_drill``); ``allow_globals`` are extra
-    ``module.Name`` classes the safe loader may unpickle."""
+    ``module.Name`` classes the safe loader may unpickle; ``world_size``
+    restores into that many ranks."""
     if use_prefect:
         from .drill import DrillFailed, restore_drill_flow
 
@@ -266,6 +267,8 @@ def drill(*, job: str | None, step: int | None, steps: int | None, device: str |
             params["steps"] = steps
         if device is not None:
             params["device"] = device
+        if world_size is not None:
+            params["world_size"] = world_size
         try:
             return list(run_flow(restore_drill_flow, **params))
         except DrillFailed as exc:
@@ -275,4 +278,4 @@ def drill(*, job: str | None, step: int | None, steps: int | None, device: str |
 
     with _open(catalog_url) as cat:
         return run_drill(cat, load_config(config_path), now=utcnow, job=job, step=step, steps=steps, device=device,
-                         model=model, timeout=timeout, allow_globals=allow_globals or ())
+                         model=model, timeout=timeout, allow_globals=allow_globals or (), world_size=world_size)

@@ -15,8 +15,10 @@ A plug-in (:class:`FormatPlugin`, one instance per format module, named
 * :meth:`~FormatPlugin.load`: how a drill loads it safely (torch is imported
   there, lazily, never at module level);
 * :attr:`~FormatPlugin.why_factory`: what a drill needs from the user;
-* :meth:`~FormatPlugin.rank_files`: how each rank's files are found (one rank
-  today; the extension point for multi-rank drills).
+* :meth:`~FormatPlugin.rank_files`: what each rank of a drill needs (a
+  :class:`RankFiles`: whole files, or byte ranges of files), from the
+  checkpoint's relpaths and its small shared metadata, before anything else
+  is fetched.
 
 Everything here is pure: no clock, no I/O but the injected ``read_small``.
 """
@@ -39,7 +41,9 @@ from ckptier.storage.structure import Checker
 if TYPE_CHECKING:  # torch-free at import time: loading types are for annotations only
     from ckptier.formats.safe_load import LoadedCheckpoint
 
-__all__ = ["MAX_STEP", "FormatPlugin", "Group", "Scan", "as_loss", "as_step", "names", "step_in_name"]
+__all__ = [
+    "MAX_STEP", "FormatPlugin", "Group", "Range", "RankFiles", "Scan", "as_loss", "as_step", "names", "step_in_name",
+]
 
 #: Largest step number the catalog stores (a signed 64-bit integer).
 MAX_STEP = 2**63 - 1
@@ -77,6 +81,73 @@ class Group:
     def sizes(self) -> dict[str, int]:
         cut = len(self.prefix) + 1
         return {f.key[cut:]: f.size for f in self.files}
+
+
+Range = tuple[int, int]
+"""A byte range of a file: ``(offset, length)``."""
+
+#: Layouts of :attr:`RankFiles.layout`.
+REPLICATED, SHARDED, PARTITIONED = "replicated", "sharded", "partitioned"
+
+
+@dataclass(frozen=True)
+class RankFiles:
+    """What each rank of a drill needs from one checkpoint; pure data.
+
+    ``saved_world`` is how many ranks wrote the checkpoint. ``needs[r]`` is
+    what drill rank ``r`` reads (one entry per drill rank: ``len(needs)`` is
+    the drill's world size), relpath -> ``None`` for the whole file, or the
+    byte ranges ``(offset, length)`` it reads from that file. ``shared``:
+    small metadata every rank gets whole (the manifests; not shards).
+    ``layout``: ``replicated`` (every saved rank holds the whole state, as
+    DDP saves it: a drill rank loads one replica), ``sharded`` (each saved
+    rank holds its part, as FSDP2 or DCP saves it: a drill rank reads the
+    parts that overlap its own), or ``partitioned`` (ranks hold tensor
+    slices, layers or flat optimizer partitions of their own: Megatron's
+    tensor and pipeline parallelism, DeepSpeed's model parallelism and ZeRO;
+    multi-rank drills do not restore these yet, and ``needs`` lists each
+    saved rank's files).
+    """
+
+    saved_world: int
+    layout: str
+    shared: tuple[str, ...]
+    needs: tuple[Mapping[str, tuple[Range, ...] | None], ...]
+
+    @property
+    def world(self) -> int:
+        """The drill's world size."""
+        return len(self.needs)
+
+    def owners(self) -> dict[str, int]:
+        """relpath -> the drill rank that fetches it whole (every other rank
+        needing it gets its copy, whole or the ranges it reads, from that
+        one's verified bytes): the first rank needing it whole, else the one
+        reading most of it (the lowest on a tie). Shared files are not listed."""
+        whole: dict[str, int] = {}
+        most: dict[str, tuple[int, int]] = {}
+        for rank, need in enumerate(self.needs):
+            for rel, ranges in need.items():
+                if ranges is None:
+                    whole.setdefault(rel, rank)
+                else:
+                    size = sum(n for _, n in ranges)
+                    if rel not in most or size > most[rel][0]:
+                        most[rel] = (size, rank)
+        return {**{rel: r for rel, (_, r) in most.items()}, **whole}
+
+    def needed_bytes(self, rank: int, sizes: Mapping[str, int]) -> int:
+        """Bytes of shards (``shared`` excluded) drill rank ``rank`` holds:
+        whole files at their ``sizes``, ranges at their lengths."""
+        return sum(sizes.get(rel, 0) if ranges is None else sum(n for _, n in ranges)
+                   for rel, ranges in self.needs[rank].items())
+
+
+def replicated(relpaths: Sequence[str], world: int, *, shared: Sequence[str] = ()) -> RankFiles:
+    """One saved rank whose files every one of ``world`` drill ranks loads whole."""
+    skip = set(shared)
+    need: dict[str, tuple[Range, ...] | None] = {r: None for r in relpaths if r not in skip}
+    return RankFiles(1, REPLICATED, tuple(shared), tuple(dict(need) for _ in range(world)))
 
 
 class FormatPlugin:
@@ -120,13 +191,21 @@ class FormatPlugin:
 
         raise CheckpointLoadError(f"{path}: {self.format.value} checkpoints cannot be drilled")
 
-    def rank_files(self, path: Path) -> dict[int, list[Path]]:
-        """The files of each rank of the local checkpoint at ``path``
-        (rank -> files); a format with no ranks of its own is one rank holding
-        every file. Multi-rank drills fetch and load per rank from this."""
-        if path.is_file():
-            return {0: [path]}
-        return {0: sorted(p for p in path.rglob("*") if p.is_file())}
+    def saved_ranks(self, relpaths: Sequence[str]) -> int:
+        """How many ranks wrote a checkpoint of these files (relpaths below
+        its directory), from the names alone; 1 for a format with no ranks of
+        its own."""
+        return 1
+
+    def rank_files(self, relpaths: Sequence[str], read: Callable[[str], bytes], world: int | None = None) -> RankFiles:
+        """What each of ``world`` drill ranks (default: as many as saved the
+        checkpoint) needs of the checkpoint whose files are ``relpaths``;
+        ``read(relpath)`` gives the bytes of a small metadata file (the
+        format's manifests only). Pure. A format with no ranks of its own is
+        one saved rank holding every file, which each drill rank loads whole
+        (a data-parallel restore). Raises ``ValueError`` (one line) when the
+        files cannot be split into ranks."""
+        return replicated(relpaths, world or 1)
 
     def drill_path(self, fetched: Path, relpaths: Sequence[str], single: bool) -> Path:
         """What the drill worker is given: the fetched directory, or its one

@@ -22,19 +22,44 @@ Drills load every tensor entry through a reader whose ``.metadata``
 unpickler admits only DCP's own classes, and never the non-tensor entries
 (DCP unpickles those with ``weights_only=False``): keys ``model.*`` (or a
 model-only state dict) and the flattened ``optimizer.state.*`` of
-torchtitan's ``{"model": ..., "optimizer": ...}``. A factory is needed.
+torchtitan's ``{"model": ..., "optimizer": ...}`` (:func:`loaded_key`). A
+factory is needed.
+
+Ranks: the shards are ``__{R}_{K}.distcp``, written by rank R
+(:meth:`DcpFormat.saved_ranks`). :meth:`DcpFormat.rank_files` reads
+``.metadata`` (inertly) and gives each drill rank the byte ranges it reads:
+a tensor saved in several chunks (FSDP2, torchtitan) is sharded again over
+the drill's ranks along dim 0 as FSDP2 shards it, so a drill rank reads the
+saved chunks that overlap its rows; a tensor saved whole (DDP, or a scalar
+such as Adam's ``step``) is read whole by every rank. DCP's own planner
+does the reading (and the resharding); the reader checks that every range it
+is asked for was fetched (:func:`safe_dcp_reader`).
 """
 
 from __future__ import annotations
 
 import io
+import math
 import pickle
+import re
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptier.formats.base import FormatPlugin, Group, Scan, as_loss, names, step_in_name
+from ckptier.formats.base import (
+    REPLICATED,
+    SHARDED,
+    FormatPlugin,
+    Group,
+    Range,
+    RankFiles,
+    Scan,
+    as_loss,
+    names,
+    step_in_name,
+)
 from ckptier.storage.base import ObjectInfo, key_problem
 from ckptier.storage.errors import CkptierError
 from ckptier.storage.model import Format, Shortfall
@@ -45,7 +70,10 @@ if TYPE_CHECKING:
 
     from ckptier.formats.safe_load import LoadedCheckpoint
 
-__all__ = ["PLUGIN", "dcp_needs", "dcp_shortfalls", "load_dcp_tensors", "read_dcp_metadata"]
+__all__ = [
+    "PLUGIN", "DcpLayout", "dcp_layout", "dcp_needs", "dcp_rank_files", "dcp_shortfalls", "load_dcp_tensors",
+    "loaded_key", "read_dcp_metadata", "safe_dcp_reader", "shard_rows",
+]
 
 _DCP_META = ".metadata"
 _GUIDE_META = "metadata.json"
@@ -106,17 +134,19 @@ class DcpFormat(FormatPlugin):
     def checker(self, relpath: str, name: str, base: str) -> Checker | None:
         return dcp_checker(relpath, name, base)
 
-    def load(self, path: Path, allow: Sequence[Any]) -> LoadedCheckpoint:
-        from ckptier.formats.safe_load import LoadedCheckpoint, float_or_none, read_json, step_from_name
+    def saved_ranks(self, relpaths: Sequence[str]) -> int:
+        return saved_dcp_ranks(r for r in relpaths if "/" not in r)
 
-        tensors = load_dcp_tensors(path)
-        model = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
-        if not model:  # a model-only export: the state dict at the top level
-            model = {k: v for k, v in tensors.items() if not k.startswith("optimizer.")}
-        optimizer = {k[len("optimizer."):]: v for k, v in tensors.items() if k.startswith("optimizer.state.")}
-        extra = read_json(path / "metadata.json") if (path / "metadata.json").is_file() else {}
-        step = extra.get("step") if isinstance(extra.get("step"), int) else step_from_name(path)
-        return LoadedCheckpoint(model, optimizer or None, extra, "fqn-flat", step, float_or_none(extra.get("loss")))
+    def rank_files(self, relpaths: Sequence[str], read: Callable[[str], bytes], world: int | None = None) -> RankFiles:
+        if _DCP_META not in relpaths:
+            raise ValueError("no .metadata: the DCP checkpoint is incomplete")
+        layout = dcp_layout(read(_DCP_META))
+        shared = tuple(r for r in relpaths if "/" not in r and not r.endswith(".distcp"))
+        return dcp_rank_files(layout, world or self.saved_ranks(relpaths), shared=shared,
+                              saved_world=self.saved_ranks(relpaths))
+
+    def load(self, path: Path, allow: Sequence[Any]) -> LoadedCheckpoint:
+        return load_dcp(path)
 
 
 PLUGIN = DcpFormat()
@@ -167,6 +197,169 @@ def _dcp_manifest(data: bytes, base: str) -> list[Need]:
 def dcp_shortfalls(data: bytes, present: dict[str, int]) -> list[Shortfall]:
     """The shards ``.metadata`` bytes ``data`` reference that ``present`` lacks."""
     return shortfalls(dcp_needs(data), present)
+
+
+# -- ranks ----------------------------------------------------------------------
+
+_SHARD_NAME = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+
+
+def saved_dcp_ranks(names_: Iterable[str]) -> int:
+    """How many ranks wrote these ``.distcp`` files: the distinct R of DCP's
+    ``__{R}_{K}.distcp`` names (the count of shards when named otherwise; at least 1)."""
+    shards = [n for n in names_ if n.endswith(".distcp")]
+    ranks = {m.group(1) for n in shards if (m := _SHARD_NAME.match(n))}
+    return max(len(ranks) if ranks else len(shards), 1)
+
+
+def loaded_key(key: str, model_prefixed: bool) -> bool:
+    """Whether a drill loads the DCP entry ``key``: ``model.*`` and
+    ``optimizer.state.*``, or, in a model-only state dict (no ``model.``
+    keys: ``model_prefixed`` False), everything but ``optimizer.*``."""
+    if key.startswith("optimizer."):
+        return key.startswith("optimizer.state.")
+    return key.startswith("model.") or not model_prefixed
+
+
+@dataclass(frozen=True)
+class DcpLayout:
+    """What ``.metadata`` says about where each tensor lies; pure data.
+
+    ``tensors``: key -> (global size, chunks as ``(offsets, sizes)``);
+    ``items``: ``(key, chunk offsets)`` -> ``(relpath, offset, length)`` in
+    the shard files; ``byte_keys``: the non-tensor entries (never loaded).
+    """
+
+    tensors: Mapping[str, tuple[tuple[int, ...], tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]]]
+    items: Mapping[tuple[str, tuple[int, ...]], tuple[str, int, int]]
+    byte_keys: frozenset[str]
+
+    @property
+    def model_prefixed(self) -> bool:
+        return any(k.startswith("model.") for k in self.tensors)
+
+    def loaded(self) -> list[str]:
+        """The tensor keys a drill loads (:func:`loaded_key`), in order."""
+        prefixed = self.model_prefixed
+        return [k for k in self.tensors if loaded_key(k, prefixed)]
+
+    @property
+    def sharded(self) -> bool:
+        """Some loaded tensor was saved in more than one chunk."""
+        return any(len(self.tensors[k][1]) > 1 for k in self.loaded())
+
+
+def _size(value: Any) -> tuple[int, ...]:
+    """A ``torch.Size`` as the inert unpickler leaves it (or a plain sequence)."""
+    if isinstance(value, _Inert):
+        value = value.args[0] if getattr(value, "args", None) else ()
+    if not isinstance(value, (tuple, list)) or not all(_count(v) for v in value):
+        raise StructureError(f"size {value!r} is not a sequence of counts")
+    return tuple(int(v) for v in value)
+
+
+def dcp_layout(data: bytes) -> DcpLayout:
+    """Read ``.metadata`` bytes inertly (nothing in them runs, torch is not
+    imported) into a :class:`DcpLayout`. Raises :class:`StructureError` when
+    ``data`` is not DCP metadata or an entry is malformed."""
+    try:
+        root = _InertUnpickler(io.BytesIO(data)).load()
+    except Exception as exc:  # noqa: BLE001 - any malformed pickle: named in one line
+        raise StructureError(f"not a readable pickle ({type(exc).__name__}: {str(exc)[:120]})") from None
+    if not isinstance(root, _Inert) or root.qualname != _DCP_ROOT:
+        raise StructureError(f"holds {root.qualname if isinstance(root, _Inert) else type(root).__name__}, not {_DCP_ROOT}")
+    entries = root.fields.get("state_dict_metadata") or {}
+    storage = root.fields.get("storage_data") or {}
+    if not isinstance(entries, dict) or not isinstance(storage, dict):
+        raise StructureError("state_dict_metadata or storage_data is not a dict")
+    tensors: dict[str, tuple[tuple[int, ...], tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]]] = {}
+    byte_keys = set()
+    for key, entry in entries.items():
+        if not isinstance(key, str) or not isinstance(entry, _Inert):
+            raise StructureError(f"state_dict_metadata entry {key!r} is malformed")
+        if not entry.qualname.endswith("TensorStorageMetadata"):
+            byte_keys.add(key)
+            continue
+        chunks = entry.fields.get("chunks") or []
+        try:
+            tensors[key] = (_size(entry.fields.get("size")), tuple(
+                (_size(c.fields.get("offsets")), _size(c.fields.get("sizes"))) for c in chunks))
+        except (StructureError, AttributeError) as exc:
+            raise StructureError(f"{key}: {exc}") from None
+    items: dict[tuple[str, tuple[int, ...]], tuple[str, int, int]] = {}
+    for index, info in storage.items():
+        fields = index.fields if isinstance(index, _Inert) else {}
+        st = info.fields if isinstance(info, _Inert) else {}
+        fqn, offset = fields.get("fqn"), fields.get("offset")
+        path, start, length = st.get("relative_path"), st.get("offset"), st.get("length")
+        if not isinstance(fqn, str) or not isinstance(path, str) or key_problem(path) is not None:
+            raise StructureError(f"storage entry {fqn!r} -> {path!r} is malformed")
+        if not (_count(start) and _count(length)):
+            raise StructureError(f"{path}: offset {start!r} / length {length!r} are not byte counts")
+        items[(fqn, _size(offset) if offset is not None else ())] = (path, int(start), int(length))
+    return DcpLayout(tensors, items, frozenset(byte_keys))
+
+
+def shard_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
+    """``[start, stop)`` of the dim-0 rows rank ``rank`` of ``world`` holds
+    when ``rows`` rows are sharded as FSDP2 (``Shard(0)``) shards them:
+    chunks of ``ceil(rows / world)``, the last ones short or empty; pure."""
+    chunk = math.ceil(rows / world) if rows else 0
+    start = min(rows, chunk * rank)
+    return start, min(rows, start + chunk)
+
+
+def _overlaps(a: tuple[tuple[int, ...], tuple[int, ...]], b: tuple[tuple[int, ...], tuple[int, ...]]) -> bool:
+    (ao, asz), (bo, bsz) = a, b
+    if any(n == 0 for n in (*asz, *bsz)) and (asz or bsz):
+        return False
+    return all(max(x, y) < min(x + n, y + m) for x, n, y, m in zip(ao, asz, bo, bsz, strict=True))
+
+
+def dcp_rank_files(layout: DcpLayout, world: int, *, shared: Sequence[str] = (), saved_world: int = 1) -> RankFiles:
+    """What each of ``world`` drill ranks reads of a DCP checkpoint; pure.
+
+    In a sharded checkpoint (:attr:`DcpLayout.sharded`) a tensor saved in
+    several chunks is restored sharded along dim 0 over the drill's ranks
+    (:func:`shard_rows`, as FSDP2 shards it), and each rank reads the saved
+    chunks that overlap its rows; every other tensor is read whole by every
+    rank. In a replicated one (every tensor saved whole), every rank reads
+    every loaded tensor. Only the entries a drill loads count
+    (:func:`loaded_key`). A chunk lies in a file at a byte range; the ranges
+    of one file are merged.
+    """
+    if world < 1:
+        raise ValueError(f"world size {world} must be at least 1")
+    sharded = layout.sharded
+    needs: list[dict[str, tuple[Range, ...] | None]] = []
+    for rank in range(world):
+        ranges: dict[str, list[Range]] = {}
+        for key in layout.loaded():
+            size, chunks = layout.tensors[key]
+            if sharded and len(chunks) > 1 and size:
+                start, stop = shard_rows(size[0], world, rank)
+                mine = ((start, *(0 for _ in size[1:])), (stop - start, *size[1:]))
+                wanted = [c for c in chunks if _overlaps(c, mine)]
+            else:
+                wanted = [c for c in chunks if not any(n == 0 for n in c[1]) or not c[1]]
+            for offsets, _ in wanted:
+                item = layout.items.get((key, offsets))
+                if item is None:
+                    raise ValueError(f"{key}: chunk at {list(offsets)} has no storage entry in .metadata; the checkpoint is malformed")
+                path, start_byte, length = item
+                ranges.setdefault(path, []).append((start_byte, length))
+        needs.append({path: _merge(spans) for path, spans in sorted(ranges.items())})
+    return RankFiles(saved_world, SHARDED if sharded else REPLICATED, tuple(shared), tuple(needs))
+
+
+def _merge(spans: list[Range]) -> tuple[Range, ...]:
+    out: list[list[int]] = []
+    for start, length in sorted(spans):
+        if out and start <= out[-1][0] + out[-1][1]:
+            out[-1][1] = max(out[-1][1], start + length - out[-1][0])
+        else:
+            out.append([start, length])
+    return tuple((a, b) for a, b in out)
 
 
 # -- reading .metadata without running it ----------------------------------------
@@ -317,38 +510,131 @@ def read_dcp_metadata(path: str | Path) -> Any:
     return metadata
 
 
-def load_dcp_tensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor entry of a DCP directory, by flattened key (``model.fc.weight``).
+def safe_dcp_reader(path: str | Path, available: Mapping[str, Sequence[Range] | None] | None = None) -> Any:
+    """A ``torch.distributed.checkpoint`` reader of the DCP directory at
+    ``path`` whose ``.metadata`` is unpickled with DCP's classes only
+    (:func:`read_dcp_metadata`).
+
+    ``available`` (relpath -> None for a whole file, or the byte ranges
+    fetched of it; None: every file is whole) says what a drill rank's copy
+    holds: the other bytes of a partly fetched file are holes that read as
+    zeros, so a read outside them raises :class:`CheckpointLoadError`
+    instead of restoring zeros. Tensor entries are read by DCP with
+    ``weights_only=True``; a caller never asks for the non-tensor ones.
+    """
+    return _reader_class()(str(path), read_dcp_metadata(path), available)
+
+
+_READER: list[type] = []
+
+
+def _reader_class() -> type:
+    if _READER:
+        return _READER[0]
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from ckptier.formats.safe_load import CheckpointLoadError
+
+    class SafeDcpReader(FileSystemReader):
+        def __init__(self, path: str, metadata: Any, available: Mapping[str, Sequence[Range] | None] | None) -> None:
+            super().__init__(path)
+            self._metadata = metadata
+            self._available = available
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("rank") is not None:
+                raise CheckpointLoadError(f"{self.path}: per-rank DCP metadata is not supported; save with a single .metadata")
+            return self._metadata
+
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            if self._available is not None:
+                for item in plan.items:
+                    info = self.storage_data[item.storage_index]
+                    path, start, length = str(info.relative_path), int(info.offset), int(info.length)
+                    have = self._available.get(path, ())
+                    if have is not None and not any(a <= start and start + length <= a + n for a, n in have):
+                        raise CheckpointLoadError(
+                            f"{self.path}: {item.storage_index.fqn} is at bytes {start}..{start + length} of {path}, which "
+                            "were not fetched for this drill rank; the drill's rank plan missed them (report this as a ckptier bug)")
+            return super().read_data(plan, planner)
+
+    _READER.append(SafeDcpReader)
+    return SafeDcpReader
+
+
+def load_dcp_tensors(
+    path: str | Path, *, available: Mapping[str, Sequence[Range] | None] | None = None
+) -> dict[str, torch.Tensor]:
+    """Every tensor entry a drill loads (:func:`loaded_key`) of a DCP
+    directory, whole, by flattened key (``model.fc.weight``).
 
     Non-tensor entries (bytes: param groups, train state) are skipped: DCP
-    unpickles them with ``weights_only=False``. Works without a process group.
+    unpickles them with ``weights_only=False``. Works without a process
+    group, and reads in this process alone even when there is one (each
+    drill rank of a replicated checkpoint loads its own whole copy).
+    ``available``: see :func:`safe_dcp_reader`.
     """
     import torch
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from ckptier.formats.safe_load import CheckpointLoadError
 
-    metadata = read_dcp_metadata(path)
-
-    class _SafeReader(FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            if kwargs.get("rank") is not None:
-                raise CheckpointLoadError(f"{path}: per-rank DCP metadata is not supported; save with a single .metadata")
-            return metadata
-
-    template: dict[str, torch.Tensor] = {}
-    for key, entry in metadata.state_dict_metadata.items():
-        if isinstance(entry, TensorStorageMetadata):
-            template[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
+    reader = safe_dcp_reader(path, available)
+    metadata = reader.read_metadata()
+    entries = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+    prefixed = any(k.startswith("model.") for k in entries)
+    template: dict[str, torch.Tensor] = {
+        key: torch.empty(entry.size, dtype=entry.properties.dtype)
+        for key, entry in entries.items() if loaded_key(key, prefixed)
+    }
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-            dcp.load(template, storage_reader=_SafeReader(str(path)))
+            dcp.load(template, storage_reader=reader, no_dist=True)
     except CkptierError:
         raise
     except Exception as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointLoadError(f"{path}: DCP load failed: {first}; re-fetch or re-verify the checkpoint") from None
+        raise CheckpointLoadError(f"{path}: DCP load failed: {dcp_failure(exc)}; re-fetch or re-verify the checkpoint") from None
     return template
+
+
+def load_dcp(path: Path, available: Mapping[str, Sequence[Range] | None] | None = None) -> LoadedCheckpoint:
+    """A whole DCP checkpoint for a drill (:func:`load_dcp_tensors`; ``available``
+    as there): ``model.*`` (or a model-only state dict) as the model state,
+    ``optimizer.state.*`` as the flattened optimizer state, ``metadata.json``
+    beside the shards for the step and the recorded loss."""
+    from ckptier.formats.safe_load import LoadedCheckpoint, float_or_none
+
+    tensors = load_dcp_tensors(path, available=available)
+    model = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
+    if not model:  # a model-only export: the state dict at the top level
+        model = {k: v for k, v in tensors.items() if not k.startswith("optimizer.")}
+    optimizer = {k[len("optimizer."):]: v for k, v in tensors.items() if k.startswith("optimizer.state.")}
+    extra, step, loss = checkpoint_notes(Path(path))
+    return LoadedCheckpoint(model, optimizer or None, extra, "fqn-flat", step, float_or_none(loss))
+
+
+def checkpoint_notes(path: Path) -> tuple[dict[str, Any], int | None, Any]:
+    """``(metadata.json, step, recorded loss)`` of a checkpoint directory: the
+    JSON beside the shards when there is one, the step from it or from the
+    directory's name."""
+    from ckptier.formats.safe_load import read_json, step_from_name
+
+    extra = read_json(path / "metadata.json") if (path / "metadata.json").is_file() else {}
+    step = extra.get("step") if isinstance(extra.get("step"), int) and not isinstance(extra.get("step"), bool) else None
+    if step is None:
+        step = step_from_name(path)
+    return extra, step, extra.get("loss", extra.get("train_loss"))
+
+
+def dcp_failure(exc: BaseException) -> str:
+    """The first line of the first cause of a failed ``dcp.load`` (which
+    gathers every rank's exception into one ``CheckpointException``)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, inner = sorted(failures.items())[0]
+        inner = getattr(inner, "exc", inner)
+        text = str(inner).strip().splitlines()[0] if str(inner).strip() else type(inner).__name__
+        return f"rank {rank}: {text}"
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -34,11 +34,11 @@ with the optimizer built as training built it.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptier.formats.base import FormatPlugin, Group, Scan, names
+from ckptier.formats.base import PARTITIONED, FormatPlugin, Group, RankFiles, Scan, names, replicated
 from ckptier.storage.model import Format, Shortfall
 
 if TYPE_CHECKING:
@@ -108,23 +108,37 @@ class DeepSpeedFormat(FormatPlugin):
         scan.emit(job=job, step=step, fmt=self.format, prefix=prefix, files=files, committed=committed,
                   reason=reason, short=short if committed else ())
 
-    def rank_files(self, path: Path) -> dict[int, list[Path]]:
+    def saved_ranks(self, relpaths: Sequence[str]) -> int:
+        return max(len(_ranks(relpaths)), 1)
+
+    def rank_files(self, relpaths: Sequence[str], read: Callable[[str], bytes], world: int | None = None) -> RankFiles:
         """Rank ``r`` of ``mp * dp`` ranks (model-parallel major): its model
-        states and its ZeRO optimizer states."""
-        models = {int(m.group(1)): p for p in path.iterdir() if (m := _MODEL.match(p.name))}
-        optims: dict[tuple[int, int], Path] = {}
-        for p in path.iterdir():
-            if m := _OPTIM.match(p.name):
-                optims[(int(m.group(4)), int(m.group(2)))] = p
-        if not optims:
-            return {mp: [p] for mp, p in sorted(models.items())}
-        return {i: [models[mp], p] for i, ((mp, _dp), p) in enumerate(sorted(optims.items())) if mp in models}
+        states and its ZeRO optimizer states. More than one rank is
+        ``partitioned`` (model parallelism, or ZeRO's flat optimizer
+        partitions); one rank is restored by every drill rank whole."""
+        ranks = _ranks(relpaths)
+        if len(ranks) <= 1:
+            return replicated(relpaths, world or 1)
+        if world not in (None, len(ranks)):
+            raise ValueError(f"{len(ranks)} DeepSpeed ranks (model-parallel or ZeRO partitions) cannot be drilled on {world}")
+        held = {f for files in ranks for f in files}
+        shared = tuple(r for r in relpaths if r not in held)
+        return RankFiles(len(ranks), PARTITIONED, shared, tuple(dict.fromkeys(files) for files in ranks))
 
     def load(self, path: Path, allow: Sequence[Any]) -> LoadedCheckpoint:
         return _load(path, allow)
 
 
 PLUGIN = DeepSpeedFormat()
+
+
+def _ranks(relpaths: Sequence[str]) -> list[list[str]]:
+    """Each rank's files, model-parallel major: model states, then ZeRO optimizer states."""
+    models = {int(m.group(1)): r for r in relpaths if (m := _MODEL.match(r))}
+    optims = {(int(m.group(4)), int(m.group(2))): r for r in relpaths if (m := _OPTIM.match(r))}
+    if not optims:
+        return [[f] for _, f in sorted(models.items())]
+    return [[models[mp], f] for (mp, _dp), f in sorted(optims.items()) if mp in models]
 
 
 def rank_shortfalls(top: Mapping[str, Any]) -> list[Shortfall]:

@@ -38,11 +38,11 @@ needed, with the optimizer's parameter groups built as Megatron built them.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptier.formats.base import FormatPlugin, Group, Scan, names
+from ckptier.formats.base import PARTITIONED, FormatPlugin, Group, RankFiles, Scan, names
 from ckptier.formats.dcp import dcp_checker, dcp_commit
 from ckptier.storage.model import Format, Shortfall
 from ckptier.storage.structure import Checker
@@ -134,19 +134,36 @@ class MegatronFormat(FormatPlugin):
     def checker(self, relpath: str, name: str, base: str) -> Checker | None:
         return dcp_checker(relpath, name, base)
 
-    def rank_files(self, path: Path) -> dict[int, list[Path]]:
+    def saved_ranks(self, relpaths: Sequence[str]) -> int:
+        return max(len(_rank_dirs(relpaths)), 1)
+
+    def rank_files(self, relpaths: Sequence[str], read: Callable[[str], bytes], world: int | None = None) -> RankFiles:
         """Rank ``r`` of a legacy checkpoint: its rank directory's files, in
-        (tensor, pipeline, expert) order; a torch_dist one is one rank."""
-        dirs = sorted((_rank_key(p.name), p) for p in path.iterdir() if p.is_dir() and _RANK_DIR.match(p.name))
-        if not dirs:
-            return super().rank_files(path)
-        return {i: sorted(f for f in p.iterdir() if f.is_file()) for i, (_, p) in enumerate(dirs)}
+        (tensor, pipeline, expert) order; more than one is ``partitioned``.
+        A torch_dist one, or one rank, is restored by every drill rank whole."""
+        dirs = _rank_dirs(relpaths)
+        if len(dirs) <= 1:
+            return super().rank_files(relpaths, read, world)
+        if world not in (None, len(dirs)):
+            raise ValueError(f"{len(dirs)} Megatron tensor/pipeline ranks cannot be drilled on {world}")
+        shared = tuple(r for r in relpaths if "/" not in r)
+        return RankFiles(len(dirs), PARTITIONED, shared, tuple(dict.fromkeys(files) for files in dirs))
 
     def load(self, path: Path, allow: Sequence[Any]) -> LoadedCheckpoint:
         return _load(path, allow)
 
 
 PLUGIN = MegatronFormat()
+
+
+def _rank_dirs(relpaths: Sequence[str]) -> list[list[str]]:
+    """The files of each legacy rank directory, in (tensor, pipeline, expert) order."""
+    dirs: dict[str, list[str]] = {}
+    for rel in relpaths:
+        head, sep, _ = rel.partition("/")
+        if sep and _RANK_DIR.match(head):
+            dirs.setdefault(head, []).append(rel)
+    return [sorted(dirs[d]) for d in sorted(dirs, key=_rank_key)]
 
 
 def _rank_key(name: str) -> tuple[int, int, int]:

@@ -23,7 +23,7 @@ import resource
 import sys
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -174,14 +174,26 @@ class _Restored:
         self.load_s, self.build_s, self.restore_s = load_s, build_s, restore_s
 
 
-def restore(request: DrillRequest, device: torch.device) -> _Restored:
-    """Load the checkpoint safely, build the model and restore strictly."""
+def restore(
+    request: DrillRequest,
+    device: torch.device,
+    load: Callable[[], LoadedCheckpoint] | None = None,
+    progress: Callable[[str], None] = lambda stage: None,
+) -> _Restored:
+    """Load the checkpoint safely (with ``load`` when given, else by its
+    format's loader), build the model and restore strictly; ``progress`` is
+    told each stage (``load``, ``build``, ``restore``) as it starts."""
+    progress("load")
     t0 = time.perf_counter()
     try:
-        loaded = load_checkpoint_dir(request.checkpoint, request.format, extra_allowlist=request.allow_globals)
+        if load is not None:
+            loaded = load()
+        else:
+            loaded = load_checkpoint_dir(request.checkpoint, request.format, extra_allowlist=request.allow_globals)
     except CkptierError as exc:
         raise DrillFailure("load", str(exc), unsafe=isinstance(exc, UnsafeCheckpoint)) from None
     t1 = time.perf_counter()
+    progress("build")
     try:
         factory = resolve_factory(request.factory) if request.factory is not None else None
     except CkptierError as exc:  # the operator's model does not import: nothing to do with the checkpoint
@@ -204,6 +216,7 @@ def restore(request: DrillRequest, device: torch.device) -> _Restored:
     if spec.optimizer is None:
         spec.optimizer = torch.optim.SGD(spec.model.parameters(), lr=1e-4)
     t2 = time.perf_counter()
+    progress("restore")
     problems = state_dict_problems(spec.model.state_dict(), loaded.model_state)
     if problems:
         more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""

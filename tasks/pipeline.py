@@ -772,8 +772,17 @@ def run_drill(
     stores: StoreCache | None = None,
     scratch_root: Path | None = None,
     allow_globals: Sequence[str] = (),
+    world_size: int | None = None,
 ) -> list[dict[str, Any]]:
     """Restore-drill the newest verified checkpoint of each job (or of ``job``).
+
+    A checkpoint saved by N ranks is drilled by N workers, each fetching only
+    its own rank's files (:mod:`ckptier.tasks.drill_dist`); with
+    ``world_size`` M it is restored into M ranks and compared with a
+    same-size restore (the report's ``reshard`` says whether the run resumes
+    on M ranks). A checkpoint whose ranks cannot be drilled yet
+    (partitioned) gets a report that says so (``stage`` ``unsupported``,
+    not recorded as a failed drill).
 
     For each job: fetch the best candidate into a fresh scratch directory
     (hot tier, else archive, verified), run the isolated worker (safe load,
@@ -801,6 +810,8 @@ def run_drill(
     for name in allow_globals:
         if (problem := allow_global_problem(name)) is not None:
             raise ConfigError(f"--allow-global {name!r}: {problem}")
+    if world_size is not None and world_size < 1:
+        raise ConfigError(f"--world-size {world_size}: a drill runs on at least 1 rank; give e.g. --world-size 2")
     check_drill_inputs(model=model, device=device, steps=steps, timeout=timeout)  # before anything slow
 
     stores = stores or StoreCache()
@@ -829,12 +840,23 @@ def run_drill(
             scratch = Path(tempfile.mkdtemp(prefix="ckptier-drill-", dir=scratch_root))
             timings: dict[str, float] = {}
             tier: str | None = None
+            fetched: dict[str, Any] | None = None
             try:
-                try:
-                    fetched = fetch_record(record, config, dest=scratch / "checkpoint", stores=stores)
-                except CkptierError as exc:  # a fetch failure is this candidate's verdict
-                    report = _drill_failure(record, started, now(), stage="fetch", error=str(exc))
+                relpaths = [f.relpath for f in record.files]
+                if _ranked(record, relpaths, world_size):
+                    report = _ranked_drill(record, config, stores, scratch, started=started, now=now, factory=factory,
+                                           steps=k, device=dev, timeout=limit, tolerance=tolerance,
+                                           allow_globals=allowed, world_size=world_size)
+                    if report["stage"] in ("unsupported", "not-started"):  # said in the report, not recorded as a failed drill
+                        reports.append(report)
+                        break
+                    tier = report.get("tier")
                 else:
+                    try:
+                        fetched = fetch_record(record, config, dest=scratch / "checkpoint", stores=stores)
+                    except CkptierError as exc:  # a fetch failure is this candidate's verdict
+                        report = _drill_failure(record, started, now(), stage="fetch", error=str(exc))
+                if fetched is not None:
                     tier = fetched["tier"]
                     timings["fetch_s"] = fetched["seconds"]
                     path = drill_path(record, scratch / "checkpoint")
@@ -864,6 +886,61 @@ def run_drill(
             if report["ok"] or report.get("stage") not in LOAD_STAGES:
                 break
     return reports
+
+
+def _ranked(record: CheckpointRecord, relpaths: Sequence[str], world_size: int | None) -> bool:
+    """Whether ``record`` is drilled by several workers: saved by more than
+    one rank, or asked to restore into another number of ranks."""
+    from ckptier.formats.registry import plugin
+
+    saved = plugin(record.format).saved_ranks(relpaths)
+    return saved > 1 or (world_size is not None and world_size != saved)
+
+
+def _ranked_drill(record: CheckpointRecord, config: Config, stores: StoreCache, scratch: Path, *, started: datetime,
+                  now: Clock, factory: str | None, steps: int, device: str, timeout: float, tolerance: float,
+                  allow_globals: Sequence[str], world_size: int | None) -> dict[str, Any]:
+    """A multi-rank drill of ``record``, as a report (``stage`` ``unsupported``
+    when its ranks cannot be drilled yet, ``not-started`` when the model
+    factory does not load in the workers)."""
+    from dataclasses import replace
+
+    from .drill_dist import Fetched, UnsupportedDrill, run_ranked_drill
+
+    def fetch(relpaths: Sequence[str], dest: Path) -> Fetched:
+        wanted = set(relpaths)
+        part = replace(record, files=tuple(f for f in record.files if f.relpath in wanted))
+        got = fetch_record(part, config, dest=dest, stores=stores)
+        return Fetched(got["tier"], float(got["seconds"]), int(got["bytes"]))
+
+    relpaths = [f.relpath for f in record.files]
+    single = len(relpaths) == 1 and record.location.rstrip("/").rsplit("/", 1)[-1] == relpaths[0]
+    try:
+        drill = run_ranked_drill(record.format, relpaths, {f.relpath: f.size for f in record.files}, fetch=fetch,
+                                 scratch=scratch, factory=factory, steps=steps, device=device, timeout=timeout,
+                                 world_size=world_size, allow_globals=allow_globals, loss_tolerance=tolerance,
+                                 single=single)
+    except UnsupportedDrill as exc:
+        report = _drill_failure(record, started, now(), stage="unsupported", error=str(exc))
+        report.update(summary=f"{record.job} step {record.step}: not drilled: {exc}",
+                      checks=[{"name": "supported", "ok": False, "detail": str(exc)}])
+        return report
+    except ConfigError:
+        raise
+    except CkptierError as exc:  # a fetch failure is this candidate's verdict
+        return _drill_failure(record, started, now(), stage="fetch", error=str(exc))
+    fields = drill.report()
+    if fields.get("stage") == "factory":  # the operator's factory does not load: says nothing about this checkpoint
+        return _not_started(record, f"drill model {factory!r} does not load: {fields['error']}", started, now())
+    ranks = f"{drill.world} rank{'s' if drill.world > 1 else ''}"
+    where = f"{fields['tier']} tier, {ranks} on {fields['device'] or device}/{fields['backend']}"
+    if fields.get("reshard"):
+        where += f", saved by {drill.saved_world}"
+    unconfined = "" if fields["confined"] else f"; {fields['confinement']}"
+    return {"job": record.job, "step": record.step, "ok": drill.verdict.ok,
+            "summary": f"{record.job} step {record.step} ({where}): {drill.verdict.summary}{unconfined}",
+            "checks": [asdict(c) for c in drill.verdict.checks], **fields,
+            "started_at": started.isoformat(), "finished_at": now().isoformat()}
 
 
 def _check_allowed_classes(config: Config, jobs: Iterable[str], cli: Sequence[str], workdir: Path | None) -> None:
@@ -928,7 +1005,9 @@ def _record_drill(catalog: Catalog, record: CheckpointRecord, report: dict[str, 
         job=record.job, step=record.step, checkpoint_id=record.id, started_at=started, finished_at=finished,
         ok=bool(report["ok"]), device=report.get("device"), source_tier=tier,
         verdict={"summary": report["summary"], "checks": report["checks"], "losses": report.get("losses", []),
-                 "confinement": report.get("confinement")},
+                 "confinement": report.get("confinement"),
+                 **{k: report[k] for k in ("world_size", "saved_world_size", "layout", "parallel", "backend", "reshard")
+                    if k in report}},
         timings=report.get("timings", {}), peak_memory_bytes=report.get("peak_memory_bytes"), error=report.get("error"),
     ))
     catalog.log_event("drill.ok" if report["ok"] else "drill.failed", report["summary"], now=finished,

@@ -232,13 +232,14 @@ def apply_task(catalog_url: str | None, config_path: str | None, job: str | None
 @task(name="drill")
 def drill_task(catalog_url: str | None, config_path: str | None, job: str | None, step: int | None,
                steps: int | None, device: str | None, model: str | None, timeout_seconds: float | None,
-               allow_globals: list[str] | None = None) -> list[dict[str, Any]]:
+               allow_globals: list[str] | None = None, world_size: int | None = None) -> list[dict[str, Any]]:
     """Fetch, safely load, train K steps, judge and record (see ``pipeline.run_drill``)."""
     log = get_run_logger()
     config = load_config(config_path)
     with Catalog.open(resolve_catalog_url(catalog_url, config_path, config=config), create=False) as cat:
         reports = pipeline.run_drill(cat, config, now=pipeline.utcnow, job=job, step=step, steps=steps, device=device,
-                                     model=model, timeout=timeout_seconds, allow_globals=allow_globals or ())
+                                     model=model, timeout=timeout_seconds, allow_globals=allow_globals or (),
+                                     world_size=world_size)
     for r in reports:
         (log.info if r["ok"] else log.error)(r["summary"])
     return reports

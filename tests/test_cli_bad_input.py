@@ -112,6 +112,8 @@ def cases(w: dict[str, Path]) -> list[Case]:
         Case("drill-spec-malformed", ("drill", "--model", "not a spec"), "module:function"),
         Case("drill-no-such-file", ("drill", "--model", "/nonexistent/models.py:build"), "does not exist"),
         Case("drill-timeout-0", ("drill", "--timeout", "0"), "--timeout"),
+        Case("drill-world-size-0", ("drill", "--world-size", "0"), "--world-size"),
+        Case("drill-world-size-word", ("drill", "--world-size", "two"), "--world-size"),
         Case("drill-timeout-negative", ("drill", "--timeout", "-1"), "--timeout"),
         Case("drill-timeout-word", ("drill", "--timeout", "soon"), "--timeout"),
         Case("drill-step-word", ("drill", "--step", "x"), "--step"),

@@ -172,8 +172,10 @@ def test_guide_checkpoint_of_n_ranks_needs_every_rank(tmp_path: Path) -> None:
     assert c.committed and c.shortfalls == () and len(c.files) == 9
     from ckptier.formats.registry import plugin
 
-    assert {r: [p.name for p in ps] for r, ps in plugin("guide").rank_files(step_dir).items()} == {
-        r: ["model.pt", "optimizer.pt"] for r in range(4)}
+    rels = [f.relpath for f in c.files]
+    plan = plugin("guide").rank_files(rels, lambda rel: (step_dir / rel).read_bytes())
+    assert (plan.saved_world, plan.layout, plan.shared) == (4, "replicated", ("metadata.json",))
+    assert [list(n) for n in plan.needs] == [[f"rank-{r:04d}/model.pt", f"rank-{r:04d}/optimizer.pt"] for r in range(4)]
     for name in ("model.pt", "optimizer.pt"):
         (step_dir / "rank-0003" / name).unlink()
     (c,) = scan(tmp_path).checkpoints

@@ -144,7 +144,10 @@ def test_two_tensor_ranks_are_refused_until_multi_rank_drills(megatron_run: Chec
     assert result.error_stage == "load" and "not supported yet: 2 model-parallel ranks" in (result.error or "")
     from ckptier.formats.registry import plugin
 
-    assert sorted(plugin(Format.MEGATRON).rank_files(run.path(2))) == [0, 1]
+    rels = sorted(str(f.relative_to(run.path(2))) for f in run.path(2).rglob("*") if f.is_file())
+    plan = plugin(Format.MEGATRON).rank_files(rels, lambda rel: (run.path(2) / rel).read_bytes())
+    assert (plan.saved_world, plan.layout) == (2, "partitioned")
+    assert [list(n) for n in plan.needs] == [["mp_rank_00/model_optim_rng.pt"], ["mp_rank_01/model_optim_rng.pt"]]
 
 
 def test_torch_dist_iteration_restores_its_model_tensors(tmp_path: Path) -> None:
