@@ -296,7 +296,7 @@ def cmd_drill(args: argparse.Namespace) -> int:
     reports = runner.drill(job=args.job, step=args.step, steps=args.steps, device=args.device, model=model,
                            timeout=args.timeout, config_path=args.config, catalog_url=location.url,
                            use_prefect=_use_prefect(args), allow_globals=args.allow_global or [],
-                           world_size=args.world_size)
+                           world_size=args.world_size, runner=args.runner)
     if args.json:
         print_json(reports)
     else:
@@ -514,6 +514,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a class the safe loader may unpickle from this checkpoint (repeatable; adds to [[drill]] allow_globals)")
     sp.add_argument("--world-size", type=int, default=None, metavar="M",
                     help="restore into M ranks (default: as many as saved the checkpoint) and say whether the run resumes on M")
+    sp.add_argument("--runner", choices=RUNNERS, help="where the checkpoint's files are fetched: threads here, or dask "
+                    "(default: [runner] kind in ckptier.toml, else threads)")
     sp.add_argument("--json", action="store_true")
 
     sp = add("janitor", cmd_janitor, "abort abandoned multipart uploads and remove what interrupted promotions left (only ckptier's own files)")

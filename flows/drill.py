@@ -87,6 +87,7 @@ def restore_drill_flow(
     catalog_url: str | None = None,
     allow_globals: list[str] | None = None,
     world_size: int | None = None,
+    runner: str | None = None,
 ) -> list[dict[str, Any]]:
     """Restore a checkpoint, train a few steps and record whether recovery works.
 
@@ -101,10 +102,11 @@ def restore_drill_flow(
         catalog_url: Catalog SQLAlchemy URL (default: CKPTIER_CATALOG_URL, else the config's [catalog] url, else SQLite).
         allow_globals: Classes (module.Name) the safe loader may unpickle, besides the [[drill]] allow_globals.
         world_size: Restore into this many ranks (default: as many as saved the checkpoint) and report whether the run resumes on them.
+        runner: Where the checkpoint's files are fetched: threads or dask (default: the config's [runner] kind).
     """
     try:
         reports = drill_task(catalog_url, config_path, job, step, steps, device, model, timeout_seconds, allow_globals,
-                             world_size)
+                             world_size, runner)
     except CkptierError as exc:  # nothing could be drilled: say why, alert, fail
         create_markdown_artifact(render_not_started(job, step, str(exc)), key="drill-report",
                                  description="Restore drill report: not started")

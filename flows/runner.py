@@ -252,10 +252,12 @@ def janitor(*, config_path: str | None, older_than: timedelta, catalog_url: str 
 
 def drill(*, job: str | None, step: int | None, steps: int | None, device: str | None, model: str | None,
           timeout: float | None, config_path: str | None, catalog_url: str | None, use_prefect: bool,
-          allow_globals: list[str] | None = None, world_size: int | None = None) -> list[dict[str, Any]]:
+          allow_globals: list[str] | None = None, world_size: int | None = None,
+          runner: str | None = None) -> list[dict[str, Any]]:
     """Restore drills (``pipeline.run_drill``); ``allow_globals`` are extra
     ``module.Name`` classes the safe loader may unpickle; ``world_size``
-    restores into that many ranks."""
+    restores into that many ranks; ``runner`` (threads or dask) where the
+    files are fetched (default: ``[runner]``)."""
     if use_prefect:
         from .drill import DrillFailed, restore_drill_flow
 
@@ -269,6 +271,8 @@ def drill(*, job: str | None, step: int | None, steps: int | None, device: str |
             params["device"] = device
         if world_size is not None:
             params["world_size"] = world_size
+        if runner is not None:
+            params["runner"] = runner
         try:
             return list(run_flow(restore_drill_flow, **params))
         except DrillFailed as exc:
@@ -276,6 +280,12 @@ def drill(*, job: str | None, step: int | None, steps: int | None, device: str |
     from ckptier.tasks.config import load_config
     from ckptier.tasks.pipeline import run_drill, utcnow
 
-    with _open(catalog_url) as cat:
-        return run_drill(cat, load_config(config_path), now=utcnow, job=job, step=step, steps=steps, device=device,
-                         model=model, timeout=timeout, allow_globals=allow_globals or (), world_size=world_size)
+    fanout, _ = _fanout(config_path, runner)
+    try:
+        with _open(catalog_url) as cat:
+            return run_drill(cat, load_config(config_path), now=utcnow, job=job, step=step, steps=steps,
+                             device=device, model=model, timeout=timeout, allow_globals=allow_globals or (),
+                             world_size=world_size, fanout=fanout)
+    finally:
+        if fanout is not None:
+            fanout.close()

@@ -637,31 +637,124 @@ def _fetch_files(
     total = 0
     for f in sorted(record.files, key=lambda f: f.relpath):
         path = _dest_path(dest, f.relpath)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".ckptier-fetch-", dir=path.parent)
-        os.fchmod(fd, file_mode())
-        try:
-            with os.fdopen(fd, "wb") as out:
-                sink = _HashingSink(out)  # type: ignore[arg-type]
-                fill_for(f.relpath, sink)
-                out.flush()
-                os.fsync(out.fileno())
-            got = sink.hasher.digests()
-            size, crc = expected[f.relpath]
-            if got.size != size or (crc is not None and got.crc64nvme != crc):
-                raise IntegrityError(
-                    f"{where(f.relpath)}: fetched {got.size} bytes crc64nvme {got.crc64nvme}, "
-                    f"expected {size} bytes crc64nvme {crc}; file not written",
-                    key=f.relpath,
-                )
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        size, crc = expected[f.relpath]
+        total += _write_checked(path, lambda sink, r=f.relpath: fill_for(r, sink), size, crc, where(f.relpath), f.relpath)
         paths.append(path)
-        total += got.size
     return paths, total
+
+
+def _write_checked(path: Path, fill: Any, size: int, crc: str | None, where: str, relpath: str) -> int:
+    """``fill(sink)`` into a temporary file beside ``path``, renamed to ``path`` only when its
+    size and CRC64NVME (when known) match; the bytes written. Nothing is left on failure."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".ckptier-fetch-", dir=path.parent)
+    os.fchmod(fd, file_mode())
+    try:
+        with os.fdopen(fd, "wb") as out:
+            sink = _HashingSink(out)  # type: ignore[arg-type]
+            fill(sink)
+            out.flush()
+            os.fsync(out.fileno())
+        got = sink.hasher.digests()
+        if got.size != size or (crc is not None and got.crc64nvme != crc):
+            raise IntegrityError(
+                f"{where}: fetched {got.size} bytes crc64nvme {got.crc64nvme}, "
+                f"expected {size} bytes crc64nvme {crc}; file not written",
+                key=relpath,
+            )
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return got.size
+
+
+def _fill(store: Store, key: str, sink: _HashingSink, *, decode: bool) -> None:
+    """Stream ``key`` of ``store`` into ``sink``, through the codec when ``decode``
+    (an archived object that does not decode raises :class:`IntegrityError`)."""
+    with store.open_read(key) as src:
+        if not decode:
+            while chunk := src.read(CHUNK):
+                sink.write(chunk)
+            return
+        try:
+            _codec.decode(src, sink)  # type: ignore[arg-type]
+        except StoreError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a decoder failure means bad bytes
+            raise IntegrityError(f"{_store_url(store, key)}: archived object does not decode ({exc})",
+                                 key=key) from exc
+
+
+@dataclass(frozen=True)
+class FetchFile:
+    """One file to fetch: its path in the checkpoint, its key in the store, the size
+    and CRC64NVME it must have (None: size only)."""
+
+    relpath: str
+    key: str
+    size: int
+    crc64nvme: str | None
+
+
+@dataclass(frozen=True)
+class FetchBatch:
+    """A fan-out work item of :func:`fetch`: write ``files`` of the store at
+    ``store_url`` (decoded when ``decode``: an archive copy) into the staging
+    directory ``stage``, each verified before it is renamed into place. Plain
+    data: a worker in another process opens the store itself."""
+
+    store_url: str
+    stage: str
+    files: tuple[FetchFile, ...]
+    decode: bool
+
+
+@dataclass(frozen=True)
+class FetchedFile:
+    """A file a :class:`FetchBatch` wrote, verified: its relpath and its size in bytes."""
+
+    relpath: str
+    bytes: int
+
+
+def fetch_batch(store: Store, batch: FetchBatch) -> list[FetchedFile]:
+    """Write ``batch``'s files into its staging directory, in order, each checked
+    (:class:`IntegrityError` at the first that does not match; files already
+    written stay for the caller to clear). Idempotent: a retry rewrites the same
+    files. Raises :class:`ConfigError` when the staging directory is not there
+    (a worker that does not share this filesystem, or a fetch already given up):
+    it never creates it."""
+    stage = Path(batch.stage)
+    if not stage.is_dir():
+        raise ConfigError(f"{stage}: fetch staging directory is not there on this worker; fetch with a runner "
+                          "whose workers share this filesystem (a local Dask cluster, or threads)")
+    done = []
+    for f in batch.files:
+        size = _write_checked(_dest_path(stage, f.relpath),
+                              lambda sink, k=f.key: _fill(store, k, sink, decode=batch.decode),  # type: ignore[misc]
+                              f.size, f.crc64nvme, _store_url(store, f.key), f.relpath)
+        done.append(FetchedFile(f.relpath, size))
+    return done
+
+
+def _fetch_fanned(fanout: Any, store: Store, stage: Path, files: list[FetchFile], *,
+                  decode: bool) -> tuple[list[Path], int]:
+    """:func:`_fetch_files` as :class:`FetchBatch` work items on ``fanout``
+    (:class:`ckptier.tasks.fanout.Fanout`), in relpath order. Every item has
+    finished before anything is raised (nothing writes into ``stage`` once the
+    caller clears it); the first failure in relpath order is raised."""
+    from .fanout import batches, fetch_work
+
+    ordered = sorted(files, key=lambda f: f.relpath)
+    work = [FetchBatch(store.url, str(stage), b, decode) for b in batches(ordered, fanout.parallelism, most=8)]
+    results = list(fanout.map(fetch_work, work, errors=True))
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    written = [f for r in results for f in r]
+    return [_dest_path(stage, f.relpath) for f in written], sum(f.bytes for f in written)
 
 
 def _present(record: CheckpointRecord, tier: Tier) -> bool:
@@ -932,6 +1025,7 @@ def fetch(
     archive: Store | None,
     dest: str | os.PathLike[str],
     hot_prefix: str | None = None,
+    fanout: Any = None,
 ) -> FetchResult:
     """Restore a checkpoint's original files into ``dest``, verified, from the best tier.
 
@@ -958,6 +1052,13 @@ def fetch(
     :class:`NotFound` when no tier can provide the checkpoint,
     :class:`IntegrityError` when the only available copies fail their
     hashes; the message names every tier tried and why it failed.
+
+    With ``fanout`` (a :class:`ckptier.tasks.fanout.Fanout`) the files are
+    read, decoded, checked and written into the staging directory by
+    :class:`FetchBatch` work items on it (a transient failure is tried
+    again); choosing the tier, the staging directory and the rename stay
+    here, and the result and errors are the same as without it. Its workers
+    must see this filesystem.
     """
     t0 = time.monotonic()
     out = Path(dest)
@@ -967,7 +1068,8 @@ def fetch(
     stage = _stage_dir(out.absolute())
     done = False
     try:
-        result = _fetch_into(record, hot=hot, archive=archive, stage=stage, hot_prefix=hot_prefix, t0=t0)
+        result = _fetch_into(record, hot=hot, archive=archive, stage=stage, hot_prefix=hot_prefix, t0=t0,
+                             fanout=fanout)
         _move_into_place(stage, out)
         done = True
     finally:
@@ -990,6 +1092,7 @@ def _fetch_into(
     stage: Path,
     hot_prefix: str | None,
     t0: float,
+    fanout: Any = None,
 ) -> FetchResult:
     """:func:`fetch`'s tiers, writing into ``stage`` (emptied before each tier is tried)."""
     out = stage
@@ -1008,13 +1111,16 @@ def _fetch_into(
                 expected = {f.relpath: (f.size, f.crc64nvme) for f in record.files}
 
                 def fill_hot(relpath: str, sink: _HashingSink) -> None:
-                    with hot.open_read(hot_file_key(prefix, record, relpath)) as src:  # type: ignore[union-attr]
-                        while chunk := src.read(CHUNK):
-                            sink.write(chunk)
+                    _fill(hot, hot_file_key(prefix, record, relpath), sink, decode=False)  # type: ignore[arg-type]
 
-                paths, total = _fetch_files(
-                    record, out, expected, fill_hot, lambda r: _store_url(hot, hot_file_key(prefix, record, r))  # type: ignore[arg-type]
-                )
+                if fanout is not None:
+                    paths, total = _fetch_fanned(fanout, hot, out, [
+                        FetchFile(f.relpath, hot_file_key(prefix, record, f.relpath), f.size, f.crc64nvme)
+                        for f in record.files], decode=False)
+                else:
+                    paths, total = _fetch_files(
+                        record, out, expected, fill_hot, lambda r: _store_url(hot, hot_file_key(prefix, record, r))  # type: ignore[arg-type]
+                    )
                 return FetchResult("hot", record.location, out, tuple(paths), total, time.monotonic() - t0, tuple(notes))
             except CkptierError as exc:
                 last_exc = exc
@@ -1043,21 +1149,16 @@ def _fetch_into(
             expected = {r: (m.size, m.crc64nvme) for r, m in listed.items()}
 
             def fill_archive(relpath: str, sink: _HashingSink) -> None:
-                key = _stored_key(adir, listed[relpath])
-                with archive.open_read(key) as src:  # type: ignore[union-attr]
-                    try:
-                        _codec.decode(src, sink)  # type: ignore[arg-type]
-                    except StoreError:
-                        raise
-                    except Exception as exc:  # noqa: BLE001 - a decoder failure means bad bytes
-                        raise IntegrityError(
-                            f"{_store_url(archive, key)}: archived object does not decode ({exc})",  # type: ignore[arg-type]
-                            key=key,
-                        ) from exc
+                _fill(archive, _stored_key(adir, listed[relpath]), sink, decode=True)  # type: ignore[arg-type]
 
-            paths, total = _fetch_files(
-                record, out, expected, fill_archive, lambda r: _store_url(archive, _stored_key(adir, listed[r]))  # type: ignore[arg-type]
-            )
+            if fanout is not None:
+                paths, total = _fetch_fanned(fanout, archive, out, [
+                    FetchFile(f.relpath, _stored_key(adir, listed[f.relpath]), *expected[f.relpath])
+                    for f in record.files], decode=True)
+            else:
+                paths, total = _fetch_files(
+                    record, out, expected, fill_archive, lambda r: _store_url(archive, _stored_key(adir, listed[r]))  # type: ignore[arg-type]
+                )
             return FetchResult("archive", copy_url, out, tuple(paths), total, time.monotonic() - t0, tuple(notes))
         except NeedsRestore as exc:
             raise request_restore(record, archive, adir, manifest, exc) from exc

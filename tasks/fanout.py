@@ -257,9 +257,9 @@ def verify_work(work: VerifyWork) -> list[VerifyOutcome]:
                                                   workers=work.threads)]
 
 
-def batches(records: Sequence[CheckpointRecord], parallelism: int, *, most: int = 16) -> list[tuple[CheckpointRecord, ...]]:
-    """``records`` cut into consecutive batches (pure): about four per worker so
-    that the work evens out, never more than ``most`` checkpoints in one."""
+def batches(records: Sequence[T], parallelism: int, *, most: int = 16) -> list[tuple[T, ...]]:
+    """``records`` (checkpoints, or a checkpoint's files) cut into consecutive batches (pure):
+    about four per worker so that the work evens out, never more than ``most`` in one."""
     if not records:
         return []
     size = max(1, min(most, -(-len(records) // (parallelism * 4))))
@@ -316,3 +316,13 @@ def promote_work(work: PromoteWork) -> Any:
     if work.storage_class is not None:
         archive = archive.in_class(work.storage_class)
     return promote(hot, prefix, work.record, archive, now=work.now, owner=work.owner)
+
+
+def fetch_work(work: Any) -> Any:
+    """The :class:`~ckptier.tasks.archive.FetchedFile` list of one
+    :class:`~ckptier.tasks.archive.FetchBatch` (a drill's or a fetch's files,
+    written verified into its staging directory); opens the store itself and
+    raises the :class:`~ckptier.storage.errors.CkptierError` that stopped it."""
+    from .archive import fetch_batch
+
+    return fetch_batch(worker_stores().store(work.store_url), work)

@@ -673,13 +673,15 @@ def run_fetch(
     return fetch_record(record, config, dest=dest, stores=stores or StoreCache())
 
 
-def fetch_record(record: CheckpointRecord, config: Config, *, dest: Path, stores: StoreCache) -> dict[str, Any]:
-    """Restore ``record``'s original files into ``dest`` (see :func:`ckptier.tasks.archive.fetch`)."""
+def fetch_record(record: CheckpointRecord, config: Config, *, dest: Path, stores: StoreCache,
+                 fanout: Any = None) -> dict[str, Any]:
+    """Restore ``record``'s original files into ``dest`` (see :func:`ckptier.tasks.archive.fetch`;
+    ``fanout``: where the files are read, default here)."""
     from .archive import fetch
 
     hot, prefix = _hot_store(stores, record)
     archive = _archive_store(stores, config, record)
-    result = fetch(record, hot=hot, archive=archive, dest=dest, hot_prefix=prefix)
+    result = fetch(record, hot=hot, archive=archive, dest=dest, hot_prefix=prefix, fanout=fanout)
     return {"job": record.job, "step": record.step, "tier": result.tier, "source": result.source, "dest": str(result.dest),
             "files": len(result.paths), "bytes": result.bytes, "seconds": round(result.seconds, 3),
             "notes": list(result.notes)}
@@ -773,6 +775,7 @@ def run_drill(
     scratch_root: Path | None = None,
     allow_globals: Sequence[str] = (),
     world_size: int | None = None,
+    fanout: Any = None,
 ) -> list[dict[str, Any]]:
     """Restore-drill the newest verified checkpoint of each job (or of ``job``).
 
@@ -799,6 +802,8 @@ def run_drill(
     unsafe (checked before anything is fetched). The safe loader may unpickle
     the job's ``[[drill]] allow_globals`` plus ``allow_globals`` (the command
     line's ``--allow-global``), nothing else beyond its built-in allowlist.
+    With ``fanout`` (:class:`ckptier.tasks.fanout.Fanout`) the files of each
+    fetch, every rank's included, are read on it; the drill is the same.
     """
     import shutil
     import tempfile
@@ -846,14 +851,15 @@ def run_drill(
                 if _ranked(record, relpaths, world_size):
                     report = _ranked_drill(record, config, stores, scratch, started=started, now=now, factory=factory,
                                            steps=k, device=dev, timeout=limit, tolerance=tolerance,
-                                           allow_globals=allowed, world_size=world_size)
+                                           allow_globals=allowed, world_size=world_size, fanout=fanout)
                     if report["stage"] in ("unsupported", "not-started"):  # said in the report, not recorded as a failed drill
                         reports.append(report)
                         break
                     tier = report.get("tier")
                 else:
                     try:
-                        fetched = fetch_record(record, config, dest=scratch / "checkpoint", stores=stores)
+                        fetched = fetch_record(record, config, dest=scratch / "checkpoint", stores=stores,
+                                               fanout=fanout)
                     except CkptierError as exc:  # a fetch failure is this candidate's verdict
                         report = _drill_failure(record, started, now(), stage="fetch", error=str(exc))
                 if fetched is not None:
@@ -899,7 +905,7 @@ def _ranked(record: CheckpointRecord, relpaths: Sequence[str], world_size: int |
 
 def _ranked_drill(record: CheckpointRecord, config: Config, stores: StoreCache, scratch: Path, *, started: datetime,
                   now: Clock, factory: str | None, steps: int, device: str, timeout: float, tolerance: float,
-                  allow_globals: Sequence[str], world_size: int | None) -> dict[str, Any]:
+                  allow_globals: Sequence[str], world_size: int | None, fanout: Any = None) -> dict[str, Any]:
     """A multi-rank drill of ``record``, as a report (``stage`` ``unsupported``
     when its ranks cannot be drilled yet, ``not-started`` when the model
     factory does not load in the workers)."""
@@ -910,7 +916,7 @@ def _ranked_drill(record: CheckpointRecord, config: Config, stores: StoreCache, 
     def fetch(relpaths: Sequence[str], dest: Path) -> Fetched:
         wanted = set(relpaths)
         part = replace(record, files=tuple(f for f in record.files if f.relpath in wanted))
-        got = fetch_record(part, config, dest=dest, stores=stores)
+        got = fetch_record(part, config, dest=dest, stores=stores, fanout=fanout)
         return Fetched(got["tier"], float(got["seconds"]), int(got["bytes"]))
 
     relpaths = [f.relpath for f in record.files]

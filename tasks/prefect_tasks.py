@@ -92,8 +92,11 @@ verify_work_task = task(name="verify-checkpoints", retries=2, retry_delay_second
                         retry_condition_fn=retry_if_transient)(fanout_work.verify_work)
 promote_work_task = task(name="promote-checkpoint", retries=2, retry_delay_seconds=10,
                          retry_condition_fn=retry_if_transient)(fanout_work.promote_work)
+fetch_work_task = task(name="fetch-files", retries=2, retry_delay_seconds=5,
+                       retry_condition_fn=retry_if_transient)(fanout_work.fetch_work)
 WORK_TASKS: dict[Callable[..., Any], Any] = {fanout_work.verify_work: verify_work_task,
-                                              fanout_work.promote_work: promote_work_task}
+                                              fanout_work.promote_work: promote_work_task,
+                                              fanout_work.fetch_work: fetch_work_task}
 
 
 class PrefectFanout:
@@ -232,14 +235,23 @@ def apply_task(catalog_url: str | None, config_path: str | None, job: str | None
 @task(name="drill")
 def drill_task(catalog_url: str | None, config_path: str | None, job: str | None, step: int | None,
                steps: int | None, device: str | None, model: str | None, timeout_seconds: float | None,
-               allow_globals: list[str] | None = None, world_size: int | None = None) -> list[dict[str, Any]]:
-    """Fetch, safely load, train K steps, judge and record (see ``pipeline.run_drill``)."""
+               allow_globals: list[str] | None = None, world_size: int | None = None,
+               runner: str | None = None) -> list[dict[str, Any]]:
+    """Fetch, safely load, train K steps, judge and record (see ``pipeline.run_drill``).
+
+    The checkpoint's files are fetched by ``fetch-files`` task runs, a batch
+    of files each, on the task runner ``[runner]`` names (``runner``
+    overrides its kind); this task stages, renames and drills them."""
     log = get_run_logger()
     config = load_config(config_path)
-    with Catalog.open(resolve_catalog_url(catalog_url, config_path, config=config), create=False) as cat:
-        reports = pipeline.run_drill(cat, config, now=pipeline.utcnow, job=job, step=step, steps=steps, device=device,
-                                     model=model, timeout=timeout_seconds, allow_globals=allow_globals or (),
-                                     world_size=world_size)
+    fanout = PrefectFanout(runner_settings(config.runner, runner))
+    try:
+        with Catalog.open(resolve_catalog_url(catalog_url, config_path, config=config), create=False) as cat:
+            reports = pipeline.run_drill(cat, config, now=pipeline.utcnow, job=job, step=step, steps=steps,
+                                         device=device, model=model, timeout=timeout_seconds,
+                                         allow_globals=allow_globals or (), world_size=world_size, fanout=fanout)
+    finally:
+        fanout.close()
     for r in reports:
         (log.info if r["ok"] else log.error)(r["summary"])
     return reports
