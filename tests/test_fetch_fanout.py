@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from ckptier.flows.cli import main
 from ckptier.storage.catalog.api import Catalog
 from ckptier.storage.errors import IntegrityError
@@ -24,7 +23,14 @@ from ckptier.storage.url import open_store
 from ckptier.tasks.archive import FETCH_STAGE_PREFIX, archive_dir, fetch
 from ckptier.tasks.config import Config, parse_config
 from ckptier.tasks.demo import train_demo_run
-from ckptier.tasks.pipeline import StoreCache, fetch_record, run_apply, run_drill, run_scan, run_verify
+from ckptier.tasks.pipeline import (
+    StoreCache,
+    fetch_record,
+    run_apply,
+    run_drill,
+    run_scan,
+    run_verify,
+)
 
 from .test_fanout import dask_cluster  # noqa: F401 - the module's real local Dask cluster
 
