@@ -96,7 +96,7 @@ def start_prefect() -> None:
     ``PREFECT_SERVER_ANALYTICS_ENABLED`` to choose). Raises
     :class:`PrefectDidNotStart` (one line, suggesting ``--no-prefect``).
     """
-    from .runner import check_prefect_api
+    from ckptier.tasks.prefect_api import check_prefect_api
 
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     from prefect.settings import (

@@ -194,7 +194,7 @@ def test_console_script_read_only_commands_do_not_import_prefect(env: dict[str, 
 
 
 def test_prefect_api_is_found_in_the_environment_or_the_active_profile(tmp_path: Path) -> None:
-    from ckptier.flows.runner import configured_api_url
+    from ckptier.tasks.prefect_api import configured_api_url
 
     assert configured_api_url({"PREFECT_API_URL": "http://127.0.0.1:4200/api", "HOME": str(tmp_path)}) == "http://127.0.0.1:4200/api"
     assert configured_api_url({"HOME": str(tmp_path)}) is None
