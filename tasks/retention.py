@@ -37,7 +37,7 @@ import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta, UTC
 from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 from ckptier.storage.errors import ConfigError
@@ -364,7 +364,7 @@ def _keep_buckets(
     seen: list[str] = []
     ordered = sorted(_verified(checkpoints), key=lambda c: (_time_of(c), c.step, c.id), reverse=True)
     for c in ordered:
-        b = bucket(_time_of(c).astimezone(timezone.utc))
+        b = bucket(_time_of(c).astimezone(UTC))
         if b in seen:
             continue
         if len(seen) >= n:
@@ -782,7 +782,7 @@ def _plan_job(
 
     refused = shrink_guard(cs, policy.max_missing_fraction)
     if refused:
-        for cid, (action, reasons, scope) in list(decided.items()):
+        for cid, (action, reasons, _scope) in list(decided.items()):
             if action == "delete":
                 decided[cid] = ("keep", [refused] + [f"would delete: {r}" for r in reasons], "checkpoint")
 

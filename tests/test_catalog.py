@@ -18,7 +18,6 @@ from alembic.runtime.migration import MigrationContext
 
 from ckptier.storage.catalog.api import Catalog, DrillRecord, FileCheck, UnknownCheckpoint
 from ckptier.storage.catalog.db import (
-    HEAD_REVISION,
     default_catalog_url,
     filesystem_type,
     make_engine,

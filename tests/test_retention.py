@@ -16,7 +16,7 @@ import json
 import os
 import random
 from collections.abc import Sequence
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta, UTC
 from pathlib import Path
 
 import pytest
@@ -46,7 +46,7 @@ from ckptier.tasks.retention import (
 
 GOLDEN = Path(__file__).parent / "golden" / "retention"
 REGEN = os.environ.get("CKPTIER_REGEN_GOLDEN", "") not in ("", "0")
-NOW = datetime(2024, 5, 21, 12, 0, tzinfo=timezone.utc)
+NOW = datetime(2024, 5, 21, 12, 0, tzinfo=UTC)
 H = timedelta(hours=1)
 D = timedelta(days=1)
 
