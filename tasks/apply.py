@@ -60,14 +60,15 @@ from datetime import datetime, timedelta
 from typing import Any, Literal
 
 from ckptier.storage.base import MAX_DELETE_BATCH, Canary, DeleteResult, Store
-from ckptier.storage.catalog.api import DeleteIntent, FileCheck
+from ckptier.storage.catalog.api import DeleteIntent
 from ckptier.storage.errors import CkptierError, DeleteInterrupted, NotFound, StoreError, Unavailable
-from ckptier.storage.model import CheckpointRecord, CopyState, State, Tier
+from ckptier.storage.model import CheckpointRecord, CopyState, FileCheck, State, Tier
 from ckptier.storage.wrappers import DryRunStore
 
-from .archive import ArchiveCheck, check_archive_copy, hot_file_key, promote
+from .archive import ArchiveCheck, check_archive_copy, promote
 from .leases import DEFAULT_TTL, Lease, LeaseKeeper, this_process
 from .retention import KeepLast, Plan, PlanItem, Policy, hot_present, plan_retention, shrink_guard
+from .verify import file_key as hot_file_key
 
 log = logging.getLogger(__name__)
 

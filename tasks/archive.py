@@ -412,9 +412,9 @@ def promote(
             hot_digests[f.relpath] = got
             if sealed:
                 spool.seek(0)
-                enc_digests[f.relpath] = _decode_spool(spool, got, _store_url(archive, dkey))  # type: ignore[arg-type]
+                enc_digests[f.relpath] = _decode_spool(spool, got, _store_url(archive, dkey))
             spool.seek(0)
-            archive.write(dkey, spool)  # type: ignore[arg-type]
+            archive.write(dkey, spool)
 
     # 3. Read back: every archived object must decode to the hot bytes.
     stored: dict[str, StoredObject] = {}
@@ -642,7 +642,7 @@ def _fetch_files(
         os.fchmod(fd, file_mode())
         try:
             with os.fdopen(fd, "wb") as out:
-                sink = _HashingSink(out)  # type: ignore[arg-type]
+                sink = _HashingSink(out)
                 fill_for(f.relpath, sink)
                 out.flush()
                 os.fsync(out.fileno())
@@ -1008,12 +1008,12 @@ def _fetch_into(
                 expected = {f.relpath: (f.size, f.crc64nvme) for f in record.files}
 
                 def fill_hot(relpath: str, sink: _HashingSink) -> None:
-                    with hot.open_read(hot_file_key(prefix, record, relpath)) as src:  # type: ignore[union-attr]
+                    with hot.open_read(hot_file_key(prefix, record, relpath)) as src:
                         while chunk := src.read(CHUNK):
                             sink.write(chunk)
 
                 paths, total = _fetch_files(
-                    record, out, expected, fill_hot, lambda r: _store_url(hot, hot_file_key(prefix, record, r))  # type: ignore[arg-type]
+                    record, out, expected, fill_hot, lambda r: _store_url(hot, hot_file_key(prefix, record, r))
                 )
                 return FetchResult("hot", record.location, out, tuple(paths), total, time.monotonic() - t0, tuple(notes))
             except CkptierError as exc:
@@ -1044,19 +1044,19 @@ def _fetch_into(
 
             def fill_archive(relpath: str, sink: _HashingSink) -> None:
                 key = _stored_key(adir, listed[relpath])
-                with archive.open_read(key) as src:  # type: ignore[union-attr]
+                with archive.open_read(key) as src:
                     try:
                         _codec.decode(src, sink)  # type: ignore[arg-type]
                     except StoreError:
                         raise
                     except Exception as exc:  # noqa: BLE001 - a decoder failure means bad bytes
                         raise IntegrityError(
-                            f"{_store_url(archive, key)}: archived object does not decode ({exc})",  # type: ignore[arg-type]
+                            f"{_store_url(archive, key)}: archived object does not decode ({exc})",
                             key=key,
                         ) from exc
 
             paths, total = _fetch_files(
-                record, out, expected, fill_archive, lambda r: _store_url(archive, _stored_key(adir, listed[r]))  # type: ignore[arg-type]
+                record, out, expected, fill_archive, lambda r: _store_url(archive, _stored_key(adir, listed[r]))
             )
             return FetchResult("archive", copy_url, out, tuple(paths), total, time.monotonic() - t0, tuple(notes))
         except NeedsRestore as exc:

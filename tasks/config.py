@@ -78,7 +78,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn, TypeVar
 
 from ckptier.formats.names import (  # noqa: F401 - re-exported: the rule lives with the safe loader
     UNSAFE_GLOBAL_MODULES,
@@ -124,6 +124,8 @@ _DRILL_KEYS = frozenset({"jobs", "model", "steps", "device", "timeout", "loss_to
 _CATALOG_KEYS = frozenset({"url"})
 _POLICY_KEYS |= {"archive_tiers"}  # parsed by _archive_tiers
 _PATTERN_KEYS = frozenset({"glob", "step_regex", "commit_marker", "settle"})
+_Choice = TypeVar("_Choice", bound=str)
+
 _TOP_KEYS = frozenset({"policy", "drill", "catalog", "pattern", "prices"})
 _MODEL_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 _FILE_MODEL_RE = re.compile(r"^[^:]+\.py:[A-Za-z_]\w*$")
@@ -236,7 +238,7 @@ class _Table:
                 hint = f"did you mean {close[0]}? " if close else ""
                 self.fail(key, data[key], f"unknown key; {hint}known keys: {', '.join(sorted(allowed))}")
 
-    def fail(self, key: str, value: Any, fix: str) -> None:
+    def fail(self, key: str, value: Any, fix: str) -> NoReturn:
         raise ConfigError(f"{self.where}: {self.name}.{key} = {_show(value)}: {fix}")
 
     def has(self, key: str) -> bool:
@@ -290,11 +292,12 @@ class _Table:
             self.fail(key, v, f"must be longer than zero, e.g. {example!r}")
         return d
 
-    def get_choice(self, key: str, default: str, choices: tuple[str, ...]) -> str:
+    def get_choice(self, key: str, default: _Choice, choices: tuple[_Choice, ...]) -> _Choice:
         v = self.data.get(key, default)
-        if v not in choices:
-            self.fail(key, v, "must be " + " or ".join(f'"{c}"' for c in choices))
-        return str(v)
+        for choice in choices:
+            if v == choice:
+                return choice
+        self.fail(key, v, "must be " + " or ".join(f'"{c}"' for c in choices))
 
     def get_glob(self, key: str = "jobs") -> str:
         v = self.data.get(key, "*")
@@ -367,19 +370,19 @@ def _milestones(t: _Table) -> Milestones | None:
     if isinstance(v, str):
         if v != "log":
             t.fail("milestones", v, shapes)
-        return Milestones(log=True, match=match)  # type: ignore[arg-type]
+        return Milestones(log=True, match=match)
     if isinstance(v, list):
         steps = t.get_steps("milestones")
         if not steps:
             t.fail("milestones", v, "an empty list keeps nothing; omit the key for no milestones")
-        return Milestones(steps=steps or (), match=match)  # type: ignore[arg-type]
+        return Milestones(steps=steps or (), match=match)
     if isinstance(v, dict):
         if set(v) != {"every_n_steps"}:
             t.fail("milestones", v, shapes)
         n = v["every_n_steps"]
         if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
             t.fail("milestones", v, "every_n_steps must be a whole number > 0, e.g. { every_n_steps = 10000 }")
-        return Milestones(every=int(n), match=match)  # type: ignore[arg-type]
+        return Milestones(every=int(n), match=match)
     t.fail("milestones", v, shapes)
     return None
 
@@ -447,7 +450,7 @@ def _policy(where: str, index: int, data: Any) -> Policy:
         delete_stale_incomplete=t.get_bool("delete_stale_incomplete", False),
         archive_tiers=archive_tiers,
         archive_after=archive_after,
-        archive_when=archive_when,  # type: ignore[arg-type]
+        archive_when=archive_when,
         min_drilled=t.get_int("min_drilled", 0, example=1),
     )
 
@@ -673,7 +676,7 @@ def _archive_tiers(t: _Table, archive: str | None, storage_class: str | None) ->
             t.fail("archive_tiers", v, f"entry {i}: after = {_show(after)} must be a whole number of days > 0, e.g. \"30d\"")
         if (problem := class_problem(cls, allowed=S3_CLASSES[1:])) is not None:
             t.fail("archive_tiers", v, f"entry {i}: storage_class = {_show(cls)} {problem}")
-        tiers.append(ArchiveTier(after=d, storage_class=cls))  # type: ignore[arg-type]
+        tiers.append(ArchiveTier(after=d, storage_class=cls))
     if (problem := archive_tiers_problem(tiers, storage_class)) is not None:
         t.fail("archive_tiers", v, problem)
     return tuple(tiers)

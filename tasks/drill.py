@@ -491,7 +491,7 @@ def run_drill_subprocess(
     elapsed = time.perf_counter() - started
     timings = {"subprocess_s": elapsed, "spawned_at": spawned_at}
     stderr_tail = _tail(scratch / "worker.err")
-    base = {"checkpoint": request.checkpoint, "format": fmt_value, "steps": steps, "returncode": returncode,
+    base: dict[str, Any] = {"checkpoint": request.checkpoint, "format": fmt_value, "steps": steps, "returncode": returncode,
             "stderr_tail": stderr_tail or None, "confined": confined, "confinement": confinement}
     if timed_out:
         return WorkerResult(

@@ -293,7 +293,7 @@ def rule_applies(rule: Mapping[str, Any], key: str, tags: Mapping[str, str], siz
     if "Prefix" in f:
         return key.startswith(f["Prefix"])
     if "Tag" in f:
-        return tags.get(f["Tag"]["Key"]) == f["Tag"]["Value"]
+        return bool(tags.get(f["Tag"]["Key"]) == f["Tag"]["Value"])
     return _size_ok(f, size)
 
 

@@ -629,7 +629,7 @@ def run_drill(
     import shutil
     import tempfile
 
-    from .config import allow_global_problem
+    from ckptier.formats.names import allow_global_problem
     from .drill import DEFAULT_LOSS_TOLERANCE, choose_candidates, drill_path, judge, run_drill_subprocess
     from .drill_inputs import check_drill_inputs
 

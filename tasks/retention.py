@@ -861,10 +861,14 @@ def plan_retention(
 class DrillOutcome(Protocol):
     """What :func:`drill_passed` reads of a drill record (the catalog's ``DrillRecord`` fits)."""
 
-    checkpoint_id: int | None
-    ok: bool
-    started_at: datetime
-    finished_at: datetime | None
+    @property
+    def checkpoint_id(self) -> int | None: ...
+    @property
+    def ok(self) -> bool: ...
+    @property
+    def started_at(self) -> datetime: ...
+    @property
+    def finished_at(self) -> datetime | None: ...
 
 
 def drill_passed(drills: Iterable[DrillOutcome]) -> dict[int, datetime]:

@@ -82,7 +82,8 @@ class UTCDateTime(TypeDecorator[datetime]):
                 return None
             if parse is not None:
                 value = parse(value)
-            return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+            moment: datetime = value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+            return moment
 
         return process
 
