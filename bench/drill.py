@@ -36,7 +36,7 @@ FACTORY = textwrap.dedent(
     '''
     import torch
     from torch import nn
-    from ckptier.tasks.models import DrillSpec
+    from ckptier.tasks.drill_models import DrillSpec
 
     WIDTH, DEPTH = 2048, 4
 

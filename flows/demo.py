@@ -46,7 +46,7 @@ hot_after_archive = "delete"
 
 [[drill]]
 jobs = "*"
-model = "ckptier.tasks.models:demo_model"
+model = "ckptier.tasks.drill_models:demo_model"
 steps = 10
 device = "auto"
 timeout = "10m"

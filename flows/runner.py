@@ -106,7 +106,7 @@ def verify(*, job: str | None, deep: bool, sample: tuple[int, int] | None, worke
         except CorruptionFound:
             # The run failed because corruption was found: report it like the direct path.
             with _open(catalog_url) as cat:
-                from ckptier.storage.model import State
+                from ckptier.storage.records import State
 
                 corrupt = cat.checkpoints(job=job, states=[State.CORRUPT])
             return {"checkpoints": [{"job": c.job, "step": c.step, "state": "corrupt", "bytes_read": 0,

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 from ckptier.formats.base import FormatPlugin, Group, Scan, as_loss, names, step_in_name
 from ckptier.storage.base import ObjectInfo, key_problem
 from ckptier.storage.errors import CkptierError
-from ckptier.storage.model import Format, Shortfall
+from ckptier.storage.records import Format, Shortfall
 from ckptier.storage.structure import Checker, Need, StructureError, manifest_checker, shortfalls
 
 if TYPE_CHECKING:

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptier.formats.base import FormatPlugin, Group, Scan, as_loss, as_step, names
 from ckptier.storage.base import key_problem
-from ckptier.storage.model import Format
+from ckptier.storage.records import Format
 from ckptier.storage.structure import Checker, Need, StructureError, manifest_checker, parse_json, shortfalls
 
 if TYPE_CHECKING:

@@ -66,7 +66,7 @@ from ckptier.formats.pattern import PatternRule, recognise_patterns
 from ckptier.formats.registry import ANCHORING, SIDECAR_NAMES, SIDECAR_OWNERS, plugin
 from ckptier.storage.base import ObjectInfo, key_problem
 from ckptier.storage.local import TEMP_PREFIX
-from ckptier.storage.model import Found, Recognition, Unrecognised
+from ckptier.storage.records import Found, Recognition, Unrecognised
 
 __all__ = [
     "DEFAULT_LIGHTNING_SETTLE_SECONDS",

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .codec_layout import torch_storages
-from .model import Shortfall
+from .records import Shortfall
 
 try:  # CLMUL CRC-32: ~10x zlib's (see the module docstring)
     from zlib_ng.zlib_ng import crc32 as _crc32

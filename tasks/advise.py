@@ -48,7 +48,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
 from ckptier.storage.errors import ConfigError
-from ckptier.storage.model import HELD_COPY_STATES, CheckpointRecord, CopyRecord, CopyState, Format, State, Tier
+from ckptier.storage.records import HELD_COPY_STATES, CheckpointRecord, CopyRecord, CopyState, Format, State, Tier
 
 from .prices import MONTH_SECONDS, Prices, requests_for
 from .retention import (

@@ -62,7 +62,7 @@ from typing import Any, Literal
 from ckptier.storage.base import MAX_DELETE_BATCH, Canary, DeleteResult, Store
 from ckptier.storage.catalog.api import DeleteIntent
 from ckptier.storage.errors import CkptierError, DeleteInterrupted, NotFound, StoreError, Unavailable
-from ckptier.storage.model import CheckpointRecord, CopyState, FileCheck, State, Tier
+from ckptier.storage.records import CheckpointRecord, CopyState, FileCheck, State, Tier
 from ckptier.storage.wrappers import DryRunStore
 
 from .archive import ArchiveCheck, check_archive_copy, promote

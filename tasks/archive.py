@@ -61,7 +61,7 @@ from ckptier.storage.hashing import Digests, Hasher, store_crc64nvme
 from ckptier.storage.local import file_mode
 from ckptier.storage.manifest import MANIFEST_NAME as _MANIFEST_NAME
 from ckptier.storage.manifest import Manifest, ManifestFile, StoredObject
-from ckptier.storage.model import HELD_COPY_STATES, CheckpointRecord, FileRecord, State, Tier
+from ckptier.storage.records import HELD_COPY_STATES, CheckpointRecord, FileRecord, State, Tier
 from ckptier.storage.s3 import RESTORE_CLASSES, RESTORE_HOURS
 from ckptier.tasks.verify import (
     file_key as hot_file_key,  # the single-file rule lives there

@@ -31,7 +31,7 @@ from typing import Any
 from ckptier.formats.registry import DRILLABLE_FORMATS as DRILLABLE
 from ckptier.formats.registry import plugin
 from ckptier.storage.errors import ConfigError
-from ckptier.storage.model import CheckpointRecord, Format, State
+from ckptier.storage.records import CheckpointRecord, Format, State
 from ckptier.tasks.config import parse_factory_spec
 
 DEFAULT_LOSS_TOLERANCE = 0.5
@@ -180,7 +180,7 @@ class WorkerResult:
 class DrillRequest:
     """What the parent asks the worker to do (written as JSON to scratch).
 
-    ``factory`` is a ``module:function`` spec (see ckptier.tasks.models) or
+    ``factory`` is a ``module:function`` spec (see ckptier.tasks.drill_models) or
     None to build a Hugging Face model from its config.json. ``device`` is
     ``auto``, ``cpu`` or ``cuda``; ``steps`` is K >= 1.
     """

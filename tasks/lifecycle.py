@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptier.storage.errors import ConfigError
-from ckptier.storage.model import CheckpointRecord
+from ckptier.storage.records import CheckpointRecord
 from ckptier.storage.url import parse_url
 
 from .retention import Plan, Policy

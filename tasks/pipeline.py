@@ -23,7 +23,7 @@ from ckptier.storage.base import StorageClasses, Store
 from ckptier.storage.catalog.api import Catalog
 from ckptier.storage.errors import CkptierError, ConfigError
 from ckptier.formats import PatternRule
-from ckptier.storage.model import CheckpointRecord, CopyState, State
+from ckptier.storage.records import CheckpointRecord, CopyState, State
 from ckptier.storage.url import open_store, parse_url
 from ckptier.storage.wrappers import resuming
 
@@ -254,7 +254,7 @@ def _verify_archive_copies(catalog: Catalog, records: Sequence[CheckpointRecord]
     A degraded copy of a checkpoint that no longer has a hot copy is the
     only copy at risk: its event says so.
     """
-    from ckptier.storage.model import Tier
+    from ckptier.storage.records import Tier
 
     from .archive import check_archive_copy
 

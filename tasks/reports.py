@@ -26,7 +26,7 @@ from datetime import datetime
 from typing import Any
 from urllib.parse import quote
 
-from ckptier.storage.model import CheckpointRecord, CopyRecord, CopyState, FileCheck, FileRecord, State, Tier
+from ckptier.storage.records import CheckpointRecord, CopyRecord, CopyState, FileCheck, FileRecord, State, Tier
 
 from .costs import hot_class_of
 from .retention import Plan, hot_present

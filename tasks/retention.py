@@ -41,7 +41,7 @@ from datetime import datetime, timedelta, UTC
 from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 from ckptier.storage.errors import ConfigError
-from ckptier.storage.model import CheckpointRecord, CopyState, State, Tier
+from ckptier.storage.records import CheckpointRecord, CopyState, State, Tier
 from ckptier.tasks.tiers import ArchiveTier
 
 Action = Literal["keep", "promote", "delete"]

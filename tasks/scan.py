@@ -19,7 +19,7 @@ from ckptier.storage.base import ListingSkips, ObjectInfo, Store, read_bytes
 from ckptier.storage.catalog.api import Catalog, ScanSummary
 from ckptier.formats import METADATA_NAMES, PatternRule, recognise
 from ckptier.storage.errors import ConfigError
-from ckptier.storage.model import Recognition, Unrecognised
+from ckptier.storage.records import Recognition, Unrecognised
 from ckptier.storage.url import open_store, parse_url
 from ckptier.storage.wrappers import resuming
 

@@ -25,7 +25,7 @@ from ckptier.storage.errors import IntegrityError, NotFound, Unavailable
 from ckptier.storage.hashing import hash_bytes
 from ckptier.storage.local import LocalStore
 from ckptier.storage.manifest import Manifest
-from ckptier.storage.model import CheckpointRecord, CopyRecord, FileRecord, Format, State, Tier
+from ckptier.storage.records import CheckpointRecord, CopyRecord, FileRecord, Format, State, Tier
 from ckptier.storage.wrappers import RetryingStore
 from ckptier.tasks.archive import (
     ArchiveConflict,
@@ -501,7 +501,7 @@ _KILL_SCRIPT = textwrap.dedent(
     import sys, time
     from datetime import datetime, timezone
     from ckptier.storage.local import LocalStore
-    from ckptier.storage.model import *
+    from ckptier.storage.records import *
     from ckptier.storage.s3 import S3Store
     from ckptier.tasks.archive import promote
     from tests.fixtures.s3 import make_client

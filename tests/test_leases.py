@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from ckptier.storage.catalog.api import Catalog, LeaseHolder, ProcessId
-from ckptier.storage.model import FileRef, Format, Found, Recognition, State, Tier
+from ckptier.storage.records import FileRef, Format, Found, Recognition, State, Tier
 from ckptier.tasks.leases import LeaseKeeper
 
 T0 = datetime(2026, 3, 1, tzinfo=UTC)

@@ -135,7 +135,7 @@ def test_restore_drill_reports_and_a_failed_drill_fails_the_run_with_its_event(
 
     scan_verify_flow(urls=[str(tree["hot"])], catalog_url=tree["catalog_url"])
     state = restore_drill_flow(catalog_url=tree["catalog_url"], config_path=tree["config"], steps=3,
-                               model="ckptier.tasks.models:demo_model", return_state=True)
+                               model="ckptier.tasks.drill_models:demo_model", return_state=True)
     assert state.is_completed(), state
     (report,) = state.result()
     assert report["ok"] and report["step"] == 50 and report["device"] == "cpu"
@@ -149,7 +149,7 @@ def test_restore_drill_reports_and_a_failed_drill_fails_the_run_with_its_event(
     real_emit = events_module.emit_event
     monkeypatch.setattr(events_module, "emit_event", lambda **kw: events.append(kw) or real_emit(**kw))
     factory = tree["hot"].parent / "wrong_model.py"
-    factory.write_text("import torch\nfrom ckptier.tasks.models import DrillSpec, demo_batch, demo_loss\n\n\n"
+    factory.write_text("import torch\nfrom ckptier.tasks.drill_models import DrillSpec, demo_batch, demo_loss\n\n\n"
                        "def wrong_shapes():\n    model = torch.nn.Linear(3, 3)\n"
                        "    return DrillSpec(model, torch.optim.AdamW(model.parameters()), demo_batch, demo_loss)\n")
     state = restore_drill_flow(catalog_url=tree["catalog_url"], config_path=tree["config"], steps=3,
@@ -302,7 +302,7 @@ def test_a_drill_that_cannot_start_fails_alerts_and_says_why(harness: None, tmp_
     hot = tmp_path / "hot"
     hot.mkdir()
     url = f"sqlite:///{tmp_path / 'catalog.db'}"
-    params: dict[str, Any] = {"job": "demo-run", "model": "ckptier.tasks.models:demo_model", "steps": 2}
+    params: dict[str, Any] = {"job": "demo-run", "model": "ckptier.tasks.drill_models:demo_model", "steps": 2}
     if case == "nothing drillable":
         train_demo_run(hot, steps=25, every=25)  # its only save is still in flight
         needle = "no verified or committed checkpoint of job 'demo-run'"
@@ -373,7 +373,7 @@ def test_flows_take_the_catalog_by_the_command_lines_precedence(
     assert from_file.exists() and result["verify"]["totals"]["verified"] == 2
     assert scan_flow(urls=[str(tree["hot"])], config_path=str(config))[0]["rows_written"] == 0
     assert tiering_flow(config_path=str(config))["plan"]
-    (drill,) = restore_drill_flow(config_path=str(config), steps=2, model="ckptier.tasks.models:demo_model")
+    (drill,) = restore_drill_flow(config_path=str(config), steps=2, model="ckptier.tasks.drill_models:demo_model")
     assert drill["ok"]
 
     env_url = f"sqlite:///{tmp_path / 'from-env.db'}"  # does not exist: the flows must look there and say so

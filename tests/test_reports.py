@@ -8,7 +8,7 @@ from datetime import datetime, timedelta, UTC
 import pytest
 
 from ckptier.storage.errors import ConfigError
-from ckptier.storage.model import CheckpointRecord, CopyRecord, FileCheck, FileRecord, Format, State, Tier
+from ckptier.storage.records import CheckpointRecord, CopyRecord, FileCheck, FileRecord, Format, State, Tier
 from ckptier.tasks.pipeline import nothing_to_drill
 from ckptier.tasks.reports import (
     FreedForecast,

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckptier.storage.errors import ConfigError
-from ckptier.storage.model import CheckpointRecord, CopyRecord, Format, State, Tier
+from ckptier.storage.records import CheckpointRecord, CopyRecord, Format, State, Tier
 from ckptier.tasks.retention import (
     KeepDaily,
     KeepLast,

@@ -9,7 +9,7 @@ import zipfile
 
 import pytest
 from ckptier.formats import checker_for
-from ckptier.storage.model import Format, Shortfall
+from ckptier.storage.records import Format, Shortfall
 from ckptier.storage.structure import (
     MAX_MANIFEST,
     Need,

@@ -21,7 +21,7 @@ from ckptier.storage.catalog.api import Catalog
 from ckptier.storage.errors import AccessDenied, ConfigError, IntegrityError
 from ckptier.storage.hashing import hash_bytes
 from ckptier.storage.local import LocalStore
-from ckptier.storage.model import CheckpointRecord, FileRecord, Format, State
+from ckptier.storage.records import CheckpointRecord, FileRecord, Format, State
 from ckptier.storage.transitions import Row, Verification, on_verification
 from ckptier.tasks.config import load_config
 from ckptier.tasks.drill import choose_candidates

@@ -17,7 +17,7 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy.engine import Connection
 
-from ckptier.storage.catalog.models import Base
+from ckptier.storage.catalog.tables import Base
 
 config = context.config
 target_metadata = Base.metadata

@@ -39,7 +39,7 @@ checkpoint holds ``optimizer.pt``, the optimizer is rebuilt the way
 Lightning, guide and DCP checkpoints hold tensors only; their drills need a
 factory (``--model module:function`` or ``model`` in the job's ``[[drill]]``).
 
-The demo model (``ckptier.tasks.models:demo_model``) is the single source of
+The demo model (``ckptier.tasks.drill_models:demo_model``) is the single source of
 the architecture that ``ckptier demo`` trains and checkpoints.
 """
 

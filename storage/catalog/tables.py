@@ -12,7 +12,7 @@ Conventions:
 * Every time column is :class:`UTCDateTime`: stored as naive UTC, returned as
   timezone-aware UTC on SQLite and PostgreSQL alike.
 * States, formats and tiers are stored as their string values (the enums in
-  :mod:`ckptier.storage.model`), not as database enums, so that adding a
+  :mod:`ckptier.storage.records`), not as database enums, so that adding a
   format needs no migration.
 * Hashes are text: ``sha256`` as lowercase hex, ``crc64nvme`` as base64.
 """
