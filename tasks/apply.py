@@ -67,15 +67,12 @@ from ckptier.storage.wrappers import DryRunStore
 
 from .archive import ArchiveCheck, check_archive_copy, promote
 from .leases import DEFAULT_TTL, Lease, LeaseKeeper, this_process
-from .retention import KeepLast, Plan, PlanItem, Policy, hot_present, plan_retention, shrink_guard
+from .retention import DEFAULT_MAX_MISSING_FRACTION, KeepLast, Plan, PlanItem, Policy, hot_present, plan_retention, shrink_guard
 from .verify import file_key as hot_file_key
 
 log = logging.getLogger(__name__)
 
 Outcome = Literal["done", "would", "skipped", "held", "failed", "partial", "fenced", "deferred"]
-
-#: Default shrink-guard threshold used by the re-check when the plan gives none.
-DEFAULT_MAX_MISSING_FRACTION = 0.5
 
 #: Threads reading keepers' bytes during the proof.
 PROOF_WORKERS = 4

@@ -94,6 +94,7 @@ from ckptier.storage.url import parse_url
 from ckptier.tasks.prices import DEFAULT_CLASS_PRICES, DEFAULT_PRICES, FIELDS, ClassPrice, Prices
 from ckptier.tasks.retention import (
     ARCHIVE_WHENS,
+    DEFAULT_MAX_MISSING_FRACTION,
     MILESTONE_MATCHES,
     KeepDaily,
     KeepLast,
@@ -125,6 +126,11 @@ _CATALOG_KEYS = frozenset({"url"})
 _POLICY_KEYS |= {"archive_tiers"}  # parsed by _archive_tiers
 _PATTERN_KEYS = frozenset({"glob", "step_regex", "commit_marker", "settle"})
 _Choice = TypeVar("_Choice", bound=str)
+
+#: A restore drill's training steps and wall-clock limit when neither the
+#: command line nor the job's ``[[drill]]`` sets them.
+DEFAULT_DRILL_STEPS = 10
+DEFAULT_DRILL_TIMEOUT = timedelta(minutes=15)
 
 _TOP_KEYS = frozenset({"policy", "drill", "catalog", "pattern", "prices"})
 _MODEL_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
@@ -162,9 +168,9 @@ class DrillSettings:
 
     jobs: str = "*"
     model: str = ""
-    steps: int = 10
+    steps: int = DEFAULT_DRILL_STEPS
     device: Device = "auto"
-    timeout: timedelta = timedelta(minutes=15)
+    timeout: timedelta = DEFAULT_DRILL_TIMEOUT
     loss_tolerance: float | None = None
     allow_globals: tuple[str, ...] = ()
 
@@ -436,7 +442,7 @@ def _policy(where: str, index: int, data: Any) -> Policy:
         if t.has(key) and archive is None:
             t.fail(key, t.data[key], "has no effect without archive: set archive or remove " + key)
     grace = t.get_duration("grace", "2h", positive=False, example="2h")
-    fraction = t.get_float("max_missing_fraction", 0.5, lo=0.0, hi=1.0, example=0.5)
+    fraction = t.get_float("max_missing_fraction", None, lo=0.0, hi=1.0, example=0.5)
     archive_tiers = _archive_tiers(t, archive, storage_class)
     return Policy(
         rules=tuple(rules),
@@ -446,7 +452,7 @@ def _policy(where: str, index: int, data: Any) -> Policy:
         archive=archive,
         storage_class=storage_class,
         hot_after_archive=hot,
-        max_missing_fraction=fraction if fraction is not None else 0.5,
+        max_missing_fraction=fraction if fraction is not None else DEFAULT_MAX_MISSING_FRACTION,
         delete_stale_incomplete=t.get_bool("delete_stale_incomplete", False),
         archive_tiers=archive_tiers,
         archive_after=archive_after,
@@ -469,7 +475,7 @@ def _drill(where: str, index: int, data: Any) -> DrillSettings:
     device = t.data.get("device", "auto")
     if device not in ("auto", "cpu", "cuda"):
         t.fail("device", device, "must be \"auto\", \"cpu\" or \"cuda\"")
-    timeout = t.get_duration("timeout", "15m", positive=True, example="15m")
+    timeout = t.get_duration("timeout", None, positive=True, example="15m")
     allow = t.data.get("allow_globals", [])
     if not isinstance(allow, list):
         t.fail("allow_globals", allow, "must be a list of module.Name strings, e.g. allow_globals = [\"mypkg.config.TrainConfig\"]")
@@ -485,9 +491,9 @@ def _drill(where: str, index: int, data: Any) -> DrillSettings:
     return DrillSettings(
         jobs=jobs,
         model=model,
-        steps=t.get_int("steps", 10, minimum=1, example=10),
+        steps=t.get_int("steps", DEFAULT_DRILL_STEPS, minimum=1, example=10),
         device=device,
-        timeout=timeout if timeout is not None else timedelta(minutes=15),
+        timeout=timeout if timeout is not None else DEFAULT_DRILL_TIMEOUT,
         loss_tolerance=t.get_float("loss_tolerance", None, lo=0.0, hi=None, example=0.05),
         allow_globals=tuple(dict.fromkeys(allow)),
     )

@@ -32,7 +32,7 @@ from ckptier.formats.registry import DRILLABLE_FORMATS as DRILLABLE
 from ckptier.formats.registry import plugin
 from ckptier.storage.errors import ConfigError
 from ckptier.storage.records import CheckpointRecord, Format, State
-from ckptier.tasks.config import parse_factory_spec
+from ckptier.tasks.config import DEFAULT_DRILL_STEPS, DEFAULT_DRILL_TIMEOUT, parse_factory_spec
 
 DEFAULT_LOSS_TOLERANCE = 0.5
 """Relative distance allowed between the first restored loss and the loss the
@@ -406,8 +406,8 @@ def run_drill_subprocess(
     *,
     factory: str | None,
     scratch: Path,
-    steps: int = 5,
-    timeout: float = 600.0,
+    steps: int = DEFAULT_DRILL_STEPS,
+    timeout: float = DEFAULT_DRILL_TIMEOUT.total_seconds(),
     device: str = "auto",
     seed: int = 0,
     allow_globals: Sequence[str] = (),

@@ -27,7 +27,7 @@ from ckptier.storage.records import CheckpointRecord, CopyState, State
 from ckptier.storage.url import open_store, parse_url
 from ckptier.storage.wrappers import resuming
 
-from .config import Config, check_archive_locations
+from .config import Config, DrillSettings, check_archive_locations
 from .leases import DEFAULT_TTL as DEFAULT_LEASE_TTL
 from .reports import (
     NOTHING_FREED,
@@ -652,13 +652,13 @@ def run_drill(
     _check_allowed_classes(config, by_job, allow_globals, scratch_root)
     reports: list[dict[str, Any]] = []
     for job_name, records in by_job.items():
-        settings = config.drill_for(job_name)
-        factory = model or (settings.model if settings and settings.model else None)
-        k = steps or (settings.steps if settings else 10)
-        dev = device or (settings.device if settings else "auto")
-        limit = timeout or (settings.timeout.total_seconds() if settings else 900.0)
-        tolerance = settings.loss_tolerance if settings and settings.loss_tolerance else DEFAULT_LOSS_TOLERANCE
-        allowed = tuple(dict.fromkeys([*(settings.allow_globals if settings else ()), *allow_globals]))
+        settings = config.drill_for(job_name) or DrillSettings()  # no [[drill]]: the defaults
+        factory = model or settings.model or None
+        k = steps or settings.steps
+        dev = device or settings.device
+        limit = timeout or settings.timeout.total_seconds()
+        tolerance = settings.loss_tolerance or DEFAULT_LOSS_TOLERANCE
+        allowed = tuple(dict.fromkeys([*settings.allow_globals, *allow_globals]))
         for record in records:
             started = now()
             scratch = Path(tempfile.mkdtemp(prefix="ckptier-drill-", dir=scratch_root))

@@ -49,6 +49,10 @@ Scope = Literal["checkpoint", "hot-copy"]
 HotAfterArchive = Literal["delete", "keep"]
 MilestoneMatch = Literal["at_or_after", "exact"]
 ArchiveWhen = Literal["immediately", "leaving_hot"]
+#: The shrink guard's default: refuse a job's deletions when more than this
+#: fraction (0..1) of its verified checkpoints went missing from a listing.
+DEFAULT_MAX_MISSING_FRACTION = 0.5
+
 MILESTONE_MATCHES: tuple[MilestoneMatch, ...] = ("at_or_after", "exact")
 ARCHIVE_WHENS: tuple[ArchiveWhen, ...] = ("immediately", "leaving_hot")
 
@@ -454,7 +458,7 @@ class Policy:
     archive: str | None = None
     storage_class: str | None = None
     hot_after_archive: HotAfterArchive = "delete"
-    max_missing_fraction: float = 0.5
+    max_missing_fraction: float = DEFAULT_MAX_MISSING_FRACTION
     delete_stale_incomplete: bool = False
     archive_tiers: tuple[ArchiveTier, ...] = ()
     archive_after: timedelta | None = None
