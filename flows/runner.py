@@ -1,31 +1,59 @@
 """Run an operation directly, or as a Prefect flow run when an API is configured.
 
-DESIGN.md: starting Prefect's temporary local API costs ~10 s per process,
-so the command line runs the task code directly unless ``PREFECT_API_URL``
-is set; then it goes through the flow so the run shows in the UI. Both paths
-return the same JSON-ready report.
+Starting Prefect's temporary local API costs about 10 s per process, so the
+command line runs the task code directly unless a Prefect API is configured;
+then it goes through the operation's flow so the run shows in the UI
+(docs/architecture.md). :func:`dispatch` is the one place that chooses, and
+both paths return the operation's own report: a flow run that fails because
+of what it found (corruption, a failed drill) still hands back the report it
+built (:class:`FailedWithReport`), never a different one.
 """
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ckptier.storage.errors import CkptierError, ConfigError
 from ckptier.tasks.prefect_api import check_prefect_api
 
 from .output import Progress
 
+R = TypeVar("R")
+
+
+class FlowFailed(CkptierError):
+    """A Prefect flow run did not complete."""
+
+
+class FailedWithReport(CkptierError):
+    """A flow run failed because of what its operation found, after building
+    its report; ``report`` is what the run would have returned (None: none).
+
+    Pickles with its report (Prefect may store a failed run's exception)."""
+
+    def __init__(self, message: str, *, report: Any = None) -> None:
+        super().__init__(message)
+        self.report = report
+
 
 def run_flow(flow: Any, **params: Any) -> Any:
-    """Call a Prefect flow and unwrap its result; a failed run raises a one-line error."""
+    """Call a Prefect flow and unwrap its result. A run that failed with a
+    :class:`FailedWithReport` returns that report; any other failed run
+    raises a one-line error."""
     check_prefect_api()
     state = flow(**params, return_state=True)
     if state.is_completed():
         return state.result()
     try:
         state.result()
+    except FailedWithReport as exc:
+        if exc.report is not None:
+            return exc.report
+        raise
     except CkptierError:
         raise
     except Exception as exc:  # noqa: BLE001 - reported as one line
@@ -33,8 +61,19 @@ def run_flow(flow: Any, **params: Any) -> Any:
     raise FlowFailed(f"flow run {flow.name!r} ended {state.name}")
 
 
-class FlowFailed(CkptierError):
-    """A Prefect flow run did not complete."""
+def dispatch(use_prefect: bool, direct: Callable[[], R], *, flow: str, params: Mapping[str, Any],
+             unwrap: Callable[[Any], R] | None = None) -> R:
+    """The operation's report: ``direct()`` in this process, or, with
+    ``use_prefect``, the result of a run of ``flow`` (``"module:function"``
+    under :mod:`ckptier.flows`) called with ``params`` (None values left
+    out, so the flow's own defaults apply), passed through ``unwrap`` when
+    the flow returns more than the operation's report."""
+    if not use_prefect:
+        return direct()
+    module, _, name = flow.partition(":")
+    flow_object = getattr(importlib.import_module(f"ckptier.flows.{module}"), name)
+    result = run_flow(flow_object, **{k: v for k, v in params.items() if v is not None})
+    return unwrap(result) if unwrap is not None else result
 
 
 def _open(catalog_url: str | None, *, create: bool = False) -> Any:
@@ -79,67 +118,55 @@ def why_nothing_to_verify(catalog_url: str, *, job: str | None, deep: bool, samp
 
 def scan(urls: list[str], *, catalog_url: str | None, use_prefect: bool, progress: bool = True,
          config_path: str | None = None) -> list[dict[str, Any]]:
-    if use_prefect:
-        from .scan_verify import scan_flow
+    def direct() -> list[dict[str, Any]]:
+        from ckptier.tasks.config import load_config
+        from ckptier.tasks.pipeline import run_scan, utcnow
 
-        return list(run_flow(scan_flow, urls=urls, catalog_url=catalog_url, config_path=config_path))
-    from ckptier.tasks.config import load_config
-    from ckptier.tasks.pipeline import run_scan, utcnow
+        config = load_config(config_path)
+        bar = Progress("listing", unit="objects", enabled=None if progress else False)
+        try:
+            with _open(catalog_url, create=True) as cat:
+                return run_scan(urls, cat, now=utcnow, tick=bar.update, patterns=config.patterns, config=config)
+        finally:
+            bar.close()
 
-    config = load_config(config_path)
-    bar = Progress("listing", unit="objects", enabled=None if progress else False)
-    try:
-        with _open(catalog_url, create=True) as cat:
-            return run_scan(urls, cat, now=utcnow, tick=bar.update, patterns=config.patterns, config=config)
-    finally:
-        bar.close()
+    return dispatch(use_prefect, direct, flow="scan_verify:scan_flow", unwrap=list,
+                    params={"urls": urls, "catalog_url": catalog_url, "config_path": config_path})
 
 
 def verify(*, job: str | None, deep: bool, sample: tuple[int, int] | None, workers: int,
            catalog_url: str | None, use_prefect: bool, progress: bool = True) -> dict[str, Any]:
-    if use_prefect:
-        from .scan_verify import CorruptionFound, verify_flow
+    def direct() -> dict[str, Any]:
+        from ckptier.tasks.pipeline import run_verify, utcnow
 
+        bar = Progress("verifying", unit="bytes", enabled=None if progress else False)
         try:
-            return dict(run_flow(verify_flow, job=job, deep=deep, sample=f"{sample[0]}/{sample[1]}" if sample else None,
-                                 workers=workers, catalog_url=catalog_url))
-        except CorruptionFound:
-            # The run failed because corruption was found: report it like the direct path.
             with _open(catalog_url) as cat:
-                from ckptier.storage.records import State
+                return run_verify(cat, now=utcnow, job=job, deep=deep, sample=sample, workers=workers,
+                                  progress=lambda done, total: bar.update(done, total))
+        finally:
+            bar.close()
 
-                corrupt = cat.checkpoints(job=job, states=[State.CORRUPT])
-            return {"checkpoints": [{"job": c.job, "step": c.step, "state": "corrupt", "bytes_read": 0,
-                                     "bytes_skipped": 0, "errors": 0, "extra": [], "detail": c.state_reason}
-                                    for c in corrupt],
-                    "totals": {"checked": len(corrupt), "verified": 0, "corrupt": len(corrupt), "errors": 0,
-                               "bytes_read": 0, "bytes_skipped": 0}, "sample": None}
-    from ckptier.tasks.pipeline import run_verify, utcnow
-
-    bar = Progress("verifying", unit="bytes", enabled=None if progress else False)
-    try:
-        with _open(catalog_url) as cat:
-            return run_verify(cat, now=utcnow, job=job, deep=deep, sample=sample, workers=workers,
-                              progress=lambda done, total: bar.update(done, total))
-    finally:
-        bar.close()
+    return dispatch(use_prefect, direct, flow="scan_verify:verify_flow", unwrap=dict,
+                    params={"job": job, "deep": deep, "sample": f"{sample[0]}/{sample[1]}" if sample else None,
+                            "workers": workers, "catalog_url": catalog_url})
 
 
 def apply(*, job: str | None, dry_run: bool, config_path: str | None, catalog_url: str | None,
           use_prefect: bool) -> dict[str, Any]:
     if not dry_run:  # deletes only under a [[policy]] someone wrote; a dry run may preview the default
         _check_policy_written(job, config_path, catalog_url)
-    if use_prefect:
-        from .tiering import tiering_flow
 
-        result = run_flow(tiering_flow, apply=not dry_run, job=job, config_path=config_path, catalog_url=catalog_url)
-        return dict(result["apply"])
-    from ckptier.tasks.config import load_config
-    from ckptier.tasks.pipeline import run_apply, run_owner, utcnow
+    def direct() -> dict[str, Any]:
+        from ckptier.tasks.config import load_config
+        from ckptier.tasks.pipeline import run_apply, run_owner, utcnow
 
-    with _open(catalog_url) as cat:
-        return run_apply(cat, load_config(config_path), now=utcnow, owner=run_owner("ckptier-cli"), job=job,
-                         dry_run=dry_run)
+        with _open(catalog_url) as cat:
+            return run_apply(cat, load_config(config_path), now=utcnow, owner=run_owner("ckptier-cli"), job=job,
+                             dry_run=dry_run)
+
+    return dispatch(use_prefect, direct, flow="tiering:tiering_flow", unwrap=lambda result: dict(result["apply"]),
+                    params={"apply": not dry_run, "job": job, "config_path": config_path, "catalog_url": catalog_url})
 
 
 def _check_policy_written(job: str | None, config_path: str | None, catalog_url: str | None) -> None:
@@ -172,25 +199,18 @@ def drill(*, job: str | None, step: int | None, steps: int | None, device: str |
           timeout: float | None, config_path: str | None, catalog_url: str | None, use_prefect: bool,
           allow_globals: list[str] | None = None) -> list[dict[str, Any]]:
     """Restore drills (``pipeline.run_drill``); ``allow_globals`` are extra
-    ``module.Name`` classes the safe loader may unpickle."""
-    if use_prefect:
-        from .drill import DrillFailed, restore_drill_flow
+    ``module.Name`` classes the safe loader may unpickle. Failed drills are
+    reports (``ok`` false) on both paths; a drill that cannot start raises."""
+    def direct() -> list[dict[str, Any]]:
+        from ckptier.tasks.config import load_config
+        from ckptier.tasks.pipeline import run_drill, utcnow
 
-        params: dict[str, Any] = {"job": job, "step": step, "model": model, "timeout_seconds": timeout,
-                                  "config_path": config_path, "catalog_url": catalog_url}
-        if allow_globals:
-            params["allow_globals"] = list(allow_globals)
-        if steps is not None:
-            params["steps"] = steps
-        if device is not None:
-            params["device"] = device
-        try:
-            return list(run_flow(restore_drill_flow, **params))
-        except DrillFailed as exc:
-            raise FlowFailed(str(exc)) from None
-    from ckptier.tasks.config import load_config
-    from ckptier.tasks.pipeline import run_drill, utcnow
+        with _open(catalog_url) as cat:
+            return run_drill(cat, load_config(config_path), now=utcnow, job=job, step=step, steps=steps,
+                             device=device, model=model, timeout=timeout, allow_globals=allow_globals or ())
 
-    with _open(catalog_url) as cat:
-        return run_drill(cat, load_config(config_path), now=utcnow, job=job, step=step, steps=steps, device=device,
-                         model=model, timeout=timeout, allow_globals=allow_globals or ())
+    return dispatch(use_prefect, direct, flow="drill:restore_drill_flow", unwrap=list,
+                    params={"job": job, "step": step, "model": model, "timeout_seconds": timeout,
+                            "config_path": config_path, "catalog_url": catalog_url,
+                            "allow_globals": list(allow_globals) if allow_globals else None,
+                            "steps": steps, "device": device})

@@ -386,3 +386,36 @@ def test_flows_take_the_catalog_by_the_command_lines_precedence(
     assert not (tmp_path / "from-env.db").exists()
     explicit = scan_flow(urls=[str(tree["hot"])], catalog_url=tree["catalog_url"], config_path=str(config))
     assert explicit[0]["rows_written"] > 0 and Path(tree["catalog_url"].removeprefix("sqlite:///")).exists()
+
+
+def test_runner_reports_corruption_from_a_flow_run_as_the_direct_path_does(
+        harness: None, tree: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A verify run that fails because it found corruption still returns the run's own report:
+    the same rows and totals (bytes read, archive copies checked) as the direct path."""
+    import shutil
+
+    from prefect.settings import PREFECT_API_URL
+
+    from ckptier.flows import runner
+
+    monkeypatch.setenv("PREFECT_API_URL", str(PREFECT_API_URL.value()))
+    twin = tmp_path / "twin"
+    shutil.copytree(tree["hot"], twin)
+    catalogs = {"flow": f"sqlite:///{tmp_path / 'flow.db'}", "direct": f"sqlite:///{tmp_path / 'direct.db'}"}
+    for hot, url in ((tree["hot"], catalogs["flow"]), (twin, catalogs["direct"])):
+        runner.scan([str(hot)], catalog_url=url, use_prefect=False, progress=False)
+        victim = next(p for p in sorted(hot.rglob("model.pt")) if "00000025" in str(p))
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        victim.write_bytes(bytes(data))
+    reports = {how: runner.verify(job=None, deep=False, sample=None, workers=2, catalog_url=url,
+                                  use_prefect=how == "flow", progress=False) for how, url in catalogs.items()}
+
+    def shape(report: dict[str, Any]) -> tuple[Any, ...]:
+        rows = sorted((r["job"], r["step"], r["state"], r["bytes_read"], r["errors"]) for r in report["checkpoints"])
+        return report["totals"], rows, report["sample"]
+
+    assert shape(reports["flow"]) == shape(reports["direct"])
+    totals = shape(reports["flow"])[0]
+    assert totals["corrupt"] == 1 and totals["verified"] == 1 and totals["bytes_read"] > 0
+    assert "archive_checked" in totals
