@@ -242,7 +242,7 @@ def test_golden_plans(name: str) -> None:
     ids = [i.checkpoint_id for i in plan.items]
     assert len(ids) == len(set(ids))
     assert set(ids) == live
-    assert sum(len(plan.by_action(a)) for a in ("keep", "promote", "delete")) == len(live)  # type: ignore[arg-type]
+    assert sum(len(plan.by_action(a)) for a in ("keep", "promote", "delete")) == len(live)
     doc = json.loads(json.dumps(_golden_doc(name, policy, plan)))
     path = GOLDEN / f"{name}.json"
     if REGEN:
