@@ -119,14 +119,14 @@ def why_nothing_to_verify(catalog_url: str, *, job: str | None, deep: bool, samp
 def scan(urls: list[str], *, catalog_url: str | None, use_prefect: bool, progress: bool = True,
          config_path: str | None = None) -> list[dict[str, Any]]:
     def direct() -> list[dict[str, Any]]:
-        from ckptier.tasks.config import load_config
-        from ckptier.tasks.pipeline import run_scan, utcnow
+        from ckptier.tasks.pipeline import run_scan
+        from ckptier.tasks.settings import open_run
 
-        config = load_config(config_path)
         bar = Progress("listing", unit="objects", enabled=None if progress else False)
         try:
-            with _open(catalog_url, create=True) as cat:
-                return run_scan(urls, cat, now=utcnow, tick=bar.update, patterns=config.patterns, config=config)
+            with open_run(catalog_url, config_path, create=True) as run:
+                return run_scan(urls, run.catalog, now=run.now, tick=bar.update, patterns=run.config.patterns,
+                                config=run.config)
         finally:
             bar.close()
 
@@ -158,12 +158,12 @@ def apply(*, job: str | None, dry_run: bool, config_path: str | None, catalog_ur
         _check_policy_written(job, config_path, catalog_url)
 
     def direct() -> dict[str, Any]:
-        from ckptier.tasks.config import load_config
-        from ckptier.tasks.pipeline import run_apply, run_owner, utcnow
+        from ckptier.tasks.pipeline import run_apply
+        from ckptier.tasks.settings import open_run
 
-        with _open(catalog_url) as cat:
-            return run_apply(cat, load_config(config_path), now=utcnow, owner=run_owner("ckptier-cli"), job=job,
-                             dry_run=dry_run)
+        with open_run(catalog_url, config_path, owner="ckptier-cli", dry_run=dry_run) as run:
+            return run_apply(run.catalog, run.config, now=run.now, owner=run.owner, job=job, dry_run=run.dry_run,
+                             stores=run.stores)
 
     return dispatch(use_prefect, direct, flow="tiering:tiering_flow", unwrap=lambda result: dict(result["apply"]),
                     params={"apply": not dry_run, "job": job, "config_path": config_path, "catalog_url": catalog_url})
@@ -180,19 +180,19 @@ def _check_policy_written(job: str | None, config_path: str | None, catalog_url:
 
 
 def fetch(*, job: str, step: int, dest: Path, catalog_url: str | None, config_path: str | None) -> dict[str, Any]:
-    from ckptier.tasks.config import load_config
     from ckptier.tasks.pipeline import run_fetch
+    from ckptier.tasks.settings import open_run
 
-    with _open(catalog_url) as cat:
-        return run_fetch(cat, load_config(config_path), job=job, step=step, dest=dest)
+    with open_run(catalog_url, config_path) as run:
+        return run_fetch(run.catalog, run.config, job=job, step=step, dest=dest, stores=run.stores)
 
 
 def janitor(*, config_path: str | None, older_than: timedelta, catalog_url: str | None) -> dict[str, Any]:
-    from ckptier.tasks.config import load_config
-    from ckptier.tasks.pipeline import run_janitor, utcnow
+    from ckptier.tasks.pipeline import run_janitor
+    from ckptier.tasks.settings import open_run
 
-    with _open(catalog_url) as cat:
-        return run_janitor(cat, load_config(config_path), now=utcnow(), older_than=older_than)
+    with open_run(catalog_url, config_path) as run:
+        return run_janitor(run.catalog, run.config, now=run.now(), older_than=older_than, stores=run.stores)
 
 
 def drill(*, job: str | None, step: int | None, steps: int | None, device: str | None, model: str | None,
@@ -202,12 +202,12 @@ def drill(*, job: str | None, step: int | None, steps: int | None, device: str |
     ``module.Name`` classes the safe loader may unpickle. Failed drills are
     reports (``ok`` false) on both paths; a drill that cannot start raises."""
     def direct() -> list[dict[str, Any]]:
-        from ckptier.tasks.config import load_config
-        from ckptier.tasks.pipeline import run_drill, utcnow
+        from ckptier.tasks.pipeline import run_drill
+        from ckptier.tasks.settings import open_run
 
-        with _open(catalog_url) as cat:
-            return run_drill(cat, load_config(config_path), now=utcnow, job=job, step=step, steps=steps,
-                             device=device, model=model, timeout=timeout, allow_globals=allow_globals or ())
+        with open_run(catalog_url, config_path) as run:
+            return run_drill(run.catalog, run.config, now=run.now, job=job, step=step, steps=steps, device=device,
+                             model=model, timeout=timeout, allow_globals=allow_globals or (), stores=run.stores)
 
     return dispatch(use_prefect, direct, flow="drill:restore_drill_flow", unwrap=list,
                     params={"job": job, "step": step, "model": model, "timeout_seconds": timeout,

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptier.storage.base import StorageClasses, Store
 from ckptier.storage.catalog.api import Catalog
@@ -42,6 +42,10 @@ from .reports import (
 )
 from .retention import Plan, PlanItem, Policy, drill_passed, plan_retention
 from .scan import ScanReport, scan_url
+from .settings import Run
+
+if TYPE_CHECKING:
+    from .apply import ApplyReport
 
 Clock = Callable[[], datetime]
 
@@ -418,7 +422,7 @@ def run_apply(
     empty in a dry run).
     """
     check_archive_locations(config, catalog.hot_locations())
-    stores = stores or StoreCache()
+    run = Run(catalog=catalog, config=config, stores=stores or StoreCache(), now=now, owner=owner, dry_run=dry_run)
     lines: list[str] = []
     items: list[dict[str, Any]] = []
     failed = False
@@ -437,8 +441,7 @@ def run_apply(
                 continue
             if n > 0 and not any(i.action == "delete" for i in plan.items):
                 continue
-            report = _apply_one(catalog, config, policy, plan, stores=stores, now=now, owner=owner, dry_run=dry_run,
-                                lease_ttl=lease_ttl, lines=lines, items=items, proven=proven)
+            report = _apply_one(run, policy, plan, lease_ttl=lease_ttl, lines=lines, items=items, proven=proven)
             proofs.extend(asdict(p) for p in report.proofs)
             promoted |= bool(report.promoted)
             failed |= not report.ok
@@ -455,17 +458,16 @@ def run_apply(
             "outcome": {**asdict(outcome), "hot_freed_bytes": outcome.hot_freed_bytes}}
 
 
-def _apply_one(catalog: Catalog, config: Config, policy: Policy, plan: Plan, *, stores: StoreCache, now: Clock, owner: str,
-               dry_run: bool, lease_ttl: timedelta, lines: list[str], items: list[dict[str, Any]],
-               proven: set[int]) -> Any:
-    """Carry out one policy's plan, appending report lines and item rows."""
+def _apply_one(run: Run, policy: Policy, plan: Plan, *, lease_ttl: timedelta, lines: list[str],
+               items: list[dict[str, Any]], proven: set[int]) -> ApplyReport:
+    """Carry out one policy's plan in ``run``, appending report lines and item rows."""
     from .apply import apply_plan
 
-    archive_store = archive_store_for(stores, policy)
+    archive_store = archive_store_for(run.stores, policy)
     report = apply_plan(
-        plan, catalog=catalog, hot_for=stores.for_record, archive_for=lambda _job: archive_store,
-        owner=owner, now=now, lease_ttl=lease_ttl, dry_run=dry_run, policy=str(policy),
-        max_missing_fraction=policy.max_missing_fraction, policy_for=config.policy_for, proven=proven,
+        plan, catalog=run.catalog, hot_for=run.stores.for_record, archive_for=lambda _job: archive_store,
+        owner=run.owner, now=run.now, lease_ttl=lease_ttl, dry_run=run.dry_run, policy=str(policy),
+        max_missing_fraction=policy.max_missing_fraction, policy_for=run.config.policy_for, proven=proven,
     )
     for p in report.proofs:
         if not p.ok:
