@@ -56,7 +56,7 @@ sys.stdout.write("[\n" + ",\n".join("  " + json.dumps(dict(zip(keys, r))) for r 
 def build_catalog(path: Path, checkpoints: int, jobs: int) -> None:
     """A catalog of ``checkpoints`` verified guide-layout checkpoints, written through the catalog API."""
     from ckptier.storage.catalog.api import Catalog
-    from ckptier.storage.model import FileRef, Format, Found, Recognition
+    from ckptier.storage.records import FileRef, Format, Found, Recognition
 
     per_job = checkpoints // jobs
     now = datetime(2026, 1, 1, tzinfo=UTC)

@@ -52,6 +52,7 @@ FACTORY = textwrap.dedent(
     '''
     import torch
     from torch import nn
+    from ckptier.tasks.drill_models import DrillSpec
 
     WIDTH, DEPTH = 2048, 4
 
@@ -75,7 +76,7 @@ FACTORY = textwrap.dedent(
 
 
     def build():
-        from ckptier.tasks.models import DrillSpec
+        from ckptier.tasks.drill_models import DrillSpec
 
         m = model()
         return DrillSpec(m, torch.optim.AdamW(m.parameters(), lr=1e-4), batch, loss)

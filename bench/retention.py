@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from ckptier.storage.errors import CkptierError
-from ckptier.storage.model import CheckpointRecord
+from ckptier.storage.records import CheckpointRecord
 from ckptier.tasks.advise import (
     DEFAULTS,
     Night,

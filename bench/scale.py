@@ -347,7 +347,7 @@ archive_when = "leaving_hot"
 
 def records(jobs: int, per_job: int, now: datetime) -> list[Any]:
     """Verified checkpoints saved every 30 minutes up to ``now``, each with a present hot copy."""
-    from ckptier.storage.model import CheckpointRecord, CopyRecord, Format, State, Tier
+    from ckptier.storage.records import CheckpointRecord, CopyRecord, Format, State, Tier
 
     out = []
     n = 0

@@ -41,7 +41,7 @@ from pathlib import Path
 
 from ckptier.storage.hashing import DEFAULT_CHUNK
 from ckptier.storage.local import LocalStore
-from ckptier.storage.model import CheckpointRecord, FileRecord, Format, State
+from ckptier.storage.records import CheckpointRecord, FileRecord, Format, State
 from ckptier.tasks.verify import verify_many
 
 ROOT = Path("/tmp/ckptier-bench-verify")

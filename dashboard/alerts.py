@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from ckptier.storage.model import CheckpointRecord, Format, State
+from ckptier.storage.records import CheckpointRecord, Format, State
 from ckptier.tasks.retention import Policy, shrink_guard
 
 SEVERITIES = ("critical", "error", "warning")

@@ -43,7 +43,7 @@ from jinja2 import Environment, FileSystemLoader, select_autoescape
 
 from ckptier import __version__
 from ckptier.storage.errors import CkptierError
-from ckptier.storage.model import HELD_COPY_STATES, CopyState
+from ckptier.storage.records import HELD_COPY_STATES, CopyState
 
 from . import charts, security
 from .alerts import format_age

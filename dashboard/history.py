@@ -29,7 +29,7 @@ from typing import Any
 
 import pandas as pd
 
-from ckptier.storage.model import CopyState
+from ckptier.storage.records import CopyState
 
 HELD = (CopyState.PRESENT.value, CopyState.DEGRADED.value)
 _OUT_HOT = ("deleted", "vanished")

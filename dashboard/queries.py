@@ -16,12 +16,12 @@ import pandas as pd
 from sqlalchemy import Engine, Select, and_, case, exists, func, literal, or_, select
 
 from ckptier.storage.catalog import db
-from ckptier.storage.catalog.models import checkpoints as ck
-from ckptier.storage.catalog.models import copies as cp
-from ckptier.storage.catalog.models import events as ev
-from ckptier.storage.catalog.models import files as fl
-from ckptier.storage.catalog.models import jobs as jb
-from ckptier.storage.model import CopyState
+from ckptier.storage.catalog.tables import checkpoints as ck
+from ckptier.storage.catalog.tables import copies as cp
+from ckptier.storage.catalog.tables import events as ev
+from ckptier.storage.catalog.tables import files as fl
+from ckptier.storage.catalog.tables import jobs as jb
+from ckptier.storage.records import CopyState
 
 #: Copy states that still hold the bytes (a degraded copy is damaged, but stored).
 HELD = (CopyState.PRESENT.value, CopyState.DEGRADED.value)

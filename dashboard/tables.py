@@ -34,7 +34,7 @@ import pandas as pd
 
 from ckptier.storage.catalog.api import DrillRecord
 from ckptier.storage.errors import ConfigError
-from ckptier.storage.model import CheckpointRecord
+from ckptier.storage.records import CheckpointRecord
 from ckptier.tasks.costs import JobCosts
 
 from . import alerts as al

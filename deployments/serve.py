@@ -286,7 +286,7 @@ def check_api() -> str:
     """The Prefect API URL from Prefect's own settings, or a one-line ConfigError naming ``PREFECT_API_URL``."""
     from prefect.settings import PREFECT_API_URL
 
-    from ckptier.flows.runner import check_prefect_api
+    from ckptier.tasks.prefect_api import check_prefect_api
 
     return check_prefect_api(PREFECT_API_URL.value() or "", direct=None)  # deploy and serve need the API
 

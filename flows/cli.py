@@ -81,7 +81,7 @@ def _use_prefect(args: argparse.Namespace) -> bool:
     """Go through a Prefect flow run when an API is configured (or forced)."""
     if getattr(args, "no_prefect", False):
         return False
-    from .runner import configured_api_url
+    from ckptier.tasks.prefect_api import configured_api_url
 
     return configured_api_url() is not None
 
@@ -374,7 +374,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
 def cmd_dashboard(args: argparse.Namespace) -> int:
     from ckptier.dashboard.cli import serve_dashboard
 
-    from .runner import configured_api_url
+    from ckptier.tasks.prefect_api import configured_api_url
 
     return serve_dashboard(catalog_url=_location(args).url, config_path=args.config, host=args.host, port=args.port,
                            token=args.token, prefect_api_url=configured_api_url())

@@ -46,7 +46,7 @@ hot_after_archive = "delete"
 
 [[drill]]
 jobs = "*"
-model = "ckptier.tasks.models:demo_model"
+model = "ckptier.tasks.drill_models:demo_model"
 steps = 10
 device = "auto"
 timeout = "10m"
@@ -96,7 +96,7 @@ def start_prefect() -> None:
     ``PREFECT_SERVER_ANALYTICS_ENABLED`` to choose). Raises
     :class:`PrefectDidNotStart` (one line, suggesting ``--no-prefect``).
     """
-    from .runner import check_prefect_api
+    from ckptier.tasks.prefect_api import check_prefect_api
 
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     from prefect.settings import (

@@ -19,10 +19,12 @@ from ckptier.tasks.prefect_tasks import drill_task
 
 from .artifacts import publish_catalog_summary, publish_dashboard_links
 from .events import DRILL_FAILED, emit_ckptier_event
+from .runner import FailedWithReport
 
 
-class DrillFailed(CkptierError):
-    """A restore drill did not prove recovery (the flow run fails with this)."""
+class DrillFailed(FailedWithReport):
+    """A restore drill did not prove recovery (the flow run fails with this);
+    ``report`` holds every drill's report, as the run would have returned."""
 
 
 class DrillNotStarted(DrillFailed):
@@ -123,5 +125,5 @@ def restore_drill_flow(
     # Any failed attempt fails the run, even when an older checkpoint then passed:
     # the newest ones not restoring (a serialization change, say) is what to hear about.
     if failed:
-        raise DrillFailed("; ".join(r["summary"] for r in failed))
+        raise DrillFailed("; ".join(r["summary"] for r in failed), report=reports)
     return reports

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, TextIO
 
-from ckptier.storage.model import CheckpointRecord
+from ckptier.storage.records import CheckpointRecord
 from ckptier.storage.transitions import proof_of
 
 

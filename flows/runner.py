@@ -1,78 +1,59 @@
 """Run an operation directly, or as a Prefect flow run when an API is configured.
 
-Starting Prefect's temporary local API costs ~10 s per process,
-so the command line runs the task code directly unless ``PREFECT_API_URL``
-is set; then it goes through the flow so the run shows in the UI. Both paths
-return the same JSON-ready report.
+Starting Prefect's temporary local API costs about 10 s per process, so the
+command line runs the task code directly unless a Prefect API is configured;
+then it goes through the operation's flow so the run shows in the UI
+(docs/architecture.md). :func:`dispatch` is the one place that chooses, and
+both paths return the operation's own report: a flow run that fails because
+of what it found (corruption, a failed drill) still hands back the report it
+built (:class:`FailedWithReport`), never a different one.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
+import importlib
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ckptier.storage.errors import CkptierError, ConfigError
+from ckptier.tasks.prefect_api import check_prefect_api
 
 from .output import Progress
 
+R = TypeVar("R")
 
 
-def configured_api_url(environ: Mapping[str, str] | None = None) -> str | None:
-    """The Prefect API URL from ``PREFECT_API_URL``, else from the active Prefect profile.
-
-    Reads ``$PREFECT_HOME/profiles.toml`` (default ``~/.prefect``) directly,
-    honouring ``PREFECT_PROFILE``, so that commands need not import Prefect
-    (about a second) just to learn whether an API is configured.
-    """
-    env = os.environ if environ is None else environ
-    if env.get("PREFECT_API_URL"):
-        return env["PREFECT_API_URL"]
-    import tomllib
-
-    home = Path(env.get("PREFECT_HOME") or Path(env.get("HOME", "~")).expanduser() / ".prefect")
-    profiles_path = Path(env.get("PREFECT_PROFILES_PATH") or home / "profiles.toml")
-    try:
-        data = tomllib.loads(profiles_path.read_text())
-    except (OSError, tomllib.TOMLDecodeError):
-        return None
-    active = env.get("PREFECT_PROFILE") or data.get("active")
-    profile = data.get("profiles", {}).get(active, {}) if isinstance(active, str) else {}
-    url = profile.get("PREFECT_API_URL") if isinstance(profile, dict) else None
-    return url if isinstance(url, str) and url else None
+class FlowFailed(CkptierError):
+    """A Prefect flow run did not complete."""
 
 
-def check_prefect_api(url: str | None = None, *, direct: str | None = "pass --no-prefect to run directly") -> str:
-    """``url`` (default: the configured Prefect API URL) if it answers; otherwise
-    a one-line error naming ``PREFECT_API_URL`` and, when the command has a
-    way to run without Prefect, ``direct`` (None: it has none)."""
-    import httpx
+class FailedWithReport(CkptierError):
+    """A flow run failed because of what its operation found, after building
+    its report; ``report`` is what the run would have returned (None: none).
 
-    url = url or configured_api_url()
-    if not url:
-        raise ConfigError("PREFECT_API_URL is not set; start 'prefect server start' and run "
-                          "'prefect config set PREFECT_API_URL=http://127.0.0.1:4200/api'")
-    try:
-        response = httpx.get(url.rstrip("/") + "/health", timeout=5.0)
-        response.raise_for_status()
-    except (httpx.HTTPError, ValueError) as exc:
-        fixes = ["start 'prefect server start' (and wait until it answers)",
-                 "fix PREFECT_API_URL (environment or 'prefect config set')", *([direct] if direct else [])]
-        raise ConfigError(f"PREFECT_API_URL={url!r} does not answer ({type(exc).__name__}); "
-                          + ", ".join(fixes[:-1]) + ", or " + fixes[-1]) from None
-    return url
+    Pickles with its report (Prefect may store a failed run's exception)."""
+
+    def __init__(self, message: str, *, report: Any = None) -> None:
+        super().__init__(message)
+        self.report = report
 
 
 def run_flow(flow: Any, **params: Any) -> Any:
-    """Call a Prefect flow and unwrap its result; a failed run raises a one-line error."""
+    """Call a Prefect flow and unwrap its result. A run that failed with a
+    :class:`FailedWithReport` returns that report; any other failed run
+    raises a one-line error."""
     check_prefect_api()
     state = flow(**params, return_state=True)
     if state.is_completed():
         return state.result()
     try:
         state.result()
+    except FailedWithReport as exc:
+        if exc.report is not None:
+            return exc.report
+        raise
     except CkptierError:
         raise
     except Exception as exc:  # noqa: BLE001 - reported as one line
@@ -80,8 +61,19 @@ def run_flow(flow: Any, **params: Any) -> Any:
     raise FlowFailed(f"flow run {flow.name!r} ended {state.name}")
 
 
-class FlowFailed(CkptierError):
-    """A Prefect flow run did not complete."""
+def dispatch(use_prefect: bool, direct: Callable[[], R], *, flow: str, params: Mapping[str, Any],
+             unwrap: Callable[[Any], R] | None = None) -> R:
+    """The operation's report: ``direct()`` in this process, or, with
+    ``use_prefect``, the result of a run of ``flow`` (``"module:function"``
+    under :mod:`ckptier.flows`) called with ``params`` (None values left
+    out, so the flow's own defaults apply), passed through ``unwrap`` when
+    the flow returns more than the operation's report."""
+    if not use_prefect:
+        return direct()
+    module, _, name = flow.partition(":")
+    flow_object = getattr(importlib.import_module(f"ckptier.flows.{module}"), name)
+    result = run_flow(flow_object, **{k: v for k, v in params.items() if v is not None})
+    return unwrap(result) if unwrap is not None else result
 
 
 def _open(catalog_url: str | None, *, create: bool = False) -> Any:
@@ -127,61 +119,47 @@ def why_nothing_to_verify(catalog_url: str, *, job: str | None, deep: bool, samp
 def scan(urls: list[str], *, catalog_url: str | None, use_prefect: bool, progress: bool = True,
          config_path: str | None = None, inventory: str | None = None, full: bool = False) -> list[dict[str, Any]]:
     if inventory is not None and len(urls) != 1:
-        from ckptier.storage.errors import ConfigError
-
         raise ConfigError(f"--inventory {inventory} names the report of one bucket; scan one s3:// URL with it, "
                           f"not {len(urls)}")
-    if use_prefect:
-        from .scan_verify import scan_flow
 
-        return list(run_flow(scan_flow, urls=urls, catalog_url=catalog_url, config_path=config_path,
-                             inventory=inventory, full=full))
-    from ckptier.tasks.config import load_config
-    from ckptier.tasks.pipeline import run_scan, utcnow
+    def direct() -> list[dict[str, Any]]:
+        from ckptier.tasks.pipeline import run_scan
+        from ckptier.tasks.settings import open_run
 
-    config = load_config(config_path)
-    bar = Progress("listing", unit="objects", enabled=None if progress else False)
-    try:
-        with _open(catalog_url, create=True) as cat:
-            return run_scan(urls, cat, now=utcnow, tick=bar.update, patterns=config.patterns, config=config,
-                            inventories=[(urls[0], inventory)] if inventory else (), full=full)
-    finally:
-        bar.close()
+        bar = Progress("listing", unit="objects", enabled=None if progress else False)
+        try:
+            with open_run(catalog_url, config_path, create=True) as run:
+                return run_scan(urls, run.catalog, now=run.now, tick=bar.update, patterns=run.config.patterns,
+                                config=run.config, inventories=[(urls[0], inventory)] if inventory else (), full=full)
+        finally:
+            bar.close()
+
+    return dispatch(use_prefect, direct, flow="scan_verify:scan_flow", unwrap=list,
+                    params={"urls": urls, "catalog_url": catalog_url, "config_path": config_path,
+                            "inventory": inventory, "full": full or None})
 
 
 def verify(*, job: str | None, deep: bool, sample: tuple[int, int] | None, workers: int,
            catalog_url: str | None, use_prefect: bool, progress: bool = True, config_path: str | None = None,
            runner: str | None = None, claim_rows: bool = False, since: str | None = None) -> dict[str, Any]:
-    if use_prefect:
-        from .scan_verify import CorruptionFound, verify_flow
+    def direct() -> dict[str, Any]:
+        from ckptier.tasks.pipeline import run_verify, utcnow
 
-        fanned = {"config_path": config_path, "runner": runner, "sweep_since": since} if config_path or runner or since else {}
+        fanout, claims = _fanout(config_path, runner, claim_rows, since)
+        bar = Progress("verifying", unit="bytes", enabled=None if progress else False)
         try:
-            return dict(run_flow(verify_flow, job=job, deep=deep, sample=f"{sample[0]}/{sample[1]}" if sample else None,
-                                 workers=workers, catalog_url=catalog_url, **fanned))
-        except CorruptionFound:
-            # The run failed because corruption was found: report it like the direct path.
             with _open(catalog_url) as cat:
-                from ckptier.storage.model import State
+                return run_verify(cat, now=utcnow, job=job, deep=deep, sample=sample, workers=workers,
+                                  progress=lambda done, total: bar.update(done, total), fanout=fanout, claims=claims)
+        finally:
+            bar.close()
+            if fanout is not None:
+                fanout.close()
 
-                corrupt = cat.checkpoints(job=job, states=[State.CORRUPT])
-            return {"checkpoints": [{"job": c.job, "step": c.step, "state": "corrupt", "bytes_read": 0,
-                                     "bytes_skipped": 0, "errors": 0, "extra": [], "detail": c.state_reason}
-                                    for c in corrupt],
-                    "totals": {"checked": len(corrupt), "verified": 0, "corrupt": len(corrupt), "errors": 0,
-                               "bytes_read": 0, "bytes_skipped": 0}, "sample": None}
-    from ckptier.tasks.pipeline import run_verify, utcnow
-
-    fanout, claims = _fanout(config_path, runner, claim_rows, since)
-    bar = Progress("verifying", unit="bytes", enabled=None if progress else False)
-    try:
-        with _open(catalog_url) as cat:
-            return run_verify(cat, now=utcnow, job=job, deep=deep, sample=sample, workers=workers,
-                              progress=lambda done, total: bar.update(done, total), fanout=fanout, claims=claims)
-    finally:
-        bar.close()
-        if fanout is not None:
-            fanout.close()
+    return dispatch(use_prefect, direct, flow="scan_verify:verify_flow", unwrap=dict,
+                    params={"job": job, "deep": deep, "sample": f"{sample[0]}/{sample[1]}" if sample else None,
+                            "workers": workers, "catalog_url": catalog_url, "config_path": config_path,
+                            "runner": runner, "sweep_since": since})
 
 
 def _fanout(config_path: str | None, runner: str | None, claim_rows: bool = False, since: str | None = None) -> Any:
@@ -204,24 +182,23 @@ def apply(*, job: str | None, dry_run: bool, config_path: str | None, catalog_ur
           use_prefect: bool, runner: str | None = None) -> dict[str, Any]:
     if not dry_run:  # deletes only under a [[policy]] someone wrote; a dry run may preview the default
         _check_policy_written(job, config_path, catalog_url)
-    if use_prefect:
-        from .tiering import tiering_flow
 
-        fanned = {"runner": runner} if runner else {}
-        result = run_flow(tiering_flow, apply=not dry_run, job=job, config_path=config_path, catalog_url=catalog_url,
-                          **fanned)
-        return dict(result["apply"])
-    from ckptier.tasks.config import load_config
-    from ckptier.tasks.pipeline import run_apply, run_owner, utcnow
+    def direct() -> dict[str, Any]:
+        from ckptier.tasks.pipeline import run_apply
+        from ckptier.tasks.settings import open_run
 
-    fanout, _ = _fanout(config_path, runner)
-    try:
-        with _open(catalog_url) as cat:
-            return run_apply(cat, load_config(config_path), now=utcnow, owner=run_owner("ckptier-cli"), job=job,
-                             dry_run=dry_run, fanout=fanout)
-    finally:
-        if fanout is not None:
-            fanout.close()
+        fanout, _ = _fanout(config_path, runner)
+        try:
+            with open_run(catalog_url, config_path, owner="ckptier-cli", dry_run=dry_run) as run:
+                return run_apply(run.catalog, run.config, now=run.now, owner=run.owner, job=job, dry_run=run.dry_run,
+                                 stores=run.stores, fanout=fanout)
+        finally:
+            if fanout is not None:
+                fanout.close()
+
+    return dispatch(use_prefect, direct, flow="tiering:tiering_flow", unwrap=lambda result: dict(result["apply"]),
+                    params={"apply": not dry_run, "job": job, "config_path": config_path, "catalog_url": catalog_url,
+                            "runner": runner})
 
 
 def _check_policy_written(job: str | None, config_path: str | None, catalog_url: str | None) -> None:
@@ -235,19 +212,19 @@ def _check_policy_written(job: str | None, config_path: str | None, catalog_url:
 
 
 def fetch(*, job: str, step: int, dest: Path, catalog_url: str | None, config_path: str | None) -> dict[str, Any]:
-    from ckptier.tasks.config import load_config
     from ckptier.tasks.pipeline import run_fetch
+    from ckptier.tasks.settings import open_run
 
-    with _open(catalog_url) as cat:
-        return run_fetch(cat, load_config(config_path), job=job, step=step, dest=dest)
+    with open_run(catalog_url, config_path) as run:
+        return run_fetch(run.catalog, run.config, job=job, step=step, dest=dest, stores=run.stores)
 
 
 def janitor(*, config_path: str | None, older_than: timedelta, catalog_url: str | None) -> dict[str, Any]:
-    from ckptier.tasks.config import load_config
-    from ckptier.tasks.pipeline import run_janitor, utcnow
+    from ckptier.tasks.pipeline import run_janitor
+    from ckptier.tasks.settings import open_run
 
-    with _open(catalog_url) as cat:
-        return run_janitor(cat, load_config(config_path), now=utcnow(), older_than=older_than)
+    with open_run(catalog_url, config_path) as run:
+        return run_janitor(run.catalog, run.config, now=run.now(), older_than=older_than, stores=run.stores)
 
 
 def drill(*, job: str | None, step: int | None, steps: int | None, device: str | None, model: str | None,
@@ -257,35 +234,24 @@ def drill(*, job: str | None, step: int | None, steps: int | None, device: str |
     """Restore drills (``pipeline.run_drill``); ``allow_globals`` are extra
     ``module.Name`` classes the safe loader may unpickle; ``world_size``
     restores into that many ranks; ``runner`` (threads or dask) where the
-    files are fetched (default: ``[runner]``)."""
-    if use_prefect:
-        from .drill import DrillFailed, restore_drill_flow
+    files are fetched (default: ``[runner]``). Failed drills are reports
+    (``ok`` false) on both paths; a drill that cannot start raises."""
+    def direct() -> list[dict[str, Any]]:
+        from ckptier.tasks.pipeline import run_drill
+        from ckptier.tasks.settings import open_run
 
-        params: dict[str, Any] = {"job": job, "step": step, "model": model, "timeout_seconds": timeout,
-                                  "config_path": config_path, "catalog_url": catalog_url}
-        if allow_globals:
-            params["allow_globals"] = list(allow_globals)
-        if steps is not None:
-            params["steps"] = steps
-        if device is not None:
-            params["device"] = device
-        if world_size is not None:
-            params["world_size"] = world_size
-        if runner is not None:
-            params["runner"] = runner
+        fanout, _ = _fanout(config_path, runner)
         try:
-            return list(run_flow(restore_drill_flow, **params))
-        except DrillFailed as exc:
-            raise FlowFailed(str(exc)) from None
-    from ckptier.tasks.config import load_config
-    from ckptier.tasks.pipeline import run_drill, utcnow
+            with open_run(catalog_url, config_path) as run:
+                return run_drill(run.catalog, run.config, now=run.now, job=job, step=step, steps=steps, device=device,
+                                 model=model, timeout=timeout, allow_globals=allow_globals or (), stores=run.stores,
+                                 world_size=world_size, fanout=fanout)
+        finally:
+            if fanout is not None:
+                fanout.close()
 
-    fanout, _ = _fanout(config_path, runner)
-    try:
-        with _open(catalog_url) as cat:
-            return run_drill(cat, load_config(config_path), now=utcnow, job=job, step=step, steps=steps,
-                             device=device, model=model, timeout=timeout, allow_globals=allow_globals or (),
-                             world_size=world_size, fanout=fanout)
-    finally:
-        if fanout is not None:
-            fanout.close()
+    return dispatch(use_prefect, direct, flow="drill:restore_drill_flow", unwrap=list,
+                    params={"job": job, "step": step, "model": model, "timeout_seconds": timeout,
+                            "config_path": config_path, "catalog_url": catalog_url,
+                            "allow_globals": list(allow_globals) if allow_globals else None,
+                            "steps": steps, "device": device, "world_size": world_size, "runner": runner})

@@ -14,18 +14,18 @@ from typing import Any
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
-from ckptier.storage.errors import CkptierError
 from ckptier.tasks.prefect_tasks import scan_task, verify_task
 from ckptier.tasks.settings import catalog_url as resolve_catalog_url
 
 from .artifacts import publish_catalog_summary, publish_dashboard_links
 from .events import CORRUPTION_FOUND, emit_checkpoint_event
 from .output import human_bytes
-from .runner import resolve_sample
+from .runner import FailedWithReport, resolve_sample
 
 
-class CorruptionFound(CkptierError):
-    """Verification found corrupt checkpoints (the flow run fails with this)."""
+class CorruptionFound(FailedWithReport):
+    """Verification found corrupt checkpoints (the flow run fails with this);
+    ``report`` is what the run would have returned."""
 
 
 def _cell(value: Any) -> str:
@@ -106,8 +106,10 @@ def corruption_in(report: dict[str, Any], scans: Sequence[dict[str, Any]] = ()) 
     return corrupt + [{**c, "tier": "hot"} for scan in scans for c in scan.get("corrupt_found", ())]
 
 
-def raise_on_corruption(report: dict[str, Any], scans: Sequence[dict[str, Any]] = ()) -> None:
-    """Emit an event per corrupt checkpoint (:func:`corruption_in`) and fail the run."""
+def raise_on_corruption(report: dict[str, Any], scans: Sequence[dict[str, Any]] = (), *,
+                        result: Any = None) -> None:
+    """Emit an event per corrupt checkpoint (:func:`corruption_in`) and fail the run
+    with :class:`CorruptionFound` carrying ``result`` (default: ``report``)."""
     corrupt = corruption_in(report, scans)
     if not corrupt:
         return
@@ -115,7 +117,8 @@ def raise_on_corruption(report: dict[str, Any], scans: Sequence[dict[str, Any]] 
         emit_checkpoint_event(CORRUPTION_FOUND, r["job"], r["step"], tier=r.get("tier", "hot"), detail=r["detail"],
                               files=[f["relpath"] for f in r.get("files") or ()][:20])
     names = ", ".join(f"{r['job']} step {r['step']}" for r in corrupt[:5])
-    raise CorruptionFound(f"{len(corrupt)} corrupt checkpoint(s): {names}; see the 'verification' artifact")
+    raise CorruptionFound(f"{len(corrupt)} corrupt checkpoint(s): {names}; see the 'verification' artifact",
+                          report=report if result is None else result)
 
 
 def _jobs(job: str | None, summary: list[dict[str, Any]]) -> list[str]:
@@ -220,5 +223,5 @@ def scan_verify_flow(
     # One summary per run, after verification has settled the states.
     publish_catalog_summary(catalog_url)
     publish_dashboard_links(j for r in scans for j in r["jobs"])
-    raise_on_corruption(result.get("verify", NOTHING_VERIFIED), scans)
+    raise_on_corruption(result.get("verify", NOTHING_VERIFIED), scans, result=result)
     return result

@@ -29,7 +29,7 @@ listing that every format shares.
 
 Layers, one direction only::
 
-    ckptier.storage   stores, catalog, model types, generic file checks (zip, safetensors)
+    ckptier.storage   stores, catalog, domain records, generic file checks (zip, safetensors)
           ^
     ckptier.formats   recognition and manifests (pure, torch-free at import),
           ^           the safe loader (torch, imported only when a drill loads)

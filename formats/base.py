@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptier.storage.base import ObjectInfo
 from ckptier.storage.errors import StoreError, is_transient
-from ckptier.storage.model import FileRef, Format, Found, Shortfall, Unrecognised
+from ckptier.storage.records import FileRef, Format, Found, Shortfall, Unrecognised
 from ckptier.storage.structure import Checker
 
 if TYPE_CHECKING:  # torch-free at import time: loading types are for annotations only

@@ -62,7 +62,7 @@ from ckptier.formats.base import (
 )
 from ckptier.storage.base import ObjectInfo, key_problem
 from ckptier.storage.errors import CkptierError
-from ckptier.storage.model import Format, Shortfall
+from ckptier.storage.records import Format, Shortfall
 from ckptier.storage.structure import Checker, Need, StructureError, manifest_checker, shortfalls
 
 if TYPE_CHECKING:

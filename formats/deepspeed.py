@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptier.formats.base import PARTITIONED, FormatPlugin, Group, RankFiles, Scan, names, replicated
-from ckptier.storage.model import Format, Shortfall
+from ckptier.storage.records import Format, Shortfall
 
 if TYPE_CHECKING:
     from ckptier.formats.safe_load import LoadedCheckpoint

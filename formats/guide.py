@@ -68,7 +68,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptier.formats.base import REPLICATED, SHARDED, FormatPlugin, Group, RankFiles, Scan, as_loss, as_step, names
 from ckptier.storage.base import key_problem
-from ckptier.storage.model import Format
+from ckptier.storage.records import Format
 from ckptier.storage.structure import Checker, Need, StructureError, manifest_checker, parse_json, shortfalls
 
 if TYPE_CHECKING:

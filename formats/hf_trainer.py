@@ -14,7 +14,7 @@ A drill loads the weights (``model.safetensors``, its shards, or
 ``pytorch_model.bin``) and ``optimizer.pt``, and also loads ``scheduler.pt``
 and ``rng_state*.pth`` to prove they restore. With a ``config.json`` it needs
 no factory: the model comes from ``transformers``' auto classes and the
-optimizer is rebuilt as the Trainer builds it (:mod:`ckptier.tasks.models`).
+optimizer is rebuilt as the Trainer builds it (:mod:`ckptier.tasks.drill_models`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from ckptier.formats.base import FormatPlugin, Group, Scan, as_loss, as_step, names
 from ckptier.formats.dcp import dcp_checker
 from ckptier.storage.base import ObjectInfo, key_problem
-from ckptier.storage.model import Format
+from ckptier.storage.records import Format
 from ckptier.storage.structure import Checker, Need, StructureError, manifest_checker, parse_json, shortfalls
 
 if TYPE_CHECKING:

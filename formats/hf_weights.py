@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptier.formats.base import FormatPlugin, Group, Scan, names, step_in_name
 from ckptier.formats.hf_trainer import HF_INDEXES, hf_index_checker, hf_index_needs, load_safetensors_weights
-from ckptier.storage.model import Format
+from ckptier.storage.records import Format
 from ckptier.storage.structure import Checker, shortfalls
 
 if TYPE_CHECKING:

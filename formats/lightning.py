@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptier.formats.base import FormatPlugin, Group, Scan
-from ckptier.storage.model import Format
+from ckptier.storage.records import Format
 
 if TYPE_CHECKING:
     from ckptier.formats.safe_load import LoadedCheckpoint

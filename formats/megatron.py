@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptier.formats.base import PARTITIONED, FormatPlugin, Group, RankFiles, Scan, names
 from ckptier.formats.dcp import dcp_checker, dcp_commit
-from ckptier.storage.model import Format, Shortfall
+from ckptier.storage.records import Format, Shortfall
 from ckptier.storage.structure import Checker
 
 if TYPE_CHECKING:

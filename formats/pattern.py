@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from ckptier.formats.base import FormatPlugin, Group, Scan
 from ckptier.storage.base import ObjectInfo, key_problem
 from ckptier.storage.errors import ConfigError
-from ckptier.storage.model import Format
+from ckptier.storage.records import Format
 
 __all__ = ["PLUGIN", "PatternRule", "recognise_patterns"]
 

@@ -6,52 +6,14 @@ It never reads the clock, never opens weights, and never unpickles anything
 but DCP's ``.metadata``, with a restricted unpickler that constructs nothing
 executable (:func:`ckptier.formats.dcp.dcp_needs`).
 
-The pass is the same for every format; what a layout looks like and what
-commits it is each format's own module (:mod:`ckptier.formats`):
-
-1. every key is offered to the formats' anchors in registry order; the first
-   that claims it puts it in that checkpoint directory's group;
-2. a file no anchor claimed joins the group of its own directory (or of an
-   ancestor, for formats that adopt subdirectories: Orbax item directories);
-   a job-level file a format owns (DeepSpeed's ``latest``, Megatron's
-   tracker) is kept aside for that format to read;
-3. each group goes to the first of its claimants in registry order, which
-   emits a checkpoint (or says why the directory is not one);
-4. what is left goes to the user's ``[[pattern]]`` rules, then is reported
-   as not recognised, one row per directory.
-
-Common rules:
-
-* ``job`` is the key path between the scan root and the checkpoint's
-  directory (``runs/llama/step-00001000/...`` -> ``runs/llama``); when the
-  checkpoint sits directly at the root it is ``root_name``.
-* A zero-byte data file (``.pt``, ``.pth``, ``.bin``, ``.safetensors``,
-  ``.distcp``, ``.ckpt``...) makes the checkpoint ``incomplete`` naming it.
-* A malformed metadata file makes it ``incomplete`` with a reason such as
-  ``metadata.json: not valid JSON (line 1 col 17)``; nothing raises for bad
-  content. ``read_small`` errors: a transient one (:func:`is_transient`)
-  propagates so that the caller retries the scan; any other storage error
-  makes the checkpoint incomplete with the error in its reason.
-* A step that does not parse (``step-abc``, ``checkpoint-best`` holding
-  checkpoint files, ``step=x.ckpt``) is Unrecognised, once per directory;
-  so is one above :data:`MAX_STEP`, which no catalog column can hold.
-* Keys that :func:`key_problem` rejects (not UTF-8, ``..``, ...) are
-  Unrecognised one by one; their ``key`` is made printable (undecodable bytes
-  as ``\\xNN``).
-* Files of no format are reported as one Unrecognised per directory with a
-  count and an example, so a million stray files give one row per directory.
-  Directory keys end with ``/``; the root directory is ``""``.
-* ckptier's own files are skipped: temp files (``.ckptier-tmp-*``), names
-  ending in ``ckptier-manifest.json``, and anything under a ``.ckptier/``
-  directory (see :func:`is_own_file`).
-* Two checkpoints with the same (job, step): the newest (by file mtime, then
-  prefix) is kept, the others are Unrecognised naming the kept one.
-
-Output is deterministic: checkpoints sorted by (job, step, prefix), each
-checkpoint's files by relpath, unrecognised entries by key. Cost is linear in
-the listing; plain string splits per object, each format's anchor is a few
-string tests per key; regexes only for step names of claimed directories,
-``.ckpt`` names and user patterns.
+The pass (anchors in registry order, groups, claimants, then the user's
+``[[pattern]]`` rules) and its common rules (jobs, zero-byte and malformed
+files, unparsable steps, bad keys, ckptier's own files, duplicate steps) are
+described in docs/architecture.md, "Recognition". Nothing raises for bad
+content; a transient ``read_small`` error (:func:`is_transient`) propagates
+so that the caller retries the scan. Output is deterministic: checkpoints
+sorted by (job, step, prefix), each checkpoint's files by relpath,
+unrecognised entries by key; cost is linear in the listing.
 """
 
 from __future__ import annotations
@@ -66,7 +28,7 @@ from ckptier.formats.pattern import PatternRule, recognise_patterns
 from ckptier.formats.registry import ANCHORING, SIDECAR_NAMES, SIDECAR_OWNERS, plugin
 from ckptier.storage.base import ObjectInfo, key_problem
 from ckptier.storage.local import TEMP_PREFIX
-from ckptier.storage.model import Found, Recognition, Unrecognised
+from ckptier.storage.records import Found, Recognition, Unrecognised
 
 __all__ = [
     "DEFAULT_LIGHTNING_SETTLE_SECONDS",

@@ -2,7 +2,7 @@
 
 Adding a format is its module (recognition, manifests, loading, drill needs;
 see :mod:`ckptier.formats.base`), one line below, and its name in
-:class:`ckptier.storage.model.Format` (the catalog stores it). Order matters
+:class:`ckptier.storage.records.Format` (the catalog stores it). Order matters
 only where layouts nest: a Hugging Face ``checkpoint-N`` claims the DCP or
 DeepSpeed folders inside it, Megatron's ``iter_N`` claims its ``torch_dist``
 DCP files, DCP claims ``.distcp`` and ``.metadata`` before DeepSpeed claims
@@ -16,7 +16,7 @@ import importlib
 from collections.abc import Callable
 
 from ckptier.formats.base import FormatPlugin
-from ckptier.storage.model import Format
+from ckptier.storage.records import Format
 from ckptier.storage.structure import Checker, data_checker
 
 _MODULES = (

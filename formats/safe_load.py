@@ -37,7 +37,7 @@ import torch
 from ckptier.formats.allowlist import allowed_class, check_if_loaded, is_library_global
 from ckptier.formats.names import allow_global_problem, unsafe_global_reason
 from ckptier.storage.errors import CkptierError, ConfigError
-from ckptier.storage.model import Format
+from ckptier.storage.records import Format
 
 MIN_TORCH = (2, 10)
 

@@ -29,7 +29,7 @@ from typing import Any
 from .base import key_problem
 from .errors import CkptierError
 from .hashing import is_crc64nvme, is_sha256_hex
-from .model import CheckpointRecord, Format
+from .records import CheckpointRecord, Format
 
 #: The manifest format this code writes and the only one it reads.
 MANIFEST_VERSION = 1

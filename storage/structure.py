@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .codec_layout import torch_storages
-from .model import Shortfall
+from .records import Shortfall
 
 try:  # CLMUL CRC-32: ~10x zlib's (see the module docstring)
     from zlib_ng.zlib_ng import crc32 as _crc32
@@ -509,7 +509,7 @@ def _find_descriptor(s: _ZipState, name: str, method: int) -> Generator[tuple[An
     """The length of a streamed member, from the data descriptor that follows it (peeked, not consumed)."""
     window = _FIRST_WINDOW
     while True:
-        buf = yield ("peek", window, f"inside member {name!r} (offset {s.offset})")
+        buf: bytes = yield ("peek", window, f"inside member {name!r} (offset {s.offset})")
         at = buf.find(_DESCRIPTOR)
         while at >= 0:
             if at + 16 <= len(buf):

@@ -15,7 +15,7 @@ store and the events to log. Three kinds of input move a checkpoint:
 * drills, which do not change the state but the proof
   (:func:`proof_of`, :func:`pick_latest`).
 
-States (see :class:`~ckptier.storage.model.State`)::
+States (see :class:`~ckptier.storage.records.State`)::
 
     (new) ──> incomplete <──> committed ──> verified
                   │              │  ^          │
@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from .model import CheckpointRecord, CopyState, FileCheck, FileRecord, Shortfall, State
+from .records import CheckpointRecord, CopyState, FileCheck, FileRecord, Shortfall, State
 
 __all__ = [
     "DEFAULT_GRACE",
@@ -103,7 +103,7 @@ class Seen:
     """What one scan found of a checkpoint.
 
     ``committed``/``reason``/``shortfalls``/``saved_at`` come from format
-    recognition (:class:`~ckptier.storage.model.Found`). Against the row's
+    recognition (:class:`~ckptier.storage.records.Found`). Against the row's
     files: ``changed`` are relpaths that are new or whose size, mtime, etag
     or expected hash changed; ``gone`` are relpaths no longer listed that
     were present; ``still_gone`` are relpaths no longer listed that the

@@ -48,7 +48,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
 from ckptier.storage.errors import ConfigError
-from ckptier.storage.model import HELD_COPY_STATES, CheckpointRecord, CopyRecord, CopyState, Format, State, Tier
+from ckptier.storage.records import HELD_COPY_STATES, CheckpointRecord, CopyRecord, CopyState, Format, State, Tier
 
 from .prices import MONTH_SECONDS, Prices, requests_for
 from .retention import (
@@ -673,6 +673,7 @@ def advise(
 
     def pick(name: str, shown: Callable[[Any], str] = str, measured: Any = None, how: str = "") -> Any:
         given = getattr(request, name)
+        origin: Origin
         if given is not None:
             value, origin, source = given, "given", ""
         elif measured is not None:
@@ -680,7 +681,7 @@ def advise(
         else:
             value, source = DEFAULTS[name]
             origin = "default"
-        assumptions.append(Assumption(name, shown(value) if value is not None else "as needed", origin, source))  # type: ignore[arg-type]
+        assumptions.append(Assumption(name, shown(value) if value is not None else "as needed", origin, source))
         return value
 
     obs = observed

@@ -59,28 +59,25 @@ the proofs, which a real run makes before deleting).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from ckptier.storage.base import MAX_DELETE_BATCH, Canary, DeleteResult, Store, Taggable
-from ckptier.storage.catalog.api import DeleteIntent, FileCheck
+from ckptier.storage.catalog.api import DeleteIntent, FileCheck, LeaseHolder
 from ckptier.storage.errors import CkptierError, DeleteInterrupted, NotFound, StoreError, Unavailable
-from ckptier.storage.model import CheckpointRecord, CopyState, State, Tier
+from ckptier.storage.records import CheckpointRecord, CopyState, FileCheck, State, Tier
 from ckptier.storage.wrappers import DryRunStore
 
 from .archive import ArchiveCheck, check_archive_copy, hot_file_key, promote
-from .leases import DEFAULT_TTL, Lease, LeaseKeeper, this_process
+from .leases import DEFAULT_TTL, Lease, LeaseCatalog, LeaseKeeper, this_process
 from .lifecycle import DELETE_TAG, KEEP_TAG
-from .retention import KeepLast, Plan, PlanItem, Policy, hot_present, plan_retention, shrink_guard
+from .retention import DEFAULT_MAX_MISSING_FRACTION, KeepLast, Plan, PlanItem, Policy, hot_present, plan_retention, shrink_guard
 
 log = logging.getLogger(__name__)
 
 Outcome = Literal["done", "would", "skipped", "held", "failed", "partial", "fenced", "deferred"]
-
-#: Default shrink-guard threshold used by the re-check when the plan gives none.
-DEFAULT_MAX_MISSING_FRACTION = 0.5
 
 #: Threads reading keepers' bytes during the proof.
 PROOF_WORKERS = 4
@@ -308,23 +305,65 @@ def _batches(keys: Sequence[str], size: int = MAX_DELETE_BATCH) -> list[Sequence
 # -------------------------------------------------------------------- catalog side
 
 
+class ApplyCatalog(LeaseCatalog, Protocol):
+    """What :func:`apply_plan` reads and writes in the catalog
+    (:class:`~ckptier.storage.catalog.api.Catalog` fits)."""
+
+    def get_by_id(self, checkpoint_id: int) -> CheckpointRecord | None: ...
+
+    def checkpoints(self, *, job: str | None = None, states: Iterable[State] | None = None,
+                    include_deleted: bool = False, with_files: bool = True) -> list[CheckpointRecord]: ...
+
+    def delete_intents(self, *, job: str | None = None) -> list[DeleteIntent]: ...
+
+    def add_copy(self, checkpoint_id: int, *, tier: Tier, url: str, state: CopyState = CopyState.PRESENT,
+                 stored_bytes: int | None, codec: str | None, manifest_key: str | None,
+                 verified_at: datetime | None, now: datetime, storage_class: str | None = None) -> None: ...
+
+    def set_copy_state(self, checkpoint_id: int, *, tier: Tier, url: str, state: CopyState,
+                       now: datetime) -> None: ...
+
+    def record_decisions(self, rows: Sequence[tuple[int, str, Sequence[str]]], *, policy: str,
+                         now: datetime) -> None: ...
+
+    def log_event(self, kind: str, message: str, *, now: datetime, job: str | None = None,
+                  checkpoint_id: int | None = None, data: Mapping[str, Any] | None = None) -> None: ...
+
+    def record_verification(self, checkpoint_id: int, results: Sequence[FileCheck], *, now: datetime,
+                            grace: timedelta = ..., extra: Sequence[str] = ()) -> State: ...
+
+    def record_delete_intent(self, checkpoint_id: int, *, owner: str, generation: int, scope: str, files: int,
+                             now: datetime) -> bool: ...
+
+    def clear_delete_intent(self, checkpoint_id: int, *, owner: str, generation: int, now: datetime,
+                            why: str) -> bool: ...
+
+    def mark_deleted(self, checkpoint_id: int, *, owner: str, generation: int, now: datetime,
+                     reasons: Sequence[str]) -> bool: ...
+
+    def mark_hot_copy_deleted(self, checkpoint_id: int, *, owner: str, generation: int, now: datetime,
+                              reasons: Sequence[str]) -> bool: ...
+
+
 class _ReadOnlyCatalog:
     """The catalog as a dry run sees it: reads pass through, writes are dropped."""
 
-    def __init__(self, catalog: Any) -> None:
+    def __init__(self, catalog: ApplyCatalog) -> None:
         self._catalog = catalog
         self._gen = 0
 
     def get_by_id(self, checkpoint_id: int) -> CheckpointRecord | None:
-        return self._catalog.get_by_id(checkpoint_id)  # type: ignore[no-any-return]
+        return self._catalog.get_by_id(checkpoint_id)
 
-    def checkpoints(self, **kw: Any) -> list[CheckpointRecord]:
-        return self._catalog.checkpoints(**kw)  # type: ignore[no-any-return]
+    def checkpoints(self, *, job: str | None = None, states: Iterable[State] | None = None,
+                    include_deleted: bool = False, with_files: bool = True) -> list[CheckpointRecord]:
+        return self._catalog.checkpoints(job=job, states=states, include_deleted=include_deleted,
+                                         with_files=with_files)
 
-    def delete_intents(self, **kw: Any) -> list[DeleteIntent]:
-        return self._catalog.delete_intents(**kw)  # type: ignore[no-any-return]
+    def delete_intents(self, *, job: str | None = None) -> list[DeleteIntent]:
+        return self._catalog.delete_intents(job=job)
 
-    def lease_holder(self, checkpoint_id: int, *, now: datetime) -> Any:
+    def lease_holder(self, checkpoint_id: int, *, now: datetime) -> LeaseHolder | None:
         return self._catalog.lease_holder(checkpoint_id, now=now)
 
     def claim(self, checkpoint_id: int, owner: str, *, now: datetime, ttl: timedelta, **_: Any) -> int | None:
@@ -337,10 +376,17 @@ class _ReadOnlyCatalog:
     def release(self, checkpoint_id: int, owner: str, generation: int) -> bool:
         return True
 
+    def record_verification(self, checkpoint_id: int, results: Sequence[FileCheck], *, now: datetime,
+                            grace: timedelta = timedelta(0), extra: Sequence[str] = ()) -> State:
+        raise AssertionError("a dry run proves nothing: apply returns before proving keepers")
+
     def _drop(self, *a: Any, **kw: Any) -> bool:
         return True
 
-    add_copy = set_copy_state = record_decisions = log_event = _drop
+    def _ignore(self, *a: Any, **kw: Any) -> None:
+        return None
+
+    add_copy = set_copy_state = record_decisions = log_event = _ignore
     mark_deleted = mark_hot_copy_deleted = record_delete_intent = clear_delete_intent = _drop
 
 
@@ -350,7 +396,7 @@ class _ReadOnlyCatalog:
 def apply_plan(
     plan: Plan,
     *,
-    catalog: Any,
+    catalog: ApplyCatalog,
     hot_for: Callable[[CheckpointRecord], tuple[Store, str]],
     archive_for: Callable[[str], Store | None],
     owner: str,
@@ -371,7 +417,7 @@ def apply_plan(
     :class:`~ckptier.tasks.archive.ArchiveCopy` or the exception that
     stopped it; this run still claims, checks and records every one.
 
-    ``catalog`` is a :class:`ckptier.storage.catalog.api.Catalog`.
+    ``catalog`` is a :class:`ckptier.storage.catalog.api.Catalog` (:class:`ApplyCatalog`).
     ``hot_for(record)`` gives the hot store and the checkpoint's key prefix
     in it; ``archive_for(job)`` the job's archive store (``None``: no archive
     tier); an archive copy outside that store cannot be proven, so its hot
@@ -489,7 +535,7 @@ class _Run:
         self,
         plan: Plan,
         *,
-        catalog: Any,
+        catalog: ApplyCatalog,
         hot_for: Callable[[CheckpointRecord], tuple[Store, str]],
         archive_for: Callable[[str], Store | None],
         owner: str,
@@ -500,7 +546,7 @@ class _Run:
         proven: set[int],
     ) -> None:
         self.plan = plan
-        self.cat: Any = _ReadOnlyCatalog(catalog) if dry_run else catalog
+        self.cat: ApplyCatalog = _ReadOnlyCatalog(catalog) if dry_run else catalog
         self.hot_for = hot_for
         self._archive_for = archive_for
         self.owner = owner

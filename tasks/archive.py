@@ -61,7 +61,7 @@ from ckptier.storage.hashing import Digests, Hasher, store_crc64nvme
 from ckptier.storage.local import file_mode
 from ckptier.storage.manifest import MANIFEST_NAME as _MANIFEST_NAME
 from ckptier.storage.manifest import Manifest, ManifestFile, StoredObject
-from ckptier.storage.model import HELD_COPY_STATES, CheckpointRecord, FileRecord, State, Tier
+from ckptier.storage.records import HELD_COPY_STATES, CheckpointRecord, FileRecord, State, Tier
 from ckptier.storage.s3 import RESTORE_CLASSES, RESTORE_HOURS
 from ckptier.tasks.verify import (
     file_key as hot_file_key,  # the single-file rule lives there
@@ -412,9 +412,9 @@ def promote(
             hot_digests[f.relpath] = got
             if sealed:
                 spool.seek(0)
-                enc_digests[f.relpath] = _decode_spool(spool, got, _store_url(archive, dkey))  # type: ignore[arg-type]
+                enc_digests[f.relpath] = _decode_spool(spool, got, _store_url(archive, dkey))
             spool.seek(0)
-            archive.write(dkey, spool)  # type: ignore[arg-type]
+            archive.write(dkey, spool)
 
     # 3. Read back: every archived object must decode to the hot bytes.
     stored: dict[str, StoredObject] = {}

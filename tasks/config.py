@@ -90,7 +90,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn, TypeVar
 
 from ckptier.formats.names import (  # noqa: F401 - re-exported: the rule lives with the safe loader
     UNSAFE_GLOBAL_MODULES,
@@ -106,6 +106,7 @@ from ckptier.storage.url import parse_url
 from ckptier.tasks.prices import DEFAULT_CLASS_PRICES, DEFAULT_PRICES, FIELDS, ClassPrice, Prices
 from ckptier.tasks.retention import (
     ARCHIVE_WHENS,
+    DEFAULT_MAX_MISSING_FRACTION,
     MILESTONE_MATCHES,
     KeepDaily,
     KeepLast,
@@ -139,6 +140,13 @@ _RUNNER_KEYS = frozenset({"kind", "workers", "address", "claim_rows", "lease"})
 RUNNER_KINDS = ("threads", "dask")
 _POLICY_KEYS |= {"archive_tiers"}  # parsed by _archive_tiers
 _PATTERN_KEYS = frozenset({"glob", "step_regex", "commit_marker", "settle"})
+_Choice = TypeVar("_Choice", bound=str)
+
+#: A restore drill's training steps and wall-clock limit when neither the
+#: command line nor the job's ``[[drill]]`` sets them.
+DEFAULT_DRILL_STEPS = 10
+DEFAULT_DRILL_TIMEOUT = timedelta(minutes=15)
+
 _TOP_KEYS = frozenset({"policy", "drill", "catalog", "pattern", "prices", "inventory", "runner"})
 _INVENTORY_KEYS = frozenset({"url", "report"})
 _MODEL_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
@@ -176,9 +184,9 @@ class DrillSettings:
 
     jobs: str = "*"
     model: str = ""
-    steps: int = 10
+    steps: int = DEFAULT_DRILL_STEPS
     device: Device = "auto"
-    timeout: timedelta = timedelta(minutes=15)
+    timeout: timedelta = DEFAULT_DRILL_TIMEOUT
     loss_tolerance: float | None = None
     allow_globals: tuple[str, ...] = ()
 
@@ -275,7 +283,7 @@ class _Table:
                 hint = f"did you mean {close[0]}? " if close else ""
                 self.fail(key, data[key], f"unknown key; {hint}known keys: {', '.join(sorted(allowed))}")
 
-    def fail(self, key: str, value: Any, fix: str) -> None:
+    def fail(self, key: str, value: Any, fix: str) -> NoReturn:
         raise ConfigError(f"{self.where}: {self.name}.{key} = {_show(value)}: {fix}")
 
     def has(self, key: str) -> bool:
@@ -329,11 +337,12 @@ class _Table:
             self.fail(key, v, f"must be longer than zero, e.g. {example!r}")
         return d
 
-    def get_choice(self, key: str, default: str, choices: tuple[str, ...]) -> str:
+    def get_choice(self, key: str, default: _Choice, choices: tuple[_Choice, ...]) -> _Choice:
         v = self.data.get(key, default)
-        if v not in choices:
-            self.fail(key, v, "must be " + " or ".join(f'"{c}"' for c in choices))
-        return str(v)
+        for choice in choices:
+            if v == choice:
+                return choice
+        self.fail(key, v, "must be " + " or ".join(f'"{c}"' for c in choices))
 
     def get_glob(self, key: str = "jobs") -> str:
         v = self.data.get(key, "*")
@@ -406,19 +415,19 @@ def _milestones(t: _Table) -> Milestones | None:
     if isinstance(v, str):
         if v != "log":
             t.fail("milestones", v, shapes)
-        return Milestones(log=True, match=match)  # type: ignore[arg-type]
+        return Milestones(log=True, match=match)
     if isinstance(v, list):
         steps = t.get_steps("milestones")
         if not steps:
             t.fail("milestones", v, "an empty list keeps nothing; omit the key for no milestones")
-        return Milestones(steps=steps or (), match=match)  # type: ignore[arg-type]
+        return Milestones(steps=steps or (), match=match)
     if isinstance(v, dict):
         if set(v) != {"every_n_steps"}:
             t.fail("milestones", v, shapes)
         n = v["every_n_steps"]
         if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
             t.fail("milestones", v, "every_n_steps must be a whole number > 0, e.g. { every_n_steps = 10000 }")
-        return Milestones(every=int(n), match=match)  # type: ignore[arg-type]
+        return Milestones(every=int(n), match=match)
     t.fail("milestones", v, shapes)
     return None
 
@@ -472,7 +481,7 @@ def _policy(where: str, index: int, data: Any) -> Policy:
         if t.has(key) and archive is None:
             t.fail(key, t.data[key], "has no effect without archive: set archive or remove " + key)
     grace = t.get_duration("grace", "2h", positive=False, example="2h")
-    fraction = t.get_float("max_missing_fraction", 0.5, lo=0.0, hi=1.0, example=0.5)
+    fraction = t.get_float("max_missing_fraction", None, lo=0.0, hi=1.0, example=0.5)
     archive_tiers = _archive_tiers(t, archive, storage_class)
     return Policy(
         rules=tuple(rules),
@@ -482,11 +491,11 @@ def _policy(where: str, index: int, data: Any) -> Policy:
         archive=archive,
         storage_class=storage_class,
         hot_after_archive=hot,
-        max_missing_fraction=fraction if fraction is not None else 0.5,
+        max_missing_fraction=fraction if fraction is not None else DEFAULT_MAX_MISSING_FRACTION,
         delete_stale_incomplete=t.get_bool("delete_stale_incomplete", False),
         archive_tiers=archive_tiers,
         archive_after=archive_after,
-        archive_when=archive_when,  # type: ignore[arg-type]
+        archive_when=archive_when,
         min_drilled=t.get_int("min_drilled", 0, example=1),
     )
 
@@ -505,7 +514,7 @@ def _drill(where: str, index: int, data: Any) -> DrillSettings:
     device = t.data.get("device", "auto")
     if device not in ("auto", "cpu", "cuda"):
         t.fail("device", device, "must be \"auto\", \"cpu\" or \"cuda\"")
-    timeout = t.get_duration("timeout", "15m", positive=True, example="15m")
+    timeout = t.get_duration("timeout", None, positive=True, example="15m")
     allow = t.data.get("allow_globals", [])
     if not isinstance(allow, list):
         t.fail("allow_globals", allow, "must be a list of module.Name strings, e.g. allow_globals = [\"mypkg.config.TrainConfig\"]")
@@ -521,9 +530,9 @@ def _drill(where: str, index: int, data: Any) -> DrillSettings:
     return DrillSettings(
         jobs=jobs,
         model=model,
-        steps=t.get_int("steps", 10, minimum=1, example=10),
+        steps=t.get_int("steps", DEFAULT_DRILL_STEPS, minimum=1, example=10),
         device=device,
-        timeout=timeout if timeout is not None else timedelta(minutes=15),
+        timeout=timeout if timeout is not None else DEFAULT_DRILL_TIMEOUT,
         loss_tolerance=t.get_float("loss_tolerance", None, lo=0.0, hi=None, example=0.05),
         allow_globals=tuple(dict.fromkeys(allow)),
     )
@@ -763,7 +772,7 @@ def _archive_tiers(t: _Table, archive: str | None, storage_class: str | None) ->
             t.fail("archive_tiers", v, f"entry {i}: after = {_show(after)} must be a whole number of days > 0, e.g. \"30d\"")
         if (problem := class_problem(cls, allowed=S3_CLASSES[1:])) is not None:
             t.fail("archive_tiers", v, f"entry {i}: storage_class = {_show(cls)} {problem}")
-        tiers.append(ArchiveTier(after=d, storage_class=cls))  # type: ignore[arg-type]
+        tiers.append(ArchiveTier(after=d, storage_class=cls))
     if (problem := archive_tiers_problem(tiers, storage_class)) is not None:
         t.fail("archive_tiers", v, problem)
     return tuple(tiers)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Protocol
 
-from ckptier.storage.model import CheckpointRecord, State
+from ckptier.storage.records import CheckpointRecord, State
 
 from .config import Config
 from .prices import Prices

@@ -20,7 +20,7 @@ import torch
 
 from ckptier.storage.hashing import hash_file
 
-from .models import demo_model, demo_train
+from .drill_models import demo_model, demo_train
 
 
 @dataclass(frozen=True)

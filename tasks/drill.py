@@ -31,8 +31,8 @@ from typing import Any
 from ckptier.formats.registry import DRILLABLE_FORMATS as DRILLABLE
 from ckptier.formats.registry import plugin
 from ckptier.storage.errors import ConfigError
-from ckptier.storage.model import CheckpointRecord, Format, State
-from ckptier.tasks.config import parse_factory_spec
+from ckptier.storage.records import CheckpointRecord, Format, State
+from ckptier.tasks.config import DEFAULT_DRILL_STEPS, DEFAULT_DRILL_TIMEOUT, parse_factory_spec
 
 DEFAULT_LOSS_TOLERANCE = 0.5
 """Relative distance allowed between the first restored loss and the loss the
@@ -180,7 +180,7 @@ class WorkerResult:
 class DrillRequest:
     """What the parent asks the worker to do (written as JSON to scratch).
 
-    ``factory`` is a ``module:function`` spec (see ckptier.tasks.models) or
+    ``factory`` is a ``module:function`` spec (see ckptier.tasks.drill_models) or
     None to build a Hugging Face model from its config.json. ``device`` is
     ``auto``, ``cpu`` or ``cuda``; ``steps`` is K >= 1.
     """
@@ -406,8 +406,8 @@ def run_drill_subprocess(
     *,
     factory: str | None,
     scratch: Path,
-    steps: int = 5,
-    timeout: float = 600.0,
+    steps: int = DEFAULT_DRILL_STEPS,
+    timeout: float = DEFAULT_DRILL_TIMEOUT.total_seconds(),
     device: str = "auto",
     seed: int = 0,
     allow_globals: Sequence[str] = (),
@@ -491,7 +491,7 @@ def run_drill_subprocess(
     elapsed = time.perf_counter() - started
     timings = {"subprocess_s": elapsed, "spawned_at": spawned_at}
     stderr_tail = _tail(scratch / "worker.err")
-    base = {"checkpoint": request.checkpoint, "format": fmt_value, "steps": steps, "returncode": returncode,
+    base: dict[str, Any] = {"checkpoint": request.checkpoint, "format": fmt_value, "steps": steps, "returncode": returncode,
             "stderr_tail": stderr_tail or None, "confined": confined, "confinement": confinement}
     if timed_out:
         return WorkerResult(

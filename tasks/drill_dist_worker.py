@@ -60,7 +60,7 @@ from ckptier.tasks.drill_worker import (
     _seed,
     restore,
 )
-from ckptier.tasks.models import DrillSpec, build_spec, resolve_factory, train_step
+from ckptier.tasks.drill_models import DrillSpec, build_spec, resolve_factory, train_step
 
 _PR_SET_PDEATHSIG = 1
 

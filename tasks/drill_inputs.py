@@ -220,12 +220,12 @@ def top_level_names(tree: ast.Module) -> tuple[dict[str, str], bool]:
             elif isinstance(node, ast.If):
                 visit(node.body)
                 visit(node.orelse)
-            elif isinstance(node, ast.Try) or type(node).__name__ == "TryStar":
-                visit(node.body)  # type: ignore[attr-defined]
-                for handler in node.handlers:  # type: ignore[attr-defined]
+            elif isinstance(node, (ast.Try, ast.TryStar)):
+                visit(node.body)
+                for handler in node.handlers:
                     visit(handler.body)
-                visit(node.orelse)  # type: ignore[attr-defined]
-                visit(node.finalbody)  # type: ignore[attr-defined]
+                visit(node.orelse)
+                visit(node.finalbody)
             elif isinstance(node, (ast.With, ast.AsyncWith)):
                 visit(node.body)
             elif isinstance(node, (ast.For, ast.AsyncFor, ast.While)):

@@ -32,7 +32,7 @@ from torch import nn
 
 from ckptier.storage.errors import CkptierError, ConfigError
 from ckptier.tasks.drill import DrillRequest, WorkerResult
-from ckptier.tasks.models import DrillSpec, build_spec, hf_spec, resolve_factory, train_step, trainer_optimizer
+from ckptier.tasks.drill_models import DrillSpec, build_spec, hf_spec, resolve_factory, train_step, trainer_optimizer
 from ckptier.formats.registry import plugin
 from ckptier.formats.safe_load import LoadedCheckpoint, UnsafeCheckpoint, load_checkpoint_dir
 

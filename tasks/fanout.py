@@ -37,7 +37,7 @@ from datetime import UTC, datetime
 from typing import Any, Protocol, TypeVar
 
 from ckptier.storage.errors import ConfigError, is_transient
-from ckptier.storage.model import CheckpointRecord
+from ckptier.storage.records import CheckpointRecord
 
 from .config import RunnerSettings
 from .verify import VerifyOutcome

@@ -21,7 +21,7 @@ from datetime import datetime, timedelta
 
 from ckptier.storage.base import Store
 from ckptier.storage.errors import NotFound, StoreError
-from ckptier.storage.model import CheckpointRecord, CopyState, State, Tier
+from ckptier.storage.records import CheckpointRecord, CopyState, State, Tier
 
 from .verify import file_key, is_single_file
 

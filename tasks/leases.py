@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, Self
+from typing import Protocol, Self
 
 from ckptier.storage.catalog.api import LeaseHolder, ProcessId
 
@@ -125,11 +125,27 @@ class Lease:
     lost: bool = False
 
 
+class LeaseCatalog(Protocol):
+    """What :class:`LeaseKeeper` needs of the catalog
+    (:class:`~ckptier.storage.catalog.api.Catalog` fits)."""
+
+    def claim(self, checkpoint_id: int, owner: str, *, now: datetime, ttl: timedelta,
+              process: ProcessId | None = None, take_over: Callable[[LeaseHolder], bool] | None = None) -> int | None: ...
+
+    def renew(self, checkpoint_id: int, owner: str, generation: int, *, now: datetime,
+              ttl: timedelta) -> datetime | None: ...
+
+    def release(self, checkpoint_id: int, owner: str, generation: int) -> bool: ...
+
+    def lease_holder(self, checkpoint_id: int, *, now: datetime) -> LeaseHolder | None: ...
+
+
 class LeaseKeeper:
     """Claims, renews (a heartbeat thread) and releases the leases of one run.
 
     ``catalog`` is a :class:`~ckptier.storage.catalog.api.Catalog` (or
-    anything with its ``claim``/``renew``/``release``/``lease_holder``);
+    anything with its ``claim``/``renew``/``release``/``lease_holder``:
+    :class:`LeaseCatalog`);
     ``now()`` the clock (aware UTC), also used by the heartbeat; ``ttl`` the
     lease length. The heartbeat renews every held lease each ``ttl / 3``
     seconds of real time (``heartbeat`` overrides the interval) and marks a
@@ -140,7 +156,7 @@ class LeaseKeeper:
 
     def __init__(
         self,
-        catalog: Any,
+        catalog: LeaseCatalog,
         owner: str,
         *,
         now: Callable[[], datetime],

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptier.storage.errors import ConfigError
-from ckptier.storage.model import CheckpointRecord
+from ckptier.storage.records import CheckpointRecord
 from ckptier.storage.url import parse_url
 
 from .retention import Plan, Policy
@@ -298,7 +298,7 @@ def rule_applies(rule: Mapping[str, Any], key: str, tags: Mapping[str, str], siz
     if "Prefix" in f:
         return key.startswith(f["Prefix"])
     if "Tag" in f:
-        return tags.get(f["Tag"]["Key"]) == f["Tag"]["Value"]
+        return bool(tags.get(f["Tag"]["Key"]) == f["Tag"]["Value"])
     return _size_ok(f, size)
 
 

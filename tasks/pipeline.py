@@ -17,17 +17,17 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptier.storage.base import StorageClasses, Store
 from ckptier.storage.catalog.api import Catalog
 from ckptier.storage.errors import CkptierError, ConfigError
 from ckptier.formats import PatternRule
-from ckptier.storage.model import CheckpointRecord, CopyState, State
+from ckptier.storage.records import CheckpointRecord, CopyState, State
 from ckptier.storage.url import canonical_url, open_store, parse_url
 from ckptier.storage.wrappers import resuming
 
-from .config import Config, check_archive_locations
+from .config import Config, DrillSettings, check_archive_locations
 from .leases import DEFAULT_TTL as DEFAULT_LEASE_TTL
 from .reports import (
     NOTHING_FREED,
@@ -42,6 +42,10 @@ from .reports import (
 )
 from .retention import Plan, PlanItem, Policy, drill_passed, plan_retention
 from .scan import ScanReport, scan_url
+from .settings import Run
+
+if TYPE_CHECKING:
+    from .apply import ApplyReport
 
 Clock = Callable[[], datetime]
 
@@ -407,7 +411,7 @@ def _verify_archive_copies(catalog: Catalog, records: Sequence[CheckpointRecord]
     A degraded copy of a checkpoint that no longer has a hot copy is the
     only copy at risk: its event says so.
     """
-    from ckptier.storage.model import Tier
+    from ckptier.storage.records import Tier
 
     from .archive import check_archive_copy
 
@@ -576,7 +580,7 @@ def run_apply(
     empty in a dry run).
     """
     check_archive_locations(config, catalog.hot_locations())
-    stores = stores or StoreCache()
+    run = Run(catalog=catalog, config=config, stores=stores or StoreCache(), now=now, owner=owner, dry_run=dry_run)
     lines: list[str] = []
     items: list[dict[str, Any]] = []
     failed = False
@@ -595,8 +599,7 @@ def run_apply(
                 continue
             if n > 0 and not any(i.action == "delete" for i in plan.items):
                 continue
-            report = _apply_one(catalog, config, policy, plan, stores=stores, now=now, owner=owner, dry_run=dry_run,
-                                lease_ttl=lease_ttl, lines=lines, items=items, proven=proven, fanout=fanout)
+            report = _apply_one(run, policy, plan, lease_ttl=lease_ttl, lines=lines, items=items, proven=proven, fanout=fanout)
             proofs.extend(asdict(p) for p in report.proofs)
             promoted |= bool(report.promoted)
             failed |= not report.ok
@@ -613,23 +616,22 @@ def run_apply(
             "outcome": {**asdict(outcome), "hot_freed_bytes": outcome.hot_freed_bytes}}
 
 
-def _apply_one(catalog: Catalog, config: Config, policy: Policy, plan: Plan, *, stores: StoreCache, now: Clock, owner: str,
-               dry_run: bool, lease_ttl: timedelta, lines: list[str], items: list[dict[str, Any]],
-               proven: set[int], fanout: Any = None) -> Any:
-    """Carry out one policy's plan, appending report lines and item rows."""
+def _apply_one(run: Run, policy: Policy, plan: Plan, *, lease_ttl: timedelta, lines: list[str],
+               items: list[dict[str, Any]], proven: set[int], fanout: Any = None) -> ApplyReport:
+    """Carry out one policy's plan in ``run``, appending report lines and item rows."""
     from .apply import apply_plan
 
-    archive_store = archive_store_for(stores, policy)
+    archive_store = archive_store_for(run.stores, policy)
     promote_many = None
     if fanout is not None and policy.archive:
         from .fanout import promoter
 
-        promote_many = promoter(fanout, archive_url=policy.archive, storage_class=policy.storage_class, now=now,
-                                owner=owner)
+        promote_many = promoter(fanout, archive_url=policy.archive, storage_class=policy.storage_class, now=run.now,
+                                owner=run.owner)
     report = apply_plan(
-        plan, catalog=catalog, hot_for=stores.for_record, archive_for=lambda _job: archive_store,
-        owner=owner, now=now, lease_ttl=lease_ttl, dry_run=dry_run, policy=str(policy),
-        max_missing_fraction=policy.max_missing_fraction, policy_for=config.policy_for, proven=proven,
+        plan, catalog=run.catalog, hot_for=run.stores.for_record, archive_for=lambda _job: archive_store,
+        owner=run.owner, now=run.now, lease_ttl=lease_ttl, dry_run=run.dry_run, policy=str(policy),
+        max_missing_fraction=policy.max_missing_fraction, policy_for=run.config.policy_for, proven=proven,
         promote_many=promote_many,
     )
     for p in report.proofs:
@@ -808,7 +810,7 @@ def run_drill(
     import shutil
     import tempfile
 
-    from .config import allow_global_problem
+    from ckptier.formats.names import allow_global_problem
     from .drill import DEFAULT_LOSS_TOLERANCE, choose_candidates, drill_path, judge, run_drill_subprocess
     from .drill_inputs import check_drill_inputs
 
@@ -833,13 +835,13 @@ def run_drill(
     _check_allowed_classes(config, by_job, allow_globals, scratch_root)
     reports: list[dict[str, Any]] = []
     for job_name, records in by_job.items():
-        settings = config.drill_for(job_name)
-        factory = model or (settings.model if settings and settings.model else None)
-        k = steps or (settings.steps if settings else 10)
-        dev = device or (settings.device if settings else "auto")
-        limit = timeout or (settings.timeout.total_seconds() if settings else 900.0)
-        tolerance = settings.loss_tolerance if settings and settings.loss_tolerance else DEFAULT_LOSS_TOLERANCE
-        allowed = tuple(dict.fromkeys([*(settings.allow_globals if settings else ()), *allow_globals]))
+        settings = config.drill_for(job_name) or DrillSettings()  # no [[drill]]: the defaults
+        factory = model or settings.model or None
+        k = steps or settings.steps
+        dev = device or settings.device
+        limit = timeout or settings.timeout.total_seconds()
+        tolerance = settings.loss_tolerance or DEFAULT_LOSS_TOLERANCE
+        allowed = tuple(dict.fromkeys([*settings.allow_globals, *allow_globals]))
         for record in records:
             started = now()
             scratch = Path(tempfile.mkdtemp(prefix="ckptier-drill-", dir=scratch_root))

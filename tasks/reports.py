@@ -26,7 +26,7 @@ from datetime import datetime
 from typing import Any
 from urllib.parse import quote
 
-from ckptier.storage.model import CheckpointRecord, CopyRecord, FileCheck, FileRecord, State, Tier
+from ckptier.storage.records import CheckpointRecord, CopyRecord, CopyState, FileCheck, FileRecord, State, Tier
 
 from .costs import hot_class_of
 from .retention import Plan, hot_present
@@ -153,9 +153,9 @@ def forecast_freed(records: Sequence[CheckpointRecord], plan: Callable[[Sequence
         if c.id in deleted and deleted[c.id].scope == "checkpoint":
             c = dataclasses.replace(c, state=State.DELETED)
         elif c.id in deleted:
-            c = dataclasses.replace(c, copies=c.copies + (CopyRecord(Tier.HOT, c.location, "deleted", None, None),))
+            c = dataclasses.replace(c, copies=c.copies + (CopyRecord(Tier.HOT, c.location, CopyState.DELETED, None, None),))
         elif c.id in promoted:
-            copy = CopyRecord(Tier.ARCHIVE, f"forecast:{c.job}/{c.step}", "present", None, now)
+            copy = CopyRecord(Tier.ARCHIVE, f"forecast:{c.job}/{c.step}", CopyState.PRESENT, None, now)
             c = dataclasses.replace(c, copies=c.copies + (copy,))
         after.append(c)
     then = sum(i.bytes for i in plan(after).items if i.action == "delete" and i.checkpoint_id not in deleted)

@@ -37,11 +37,11 @@ import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta, UTC
 from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 from ckptier.storage.errors import ConfigError
-from ckptier.storage.model import CheckpointRecord, CopyState, State, Tier
+from ckptier.storage.records import CheckpointRecord, CopyState, State, Tier
 from ckptier.tasks.tiers import ArchiveTier
 
 Action = Literal["keep", "promote", "delete"]
@@ -49,6 +49,10 @@ Scope = Literal["checkpoint", "hot-copy"]
 HotAfterArchive = Literal["delete", "keep"]
 MilestoneMatch = Literal["at_or_after", "exact"]
 ArchiveWhen = Literal["immediately", "leaving_hot"]
+#: The shrink guard's default: refuse a job's deletions when more than this
+#: fraction (0..1) of its verified checkpoints went missing from a listing.
+DEFAULT_MAX_MISSING_FRACTION = 0.5
+
 MILESTONE_MATCHES: tuple[MilestoneMatch, ...] = ("at_or_after", "exact")
 ARCHIVE_WHENS: tuple[ArchiveWhen, ...] = ("immediately", "leaving_hot")
 
@@ -364,7 +368,7 @@ def _keep_buckets(
     seen: list[str] = []
     ordered = sorted(_verified(checkpoints), key=lambda c: (_time_of(c), c.step, c.id), reverse=True)
     for c in ordered:
-        b = bucket(_time_of(c).astimezone(timezone.utc))
+        b = bucket(_time_of(c).astimezone(UTC))
         if b in seen:
             continue
         if len(seen) >= n:
@@ -454,7 +458,7 @@ class Policy:
     archive: str | None = None
     storage_class: str | None = None
     hot_after_archive: HotAfterArchive = "delete"
-    max_missing_fraction: float = 0.5
+    max_missing_fraction: float = DEFAULT_MAX_MISSING_FRACTION
     delete_stale_incomplete: bool = False
     archive_tiers: tuple[ArchiveTier, ...] = ()
     archive_after: timedelta | None = None
@@ -782,7 +786,7 @@ def _plan_job(
 
     refused = shrink_guard(cs, policy.max_missing_fraction)
     if refused:
-        for cid, (action, reasons, scope) in list(decided.items()):
+        for cid, (action, reasons, _scope) in list(decided.items()):
             if action == "delete":
                 decided[cid] = ("keep", [refused] + [f"would delete: {r}" for r in reasons], "checkpoint")
 
@@ -861,10 +865,14 @@ def plan_retention(
 class DrillOutcome(Protocol):
     """What :func:`drill_passed` reads of a drill record (the catalog's ``DrillRecord`` fits)."""
 
-    checkpoint_id: int | None
-    ok: bool
-    started_at: datetime
-    finished_at: datetime | None
+    @property
+    def checkpoint_id(self) -> int | None: ...
+    @property
+    def ok(self) -> bool: ...
+    @property
+    def started_at(self) -> datetime: ...
+    @property
+    def finished_at(self) -> datetime | None: ...
 
 
 def drill_passed(drills: Iterable[DrillOutcome]) -> dict[int, datetime]:

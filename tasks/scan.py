@@ -58,7 +58,7 @@ from ckptier.storage.base import (
 from ckptier.storage.catalog.api import Catalog, DirStampRecord, ScanSummary
 from ckptier.storage.errors import ConfigError
 from ckptier.storage.inventory import InventoryReport, open_report
-from ckptier.storage.model import Found, Recognition, State, Tier, Unrecognised
+from ckptier.storage.records import Found, Recognition, State, Tier, Unrecognised
 from ckptier.storage.url import open_store, parse_url
 from ckptier.storage.wrappers import resuming
 

@@ -8,13 +8,19 @@
 * The retention policy: ``plan`` may preview under the built-in default, but
   ``apply`` deletes only under a ``[[policy]]`` the user wrote
   (:func:`require_written_policy`).
+* A run: :func:`open_run` is the one place that puts together what an
+  operation works with (:class:`Run`: the open catalog, the config, the
+  store cache, the clock, the owner, dry-run) and hands it down.
 
 No Prefect, no torch; the config file is read only when it is needed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,7 +28,10 @@ from ckptier.storage.catalog.db import CatalogLocation, resolve_catalog_url
 from ckptier.storage.errors import ConfigError
 
 if TYPE_CHECKING:
+    from ckptier.storage.catalog.api import Catalog
+
     from .config import Config
+    from .pipeline import StoreCache
 
 #: What to write when there is no policy to apply (shown in one line).
 POLICY_EXAMPLE = '[[policy]] with jobs = "*" and keep_last = 5 (plus milestones = "log" and archive = "..." to keep milestones)'
@@ -120,3 +129,41 @@ def require_written_policy(config: Config, jobs: Iterable[str], config_path: str
     problem = unwritten_policy_problem(config, jobs, config_path)
     if problem is not None:
         raise NoPolicyWritten(problem)
+
+
+@dataclass(frozen=True)
+class Run:
+    """What one run of an operation works with, put together once by
+    :func:`open_run` (or by an operation called with its parts) and handed
+    down: the open ``catalog``, the ``config``, ``stores`` (each store
+    opened once per run), the clock ``now`` (aware UTC), the ``owner``
+    named in leases and events, and ``dry_run`` (nothing written)."""
+
+    catalog: Catalog
+    config: Config
+    stores: StoreCache
+    now: Callable[[], datetime]
+    owner: str
+    dry_run: bool = False
+
+
+@contextmanager
+def open_run(catalog_url: str | None, config_path: str | Path | None = None, *, owner: str = "ckptier",
+             dry_run: bool = False, create: bool = False,
+             now: Callable[[], datetime] | None = None) -> Iterator[Run]:
+    """The composition root of a run: reads ``ckptier.toml`` once (``config_path``,
+    default ``$CKPTIER_CONFIG`` or ``./ckptier.toml``), opens the catalog that
+    :func:`catalog_location` chooses for ``catalog_url`` (creating it only with
+    ``create``), a fresh store cache, the UTC clock unless ``now`` is given, and
+    an owner unique to this process (:func:`ckptier.tasks.pipeline.run_owner`
+    with ``owner`` as its prefix). Closes the catalog on exit."""
+    from ckptier.storage.catalog.api import Catalog
+
+    from .config import load_config
+    from .pipeline import StoreCache, run_owner, utcnow
+
+    config = load_config(config_path)
+    location = catalog_location(catalog_url, config_path, config=config)
+    with Catalog.open(location.url, create=create) as catalog:
+        yield Run(catalog=catalog, config=config, stores=StoreCache(), now=now or utcnow, owner=run_owner(owner),
+                  dry_run=dry_run)

@@ -36,7 +36,7 @@ from datetime import date
 from ckptier.storage.base import LocalPaths, ObjectInfo, Store, join_key
 from ckptier.storage.errors import CkptierError, ConfigError, IntegrityError, NotFound, StoreError
 from ckptier.storage.hashing import DEFAULT_CHUNK, Digests, hash_file, hash_stream, store_crc64nvme
-from ckptier.storage.model import CheckpointRecord, FileCheck, FileRecord, FileStatus, Format, State
+from ckptier.storage.records import CheckpointRecord, FileCheck, FileRecord, FileStatus, Format, State
 from ckptier.formats import checker_for
 from ckptier.storage.structure import Need, shortfalls
 
@@ -463,7 +463,7 @@ def with_shortfalls(results: Sequence[FileCheck], needs: Sequence[Need], extra: 
     A required file the results show with too few bytes becomes ``corrupt``
     and a required file (or ``rank-*`` directory) that is neither among the
     results nor among the ``extra`` files found gets a ``missing`` result
-    appended, each carrying its :class:`~ckptier.storage.model.Shortfall`
+    appended, each carrying its :class:`~ckptier.storage.records.Shortfall`
     (the verdict waits for the job's grace: a save may be in flight). Files
     already ``missing`` or unreadable are left as they are.
     """

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from ckptier.flows.cli import main
-from ckptier.storage.model import (
+from ckptier.storage.records import (
     CheckpointRecord,
     CopyRecord,
     FileRecord,

@@ -20,7 +20,7 @@ from ckptier.storage.base import DeleteResult, ObjectInfo, Store
 from ckptier.storage.catalog.api import Catalog, FileCheck
 from ckptier.storage.hashing import hash_bytes
 from ckptier.storage.local import LocalStore
-from ckptier.storage.model import CheckpointRecord, FileRef, Format, Found, Recognition, State
+from ckptier.storage.records import CheckpointRecord, FileRef, Format, Found, Recognition, State
 from ckptier.tasks.apply import ApplyFailed, apply_plan, delete_refusal
 from ckptier.tasks.archive import manifest_key, prefix_from_location
 from ckptier.tasks.retention import KeepLast, Milestones, Plan, PlanItem, Policy, plan_retention

@@ -25,7 +25,7 @@ from ckptier.flows.cli import EXIT_BUSY, main
 from ckptier.storage.base import DeleteResult
 from ckptier.storage.catalog.api import DeleteIntent, LeaseHolder, ProcessId
 from ckptier.storage.local import LocalStore
-from ckptier.storage.model import State
+from ckptier.storage.records import State
 from ckptier.tasks.apply import apply_plan, intent_progress
 from ckptier.tasks.archive import prefix_from_location
 from ckptier.tasks.leases import holder_gone, process_start, this_process

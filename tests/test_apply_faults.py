@@ -19,7 +19,7 @@ import pytest
 from ckptier.storage.catalog.api import Catalog, FileCheck
 from ckptier.storage.hashing import hash_bytes
 from ckptier.storage.local import LocalStore
-from ckptier.storage.model import FileRef, Format, Found, Recognition, State
+from ckptier.storage.records import FileRef, Format, Found, Recognition, State
 from ckptier.storage.s3 import S3Store
 from tests.test_apply import DELETED_STEPS, JOB, STEPS, T0, Clock, World, files_for
 from ckptier.tasks.retention import KeepLast, Milestones, Policy

@@ -21,7 +21,7 @@ import pytest
 
 from ckptier.storage.errors import Unavailable
 from ckptier.storage.local import LocalStore
-from ckptier.storage.model import State
+from ckptier.storage.records import State
 from ckptier.storage.s3 import S3Store
 from ckptier.tasks.apply import keepers
 from ckptier.tasks.config import Config

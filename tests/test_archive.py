@@ -25,7 +25,7 @@ from ckptier.storage.errors import IntegrityError, NotFound, Unavailable
 from ckptier.storage.hashing import hash_bytes
 from ckptier.storage.local import LocalStore
 from ckptier.storage.manifest import Manifest
-from ckptier.storage.model import CheckpointRecord, CopyRecord, FileRecord, Format, State, Tier
+from ckptier.storage.records import CheckpointRecord, CopyRecord, FileRecord, Format, State, Tier
 from ckptier.storage.wrappers import RetryingStore
 from ckptier.tasks.archive import (
     ArchiveConflict,
@@ -241,8 +241,8 @@ def test_promote_again_is_idempotent_and_uploads_nothing(setup: Any) -> None:
 def test_lost_acknowledgement_of_the_manifest_counts_as_archived(setup: Any) -> None:
     hot, prefix, record, archive, _ = setup
     flaky = LostAckStore(archive)
-    retrying = RetryingStore(flaky, attempts=3, base_delay=0.0, sleep=lambda s: None)  # type: ignore[arg-type]
-    copy = promote(hot, prefix, record, retrying, now=NOW, owner="run-1")  # type: ignore[arg-type]
+    retrying = RetryingStore(flaky, attempts=3, base_delay=0.0, sleep=lambda s: None)
+    copy = promote(hot, prefix, record, retrying, now=NOW, owner="run-1")
     assert flaky.lost == 1  # the first manifest write landed, its answer was lost, the retry got "exists"
     assert copy.already_archived
     assert archive.stat(copy.manifest_key).size > 0
@@ -272,7 +272,7 @@ def test_manifest_appearing_during_upload_with_other_content_is_a_conflict(setup
             return self.inner.write(key, data, if_absent=if_absent)
 
     with pytest.raises(ArchiveConflict):
-        promote(hot, prefix, record, RacingStore(archive), now=NOW, owner="run-1")  # type: ignore[arg-type]
+        promote(hot, prefix, record, RacingStore(archive), now=NOW, owner="run-1")
     m = Manifest.from_json((archive.root / manifest_key("llm", 100)).read_bytes())
     assert m.file("metadata.json").size == 2  # theirs stays
 
@@ -283,7 +283,7 @@ def test_upload_that_stored_other_bytes_is_caught_by_read_back(setup: Any, mode:
     before = snapshot(hot.root)
     bad = CorruptingStore(archive, keep=64) if mode == "short" else CorruptingStore(archive, flip=True)
     with pytest.raises(IntegrityError, match="not committed|does not decode|read-back"):
-        promote(hot, prefix, record, bad, now=NOW, owner="run-1")  # type: ignore[arg-type]
+        promote(hot, prefix, record, bad, now=NOW, owner="run-1")
     with pytest.raises(NotFound):
         archive.stat(manifest_key("llm", 100))
     assert snapshot(hot.root) == before
@@ -501,7 +501,7 @@ _KILL_SCRIPT = textwrap.dedent(
     import sys, time
     from datetime import datetime, timezone
     from ckptier.storage.local import LocalStore
-    from ckptier.storage.model import *
+    from ckptier.storage.records import *
     from ckptier.storage.s3 import S3Store
     from ckptier.tasks.archive import promote
     from tests.fixtures.s3 import make_client

@@ -18,15 +18,14 @@ from alembic.runtime.migration import MigrationContext
 
 from ckptier.storage.catalog.api import Catalog, DrillRecord, FileCheck, UnknownCheckpoint
 from ckptier.storage.catalog.db import (
-    HEAD_REVISION,
     default_catalog_url,
     filesystem_type,
     make_engine,
     mask_url,
 )
-from ckptier.storage.catalog.models import Base
+from ckptier.storage.catalog.tables import Base
 from ckptier.storage.errors import ConfigError
-from ckptier.storage.model import FileRef, Format, Found, Recognition, State, Tier
+from ckptier.storage.records import FileRef, Format, Found, Recognition, State, Tier
 from tests.fixtures.services import free_port
 
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
@@ -532,8 +531,8 @@ def test_copy_states_are_an_enum_stored_as_the_same_strings(cat: Catalog) -> Non
     """Records carry :class:`CopyState` members; the table keeps the plain strings (no migration)."""
     from sqlalchemy import select
 
-    from ckptier.storage.catalog.models import copies as cp
-    from ckptier.storage.model import CopyState
+    from ckptier.storage.catalog.tables import copies as cp
+    from ckptier.storage.records import CopyState
 
     assert [s.value for s in CopyState] == ["present", "missing", "deleted", "degraded"]
     cat.record_scan(STORE, recog(found("a", 1)), now=T0)

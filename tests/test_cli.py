@@ -46,7 +46,7 @@ def env(trained: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[
     config = tmp_path / "ckptier.toml"
     config.write_text(
         f'[[policy]]\njobs = "*"\nkeep_last = 2\nmilestones = "log"\narchive = "{archive.as_uri()}"\n'
-        '[[drill]]\njobs = "*"\nmodel = "ckptier.tasks.models:demo_model"\nsteps = 3\n'
+        '[[drill]]\njobs = "*"\nmodel = "ckptier.tasks.drill_models:demo_model"\nsteps = 3\n'
     )
     monkeypatch.setenv("CKPTIER_CATALOG_URL", f"sqlite:///{catalog}")
     monkeypatch.setenv("CKPTIER_CONFIG", str(config))
@@ -194,7 +194,7 @@ def test_console_script_read_only_commands_do_not_import_prefect(env: dict[str, 
 
 
 def test_prefect_api_is_found_in_the_environment_or_the_active_profile(tmp_path: Path) -> None:
-    from ckptier.flows.runner import configured_api_url
+    from ckptier.tasks.prefect_api import configured_api_url
 
     assert configured_api_url({"PREFECT_API_URL": "http://127.0.0.1:4200/api", "HOME": str(tmp_path)}) == "http://127.0.0.1:4200/api"
     assert configured_api_url({"HOME": str(tmp_path)}) is None
@@ -544,7 +544,7 @@ def _drill_rows() -> list[tuple[list[str], str]]:
     from ckptier.tasks.drill_inputs import cuda_problem
 
     rows = [(["--model", "nosuchmod:f"], "no module named 'nosuchmod'"),
-            (["--model", "ckptier.tasks.models:no_such_factory"], "defines no 'no_such_factory'"),
+            (["--model", "ckptier.tasks.drill_models:no_such_factory"], "defines no 'no_such_factory'"),
             (["--steps", "0"], "--steps 0"),
             (["--steps", "-2"], "--steps -2")]
     if cuda_problem() is not None:
@@ -572,11 +572,11 @@ def test_a_drill_table_with_a_bad_model_is_refused_before_any_fetch(
 ) -> None:
     from ckptier.storage.catalog.api import Catalog
 
-    env["config"].write_text('[[policy]]\njobs = "*"\nkeep_last = 2\n[[drill]]\njobs = "*"\nmodel = "ckptier.tasks.models:demo_modl"\n')
+    env["config"].write_text('[[policy]]\njobs = "*"\nkeep_last = 2\n[[drill]]\njobs = "*"\nmodel = "ckptier.tasks.drill_models:demo_modl"\n')
     for argv in (["scan", str(env["hot"])], ["verify"]):
         assert run(capsys, *argv)[0] == 0
     code, _, err = run(capsys, "drill", "--no-prefect")
-    assert code == 2 and "[[drill]] model (jobs = '*') 'ckptier.tasks.models:demo_modl'" in err and "did you mean 'demo_model'" in err
+    assert code == 2 and "[[drill]] model (jobs = '*') 'ckptier.tasks.drill_models:demo_modl'" in err and "did you mean 'demo_model'" in err
     with Catalog.open(f"sqlite:///{env['catalog']}") as cat:
         assert cat.drills(job="demo-run") == []  # nothing was attempted
 

@@ -107,7 +107,7 @@ def cases(w: dict[str, Path]) -> list[Case]:
         Case("drill-steps-negative", ("drill", "--steps", "-3"), "--steps"),
         Case("drill-device-unknown", ("drill", "--device", "gpu"), "--device"),
         Case("drill-no-such-module", ("drill", "--model", "nosuchmod:f"), "nosuchmod"),
-        Case("drill-no-such-function", ("drill", "--model", "ckptier.tasks.models:nosuchfunc"), "nosuchfunc"),
+        Case("drill-no-such-function", ("drill", "--model", "ckptier.tasks.drill_models:nosuchfunc"), "nosuchfunc"),
         Case("drill-no-such-submodule", ("drill", "--model", "json.nope:f"), "json.nope"),
         Case("drill-spec-malformed", ("drill", "--model", "not a spec"), "module:function"),
         Case("drill-no-such-file", ("drill", "--model", "/nonexistent/models.py:build"), "does not exist"),

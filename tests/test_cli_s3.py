@@ -46,7 +46,7 @@ def uploaded(s3_env: str, s3_bucket, tmp_path: Path, monkeypatch: pytest.MonkeyP
     config = tmp_path / "ckptier.toml"
     config.write_text(
         f'[[policy]]\njobs = "*"\nkeep_last = 2\nmilestones = [50, 100]\narchive = "s3://{s3_bucket.name}-cold/archive"\n'
-        '[[drill]]\njobs = "*"\nmodel = "ckptier.tasks.models:demo_model"\nsteps = 3\n'
+        '[[drill]]\njobs = "*"\nmodel = "ckptier.tasks.drill_models:demo_model"\nsteps = 3\n'
     )
     monkeypatch.setenv("CKPTIER_CATALOG_URL", f"sqlite:///{tmp_path / 'catalog.db'}")
     monkeypatch.setenv("CKPTIER_CONFIG", str(config))

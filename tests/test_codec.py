@@ -398,7 +398,7 @@ class _ReadOnly(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def read(self, n: int = -1) -> bytes:  # type: ignore[override]
+    def read(self, n: int = -1) -> bytes:
         return self._src.read(min(n, 1000) if n > 0 else n)
 
     readinto = None  # type: ignore[assignment]

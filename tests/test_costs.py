@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from ckptier.storage.catalog.api import DrillRecord
 from ckptier.storage.errors import ConfigError
-from ckptier.storage.model import (
+from ckptier.storage.records import (
     CheckpointRecord,
     CopyRecord,
     FileRecord,

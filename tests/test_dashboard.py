@@ -33,7 +33,7 @@ from ckptier.dashboard.source import open_source
 from ckptier.dashboard.tables import TABLES, Snapshot, TableError
 from ckptier.storage.catalog.api import Catalog, DrillRecord
 from ckptier.storage.errors import ConfigError
-from ckptier.storage.model import CheckpointRecord, FileCheck, FileRef, Format, Found, Recognition, State, Tier
+from ckptier.storage.records import CheckpointRecord, FileCheck, FileRef, Format, Found, Recognition, State, Tier
 from ckptier.tasks.config import parse_config
 from ckptier.tasks.retention import shrink_guard
 

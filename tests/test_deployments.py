@@ -365,7 +365,7 @@ def test_serve_runs_flows_and_stopping_it_leaves_the_deployed_ones_alone(deploye
                 proc = subprocess.Popen([sys.executable, "-m", "ckptier.flows.cli", "serve"], env=env, stdout=out,
                                         stderr=subprocess.STDOUT, cwd=tmp_path)
             try:
-                _wait_for(lambda: "waiting for scheduled" in log.read_text(), "ckptier serve to start", 120, proc, log)
+                _wait_for(lambda: "waiting for scheduled" in log.read_text(), "ckptier serve to start", 120, proc, log)  # noqa: B023 - called in this iteration
                 with get_client(sync_client=True) as client:
                     deps = _deployments(client)
                 assert SERVED <= set(deps) and not any(deps[name].paused for name in SERVED)
@@ -375,7 +375,7 @@ def test_serve_runs_flows_and_stopping_it_leaves_the_deployed_ones_alone(deploye
 
                     def finished() -> Any:
                         with get_client(sync_client=True) as client:
-                            state = client.read_flow_run(run.id).state
+                            state = client.read_flow_run(run.id).state  # noqa: B023 - called in this iteration
                         return state if state is not None and state.is_final() else None
 
                     state = _wait_for(finished, "the served tiering run to finish", 240, proc, log)

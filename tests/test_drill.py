@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ckptier.storage.errors import ConfigError
-from ckptier.storage.model import CheckpointRecord, CopyRecord, Format, State, Tier
+from ckptier.storage.records import CheckpointRecord, CopyRecord, Format, State, Tier
 from ckptier.tasks.drill import (
     DrillRequest,
     WorkerResult,
@@ -26,9 +26,9 @@ from ckptier.tasks.drill import (
     worker_env,
 )
 from ckptier.tasks.drill_worker import run_request, state_dict_problems
-from ckptier.tasks.models import DrillSpec, build_spec, demo_model, demo_train, parse_factory_spec, resolve_factory
+from ckptier.tasks.drill_models import DrillSpec, build_spec, demo_model, demo_train, parse_factory_spec, resolve_factory
 
-DEMO = "ckptier.tasks.models:demo_model"
+DEMO = "ckptier.tasks.drill_models:demo_model"
 TRAINED_STEPS = 60
 
 # Factories the drill subprocess imports by file path (it cannot import tests/).
@@ -38,7 +38,7 @@ FACTORIES = textwrap.dedent(
     from pathlib import Path
     import torch
     from torch import nn
-    from ckptier.tasks.models import DrillSpec, demo_model
+    from ckptier.tasks.drill_models import DrillSpec, demo_model
 
 
     def frozen_first_layer():
@@ -552,7 +552,7 @@ def _trainer_decay_names(model: torch.nn.Module) -> list[str]:
 
 def test_trainer_decay_names_mirror_the_installed_transformers() -> None:
     transformers = pytest.importorskip("transformers")
-    from ckptier.tasks.models import trainer_decay_parameter_names
+    from ckptier.tasks.drill_models import trainer_decay_parameter_names
 
     from tests.fixtures.checkpoints import tiny_gpt2_config
 
@@ -585,7 +585,7 @@ def test_hf_trainer_checkpoint_drills_without_a_factory(hf_run, tmp_path: Path) 
 
 
 def test_trainer_optimizer_rebuilds_the_saved_groups_exactly(hf_run) -> None:  # type: ignore[no-untyped-def]
-    from ckptier.tasks.models import hf_spec, trainer_optimizer
+    from ckptier.tasks.drill_models import hf_spec, trainer_optimizer
     from ckptier.formats.safe_load import load_checkpoint_dir
 
     step = max(hf_run.steps)
@@ -622,7 +622,7 @@ def test_hf_checkpoint_with_a_custom_optimizer_asks_for_a_factory(hf_run, tmp_pa
 
 def test_hf_sequence_classifier_is_built_from_its_architecture(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
-    from ckptier.tasks.models import hf_head
+    from ckptier.tasks.drill_models import hf_head
 
     assert hf_head(["BertForSequenceClassification"]) == ("AutoModelForSequenceClassification", "classes")
     assert hf_head(["GPT2LMHeadModel"]) == ("AutoModelForCausalLM", "tokens")
@@ -707,7 +707,7 @@ def test_cli_drill_allow_global_lets_a_harmless_class_load(
              for n in ("model.pt", "optimizer.pt")}
     (step_dir / "metadata.json").write_text(json.dumps({"step": 10, "loss": losses[-1], "files": files}))
     config = tmp_path / "ckptier.toml"
-    config.write_text('[[drill]]\njobs = "*"\nmodel = "ckptier.tasks.models:demo_model"\nsteps = 2\ndevice = "cpu"\n')
+    config.write_text('[[drill]]\njobs = "*"\nmodel = "ckptier.tasks.drill_models:demo_model"\nsteps = 2\ndevice = "cpu"\n')
     monkeypatch.setenv("CKPTIER_CATALOG_URL", f"sqlite:///{tmp_path / 'catalog.db'}")
     monkeypatch.setenv("CKPTIER_CONFIG", str(config))
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
@@ -779,7 +779,7 @@ def test_drill_refuses_a_zip_escaping_its_archive_as_hostile_and_tries_the_next(
     _guide_step(tmp_path / "hot", 10, spec, losses[9])
     _guide_step(tmp_path / "hot", 20, spec, losses[19], hostile_member="../../../tmp/escaped.txt")
     config = tmp_path / "ckptier.toml"
-    config.write_text('[[drill]]\njobs = "*"\nmodel = "ckptier.tasks.models:demo_model"\nsteps = 2\ndevice = "cpu"\n')
+    config.write_text('[[drill]]\njobs = "*"\nmodel = "ckptier.tasks.drill_models:demo_model"\nsteps = 2\ndevice = "cpu"\n')
     monkeypatch.setenv("CKPTIER_CATALOG_URL", f"sqlite:///{tmp_path / 'catalog.db'}")
     monkeypatch.setenv("CKPTIER_CONFIG", str(config))
     monkeypatch.delenv("PREFECT_API_URL", raising=False)

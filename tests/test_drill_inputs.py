@@ -136,7 +136,7 @@ def test_check_drill_inputs_explicit_values_win_over_the_drill_table(pkg: Path) 
     for kwargs, needle in (({"steps": 0}, "--steps 0"), ({"steps": -1}, "--steps -1"),
                            ({"timeout": 0.0}, "timeout 0 s"), ({"model": "x"}, "--model 'x'")):
         with pytest.raises(ConfigError, match=needle):
-            check_drill_inputs(**kwargs)  # type: ignore[arg-type]
+            check_drill_inputs(**kwargs)
     if cuda_problem() is not None:
         with pytest.raises(ConfigError, match=r"\[\[drill\]\] device cuda"):
             check_drill_inputs(DrillSettings(device="cuda"))

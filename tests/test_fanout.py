@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from ckptier.storage.catalog.api import Catalog, LeaseLost
 from ckptier.storage.errors import ConfigError, Unavailable
-from ckptier.storage.model import FileCheck, State
+from ckptier.storage.records import FileCheck, State
 from ckptier.tasks.config import RunnerSettings, parse_config
 from ckptier.tasks.fanout import (
     ThreadFanout,

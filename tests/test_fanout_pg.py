@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 from ckptier.storage.catalog.api import Catalog
-from ckptier.storage.model import State
+from ckptier.storage.records import State
 
 from tests.test_fanout import make_tree, scanned
 

@@ -146,7 +146,7 @@ def s3_job(s3_env: str, s3_bucket: Any, tmp_path: Path, monkeypatch: pytest.Monk
     client.put_object(Bucket=bucket, Key=stray, Body=b"written by another tool", ChecksumAlgorithm="CRC64NVME")
     config = tmp_path / "ckptier.toml"
     config.write_text('[[policy]]\njobs = "*"\nkeep_last = 2\n'
-                      '[[drill]]\njobs = "*"\nmodel = "ckptier.tasks.models:demo_model"\nsteps = 2\n')
+                      '[[drill]]\njobs = "*"\nmodel = "ckptier.tasks.drill_models:demo_model"\nsteps = 2\n')
     monkeypatch.setenv("CKPTIER_CATALOG_URL", f"sqlite:///{tmp_path / 'catalog.db'}")
     monkeypatch.setenv("CKPTIER_CONFIG", str(config))
     monkeypatch.delenv("PREFECT_API_URL", raising=False)

@@ -58,7 +58,7 @@ def archived(tmp_path: Path) -> Iterator[tuple[Catalog, Config, Path, Path]]:
     archive.mkdir()
     config = parse_config(f'[[policy]]\njobs = "*"\nkeep_last = 4\nmilestones = [50]\narchive = "{archive}"\n'
                           'hot_after_archive = "keep"\n'
-                          '[[drill]]\njobs = "*"\nmodel = "ckptier.tasks.models:demo_model"\nsteps = 2\n')
+                          '[[drill]]\njobs = "*"\nmodel = "ckptier.tasks.drill_models:demo_model"\nsteps = 2\n')
     with Catalog.open(f"sqlite:///{tmp_path / 'catalog.db'}") as cat:
         run_scan([str(hot)], cat, now=now)
         run_verify(cat, now=now)
@@ -129,7 +129,7 @@ def test_the_drill_command_fetches_on_dask(dask_cluster: Any, tmp_path: Path, mo
     train_demo_run(hot, steps=50, every=25)
     config = tmp_path / "ckptier.toml"
     config.write_text('[[policy]]\njobs = "*"\nkeep_last = 2\n'
-                      '[[drill]]\njobs = "*"\nmodel = "ckptier.tasks.models:demo_model"\nsteps = 2\n'
+                      '[[drill]]\njobs = "*"\nmodel = "ckptier.tasks.drill_models:demo_model"\nsteps = 2\n'
                       f'[runner]\nkind = "dask"\naddress = "{dask_cluster.address}"\n')
     monkeypatch.setenv("CKPTIER_CATALOG_URL", f"sqlite:///{tmp_path / 'catalog.db'}")
     monkeypatch.setenv("CKPTIER_CONFIG", str(config))

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from ckptier.formats import recognise
 from ckptier.formats.dcp import dcp_needs
-from ckptier.storage.model import Format
+from ckptier.storage.records import Format
 from ckptier.storage.structure import Need
 
 from tests.fixtures.checkpoints import CheckpointRun, copy_run, tiny_mlp

@@ -25,7 +25,7 @@ from ckptier.formats.safe_load import (
     safe_torch_load,
 )
 from ckptier.storage.local import LocalStore
-from ckptier.storage.model import Format
+from ckptier.storage.records import Format
 from ckptier.tasks.drill import DrillRequest, judge
 from ckptier.tasks.drill_worker import run_request
 

@@ -9,7 +9,7 @@ import pytest
 from ckptier.formats import recognise
 from ckptier.storage.base import ObjectInfo, read_bytes
 from ckptier.storage.local import LocalStore
-from ckptier.storage.model import Shortfall
+from ckptier.storage.records import Shortfall
 
 from tests.fixtures.checkpoints import CheckpointRun, copy_run
 from tests.fixtures.listing import (

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ckptier.formats import recognise
 from ckptier.storage.base import ObjectInfo
-from ckptier.storage.model import Shortfall
+from ckptier.storage.records import Shortfall
 
 from tests.fixtures.checkpoints import CheckpointRun, copy_run, tiny_gpt2_config
 from tests.fixtures.listing import (

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from ckptier.formats import checker_for
 from ckptier.storage.hashing import hash_file
-from ckptier.storage.model import Format
+from ckptier.storage.records import Format
 from ckptier.tasks.drill import DrillRequest, judge
 from ckptier.tasks.drill_worker import run_request
 

@@ -26,7 +26,7 @@ from ckptier.formats.safe_load import (
     load_checkpoint_dir,
     safe_torch_load,
 )
-from ckptier.storage.model import Format
+from ckptier.storage.records import Format
 from ckptier.tasks.drill import DrillRequest, judge
 from ckptier.tasks.drill_worker import run_request
 

@@ -19,7 +19,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from ckptier.storage.model import Format
+from ckptier.storage.records import Format
 from ckptier.tasks.drill import DrillRequest, judge
 from ckptier.tasks.drill_worker import run_request
 
@@ -51,7 +51,7 @@ def test_step_directories_with_item_subdirectories_are_one_checkpoint_each() -> 
 
 
 def test_a_save_in_flight_is_incomplete_and_kept_through_the_grace() -> None:
-    from ckptier.storage.model import CheckpointRecord, State
+    from ckptier.storage.records import CheckpointRecord, State
     from ckptier.tasks.retention import KeepLast, Policy, plan_retention
 
     tmp = "300.orbax-checkpoint-tmp-1730000000000"

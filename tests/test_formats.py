@@ -15,7 +15,7 @@ import pytest
 from ckptier.formats import PatternRule, is_own_file, recognise
 from ckptier.storage.base import ObjectInfo
 from ckptier.storage.errors import ConfigError, Unavailable
-from ckptier.storage.model import FileRef, Format, Recognition
+from ckptier.storage.records import FileRef, Format, Recognition
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -32,7 +32,7 @@ from ckptier.storage.manifest import (
     ManifestFile,
     StoredObject,
 )
-from ckptier.storage.model import CheckpointRecord, FileRecord, Format, State
+from ckptier.storage.records import CheckpointRecord, FileRecord, Format, State
 
 # The published check value of CRC-64/NVME over b"123456789".
 CHECK_VALUE = 0xAE8B14860A799888

@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from ckptier.storage.catalog.api import Catalog, LeaseHolder, ProcessId
-from ckptier.storage.model import FileRef, Format, Found, Recognition, State, Tier
+from ckptier.storage.records import FileRef, Format, Found, Recognition, State, Tier
 from ckptier.tasks.leases import LeaseKeeper
 
 T0 = datetime(2026, 3, 1, tzinfo=UTC)
@@ -43,7 +43,7 @@ def test_a_lease_records_its_holder_and_is_taken_over_only_when_the_holder_is_go
     gen = cat.claim(c, "run-a", now=T0, ttl=TTL, process=DEAD)
     holder = cat.lease_holder(c, now=T0)
     assert holder == LeaseHolder("run-a", gen, T0 + TTL, DEAD)  # type: ignore[arg-type]
-    assert "run-a (host h1 pid 4242" in holder.describe()  # type: ignore[union-attr]
+    assert "run-a (host h1 pid 4242" in holder.describe()
     seen: list[LeaseHolder] = []
     assert cat.claim(c, "run-b", now=T0, ttl=TTL, take_over=lambda h: seen.append(h) or False) is None
     assert seen == [holder]  # asked, and told the holder lives: nothing changes
@@ -55,7 +55,7 @@ def test_a_lease_records_its_holder_and_is_taken_over_only_when_the_holder_is_go
     # The old holder is fenced out of everything.
     assert not cat.mark_deleted(c, owner="run-a", generation=gen, now=T0, reasons=["zombie"])  # type: ignore[arg-type]
     assert cat.renew(c, "run-a", gen, now=T0, ttl=TTL) is None  # type: ignore[arg-type]
-    assert cat.release(c, "run-b", taken)  # type: ignore[arg-type]
+    assert cat.release(c, "run-b", taken)
     assert cat.lease_holder(c, now=T0) is None
 
 

@@ -20,7 +20,7 @@ from ckptier.storage.base import ObjectInfo
 from ckptier.storage.catalog.api import Catalog
 from ckptier.storage.errors import ConfigError
 from ckptier.formats import PatternRule, recognise
-from ckptier.storage.model import Format, State
+from ckptier.storage.records import Format, State
 from ckptier.tasks.config import load_config, parse_config
 
 RULE = """

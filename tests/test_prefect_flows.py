@@ -135,7 +135,7 @@ def test_restore_drill_reports_and_a_failed_drill_fails_the_run_with_its_event(
 
     scan_verify_flow(urls=[str(tree["hot"])], catalog_url=tree["catalog_url"])
     state = restore_drill_flow(catalog_url=tree["catalog_url"], config_path=tree["config"], steps=3,
-                               model="ckptier.tasks.models:demo_model", return_state=True)
+                               model="ckptier.tasks.drill_models:demo_model", return_state=True)
     assert state.is_completed(), state
     (report,) = state.result()
     assert report["ok"] and report["step"] == 50 and report["device"] == "cpu"
@@ -149,7 +149,7 @@ def test_restore_drill_reports_and_a_failed_drill_fails_the_run_with_its_event(
     real_emit = events_module.emit_event
     monkeypatch.setattr(events_module, "emit_event", lambda **kw: events.append(kw) or real_emit(**kw))
     factory = tree["hot"].parent / "wrong_model.py"
-    factory.write_text("import torch\nfrom ckptier.tasks.models import DrillSpec, demo_batch, demo_loss\n\n\n"
+    factory.write_text("import torch\nfrom ckptier.tasks.drill_models import DrillSpec, demo_batch, demo_loss\n\n\n"
                        "def wrong_shapes():\n    model = torch.nn.Linear(3, 3)\n"
                        "    return DrillSpec(model, torch.optim.AdamW(model.parameters()), demo_batch, demo_loss)\n")
     state = restore_drill_flow(catalog_url=tree["catalog_url"], config_path=tree["config"], steps=3,
@@ -302,7 +302,7 @@ def test_a_drill_that_cannot_start_fails_alerts_and_says_why(harness: None, tmp_
     hot = tmp_path / "hot"
     hot.mkdir()
     url = f"sqlite:///{tmp_path / 'catalog.db'}"
-    params: dict[str, Any] = {"job": "demo-run", "model": "ckptier.tasks.models:demo_model", "steps": 2}
+    params: dict[str, Any] = {"job": "demo-run", "model": "ckptier.tasks.drill_models:demo_model", "steps": 2}
     if case == "nothing drillable":
         train_demo_run(hot, steps=25, every=25)  # its only save is still in flight
         needle = "no verified or committed checkpoint of job 'demo-run'"
@@ -373,7 +373,7 @@ def test_flows_take_the_catalog_by_the_command_lines_precedence(
     assert from_file.exists() and result["verify"]["totals"]["verified"] == 2
     assert scan_flow(urls=[str(tree["hot"])], config_path=str(config))[0]["rows_written"] == 0
     assert tiering_flow(config_path=str(config))["plan"]
-    (drill,) = restore_drill_flow(config_path=str(config), steps=2, model="ckptier.tasks.models:demo_model")
+    (drill,) = restore_drill_flow(config_path=str(config), steps=2, model="ckptier.tasks.drill_models:demo_model")
     assert drill["ok"]
 
     env_url = f"sqlite:///{tmp_path / 'from-env.db'}"  # does not exist: the flows must look there and say so
@@ -386,3 +386,36 @@ def test_flows_take_the_catalog_by_the_command_lines_precedence(
     assert not (tmp_path / "from-env.db").exists()
     explicit = scan_flow(urls=[str(tree["hot"])], catalog_url=tree["catalog_url"], config_path=str(config))
     assert explicit[0]["rows_written"] > 0 and Path(tree["catalog_url"].removeprefix("sqlite:///")).exists()
+
+
+def test_runner_reports_corruption_from_a_flow_run_as_the_direct_path_does(
+        harness: None, tree: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A verify run that fails because it found corruption still returns the run's own report:
+    the same rows and totals (bytes read, archive copies checked) as the direct path."""
+    import shutil
+
+    from prefect.settings import PREFECT_API_URL
+
+    from ckptier.flows import runner
+
+    monkeypatch.setenv("PREFECT_API_URL", str(PREFECT_API_URL.value()))
+    twin = tmp_path / "twin"
+    shutil.copytree(tree["hot"], twin)
+    catalogs = {"flow": f"sqlite:///{tmp_path / 'flow.db'}", "direct": f"sqlite:///{tmp_path / 'direct.db'}"}
+    for hot, url in ((tree["hot"], catalogs["flow"]), (twin, catalogs["direct"])):
+        runner.scan([str(hot)], catalog_url=url, use_prefect=False, progress=False)
+        victim = next(p for p in sorted(hot.rglob("model.pt")) if "00000025" in str(p))
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        victim.write_bytes(bytes(data))
+    reports = {how: runner.verify(job=None, deep=False, sample=None, workers=2, catalog_url=url,
+                                  use_prefect=how == "flow", progress=False) for how, url in catalogs.items()}
+
+    def shape(report: dict[str, Any]) -> tuple[Any, ...]:
+        rows = sorted((r["job"], r["step"], r["state"], r["bytes_read"], r["errors"]) for r in report["checkpoints"])
+        return report["totals"], rows, report["sample"]
+
+    assert shape(reports["flow"]) == shape(reports["direct"])
+    totals = shape(reports["flow"])[0]
+    assert totals["corrupt"] == 1 and totals["verified"] == 1 and totals["bytes_read"] > 0
+    assert "archive_checked" in totals

@@ -11,7 +11,7 @@ import pytest
 
 from ckptier.flows.cli import main
 from ckptier.storage.catalog.api import Catalog, DrillRecord
-from ckptier.storage.model import FileCheck, FileRef, Format, Found, Recognition, State
+from ckptier.storage.records import FileCheck, FileRef, Format, Found, Recognition, State
 from ckptier.storage.transitions import Proof
 
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)

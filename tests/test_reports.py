@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta, UTC
 
 import pytest
 
 from ckptier.storage.errors import ConfigError
-from ckptier.storage.model import CheckpointRecord, CopyRecord, FileCheck, FileRecord, Format, State, Tier
+from ckptier.storage.records import CheckpointRecord, CopyRecord, FileCheck, FileRecord, Format, State, Tier
 from ckptier.tasks.pipeline import nothing_to_drill
 from ckptier.tasks.reports import (
     FreedForecast,
@@ -21,7 +21,7 @@ from ckptier.tasks.reports import (
 )
 from ckptier.tasks.retention import KeepLast, Milestones, Policy, plan_retention
 
-NOW = datetime(2026, 11, 30, 12, 0, tzinfo=timezone.utc)
+NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 H = timedelta(hours=1)
 
 

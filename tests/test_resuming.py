@@ -22,7 +22,7 @@ import pytest
 from ckptier.storage.base import MAX_DELETE_BATCH, read_bytes
 from ckptier.storage.catalog.api import Catalog
 from ckptier.storage.errors import DeleteInterrupted, ObjectChanged, Unavailable
-from ckptier.storage.model import State
+from ckptier.storage.records import State
 from ckptier.storage.s3 import S3Store
 from ckptier.storage.wrappers import resuming
 

@@ -16,7 +16,7 @@ import json
 import os
 import random
 from collections.abc import Sequence
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta, UTC
 from pathlib import Path
 
 import pytest
@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckptier.storage.errors import ConfigError
-from ckptier.storage.model import CheckpointRecord, CopyRecord, Format, State, Tier
+from ckptier.storage.records import CheckpointRecord, CopyRecord, Format, State, Tier
 from ckptier.tasks.retention import (
     KeepDaily,
     KeepLast,
@@ -46,7 +46,7 @@ from ckptier.tasks.retention import (
 
 GOLDEN = Path(__file__).parent / "golden" / "retention"
 REGEN = os.environ.get("CKPTIER_REGEN_GOLDEN", "") not in ("", "0")
-NOW = datetime(2024, 5, 21, 12, 0, tzinfo=timezone.utc)
+NOW = datetime(2024, 5, 21, 12, 0, tzinfo=UTC)
 H = timedelta(hours=1)
 D = timedelta(days=1)
 
@@ -242,7 +242,7 @@ def test_golden_plans(name: str) -> None:
     ids = [i.checkpoint_id for i in plan.items]
     assert len(ids) == len(set(ids))
     assert set(ids) == live
-    assert sum(len(plan.by_action(a)) for a in ("keep", "promote", "delete")) == len(live)  # type: ignore[arg-type]
+    assert sum(len(plan.by_action(a)) for a in ("keep", "promote", "delete")) == len(live)
     doc = json.loads(json.dumps(_golden_doc(name, policy, plan)))
     path = GOLDEN / f"{name}.json"
     if REGEN:

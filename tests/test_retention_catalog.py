@@ -20,7 +20,7 @@ import pytest
 
 from ckptier.flows.cli import main
 from ckptier.storage.catalog.api import Catalog, DrillRecord
-from ckptier.storage.model import State
+from ckptier.storage.records import State
 from ckptier.tasks.config import parse_config
 from ckptier.tasks.pipeline import make_plan, run_scan, run_verify, utcnow
 
@@ -160,7 +160,7 @@ def test_forget_missing_tombstones_rows_gone_from_every_tier_and_lifts_the_suspe
 def test_forget_keeps_rows_with_an_archive_copy_and_honours_older_than(
     hot: Path, catalog: Catalog, tmp_path: Path
 ) -> None:
-    from ckptier.storage.model import Tier
+    from ckptier.storage.records import Tier
 
     rotate(hot, catalog, range(100, 600, 100), keep=1)
     archive = tmp_path / "archive"

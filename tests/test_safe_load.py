@@ -25,7 +25,7 @@ import torch
 from ckptier.storage.errors import ConfigError
 from ckptier.tasks.drill import DrillRequest, run_drill_subprocess
 from ckptier.tasks.drill_worker import run_request
-from ckptier.tasks.models import demo_model
+from ckptier.tasks.drill_models import demo_model
 from ckptier.formats.safe_load import (
     CheckpointLoadError,
     UnsafeCheckpoint,
@@ -81,7 +81,7 @@ def test_malicious_pickle_through_the_drill_subprocess(tmp_path: Path) -> None:
     state = demo_model().model.state_dict()
     step_dir = _guide(tmp_path / "hot", {**state, "payload": Canary(canary)})
     result = run_drill_subprocess(
-        step_dir, "guide", factory="ckptier.tasks.models:demo_model", scratch=tmp_path / "scratch", steps=2, timeout=120
+        step_dir, "guide", factory="ckptier.tasks.drill_models:demo_model", scratch=tmp_path / "scratch", steps=2, timeout=120
     )
     assert result.unsafe and result.error_stage == "load", result
     assert "system" in (result.error or "")
@@ -179,7 +179,7 @@ def test_shape_mismatch_is_a_clear_failure_not_a_crash(tmp_path: Path) -> None:
     state = demo_model().model.state_dict()
     state["net.2.weight"] = torch.zeros(32, 64)  # the model has [64, 64]
     step_dir = _guide(tmp_path, state)
-    request = DrillRequest(str(step_dir), "guide", "ckptier.tasks.models:demo_model", 2, "cpu", str(tmp_path / "r.json"))
+    request = DrillRequest(str(step_dir), "guide", "ckptier.tasks.drill_models:demo_model", 2, "cpu", str(tmp_path / "r.json"))
     result = run_request(request)
     assert result.error_stage == "restore"
     assert "net.2.weight" in (result.error or "")

@@ -24,7 +24,7 @@ from ckptier.flows.cli import main
 from ckptier.storage.base import Restorable, StorageClasses
 from ckptier.storage.catalog.api import Catalog
 from ckptier.storage.errors import ConfigError, IntegrityError, NeedsRestore
-from ckptier.storage.model import Tier
+from ckptier.storage.records import Tier
 from ckptier.storage.s3 import S3Store
 from ckptier.tasks.archive import manifest_key, promote
 from ckptier.tasks.pipeline import StoreCache, run_scan, run_verify, utcnow

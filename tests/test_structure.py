@@ -9,7 +9,7 @@ import zipfile
 
 import pytest
 from ckptier.formats import checker_for
-from ckptier.storage.model import Format, Shortfall
+from ckptier.storage.records import Format, Shortfall
 from ckptier.storage.structure import (
     MAX_MANIFEST,
     Need,
@@ -103,7 +103,7 @@ def test_other_zip_writers_are_understood(seekable: bool, method: int, zip64: bo
             return len(b)
 
     sink: io.BytesIO | Pipe = io.BytesIO() if seekable else Pipe()
-    with zipfile.ZipFile(sink, "w", compression=method) as zf:  # type: ignore[arg-type]
+    with zipfile.ZipFile(sink, "w", compression=method) as zf:
         for i in range(3):
             with zf.open(f"m/member{i}.bin", "w", force_zip64=zip64) as fh:
                 fh.write(os.urandom(1000) * (i + 1))

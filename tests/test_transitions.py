@@ -6,7 +6,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from ckptier.storage.model import (
+from ckptier.storage.records import (
     CheckpointRecord,
     CopyRecord,
     DrillOutcome,

@@ -21,7 +21,7 @@ from ckptier.storage.catalog.api import Catalog
 from ckptier.storage.errors import AccessDenied, ConfigError, IntegrityError
 from ckptier.storage.hashing import hash_bytes
 from ckptier.storage.local import LocalStore
-from ckptier.storage.model import CheckpointRecord, FileRecord, Format, State
+from ckptier.storage.records import CheckpointRecord, FileRecord, Format, State
 from ckptier.storage.transitions import Row, Verification, on_verification
 from ckptier.tasks.config import load_config
 from ckptier.tasks.drill import choose_candidates
@@ -492,7 +492,7 @@ def test_verify_many_in_order_with_progress(tmp_path: Path) -> None:
     total = sum(r.bytes for r in inputs)
     assert seen[-1] == (total, total)
     assert [d for d, _ in seen] == sorted(d for d, _ in seen)
-    for (rec, out), direct in zip(got[:6], [verify_checkpoint(store, f"llama/step-{r.step:08d}", r, deep=False) for r in records]):
+    for (_rec, out), direct in zip(got[:6], [verify_checkpoint(store, f"llama/step-{r.step:08d}", r, deep=False) for r in records]):
         assert out.results == direct.results  # same checks as one at a time
 
 

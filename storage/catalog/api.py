@@ -1,6 +1,6 @@
 """The catalog: what ckptier knows about every checkpoint, and the only way to change it.
 
-``Catalog`` returns the plain domain types of :mod:`ckptier.storage.model`
+``Catalog`` returns the plain domain types of :mod:`ckptier.storage.records`
 (never ORM objects) and takes the current time as ``now`` (an aware UTC
 datetime) wherever it writes a time; it never reads the clock.
 
@@ -37,7 +37,7 @@ from sqlalchemy import (
 
 from .. import transitions
 from ..errors import CkptierError
-from ..model import (
+from ..records import (
     FileCheck,
     CheckpointRecord,
     CopyRecord,
@@ -52,15 +52,15 @@ from ..model import (
     Tier,
 )
 from . import db
-from .models import checkpoints as ck
-from .models import copies as cp
-from .models import decisions as dec
-from .models import dir_stamps as ds
-from .models import drills as dr
-from .models import events as ev
-from .models import files as fl
-from .models import jobs as jb
-from .models import scans as sc
+from .tables import checkpoints as ck
+from .tables import copies as cp
+from .tables import decisions as dec
+from .tables import dir_stamps as ds
+from .tables import drills as dr
+from .tables import events as ev
+from .tables import files as fl
+from .tables import jobs as jb
+from .tables import scans as sc
 
 COPY_STATES = tuple(s.value for s in CopyState)
 DELETE_SCOPES = ("checkpoint", "hot-copy")

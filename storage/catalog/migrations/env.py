@@ -15,14 +15,15 @@ SQLite cannot ``ALTER`` most things, so migrations run in batch mode there.
 from __future__ import annotations
 
 from alembic import context
+from sqlalchemy.engine import Connection
 
-from ckptier.storage.catalog.models import Base
+from ckptier.storage.catalog.tables import Base
 
 config = context.config
 target_metadata = Base.metadata
 
 
-def _run(connection) -> None:  # type: ignore[no-untyped-def]
+def _run(connection: Connection) -> None:
     context.configure(
         connection=connection,
         target_metadata=target_metadata,

@@ -39,7 +39,7 @@ checkpoint holds ``optimizer.pt``, the optimizer is rebuilt the way
 Lightning, guide and DCP checkpoints hold tensors only; their drills need a
 factory (``--model module:function`` or ``model`` in the job's ``[[drill]]``).
 
-The demo model (``ckptier.tasks.models:demo_model``) is the single source of
+The demo model (``ckptier.tasks.drill_models:demo_model``) is the single source of
 the architecture that ``ckptier demo`` trains and checkpoints.
 """
 
@@ -99,7 +99,7 @@ def resolve_factory(spec: str) -> Callable[..., Any]:
             f"drill model {spec!r}: cannot import {module_name!r} ({exc}); install the package that defines "
             "the model in the drill's environment or fix the name"
         ) from None
-    factory = getattr(module, func, None)
+    factory: object = getattr(module, func, None)
     if not callable(factory):
         raise ConfigError(f"drill model {spec!r}: {module_name!r} has no callable {func!r}; fix the function name")
     return factory
@@ -190,7 +190,8 @@ def hf_spec(config_dir: str | Path, *, seq_len: int = 32, batch_size: int = 2) -
         return {"input_ids": ids.to(device), "labels": labels.to(device)}
 
     def loss(m: nn.Module, b: Any) -> Tensor:
-        return m(**b).loss
+        value: Tensor = m(**b).loss
+        return value
 
     return DrillSpec(model=model, optimizer=None, batch=batch, loss=loss)
 
@@ -348,7 +349,8 @@ class DemoMLP(nn.Module):
         )
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.net(x).squeeze(-1)
+        out: Tensor = self.net(x)
+        return out.squeeze(-1)
 
 
 def demo_batch(step: int, device: torch.device) -> tuple[Tensor, Tensor]:

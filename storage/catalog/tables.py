@@ -12,7 +12,7 @@ Conventions:
 * Every time column is :class:`UTCDateTime`: stored as naive UTC, returned as
   timezone-aware UTC on SQLite and PostgreSQL alike.
 * States, formats and tiers are stored as their string values (the enums in
-  :mod:`ckptier.storage.model`), not as database enums, so that adding a
+  :mod:`ckptier.storage.records`), not as database enums, so that adding a
   format needs no migration.
 * Hashes are text: ``sha256`` as lowercase hex, ``crc64nvme`` as base64.
 """
@@ -82,7 +82,8 @@ class UTCDateTime(TypeDecorator[datetime]):
                 return None
             if parse is not None:
                 value = parse(value)
-            return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+            moment: datetime = value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+            return moment
 
         return process
 
