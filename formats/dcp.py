@@ -296,6 +296,7 @@ def dcp_layout(data: bytes) -> DcpLayout:
             raise StructureError(f"storage entry {fqn!r} -> {path!r} is malformed")
         if not (_count(start) and _count(length)):
             raise StructureError(f"{path}: offset {start!r} / length {length!r} are not byte counts")
+        assert start is not None and length is not None  # _count refused None
         items[(fqn, _size(offset) if offset is not None else ())] = (path, int(start), int(length))
     return DcpLayout(tensors, items, frozenset(byte_keys))
 

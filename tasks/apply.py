@@ -65,14 +65,15 @@ from datetime import datetime, timedelta
 from typing import Any, Literal, Protocol
 
 from ckptier.storage.base import MAX_DELETE_BATCH, Canary, DeleteResult, Store, Taggable
-from ckptier.storage.catalog.api import DeleteIntent, FileCheck, LeaseHolder
+from ckptier.storage.catalog.api import DeleteIntent, LeaseHolder
 from ckptier.storage.errors import CkptierError, DeleteInterrupted, NotFound, StoreError, Unavailable
 from ckptier.storage.records import CheckpointRecord, CopyState, FileCheck, State, Tier
 from ckptier.storage.wrappers import DryRunStore
 
-from .archive import ArchiveCheck, check_archive_copy, hot_file_key, promote
+from .archive import ArchiveCheck, check_archive_copy, promote
 from .leases import DEFAULT_TTL, Lease, LeaseCatalog, LeaseKeeper, this_process
 from .lifecycle import DELETE_TAG, KEEP_TAG
+from .verify import file_key as hot_file_key
 from .retention import DEFAULT_MAX_MISSING_FRACTION, KeepLast, Plan, PlanItem, Policy, hot_present, plan_retention, shrink_guard
 
 log = logging.getLogger(__name__)

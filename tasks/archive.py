@@ -651,7 +651,7 @@ def _write_checked(path: Path, fill: Any, size: int, crc: str | None, where: str
     os.fchmod(fd, file_mode())
     try:
         with os.fdopen(fd, "wb") as out:
-            sink = _HashingSink(out)  # type: ignore[arg-type]
+            sink = _HashingSink(out)
             fill(sink)
             out.flush()
             os.fsync(out.fileno())
@@ -733,7 +733,7 @@ def fetch_batch(store: Store, batch: FetchBatch) -> list[FetchedFile]:
     done = []
     for f in batch.files:
         size = _write_checked(_dest_path(stage, f.relpath),
-                              lambda sink, k=f.key: _fill(store, k, sink, decode=batch.decode),  # type: ignore[misc]
+                              lambda sink, k=f.key: _fill(store, k, sink, decode=batch.decode),
                               f.size, f.crc64nvme, _store_url(store, f.key), f.relpath)
         done.append(FetchedFile(f.relpath, size))
     return done
@@ -1111,7 +1111,7 @@ def _fetch_into(
                 expected = {f.relpath: (f.size, f.crc64nvme) for f in record.files}
 
                 def fill_hot(relpath: str, sink: _HashingSink) -> None:
-                    _fill(hot, hot_file_key(prefix, record, relpath), sink, decode=False)  # type: ignore[arg-type]
+                    _fill(hot, hot_file_key(prefix, record, relpath), sink, decode=False)
 
                 if fanout is not None:
                     paths, total = _fetch_fanned(fanout, hot, out, [
@@ -1119,7 +1119,7 @@ def _fetch_into(
                         for f in record.files], decode=False)
                 else:
                     paths, total = _fetch_files(
-                        record, out, expected, fill_hot, lambda r: _store_url(hot, hot_file_key(prefix, record, r))  # type: ignore[arg-type]
+                        record, out, expected, fill_hot, lambda r: _store_url(hot, hot_file_key(prefix, record, r))
                     )
                 return FetchResult("hot", record.location, out, tuple(paths), total, time.monotonic() - t0, tuple(notes))
             except CkptierError as exc:
@@ -1149,7 +1149,7 @@ def _fetch_into(
             expected = {r: (m.size, m.crc64nvme) for r, m in listed.items()}
 
             def fill_archive(relpath: str, sink: _HashingSink) -> None:
-                _fill(archive, _stored_key(adir, listed[relpath]), sink, decode=True)  # type: ignore[arg-type]
+                _fill(archive, _stored_key(adir, listed[relpath]), sink, decode=True)
 
             if fanout is not None:
                 paths, total = _fetch_fanned(fanout, archive, out, [
@@ -1157,7 +1157,7 @@ def _fetch_into(
                     for f in record.files], decode=True)
             else:
                 paths, total = _fetch_files(
-                    record, out, expected, fill_archive, lambda r: _store_url(archive, _stored_key(adir, listed[r]))  # type: ignore[arg-type]
+                    record, out, expected, fill_archive, lambda r: _store_url(archive, _stored_key(adir, listed[r]))
                 )
             return FetchResult("archive", copy_url, out, tuple(paths), total, time.monotonic() - t0, tuple(notes))
         except NeedsRestore as exc:

@@ -391,8 +391,8 @@ def judge_ranks(
     else:
         shown: list[str] = []
         for r in ordered:
-            for problem in r.grad_problems:
-                text = problem if problem.endswith("on every rank") else f"rank {r.rank}: {problem}"
+            for grad_problem in r.grad_problems:
+                text = grad_problem if grad_problem.endswith("on every rank") else f"rank {r.rank}: {grad_problem}"
                 if text not in shown:
                     shown.append(text)
         if shown:
@@ -402,7 +402,7 @@ def judge_ranks(
     if not zero.optimizer_loaded:
         checks.append(Check("optimizer_continues", True, "skipped: the checkpoint has no optimizer state"))
     else:
-        problem = None
+        problem: str | None = None
         for r in ordered:
             before, after = r.optimizer_step_before, r.optimizer_step_after
             if before is None or after is None:
@@ -697,7 +697,7 @@ def launch_ranks(
             _kill_group(proc.pid)
     finally:
         store.close()
-        for i, proc in enumerate(procs):
+        for proc in procs:
             if proc.poll() is None:
                 _kill_group(proc.pid)
                 proc.wait()

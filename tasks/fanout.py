@@ -132,11 +132,12 @@ class DaskFanout:
         self._client: Any = None
         try:
             if address is not None:
-                self._client = Client(address, timeout=timeout_s)
+                self._client = Client(address, timeout=timeout_s)  # type: ignore[no-untyped-call]
             else:
-                self._cluster = LocalCluster(n_workers=workers or default_workers(), threads_per_worker=1,
-                                             processes=True, host="127.0.0.1", dashboard_address=None)
-                self._client = Client(self._cluster, timeout=timeout_s)
+                self._cluster = LocalCluster(  # type: ignore[no-untyped-call]
+                    n_workers=workers or default_workers(), threads_per_worker=1,
+                    processes=True, host="127.0.0.1", dashboard_address=None)
+                self._client = Client(self._cluster, timeout=timeout_s)  # type: ignore[no-untyped-call]
         except OSError as exc:
             if self._cluster is not None:
                 self._cluster.close()

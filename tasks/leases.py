@@ -19,10 +19,10 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Protocol, Self
+from typing import Protocol, Self, cast
 
 from ckptier.storage.catalog.api import LeaseHolder, ProcessId
 
@@ -140,6 +140,14 @@ class LeaseCatalog(Protocol):
     def lease_holder(self, checkpoint_id: int, *, now: datetime) -> LeaseHolder | None: ...
 
 
+class RowClaimCatalog(LeaseCatalog, Protocol):
+    """A :class:`LeaseCatalog` that also claims rows in batches (what
+    :meth:`LeaseKeeper.claim_rows` needs; the catalog fits)."""
+
+    def claim_rows(self, ids: Sequence[int], owner: str, *, now: datetime, ttl: timedelta, since: datetime,
+                   limit: int, process: ProcessId | None = None) -> list[tuple[int, int]]: ...
+
+
 class LeaseKeeper:
     """Claims, renews (a heartbeat thread) and releases the leases of one run.
 
@@ -204,7 +212,7 @@ class LeaseKeeper:
         """Leases on up to ``limit`` of ``ids`` that are free and not checked since ``since``
         (``Catalog.claim_rows``), kept alive by the heartbeat like :meth:`claim`'s."""
         t = self.now()
-        got = self.catalog.claim_rows(ids, self.owner, now=t, ttl=self.ttl, since=since, limit=limit,
+        got = cast(RowClaimCatalog, self.catalog).claim_rows(ids, self.owner, now=t, ttl=self.ttl, since=since, limit=limit,
                                       process=self.process)
         leases = [Lease(cid, gen, t + self.ttl) for cid, gen in got]
         with self._lock:

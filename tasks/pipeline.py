@@ -262,6 +262,7 @@ def run_verify(
     else:
         work = ((record, outcome, None) for record, outcome in verified(records, progress))
     for record, outcome, lease in work:
+        state: State | None
         if lease is None:
             state = catalog.record_verification(record.id, outcome.results, now=now(), grace=grace_for(record.job),
                                                 extra=outcome.extra)

@@ -130,7 +130,7 @@ class PrefectFanout:
         runner: Any
         if settings.kind == "dask":
             try:
-                from prefect_dask import DaskTaskRunner
+                from prefect_dask.task_runners import DaskTaskRunner
             except ImportError:
                 raise ConfigError("runner kind 'dask' needs prefect-dask: pip install 'ckptier[dask]' "
                                   "(or use kind = \"threads\")") from None

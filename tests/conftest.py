@@ -23,6 +23,7 @@ pytest_plugins = [
     "tests.fixtures.pg",
     "tests.fixtures.s3",
     "tests.fixtures.checkpoints",
+    "tests.fixtures.dist_checkpoints",
     "tests.fixtures.library_checkpoints",
     "tests.fixtures.prefect_server",
 ]
