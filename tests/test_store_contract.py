@@ -368,6 +368,38 @@ class TestLocalStore(StoreContract):
         os.symlink(outside, store.root / "link")
         assert list(store.list()) == []
 
+    @pytest.mark.parametrize("kind", ["fifo", "device", "directory", "loop"])
+    def test_only_regular_files_are_read_and_reading_never_blocks(self, store: LocalStore, kind: str) -> None:
+        # A file swapped after a scan for a FIFO made fetch wait forever; one swapped for a
+        # symlink to /dev/zero made it write until the disk was full.
+        path = store.root / "j" / "model.pt"
+        path.parent.mkdir()
+        {"fifo": os.mkfifo, "device": lambda p: os.symlink("/dev/zero", p), "directory": os.mkdir,
+         "loop": lambda p: os.symlink(p, p)}[kind](path)
+        outcome: list[BaseException | None] = []
+
+        def read() -> None:
+            try:
+                with store.open_read("j/model.pt") as fh:
+                    fh.read(1 << 20)
+                outcome.append(None)
+            except BaseException as exc:  # noqa: BLE001 - what the test looks at
+                outcome.append(exc)
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(10)
+        if reader.is_alive() and kind == "fifo":  # wake it: opening a FIFO for writing does
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+            reader.join(10)
+            assert not outcome or outcome == [None], outcome
+            outcome.clear()
+        assert outcome, f"open_read of a {kind} still blocked after 10 s"
+        assert isinstance(outcome[0], NotFound), outcome[0]
+        assert "not a regular file" in str(outcome[0]) or "symlink loop" in str(outcome[0])
+        with pytest.raises(NotFound):
+            store.stat("j/model.pt")
+
     def test_no_temp_files_left_after_writes(self, store: LocalStore) -> None:
         store.write("a/b", io.BytesIO(payload(100_000)))
         store.write("a/b", b"again", if_absent=False)
