@@ -132,6 +132,8 @@ class UploadMarker:
                        started_at=datetime.fromisoformat(doc["started_at"]), keys=tuple(keys))
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"{where}: unreadable upload marker ({exc})") from exc
+        except RecursionError:
+            raise ValueError(f"{where}: unreadable upload marker (JSON nested too deeply)") from None
 
 
 def prefix_from_location(store: Store, location: str) -> str:
