@@ -109,6 +109,15 @@ class Findings:
     recovery: dict[str, list[float]] = field(default_factory=dict)
     fuzz: dict[str, int] = field(default_factory=dict)
     kinds: dict[str, tuple[int, str]] = field(default_factory=dict)  # signature -> (count, first example)
+    seconds: Counter[str] = field(default_factory=Counter)  # wall time by phase
+
+    @contextlib.contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            self.seconds[phase] += time.monotonic() - t0
 
     def tally(self, kind: str) -> Tally:
         return self.tallies.setdefault(kind, Tally())
@@ -199,8 +208,9 @@ def s3_environment(endpoint: str, home: Path) -> dict[str, str]:
     }
 
 
-def share_botocore_data() -> None:
-    """Parse botocore's JSON data files once per process instead of once per client.
+def share_botocore_data() -> Callable[[], None]:
+    """Parse botocore's JSON data files once per process instead of once per client;
+    returns what undoes it.
 
     A speed-up of this harness only (each boto3 session otherwise re-reads the S3
     service model and endpoint files: ~0.4 s per client, and the in-process
@@ -209,8 +219,6 @@ def share_botocore_data() -> None:
     """
     from botocore import loaders
 
-    if getattr(loaders.Loader, "_chaos_shared", False):
-        return
     shared: dict[Any, Any] = {}
     init = loaders.Loader.__init__
 
@@ -219,7 +227,11 @@ def share_botocore_data() -> None:
         self._cache = shared
 
     loaders.Loader.__init__ = __init__  # type: ignore[method-assign]
-    loaders.Loader._chaos_shared = True  # type: ignore[attr-defined]
+
+    def undo() -> None:
+        loaders.Loader.__init__ = init  # type: ignore[method-assign]
+
+    return undo
 
 
 def s3_client(endpoint: str) -> Any:
@@ -449,9 +461,13 @@ def flip(world: World, step: int, rel: str, rnd: random.Random, s3: Any) -> None
 def empty_prefix(s3: Any, prefix: str) -> None:
     """Delete every object and abort every multipart upload under ``prefix`` of the chaos bucket."""
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix):
-        keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
-        if keys:
-            s3.delete_objects(Bucket=BUCKET, Delete={"Objects": keys, "Quiet": True})
+        keys = [o["Key"] for o in page.get("Contents", [])]
+        plain = [{"Key": k} for k in keys if k.isprintable()]
+        if plain:
+            s3.delete_objects(Bucket=BUCKET, Delete={"Objects": plain, "Quiet": True})
+        for k in keys:
+            if not k.isprintable():  # DeleteObjects' XML cannot carry it
+                s3.delete_object(Bucket=BUCKET, Key=k)
     for up in s3.list_multipart_uploads(Bucket=BUCKET, Prefix=prefix).get("Uploads", []):
         with contextlib.suppress(Exception):
             s3.abort_multipart_upload(Bucket=BUCKET, Key=up["Key"], UploadId=up["UploadId"])
@@ -461,26 +477,32 @@ def empty_prefix(s3: Any, prefix: str) -> None:
 
 
 class Child:
-    """``ckptier apply`` in a child process (``bench/chaos_child.py``), started ahead of time."""
+    """``ckptier apply`` in a child process (``bench/chaos_child.py``), started ahead of time:
+    :meth:`ChildPool.take` hands out one that has already imported everything."""
 
-    def __init__(self, world: World, point: str, n: int, env: dict[str, str]) -> None:
-        self.point, self.n = point, n
-        self.proc = subprocess.Popen(
-            [sys.executable, str(CHILD), point, str(n), "--", *world.args("apply", "--no-prefect")],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=world.root,
-        )
+    def __init__(self, env: dict[str, str]) -> None:
+        self.point, self.n = "none", 0
+        self.proc = subprocess.Popen([sys.executable, str(CHILD)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, env=env)
         self.started: float | None = None
         self.killed_by_us = False
         self.out = self.err = ""
+        self.orders: dict[str, Any] = {}
+
+    def aim(self, world: World, point: str, n: int) -> Child:
+        """What this child will do on :meth:`go`: apply ``world``, killing itself at ``point`` #``n``."""
+        self.point, self.n = point, n
+        self.orders = {"point": point, "n": n, "argv": world.args("apply", "--no-prefect"), "cwd": str(world.root)}
+        return self
 
     def wait_ready(self) -> bool:
         assert self.proc.stdout is not None
         return self.proc.stdout.readline().strip() == "ready"
 
     def go(self) -> None:
-        assert self.proc.stdin is not None
+        assert self.proc.stdin is not None and self.orders
         self.started = time.monotonic()
-        self.proc.stdin.write("go\n")
+        self.proc.stdin.write(json.dumps(self.orders) + "\n")
         self.proc.stdin.flush()
 
     def kill_after(self, delay: float) -> None:
@@ -512,6 +534,27 @@ class Child:
                 secs, _, counts = line[len("chaos-child: "):].partition(" ")
                 return float(secs), json.loads(counts)
         return None
+
+
+class ChildPool:
+    """Keeps ``size`` children importing in the background so that a trial never waits for one."""
+
+    def __init__(self, env: dict[str, str], size: int = 1) -> None:
+        self.env = env
+        self.spare = [Child(env) for _ in range(size)]
+
+    def take(self, world: World, point: str, n: int) -> Child:
+        child = self.spare.pop(0)
+        self.spare.append(Child(self.env))
+        return child.aim(world, point, n)
+
+    def close(self) -> None:
+        for c in self.spare:
+            with contextlib.suppress(Exception):
+                c.proc.communicate(input="\n", timeout=30)
+            if c.proc.poll() is None:
+                c.proc.kill()
+                c.proc.wait()
 
 
 # ------------------------------------------------------------------------------ checks
@@ -749,6 +792,7 @@ class KillTrials:
     def __init__(self, worlds: Worlds, findings: Findings, env: dict[str, str], rnd: random.Random,
                  log: Callable[[str], None]) -> None:
         self.worlds, self.findings, self.env, self.rnd, self.log = worlds, findings, env, rnd, log
+        self.pool = ChildPool(env, size=2)
         self.durations: dict[str, list[float]] = {}
         self.hits: dict[str, Counter[str]] = {}
 
@@ -777,10 +821,12 @@ class KillTrials:
         world = self.worlds.build(kind, self.rnd, pg=pg)
         before = len(self.findings.problems)
         try:
-            child = Child(world, "none", 0, self.env)
-            if not self.worlds.prepare(world, self.rnd, self.findings, corrupt=False) or not child.wait_ready():
-                child.proc.kill()
+            if not self.worlds.prepare(world, self.rnd, self.findings, corrupt=False):
+                return
+            child = self.pool.take(world, "none", 0)
+            if not child.wait_ready():
                 child.finish()
+                self.findings.add(kind, "crash", f"{world.root.name}: child did not start: {child.err[-1500:]}")
                 return
             child.go()
             rc = child.finish()
@@ -822,30 +868,30 @@ class KillTrials:
         t = self.findings.tally(kind)
         t.trials += 1
         corrupt = self.rnd.random() < 0.15
-        world = self.worlds.build(kind, self.rnd, pg=pg)
+        with self.findings.timed("build"):
+            world = self.worlds.build(kind, self.rnd, pg=pg)
         label = f"{world.root.name} (seed-derived; {'pg' if pg else 'sqlite'}{', corrupted' if corrupt else ''})"
         kills = 0
         before = len(self.findings.problems)
         try:
-            rounds = self.rnd.choices([1, 2, 3], weights=[3, 4, 3])[0]
-            point, n, delay = self.choose(kind)
-            child = Child(world, point, n, self.env)
-            if not self.worlds.prepare(world, self.rnd, self.findings, corrupt=corrupt):
-                child.proc.kill()
-                child.finish()
-                return 0
+            rounds = self.rnd.choices([1, 2, 3], weights=[2, 4, 4])[0]
+            with self.findings.timed("scan+verify"):
+                if not self.worlds.prepare(world, self.rnd, self.findings, corrupt=corrupt):
+                    return 0
             for i in range(rounds):
-                if i:
-                    point, n, delay = self.choose(kind)
-                    child = Child(world, point, n, self.env)
-                if not child.wait_ready():
+                point, n, delay = self.choose(kind)
+                child = self.pool.take(world, point, n)
+                with self.findings.timed("waiting for a child"):
+                    ready = child.wait_ready()
+                if not ready:
                     child.finish()
                     self.findings.add(kind, "crash", f"{label}: child did not start: {child.err[-1500:]}")
                     return kills
-                child.go()
-                if delay is not None:
-                    child.kill_after(delay)
-                rc = child.finish()
+                with self.findings.timed("killed applies"):
+                    child.go()
+                    if delay is not None:
+                        child.kill_after(delay)
+                    rc = child.finish()
                 ended = time.monotonic()
                 died = rc == -signal.SIGKILL
                 what = f"{point}#{n}" if delay is None else f"delay {delay:.2f}s"
@@ -862,9 +908,11 @@ class KillTrials:
                     self.learn(kind, child)
                 self.child_outcome(world, child, rc, label=f"{label} round {i + 1} ({what})",
                                    ok=(0, 1) if world.corrupted else (0,))
-            check(world, self.findings, label, s3=self.worlds.s3, since=ended)
+            with self.findings.timed("checks"):
+                check(world, self.findings, label, s3=self.worlds.s3, since=ended)
         finally:
-            self.dispose(world, before)
+            with self.findings.timed("clean-up"):
+                self.dispose(world, before)
         return kills
 
     def concurrent(self, catalog: str) -> None:
@@ -878,12 +926,9 @@ class KillTrials:
         label = f"{world.root.name} (two applies, {catalog})"
         before = len(self.findings.problems)
         try:
-            children = [Child(world, "none", 0, self.env) for _ in range(2)]
             if not self.worlds.prepare(world, self.rnd, self.findings, corrupt=False):
-                for c in children:
-                    c.proc.kill()
-                    c.finish()
                 return
+            children = [self.pool.take(world, "none", 0) for _ in range(2)]
             if not all(c.wait_ready() for c in children):
                 for c in children:
                     c.proc.kill()
@@ -924,6 +969,7 @@ class Options:
     pg: bool = True
     keep: bool = False
     quiet: bool = False
+    skip_open: bool = False
 
 
 def run(opts: Options, services: Services) -> Findings:
@@ -941,8 +987,8 @@ def run(opts: Options, services: Services) -> Findings:
     os.environ.pop("CKPTIER_CATALOG_URL", None)
     os.environ["PREFECT_HOME"] = str(work / "prefect-home")
     env = {**os.environ, "CHAOS_SMALL_PARTS": "1", "PYTHONPATH": str(REPO), "PYTHONDONTWRITEBYTECODE": "1"}
-    chaos_child.small_parts()  # the re-runs in this process use the children's thresholds too
-    share_botocore_data()
+    undo = [chaos_child.small_parts(),  # the re-runs in this process use the children's thresholds too
+            share_botocore_data()]
     log = (lambda s: None) if opts.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
     worlds = Worlds(work / "worlds", services)
     trials = KillTrials(worlds, findings, env, rnd, log)
@@ -954,7 +1000,7 @@ def run(opts: Options, services: Services) -> Findings:
         kills = 0
         attempts = 0
         while kills < opts.trials and attempts < 3 * opts.trials + 10:
-            kind = rnd.choices(KINDS, weights=[4, 3, 3])[0]
+            kind = KINDS[attempts] if attempts < len(KINDS) else rnd.choices(KINDS, weights=[4, 3, 3])[0]
             kills += trials.trial(kind, pg=pg_ok and rnd.random() < 0.25)
             attempts += 1
             if attempts % 10 == 0:
@@ -970,8 +1016,11 @@ def run(opts: Options, services: Services) -> Findings:
             import chaos_fuzz
 
             chaos_fuzz.fuzz(opts.fuzz, seed=rnd.getrandbits(32), root=work / "fuzz", findings=findings,
-                            bucket=BUCKET, s3=worlds.s3, log=log)
+                            bucket=BUCKET, s3=worlds.s3, log=log, skip_open=opts.skip_open)
     finally:
+        trials.pool.close()
+        for put_back in undo:
+            put_back()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -1022,6 +1071,14 @@ def render(findings: Findings, opts: Options, seconds: float) -> str:
                              f"{b:.2f} s: {r / b:.2f}x")
     v, c, s = findings.totals
     lines += ["", f"TOTAL violations {v}, crashes {c}, stuck after a re-run {s}  (targets 0 / 0 / 0)"]
+    if findings.fuzz.get("cases"):
+        import chaos_fuzz
+
+        lines.append("fuzz inputs of defects known but not fixed yet: " + (
+            "skipped (--skip-open)" if opts.skip_open else "generated: " + ", ".join(chaos_fuzz.OPEN_DEFECTS)))
+    if findings.seconds:
+        lines.append("kill trials' time by phase: " + ", ".join(
+            f"{k} {v:.0f} s" for k, v in sorted(findings.seconds.items(), key=lambda kv: -kv[1])))
     dead = findings.fuzz.get("dead_leases", 0)
     if dead:
         lines.append(f"(leases of killed runs left on rows no later work needed, taken over at once by any "
@@ -1046,12 +1103,15 @@ def main() -> int:
     ap.add_argument("--workdir", type=Path, default=None, help="where worlds are built (default: $TMPDIR)")
     ap.add_argument("--no-pg", action="store_true", help="without PostgreSQL (no concurrent-pg trials)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    ap.add_argument("--skip-open", action="store_true",
+                    help="do not generate the inputs of defects known and reported but not fixed yet "
+                         "(bench/chaos_fuzz.py OPEN_DEFECTS)")
     a = ap.parse_args()
     seed = a.seed if a.seed is not None else random.SystemRandom().randrange(2**32)
     opts = Options(trials=a.trials, concurrent=a.concurrent, fuzz=a.fuzz, seed=seed, workdir=a.workdir,
-                   pg=not a.no_pg, keep=a.keep)
+                   pg=not a.no_pg, keep=a.keep, skip_open=a.skip_open)
     print(f"ckptier chaos: seed {seed} (replay: python bench/chaos.py --trials {a.trials} --concurrent "
-          f"{a.concurrent} --fuzz {a.fuzz} --seed {seed})", flush=True)
+          f"{a.concurrent} --fuzz {a.fuzz} --seed {seed}{' --skip-open' if a.skip_open else ''})", flush=True)
     t0 = time.monotonic()
     services = start_services(opts.pg)
     try:

@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
 """The ``ckptier`` command line in a child process that can SIGKILL itself at a named point.
 
-usage: python bench/chaos_child.py POINT N -- ARGS...
+usage: python bench/chaos_child.py
+       then, on stdin, one line: {"point": POINT, "n": N, "argv": [ARGS...], "cwd": DIR}
 
-Used by ``bench/chaos.py``. Imports ckptier (and boto3), prints ``ready``,
-waits for one line on stdin, then runs ``ckptier ARGS...`` (the real
-``ckptier.flows.cli.main``) and exits with its status. The last line on stdout
-is ``chaos-child: <seconds> <json hit counts>``.
+Used by ``bench/chaos.py``, which keeps one child started ahead of time.
+Imports ckptier (and boto3), prints ``ready``, waits for its orders (one JSON
+line on stdin), then runs ``ckptier ARGS...`` (the real
+``ckptier.flows.cli.main``) in ``DIR`` and exits with its status. The last
+line on stdout is ``chaos-child: <seconds> <json hit counts>``.
 
 ``POINT`` is where it kills itself, with SIGKILL, on the ``N``-th time it is
 reached; ``none`` never kills (the parent may still kill it after a random
@@ -60,14 +62,17 @@ def reached(point: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def small_parts() -> None:
-    """Make every S3Store created from now on use 5 MiB multipart thresholds and parts."""
+def small_parts() -> Callable[[], None]:
+    """Make every S3Store created from now on use 5 MiB multipart thresholds and parts;
+    returns what puts the defaults back."""
     from ckptier.storage.s3 import S3Store
 
     defaults = S3Store.__init__.__kwdefaults__
     assert defaults is not None
+    saved = {k: defaults[k] for k in ("multipart_threshold", "part_size")}
     defaults["multipart_threshold"] = SMALL_PART
     defaults["part_size"] = SMALL_PART
+    return lambda: defaults.update(saved)
 
 
 def _after(cls: Any, name: str, point: str, when: Callable[..., bool] = lambda *a, **k: True) -> None:
@@ -134,13 +139,8 @@ def install() -> None:
     _after(Catalog, "mark_hot_copy_deleted", "tombstone", lambda ok, *a, **k: bool(ok))
 
 
-def main(argv: list[str]) -> int:
+def main() -> int:
     global _target
-    point, n, sep, *args = argv
-    if sep != "--" or (point != "none" and point not in POINTS):
-        print(f"usage: chaos_child.py POINT N -- ARGS (POINT: none, {', '.join(POINTS)})", file=sys.stderr)
-        return 2
-    _target = None if point == "none" else (point, int(n))
     from ckptier.flows.cli import main as ckptier
     from ckptier.storage import s3  # noqa: F401 - imported before "ready", as apply would
     from ckptier.tasks import apply, archive, pipeline, verify  # noqa: F401
@@ -149,7 +149,16 @@ def main(argv: list[str]) -> int:
         small_parts()
     install()
     print("ready", flush=True)
-    sys.stdin.readline()
+    line = sys.stdin.readline()
+    if not line.strip():
+        return 0  # not needed after all
+    orders = json.loads(line)
+    point, n, args = orders["point"], int(orders["n"]), list(orders["argv"])
+    if point != "none" and point not in POINTS:
+        print(f"chaos_child: unknown point {point!r} (none, {', '.join(POINTS)})", file=sys.stderr)
+        return 2
+    _target = None if point == "none" else (point, n)
+    os.chdir(orders.get("cwd") or ".")
     t0 = time.monotonic()
     code = ckptier(args)
     print(f"chaos-child: {time.monotonic() - t0:.3f} {json.dumps(dict(hits))}", flush=True)
@@ -157,4 +166,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

