@@ -110,6 +110,7 @@ class Findings:
     fuzz: dict[str, int] = field(default_factory=dict)
     kinds: dict[str, tuple[int, str]] = field(default_factory=dict)  # signature -> (count, first example)
     seconds: Counter[str] = field(default_factory=Counter)  # wall time by phase
+    hits: dict[str, Counter[str]] = field(default_factory=dict)  # kind -> crash points an apply reached
 
     @contextlib.contextmanager
     def timed(self, phase: str) -> Iterator[None]:
@@ -794,7 +795,7 @@ class KillTrials:
         self.worlds, self.findings, self.env, self.rnd, self.log = worlds, findings, env, rnd, log
         self.pool = ChildPool(env, size=2)
         self.durations: dict[str, list[float]] = {}
-        self.hits: dict[str, Counter[str]] = {}
+        self.hits = findings.hits
 
     def learn(self, kind: str, child: Child) -> None:
         rep = child.report()
@@ -1053,6 +1054,9 @@ def render(findings: Findings, opts: Options, seconds: float) -> str:
         points.update(t.points)
     if points:
         lines.append("kills by point: " + ", ".join(f"{p} {n}" for p, n in sorted(points.items())))
+    for kind, seen in sorted(findings.hits.items()):
+        lines.append(f"  points one uninterrupted {kind} apply reaches (most seen): "
+                     + ", ".join(f"{p} {n}" for p, n in sorted(seen.items())))
     f = findings.tallies.get("fuzz")
     if f is not None:
         fz = findings.fuzz
