@@ -65,7 +65,7 @@ from ckptier.storage.errors import CkptierError, NotFound, StoreError, Unavailab
 from ckptier.storage.model import CheckpointRecord, State, Tier
 from ckptier.storage.wrappers import DryRunStore
 
-from .archive import check_archive_copy, hot_file_key, promote
+from .archive import HotCopyMismatch, check_archive_copy, hot_file_key, promote
 from .leases import DEFAULT_TTL, Lease, LeaseKeeper, this_process
 from .retention import KeepLast, Plan, PlanItem, Policy, hot_present, plan_retention, shrink_guard
 
@@ -652,6 +652,15 @@ class _Run:
             try:
                 hot, prefix = self.hot_for(record)
                 copy = promote(self.wrap(hot), prefix, record, archive, now=self.now(), owner=self.owner)
+            except HotCopyMismatch as exc:
+                # The bytes just read are the proof a verification would give: record it, so that
+                # the next plan passes the milestone on instead of failing here every run.
+                self.cat.record_verification(
+                    record.id, [FileCheck(exc.relpath, "corrupt", size=exc.size, crc64nvme=exc.crc64nvme,
+                                          detail=f"read for promotion: {exc}")], now=self.now())
+                why = f"{exc}; recorded corrupt (kept as evidence), the next apply plans without it"
+                self.event("promote.failed", f"job {item.job} step {item.step}: {why}", item)
+                return _result(item, "failed", why)
             except CkptierError as exc:
                 self.event("promote.failed", f"job {item.job} step {item.step}: {exc}", item)
                 return _result(item, "failed", str(exc))

@@ -76,6 +76,15 @@ class ArchiveConflict(CkptierError):
     """The archive already holds a committed copy of this step with different content."""
 
 
+class HotCopyMismatch(IntegrityError):
+    """A hot file read for promotion is not the file the catalog verified: ``relpath``,
+    and the ``size`` and ``crc64nvme`` of the bytes just read (the evidence)."""
+
+    def __init__(self, message: str, *, key: str, relpath: str, size: int, crc64nvme: str) -> None:
+        super().__init__(message, key=key)
+        self.relpath, self.size, self.crc64nvme = relpath, size, crc64nvme
+
+
 # ----------------------------------------------------------------------------- layout
 
 
@@ -239,17 +248,19 @@ class ArchiveCopy:
 
 
 def _check_hot_digest(record: CheckpointRecord, f: FileRecord, got: Digests, where: str) -> None:
+    """Raise :class:`HotCopyMismatch` unless the hot bytes just read are the verified ones."""
+    evidence = {"key": where, "relpath": f.relpath, "size": got.size, "crc64nvme": got.crc64nvme}
     if got.size != f.size:
-        raise IntegrityError(
+        raise HotCopyMismatch(
             f"{where}: hot file is {got.size} bytes but the catalog recorded {f.size} "
             f"(job {record.job} step {record.step}); rescan and verify before promoting",
-            key=where,
+            **evidence,
         )
     if f.crc64nvme is not None and got.crc64nvme != f.crc64nvme:
-        raise IntegrityError(
+        raise HotCopyMismatch(
             f"{where}: hot file CRC64NVME {got.crc64nvme} differs from the catalog's {f.crc64nvme} "
             f"(job {record.job} step {record.step}); run verify before promoting",
-            key=where,
+            **evidence,
         )
 
 
