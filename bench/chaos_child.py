@@ -16,6 +16,7 @@ delay). Nothing in ckptier is changed: the points are wrappers around the
 real stores' and catalog's methods, installed here only:
 
 ==============  ================================================================
+``canary``      right after an S3 store's start-up canary object was written
 ``lease``       right after a lease was claimed (nothing done under it yet)
 ``upload``      right after an archive data object (``*.ckz``) was written
 ``part``        right after one part of an S3 multipart upload was sent
@@ -45,7 +46,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-POINTS = ("lease", "upload", "part", "manifest", "committed", "recorded", "proof", "intent", "mid-delete",
+POINTS = ("canary", "lease", "upload", "part", "manifest", "committed", "recorded", "proof", "intent", "mid-delete",
           "deleted", "tombstone")
 SMALL_PART = 5 << 20
 
@@ -92,7 +93,7 @@ def install() -> None:
     from ckptier.storage.catalog.api import Catalog
     from ckptier.storage.local import LocalStore
     from ckptier.storage.manifest import MANIFEST_NAME
-    from ckptier.storage.s3 import S3Store
+    from ckptier.storage.s3 import CANARY_PREFIX, S3Store
 
     for cls in (LocalStore, S3Store):
         real_write = cls.write
@@ -106,6 +107,8 @@ def install() -> None:
                 reached("committed")
             elif key.endswith(".ckz"):
                 reached("upload")
+            elif key.startswith(CANARY_PREFIX):
+                reached("canary")
             return result
 
         cls.write = write  # type: ignore[method-assign]

@@ -75,7 +75,7 @@ OPEN_DEFECTS = {
 }
 #: Share of the cataloged checkpoints that are not well formed which are fetched too
 #: (every well-formed one is).
-FETCH_OTHERS = 0.4
+FETCH_OTHERS = 0.2
 
 _NAMES = [
     "llm", "run 1", "ünïcode", "e\u0301t\u00e9", "\u00e9t\u00e9", "\u202egnp.exe", "zero\u200bwidth", "emoji🚀",
