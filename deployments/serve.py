@@ -2,8 +2,9 @@
 
 ``deployments/prefect.yaml`` is the one definition; ``ckptier deploy``
 (:func:`deploy_all`) registers it to work pools, ``ckptier serve``
-(:func:`serve_all`) serves it from this process. Both are idempotent: running
-them again updates everything in place.
+(:func:`serve_all`) serves it from this process under names of its own
+(``<name>-served``), so the two never replace or pause each other's. Both are
+idempotent: running them again updates everything in place.
 
 Schedules are reconciled by slug, never replaced wholesale: Prefect's own
 redeploy drops *every* schedule of a deployment when one of them has no slug
@@ -41,6 +42,9 @@ PROCESS_POOL = "ckptier-process"
 GPU_POOL = "ckptier-gpu"
 #: Runs at a time per pool (None: unlimited). One drill per GPU pool.
 POOL_CONCURRENCY: dict[str, int | None] = {PROCESS_POOL: None, GPU_POOL: 1}
+#: ``ckptier serve`` registers each deployment under its own name plus this suffix, so that
+#: serving never replaces (and, when it stops, never pauses) what ``ckptier deploy`` registered.
+SERVED_SUFFIX = "-served"
 #: Schedules whose slug starts with this belong to prefect.yaml; all others belong to users.
 SLUG_PREFIX = "ckptier-"
 #: Prefect Variables named in prefect.yaml (documentation and tests).
@@ -258,6 +262,11 @@ def plan_schedule_changes(existing: Sequence[ExistingSchedule], wanted: Sequence
     )
 
 
+def served_name(spec: DeploymentSpec) -> str:
+    """The name ``ckptier serve`` gives ``spec``'s deployment: ``scan-verify`` → ``scan-verify-served``."""
+    return spec.name + SERVED_SUFFIX
+
+
 def pool_for(spec: DeploymentSpec, *, work_pool: str, gpu_pool: str) -> str:
     """The pool this deployment goes to once the YAML's pool names are replaced by the chosen ones."""
     return {PROCESS_POOL: work_pool, GPU_POOL: gpu_pool}.get(spec.work_pool, spec.work_pool)
@@ -279,7 +288,7 @@ def check_api() -> str:
 
     from ckptier.flows.runner import check_prefect_api
 
-    return check_prefect_api(PREFECT_API_URL.value() or "")
+    return check_prefect_api(PREFECT_API_URL.value() or "", direct=None)  # deploy and serve need the API
 
 
 def read_variables(client: Any, names: Sequence[str]) -> dict[str, Any]:
@@ -302,8 +311,9 @@ def load_flow(spec: DeploymentSpec) -> Any:
 
 
 def build_deployment(spec: DeploymentSpec, parameters: Mapping[str, Any], *, work_pool: str | None,
-                     concurrency_limit: int | None = None) -> Any:
-    """A ``RunnerDeployment`` whose update leaves schedules alone (they are reconciled by slug)."""
+                     concurrency_limit: int | None = None, name: str | None = None) -> Any:
+    """A ``RunnerDeployment`` (named ``name``, default the spec's) whose update leaves
+    schedules alone (they are reconciled by slug)."""
     from prefect.types.entrypoint import EntrypointType
 
     flow = load_flow(spec)
@@ -315,7 +325,7 @@ def build_deployment(spec: DeploymentSpec, parameters: Mapping[str, Any], *, wor
                           f"'[\"/data/checkpoints\"]')" if k in refs else k for k in missing)
         raise ConfigError(f"deployment {spec.name!r}: required parameter(s) without a value: {hints}")
     dep = flow.to_deployment(
-        name=spec.name, parameters=dict(parameters), description=spec.description or None, tags=list(spec.tags),
+        name=name or spec.name, parameters=dict(parameters), description=spec.description or None, tags=list(spec.tags),
         concurrency_limit=concurrency_limit if concurrency_limit is not None else spec.concurrency_limit,
         paused=False, enforce_parameter_schema=True, work_pool_name=work_pool,
         entrypoint_type=EntrypointType.MODULE_PATH,
@@ -425,7 +435,8 @@ def _deploy(specs: Sequence[DeploymentSpec], *, work_pool: str | None, gpu_pool:
         # Serving is one host: one drill at a time there too (deployment limit instead of a pool limit).
         limit = 1 if serve and spec.work_pool == GPU_POOL else None
         out.append((build_deployment(spec, resolve_parameters(spec.parameters, variables), work_pool=pool,
-                                     concurrency_limit=limit), pool, spec))
+                                     concurrency_limit=limit, name=served_name(spec) if serve else spec.name),
+                    pool, spec))
     return out
 
 
@@ -462,10 +473,16 @@ def deploy_all(work_pool: str = PROCESS_POOL, gpu_pool: str = GPU_POOL, *, path:
 
 
 def serve_all(*, path: Path = PREFECT_YAML, automations: Path | None = AUTOMATIONS_YAML) -> int:
-    """Serve every deployment with its schedules from this process until interrupted (single host).
+    """Serve every deployment with its schedules from this process until SIGTERM or SIGINT (single host).
 
-    Runs execute as subprocesses of this one; at most one drill at a time. On
-    shutdown Prefect pauses the served deployments; serving again resumes them."""
+    The served deployments are named ``<name>-served`` (``tiering/tiering-served``...), apart from
+    the ones ``ckptier deploy`` registers for workers, which serving never touches. Runs execute
+    as subprocesses of this one; at most one drill at a time. However serving stops (a signal
+    while it starts, while it waits, or a second Ctrl-C), the served deployments end up paused:
+    their schedules stop until ``ckptier serve`` runs again. Returns 0."""
+    import asyncio
+    import signal
+
     from prefect.client.orchestration import get_client
     from prefect.runner import Runner
 
@@ -473,18 +490,38 @@ def serve_all(*, path: Path = PREFECT_YAML, automations: Path | None = AUTOMATIO
     specs = load_specs(path)
     built = _deploy(specs, work_pool=None, gpu_pool=None, serve=True)
     runner = Runner(name="ckptier", pause_on_shutdown=True)
-    for dep, _pool, spec in built:
-        deployment_id = runner.add_deployment(dep)
+    served: list[Any] = []
+
+    def stop(*_: Any) -> None:
+        # Once running: stop polling, cancel what runs, pause (and return from start). Before: SystemExit.
+        # Ctrl-C goes the same way: as a KeyboardInterrupt it would cancel the runner's pause too.
+        runner.handle_sigterm()
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for dep, _pool, spec in built:
+            deployment_id = runner.add_deployment(dep)
+            served.append(deployment_id)
+            with get_client(sync_client=True) as client:
+                reconcile_schedules(client, deployment_id, spec.schedules)
+            print(f"serving {dep.flow_name}/{dep.name}: " + ", ".join(s.slug for s in spec.schedules), flush=True)
+        if automations is not None:
+            with get_client(sync_client=True) as client:
+                for line in apply_automations(client, automations):
+                    print(line, flush=True)
+        print("waiting for scheduled and triggered runs; stop with Ctrl-C or SIGTERM", flush=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            asyncio.run(runner.start())
+    except (KeyboardInterrupt, SystemExit):
+        pass  # stopped before the runner ran, or a second Ctrl-C
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         with get_client(sync_client=True) as client:
-            reconcile_schedules(client, deployment_id, spec.schedules)
-        print(f"serving {dep.flow_name}/{spec.name}: " + ", ".join(s.slug for s in spec.schedules))
-    if automations is not None:
-        with get_client(sync_client=True) as client:
-            for line in apply_automations(client, automations):
-                print(line)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        runner.start()
+            for deployment_id in served:  # idempotent: the runner pauses them too when it got to run
+                client.pause_deployment(deployment_id)
+    print("stopped serving; the served deployments are paused until 'ckptier serve' runs again", flush=True)
     return 0
 
 

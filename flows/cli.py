@@ -1,11 +1,17 @@
 """The ``ckptier`` command line (the contract in DESIGN.md).
 
 Commands that only read the catalog (``ls``, ``latest``, ``plan``) never
-import Prefect or torch, so they answer at once. Commands that act (``scan``,
-``verify``, ``apply``, ``drill``) run the same task code directly, or as a
-Prefect flow run when ``PREFECT_API_URL`` is set (so the run shows in the
-UI). Every user error exits non-zero with one line on stderr, never a
-traceback.
+import Prefect or torch, so they answer at once, and they never create a
+catalog: pointed at one that does not exist they say which one they looked
+for. Commands that act (``scan``, ``verify``, ``apply``, ``drill``) run the
+same task code directly, or as a Prefect flow run when ``PREFECT_API_URL``
+is set (so the run shows in the UI); only ``scan`` creates a catalog.
+
+The catalog is chosen by one precedence (``--catalog``, ``CKPTIER_CATALOG_URL``,
+``[catalog] url`` in ``ckptier.toml``, the default), and every command that
+reads it names it (password masked) in the first line of its human output,
+never in ``--json``. Every user error exits non-zero with one line on
+stderr, never a traceback; input is checked before anything slow starts.
 """
 
 from __future__ import annotations
@@ -15,18 +21,23 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from ckptier import __version__
 from ckptier.storage.errors import CkptierError, ConfigError
 
-from .output import checkpoint_json, human_bytes, iso, print_checkpoints, print_json, table
+from .output import checkpoint_json, current_location, human_bytes, iso, print_checkpoints, print_json, table
 
 EXIT_USER_ERROR = 2
 EXIT_NOT_FOUND = 1
 #: ``apply`` skipped work because another live run holds it (sysexits' EX_TEMPFAIL: try again later).
 EXIT_BUSY = 75
-
+#: Exit status of an error ckptier did not expect (a bug): one line, no traceback.
+EXIT_INTERNAL = 70
+#: Set to print the traceback of an unexpected error (for a bug report).
+TRACEBACK_ENV = "CKPTIER_TRACEBACK"
+#: The demo saves every this many steps and needs two saves (one committed, one in flight).
+DEMO_SAVE_EVERY = 25
 
 
 # ------------------------------------------------------------------ helpers
@@ -38,25 +49,30 @@ def _config(args: argparse.Namespace) -> Any:
     return load_config(args.config)
 
 
-def _catalog_url(args: argparse.Namespace) -> str | None:
-    """``--catalog``, else the config file's ``[catalog] url``, else the default."""
-    if args.catalog:
-        return str(args.catalog)
-    if os.environ.get("CKPTIER_CATALOG_URL"):
-        return os.environ["CKPTIER_CATALOG_URL"]
-    try:
-        cfg = _config(args)
-    except ConfigError:
-        if args.config:
-            raise
-        return None
-    return cfg.catalog_url
+def _location(args: argparse.Namespace, config: Any = None) -> Any:
+    """The catalog this command uses (:func:`ckptier.tasks.settings.catalog_location`)."""
+    from ckptier.tasks.settings import catalog_location
+
+    return catalog_location(args.catalog, args.config, config=config)
 
 
-def _open_catalog(args: argparse.Namespace) -> Any:
+def _announce(args: argparse.Namespace, location: Any) -> None:
+    """The first line of human output: which catalog (password masked) and why."""
+    if not getattr(args, "json", False):
+        print(f"catalog: {location}", flush=True)
+
+
+def _open_read_only(args: argparse.Namespace, location: Any) -> Any:
     from ckptier.storage.catalog.api import Catalog
 
-    return Catalog.open(_catalog_url(args))
+    return Catalog.open(location.url, create=False)
+
+
+def _open_existing(args: argparse.Namespace, config: Any = None) -> Any:
+    """The existing catalog this command uses, named first in human output (never created)."""
+    location = _location(args, config)
+    _announce(args, location)
+    return _open_read_only(args, location)
 
 
 def _use_prefect(args: argparse.Namespace) -> bool:
@@ -72,55 +88,85 @@ def _use_prefect(args: argparse.Namespace) -> bool:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    with _open_catalog(args) as cat:
-        records = cat.checkpoints(job=args.job, include_deleted=args.all)
+    location = _location(args)
+    _announce(args, location)
+    with _open_read_only(args, location) as cat:
+        # Files are counted, not loaded: a listing of 100,000 checkpoints needs no 300,000 file rows.
+        records = cat.checkpoints(job=args.job, include_deleted=args.all, with_files=False)
+        counts = cat.file_counts(job=args.job) if records else {}
     if args.job and not records:
         from ckptier.tasks.pipeline import unknown_job
 
         raise unknown_job(args.job)
     if args.json:
-        print_json([checkpoint_json(c) for c in records])
+        print_json([checkpoint_json(c, files=counts.get(c.id, 0)) for c in records])
+    elif not records:
+        print("no checkpoints cataloged yet; run 'ckptier scan URL' to catalog a checkpoint directory or prefix")
     else:
-        print_checkpoints(records)
+        print_checkpoints(records, file_counts=counts)
     return 0
 
 
 def cmd_latest(args: argparse.Namespace) -> int:
-    with _open_catalog(args) as cat:
-        record = cat.latest(args.job)
-        others = cat.checkpoints(job=args.job) if record is None else []
+    location = _location(args)
+    _announce(args, location)
+    with _open_read_only(args, location) as cat:
+        latest = cat.choose_latest(args.job, drilled=args.drilled)
+        record = latest.record
+        others = cat.checkpoints(job=args.job, with_files=False) if record is None else []
+    passed = [{"step": step, "reason": why} for step, why in latest.passed_over]
     if record is None:
         if not others:
             reason = f"job {args.job!r} has no checkpoints in the catalog (scan it first, or check the name)"
+        elif args.drilled:
+            reason = (f"job {args.job!r} has no verified checkpoint whose most recent drill passed; "
+                      f"run 'ckptier drill --job {args.job}'")
         else:
             states = sorted({c.state.value for c in others})
             reason = (
                 f"job {args.job!r} has no verified checkpoint to resume from "
                 f"({len(others)} checkpoints, states: {', '.join(states)}); run 'ckptier verify --job {args.job}'"
             )
+        if passed:
+            reason += "; passed over: " + "; ".join(f"step {p['step']}: {p['reason']}" for p in passed)
         if args.json:
-            print_json({"job": args.job, "latest": None, "reason": reason})
+            print_json({"job": args.job, "latest": None, "reason": reason, "passed_over": passed})
         print(f"ckptier: {reason}", file=sys.stderr)
         return EXIT_NOT_FOUND
     if args.json:
-        print_json(checkpoint_json(record))
+        print_json({**checkpoint_json(record), "passed_over": passed})
     else:
-        print(f"{record.job} step {record.step}: {record.location} ({record.format.value}, {human_bytes(record.bytes)}, verified {iso(record.verified_at)})")
+        proof = latest.proof.value if latest.proof is not None else "-"
+        print(f"{record.job} step {record.step}: {current_location(record)} ({record.format.value}, "
+              f"{human_bytes(record.bytes)}, {proof} {iso(latest.proven_at)})")
+        for p in passed:
+            print(f"  passed over step {p['step']}: {p['reason']}")
     return 0
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from ckptier.tasks.pipeline import make_plan, utcnow
+    from ckptier.tasks.pipeline import merge_plans, plans_by_policy, utcnow
     from ckptier.tasks.retention import render_plan_table
+    from ckptier.tasks.settings import policy_origin, unwritten_policy_problem
 
     config = _config(args)
-    with _open_catalog(args) as cat:
-        plan = make_plan(cat, config, job=args.job, now=utcnow())
+    location = _location(args, config)
+    _announce(args, location)
+    with _open_read_only(args, location) as cat:
+        by_policy = plans_by_policy(cat, config, job=args.job, now=utcnow())
+    plan = merge_plans([p for _, p in by_policy])
     rows = render_plan_table(plan)
     for warning in plan.warnings:
         print(f"ckptier: warning: {warning}", file=sys.stderr)
     if args.json:
         print_json(rows)
+        return 0
+    for policy, _ in by_policy:
+        if policy is not None:
+            index = next(i for i, p in enumerate(config.policies) if p is policy)
+            print(f"policy: {policy_origin(config, index, args.config)}")
+    if not rows:
+        print("no checkpoints cataloged yet; run 'ckptier scan URL' first")
         return 0
     table(
         [(r["job"], r["step"], r["state"], r["action"] + (" hot copy" if r["scope"] == "hot-copy" and r["action"] == "delete" else ""),
@@ -132,6 +178,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
           f"({human_bytes(s['bytes_promoted'])}), delete {s['delete']} ({human_bytes(s['bytes_deleted'])})")
     if plan.refused:
         print(f"deletion suspended: {plan.refused}")
+    problem = unwritten_policy_problem(config, {r["job"] for r in rows}, args.config)
+    if problem is not None:
+        print(f"preview only: {problem}")
     return 0
 
 
@@ -141,7 +190,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_scan(args: argparse.Namespace) -> int:
     from ckptier.flows import runner
 
-    reports = runner.scan(args.urls, catalog_url=_catalog_url(args), use_prefect=_use_prefect(args), progress=not args.json,
+    location = _location(args)
+    _announce(args, location)
+    reports = runner.scan(args.urls, catalog_url=location.url, use_prefect=_use_prefect(args), progress=not args.json,
                           config_path=args.config)
     if args.json:
         print_json(reports)
@@ -158,13 +209,16 @@ def cmd_scan(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from ckptier.flows import runner
-    from ckptier.tasks.verify import parse_sample
 
-    sample = parse_sample(args.sample) if args.sample else None
+    sample = runner.resolve_sample(args.sample) if args.sample else None
+    location = _location(args)
+    _announce(args, location)
     report = runner.verify(job=args.job, deep=args.deep, sample=sample, workers=args.workers,
-                           catalog_url=_catalog_url(args), use_prefect=_use_prefect(args), progress=not args.json)
+                           catalog_url=location.url, use_prefect=_use_prefect(args), progress=not args.json)
     if args.json:
         print_json(report)
+    elif not report["checkpoints"]:
+        print(f"nothing to verify: {runner.why_nothing_to_verify(location.url, job=args.job, deep=args.deep, sample=sample)}")
     else:
         table([(r["job"], r["step"], r.get("tier", "hot"), r["state"], human_bytes(r["bytes_read"]),
                 human_bytes(r["bytes_skipped"]), r["detail"] or "")
@@ -180,8 +234,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_apply(args: argparse.Namespace) -> int:
     from ckptier.flows import runner
 
+    config = _config(args)
+    location = _location(args, config)
+    _announce(args, location)
     report = runner.apply(job=args.job, dry_run=args.dry_run, config_path=args.config,
-                          catalog_url=_catalog_url(args), use_prefect=_use_prefect(args))
+                          catalog_url=location.url, use_prefect=_use_prefect(args))
     if args.json:
         print_json(report)
     else:
@@ -198,8 +255,14 @@ def cmd_apply(args: argparse.Namespace) -> int:
 
 def cmd_fetch(args: argparse.Namespace) -> int:
     from ckptier.flows import runner
+    from ckptier.tasks.archive import check_fetch_dest
 
-    report = runner.fetch(job=args.job, step=args.step, dest=Path(args.dest), catalog_url=_catalog_url(args),
+    dest = Path(args.dest)
+    check_fetch_dest(dest)  # before the catalog is even opened
+    config = _config(args)
+    location = _location(args, config)
+    _announce(args, location)
+    report = runner.fetch(job=args.job, step=args.step, dest=dest, catalog_url=location.url,
                           config_path=args.config)
     if args.json:
         print_json(report)
@@ -211,9 +274,15 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
 def cmd_drill(args: argparse.Namespace) -> int:
     from ckptier.flows import runner
+    from ckptier.tasks.drill_inputs import check_drill_inputs, normalise_factory
 
-    reports = runner.drill(job=args.job, step=args.step, steps=args.steps, device=args.device, model=args.model,
-                           timeout=args.timeout, config_path=args.config, catalog_url=_catalog_url(args),
+    model = normalise_factory(args.model) if args.model and ":" in args.model else args.model
+    check_drill_inputs(model=model, device=args.device, steps=args.steps, timeout=args.timeout)
+    config = _config(args)
+    location = _location(args, config)
+    _announce(args, location)
+    reports = runner.drill(job=args.job, step=args.step, steps=args.steps, device=args.device, model=model,
+                           timeout=args.timeout, config_path=args.config, catalog_url=location.url,
                            use_prefect=_use_prefect(args), allow_globals=args.allow_global or [])
     if args.json:
         print_json(reports)
@@ -221,21 +290,45 @@ def cmd_drill(args: argparse.Namespace) -> int:
         for r in reports:
             print(r["summary"])
             for c in r.get("checks", []):
-                print(f"  [{'ok' if c['ok'] else 'FAIL'}] {c['name']}: {c['detail']}")
+                if c["ok"] or c["detail"] not in r["summary"]:
+                    print(f"  [{'ok' if c['ok'] else 'FAIL'}] {c['name']}: {c['detail']}")
     return 0 if reports and all(r["ok"] for r in reports) else 1
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from ckptier.flows.demo import run_demo
 
-    return run_demo(Path(args.dir) if args.dir else None, steps=args.steps, use_prefect=not args.no_prefect)
+    if args.steps < 2 * DEMO_SAVE_EVERY:
+        raise _usage(f"--steps {args.steps}: the demo saves every {DEMO_SAVE_EVERY} steps and needs at least two "
+                     f"saves; give --steps {2 * DEMO_SAVE_EVERY} or more (default 300)")
+    base = Path(args.dir) if args.dir else None
+    if base is not None and base.exists() and not base.is_dir():
+        raise _usage(f"--dir {args.dir}: is a file, not a directory; give a new or empty directory")
+    return run_demo(base, steps=args.steps, use_prefect=not args.no_prefect)
 
 
 def cmd_janitor(args: argparse.Namespace) -> int:
-    from ckptier.flows import runner
+    from datetime import timedelta
 
-    report = runner.janitor(config_path=args.config, older_than=args.older_than, catalog_url=_catalog_url(args))
-    print_json(report) if args.json else [print(line) for line in report["lines"]]
+    from ckptier.flows import runner
+    from ckptier.tasks.retention import parse_duration
+
+    try:
+        older_than = parse_duration(args.older_than)
+    except CkptierError as exc:
+        raise _usage(f"--older-than {args.older_than!r}: {exc}") from None
+    if older_than <= timedelta(0):
+        raise _usage(f"--older-than {args.older_than!r}: must be longer than zero, or uploads still being written "
+                     "would be removed; e.g. --older-than 24h")
+    config = _config(args)
+    location = _location(args, config)
+    _announce(args, location)
+    report = runner.janitor(config_path=args.config, older_than=older_than, catalog_url=location.url)
+    if args.json:
+        print_json(report)
+    else:
+        for line in report["lines"]:
+            print(line)
     return 0
 
 
@@ -247,7 +340,7 @@ def cmd_forget(args: argparse.Namespace) -> int:
         raise ConfigError("forget: say what to forget: --missing (rows whose files are gone from every tier)")
     older = parse_duration(args.older_than) if args.older_than else None
     config = _config(args)
-    with _open_catalog(args) as cat:
+    with _open_existing(args, config) as cat:
         report = run_forget(cat, config, job=args.job, now=utcnow, older_than=older, dry_run=args.dry_run)
     print_json(report) if args.json else [print(line) for line in report["lines"]]
     return 1 if report["unchecked"] else 0
@@ -265,20 +358,85 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     return deploy_all(work_pool=args.work_pool, gpu_pool=args.gpu_pool)
 
 
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    from ckptier.dashboard.cli import serve_dashboard
+
+    from .runner import configured_api_url
+
+    return serve_dashboard(catalog_url=_location(args).url, config_path=args.config, host=args.host, port=args.port,
+                           token=args.token, prefect_api_url=configured_api_url())
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from ckptier.dashboard.cli import print_report
+
+    location = _location(args)
+    if args.format == "table":
+        _announce(args, location)
+    return print_report(catalog_url=location.url, config_path=args.config, job=args.job, step=args.step,
+                        fmt=args.format, tables=args.table)
+
+
 # ------------------------------------------------------------------ parser
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ckptier", description="Keep training checkpoints safe and cheap.")
-    p.add_argument("--version", action="version", version=f"ckptier {__version__}")
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--catalog", metavar="URL", help="catalog SQLAlchemy URL (default: $CKPTIER_CATALOG_URL, else SQLite in the user data dir)")
-    common.add_argument("--config", metavar="PATH", help="ckptier.toml with [[policy]] and [[drill]] tables (default: $CKPTIER_CONFIG or ./ckptier.toml)")
-    flowopts = argparse.ArgumentParser(add_help=False)
-    flowopts.add_argument("--no-prefect", action="store_true", help="run directly even when PREFECT_API_URL is set")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+class UsageError(CkptierError):
+    """The command line itself is wrong (a missing or malformed argument)."""
 
-    def add(name: str, func: Callable[[argparse.Namespace], int], help: str, *parents: argparse.ArgumentParser) -> argparse.ArgumentParser:
+
+def _usage(message: str) -> UsageError:
+    return UsageError(message)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line naming the command and ``--help``."""
+
+    def error(self, message: str) -> NoReturn:
+        command = self.prog.partition(" ")[2]
+        raise UsageError(f"{command + ': ' if command else ''}{message} (see '{self.prog} --help')")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number, e.g. 4") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1, e.g. 4")
+    return value
+
+
+def _step(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a step number, e.g. 1000") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: step numbers are ≥ 0")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds, e.g. 900") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number of seconds, e.g. 900")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="ckptier", description="Keep training checkpoints safe and cheap.")
+    p.add_argument("--version", action="version", version=f"ckptier {__version__}")
+    common = _Parser(add_help=False)
+    common.add_argument("--catalog", metavar="URL", help="catalog SQLAlchemy URL (default: $CKPTIER_CATALOG_URL, else [catalog] url in ckptier.toml, else SQLite in the user data dir)")
+    common.add_argument("--config", metavar="PATH", help="ckptier.toml with [[policy]] and [[drill]] tables (default: $CKPTIER_CONFIG or ./ckptier.toml)")
+    flowopts = _Parser(add_help=False)
+    flowopts.add_argument("--no-prefect", action="store_true", help="run directly even when PREFECT_API_URL is set")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+
+    def add(name: str, func: Callable[[argparse.Namespace], int], help: str, *parents: _Parser) -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help, description=help, parents=[common, *parents])
         sp.set_defaults(func=func)
         return sp
@@ -295,12 +453,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("verify", cmd_verify, "prove checkpoint bytes intact (CRC64NVME, plus sha256 where the format records one)", flowopts)
     sp.add_argument("--job")
     sp.add_argument("--deep", action="store_true", help="read every byte even when the store keeps a checksum")
-    sp.add_argument("--sample", metavar="K/N", help="verify only the K-th of N disjoint slices of the catalog")
-    sp.add_argument("--workers", type=int, default=4, help="files read in parallel (default 4)")
+    sp.add_argument("--sample", metavar="K/N", help="verify only the K-th of N disjoint slices of the catalog (auto/N: today's slice)")
+    sp.add_argument("--workers", type=_positive_int, default=4, help="files read in parallel (default 4)")
     sp.add_argument("--json", action="store_true")
 
-    sp = add("latest", cmd_latest, "newest verified checkpoint of a job (exit 1 if none)")
+    sp = add("latest", cmd_latest, "newest verified checkpoint of a job whose last drill did not fail (exit 1 if none)")
     sp.add_argument("--job", required=True)
+    sp.add_argument("--drilled", action="store_true", help="only a checkpoint whose most recent restore drill passed")
     sp.add_argument("--json", action="store_true")
 
     sp = add("plan", cmd_plan, "dry run of retention: keep / promote / delete, with reasons")
@@ -312,19 +471,19 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--dry-run", action="store_true", help="say what would happen, change nothing")
     sp.add_argument("--json", action="store_true")
 
-    sp = add("fetch", cmd_fetch, "restore a checkpoint's original files from any tier, verified")
+    sp = add("fetch", cmd_fetch, "restore a checkpoint's original files from any tier, verified, into a new directory DEST")
     sp.add_argument("--job", required=True)
-    sp.add_argument("--step", type=int, required=True)
+    sp.add_argument("--step", type=_step, required=True)
     sp.add_argument("dest", metavar="DEST")
     sp.add_argument("--json", action="store_true")
 
     sp = add("drill", cmd_drill, "restore a checkpoint, train a few steps, record whether recovery works", flowopts)
     sp.add_argument("--job")
-    sp.add_argument("--step", type=int)
+    sp.add_argument("--step", type=_step)
     sp.add_argument("--steps", type=int, default=None, help="training steps (default 10, or the job's [[drill]] steps)")
     sp.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None)
     sp.add_argument("--model", metavar="MODULE:FUNCTION", help="model factory (see README: restore drills)")
-    sp.add_argument("--timeout", type=float, default=None, help="seconds before the drill is killed")
+    sp.add_argument("--timeout", type=_seconds, default=None, help="seconds before the drill is killed")
     sp.add_argument("--allow-global", action="append", metavar="MODULE.NAME",
                     help="a class the safe loader may unpickle from this checkpoint (repeatable; adds to [[drill]] allow_globals)")
     sp.add_argument("--json", action="store_true")
@@ -352,16 +511,31 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("deploy", cmd_deploy, "register every deployment to its work pool")
     sp.add_argument("--work-pool", default="ckptier-process")
     sp.add_argument("--gpu-pool", default="ckptier-gpu")
+
+    sp = add("dashboard", cmd_dashboard, "serve the web dashboard over the catalog (http://127.0.0.1:8765/)")
+    sp.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; any other needs a token)")
+    sp.add_argument("--port", type=int, default=8765)
+    sp.add_argument("--token", help="access token every request must present (default: $CKPTIER_DASHBOARD_TOKEN)")
+
+    sp = add("report", cmd_report, "print the dashboard's tables: jobs and alerts, or one job's with --job")
+    sp.add_argument("--job")
+    sp.add_argument("--step", type=int, help="with --job: one checkpoint's tables")
+    sp.add_argument("--format", choices=("table", "csv", "json"), default="table")
+    sp.add_argument("--table", action="append", metavar="NAME", help="a table to print (repeatable): jobs, alerts, "
+                    "checkpoints, plan, drills, verifications, events, storage, files, copies")
     return p
 
 
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         return int(args.func(args))
     except CkptierError as exc:
-        print(f"ckptier: {exc}", file=sys.stderr)
+        print(f"ckptier: {_one_line(str(exc))}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print("ckptier: interrupted", file=sys.stderr)
@@ -371,6 +545,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 0
+    except Exception as exc:  # noqa: BLE001 - the last line of defence: never a traceback
+        if os.environ.get(TRACEBACK_ENV):
+            raise
+        print(f"ckptier: unexpected error {type(exc).__name__}: {_one_line(str(exc))[:300]} "
+              f"(a bug: please report it with the output of {TRACEBACK_ENV}=1 ckptier ...)", file=sys.stderr)
+        return EXIT_INTERNAL
 
 
 if __name__ == "__main__":  # pragma: no cover

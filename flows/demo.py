@@ -13,11 +13,24 @@ temporary local API, or on the server ``PREFECT_API_URL`` names.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from ckptier.storage.errors import CkptierError
+
 from .output import human_bytes, print_checkpoints
+
+#: Seconds the demo gives Prefect's temporary server to start (Prefect's own
+#: default, 20 s, is too short for a first start on 2 cores: creating its
+#: database there takes about 45 s). ``PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS``
+#: set in the environment wins; one set in a Prefect profile wins when larger.
+SERVER_STARTUP_TIMEOUT_S = 300
+
+
+class PrefectDidNotStart(CkptierError):
+    """Prefect's temporary local server did not come up."""
 
 DEMO_CONFIG = """\
 # ckptier demo policy: keep the 3 newest verified checkpoints and the
@@ -72,7 +85,57 @@ def _pipeline_direct(hot: Path, catalog_url: str, config_path: Path) -> dict[str
             "drill": drill}
 
 
+def start_prefect() -> None:
+    """Make sure the demo's flow runs have a Prefect API, saying what happens on stderr.
+
+    With a Prefect API URL configured (environment, profile or settings
+    context), that server must answer. Otherwise Prefect's temporary local
+    server is started here, up front, with the time a first start needs
+    (:data:`SERVER_STARTUP_TIMEOUT_S`) and without its telemetry heartbeat,
+    which on an offline machine only logs an ERROR that is not one (set
+    ``PREFECT_SERVER_ANALYTICS_ENABLED`` to choose). Raises
+    :class:`PrefectDidNotStart` (one line, suggesting ``--no-prefect``).
+    """
+    from .runner import check_prefect_api
+
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from prefect.settings import (
+        PREFECT_API_URL,
+        PREFECT_SERVER_EPHEMERAL_ENABLED,
+        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
+    )
+
+    configured = PREFECT_API_URL.value()
+    if configured:
+        check_prefect_api(configured)
+        return
+    if not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
+        raise PrefectDidNotStart(
+            "no Prefect API: PREFECT_API_URL is unset and Prefect's temporary server is disabled "
+            "(PREFECT_SERVER_EPHEMERAL_ENABLED); set one of them, or run 'ckptier demo --no-prefect'"
+        )
+    from prefect.server.api.server import SubprocessASGIServer
+
+    server = SubprocessASGIServer()
+    if server.running:
+        return
+    print("ckptier demo: starting Prefect's temporary local server for the flow runs (a first start creates "
+          "its database and can take a minute; --no-prefect runs the demo without Prefect)", file=sys.stderr, flush=True)
+    setting = int(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value())
+    chosen = os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "").strip()
+    timeout = setting if chosen else max(SERVER_STARTUP_TIMEOUT_S, setting)  # the user's own choice wins
+    try:
+        server.start(timeout=timeout)
+    except Exception as exc:  # noqa: BLE001 - any failure to start is reported as one line
+        first = " ".join(str(exc).split(" stdout:")[0].split())[:200] or type(exc).__name__
+        raise PrefectDidNotStart(
+            f"Prefect's temporary server did not start within {timeout} s ({first}); "
+            "run 'ckptier demo --no-prefect' for the same demo without Prefect"
+        ) from None
+
+
 def _pipeline_prefect(hot: Path, catalog_url: str, config_path: Path) -> dict[str, Any]:
+    start_prefect()
     from prefect import flow
 
     from ckptier.storage.catalog.api import Catalog
@@ -99,6 +162,8 @@ def run_demo(base: Path | None, *, steps: int = 300, use_prefect: bool = True) -
     """Run the demo in ``base`` (a new temporary directory when None); returns the exit code."""
     from ckptier.tasks.demo import train_demo_run
 
+    if use_prefect:
+        start_prefect()  # first: a Prefect that cannot start is said before anything is written
     base = (base or Path(tempfile.mkdtemp(prefix="ckptier-demo-"))).absolute()
     hot, archive = base / "hot", base / "archive"
     hot.mkdir(parents=True, exist_ok=True)
@@ -106,6 +171,7 @@ def run_demo(base: Path | None, *, steps: int = 300, use_prefect: bool = True) -
     config_path.write_text(DEMO_CONFIG.format(archive=archive.as_uri()))
     catalog_url = f"sqlite:///{base / 'catalog.db'}"
 
+    print(f"catalog: {catalog_url} (the demo's own)")
     print(f"ckptier demo in {base}")
     run = train_demo_run(hot, steps=steps)
     print(f"1. trained {steps} steps on CPU; {len(run.steps)} checkpoints in {run.job_dir} "

@@ -1,7 +1,10 @@
 """Prefect flow ``restore-drill``: prove that recovery really works.
 
 Publishes a markdown report (artifact ``drill-report``); a failed drill fails
-the run and emits ``ckptier.drill.failed`` so an automation can alert.
+the run and emits ``ckptier.drill.failed`` so an automation can alert. So
+does a drill that cannot start (an unknown job, no drillable checkpoint, a
+corrupt step asked for, a model that does not load): its report says why,
+and nothing is recorded against a checkpoint.
 """
 
 from __future__ import annotations
@@ -14,19 +17,30 @@ from prefect.artifacts import create_markdown_artifact
 from ckptier.storage.errors import CkptierError
 from ckptier.tasks.prefect_tasks import drill_task
 
-from .events import DRILL_FAILED, emit_checkpoint_event
+from .artifacts import publish_catalog_summary, publish_dashboard_links
+from .events import DRILL_FAILED, emit_ckptier_event
 
 
 class DrillFailed(CkptierError):
     """A restore drill did not prove recovery (the flow run fails with this)."""
 
 
+class DrillNotStarted(DrillFailed):
+    """A restore drill could not start: the reason is the operator's input or the catalog, not a checkpoint."""
+
+
+def render_not_started(job: str | None, step: int | None, why: str) -> str:
+    """The drill report of a drill that could not start."""
+    what = (f"{job} step {step}" if step is not None else job) if job else "every job"
+    return "\n".join(["# Restore drill", "", f"## {what}: NOT STARTED", "", why, "",
+                      "Nothing was restored and nothing is recorded against any checkpoint.", ""])
+
 
 def render_report(reports: list[dict[str, Any]]) -> str:
     """The drill report as markdown: one section per drill, a table of checks and timings."""
     lines = ["# Restore drill", ""]
     for r in reports:
-        mark = "PASSED" if r["ok"] else "FAILED"
+        mark = "PASSED" if r["ok"] else "NOT STARTED" if r.get("stage") == "not-started" else "FAILED"
         lines += [f"## {r['job']} step {r['step']}: {mark}", "", r["summary"], "",
                   f"device `{r.get('device') or '-'}`, tier `{r.get('tier') or '-'}`, "
                   f"peak memory {r.get('peak_memory_bytes') or 0:,} bytes", "",
@@ -62,14 +76,24 @@ def restore_drill_flow(
         model: Model factory as module:function (default: the job's [[drill]] model in ckptier.toml).
         timeout_seconds: Kill the drill after this many seconds (default: the [[drill]] timeout, 15 minutes).
         config_path: ckptier.toml path (default: CKPTIER_CONFIG or ./ckptier.toml).
-        catalog_url: Catalog SQLAlchemy URL (default: the config's, CKPTIER_CATALOG_URL, else SQLite).
+        catalog_url: Catalog SQLAlchemy URL (default: CKPTIER_CATALOG_URL, else the config's [catalog] url, else SQLite).
         allow_globals: Classes (module.Name) the safe loader may unpickle, besides the [[drill]] allow_globals.
     """
-    reports = drill_task(catalog_url, config_path, job, step, steps, device, model, timeout_seconds, allow_globals)
+    try:
+        reports = drill_task(catalog_url, config_path, job, step, steps, device, model, timeout_seconds, allow_globals)
+    except CkptierError as exc:  # nothing could be drilled: say why, alert, fail
+        create_markdown_artifact(render_not_started(job, step, str(exc)), key="drill-report",
+                                 description="Restore drill report: not started")
+        emit_ckptier_event(DRILL_FAILED, job, step, summary=f"drill not started: {exc}", started=False)
+        publish_dashboard_links([job] if job else [])
+        raise DrillNotStarted(str(exc)) from None
     create_markdown_artifact(render_report(reports), key="drill-report", description="Restore drill report")
     failed = [r for r in reports if not r["ok"]]
     for r in failed:
-        emit_checkpoint_event(DRILL_FAILED, r["job"], r["step"], summary=r["summary"])
+        emit_ckptier_event(DRILL_FAILED, r["job"], r["step"], summary=r["summary"],
+                           started=r.get("stage") != "not-started")
+    summary = publish_catalog_summary(catalog_url, config_path)
+    publish_dashboard_links([job] if job else [j["job"] for j in summary])
     # Any failed attempt fails the run, even when an older checkpoint then passed:
     # the newest ones not restoring (a serialization change, say) is what to hear about.
     if failed:

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, TextIO
 
 from ckptier.storage.model import CheckpointRecord
+from ckptier.storage.transitions import proof_of
 
 
 def human_bytes(n: int | None) -> str:
@@ -31,17 +32,32 @@ def iso(t: datetime | None) -> str | None:
     return t.isoformat(timespec="seconds") if t is not None else None
 
 
-def checkpoint_json(c: CheckpointRecord) -> dict[str, Any]:
-    """The JSON object of ``ckptier ls --json`` (DESIGN.md's contract fields first)."""
+def current_location(c: CheckpointRecord) -> str:
+    """Where the checkpoint can be had now: its hot location while the hot
+    copy is held, else its archive copy's URL (never a deleted hot path)."""
+    if "hot" in c.tiers:
+        return c.location
+    copy = c.archive_copy()
+    return copy.url if copy is not None else c.location
+
+
+def checkpoint_json(c: CheckpointRecord, *, files: int | None = None) -> dict[str, Any]:
+    """The JSON object of ``ckptier ls --json`` (DESIGN.md's contract fields first).
+
+    ``location`` is :func:`current_location`; ``hot_location`` is where the
+    checkpoint was written (scanned), whether or not that copy still exists.
+    ``files`` is the file count when ``c`` was loaded without its files.
+    """
     return {
         "job": c.job,
         "step": c.step,
         "format": c.format.value,
         "state": c.state.value,
         "bytes": c.bytes,
-        "files": len(c.files),
+        "files": len(c.files) if files is None else files,
         "tiers": list(c.tiers),
-        "location": c.location,
+        "location": current_location(c),
+        "hot_location": c.location,
         "saved_at": iso(c.saved_at),
         "verified_at": iso(c.verified_at),
         "missing_since": iso(c.missing_since),
@@ -51,7 +67,27 @@ def checkpoint_json(c: CheckpointRecord) -> dict[str, Any]:
              "storage_class": x.storage_class, "verified_at": iso(x.verified_at)}
             for x in c.copies
         ],
+        **proof_json(c),
     }
+
+
+def proof_json(c: CheckpointRecord) -> dict[str, Any]:
+    """``proof`` (committed < verified < drilled, or None), when it was obtained,
+    and the most recent drill (``ok``, ``at``, ``detail``) or None."""
+    proof, at = proof_of(c)
+    drill = c.last_drill
+    return {
+        "proof": proof.value if proof is not None else None,
+        "proven_at": iso(at),
+        "last_drill": None if drill is None else {"ok": drill.ok, "at": iso(drill.at), "detail": drill.detail},
+    }
+
+
+def proof_cell(c: CheckpointRecord) -> str:
+    """The PROOF column: the level, and a failed last drill."""
+    proof, _ = proof_of(c)
+    text = proof.value if proof is not None else "-"
+    return text + (" (drill failed)" if c.last_drill is not None and not c.last_drill.ok else "")
 
 
 def table(rows: Sequence[Sequence[Any]], headers: Sequence[str], *, out: TextIO | None = None) -> None:
@@ -82,11 +118,20 @@ def _is_number(v: str) -> bool:
 
 
 def print_json(obj: Any, *, out: TextIO | None = None) -> None:
-    json.dump(obj, out or sys.stdout, indent=2, sort_keys=False, default=str)
-    (out or sys.stdout).write("\n")
+    """``obj`` as JSON on ``out``. A list of objects (``ls --json``, say) is printed one
+    object per line, which Python's C encoder writes several times faster than an
+    indented document; anything else is indented."""
+    out = out or sys.stdout
+    if isinstance(obj, list) and obj and all(isinstance(x, dict) for x in obj):
+        out.write("[\n" + ",\n".join("  " + json.dumps(x, default=str) for x in obj) + "\n]\n")
+        return
+    json.dump(obj, out, indent=2, sort_keys=False, default=str)
+    out.write("\n")
 
 
-def print_checkpoints(records: Iterable[CheckpointRecord], *, out: TextIO | None = None) -> None:
+def print_checkpoints(records: Iterable[CheckpointRecord], *, out: TextIO | None = None,
+                      file_counts: Mapping[int, int] | None = None) -> None:
+    """The ``ls`` table; ``file_counts`` (id → files) when the records were loaded without files."""
     rows = [
         (
             c.job,
@@ -94,13 +139,15 @@ def print_checkpoints(records: Iterable[CheckpointRecord], *, out: TextIO | None
             c.format.value,
             c.state.value + (" (missing)" if c.missing_since else ""),
             human_bytes(c.bytes),
-            len(c.files),
+            len(c.files) if file_counts is None else file_counts.get(c.id, 0),
             ",".join(c.tiers) or "-",
             iso(c.saved_at) or "-",
+            proof_cell(c),
+            current_location(c),
         )
         for c in records
     ]
-    table(rows, ("JOB", "STEP", "FORMAT", "STATE", "SIZE", "FILES", "TIERS", "SAVED"), out=out)
+    table(rows, ("JOB", "STEP", "FORMAT", "STATE", "SIZE", "FILES", "TIERS", "SAVED", "PROOF", "LOCATION"), out=out)
 
 
 class Progress:

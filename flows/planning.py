@@ -106,15 +106,14 @@ def cmd_advise(args: argparse.Namespace) -> int:
     from ckptier.tasks.advise import Request, advise, observe_job
     from ckptier.tasks.config import default_policy, load_config
 
-    from .cli import _catalog_url
+    from .cli import _open_existing
 
     config = load_config(args.policy or args.config)
     observed = None
     if args.job:
-        from ckptier.storage.catalog.api import Catalog
         from ckptier.tasks.pipeline import unknown_job
 
-        with Catalog.open(_catalog_url(args)) as cat:
+        with _open_existing(args) as cat:
             records = cat.checkpoints(job=args.job, include_deleted=True, with_files=True)
         if not records:
             raise unknown_job(args.job)
@@ -218,15 +217,14 @@ def _seconds(a: Any) -> float:
 
 
 def cmd_lifecycle(args: argparse.Namespace) -> int:
-    from ckptier.storage.catalog.api import Catalog
     from ckptier.tasks.config import load_config
     from ckptier.tasks.lifecycle import job_prefix_url, lifecycle_for_job
     from ckptier.tasks.pipeline import unknown_job
 
-    from .cli import _catalog_url
+    from .cli import _open_existing
 
     config = load_config(args.config)
-    with Catalog.open(_catalog_url(args)) as cat:
+    with _open_existing(args, config) as cat:
         records = cat.checkpoints(job=args.job, include_deleted=True, with_files=False)
     if not records:
         raise unknown_job(args.job)

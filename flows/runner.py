@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +44,10 @@ def configured_api_url(environ: Mapping[str, str] | None = None) -> str | None:
     return url if isinstance(url, str) and url else None
 
 
-def check_prefect_api(url: str | None = None) -> str:
+def check_prefect_api(url: str | None = None, *, direct: str | None = "pass --no-prefect to run directly") -> str:
     """``url`` (default: the configured Prefect API URL) if it answers; otherwise
-    a one-line error naming ``PREFECT_API_URL``."""
+    a one-line error naming ``PREFECT_API_URL`` and, when the command has a
+    way to run without Prefect, ``direct`` (None: it has none)."""
     import httpx
 
     url = url or configured_api_url()
@@ -56,10 +58,10 @@ def check_prefect_api(url: str | None = None) -> str:
         response = httpx.get(url.rstrip("/") + "/health", timeout=5.0)
         response.raise_for_status()
     except (httpx.HTTPError, ValueError) as exc:
-        raise ConfigError(
-            f"PREFECT_API_URL={url!r} does not answer ({type(exc).__name__}); start 'prefect server start', "
-            f"fix PREFECT_API_URL (environment or 'prefect config set'), or pass --no-prefect to run directly"
-        ) from None
+        fixes = ["start 'prefect server start' (and wait until it answers)",
+                 "fix PREFECT_API_URL (environment or 'prefect config set')", *([direct] if direct else [])]
+        raise ConfigError(f"PREFECT_API_URL={url!r} does not answer ({type(exc).__name__}); "
+                          + ", ".join(fixes[:-1]) + ", or " + fixes[-1]) from None
     return url
 
 
@@ -82,10 +84,44 @@ class FlowFailed(CkptierError):
     """A Prefect flow run did not complete."""
 
 
-def _open(catalog_url: str | None) -> Any:
+def _open(catalog_url: str | None, *, create: bool = False) -> Any:
+    """The catalog at ``catalog_url`` (None: the default); only ``scan`` creates one."""
     from ckptier.storage.catalog.api import Catalog
 
-    return Catalog.open(catalog_url)
+    return Catalog.open(catalog_url, create=create)
+
+
+def resolve_sample(sample: str | None, now: datetime | None = None) -> tuple[int, int] | None:
+    """``"K/N"`` → (K, N); ``"auto/N"`` → the slice of N for ``now``'s UTC date
+    (every byte re-read every N nights); None → None. One-line
+    :class:`ConfigError` otherwise."""
+    from ckptier.tasks.verify import parse_sample, rotating_slice
+
+    if not sample:
+        return None
+    head, sep, tail = sample.strip().partition("/")
+    if sep and head.strip().lower() == "auto":
+        if not tail.strip().isdigit() or int(tail) < 1:
+            raise ConfigError(f"--sample {sample!r}: N must be a whole number ≥ 1, e.g. auto/7")
+        n = int(tail)
+        return rotating_slice((now or datetime.now(UTC)).date(), n), n
+    return parse_sample(sample)
+
+
+def why_nothing_to_verify(catalog_url: str, *, job: str | None, deep: bool, sample: tuple[int, int] | None) -> str:
+    """Words for a verify run that checked nothing (the catalog is only read)."""
+    with _open(catalog_url) as cat:
+        records = cat.checkpoints(job=job, with_files=False)
+    if not records:
+        return "the catalog holds no checkpoints yet; run 'ckptier scan URL' first"
+    if sample is not None:
+        return f"slice {sample[0]}/{sample[1]} holds none of the {len(records)} cataloged checkpoints"
+    if deep:
+        return f"none of the {len(records)} cataloged checkpoints has a copy to read (states: " + \
+            ", ".join(sorted({c.state.value for c in records})) + ")"
+    waiting = sum(1 for c in records if c.state.value == "incomplete")
+    return (f"every one of the {len(records)} cataloged checkpoints is already verified or still being written"
+            + (f" ({waiting} incomplete)" if waiting else "") + "; --deep re-reads every byte")
 
 
 def scan(urls: list[str], *, catalog_url: str | None, use_prefect: bool, progress: bool = True,
@@ -93,15 +129,15 @@ def scan(urls: list[str], *, catalog_url: str | None, use_prefect: bool, progres
     if use_prefect:
         from .scan_verify import scan_flow
 
-        return list(run_flow(scan_flow, urls=urls, catalog_url=catalog_url))
+        return list(run_flow(scan_flow, urls=urls, catalog_url=catalog_url, config_path=config_path))
     from ckptier.tasks.config import load_config
     from ckptier.tasks.pipeline import run_scan, utcnow
 
-    patterns = load_config(config_path).patterns
+    config = load_config(config_path)
     bar = Progress("listing", unit="objects", enabled=None if progress else False)
     try:
-        with _open(catalog_url) as cat:
-            return run_scan(urls, cat, now=utcnow, tick=bar.update, patterns=patterns)
+        with _open(catalog_url, create=True) as cat:
+            return run_scan(urls, cat, now=utcnow, tick=bar.update, patterns=config.patterns, config=config)
     finally:
         bar.close()
 
@@ -138,6 +174,8 @@ def verify(*, job: str | None, deep: bool, sample: tuple[int, int] | None, worke
 
 def apply(*, job: str | None, dry_run: bool, config_path: str | None, catalog_url: str | None,
           use_prefect: bool) -> dict[str, Any]:
+    if not dry_run:  # deletes only under a [[policy]] someone wrote; a dry run may preview the default
+        _check_policy_written(job, config_path, catalog_url)
     if use_prefect:
         from .tiering import tiering_flow
 
@@ -151,6 +189,16 @@ def apply(*, job: str | None, dry_run: bool, config_path: str | None, catalog_ur
                          dry_run=dry_run)
 
 
+def _check_policy_written(job: str | None, config_path: str | None, catalog_url: str | None) -> None:
+    """Raise ``NoPolicyWritten`` when a job to act on has no ``[[policy]]`` the user wrote."""
+    from ckptier.tasks.config import load_config
+    from ckptier.tasks.settings import require_written_policy
+
+    config = load_config(config_path)
+    with _open(catalog_url) as cat:
+        require_written_policy(config, [job] if job else cat.jobs(), config_path)
+
+
 def fetch(*, job: str, step: int, dest: Path, catalog_url: str | None, config_path: str | None) -> dict[str, Any]:
     from ckptier.tasks.config import load_config
     from ckptier.tasks.pipeline import run_fetch
@@ -159,13 +207,12 @@ def fetch(*, job: str, step: int, dest: Path, catalog_url: str | None, config_pa
         return run_fetch(cat, load_config(config_path), job=job, step=step, dest=dest)
 
 
-def janitor(*, config_path: str | None, older_than: str, catalog_url: str | None) -> dict[str, Any]:
+def janitor(*, config_path: str | None, older_than: timedelta, catalog_url: str | None) -> dict[str, Any]:
     from ckptier.tasks.config import load_config
     from ckptier.tasks.pipeline import run_janitor, utcnow
-    from ckptier.tasks.retention import parse_duration
 
     with _open(catalog_url) as cat:
-        return run_janitor(cat, load_config(config_path), now=utcnow(), older_than=parse_duration(older_than))
+        return run_janitor(cat, load_config(config_path), now=utcnow(), older_than=older_than)
 
 
 def drill(*, job: str | None, step: int | None, steps: int | None, device: str | None, model: str | None,

@@ -7,74 +7,138 @@ alert.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
 from prefect import flow
-from prefect.artifacts import create_table_artifact
+from prefect.artifacts import create_markdown_artifact
 
-from ckptier.storage.catalog.api import Catalog
 from ckptier.storage.errors import CkptierError
 from ckptier.tasks.prefect_tasks import scan_task, verify_task
+from ckptier.tasks.settings import catalog_url as resolve_catalog_url
 
+from .artifacts import publish_catalog_summary, publish_dashboard_links
 from .events import CORRUPTION_FOUND, emit_checkpoint_event
+from .output import human_bytes
+from .runner import resolve_sample
 
 
 class CorruptionFound(CkptierError):
     """Verification found corrupt checkpoints (the flow run fails with this)."""
 
 
-def publish_catalog_summary(catalog_url: str | None) -> list[dict[str, Any]]:
-    """Table artifact ``catalog-summary``: checkpoints and bytes per job and state."""
-    with Catalog.open(catalog_url) as cat:
-        rows = cat.summary()
-    table = [
-        {"job": r["job"], "state": r["state"], "checkpoints": r["count"], "bytes": r["bytes"],
-         "newest verified step": r.get("newest_verified_step"), "tiers": ",".join(r.get("tiers") or [])}
-        for r in rows
-    ]
-    create_table_artifact(table, key="catalog-summary", description="Checkpoints per job and state")
-    return table
+def _cell(value: Any) -> str:
+    """A markdown table cell: ``-`` for nothing, pipes escaped, one line."""
+    if value is None or value == "":
+        return "-"
+    return " ".join(str(value).split()).replace("|", "\\|")
 
 
-def publish_verification(report: dict[str, Any]) -> None:
-    """Table artifact ``verification``: verified / corrupt / errors per job, bytes read vs skipped."""
-    per_job: dict[str, dict[str, Any]] = {}
-    for row in report["checkpoints"]:
-        j = per_job.setdefault(row["job"], {"job": row["job"], "verified": 0, "corrupt": 0, "errors": 0,
-                                            "bytes read": 0, "bytes skipped (native checksums)": 0})
-        j["verified"] += row["state"] == "verified"
-        j["corrupt"] += row["state"] in ("corrupt", "degraded")
-        j["errors"] += row["errors"] > 0
-        j["bytes read"] += row["bytes_read"]
-        j["bytes skipped (native checksums)"] += row["bytes_skipped"]
-    create_table_artifact(list(per_job.values()) or [{"job": "-", "verified": 0, "corrupt": 0, "errors": 0}],
-                          key="verification", description="Verification results per job")
+def _expected_actual(f: dict[str, Any], side: str) -> str:
+    parts = [f"{f[side + '_size']:,} bytes" if f[side + "_size"] is not None else None,
+             f"sha256 `{f[side + '_sha256']}`" if f[side + "_sha256"] else None,
+             f"crc64nvme `{f[side + '_crc64nvme']}`" if f[side + "_crc64nvme"] else None]
+    return "<br>".join(p for p in parts if p) or "-"
 
 
-def raise_on_corruption(report: dict[str, Any]) -> None:
+def render_verification(report: dict[str, Any], scans: Sequence[dict[str, Any]] = ()) -> str:
+    """The ``verification`` artifact: totals per job, then every corrupt checkpoint and degraded
+    archive copy with each bad file's expected and actual size and hashes (and the checkpoints
+    ``scans`` found corrupt: files their manifest lists missing past the grace)."""
+    t = report["totals"]
+    sample = f" (slice {report['sample']})" if report.get("sample") else ""
+    archived = (f"; {t['archive_checked']} archive copies read back, {t['archive_degraded']} degraded"
+                if t.get("archive_checked") else "")
+    lines = ["# Verification", "",
+             f"{t['checked']} checked{sample}: {t['verified']} verified, {t['corrupt']} corrupt, "
+             f"{t['errors']} with read errors{archived}; read {human_bytes(t['bytes_read'])}, "
+             f"skipped {human_bytes(t['bytes_skipped'])} (proven by the store's own checksums)", ""]
+    if report.get("by_job"):
+        lines += ["| job | checked | verified | corrupt | degraded archive copies | read errors | read | skipped |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        lines += [f"| {_cell(j['job'])} | {j['checked']} | {j['verified']} | {j['corrupt']} | {j['degraded']} | "
+                  f"{j['errors']} | {human_bytes(j['bytes_read'])} | {human_bytes(j['bytes_skipped'])} |"
+                  for j in report["by_job"]]
+        lines.append("")
+    bad = corruption_in(report, scans)
+    if not bad:
+        lines.append("Nothing corrupt or degraded." if t["checked"] or t.get("archive_checked") else "Nothing to verify.")
+        return "\n".join(lines) + "\n"
+    lines += [f"## Corrupt or degraded: {len(bad)}", ""]
+    for r in bad:
+        what = "archive copy" if r.get("tier") == "archive" else "hot copy"
+        found = "" if "state" in r else ", found by the scan"
+        lines += [f"### {_cell(r['job'])} step {r['step']}: {r.get('state', 'corrupt')} ({what}{found})", ""]
+        if r.get("detail"):
+            lines += [_cell(r["detail"]), ""]
+        if r.get("files"):
+            lines += ["| file | status | expected | actual | detail |", "| --- | --- | --- | --- | --- |"]
+            lines += [f"| `{_cell(f['relpath'])}` | {f['status']} | {_expected_actual(f, 'expected')} | "
+                      f"{_expected_actual(f, 'actual')} | {_cell(f['detail'])} |" for f in r["files"]]
+            lines.append("")
+        for p in r.get("problems") or ():
+            lines.append(f"- {_cell(p)}")
+        if r.get("problems"):
+            lines.append("")
+        if r.get("extra"):
+            lines += ["Files the catalog does not know: " + ", ".join(f"`{_cell(x)}`" for x in r["extra"]), ""]
+    return "\n".join(lines) + "\n"
+
+
+#: The report of a run that verified nothing (``scan-verify`` with ``verify=False``).
+NOTHING_VERIFIED: dict[str, Any] = {"checkpoints": [], "sample": None, "by_job": [], "totals": {
+    "checked": 0, "verified": 0, "corrupt": 0, "errors": 0, "bytes_read": 0, "bytes_skipped": 0}}
+
+
+def publish_verification(report: dict[str, Any], scans: Sequence[dict[str, Any]] = ()) -> None:
+    """Markdown artifact ``verification`` (:func:`render_verification`)."""
+    t = report["totals"]
+    create_markdown_artifact(render_verification(report, scans), key="verification",
+                             description=f"Verification: {t['verified']} verified, {t['corrupt']} corrupt, "
+                                         f"{t.get('archive_degraded', 0)} archive copies degraded")
+
+
+def corruption_in(report: dict[str, Any], scans: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+    """The corrupt checkpoints (and degraded copies) a verify report holds, plus
+    those scans found corrupt (files their manifest lists missing past the grace)."""
     corrupt = [r for r in report["checkpoints"] if r["state"] in ("corrupt", "degraded")]
+    return corrupt + [{**c, "tier": "hot"} for scan in scans for c in scan.get("corrupt_found", ())]
+
+
+def raise_on_corruption(report: dict[str, Any], scans: Sequence[dict[str, Any]] = ()) -> None:
+    """Emit an event per corrupt checkpoint (:func:`corruption_in`) and fail the run."""
+    corrupt = corruption_in(report, scans)
     if not corrupt:
         return
     for r in corrupt:
-        emit_checkpoint_event(CORRUPTION_FOUND, r["job"], r["step"], tier=r.get("tier", "hot"), detail=r["detail"])
+        emit_checkpoint_event(CORRUPTION_FOUND, r["job"], r["step"], tier=r.get("tier", "hot"), detail=r["detail"],
+                              files=[f["relpath"] for f in r.get("files") or ()][:20])
     names = ", ".join(f"{r['job']} step {r['step']}" for r in corrupt[:5])
     raise CorruptionFound(f"{len(corrupt)} corrupt checkpoint(s): {names}; see the 'verification' artifact")
+
+
+def _jobs(job: str | None, summary: list[dict[str, Any]]) -> list[str]:
+    return [job] if job else [j["job"] for j in summary]
 
 
 @flow(name="scan")
 def scan_flow(
     urls: list[str],
     catalog_url: str | None = None,
+    config_path: str | None = None,
 ) -> list[dict[str, Any]]:
     """Catalog every checkpoint under each URL; publishes the ``catalog-summary`` table.
 
     Args:
         urls: Where checkpoints are written: paths, file:///path or s3://bucket/prefix.
-        catalog_url: Catalog SQLAlchemy URL (default: CKPTIER_CATALOG_URL, else SQLite in the data dir).
+        catalog_url: Catalog SQLAlchemy URL (default: CKPTIER_CATALOG_URL, else the config's [catalog] url, else SQLite in the data dir).
+        config_path: ckptier.toml path, read for its [catalog] url (default: CKPTIER_CONFIG or ./ckptier.toml).
     """
+    catalog_url = resolve_catalog_url(catalog_url, config_path)
     reports = [scan_task(url, catalog_url) for url in urls]
     publish_catalog_summary(catalog_url)
+    publish_dashboard_links(j for r in reports for j in r["jobs"])
     return reports
 
 
@@ -85,32 +149,28 @@ def verify_flow(
     sample: str | None = None,
     workers: int = 4,
     catalog_url: str | None = None,
+    config_path: str | None = None,
 ) -> dict[str, Any]:
     """Verify checkpoints; fails the run (and emits an event) when corruption is found.
+
+    Publishes ``verification`` (every bad file with expected and actual
+    hashes), ``verify-progress`` and ``catalog-summary``.
 
     Args:
         job: Only this job (default: every job).
         deep: Read every byte even when the store keeps a full-object checksum.
         sample: K/N verifies the K-th of N disjoint slices; auto/N picks tonight's slice.
         workers: Files read in parallel.
-        catalog_url: Catalog SQLAlchemy URL (default: CKPTIER_CATALOG_URL, else SQLite in the data dir).
+        catalog_url: Catalog SQLAlchemy URL (default: CKPTIER_CATALOG_URL, else the config's [catalog] url, else SQLite in the data dir).
+        config_path: ckptier.toml path, read for its [catalog] url (default: CKPTIER_CONFIG or ./ckptier.toml).
     """
+    catalog_url = resolve_catalog_url(catalog_url, config_path)
     report = verify_task(catalog_url, job, deep, resolve_sample(sample, datetime.now(UTC)), workers)
     publish_verification(report)
+    summary = publish_catalog_summary(catalog_url)
+    publish_dashboard_links(_jobs(job, summary))
     raise_on_corruption(report)
     return report
-
-
-def resolve_sample(sample: str | None, now: datetime) -> tuple[int, int] | None:
-    """``"K/N"`` → (K, N); ``"auto/N"`` → today's slice of N (every byte re-read every N nights)."""
-    from ckptier.tasks.verify import parse_sample, rotating_slice
-
-    if not sample:
-        return None
-    if sample.strip().lower().startswith("auto/"):
-        n = parse_sample("1/" + sample.split("/", 1)[1])[1]
-        return rotating_slice(now.date(), n), n
-    return parse_sample(sample)
 
 
 @flow(name="scan-verify")
@@ -121,6 +181,7 @@ def scan_verify_flow(
     sample: str | None = None,
     workers: int = 4,
     catalog_url: str | None = None,
+    config_path: str | None = None,
 ) -> dict[str, Any]:
     """Scan, then verify: the hourly (and, with ``sample``, nightly) catalog upkeep.
 
@@ -130,16 +191,20 @@ def scan_verify_flow(
         deep: Read every byte even when the store keeps a full-object checksum.
         sample: K/N or auto/N: deep-read one slice of the catalog (every byte every N runs).
         workers: Files read in parallel.
-        catalog_url: Catalog SQLAlchemy URL (default: CKPTIER_CATALOG_URL, else SQLite in the data dir).
+        catalog_url: Catalog SQLAlchemy URL (default: CKPTIER_CATALOG_URL, else the config's [catalog] url, else SQLite in the data dir).
+        config_path: ckptier.toml path, read for its [catalog] url (default: CKPTIER_CONFIG or ./ckptier.toml).
     """
+    catalog_url = resolve_catalog_url(catalog_url, config_path)
     scans = [scan_task(url, catalog_url) for url in urls]
     result: dict[str, Any] = {"scans": scans}
     if verify:
         report = verify_task(catalog_url, None, deep, resolve_sample(sample, datetime.now(UTC)), workers)
-        publish_verification(report)
+        publish_verification(report, scans)
         result["verify"] = report
+    elif corruption_in(NOTHING_VERIFIED, scans):
+        publish_verification(NOTHING_VERIFIED, scans)
     # One summary per run, after verification has settled the states.
     publish_catalog_summary(catalog_url)
-    if verify:
-        raise_on_corruption(result["verify"])
+    publish_dashboard_links(j for r in scans for j in r["jobs"])
+    raise_on_corruption(result.get("verify", NOTHING_VERIFIED), scans)
     return result

@@ -18,11 +18,16 @@ from contextlib import contextmanager
 from typing import Any
 
 from prefect import flow
-from prefect.artifacts import create_table_artifact
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from ckptier.storage.catalog.api import Catalog
 from ckptier.tasks.config import load_config
 from ckptier.tasks.prefect_tasks import apply_task, plan_task
+from ckptier.tasks.settings import catalog_url as resolve_catalog_url
+from ckptier.tasks.settings import require_written_policy
+
+from .artifacts import publish_catalog_summary, publish_dashboard_links
+from .output import human_bytes
 
 
 
@@ -69,22 +74,71 @@ def hold_job_locks(names: list[str], timeout_seconds: float) -> Iterator[None]:
 
 def cataloged_jobs(catalog_url: str | None, config_path: str | None) -> list[str]:
     config = load_config(config_path)
-    with Catalog.open(catalog_url or config.catalog_url) as cat:
+    with Catalog.open(resolve_catalog_url(catalog_url, config_path, config=config), create=False) as cat:
         return cat.jobs()
 
 
-def publish_plan(rows: list[dict[str, Any]]) -> None:
-    """Table artifact ``retention-plan`` with a bytes-saved summary in its description."""
-    deleted = sum(r["bytes"] for r in rows if r["action"] == "delete")
-    total = sum(r["bytes"] for r in rows)
+def publish_plan(plan: dict[str, Any]) -> None:
+    """Table artifact ``retention-plan``; its description says how many hot bytes carrying it out frees.
+
+    ``plan`` is ``plan_task``'s result: the rows and the forecast (the
+    plan's deletions plus the hot copies of the milestones it promotes,
+    which the same run then deletes), out of the hot bytes held now."""
+    rows, f = plan["rows"], plan["forecast"]
     table = [{"job": r["job"], "step": r["step"], "state": r["state"], "action": r["action"], "scope": r["scope"],
-              "bytes": r["bytes"], "reasons": "; ".join(r["reasons"])} for r in rows]
-    create_table_artifact(
-        table or [{"job": "-", "step": "-", "action": "-", "reasons": "no checkpoints"}],
-        key="retention-plan",
-        description=f"Retention plan: {deleted:,} of {total:,} hot bytes can be freed ({deleted / total:.0%})" if total
-        else "Retention plan: nothing cataloged",
-    )
+              "size": human_bytes(r["bytes"]), "reasons": "; ".join(r["reasons"])} for r in rows]
+    if not f["hot_bytes"]:
+        description = "Retention plan: nothing in hot storage"
+    else:
+        after = (f" ({human_bytes(f['after_promotion_bytes'])} of it hot copies of milestones once their archive "
+                 f"copy is verified)") if f["after_promotion_bytes"] else ""
+        description = (f"Retention plan: {human_bytes(f['freed_bytes'])} of {human_bytes(f['hot_bytes'])} hot bytes "
+                       f"can be freed ({f['freed_bytes'] / f['hot_bytes']:.0%}){after}")
+    create_table_artifact(table or [{"job": "-", "step": "-", "action": "-", "reasons": "no checkpoints"}],
+                          key="retention-plan", description=description)
+
+
+def render_outcome(report: dict[str, Any]) -> str:
+    """The ``tiering-result`` artifact: what the run did per tier and storage class, then per checkpoint."""
+    o = report["outcome"]
+    lines = ["# Tiering: what was done", "",
+             f"Promoted {len(o['promoted'])} checkpoint(s), deleted {len(o['deleted'])} hot copies or checkpoints; "
+             f"hot bytes freed: {human_bytes(o['hot_freed_bytes'])}.", ""]
+    if o["tiers"]:
+        lines += ["| tier | storage class | copies written | written (stored) | logical | copies deleted | freed |",
+                  "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+        lines += [f"| {t['tier']} | {t['storage_class']} | {t['written']} | {human_bytes(t['written_bytes'])} | "
+                  f"{human_bytes(t['logical_bytes'])} | {t['deleted']} | {human_bytes(t['freed_bytes'])} |"
+                  for t in o["tiers"]]
+        lines.append("")
+    if o["promoted"]:
+        lines += ["## Promoted", "", "| job | step | size | stored | storage class | archive copy |",
+                  "| --- | ---: | ---: | ---: | --- | --- |"]
+        lines += [f"| {p['job']} | {p['step']} | {human_bytes(p['bytes'])} | {human_bytes(p['stored_bytes'])} | "
+                  f"{p['storage_class']} | `{p['url']}` |" for p in o["promoted"]]
+        lines.append("")
+    if o["deleted"]:
+        lines += ["## Deleted", "", "| job | step | what | size | freed | storage class |",
+                  "| --- | ---: | --- | ---: | ---: | --- |"]
+        lines += [f"| {d['job']} | {d['step']} | {'hot copy' if d['scope'] == 'hot-copy' else 'checkpoint'} | "
+                  f"{human_bytes(d['bytes'])} | {human_bytes(d['freed_bytes'])} | {d['storage_class']} |"
+                  for d in o["deleted"]]
+        lines.append("")
+    undone = [i for i in report["items"] if i["outcome"] in ("held", "deferred", "failed", "partial", "fenced")]
+    if undone:
+        lines += ["## Not done (a later run resumes)", "", "| job | step | action | outcome | detail |",
+                  "| --- | ---: | --- | --- | --- |"]
+        lines += [f"| {i['job']} | {i['step']} | {i['action']} | {i['outcome']} | {i['detail']} |" for i in undone]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def publish_outcome(report: dict[str, Any]) -> None:
+    """Markdown artifact ``tiering-result`` (:func:`render_outcome`); published by runs with ``apply`` only."""
+    o = report["outcome"]
+    create_markdown_artifact(render_outcome(report), key="tiering-result",
+                             description=f"Tiering done: {len(o['promoted'])} promoted, {len(o['deleted'])} deleted, "
+                                         f"{human_bytes(o['hot_freed_bytes'])} of hot storage freed")
 
 
 @flow(name="tiering")
@@ -101,15 +155,23 @@ def tiering_flow(
         apply: Carry out the plan. Off (the default) is a dry run that only publishes the plan.
         job: Only this job (default: every job).
         config_path: ckptier.toml with the [[policy]] tables (default: CKPTIER_CONFIG or ./ckptier.toml).
-        catalog_url: Catalog SQLAlchemy URL (default: the config's [catalog] url, CKPTIER_CATALOG_URL, else SQLite).
+        catalog_url: Catalog SQLAlchemy URL (default: CKPTIER_CATALOG_URL, else the config's [catalog] url, else SQLite).
         lease_minutes: How long this run waits for another tiering run of the same job to finish
             (checkpoint leases themselves are short and kept alive while the run lives).
     """
-    locks = tiering_lock_names(job, [] if job else cataloged_jobs(catalog_url, config_path))
+    catalog_url = resolve_catalog_url(catalog_url, config_path)
+    jobs = [job] if job else cataloged_jobs(catalog_url, config_path)
+    if apply:  # deletes only under a [[policy]] someone wrote; a dry run may preview the default
+        require_written_policy(load_config(config_path), jobs, config_path)
+    locks = tiering_lock_names(job, jobs)
     with hold_job_locks(locks, timeout_seconds=lease_minutes * 60.0):
-        rows = plan_task(catalog_url, config_path, job)
-        publish_plan(rows)
+        plan = plan_task(catalog_url, config_path, job)
+        publish_plan(plan)
         report = apply_task(catalog_url, config_path, job, not apply)
+    if apply:
+        publish_outcome(report)
+    summary = publish_catalog_summary(catalog_url)
+    publish_dashboard_links([job] if job else [j["job"] for j in summary])
     if report["failed"]:
         raise RuntimeError("tiering: some items failed; re-run to resume: " + "; ".join(report["lines"][-3:]))
-    return {"plan": rows, "apply": report}
+    return {"plan": plan["rows"], "forecast": plan["forecast"], "apply": report}

@@ -1,10 +1,17 @@
-"""The one small protocol every object store implements.
+"""The one small protocol every object store implements, and the optional capabilities.
 
 Why this small: every backend (a POSIX directory, any S3-compatible endpoint)
-and every wrapper (retry, dry-run, metering, fault injection in tests) has to
+and every wrapper (retry, dry-run, fault injection in tests) has to
 implement all of it, and one contract test suite has to cover it. Anything a
 caller can build from these calls (recursive copy, read-to-bytes, ...) lives
 in helper functions, not in the protocol.
+
+What only some stores can do is a capability: a small ``@runtime_checkable``
+protocol of its own (:data:`CAPABILITIES`), which a caller tests with
+``isinstance(store, Capability)`` and never by probing attributes or the
+store's class. A wrapper has a capability exactly when the store it wraps
+has it (:mod:`.wrappers`). ``tests/test_store_contract.py`` checks, for every
+store, which capabilities it has and that each one keeps its contract.
 
 Keys are ``/``-separated, relative to the store's root URL, never start with
 ``/`` and never contain an empty, ``.`` or ``..`` segment.
@@ -13,8 +20,10 @@ Keys are ``/``-separated, relative to the store's root URL, never start with
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
 from typing import Any, BinaryIO, Literal, Protocol, runtime_checkable
 
 from .errors import InvalidKey
@@ -85,10 +94,15 @@ class Store(Protocol):
       the write are one atomic step.
     * ``delete_many(keys)`` deletes in batches of at most
       :data:`MAX_DELETE_BATCH` and reports per key; it never raises for a
-      single key's failure.
+      single key's failure. When a whole batch fails it raises
+      :class:`~.errors.DeleteInterrupted`, which carries what was confirmed
+      before (its ``result``) and the batch's error.
     """
 
-    url: str
+    @property
+    def url(self) -> str:
+        """The store's root URL (``file:///path``, ``s3://bucket/prefix``); keys are relative to it."""
+        ...
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]: ...
 
@@ -99,6 +113,173 @@ class Store(Protocol):
     def write(self, key: str, data: bytes | BinaryIO, *, if_absent: bool = False) -> ObjectInfo: ...
 
     def delete_many(self, keys: Sequence[str]) -> DeleteResult: ...
+
+
+# -- optional capabilities ---------------------------------------------------------
+
+
+@runtime_checkable
+class Canary(Protocol):
+    """A store that can prove it keeps bytes unchanged before anything is deleted
+    from it (S3-compatible endpoints, some of which reject or mangle the newer
+    checksum headers).
+
+    Contract (checked by ``tests/test_store_contract.py`` for every store that has it):
+
+    * ``canary()`` writes a small object under a key of its own, reads it
+      back, compares and deletes it. It returns ``None`` when all of that
+      worked and raises :class:`~.errors.StoreError` (naming the fix)
+      otherwise; either way it leaves no object behind (the delete is best
+      effort after a failure) and touches no other key. Safe to repeat and
+      to run concurrently.
+    """
+
+    def canary(self) -> None: ...
+
+
+@runtime_checkable
+class MultipartUploads(Protocol):
+    """A store whose large writes go in multipart uploads, which a killed
+    process leaves unfinished and billed until they are aborted (S3).
+
+    Contract (checked by ``tests/test_store_contract.py`` for every store that has it):
+
+    * ``list_multipart_uploads(prefix)`` returns every unfinished upload whose
+      key starts with ``prefix`` as ``(key, upload_id, initiated)``: ``key``
+      relative to the store's root, ``initiated`` an aware datetime;
+      ordered by key, then by initiation. Finished and aborted uploads are
+      never listed, and no upload is ever visible to ``list``.
+    * ``abort_multipart(key, upload_id)`` aborts one unfinished upload and
+      frees its parts. Idempotent: an unknown or already aborted upload is
+      fine. It never touches a completed object.
+    """
+
+    def list_multipart_uploads(self, prefix: str = "") -> list[tuple[str, str, datetime]]: ...
+
+    def abort_multipart(self, key: str, upload_id: str) -> None: ...
+
+
+@runtime_checkable
+class TempFiles(Protocol):
+    """A store whose writes go through temporary files of its own beside their
+    target (a POSIX directory: write, fsync, rename), which a killed process
+    leaves behind.
+
+    Contract (checked by ``tests/test_store_contract.py`` for every store that has it):
+
+    * ``stale_temp_files(older_than)`` returns this store's own temporary
+      files last modified before ``older_than`` (seconds since the epoch),
+      as keys relative to the root, sorted. Never anything else; ``list``
+      never shows them.
+    * ``remove_temp_file(key)`` removes one of them. Idempotent; refuses
+      (:class:`~.errors.InvalidKey`) a key that is not one of this store's
+      temporary files, so nothing else can be removed through it.
+    """
+
+    def stale_temp_files(self, older_than: float) -> list[str]: ...
+
+    def remove_temp_file(self, key: str) -> None: ...
+
+
+@runtime_checkable
+class LocalPaths(Protocol):
+    """A store whose objects are plain files this process can open itself (a
+    POSIX directory), so that a reader that needs speed (verification hashes
+    gigabytes at memory speed) can read the file directly.
+
+    Contract (checked by ``tests/test_store_contract.py`` for every store that has it):
+
+    * ``local_path(key)`` returns the absolute path of the file that holds
+      object ``key``: reading it gives exactly the bytes ``open_read(key)``
+      would. Validates the key (:class:`~.errors.InvalidKey`) and does no
+      I/O: a missing object shows as ``FileNotFoundError`` when the path is
+      opened.
+    """
+
+    def local_path(self, key: str) -> Path: ...
+
+
+@runtime_checkable
+class ListingSkips(Protocol):
+    """A store whose listing leaves out entries the user should hear about (a
+    POSIX directory: symlink loops, dangling symlinks, symlinks to
+    directories).
+
+    Contract (checked by ``tests/test_store_contract.py`` for every store that has it):
+
+    * ``list_with_skips(prefix, on_skip)`` yields exactly what
+      ``list(prefix)`` yields and calls ``on_skip(key, reason)`` (``reason``
+      one line) once for every entry under ``prefix`` that it leaves out,
+      except the store's own temporary files.
+    """
+
+    def list_with_skips(self, prefix: str, on_skip: Callable[[str, str], None]) -> Iterator[ObjectInfo]: ...
+
+
+@runtime_checkable
+class ResumableReads(Protocol):
+    """A store whose reads can go on part-way through an object after the
+    connection broke, as long as the object has not changed (S3: a ranged GET
+    pinned to the ETag; botocore retries requests, never a body that breaks
+    off).
+
+    Contract (checked by ``tests/test_store_contract.py`` for every store that has it):
+
+    * ``open_versioned(key)`` returns ``(stream, version)``: the stream
+      ``open_read(key)`` would return and the version of the object it reads
+      (an opaque change token: S3's ETag). Raises as ``open_read`` does.
+    * ``open_from(key, offset, version)`` returns a stream of the object's
+      bytes from ``offset`` on (empty at or past the end), provided the
+      object is still ``version``; raises :class:`~.errors.ObjectChanged`
+      when it was replaced since, :class:`~.errors.NotFound` when it is gone.
+    """
+
+    def open_versioned(self, key: str) -> tuple[BinaryIO, str]: ...
+
+    def open_from(self, key: str, offset: int, version: str) -> BinaryIO: ...
+
+
+#: What :meth:`Restorable.restore` answers: a restore was started now, one is
+#: already running, or the object is readable (restored, or never archived).
+RestoreState = Literal["requested", "in-progress", "ready"]
+
+
+@runtime_checkable
+class StorageClasses(Protocol):
+    """A store whose objects live in storage classes (S3).
+
+    Contract (checked by ``tests/test_store_contract.py`` and
+    ``tests/test_storage_class.py`` for every store that has it):
+
+    * ``storage_class`` is the class this store's writes go to (``None``:
+      the bucket's default); ``stat`` reports each object's class.
+    * ``in_class(name)`` is the same store (same root, same connection, the
+      same capabilities) writing to ``name`` instead; ``in_class(None)``
+      writes to the default. Reads never depend on it.
+    """
+
+    storage_class: str | None
+
+    def in_class(self, storage_class: str | None) -> Store: ...
+
+
+@runtime_checkable
+class Restorable(Protocol):
+    """A store with storage classes whose objects must be restored before they
+    can be read (S3 ``GLACIER``, ``DEEP_ARCHIVE``); reading such an object
+    raises :class:`~.errors.NeedsRestore`.
+
+    Contract (checked by ``tests/test_store_contract.py`` and
+    ``tests/test_storage_class.py`` for every store that has it):
+
+    * ``restore(key, days=, tier=)`` asks for a temporary readable copy for
+      ``days`` days at retrieval ``tier`` (``"Standard"``, ``"Bulk"``,
+      ``"Expedited"``) and says where that stands (:data:`RestoreState`);
+      an object that needs no restore is ``"ready"``. Idempotent. Raises
+      :class:`~.errors.NotFound` for a missing object.
+    """
+
+    def restore(self, key: str, *, days: int = 1, tier: str = "Standard") -> RestoreState: ...
 
 
 #: S3's limits on object tags (per object, key and value lengths).
@@ -130,6 +311,13 @@ class Taggable(Protocol):
     def get_object_tagging(self, key: str) -> dict[str, str]: ...
 
 
+#: Every optional capability a store may have, beyond :class:`Store`.
+CAPABILITIES: tuple[type, ...] = (
+    Canary, MultipartUploads, TempFiles, LocalPaths, ListingSkips, ResumableReads, StorageClasses, Restorable,
+    Taggable,
+)
+
+
 def tags_problem(tags: Mapping[str, str]) -> str | None:
     """Why ``tags`` cannot be an S3 object's tag set, or None: at most
     :data:`MAX_TAGS` tags, keys of 1-128 and values of 0-256 characters,
@@ -144,37 +332,6 @@ def tags_problem(tags: Mapping[str, str]) -> str | None:
         if k.lower().startswith("aws:"):
             return f"tag {k!r}: the aws: prefix is reserved by AWS"
     return None
-#: What :meth:`Restorable.restore` answers: a restore was started now, one is
-#: already running, or the object is readable (restored, or never archived).
-RestoreState = Literal["requested", "in-progress", "ready"]
-
-
-@runtime_checkable
-class StorageClasses(Protocol):
-    """A store whose objects live in storage classes (S3), beyond :class:`Store`.
-
-    ``storage_class`` is the class this store's writes go to (``None``: the
-    bucket's default). ``in_class(name)`` is the same store (same root, same
-    connection) writing to ``name`` instead; ``in_class(None)`` writes to the
-    default. Reads never depend on it. ``stat`` reports each object's class.
-    """
-
-    storage_class: str | None
-
-    def in_class(self, storage_class: str | None) -> Store: ...
-
-
-@runtime_checkable
-class Restorable(Protocol):
-    """A store with storage classes that must be restored before reading.
-
-    Reading such an object raises :class:`~.errors.NeedsRestore`.
-    ``restore(key, days=, tier=)`` asks for a temporary readable copy for
-    ``days`` days at retrieval ``tier`` (``"Standard"``, ``"Bulk"``,
-    ``"Expedited"``) and says where that stands; idempotent.
-    """
-
-    def restore(self, key: str, *, days: int = 1, tier: str = "Standard") -> RestoreState: ...
 
 
 class ReaderOver(io.RawIOBase):

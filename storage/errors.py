@@ -8,6 +8,11 @@ that decides what a caller (a Prefect task's retry policy, say) may retry.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .base import DeleteResult
+
 
 class CkptierError(Exception):
     """Base of every error ckptier raises on purpose.
@@ -57,6 +62,13 @@ class IntegrityError(StoreError):
     """Bytes read back do not match what was expected (size or checksum)."""
 
 
+class ObjectChanged(StoreError):
+    """An object was replaced while it was being read, so a read that broke off
+    cannot go on where it stopped (the bytes would mix two versions); read it
+    again from the start. Not transient in the retry sense: resuming again
+    fails the same way."""
+
+
 class NeedsRestore(StoreError):
     """The object sits in a storage class that must be restored before it can be read
     (S3 ``GLACIER``, ``DEEP_ARCHIVE``). ``storage_class`` names it when the store said.
@@ -72,11 +84,35 @@ class NeedsRestore(StoreError):
         self.storage_class = storage_class
 
 
+class DeleteInterrupted(StoreError):
+    """A batch delete (:meth:`~.base.Store.delete_many`) stopped part-way: a whole batch failed.
+
+    ``result`` (a :class:`~.base.DeleteResult`) holds what the store confirmed
+    before it stopped: keys deleted, keys it refused one by one; no key of
+    the failed batch or of a later one is in it. ``error`` (also the
+    ``__cause__``) is the :class:`StoreError` that stopped it
+    (:class:`Unavailable` when the store was throttling or unreachable); the
+    message is ``error``'s. Deletes are idempotent: deleting the keys that are
+    not in ``result`` again finishes the work.
+    """
+
+    def __init__(self, error: StoreError, result: DeleteResult) -> None:
+        super().__init__(str(error), url=error.url, key=error.key)
+        self.error = error
+        self.result = result
+
+    def __reduce__(self) -> tuple[type[DeleteInterrupted], tuple[StoreError, DeleteResult]]:
+        return type(self), (self.error, self.result)
+
+
 def is_transient(exc: BaseException) -> bool:
     """Return True when retrying the operation that raised ``exc`` may succeed.
 
-    Only :class:`Unavailable` is transient. Everything else (a missing object,
-    wrong credentials, a failed precondition, corrupt bytes) will fail the
-    same way again and must not be retried blindly.
+    Only :class:`Unavailable` is transient, and a :class:`DeleteInterrupted`
+    whose ``error`` is. Everything else (a missing object, wrong credentials,
+    a failed precondition, corrupt bytes) will fail the same way again and
+    must not be retried blindly.
     """
+    if isinstance(exc, DeleteInterrupted):
+        return is_transient(exc.error)
     return isinstance(exc, Unavailable)

@@ -164,6 +164,7 @@ def hash_stream(
     sha256: bool = False,
     buffer: bytearray | None = None,
     progress: Callable[[int], None] | None = None,
+    observe: Callable[[memoryview], None] | None = None,
 ) -> Digests:
     """Hash ``stream`` from its current position to EOF with bounded memory.
 
@@ -171,6 +172,8 @@ def hash_stream(
     ``None``), falling back to ``read(len(buffer))`` for streams without
     ``readinto``. Memory use is ``len(buffer)`` whatever the stream's size.
     ``progress`` is called with the byte count of each chunk after it is hashed.
+    ``observe`` is given each chunk too, in order, in the same pass (a
+    structural check): it must not keep the view, whose buffer is reused.
     The stream is not closed.
     """
     buf = _buffer(buffer)
@@ -186,12 +189,16 @@ def hash_stream(
                 if n == 0:
                     break
                 h.update(view[:n])
+                if observe is not None:
+                    observe(view[:n])
             else:
                 chunk = stream.read(len(buf))
                 if not chunk:
                     break
                 n = len(chunk)
                 h.update(chunk)
+                if observe is not None:
+                    observe(memoryview(chunk))
             if progress is not None:
                 progress(n)
     finally:
@@ -205,6 +212,7 @@ def hash_file(
     sha256: bool = False,
     buffer: bytearray | None = None,
     progress: Callable[[int], None] | None = None,
+    observe: Callable[[memoryview], None] | None = None,
 ) -> Digests:
     """Hash a local file, the fast path: unbuffered reads straight into ``buffer``.
 
@@ -219,6 +227,6 @@ def hash_file(
             except OSError:
                 pass  # advice only; some filesystems refuse it
         with io.FileIO(fd, "rb", closefd=False) as raw:
-            return hash_stream(raw, sha256=sha256, buffer=buffer, progress=progress)
+            return hash_stream(raw, sha256=sha256, buffer=buffer, progress=progress, observe=observe)
     finally:
         os.close(fd)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import errno
 import logging
 import os
@@ -97,6 +98,9 @@ class LocalStore:
     renamed into place, so readers never see a partial file. ``if_absent``
     uses ``link()``, which fails atomically when the target exists.
     Temporary files (``.ckptier-tmp-*``) are skipped by ``list``.
+
+    Capabilities (:mod:`.base`): :class:`~.base.LocalPaths`,
+    :class:`~.base.ListingSkips`, :class:`~.base.TempFiles`.
     """
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
@@ -252,11 +256,20 @@ class LocalStore:
                 self._prune_empty_dirs(path.parent)
         return result
 
-    def stale_temp_files(self, older_than: float) -> list[str]:
+    def local_path(self, key: str) -> Path:
+        """The file holding object ``key`` (:class:`~.base.LocalPaths`); validates the key, no I/O."""
+        return self._path(key)
+
+    def list_with_skips(self, prefix: str, on_skip: Callable[[str, str], None]) -> Iterator[ObjectInfo]:
+        """:meth:`list`, telling ``on_skip(key, reason)`` about every symlink it
+        leaves out (:class:`~.base.ListingSkips`)."""
+        return self.list(prefix, on_skip=on_skip)
+
+    def stale_temp_files(self, older_than: float) -> builtins.list[str]:
         """This store's own temporary files (``.ckptier-tmp-*``, left by an
         interrupted ``write``) last modified before ``older_than`` (epoch
         seconds), as paths relative to the root. Never lists anything else."""
-        stale: list[str] = []
+        stale: builtins.list[str] = []
         for directory, _dirs, files in os.walk(self.root):
             for name in files:
                 if not name.startswith(TEMP_PREFIX):
@@ -269,11 +282,11 @@ class LocalStore:
                     continue
         return sorted(stale)
 
-    def remove_temp_file(self, relpath: str) -> None:
+    def remove_temp_file(self, key: str) -> None:
         """Remove one file :meth:`stale_temp_files` listed; refuses any other name."""
-        path = self._path(relpath)
+        path = self._path(key)
         if not path.name.startswith(TEMP_PREFIX):
-            raise InvalidKey(f"{self.url}/{relpath}: not a ckptier temporary file; refusing to remove it", key=relpath)
+            raise InvalidKey(f"{self.url}/{key}: not a ckptier temporary file; refusing to remove it", key=key)
         path.unlink(missing_ok=True)
 
     def _prune_empty_dirs(self, directory: Path) -> None:

@@ -33,18 +33,43 @@ class State(enum.StrEnum):
 
 
 class Format(enum.StrEnum):
-    """Checkpoint layouts ckptier recognises (see DESIGN.md, Formats)."""
+    """Checkpoint layouts ckptier recognises: each has its plug-in in :mod:`ckptier.formats`."""
 
     GUIDE = "guide"  # {job}/step-{step:08d}/rank-{rank:04d}/*.pt + metadata.json
     DCP = "dcp"  # torch.distributed.checkpoint: *.distcp + .metadata
     HF = "hf-trainer"  # checkpoint-{N}/ + trainer_state.json
     LIGHTNING = "lightning"  # epoch=E-step=S.ckpt
     PATTERN = "pattern"  # user-configured pattern + settle time
+    DEEPSPEED = "deepspeed"  # global_step{N}/mp_rank_*_model_states.pt + the latest tag
+    MEGATRON = "megatron"  # iter_{N:07d}/mp_rank_*/model_optim_rng.pt or torch_dist + the tracker
+    HF_WEIGHTS = "hf-weights"  # model-0000k-of-0000n.safetensors + model.safetensors.index.json
+    ORBAX = "orbax"  # {step}/_CHECKPOINT_METADATA or commit_success.txt (JAX)
 
 
 class Tier(enum.StrEnum):
     HOT = "hot"
     ARCHIVE = "archive"
+
+
+class CopyState(enum.StrEnum):
+    """Where one copy of a checkpoint (in one tier, at one URL) stands; stored as its value.
+
+    ``present``: its bytes are there, as far as the last scan, promotion or
+    proof knows. ``missing``: a scan no longer lists the hot copy (it may
+    come back; a forgotten checkpoint's copies end here too). ``deleted``:
+    ckptier removed it on purpose. ``degraded``: an archive copy whose
+    read-back failed its proof; its bytes are still there (kept as evidence),
+    but nothing relies on it.
+    """
+
+    PRESENT = "present"
+    MISSING = "missing"
+    DELETED = "deleted"
+    DEGRADED = "degraded"
+
+
+#: Copy states whose bytes are still stored (a tier "holds" the checkpoint).
+HELD_COPY_STATES = frozenset({CopyState.PRESENT, CopyState.DEGRADED})
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +88,34 @@ class FileRef:
     checksum: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Shortfall:
+    """A file that a checkpoint's own manifest requires and storage does not satisfy.
+
+    ``manifest`` names the file that requires it (``metadata.json``,
+    ``.metadata``, ``model.safetensors.index.json``...). ``have`` is the
+    size found in bytes, ``None`` when the file is absent. ``need`` is the
+    size the manifest requires in bytes (``None``: presence only); with
+    ``exact`` the manifest records the exact size, otherwise ``need`` is a
+    minimum (the largest offset + length it references). A ``relpath``
+    ending in ``/`` is a directory that must hold at least one file (a rank
+    the manifest's ``world_size`` implies).
+    """
+
+    relpath: str
+    manifest: str
+    have: int | None = None
+    need: int | None = None
+    exact: bool = False
+
+    def __str__(self) -> str:
+        if self.have is None:
+            return f"{self.relpath} (absent, listed in {self.manifest})"
+        if self.exact:
+            return f"{self.relpath} ({self.have} bytes, {self.manifest} says {self.need})"
+        return f"{self.relpath} ({self.have} bytes, {self.manifest} needs at least {self.need})"
+
+
 @dataclass(frozen=True)
 class Found:
     """A checkpoint recognised in a listing.
@@ -74,6 +127,9 @@ class Found:
     ``expected_sha256`` maps relpath to a hex digest when the format records
     expected hashes (the guide's metadata.json). ``recorded_loss`` is the
     training loss the checkpoint's own metadata recorded, if any.
+    ``shortfalls`` lists the files the checkpoint's own manifest requires
+    that the listing does not satisfy (absent, or fewer bytes than it
+    says); a committed checkpoint with shortfalls is not complete.
     """
 
     job: str
@@ -85,6 +141,7 @@ class Found:
     reason: str
     expected_sha256: Mapping[str, str] = field(default_factory=dict)
     recorded_loss: float | None = None
+    shortfalls: tuple[Shortfall, ...] = ()
 
     @property
     def bytes(self) -> int:
@@ -130,18 +187,28 @@ class FileRecord:
 
 @dataclass(frozen=True)
 class CopyRecord:
-    """Where a checkpoint's bytes live. ``state`` is one of
-    ``present``, ``missing``, ``deleted``, ``degraded``. ``storage_class``:
+    """Where a checkpoint's bytes live (see :class:`CopyState`). ``storage_class``:
     the S3 storage class the copy's objects were confirmed in (``None``
     where the store has none, or it was not recorded)."""
 
     tier: Tier
     url: str
-    state: str
+    state: CopyState
     stored_bytes: int | None
     verified_at: datetime | None
     codec: str | None = None
     storage_class: str | None = None
+
+
+@dataclass(frozen=True)
+class DrillOutcome:
+    """The most recent restore drill of a checkpoint: whether it passed,
+    when it finished (aware UTC; the start time when it never finished), and
+    in one line why it failed (``None`` when it passed)."""
+
+    ok: bool
+    at: datetime
+    detail: str | None = None
 
 
 @dataclass(frozen=True)
@@ -150,7 +217,8 @@ class CheckpointRecord:
 
     Times are timezone-aware UTC. ``saved_at`` is when the save finished as
     far as storage tells (newest file mtime); ``missing_since`` is set when a
-    scan no longer found it in the hot store.
+    scan no longer found it in the hot store. ``last_drill`` is its most
+    recent restore drill, if any.
     """
 
     id: int
@@ -170,20 +238,21 @@ class CheckpointRecord:
     generation: int = 0
     files: tuple[FileRecord, ...] = ()
     copies: tuple[CopyRecord, ...] = ()
+    last_drill: DrillOutcome | None = None
 
     @property
     def tiers(self) -> tuple[str, ...]:
         """Tiers holding a present (or degraded) copy, hot first."""
-        present = {c.tier for c in self.copies if c.state in ("present", "degraded")}
+        present = {c.tier for c in self.copies if c.state in HELD_COPY_STATES}
         return tuple(t.value for t in (Tier.HOT, Tier.ARCHIVE) if t in present)
 
     def archive_copy(self) -> CopyRecord | None:
         """The archive copy still held (present or degraded), if any."""
-        return next((c for c in self.copies if c.tier == Tier.ARCHIVE and c.state in ("present", "degraded")), None)
+        return next((c for c in self.copies if c.tier == Tier.ARCHIVE and c.state in HELD_COPY_STATES), None)
 
     def has_verified_archive(self) -> bool:
         return any(
-            c.tier == Tier.ARCHIVE and c.state == "present" and c.verified_at is not None
+            c.tier == Tier.ARCHIVE and c.state == CopyState.PRESENT and c.verified_at is not None
             for c in self.copies
         )
 
@@ -201,7 +270,10 @@ class FileCheck:
     nothing either way). ``size``, ``crc64nvme`` (S3's base64) and
     ``sha256`` (hex) are what was observed; on ``ok`` ``crc64nvme`` is the
     baseline to record. ``detail`` is a one-line explanation, expected vs
-    actual where it applies.
+    actual where it applies. ``shortfall`` is set when the file is
+    ``missing`` or ``corrupt`` only because a manifest of the checkpoint
+    requires it (absent, or too few bytes): a save may still be in flight,
+    so the verdict waits for the job's grace period.
     """
 
     relpath: str
@@ -210,3 +282,4 @@ class FileCheck:
     crc64nvme: str | None = None
     sha256: str | None = None
     detail: str | None = None
+    shortfall: Shortfall | None = None

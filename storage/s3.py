@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import builtins
 import copy
+import io
 import logging
 import os
 import re
@@ -49,9 +50,11 @@ from .errors import (
     AccessDenied,
     AlreadyExists,
     ConfigError,
+    DeleteInterrupted,
     IntegrityError,
     NeedsRestore,
     NotFound,
+    ObjectChanged,
     StoreError,
     Unavailable,
 )
@@ -188,6 +191,11 @@ class S3Store:
     ``multipart_threshold`` plus one part. A failed multipart upload is
     aborted (best effort); one left by a killed process is found by
     :meth:`list_multipart_uploads` and removed by :meth:`abort_multipart`.
+
+    Capabilities (:mod:`.base`): :class:`~.base.Canary`,
+    :class:`~.base.MultipartUploads`, :class:`~.base.ResumableReads`,
+    :class:`~.base.StorageClasses`, :class:`~.base.Restorable`,
+    :class:`~.base.Taggable`.
     """
 
     def __init__(
@@ -282,12 +290,20 @@ class S3Store:
         if custom_endpoint:
             # MinIO, Ceph and most S3-compatible stores need path-style URLs.
             options["s3"] = {"addressing_style": "path"}
-        return session.client(
-            "s3",
-            endpoint_url=endpoint_url,
-            region_name=session.region_name or "us-east-1",
-            config=Config(**options),
-        )
+        try:
+            return session.client(
+                "s3",
+                endpoint_url=endpoint_url,
+                region_name=session.region_name or "us-east-1",
+                config=Config(**options),
+            )
+        except ValueError as exc:  # botocore: "Invalid endpoint: ..."
+            source = "endpoint_url" if endpoint_url else (
+                "AWS_ENDPOINT_URL_S3" if os.environ.get("AWS_ENDPOINT_URL_S3") else "AWS_ENDPOINT_URL")
+            raise ConfigError(
+                f"{source}={custom_endpoint!r} is not a valid S3 endpoint URL ({exc}); "
+                "write it like http://127.0.0.1:9000 or https://s3.example.com, or unset it for AWS"
+            ) from None
 
     # -- error translation -------------------------------------------------
 
@@ -572,13 +588,13 @@ class S3Store:
         ``failed`` and never sent.
 
         When a whole batch fails (SlowDown or 5xx after botocore's retries,
-        access denied, unreachable endpoint) this raises that error and
-        nothing of that batch or later batches is reported as deleted; the
-        confirmed result of earlier batches rides on the exception as
-        ``exc.partial`` (a :class:`DeleteResult`). Deletes are idempotent, so
-        the caller may simply run the remaining keys again. Keys an XML
-        request cannot carry (control characters, a carriage return) go in
-        single DeleteObject requests after the batches.
+        access denied, unreachable endpoint) this raises
+        :class:`~.errors.DeleteInterrupted`: its ``error`` is that failure,
+        its ``result`` the confirmed outcome of earlier batches; nothing of
+        the failed batch or later ones is reported as deleted. Deletes are
+        idempotent, so the caller may simply run the remaining keys again.
+        Keys an XML request cannot carry (control characters, a carriage
+        return) go in single DeleteObject requests after the batches.
         """
         result = DeleteResult()
         valid: list[str] = []
@@ -595,8 +611,7 @@ class S3Store:
             for key in single:
                 self._delete_one(key, result)
         except StoreError as exc:
-            exc.partial = result  # type: ignore[attr-defined]
-            raise
+            raise DeleteInterrupted(exc, result) from exc
         return result
 
     def _delete_one(self, key: str, result: DeleteResult) -> None:
@@ -656,7 +671,7 @@ class S3Store:
             Tagging={"TagSet": [{"Key": k, "Value": v} for k, v in merged.items()]},
         )
 
-    # -- extras for the janitor and the start-up canary ----------------------
+    # -- the MultipartUploads, ResumableReads, Restorable and Canary capabilities
 
     def list_multipart_uploads(self, prefix: str = "") -> builtins.list[tuple[str, str, datetime]]:
         """Unfinished multipart uploads under ``prefix``: ``(key, upload_id, initiated)``.
@@ -688,6 +703,45 @@ class S3Store:
             raise self._translate(exc, key) from exc
         except (bex.BotoCoreError, OSError) as exc:
             raise self._translate(exc, key) from exc
+
+    def open_versioned(self, key: str) -> tuple[BinaryIO, str]:
+        """:meth:`open_read` and the object's ETag, which :meth:`open_from` resumes against
+        (:class:`~.base.ResumableReads`)."""
+        response = self._call("get_object", key, Bucket=self.bucket, Key=self._full_key(key))
+        return _S3Reader(response["Body"], self, key), str(response.get("ETag") or "")  # type: ignore[return-value]
+
+    def open_from(self, key: str, offset: int, version: str) -> BinaryIO:
+        """The object's bytes from ``offset`` on (a ranged GET), only while its ETag is still
+        ``version`` (``If-Match``); :class:`ObjectChanged` when it was replaced since."""
+        import botocore.exceptions as bex
+
+        full = self._full_key(key)
+        changed = ObjectChanged(f"{self.url}/{key}: replaced while it was being read (its ETag is no longer "
+                                f"{version or 'known'}); read it again from the start", url=self.url, key=key)
+        if not version:
+            raise changed
+        try:
+            response = self.client.get_object(Bucket=self.bucket, Key=full, Range=f"bytes={offset}-", IfMatch=version)
+        except bex.ClientError as exc:
+            code, status = _error_code(exc)
+            if code in _PRECONDITION or status == 412:
+                raise changed from exc
+            if code != "InvalidRange" and status != 416:
+                raise self._translate(exc, key) from exc
+            # Nothing left past ``offset``; still the same object?
+            try:
+                self.client.head_object(Bucket=self.bucket, Key=full, IfMatch=version)
+            except bex.ClientError as head_exc:
+                code, status = _error_code(head_exc)
+                if code in _PRECONDITION or status == 412:
+                    raise changed from head_exc
+                raise self._translate(head_exc, key) from head_exc
+            except (bex.BotoCoreError, OSError) as head_exc:
+                raise self._translate(head_exc, key) from head_exc
+            return io.BytesIO(b"")
+        except (bex.BotoCoreError, OSError) as exc:
+            raise self._translate(exc, key) from exc
+        return _S3Reader(response["Body"], self, key)  # type: ignore[return-value]
 
     def restore(self, key: str, *, days: int = 1, tier: str = "Standard") -> RestoreState:
         """Ask S3 for a readable copy of an archived object (RestoreObject) for ``days`` days.

@@ -42,16 +42,25 @@ import dataclasses
 import itertools
 import math
 import statistics
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
 from ckptier.storage.errors import ConfigError
-from ckptier.storage.model import CheckpointRecord, CopyRecord, Format, State, Tier
+from ckptier.storage.model import HELD_COPY_STATES, CheckpointRecord, CopyRecord, CopyState, Format, State, Tier
 
 from .prices import MONTH_SECONDS, Prices, requests_for
-from .retention import Plan, Policy, format_duration, hot_present, plan_retention
+from .retention import (
+    KeepLast,
+    Milestones,
+    Plan,
+    PlanItem,
+    Policy,
+    format_duration,
+    hot_present,
+    plan_retention,
+)
 from .tiers import ALL_CLASSES, HOT, class_at, class_rank
 
 #: Bytes per element of each dtype a checkpoint may hold.
@@ -232,7 +241,12 @@ class ClassBytes:
 
 @dataclass(frozen=True)
 class Night:
-    """The stored state after one night's plan was carried out (day 1 = the first night)."""
+    """The stored state after one night's plan was carried out (day 1 = the first night).
+
+    ``recovery_points``: how many checkpoints that night had to be held (see
+    :func:`recovery_gaps`); ``recovery_gaps``: one line per required
+    checkpoint not held after the night's apply (empty: all held).
+    """
 
     day: int
     saves: int
@@ -241,6 +255,16 @@ class Night:
     monthly_cost: float
     keep_all_bytes: int
     keep_all_monthly_cost: float
+    recovery_points: int = 0
+    recovery_gaps: tuple[str, ...] = ()
+
+    def tier_bytes(self, tier: str) -> int:
+        """Bytes stored in ``tier`` (``"hot"`` or ``"archive"``), all classes together."""
+        return sum(s.bytes for s in self.stored if s.tier == tier)
+
+    def tier_checkpoints(self, tier: str) -> int:
+        """Checkpoints with a copy in ``tier``."""
+        return sum(s.checkpoints for s in self.stored if s.tier == tier)
 
 
 @dataclass(frozen=True)
@@ -251,7 +275,9 @@ class StorageForecast:
     night. ``run_cost``/``keep_all_run_cost``: storage billed over the run
     (each night's state held for one day) plus ``requests_cost``.
     ``monthly_cost``: the final state's storage per month plus the run's
-    requests per month. ``price_note`` says where the prices come from;
+    requests per month; ``keep_all_monthly_cost``: keeping every save in
+    the hot class per month plus the saves' own PUT requests per month (an
+    S3 hot class; the policy pays them too). ``price_note`` says where the prices come from;
     ``prices_assumed`` is True when any is a list-price assumption.
     """
 
@@ -352,7 +378,7 @@ def observe_job(records: Sequence[CheckpointRecord]) -> JobObservation:
     gaps = [b - a for a, b in itertools.pairwise(times) if b > a]
     steps = [b.step - a.step for a, b in itertools.pairwise(saved) if b.step > a.step]
     archived = [(r.bytes, c.stored_bytes) for r in saved for c in r.copies
-                if c.tier == Tier.ARCHIVE and c.state in ("present", "degraded") and c.stored_bytes]
+                if c.tier == Tier.ARCHIVE and c.state in HELD_COPY_STATES and c.stored_bytes]
     newest = saved[-1] if saved else None
     return JobObservation(
         job=jobs[0],
@@ -389,20 +415,29 @@ def simulate_storage(
     prices: Prices,
     plan: Callable[..., Plan] = plan_retention,
     start: datetime = SIM_START,
+    settle: bool = False,
 ) -> tuple[Night, ...]:
     """Carry out ``policy`` night by night over a synthetic run; one :class:`Night` per night.
 
     Save ``i`` (1, 2, ...) happens at ``start + i·interval`` with step
     ``i·steps_per_save`` and ``size`` bytes, until ``run_length``. At 00:00
-    UTC every night the whole catalog is planned with ``plan`` and the plan
-    carried out: deletions drop the checkpoint or its hot copy, promotions
-    add an archive copy of ``size / codec_ratio`` bytes that counts as
-    verified at once. Saves younger than an hour at planning time are not
-    verified yet (``committed``), younger than ten minutes still in flight
+    UTC every night the whole catalog is planned with ``plan`` and carried
+    out as ``ckptier apply`` does (:func:`apply_night`): promotions first,
+    then deletions, each re-checked against a fresh plan; and a second pass,
+    planned anew, when the first promoted something, so that the hot copy of
+    a milestone promoted that night goes the same night. A deletion drops
+    the checkpoint or its hot copy; a promotion adds an archive copy of
+    ``size / codec_ratio`` bytes that counts as verified at once. Saves
+    younger than an hour at planning time are not verified yet
+    (``committed``), younger than ten minutes still in flight
     (``incomplete``). The last night is the first at or after the end of the
-    run. Archive copies are priced in the class the policy's
+    run; with ``settle``, the first at or after it at which every save is
+    verified (the state the run leaves behind: a night after the run when
+    the last save came less than an hour before). Archive copies are priced in the class the policy's
     ``storage_class`` and ``archive_tiers`` give them at their age (``hot``
-    for a local archive).
+    for a local archive). Every night records which recovery points had to
+    be held and any that were not (:func:`recovery_gaps`). No restore drill
+    is simulated, so ``min_drilled`` holds nothing here.
     """
     if size <= 0 or interval <= timedelta(0) or steps_per_save <= 0 or run_length <= timedelta(0) or codec_ratio <= 0:
         raise ConfigError(
@@ -413,8 +448,12 @@ def simulate_storage(
     if total < 1:
         raise ConfigError(f"run length {format_duration(run_length)} holds no save every {format_duration(interval)}: lengthen the run")
     nights = math.ceil(run_length / timedelta(days=1))
+    if settle:
+        last_verified = start + total * interval + timedelta(hours=1)
+        nights = max(nights, math.ceil((last_verified - start) / timedelta(days=1)))
     s3_archive = bool(policy.archive and policy.archive.startswith("s3://"))
     live: dict[int, CheckpointRecord] = {}
+    steps: list[int] = []  # every save's step, deleted ones included, ascending
     promoted_at: dict[int, datetime] = {}
     out: list[Night] = []
     saved = 0
@@ -424,37 +463,168 @@ def simulate_storage(
             saved += 1
             t = start + saved * interval
             step = saved * steps_per_save
+            steps.append(step)
             live[saved] = CheckpointRecord(
                 id=saved, job="advise", step=step, format=Format.GUIDE, state=State.VERIFIED,
                 location=f"file:///advise/step-{step:08d}", bytes=size, saved_at=t, first_seen=t,
                 last_seen=t, missing_since=None, verified_at=t + timedelta(hours=1), state_reason=None,
             )
-        view = []
-        for c in live.values():
-            age = now - (c.saved_at or c.first_seen)
-            if c.state == State.VERIFIED and age < timedelta(minutes=10):
-                c = dataclasses.replace(c, state=State.INCOMPLETE, verified_at=None)
-            elif c.state == State.VERIFIED and age < timedelta(hours=1):
-                c = dataclasses.replace(c, state=State.COMMITTED, verified_at=None)
-            view.append(c)
-        for item in plan(view, policy, now=now).items:
-            c = live[item.checkpoint_id]
-            if item.action == "delete" and item.scope == "checkpoint":
-                del live[c.id]
-            elif item.action == "delete":
-                live[c.id] = dataclasses.replace(
-                    c, copies=c.copies + (CopyRecord(Tier.HOT, c.location, "deleted", None, None),))
-            elif item.action == "promote" and not c.has_verified_archive():
-                copy = CopyRecord(Tier.ARCHIVE, f"{policy.archive}/advise/step-{c.step:08d}", "present",
-                                  round(c.bytes / codec_ratio), now, "ckz1")
-                live[c.id] = dataclasses.replace(c, copies=c.copies + (copy,))
-                promoted_at[c.id] = now
-        out.append(_night(day, saved, size, live.values(), promoted_at, now, policy, s3_archive, hot_class, prices))
+        before = sim_view(live.values(), now)
+        for cid in apply_night(live, policy, now=now, codec_ratio=codec_ratio, plan=plan):
+            promoted_at[cid] = now
+        required, gaps = recovery_gaps(before, live.values(), steps, policy, now=now)
+        out.append(_night(day, saved, size, live.values(), promoted_at, now, policy, s3_archive, hot_class, prices,
+                          required, gaps))
     return tuple(out)
 
 
+def sim_view(live: Iterable[CheckpointRecord], now: datetime) -> list[CheckpointRecord]:
+    """The simulated catalog as the planner sees it at ``now``: saves younger than
+    ten minutes still in flight (``incomplete``), younger than an hour not yet
+    verified (``committed``), older ones verified."""
+    view = []
+    for c in live:
+        age = now - (c.saved_at or c.first_seen)
+        if c.state == State.VERIFIED and age < timedelta(minutes=10):
+            c = dataclasses.replace(c, state=State.INCOMPLETE, verified_at=None)
+        elif c.state == State.VERIFIED and age < timedelta(hours=1):
+            c = dataclasses.replace(c, state=State.COMMITTED, verified_at=None)
+        view.append(c)
+    return view
+
+
+#: Passes ``ckptier apply`` makes in one run (a second only when the first promoted something).
+APPLY_PASSES = 2
+
+
+def apply_night(
+    live: dict[int, CheckpointRecord],
+    policy: Policy,
+    *,
+    now: datetime,
+    codec_ratio: float,
+    plan: Callable[..., Plan] = plan_retention,
+) -> list[int]:
+    """Plan and carry out retention on the simulated catalog ``live`` (id ->
+    record, changed in place) as one ``ckptier apply`` run does; return the ids
+    promoted, in order.
+
+    Each pass plans the whole catalog (as :func:`sim_view` shows it at
+    ``now``), adds a verified archive copy of ``bytes / codec_ratio`` bytes
+    for every ``promote`` of a checkpoint without one, then carries out each
+    ``delete`` that a fresh plan of the catalog after the promotions still
+    makes with the same scope (apply's re-check): ``checkpoint`` removes the
+    record, ``hot-copy`` marks its hot copy deleted. A second pass runs only
+    when the first promoted something, and acts only when its plan deletes
+    something (as ``run_apply``).
+    """
+    promoted: list[int] = []
+    for n in range(APPLY_PASSES):
+        p = plan(sim_view(live.values(), now), policy, now=now)
+        if n > 0 and not p.by_action("delete"):
+            break
+        this_pass = False
+        for item in p.by_action("promote"):
+            c = live[item.checkpoint_id]
+            if c.has_verified_archive():
+                continue  # already archived: promotion is idempotent
+            copy = CopyRecord(Tier.ARCHIVE, f"{policy.archive}/{c.job}/step-{c.step:08d}", CopyState.PRESENT,
+                              round(c.bytes / codec_ratio), now, "ckz1")
+            live[c.id] = dataclasses.replace(c, copies=c.copies + (copy,))
+            promoted.append(c.id)
+            this_pass = True
+        fresh: dict[int, PlanItem] | None = None
+        for item in p.by_action("delete"):
+            if fresh is None:
+                fresh = {i.checkpoint_id: i for i in plan(sim_view(live.values(), now), policy, now=now).items}
+            again = fresh.get(item.checkpoint_id)
+            if again is None or again.action != "delete" or again.scope != item.scope:
+                continue  # a fresh plan keeps it: apply skips the delete
+            c = live[item.checkpoint_id]
+            if item.scope == "checkpoint":
+                del live[c.id]
+            else:
+                live[c.id] = dataclasses.replace(
+                    c, copies=c.copies + (CopyRecord(Tier.HOT, c.location, CopyState.DELETED, None, None),))
+        if not this_pass:
+            break
+    return promoted
+
+
+def recovery_gaps(
+    before: Sequence[CheckpointRecord],
+    after: Iterable[CheckpointRecord],
+    saved_steps: Sequence[int],
+    policy: Policy,
+    *,
+    now: datetime,
+) -> tuple[int, tuple[str, ...]]:
+    """The recovery points one job needs after a night's apply, and those missing.
+
+    ``before``: its live records as planned that night (with their states);
+    ``after``: its live records once the plan was carried out;
+    ``saved_steps``: the steps of every save so far, deleted ones included.
+    Required, computed from the policy's settings rather than from a plan:
+
+    * in hot storage: the newest verified checkpoint; the ``n`` newest
+      verified of every ``keep_last n``; what every other non-milestone
+      rule keeps (``keep_within``, ``keep_daily``, ``keep_weekly``,
+      ``pinned``, as the rule says); at least ``min_verified`` verified
+      checkpoints (as many as there are);
+    * in hot storage or the archive: for every milestone step M reached
+      (M at most the newest verified or committed step), the save that
+      holds it: the first save at or after M (``milestone_match =
+      "exact"``: the save at M, if any). Every save up to that step is
+      assumed verified or committed (true of the simulation, where saves
+      are verified in order).
+
+    Returns ``(required, gaps)``: how many distinct checkpoints were
+    required, and one line per required checkpoint not held (empty when
+    every one is). Pure.
+    """
+    verified = sorted((c for c in before if c.state == State.VERIFIED), key=lambda c: (c.step, c.id), reverse=True)
+    held = {c.step: c for c in after if c.state != State.DELETED}
+    hot: dict[int, str] = {}
+    anywhere: dict[int, str] = {}
+    if verified:
+        hot[verified[0].step] = "newest verified checkpoint"
+    for rule in policy.rules:
+        if isinstance(rule, KeepLast):
+            for i, c in enumerate(verified[: rule.n]):
+                hot.setdefault(c.step, f"keep_last {rule.n} (#{i + 1} newest verified)")
+        elif not isinstance(rule, Milestones):
+            by_id = {c.id: c.step for c in before}
+            for cid in rule.keeps(before, now):
+                hot.setdefault(by_id[cid], str(rule))
+    reached = max((c.step for c in before if c.state in (State.VERIFIED, State.COMMITTED)), default=-1)
+    for m in policy.milestones:
+        prev = -1
+        for s in saved_steps:
+            if s > reached:
+                break
+            holds = m.is_milestone(s) if m.match == "exact" else m.between(prev, s) is not None
+            if holds:
+                anywhere.setdefault(s, f"holds a milestone of {m}")
+            prev = s
+    gaps = []
+    for s, why in sorted(hot.items()):
+        h = held.get(s)
+        if h is None or not hot_present(h):
+            gaps.append(f"step {s} ({why}): {'deleted' if h is None else 'hot copy gone'}, needed in hot storage")
+    for s, why in sorted(anywhere.items()):
+        h = held.get(s)
+        if h is None or not (hot_present(h) or h.has_verified_archive()):
+            gaps.append(f"step {s} ({why}): held neither in hot storage nor in the archive")
+    hot_verified = sum(1 for c in verified if c.step in held and hot_present(held[c.step]))
+    floor = min(policy.min_verified, len(verified))
+    if hot_verified < floor:
+        gaps.append(f"min_verified {policy.min_verified}: only {hot_verified} verified checkpoints in hot storage")
+    return len(set(hot) | set(anywhere)), tuple(gaps)
+
+
 def _night(day: int, saves: int, size: int, live: Any, promoted_at: Mapping[int, datetime], now: datetime,
-           policy: Policy, s3_archive: bool, hot_class: str, prices: Prices) -> Night:
+           policy: Policy, s3_archive: bool, hot_class: str, prices: Prices, required: int = 0,
+           gaps: tuple[str, ...] = ()) -> Night:
     counts: dict[tuple[str, str], list[int]] = {}
     for c in live:
         if hot_present(c):
@@ -462,7 +632,7 @@ def _night(day: int, saves: int, size: int, live: Any, promoted_at: Mapping[int,
             counts[("hot", hot_class)][0] += 1
             counts[("hot", hot_class)][1] += c.bytes
         for x in c.copies:
-            if x.tier == Tier.ARCHIVE and x.state == "present":
+            if x.tier == Tier.ARCHIVE and x.state == CopyState.PRESENT:
                 cls = class_at(now - promoted_at[c.id], policy.storage_class, policy.archive_tiers) if s3_archive else HOT
                 entry = counts.setdefault(("archive", cls), [0, 0])
                 entry[0] += 1
@@ -476,6 +646,7 @@ def _night(day: int, saves: int, size: int, live: Any, promoted_at: Mapping[int,
         day=day, saves=saves, stored=stored, stored_bytes=sum(s.bytes for s in stored),
         monthly_cost=sum(s.monthly_cost for s in stored), keep_all_bytes=keep_all,
         keep_all_monthly_cost=prices.monthly(keep_all, hot_class),
+        recovery_points=required, recovery_gaps=gaps,
     )
 
 
@@ -596,7 +767,7 @@ def advise(
     part = pick("part_size", lambda p: f"{p / (1 << 20):g} MiB")
     nights = simulate_storage(policy, size=total, interval=planned, steps_per_save=steps, run_length=run_length,
                               codec_ratio=ratio, hot_class=hot_class, prices=prices)
-    storage = _forecast(nights, policy, policy_name, prices, size=total, ratio=ratio, ranks=ranks,
+    storage = forecast(nights, policy, policy_name, prices, size=total, ratio=ratio, ranks=ranks,
                         hot_class=hot_class, part=part, run_length=run_length)
     return Advice(obs.job if obs else None, sizing, bw, interval_advice, storage, tuple(assumptions))
 
@@ -608,15 +779,18 @@ def _decimal_bytes(n: float) -> str:
     return f"{n:,.0f} B"
 
 
-def _forecast(nights: Sequence[Night], policy: Policy, policy_name: str | None, prices: Prices, *, size: int,
-              ratio: float, ranks: int, hot_class: str, part: int, run_length: timedelta) -> StorageForecast:
+def forecast(nights: Sequence[Night], policy: Policy, policy_name: str | None, prices: Prices, *, size: int,
+             ratio: float, ranks: int, hot_class: str, part: int, run_length: timedelta) -> StorageForecast:
+    """The :class:`StorageForecast` of ``nights`` (from :func:`simulate_storage` with the same
+    ``policy``, ``size``, ``ratio`` as codec ratio and ``hot_class``): the last night's state and
+    cost, requests for ``ranks`` objects per checkpoint uploaded in parts of ``part`` bytes, and
+    costs over ``run_length``."""
     final = nights[-1]
     used = {hot_class} | {s.storage_class for n in nights for s in n.stored}
     # Requests: every save into an S3 hot class, every archive upload (new archive
     # checkpoints between nights) into its first class.
-    requests = 0.0
-    if hot_class != HOT:
-        requests += final.saves * prices.puts(requests_for(size, ranks, part), hot_class)
+    saves_requests = final.saves * prices.puts(requests_for(size, ranks, part), hot_class) if hot_class != HOT else 0.0
+    requests = saves_requests
     archived = [sum(s.checkpoints for s in n.stored if s.tier == "archive") for n in nights]
     s3_archive = bool(policy.archive and policy.archive.startswith("s3://"))
     first_class = (policy.storage_class or "STANDARD") if s3_archive else HOT
@@ -626,15 +800,15 @@ def _forecast(nights: Sequence[Night], policy: Policy, policy_name: str | None, 
     day_fraction = 86400 / MONTH_SECONDS
     months = run_length.total_seconds() / MONTH_SECONDS
     run_cost = sum(n.monthly_cost for n in nights) * day_fraction + requests
-    keep_all_run = sum(n.keep_all_monthly_cost for n in nights) * day_fraction
-    if hot_class != HOT:
-        keep_all_run += final.saves * prices.puts(requests_for(size, ranks, part), hot_class)
+    keep_all_run = sum(n.keep_all_monthly_cost for n in nights) * day_fraction + saves_requests
     archive = [s for s in final.stored if s.tier == "archive"]
     restore = None
     if archive:
         coldest = archive[-1]
         restore = prices.read_back(coldest.bytes / coldest.checkpoints, ranks, coldest.storage_class)
     monthly = final.monthly_cost + (requests / months if months else 0.0)
+    # Keep-all writes the same saves: their PUTs count on both sides of the comparison.
+    keep_all_monthly = final.keep_all_monthly_cost + (saves_requests / months if months else 0.0)
     return StorageForecast(
         policy=policy_name or str(policy),
         saves=final.saves,
@@ -643,8 +817,8 @@ def _forecast(nights: Sequence[Night], policy: Policy, policy_name: str | None, 
         peak_bytes=max(n.stored_bytes for n in nights),
         stored_fraction=final.stored_bytes / final.keep_all_bytes if final.keep_all_bytes else 0.0,
         monthly_cost=monthly,
-        keep_all_monthly_cost=final.keep_all_monthly_cost,
-        cost_fraction=monthly / final.keep_all_monthly_cost if final.keep_all_monthly_cost else 0.0,
+        keep_all_monthly_cost=keep_all_monthly,
+        cost_fraction=monthly / keep_all_monthly if keep_all_monthly else 0.0,
         requests_cost=requests,
         run_cost=run_cost,
         keep_all_run_cost=keep_all_run,

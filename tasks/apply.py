@@ -59,13 +59,13 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
-from ckptier.storage.base import MAX_DELETE_BATCH, DeleteResult, Store
+from ckptier.storage.base import MAX_DELETE_BATCH, Canary, DeleteResult, Store
 from ckptier.storage.catalog.api import DeleteIntent, FileCheck
-from ckptier.storage.errors import CkptierError, NotFound, StoreError, Unavailable
-from ckptier.storage.model import CheckpointRecord, State, Tier
+from ckptier.storage.errors import CkptierError, DeleteInterrupted, NotFound, StoreError, Unavailable
+from ckptier.storage.model import CheckpointRecord, CopyState, State, Tier
 from ckptier.storage.wrappers import DryRunStore
 
-from .archive import HotCopyMismatch, check_archive_copy, hot_file_key, promote
+from .archive import ArchiveCheck, HotCopyMismatch, check_archive_copy, hot_file_key, promote
 from .leases import DEFAULT_TTL, Lease, LeaseKeeper, this_process
 from .retention import KeepLast, Plan, PlanItem, Policy, hot_present, plan_retention, shrink_guard
 
@@ -124,6 +124,16 @@ class Proof:
     detail: str
     bytes_read: int = 0
     bytes_skipped: int = 0
+
+
+@dataclass(frozen=True)
+class Unproven:
+    """Why a keeper was not proven: ``failed`` when its copy was read and is
+    bad (the checkpoint is now corrupt), not ``failed`` when it could not be
+    read at all (nothing was learnt; the job's deletions wait)."""
+
+    why: str
+    failed: bool
 
 
 @dataclass
@@ -225,7 +235,7 @@ def delete_refusal(
         return f"state is now {record.state.value} (plan saw {item.state or 'unknown'}); not deleting"
     if record.missing_since is not None:
         return f"missing from hot storage since {record.missing_since.isoformat()}; nothing to delete"
-    if any(c.tier == Tier.HOT and c.state in ("missing", "deleted") for c in record.copies):
+    if any(c.tier == Tier.HOT and c.state in (CopyState.MISSING, CopyState.DELETED) for c in record.copies):
         return "the catalog records no present hot copy; nothing to delete"
     live = [c for c in job_records if c.state != State.DELETED]
     gone = sum(1 for c in live if c.missing_since is not None)
@@ -395,12 +405,11 @@ def _result(item: PlanItem, outcome: Outcome, detail: str, *, freed: int = 0) ->
 
 
 def _canary(store: Store) -> str | None:
-    """Run the store's start-up canary if it has one; return why it failed, or None."""
-    probe = getattr(store, "canary", None)
-    if probe is None:
+    """Run the store's start-up canary if it has one (:class:`Canary`); return why it failed, or None."""
+    if not isinstance(store, Canary):
         return None
     try:
-        probe()
+        store.canary()
     except CkptierError as exc:
         return str(exc)
     return None
@@ -445,6 +454,8 @@ class _Run:
         self._wrapped: dict[str, Store] = {}
         self._archives: dict[str, Store | None] = {}
         self.canaried: dict[str, str | None] = {}
+        #: Stores that answered ``Unavailable`` (after their retries) to a delete: url -> why.
+        self.unavailable: dict[str, str] = {}
 
     # -- helpers
 
@@ -550,7 +561,7 @@ class _Run:
             fresh[job] = replanned
 
         # 5. Deletions, last, each fenced.
-        unavailable: dict[str, str] = {}
+        unavailable = self.unavailable
         for item in deletes:
             if item.checkpoint_id in resumed:
                 continue  # its interrupted delete was finished (or is held) above
@@ -580,10 +591,7 @@ class _Run:
                 report.items.append(_result(item, "deferred", f"{store.url} unavailable: {unavailable[store.url]}"))
                 continue
             threshold = job_policy.max_missing_fraction if job_policy is not None else max_missing_fraction
-            res = self.delete_one(item, store, prefix, threshold)
-            report.items.append(res)
-            if res.outcome == "failed" and res.detail.startswith("unavailable:"):
-                unavailable[store.url] = res.detail
+            report.items.append(self.delete_one(item, store, prefix, threshold))
         self.event("apply.finished", report.summary(), None, ok=report.ok, dry_run=self.dry_run)
 
     # -- 2. interrupted deletes
@@ -668,7 +676,7 @@ class _Run:
                 item.checkpoint_id,
                 tier=Tier.ARCHIVE,
                 url=copy.url,
-                state="present",
+                state=CopyState.PRESENT,
                 stored_bytes=copy.stored_bytes,
                 codec=copy.codec,
                 manifest_key=copy.manifest_key,
@@ -730,13 +738,13 @@ class _Run:
                 else:
                     proven.add(record.id)
             for record in (k for k in todo if not hot_present(k)):
-                why = self.prove_archive_keeper(record)
-                if why is None:
+                unproven = self.prove_archive_keeper(record)
+                if unproven is None:
                     proven.add(record.id)
-                elif why.startswith("cannot"):
-                    return f"keeper step {record.step}: {why}", None
+                elif not unproven.failed:
+                    return f"keeper step {record.step}: {unproven.why}", None
                 else:
-                    failed.append(f"step {record.step} ({why})")
+                    failed.append(f"step {record.step} ({unproven.why})")
             if not failed:
                 return None, ({i.checkpoint_id: i for i in fresh} if policy is not None else None)
             self.event("apply.keeper_failed",
@@ -747,17 +755,17 @@ class _Run:
                 return f"keeper {failed[0]} failed its proof; re-run apply to plan again", None
         return "keepers kept failing their proofs; re-run apply", None
 
-    def prove_archive_keeper(self, record: CheckpointRecord) -> str | None:
-        """Prove a keeper whose only copy is in the archive. None when intact; a
-        reason starting "cannot" when it could not be read (nothing learnt);
-        otherwise it failed: the copy is marked degraded and the checkpoint
-        corrupt."""
+    def prove_archive_keeper(self, record: CheckpointRecord) -> Unproven | None:
+        """Prove a keeper whose only copy is in the archive. None when intact;
+        :class:`Unproven` otherwise: not ``failed`` when it could not be read
+        (nothing learnt), ``failed`` when it was read and is bad (the copy is
+        marked degraded and the checkpoint corrupt)."""
         copy = record.archive_copy()
-        if copy is None or copy.state != "present":
-            return "cannot prove it: no present copy in any tier"
+        if copy is None or copy.state != CopyState.PRESENT:
+            return Unproven("cannot prove it: no present copy in any tier", failed=False)
         result = self.check_archive(record)
         if isinstance(result, str):
-            return result
+            return Unproven(result, failed=False)
         self.report.proofs.append(Proof(record.job, record.step, record.id, "archive", result.ok,
                                         "; ".join(result.problems[:3]) or "intact", result.bytes_read,
                                         result.bytes_skipped))
@@ -769,13 +777,13 @@ class _Run:
             [FileCheck(rel, "corrupt", detail=f"archive copy {copy.url}: {detail}") for rel in result.bad_files],
             now=self.now(),
         )
-        return detail
+        return Unproven(detail, failed=True)
 
-    def check_archive(self, record: CheckpointRecord) -> Any:
+    def check_archive(self, record: CheckpointRecord) -> ArchiveCheck | str:
         """Read back ``record``'s archive copy (store checksums allowed): the
-        :class:`~ckptier.tasks.archive.ArchiveCheck`, or why it could not be
-        read (a string starting "cannot"). A failed copy is marked degraded
-        with an ``archive.degraded`` event."""
+        :class:`~ckptier.tasks.archive.ArchiveCheck`, or, as a string, why it
+        could not be read. A failed copy is marked degraded with an
+        ``archive.degraded`` event."""
         copy = record.archive_copy()
         archive = self.archive_of(record.job)
         if copy is None or archive is None:
@@ -786,7 +794,7 @@ class _Run:
             return f"cannot read the archive copy back: {exc}"
         if not result.ok:
             only = not hot_present(record)
-            self.cat.set_copy_state(record.id, tier=Tier.ARCHIVE, url=copy.url, state="degraded", now=self.now())
+            self.cat.set_copy_state(record.id, tier=Tier.ARCHIVE, url=copy.url, state=CopyState.DEGRADED, now=self.now())
             self.cat.log_event(
                 "archive.degraded",
                 f"{record.job} step {record.step}: archive copy {copy.url} is damaged"
@@ -809,7 +817,7 @@ class _Run:
             job_records = cat.checkpoints(job=item.job, with_files=False) if record is not None else []
             why = delete_refusal(item, record, job_records, max_missing_fraction=max_missing_fraction)
             if why is not None:
-                if why != "already deleted":
+                if record is None or record.state != State.DELETED:  # an earlier run finished it: no news
                     self.event("delete.refused", f"job {item.job} step {item.step}: {why}", item)
                 return _result(item, "skipped", why)
             assert record is not None
@@ -868,9 +876,10 @@ class _Run:
             try:
                 result.merge(store.delete_many(batch))
             except StoreError as exc:
-                partial = getattr(exc, "partial", None)
-                if isinstance(partial, DeleteResult):
-                    result.merge(partial)
+                error = exc
+                if isinstance(exc, DeleteInterrupted):
+                    result.merge(exc.result)
+                    error = exc.error
                 self.event(
                     "delete.failed",
                     f"job {item.job} step {item.step}: {exc}; {len(result.deleted)} of {len(keys)} files "
@@ -878,7 +887,9 @@ class _Run:
                     item,
                     deleted=list(result.deleted),
                 )
-                detail = f"unavailable: {exc}" if isinstance(exc, Unavailable) else str(exc)
+                detail = f"unavailable: {exc}" if isinstance(error, Unavailable) else str(exc)
+                if isinstance(error, Unavailable):
+                    self.unavailable[store.url] = detail  # no more deletes from it in this run
                 return _result(item, "failed", detail)
         confirmed = set(result.deleted)
         freed = sum(freed_sizes.get(k, 0) for k in confirmed - set(result.markers_only))

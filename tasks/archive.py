@@ -26,6 +26,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import socket
 import tempfile
 import time
 from collections.abc import Collection, Mapping
@@ -35,10 +37,21 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ckptier.storage import codec as _codec
-from ckptier.storage.base import ObjectInfo, Restorable, StorageClasses, Store, join_key, key_problem, read_bytes
+from ckptier.storage.base import (
+    MultipartUploads,
+    ObjectInfo,
+    Restorable,
+    StorageClasses,
+    Store,
+    TempFiles,
+    join_key,
+    key_problem,
+    read_bytes,
+)
 from ckptier.storage.errors import (
     AlreadyExists,
     CkptierError,
+    ConfigError,
     IntegrityError,
     NeedsRestore,
     NotFound,
@@ -48,7 +61,7 @@ from ckptier.storage.hashing import Digests, Hasher, store_crc64nvme
 from ckptier.storage.local import file_mode
 from ckptier.storage.manifest import MANIFEST_NAME as _MANIFEST_NAME
 from ckptier.storage.manifest import Manifest, ManifestFile, StoredObject
-from ckptier.storage.model import CheckpointRecord, FileRecord, State, Tier
+from ckptier.storage.model import HELD_COPY_STATES, CheckpointRecord, FileRecord, State, Tier
 from ckptier.storage.s3 import RESTORE_CLASSES, RESTORE_HOURS
 from ckptier.tasks.verify import (
     file_key as hot_file_key,  # the single-file rule lives there
@@ -383,7 +396,7 @@ def promote(
     sealed = data_class in RESTORE_CLASSES  # no GET until restored: prove by local decode + HEAD
     # Bookkeeping objects (the upload marker, the manifest) stay in the bucket's
     # default class, so that the janitor and every reader can always read them.
-    plain = archive.in_class(None) if data_class is not None else archive  # type: ignore[union-attr]
+    plain = archive.in_class(None) if isinstance(archive, StorageClasses) and data_class is not None else archive
     enc_digests: dict[str, Digests] = {}
 
     # 1. Already committed? Then compare instead of uploading over it.
@@ -665,7 +678,7 @@ def _fetch_files(
 
 
 def _present(record: CheckpointRecord, tier: Tier) -> bool:
-    return any(c.tier == tier and c.state in ("present", "degraded") for c in record.copies)
+    return any(c.tier == tier and c.state in HELD_COPY_STATES for c in record.copies)
 
 
 def _archive_copy_url(record: CheckpointRecord) -> str | None:
@@ -786,6 +799,145 @@ def _head_check(archive: Store, key: str, m: ManifestFile) -> list[str]:
     return []
 
 
+#: Name prefix of the staging directory a fetch fills beside its destination.
+FETCH_STAGE_PREFIX = ".ckptier-fetch-"
+
+
+class UnfetchableLayout(CkptierError):
+    """A checkpoint whose file names no filesystem can hold at once (a key that is
+    also the "directory" of other keys, as S3 allows)."""
+
+
+def check_fetch_dest(dest: str | os.PathLike[str]) -> None:
+    """Raise :class:`ConfigError` (one line) unless ``dest`` can receive a fetch:
+    it must not exist, or be an empty directory, and its nearest existing
+    ancestor must be a writable directory. Reads only; a fetch never
+    overwrites anything."""
+    out = Path(dest)
+    if out.is_symlink():
+        raise ConfigError(f"fetch destination {out} is a symbolic link; give a new or empty directory")
+    if out.exists():
+        if not out.is_dir():
+            raise ConfigError(f"fetch destination {out} is a file; give a new or empty directory (fetch never overwrites)")
+        try:
+            entries = sorted(p.name for p in out.iterdir())
+        except OSError as exc:
+            raise ConfigError(f"fetch destination {out} cannot be read: {exc.strerror or exc}") from None
+        if entries:
+            shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+            raise ConfigError(f"fetch destination {out} is not empty ({shown}); give a new or empty directory "
+                              "(fetch never overwrites)")
+        parent = out.parent
+    else:
+        parent = out.absolute().parent
+        while not parent.exists() and parent != parent.parent:
+            parent = parent.parent
+        if not parent.is_dir():
+            raise ConfigError(f"fetch destination {out}: {parent} is a file, not a directory; give another DEST")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"fetch destination {out}: directory {parent} is not writable; give another DEST")
+
+
+def path_conflicts(relpaths: Collection[str]) -> list[tuple[str, str]]:
+    """``(name, other)`` pairs where file ``name`` is also a directory holding
+    ``other`` (``rank-0000`` and ``rank-0000/model.pt``): S3 keys allow it, a
+    filesystem does not. Sorted; pure."""
+    names = set(relpaths)
+    out: list[tuple[str, str]] = []
+    for rel in sorted(names):
+        parts = rel.split("/")
+        for i in range(1, len(parts)):
+            head = "/".join(parts[:i])
+            if head in names:
+                out.append((head, rel))
+                break
+    return out
+
+
+def _check_layout(record: CheckpointRecord) -> None:
+    conflicts = path_conflicts([f.relpath for f in record.files])
+    if conflicts:
+        head, other = conflicts[0]
+        more = f" (and {len(conflicts) - 1} more)" if len(conflicts) > 1 else ""
+        raise UnfetchableLayout(
+            f"job {record.job} step {record.step}: {head!r} is both a file and the directory of {other!r}{more}, "
+            "which no filesystem can hold; nothing was written. Remove or rename the stray object in the store "
+            "and rescan"
+        )
+
+
+def _dir_mode() -> int:
+    mode = file_mode()
+    return mode | ((mode & 0o444) >> 2)
+
+
+def _stage_dir(out: Path) -> Path:
+    """A new staging directory beside ``out``; stale ones of dead fetches to the same DEST go first."""
+    host = socket.gethostname().replace("/", "_")
+    prefix = f"{FETCH_STAGE_PREFIX}{out.name}.{host}."
+    try:
+        siblings = list(out.parent.iterdir())
+    except OSError:
+        siblings = []
+    for sib in siblings:
+        if sib.name.startswith(prefix) and sib.is_dir() and not sib.is_symlink():
+            pid = sib.name[len(prefix):].split(".", 1)[0]
+            if pid.isdigit() and not _alive(int(pid)):
+                shutil.rmtree(sib, ignore_errors=True)
+    stage = Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}.", dir=out.parent))
+    os.chmod(stage, _dir_mode())
+    return stage
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _clear(stage: Path) -> None:
+    for child in list(stage.iterdir()):
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
+
+
+def _make_parents(directory: Path) -> list[Path]:
+    """Create ``directory`` and its missing parents; returns those created, deepest last."""
+    missing: list[Path] = []
+    d = directory
+    while not d.exists():
+        missing.append(d)
+        d = d.parent
+    for m in reversed(missing):
+        m.mkdir(mode=_dir_mode(), exist_ok=True)
+    return list(reversed(missing))
+
+
+def _move_into_place(stage: Path, out: Path) -> None:
+    """Rename the complete ``stage`` to ``out`` (absent or an empty directory), then sync the parent."""
+    try:
+        os.rename(stage, out)
+    except OSError as exc:
+        raise ConfigError(f"fetch destination {out} appeared or filled up while fetching ({exc.strerror or exc}); "
+                          "nothing was written there") from None
+    try:
+        fd = os.open(out.parent, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def fetch(
     record: CheckpointRecord,
     *,
@@ -801,18 +953,59 @@ def fetch(
     the record's location relative to ``hot.url``); every file's size and
     CRC64NVME must match the catalog. Otherwise, or when the hot copy fails,
     the archive copy is decoded; every file must match the archive manifest
-    and the catalog's recorded hash. Each file appears in ``dest`` (as
-    ``dest/relpath``) only once complete and verified (temp file + rename);
-    files already in ``dest`` are overwritten. When the archive copy is in a
-    storage class that must be restored first, its restore is requested and
-    :class:`RestoreRequested` says when to try again. Raises :class:`NotFound` when
-    no tier can provide the checkpoint, :class:`IntegrityError` when the
-    only available copies fail their hashes; the message names every tier
-    tried and why it failed.
+    and the catalog's recorded hash.
+
+    All or nothing: ``dest`` must not exist or be an empty directory
+    (:func:`check_fetch_dest`; :class:`ConfigError` otherwise, before
+    anything is read). The files are written into a staging directory
+    beside ``dest`` (``.ckptier-fetch-NAME.HOST.PID.*``), each checked before
+    it is kept, and the directory is renamed to ``dest`` only when every
+    file is complete and verified. A failed fetch removes the staging
+    directory and any parents of ``dest`` it created; one killed outright
+    leaves its staging directory, which the next fetch to the same ``dest``
+    removes once its process is gone. A checkpoint whose names clash (a
+    file that is also a directory) raises :class:`UnfetchableLayout` before
+    anything is written. When the archive copy is in a storage class that
+    must be restored first, its restore is requested and
+    :class:`RestoreRequested` says when to try again. Raises
+    :class:`NotFound` when no tier can provide the checkpoint,
+    :class:`IntegrityError` when the only available copies fail their
+    hashes; the message names every tier tried and why it failed.
     """
     t0 = time.monotonic()
     out = Path(dest)
-    out.mkdir(parents=True, exist_ok=True)
+    check_fetch_dest(out)
+    _check_layout(record)
+    created = _make_parents(out.absolute().parent)
+    stage = _stage_dir(out.absolute())
+    done = False
+    try:
+        result = _fetch_into(record, hot=hot, archive=archive, stage=stage, hot_prefix=hot_prefix, t0=t0)
+        _move_into_place(stage, out)
+        done = True
+    finally:
+        if not done:
+            shutil.rmtree(stage, ignore_errors=True)
+            for d in reversed(created):
+                try:
+                    d.rmdir()
+                except OSError:
+                    break
+    paths = tuple(out / p.relative_to(stage) for p in result.paths)
+    return replace(result, dest=out, paths=paths, seconds=time.monotonic() - t0)
+
+
+def _fetch_into(
+    record: CheckpointRecord,
+    *,
+    hot: Store | None,
+    archive: Store | None,
+    stage: Path,
+    hot_prefix: str | None,
+    t0: float,
+) -> FetchResult:
+    """:func:`fetch`'s tiers, writing into ``stage`` (emptied before each tier is tried)."""
+    out = stage
     notes: list[str] = []
     name = f"job {record.job} step {record.step}"
     last_exc: CkptierError | None = None
@@ -848,6 +1041,7 @@ def fetch(
     if archive is not None and copy_url is not None:
         manifest: Manifest | None = None
         try:
+            _clear(out)  # nothing the failed hot attempt wrote is kept
             adir = prefix_from_location(archive, copy_url)
             manifest = _read_manifest(archive, join_key(adir, MANIFEST_NAME))
             listed = {m.relpath: m for m in manifest.files}
@@ -1039,21 +1233,19 @@ def janitor(archive: Store, *, now: datetime, older_than: timedelta,
     report.not_ours.extend(loose)
     ours = {d: _our_keys(archive, d) for d, _ in groups}
 
-    list_uploads = getattr(archive, "list_multipart_uploads", None)
-    if list_uploads is not None:
+    if isinstance(archive, MultipartUploads):
         marked = set().union(*(k for k in ours.values() if k))
-        for key, upload_id, initiated in list_uploads(""):
+        for key, upload_id, initiated in archive.list_multipart_uploads(""):
             if key not in marked:
                 report.not_ours.append(f"{key} (multipart upload {upload_id})")
             elif initiated is not None and initiated < cutoff:
-                archive.abort_multipart(key, upload_id)  # type: ignore[attr-defined]
+                archive.abort_multipart(key, upload_id)
                 report.aborted_uploads.append((key, upload_id))
 
     cutoff_ts = cutoff.timestamp()
-    stale_temps = getattr(archive, "stale_temp_files", None)
-    if stale_temps is not None:
-        for rel in stale_temps(cutoff_ts):
-            archive.remove_temp_file(rel)  # type: ignore[attr-defined]
+    if isinstance(archive, TempFiles):
+        for rel in archive.stale_temp_files(cutoff_ts):
+            archive.remove_temp_file(rel)
             report.removed_temp_files.append(rel)
     protected = set(cataloged)
     for d, infos in groups:

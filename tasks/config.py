@@ -73,7 +73,6 @@ import fnmatch
 import math
 import os
 import re
-import sys
 import tomllib
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
@@ -81,9 +80,15 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
+from ckptier.formats.names import (  # noqa: F401 - re-exported: the rule lives with the safe loader
+    UNSAFE_GLOBAL_MODULES,
+    allow_global_problem,
+    python2_alias,
+    unsafe_global_reason,
+)
 from ckptier.storage.base import key_problem
 from ckptier.storage.errors import ConfigError
-from ckptier.storage.formats import PatternRule
+from ckptier.formats.pattern import PatternRule
 from ckptier.storage.s3 import storage_class_problem
 from ckptier.storage.url import parse_url
 from ckptier.tasks.prices import DEFAULT_CLASS_PRICES, DEFAULT_PRICES, FIELDS, ClassPrice, Prices
@@ -122,104 +127,6 @@ _PATTERN_KEYS = frozenset({"glob", "step_regex", "commit_marker", "settle"})
 _TOP_KEYS = frozenset({"policy", "drill", "catalog", "pattern", "prices"})
 _MODEL_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 _FILE_MODEL_RE = re.compile(r"^[^:]+\.py:[A-Za-z_]\w*$")
-_GLOBAL_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
-
-_RUNS_CODE = (
-    "builtins", "sys", "importlib", "runpy", "code", "codeop", "pdb", "bdb", "cmd", "doctest", "unittest",
-    "timeit", "trace", "profile", "cProfile", "pydoc", "inspect", "types", "operator", "functools", "copyreg",
-    "pickle", "pickletools", "marshal", "ctypes", "threading", "multiprocessing", "concurrent", "asyncio",
-    "atexit", "gc", "weakref", "signal", "zipimport", "pkgutil", "site", "ensurepip", "venv", "distutils",
-    "setuptools", "numpy.testing", "numpy.f2py", "numpy.distutils", "numpy.ctypeslib", "torch.hub",
-    "torch.package", "torch.jit", "torch.fx", "torch.utils.cpp_extension", "torch._dynamo", "torch._inductor",
-    "torch.compiler", "torch.export", "torch._export", "torch.onnx", "torch.multiprocessing", "torch.testing",
-    "torch.serialization", "torch.distributed.elastic", "torch.distributed.run", "torch.utils.tensorboard",
-)
-_RUNS_COMMANDS = ("os", "posix", "nt", "subprocess", "pty", "webbrowser")
-_TOUCHES_FILES = (
-    "io", "shutil", "tempfile", "zipfile", "tarfile", "gzip", "bz2", "lzma", "logging", "sqlite3", "dbm",
-    "shelve", "mailbox", "mmap", "fcntl", "fileinput", "linecache", "tkinter", "turtle", "readline", "syslog",
-    "resource", "termios", "tty", "msvcrt", "winreg", "winsound",
-)
-_OPENS_CONNECTIONS = (
-    "socket", "ssl", "select", "selectors", "socketserver", "smtplib", "smtpd", "asynchat", "asyncore", "ftplib",
-    "poplib", "imaplib", "nntplib", "telnetlib", "http.server", "http.client", "urllib.request", "xmlrpc",
-    "wsgiref",
-)
-_IMPORT_RUNS_CODE = ("antigravity", "this", "__hello__", "__phello__", "idlelib", "turtledemo", "test", "__main__")
-"""Modules whose import alone does something (opens a browser, prints, starts
-a GUI, runs tests or a program): never imported to inspect a class."""
-
-UNSAFE_GLOBAL_MODULES: dict[str, str] = {
-    **{m: "can run code when a pickle calls it" for m in _RUNS_CODE},
-    **{m: "can run commands when a pickle calls it" for m in _RUNS_COMMANDS},
-    **{m: "can touch files when a pickle calls it" for m in _TOUCHES_FILES},
-    **{m: "opens network connections when a pickle calls it" for m in _OPENS_CONNECTIONS},
-    **{m: "runs code as soon as it is imported" for m in _IMPORT_RUNS_CODE},
-}
-"""Modules (and their submodules) whose objects can run commands, run code,
-open files or connections when a pickle calls them, or whose import has side
-effects, with why: never allowlisted, never imported to find out. Internal C
-modules of the standard library (``_sqlite3``, ``_io``...) are refused too.
-Everything else must still pass the plain-data-class rule
-(:mod:`ckptier.tasks.allowlist`)."""
-
-
-def python2_alias(name: str) -> str | None:
-    """What an unpickler resolves the Python 2 name ``module.Name`` to
-    (``commands.Popen`` -> ``subprocess.Popen``), or None; pure."""
-    import _compat_pickle
-
-    module, _, attr = name.rpartition(".")
-    mapped = _compat_pickle.NAME_MAPPING.get((module, attr))
-    if mapped is not None:
-        return ".".join(mapped)
-    if module in _compat_pickle.IMPORT_MAPPING:
-        return f"{_compat_pickle.IMPORT_MAPPING[module]}.{attr}"
-    return None
-
-
-def _unsafe_module(name: str) -> str | None:
-    parts = name.split(".")
-    if "__main__" in parts:
-        return "module '__main__' is a program, not a library: importing it runs the program"
-    for i in range(len(parts) - 1, 0, -1):
-        prefix = ".".join(parts[:i])
-        if prefix in UNSAFE_GLOBAL_MODULES:
-            return f"module {prefix!r} {UNSAFE_GLOBAL_MODULES[prefix]}"
-    top = parts[0]
-    if top.startswith("_") and top in sys.stdlib_module_names:
-        return f"module {top!r} is an internal C module of the standard library"
-    return None
-
-
-def unsafe_global_reason(name: str) -> str | None:
-    """Why the global ``module.Name`` can run code or touch files, judged by
-    its module (also under its Python 2 alias: ``commands.Popen`` is
-    ``subprocess.Popen``), or None; pure, nothing imported."""
-    alias = python2_alias(name)
-    for candidate in (name, alias):
-        if candidate is not None and (problem := _unsafe_module(candidate)) is not None:
-            return problem + (f" ({name} is the Python 2 name of {alias})" if candidate == alias else "")
-    return None
-
-
-def allow_global_problem(name: object) -> str | None:
-    """Why ``name`` cannot be an allowlisted global (``--allow-global`` /
-    ``allow_globals``), or None; pure (nothing is imported).
-
-    It must be a dotted ``module.Name`` outside :data:`UNSAFE_GLOBAL_MODULES`
-    and the standard library's internal modules, also under the name an
-    unpickler maps a Python 2 name to (:func:`unsafe_global_reason`).
-    Whether it imports and is a plain data class is decided by
-    :func:`ckptier.tasks.allowlist.allow_global_check`.
-    """
-    if not isinstance(name, str) or not _GLOBAL_RE.match(name):
-        return "must be a dotted module.Name, e.g. \"mypkg.config.TrainConfig\""
-    problem = unsafe_global_reason(name)
-    if problem is not None:
-        return f"{problem}; allowlist only your own plain classes, e.g. \"mypkg.config.TrainConfig\""
-    return None
-
 
 def parse_factory_spec(spec: str) -> tuple[str, str]:
     """Split ``"module:function"`` (or ``"file.py:function"``); pure, and torch-free
@@ -246,7 +153,7 @@ class DrillSettings:
     between the first drill loss and the loss the checkpoint recorded.
     ``allow_globals`` are ``module.Name`` classes the safe loader may unpickle
     for these jobs (in file order, no duplicates), added to those given on the
-    command line: plain data classes only (:mod:`ckptier.tasks.allowlist`);
+    command line: plain data classes only (:mod:`ckptier.formats.allowlist`);
     standard-library, numpy and torch ones are checked when the file is
     loaded, the user's own modules when a drill starts.
     """
@@ -260,10 +167,22 @@ class DrillSettings:
     allow_globals: tuple[str, ...] = ()
 
 
+#: The ``[[policy]]`` keys that state a retention rule; a table without any of
+#: them (``jobs`` alone, say) is not a policy the user wrote (see ``Config.unwritten``).
+RULE_KEYS = frozenset({"keep_last", "milestones", "keep_within", "keep_daily", "keep_weekly", "pinned"})
+
+
 @dataclass(frozen=True)
 class Config:
     """The parsed file. ``source`` is the file read, or None for built-in defaults.
-    ``patterns``: the ``[[pattern]]`` rules every scan uses, in file order."""
+    ``patterns``: the ``[[pattern]]`` rules every scan uses, in file order.
+
+    ``unwritten`` holds the indexes (into ``policies``) of policies made of
+    built-in defaults rather than rules the user wrote: the default policy
+    when the file has no ``[[policy]]`` (or there is no file), and tables
+    that set none of :data:`RULE_KEYS`. ``plan`` may preview with them;
+    ``apply`` never deletes under them.
+    """
 
     policies: tuple[Policy, ...] = ()
     drills: tuple[DrillSettings, ...] = ()
@@ -271,6 +190,7 @@ class Config:
     source: Path | None = None
     prices: Prices = DEFAULT_PRICES
     patterns: tuple[PatternRule, ...] = ()
+    unwritten: frozenset[int] = frozenset()
 
     def policy_for(self, job: str) -> Policy | None:
         """The first ``[[policy]]`` (in file order) whose ``jobs`` glob matches ``job``.
@@ -297,7 +217,7 @@ def default_policy() -> Policy:
 
 
 def default_config() -> Config:
-    return Config(policies=(default_policy(),))
+    return Config(policies=(default_policy(),), unwritten=frozenset({0}))
 
 
 # ------------------------------------------------------------------ validation
@@ -552,7 +472,7 @@ def _drill(where: str, index: int, data: Any) -> DrillSettings:
         t.fail("allow_globals", allow, "must be a list of module.Name strings, e.g. allow_globals = [\"mypkg.config.TrainConfig\"]")
     for entry in allow:
         if (problem := allow_global_problem(entry)) is None and isinstance(entry, str):
-            from ckptier.tasks.allowlist import allow_global_check, is_library_global
+            from ckptier.formats.allowlist import allow_global_check, is_library_global
 
             # Standard-library, numpy and torch classes are judged now; the user's own
             # modules are imported only by the drill, in its isolated processes.
@@ -637,12 +557,15 @@ def parse_config(text: str, *, where: str = DEFAULT_FILE) -> Config:
         catalog_url = _Table(where, "catalog", cat, _CATALOG_KEYS).get_str(
             "url", None, example="sqlite:////var/lib/ckptier/catalog.db"
         )
+    tables = _array_of_tables(where, doc, "policy")
+    unwritten = {i for i, d in enumerate(tables) if not RULE_KEYS & set(d)} if policies else {0}
     return Config(
         policies=policies or (default_policy(),),
         drills=drills,
         catalog_url=catalog_url,
         prices=parse_prices(doc.get("prices"), where=where),
         patterns=patterns,
+        unwritten=frozenset(unwritten),
     )
 
 

@@ -28,6 +28,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from ckptier.formats.registry import DRILLABLE_FORMATS as DRILLABLE
+from ckptier.formats.registry import plugin
 from ckptier.storage.errors import ConfigError
 from ckptier.storage.model import CheckpointRecord, Format, State
 from ckptier.tasks.config import parse_factory_spec
@@ -42,7 +44,8 @@ layer) miss by far more."""
 DEFAULT_CUDA_RTOL = 1e-4
 """Relative tolerance between the two repeated runs on CUDA (CPU must be bit-exact)."""
 
-DRILLABLE_FORMATS = frozenset({Format.GUIDE, Format.DCP, Format.HF, Format.LIGHTNING})
+DRILLABLE_FORMATS = DRILLABLE
+"""Formats a drill can load (each plug-in says: :attr:`ckptier.formats.base.FormatPlugin.drillable`)."""
 
 
 # --- choosing ---------------------------------------------------------------
@@ -84,6 +87,15 @@ def choose_candidates(
     return sorted(chosen, key=newest_first)
 
 
+def drill_path(record: CheckpointRecord, fetched: Path) -> Path:
+    """What the worker loads from ``fetched`` (the checkpoint's copy, its
+    files at their relpaths): the directory, or the one file of a
+    single-file checkpoint, as its format says; pure."""
+    relpaths = [f.relpath for f in record.files]
+    single = len(relpaths) == 1 and record.location.rstrip("/").rsplit("/", 1)[-1] == relpaths[0]
+    return plugin(record.format).drill_path(Path(fetched), relpaths, single)
+
+
 # --- the worker's result ----------------------------------------------------
 
 
@@ -106,10 +118,11 @@ class WorkerResult:
     memory in bytes).
 
     ``error``/``error_stage`` are set when the drill could not finish; stage
-    is one of ``setup``, ``load``, ``build``, ``restore``, ``train``,
-    ``timeout``, ``crash``. ``unsafe`` marks a refused load. Losses are per
-    step; ``None`` stands for a non-finite loss. ``losses_repeat`` is the
-    second run from a fresh restore. ``optimizer_step_before``/``after`` are
+    is one of ``setup``, ``factory`` (the model factory does not import),
+    ``load``, ``build``, ``restore``, ``train``, ``timeout``, ``crash``.
+    ``unsafe`` marks a refused load. Losses are per step; ``None`` stands
+    for a non-finite loss. ``losses_repeat`` is the second run from a fresh
+    restore. ``optimizer_step_before``/``after`` are
     the optimizer's step counter right after restoring and after the K steps.
     ``grad_problems`` lists trainable parameters whose gradient was missing,
     zero at every step, or non-finite at some step. ``timings`` holds

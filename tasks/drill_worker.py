@@ -33,7 +33,8 @@ from torch import nn
 from ckptier.storage.errors import CkptierError, ConfigError
 from ckptier.tasks.drill import DrillRequest, WorkerResult
 from ckptier.tasks.models import DrillSpec, build_spec, hf_spec, resolve_factory, train_step, trainer_optimizer
-from ckptier.tasks.safe_load import LoadedCheckpoint, UnsafeCheckpoint, load_checkpoint_dir
+from ckptier.formats.registry import plugin
+from ckptier.formats.safe_load import LoadedCheckpoint, UnsafeCheckpoint, load_checkpoint_dir
 
 
 class DrillFailure(CkptierError):
@@ -54,16 +55,14 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-_WHY_FACTORY = {
-    "lightning": "a Lightning .ckpt holds tensors only and the LightningModule's code is needed",
-    "hf-trainer": "the Hugging Face checkpoint has no config.json to build the model from",
-}
-
-
 def no_factory_message(checkpoint: str, fmt: str) -> str:
     """The one-line error for a drill with no model factory where one is
-    needed (every format but a Hugging Face checkpoint with config.json); pure."""
-    why = _WHY_FACTORY.get(fmt, f"a {fmt} checkpoint holds tensors only and the model's code is needed")
+    needed (every format but Hugging Face weights with a config.json); the
+    reason is the format's own (:attr:`ckptier.formats.base.FormatPlugin.why_factory`); pure."""
+    try:
+        why = plugin(fmt).why_factory
+    except (KeyError, ValueError):
+        why = f"a {fmt} checkpoint holds tensors only and the model's code is needed"
     return (
         f"{checkpoint}: no drill model given: {why}; pass --model module:function "
         "(or set model = \"module:function\" in the job's [[drill]] table of ckptier.toml), "
@@ -184,8 +183,12 @@ def restore(request: DrillRequest, device: torch.device) -> _Restored:
         raise DrillFailure("load", str(exc), unsafe=isinstance(exc, UnsafeCheckpoint)) from None
     t1 = time.perf_counter()
     try:
-        if request.factory is not None:
-            spec = build_spec(resolve_factory(request.factory), loaded.extra, name=request.factory)
+        factory = resolve_factory(request.factory) if request.factory is not None else None
+    except CkptierError as exc:  # the operator's model does not import: nothing to do with the checkpoint
+        raise DrillFailure("factory", str(exc)) from None
+    try:
+        if factory is not None:
+            spec = build_spec(factory, loaded.extra, name=request.factory or "factory")
         elif "hf_config_dir" in loaded.extra:
             spec = hf_spec(loaded.extra["hf_config_dir"])
             if loaded.optimizer_state is not None:

@@ -21,7 +21,7 @@ from datetime import datetime, timedelta
 
 from ckptier.storage.base import Store
 from ckptier.storage.errors import NotFound, StoreError
-from ckptier.storage.model import CheckpointRecord, State, Tier
+from ckptier.storage.model import CheckpointRecord, CopyState, State, Tier
 
 from .verify import file_key, is_single_file
 
@@ -121,4 +121,4 @@ def still_stored(
 
 def archive_places(record: CheckpointRecord) -> list[str]:
     """URLs of the archive copies the catalog records for ``record`` (any state but ``deleted``)."""
-    return [c.url for c in record.copies if c.tier == Tier.ARCHIVE and c.state != "deleted"]
+    return [c.url for c in record.copies if c.tier == Tier.ARCHIVE and c.state != CopyState.DELETED]

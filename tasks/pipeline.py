@@ -22,12 +22,24 @@ from typing import Any
 from ckptier.storage.base import StorageClasses, Store
 from ckptier.storage.catalog.api import Catalog
 from ckptier.storage.errors import CkptierError, ConfigError
-from ckptier.storage.formats import PatternRule
-from ckptier.storage.model import CheckpointRecord, State
+from ckptier.formats import PatternRule
+from ckptier.storage.model import CheckpointRecord, CopyState, State
 from ckptier.storage.url import open_store, parse_url
+from ckptier.storage.wrappers import resuming
 
 from .config import Config, check_archive_locations
 from .leases import DEFAULT_TTL as DEFAULT_LEASE_TTL
+from .reports import (
+    NOTHING_FREED,
+    FreedForecast,
+    JobSummary,
+    archive_file_problems,
+    file_problems,
+    forecast_freed,
+    hot_bytes,
+    summarize_jobs,
+    tiering_outcome,
+)
 from .retention import Plan, PlanItem, Policy, drill_passed, plan_retention
 from .scan import ScanReport, scan_url
 
@@ -67,7 +79,10 @@ class StoreCache:
     S3 locations share one store per bucket (``prefix`` is the key within
     the bucket); a local location is served by a store rooted at its parent
     directory (``prefix`` is the last path component), which works for
-    checkpoint directories and single-file checkpoints alike. Thread-safe.
+    checkpoint directories and single-file checkpoints alike. Every store
+    ``opener`` gives is used through :func:`~ckptier.storage.wrappers.resuming`
+    (a listing, a read or a batch delete that breaks off part-way goes on).
+    Thread-safe.
     """
 
     def __init__(self, opener: Callable[[str], Store] = open_store) -> None:
@@ -78,7 +93,7 @@ class StoreCache:
     def store(self, url: str) -> Store:
         with self._lock:
             if url not in self._stores:
-                self._stores[url] = self._opener(url)
+                self._stores[url] = resuming(self._opener(url))
             return self._stores[url]
 
     def locate(self, location: str) -> tuple[Store, str]:
@@ -107,9 +122,22 @@ def scan_report_json(r: ScanReport) -> dict[str, Any]:
         "new": s.new if s else 0,
         "changed": s.changed if s else 0,
         "vanished": s.vanished if s else 0,
+        "corrupt": s.corrupt if s else 0,
+        "corrupt_found": [{"job": j, "step": step, "detail": why} for j, step, why in (s.corrupt_found if s else ())],
         "jobs": list(s.jobs) if s else [],
         "unrecognised": [{"key": u.key, "reason": u.reason} for u in r.unrecognised],
     }
+
+
+def policy_grace(config: Config | None) -> Callable[[str], timedelta]:
+    """A job's ``grace`` (how long a save may be in flight): its ``[[policy]]``'s, else 2 h."""
+    from ckptier.storage.transitions import DEFAULT_GRACE
+
+    def grace_for(job: str) -> timedelta:
+        policy = config.policy_for(job) if config is not None else None
+        return policy.grace if policy is not None else DEFAULT_GRACE
+
+    return grace_for
 
 
 def run_scan(
@@ -119,13 +147,17 @@ def run_scan(
     now: Clock,
     tick: Callable[[int], None] | None = None,
     patterns: Sequence[PatternRule] = (),
+    config: Config | None = None,
 ) -> list[dict[str, Any]]:
     """Scan each URL in turn into ``catalog``; returns one report per URL.
 
     ``patterns`` are the ``[[pattern]]`` rules of ``ckptier.toml``
-    (``Config.patterns``), tried on files no built-in format claims.
+    (``Config.patterns``), tried on files no built-in format claims;
+    ``config`` gives each job's grace (default 2 h).
     """
-    return [scan_report_json(scan_url(url, catalog, now=now(), tick=tick, patterns=patterns)) for url in urls]
+    return [scan_report_json(scan_url(url, catalog, now=now(), tick=tick, patterns=patterns,
+                                      grace_for=policy_grace(config)))
+            for url in urls]
 
 
 # ------------------------------------------------------------------ verify
@@ -141,6 +173,7 @@ def run_verify(
     workers: int = 4,
     progress: Callable[[int, int], None] | None = None,
     stores: StoreCache | None = None,
+    config: Config | None = None,
 ) -> dict[str, Any]:
     """Verify the checkpoints that need it and record the results.
 
@@ -150,7 +183,12 @@ def run_verify(
     with ``deep`` or a sample (a periodic deep read), or when its files
     changed since (a rescan put it back to ``committed``). Returns a report
     with one row per checkpoint and totals; ``totals['corrupt']`` > 0 means
-    corruption was found.
+    corruption was found. ``config`` gives each job's grace (default 2 h):
+    a checkpoint whose manifest requires absent files is ``incomplete``
+    within it, ``corrupt`` after. A row's ``files`` lists every file found
+    bad, with the expected and the actual size and hashes
+    (:class:`~ckptier.tasks.reports.FileProblem`); an archive copy's row
+    also has ``problems``, one line per damaged file of the copy.
     """
     from .verify import select_sample, verify_many
 
@@ -167,12 +205,14 @@ def run_verify(
     if sample is None and not deep:
         records = [c for c in records if c.state == State.COMMITTED]
     rows: list[dict[str, Any]] = []
-    totals = {"checked": 0, "verified": 0, "corrupt": 0, "errors": 0, "bytes_read": 0, "bytes_skipped": 0,
+    totals = {"checked": 0, "verified": 0, "corrupt": 0, "incomplete": 0, "errors": 0, "bytes_read": 0, "bytes_skipped": 0,
               "archive_checked": 0, "archive_degraded": 0}
     # Verify against the store's checksum unless a deep read was asked for.
+    grace_for = policy_grace(config)
     for record, outcome in verify_many(stores.for_record, records, deep=deep or sample is not None,
                                        workers=workers, progress=progress):
-        state = catalog.record_verification(record.id, outcome.results, now=now())
+        state = catalog.record_verification(record.id, outcome.results, now=now(), grace=grace_for(record.job),
+                                            extra=outcome.extra)
         errors = outcome.count("error")
         detail = "; ".join(
             [f"{r.relpath}: {r.detail}" for r in outcome.results if r.status != "ok" and r.detail][:3]
@@ -183,10 +223,12 @@ def run_verify(
             "job": record.job, "step": record.step, "tier": "hot", "state": state.value,
             "bytes_read": outcome.bytes_read, "bytes_skipped": outcome.bytes_skipped,
             "errors": errors, "extra": outcome.extra, "detail": detail or None,
+            "files": [asdict(f) for f in file_problems(record.files, outcome.results)],
         })
         totals["checked"] += 1
         totals["verified"] += state == State.VERIFIED
         totals["corrupt"] += state == State.CORRUPT
+        totals["incomplete"] += state == State.INCOMPLETE
         totals["errors"] += errors > 0
         totals["bytes_read"] += outcome.bytes_read
         totals["bytes_skipped"] += outcome.bytes_skipped
@@ -194,7 +236,7 @@ def run_verify(
         for row in _verify_archive_copies(catalog, with_archive_copy(cataloged), stores=stores, now=now):
             rows.append(row)
             totals["archive_checked"] += 1
-            totals["archive_degraded"] += row["state"] == "degraded"
+            totals["archive_degraded"] += row["state"] == CopyState.DEGRADED
             totals["bytes_read"] += row["bytes_read"]
     return {"checkpoints": rows, "totals": totals, "sample": f"{sample[0]}/{sample[1]}" if sample else None}
 
@@ -220,7 +262,7 @@ def _verify_archive_copies(catalog: Catalog, records: Sequence[CheckpointRecord]
         copy = record.archive_copy()
         assert copy is not None  # with_archive_copy() chose these records
         check = check_archive_copy(record, stores.store(archive_root(copy.url, record)))
-        state = "present" if check.ok else "degraded"
+        state = CopyState.PRESENT if check.ok else CopyState.DEGRADED
         if state != copy.state:
             catalog.set_copy_state(record.id, tier=Tier.ARCHIVE, url=copy.url, state=state, now=now())
         detail = "; ".join(check.problems[:3]) or None
@@ -234,9 +276,11 @@ def _verify_archive_copies(catalog: Catalog, records: Sequence[CheckpointRecord]
                 now=now(), job=record.job, checkpoint_id=record.id,
                 data={"only_copy": only, "problems": list(check.problems)},
             )
-        yield {"job": record.job, "step": record.step, "tier": "archive", "state": "verified" if check.ok else "degraded",
+        yield {"job": record.job, "step": record.step, "tier": "archive", "state": "verified" if check.ok else CopyState.DEGRADED.value,
                "bytes_read": check.bytes_read, "bytes_skipped": 0, "errors": 0, "extra": [],
-               "detail": (("only copy at risk: " if only else "") + detail) if detail else None}
+               "detail": (("only copy at risk: " if only else "") + detail) if detail else None,
+               "files": [asdict(f) for f in archive_file_problems(record.files, check.bad_files)],
+               "problems": list(check.problems)}
 
 
 # -------------------------------------------------------------------- plan
@@ -259,6 +303,20 @@ def plans_by_policy(
     drill history for ``min_drilled``), changes nothing. Jobs no
     ``[[policy]]`` matches are kept whole.
     """
+    groups, passed = _policy_groups(catalog, config, job=job)
+    out: list[tuple[Policy | None, Plan]] = []
+    for policy, cs in groups:
+        if policy is None:
+            out.append((None, Plan(items=_keep_unmanaged([c for c in cs if c.state != State.DELETED]))))
+        else:
+            out.append((policy, plan_retention(cs, policy, now=now, drill_passed=passed)))
+    return out
+
+
+def _policy_groups(catalog: Catalog, config: Config, *, job: str | None
+                   ) -> tuple[list[tuple[Policy | None, list[CheckpointRecord]]], dict[int, datetime]]:
+    """The checkpoints (tombstones without files included) grouped by the policy that
+    governs them, and the drill history ``min_drilled`` needs."""
     records = catalog.checkpoints(job=job, include_deleted=False)
     if job and not records:
         raise unknown_job(job)
@@ -269,13 +327,34 @@ def plans_by_policy(
     for c in [*records, *tombstones]:
         policy = config.policy_for(c.job)
         groups.setdefault(id(policy), (policy, []))[1].append(c)
-    out: list[tuple[Policy | None, Plan]] = []
-    for policy, cs in groups.values():
+    return list(groups.values()), passed
+
+
+def plan_with_forecast(catalog: Catalog, config: Config, *, job: str | None, now: datetime
+                       ) -> tuple[Plan, FreedForecast]:
+    """:func:`make_plan`, and the hot bytes carrying it out frees
+    (:func:`ckptier.tasks.reports.forecast_freed`, over every policy; the
+    checkpoints no policy governs count in ``hot_bytes`` only). Reads only."""
+    groups, passed = _policy_groups(catalog, config, job=job)
+    plans: list[Plan] = []
+    total = NOTHING_FREED
+    for policy, cs in groups:
         if policy is None:
-            out.append((None, Plan(items=_keep_unmanaged([c for c in cs if c.state != State.DELETED]))))
-        else:
-            out.append((policy, plan_retention(cs, policy, now=now, drill_passed=passed)))
-    return out
+            plans.append(Plan(items=_keep_unmanaged([c for c in cs if c.state != State.DELETED])))
+            total += FreedForecast(hot_bytes(cs), 0, 0)
+            continue
+
+        def planner(rs: Sequence[CheckpointRecord], policy: Policy = policy) -> Plan:
+            return plan_retention(rs, policy, now=now, drill_passed=passed)
+
+        plans.append(planner(cs))
+        total += forecast_freed(cs, planner, now=now, first=plans[-1])
+    return merge_plans(plans), total
+
+
+def catalog_summary(catalog: Catalog) -> list[JobSummary]:
+    """Every job of the catalog: checkpoints by state and bytes per tier (:func:`ckptier.tasks.reports.summarize_jobs`)."""
+    return summarize_jobs(catalog.checkpoints(include_deleted=True, with_files=False))
 
 
 #: Drills read back for ``min_drilled``: far more than any catalog holds (one a night per job).
@@ -332,9 +411,11 @@ def run_apply(
     Returns a JSON-ready report with ``items``, per-policy ``summary``
     lines, ``bytes_freed``, ``failed`` (True when any item failed:
     re-running resumes), ``held`` (lines naming the other live runs that
-    hold checkpoints this run skipped) and ``proofs`` (every copy proven
+    hold checkpoints this run skipped), ``proofs`` (every copy proven
     again before a deletion: job, step, tier, ok, detail, bytes read and
-    bytes proven by the store's checksum).
+    bytes proven by the store's checksum) and ``outcome`` (what was carried
+    out, per tier and storage class: :class:`ckptier.tasks.reports.TieringOutcome`;
+    empty in a dry run).
     """
     check_archive_locations(config, catalog.hot_locations())
     stores = stores or StoreCache()
@@ -365,8 +446,13 @@ def run_apply(
         if not promoted or failed:
             break
     held = [f"{i['job']} step {i['step']}: {i['action']} {i['detail']}" for i in items if i["outcome"] == "held"]
+    promoted_ids = {i["checkpoint_id"] for i in items if i["action"] == "promote" and i["outcome"] == "done"}
+    touched = {i["checkpoint_id"]: catalog.get_by_id(i["checkpoint_id"]) for i in items
+               if i["checkpoint_id"] in promoted_ids or (i["action"] == "delete" and i.get("freed"))}
+    outcome = tiering_outcome(items, {k: v for k, v in touched.items() if v is not None})
     return {"dry_run": dry_run, "items": items, "lines": lines, "bytes_freed": freed, "failed": failed,
-            "held": held, "proofs": proofs}
+            "held": held, "proofs": proofs,
+            "outcome": {**asdict(outcome), "hot_freed_bytes": outcome.hot_freed_bytes}}
 
 
 def _apply_one(catalog: Catalog, config: Config, policy: Policy, plan: Plan, *, stores: StoreCache, now: Clock, owner: str,
@@ -529,9 +615,13 @@ def run_drill(
     strict restore, K training steps twice), judge, record the drill in the
     catalog, remove the scratch directory. When a candidate fails to fetch or
     load, the failure is recorded and the next verified checkpoint is tried.
+    When the model factory does not load in the worker (the operator's
+    error, not the checkpoint's), nothing is recorded: the job's report says
+    why (``stage`` ``not-started``, ``recorded`` False) and its other
+    candidates are not tried.
     Returns one report per drill attempted (JSON-ready: job, step, ok,
     summary, checks, timings, ...). Raises ``ConfigError`` when there is
-    nothing to drill, or when an ``allow_globals`` entry is malformed or
+    nothing to drill (:func:`nothing_to_drill` says why), or when an ``allow_globals`` entry is malformed or
     unsafe (checked before anything is fetched). The safe loader may unpickle
     the job's ``[[drill]] allow_globals`` plus ``allow_globals`` (the command
     line's ``--allow-global``), nothing else beyond its built-in allowlist.
@@ -540,20 +630,25 @@ def run_drill(
     import tempfile
 
     from .config import allow_global_problem
-    from .drill import DEFAULT_LOSS_TOLERANCE, choose_candidates, judge, run_drill_subprocess
+    from .drill import DEFAULT_LOSS_TOLERANCE, choose_candidates, drill_path, judge, run_drill_subprocess
+    from .drill_inputs import check_drill_inputs
 
     for name in allow_globals:
         if (problem := allow_global_problem(name)) is not None:
             raise ConfigError(f"--allow-global {name!r}: {problem}")
+    check_drill_inputs(model=model, device=device, steps=steps, timeout=timeout)  # before anything slow
 
     stores = stores or StoreCache()
-    candidates = choose_candidates(catalog.checkpoints(job=job), job=job, step=step)
+    cataloged = catalog.checkpoints(job=job)
+    candidates = choose_candidates(cataloged, job=job, step=step)
     if not candidates:
-        what = f"job {job!r}" + (f" step {step}" if step is not None else "") if job else "any job"
-        raise ConfigError(f"no verified or committed checkpoint of {what} to drill; run 'ckptier scan' and 'ckptier verify' first")
+        raise nothing_to_drill(cataloged, job=job, step=step,
+                               known=bool(cataloged) or bool(job and catalog.checkpoints(job=job, include_deleted=True)))
     by_job: dict[str, list[CheckpointRecord]] = {}
     for c in candidates:
         by_job.setdefault(c.job, []).append(c)
+    for job_name in by_job:  # each job's [[drill]] model and device, before any fetch
+        check_drill_inputs(config.drill_for(job_name), model=model, device=device)
     _check_allowed_classes(config, by_job, allow_globals, scratch_root)
     reports: list[dict[str, Any]] = []
     for job_name, records in by_job.items():
@@ -577,11 +672,14 @@ def run_drill(
                 else:
                     tier = fetched["tier"]
                     timings["fetch_s"] = fetched["seconds"]
-                    path = scratch / "checkpoint"
-                    if record.format.value == "lightning":
-                        path = path / record.files[0].relpath
+                    path = drill_path(record, scratch / "checkpoint")
                     result = run_drill_subprocess(path, record.format, factory=factory, scratch=scratch / "work",
                                                   steps=k, timeout=limit, device=dev, allow_globals=allowed)
+                    if result.error_stage == "factory":
+                        # The operator's factory does not load: says nothing about this checkpoint.
+                        reports.append(_not_started(record, f"drill model {factory!r} does not load: {result.error}",
+                                                    started, now()))
+                        break
                     verdict = judge(result, loss_tolerance=tolerance)
                     timings.update({key: float(v) for key, v in result.timings.items()})
                     unconfined = "" if result.confined else f"; {result.confinement}"
@@ -615,6 +713,38 @@ def _check_allowed_classes(config: Config, jobs: Iterable[str], cli: Sequence[st
         for name in settings.allow_globals if settings else ():
             where.setdefault(name, f"[[drill]] allow_globals (job {job_name!r}) entry")
     refuse_unsafe(check_allow_globals(where, workdir=workdir), where)
+
+
+def nothing_to_drill(records: Sequence[CheckpointRecord], *, job: str | None, step: int | None,
+                     known: bool) -> ConfigError:
+    """Why no checkpoint can be drilled, as the one-line error ``run_drill`` raises (pure).
+
+    ``records``: the live checkpoints considered; ``known``: whether the
+    catalog has ever seen ``job`` (tombstones included)."""
+    if job and not known:
+        return unknown_job(job)
+    if job and step is not None:
+        record = next((c for c in records if c.job == job and c.step == step), None)
+        if record is None:
+            return ConfigError(f"job {job!r} step {step}: not in the catalog (or deleted); see 'ckptier ls --job {job}' "
+                               "for the steps there are, or leave --step out for the newest verified one")
+        if record.state == State.CORRUPT:
+            why = f" ({record.state_reason})" if record.state_reason else ""
+            return ConfigError(f"job {job!r} step {step} is corrupt{why}: drills never restore a corrupt checkpoint; "
+                               "drill another step, or leave --step out for the newest verified one")
+        if record.state == State.INCOMPLETE:
+            return ConfigError(f"job {job!r} step {step} is incomplete (a save in flight, or torn): nothing to restore "
+                               "yet; drill another step, or scan again once the save has finished")
+    what = f"job {job!r}" + (f" step {step}" if step is not None else "") if job else "any job"
+    return ConfigError(f"no verified or committed checkpoint of {what} to drill; run 'ckptier scan' and 'ckptier verify' first")
+
+
+def _not_started(record: CheckpointRecord, why: str, started: datetime, finished: datetime) -> dict[str, Any]:
+    """The report of a drill that did not start for a reason that is not the checkpoint's (never recorded)."""
+    return {"job": record.job, "step": record.step, "ok": False, "stage": "not-started", "error": why,
+            "summary": f"{record.job} step {record.step}: drill not started: {why}", "recorded": False,
+            "checks": [{"name": "started", "ok": False, "detail": why}], "timings": {}, "device": None, "tier": None,
+            "peak_memory_bytes": None, "losses": [], "started_at": started.isoformat(), "finished_at": finished.isoformat()}
 
 
 def _drill_failure(record: CheckpointRecord, started: datetime, finished: datetime, *, stage: str, error: str) -> dict[str, Any]:

@@ -41,7 +41,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 from ckptier.storage.errors import ConfigError
-from ckptier.storage.model import CheckpointRecord, State, Tier
+from ckptier.storage.model import CheckpointRecord, CopyState, State, Tier
 from ckptier.tasks.tiers import ArchiveTier
 
 Action = Literal["keep", "promote", "delete"]
@@ -599,7 +599,7 @@ def hot_present(c: CheckpointRecord) -> bool:
     """True unless a scan found it missing or the catalog records its hot copy gone."""
     if c.missing_since is not None:
         return False
-    return not any(c_.tier == Tier.HOT and c_.state in ("missing", "deleted") for c_ in c.copies)
+    return not any(c_.tier == Tier.HOT and c_.state in (CopyState.MISSING, CopyState.DELETED) for c_ in c.copies)
 
 
 def _has_archive_copy(c: CheckpointRecord) -> bool:
@@ -610,7 +610,7 @@ def _archive_verified_at(c: CheckpointRecord) -> str:
     times = [
         x.verified_at
         for x in c.copies
-        if x.tier == Tier.ARCHIVE and x.state == "present" and x.verified_at is not None
+        if x.tier == Tier.ARCHIVE and x.state == CopyState.PRESENT and x.verified_at is not None
     ]
     return max(times).isoformat() if times else "?"
 

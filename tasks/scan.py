@@ -1,7 +1,7 @@
 """Scan: list a store, recognise checkpoints, record them in the catalog.
 
 The decisions (which objects form which checkpoint, committed or not) are the
-pure :func:`ckptier.storage.formats.recognise`; this module is the thin I/O
+pure :func:`ckptier.formats.recognise`; this module is the thin I/O
 around it. It never deletes anything, and a failed listing records nothing.
 """
 
@@ -11,16 +11,17 @@ import posixpath
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Self
 from urllib.parse import urlparse
 
-from ckptier.storage.base import ObjectInfo, Store, read_bytes
+from ckptier.storage.base import ListingSkips, ObjectInfo, Store, read_bytes
 from ckptier.storage.catalog.api import Catalog, ScanSummary
-from ckptier.storage.formats import METADATA_NAMES, PatternRule, recognise
-from ckptier.storage.local import LocalStore
+from ckptier.formats import METADATA_NAMES, PatternRule, recognise
+from ckptier.storage.errors import ConfigError
 from ckptier.storage.model import Recognition, Unrecognised
-from ckptier.storage.url import open_store
+from ckptier.storage.url import open_store, parse_url
+from ckptier.storage.wrappers import resuming
 
 #: Metadata and marker files larger than this are refused, not read.
 METADATA_LIMIT = 16 << 20
@@ -142,8 +143,8 @@ def recognise_store(
     or directory symlinks) are reported as not recognised, with the reason.
     """
     skipped: list[Unrecognised] = []
-    if isinstance(store, LocalStore):
-        listing = store.list("", on_skip=lambda key, why: skipped.append(Unrecognised(key, why)))
+    if isinstance(store, ListingSkips):
+        listing = store.list_with_skips("", lambda key, why: skipped.append(Unrecognised(key, why)))
     else:
         listing = store.list("")
     with Prefetcher(store, workers=prefetch, limit=METADATA_LIMIT) as fetcher:
@@ -159,6 +160,17 @@ def recognise_store(
     return replace(found, unrecognised=tuple(sorted(found.unrecognised + tuple(skipped), key=lambda u: u.key)))
 
 
+def _refuse_a_file(url: str) -> None:
+    """A local URL naming a file (not a directory of checkpoints) is one line, not a listing error."""
+    import os
+
+    parsed = parse_url(url)
+    if parsed.scheme == "file" and os.path.isfile(parsed.path):
+        parent = os.path.dirname(parsed.path.rstrip("/")) or "/"
+        raise ConfigError(f"{url}: is a file, not a directory; scan the directory that holds your checkpoints "
+                          f"(e.g. {parent})")
+
+
 def scan_url(
     url: str,
     catalog: Catalog,
@@ -167,16 +179,23 @@ def scan_url(
     patterns: Sequence[PatternRule] = (),
     store: Store | None = None,
     tick: Callable[[int], None] | None = None,
+    grace_for: Callable[[str], timedelta] | None = None,
 ) -> ScanReport:
     """Scan ``url`` (a path, ``file://`` or ``s3://`` URL) into ``catalog``.
 
-    Idempotent: scanning unchanged storage writes no catalog rows.
+    ``store`` defaults to ``url``'s store through
+    :func:`~ckptier.storage.wrappers.resuming` (a listing that fails part-way
+    is started again). Idempotent: scanning unchanged storage writes no
+    catalog rows.
     Checkpoints of this URL that are no longer listed are marked missing,
-    never dropped.
+    never dropped. ``grace_for(job)`` is how long a save whose manifest
+    lists absent files may still be in flight (default 2 h).
     """
-    store = store if store is not None else open_store(url)
+    if store is None:
+        _refuse_a_file(url)
+    store = store if store is not None else resuming(open_store(url))
     recognition = recognise_store(store, now=now.timestamp(), name=root_name(url), patterns=patterns, tick=tick)
-    summary = catalog.record_scan(store.url, recognition, now=now)
+    summary = catalog.record_scan(store.url, recognition, now=now, grace_for=grace_for)
     committed = sum(1 for c in recognition.checkpoints if c.committed)
     return ScanReport(
         url=store.url,

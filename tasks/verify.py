@@ -1,10 +1,13 @@
 """Prove checkpoints intact: decide what to verify, read and hash, judge.
 
 Pure decisions: :func:`needs_verification` (why a checkpoint must be read
-again, or ``None``), :func:`select_sample` / :func:`parse_sample` (the K-th
+again, or ``None``) and :func:`select_sample` / :func:`parse_sample` (the K-th
 of N disjoint slices of the catalog, for a nightly schedule that re-reads
-every byte every N nights, like restic's ``check --read-data-subset``), and
-:func:`judge_files` (the checkpoint's new state from per-file results).
+every byte every N nights, like restic's ``check --read-data-subset``). What
+the results mean for the checkpoint's state is decided in one place,
+:func:`ckptier.storage.transitions.on_verification` (the catalog applies it
+when :meth:`~ckptier.storage.catalog.api.Catalog.record_verification` stores
+the results).
 
 I/O: :func:`verify_checkpoint` checks one checkpoint's files against a store,
 :func:`verify_many` checks many with a bounded thread pool and a fixed pool of
@@ -30,11 +33,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import date
 
-from ckptier.storage.base import ObjectInfo, Store, join_key, validate_key
+from ckptier.storage.base import LocalPaths, ObjectInfo, Store, join_key
 from ckptier.storage.errors import CkptierError, ConfigError, IntegrityError, NotFound, StoreError
 from ckptier.storage.hashing import DEFAULT_CHUNK, Digests, hash_file, hash_stream, store_crc64nvme
-from ckptier.storage.local import LocalStore
-from ckptier.storage.model import CheckpointRecord, FileCheck, FileRecord, FileStatus, State
+from ckptier.storage.model import CheckpointRecord, FileCheck, FileRecord, FileStatus, Format, State
+from ckptier.formats import checker_for
+from ckptier.storage.structure import Need, shortfalls
 
 
 #: mtimes closer than this (seconds) count as equal: catalogs round-trip them
@@ -52,7 +56,9 @@ _REASON_EXAMPLES = 3
 class VerifyOutcome:
     """Everything one checkpoint's verification found.
 
-    ``results`` has one entry per recorded file, in the record's order.
+    ``results`` has one entry per recorded file, in the record's order,
+    then a ``missing`` entry (with its ``shortfall``) for each file a
+    manifest of the checkpoint requires that is neither recorded nor found.
     ``bytes_read`` counts bytes downloaded and hashed; ``bytes_skipped``
     counts bytes proven by the store's own full-object checksum without
     reading. ``extra`` lists relpaths found under the checkpoint's prefix
@@ -222,56 +228,9 @@ def _check_sample(k: int, n: int, text: str) -> None:
         raise ConfigError(f"--sample {text!r}: K must be between 1 and N ({n}), e.g. 1/{n}")
 
 
-def judge_files(record: CheckpointRecord, results: Sequence[FileCheck]) -> tuple[State, str]:
-    """The checkpoint's state after verification, and the reason.
-
-    * any recorded file ``missing`` or ``corrupt`` -> ``corrupt``;
-    * otherwise any file ``error`` or without a result -> the current state
-      unchanged: an unreadable file proves nothing either way;
-    * otherwise (every file ``ok``) -> ``verified``.
-
-    ``incomplete`` and ``deleted`` checkpoints keep their state (a save in
-    flight is never judged). Raises ``ValueError`` for a result naming a file
-    the record does not have.
-    """
-    known = {f.relpath for f in record.files}
-    by_path: dict[str, FileCheck] = {}
-    for r in results:
-        if r.relpath not in known:
-            raise ValueError(f"result for {r.relpath!r}, which is not a file of {record.job} step {record.step}")
-        by_path[r.relpath] = r
-    n = len(record.files)
-    if record.state in (State.INCOMPLETE, State.DELETED):
-        return record.state, f"not judged: the checkpoint is {record.state.value}"
-    if n == 0:
-        return record.state, "no files recorded; nothing to verify"
-    bad = [r for r in by_path.values() if r.status in ("missing", "corrupt")]
-    if bad:
-        missing = sum(1 for r in bad if r.status == "missing")
-        head = ", ".join(
-            x for x in (f"{missing} missing" if missing else "", f"{len(bad) - missing} corrupt" if len(bad) > missing else "") if x
-        )
-        return State.CORRUPT, f"{head} of {n} files: " + _details(bad)
-    unread = [r for r in by_path.values() if r.status == "error"]
-    unchecked = [f.relpath for f in record.files if f.relpath not in by_path]
-    if unread or unchecked:
-        parts = []
-        if unread:
-            parts.append(f"{len(unread)} of {n} files could not be read ({_details(unread)})")
-        if unchecked:
-            parts.append(f"{len(unchecked)} of {n} files were not checked ({_examples(unchecked)})")
-        return record.state, "; ".join(parts) + f"; state stays {record.state.value}, verify again"
-    total = sum(f.size for f in record.files)
-    return State.VERIFIED, f"all {n} files intact ({total} bytes)"
-
-
 def _examples(items: Sequence[str]) -> str:
     shown = ", ".join(items[:_REASON_EXAMPLES])
     return shown + (f" and {len(items) - _REASON_EXAMPLES} more" if len(items) > _REASON_EXAMPLES else "")
-
-
-def _details(checks: Sequence[FileCheck]) -> str:
-    return _examples([f"{c.relpath} ({c.detail or c.status})" for c in checks])
 
 
 # -- I/O ------------------------------------------------------------------------
@@ -306,11 +265,21 @@ def check_file(
     deep: bool,
     pool: BufferPool,
     on_bytes: Callable[[int], None] | None = None,
-) -> tuple[FileCheck, int, int]:
-    """Verify one file; returns ``(check, bytes_read, bytes_skipped)``. Never raises a store error.
+    fmt: Format | None = None,
+) -> tuple[FileCheck, int, int, tuple[Need, ...]]:
+    """Verify one file; returns ``(check, bytes_read, bytes_skipped, needs)``. Never raises a store error.
 
-    ``on_bytes`` is told about progress in bytes (read or skipped); the
-    amounts add up to exactly ``f.size`` by the time this returns.
+    When the file has a structure to check (:func:`ckptier.formats.checker_for`
+    for a checkpoint of format ``fmt``), it is checked on its first
+    verification (no CRC64NVME baseline yet), in the same read pass as the
+    hashing: a broken one is ``corrupt``, naming the structure and what is
+    wrong. That first verification reads it even when the store keeps a
+    checksum (a checksum proves the bytes are what was uploaded, not that a
+    whole file was); later ones compare with the baseline, which proves the
+    same bytes. Manifests are parsed whenever they are read. ``needs`` are the files a manifest read here
+    requires of the checkpoint. ``on_bytes`` is told about progress in bytes
+    (read or skipped); the amounts add up to exactly ``f.size`` by the time
+    this returns.
     """
     counted = 0
 
@@ -322,25 +291,25 @@ def check_file(
             on_bytes(n)
 
     try:
-        check, read, skipped = _check_file(store, key, f, deep=deep, pool=pool, tell=tell)
+        return _check_file(store, key, f, deep=deep, pool=pool, tell=tell, fmt=fmt)
     finally:
         tell(f.size - counted)
-    return check, read, skipped
 
 
 def _check_file(
-    store: Store, key: str, f: FileRecord, *, deep: bool, pool: BufferPool, tell: Callable[[int], None]
-) -> tuple[FileCheck, int, int]:
+    store: Store, key: str, f: FileRecord, *, deep: bool, pool: BufferPool, tell: Callable[[int], None],
+    fmt: Format | None,
+) -> tuple[FileCheck, int, int, tuple[Need, ...]]:
     where = f"{store.url}/{key}"
     try:
         info = store.stat(key)
     except NotFound:
-        return _check(f, "missing", f"not found at {where}"), 0, 0
+        return _check(f, "missing", f"not found at {where}"), 0, 0, ()
     except (StoreError, OSError) as exc:
-        return _check(f, "error", f"cannot stat: {_one_line(exc)}"), 0, 0
+        return _check(f, "error", f"cannot stat: {_one_line(exc)}"), 0, 0, ()
     if info.size != f.size:
         how = "truncated" if info.size < f.size else "extended"
-        return _check(f, "corrupt", f"size {info.size} bytes, expected {f.size} ({how})", size=info.size), 0, 0
+        return _check(f, "corrupt", f"size {info.size} bytes, expected {f.size} ({how})", size=info.size), 0, 0, ()
 
     try:
         stored = store_crc64nvme(info.checksum)
@@ -350,39 +319,49 @@ def _check_file(
 
     baseline = f.crc64nvme
     sha_proven = f.sha256_expected is None or f.status == "ok"
-    if not deep and stored is not None and sha_proven and (baseline is not None or f.sha256_expected is None):
+    structured = checker_for(f.relpath, fmt) is not None
+    if (not deep and stored is not None and sha_proven and (baseline is not None or f.sha256_expected is None)
+            and (baseline is not None or not structured)):
         tell(info.size)
         if baseline is None:
-            return FileCheck(f.relpath, "ok", info.size, stored, None, "baseline taken from the store's checksum"), 0, info.size
+            return FileCheck(f.relpath, "ok", info.size, stored, None, "baseline taken from the store's checksum"), 0, info.size, ()
         if stored == baseline:
-            return FileCheck(f.relpath, "ok", info.size, stored, None, None), 0, info.size
+            return FileCheck(f.relpath, "ok", info.size, stored, None, None), 0, info.size, ()
         return (
             FileCheck(f.relpath, "corrupt", info.size, stored, None,
                       f"store checksum crc64nvme {stored}, recorded {baseline} (object replaced or damaged)"),
             0,
             info.size,
+            (),
         )
 
     want_sha = f.sha256_expected is not None
     for attempt in range(_INTEGRITY_ATTEMPTS):
+        # A data file's structure is checked on its first verification; later reads that match
+        # the CRC64NVME baseline are the same bytes. Manifests are parsed on every read (cheap):
+        # what they require must be there now.
+        checker = checker_for(f.relpath, fmt, manifests_only=baseline is not None)
+        observe = checker.feed if checker is not None else None
         try:
             with pool.buffer() as buf:
-                if isinstance(store, LocalStore):
-                    d = hash_file(store.root / validate_key(key), sha256=want_sha, buffer=buf, progress=tell)
+                if isinstance(store, LocalPaths):  # a plain file: hashed straight from the page cache
+                    d = hash_file(store.local_path(key), sha256=want_sha, buffer=buf, progress=tell,
+                                  observe=observe)
                 else:
                     with store.open_read(key) as stream:
-                        d = hash_stream(stream, sha256=want_sha, buffer=buf, progress=tell)
+                        d = hash_stream(stream, sha256=want_sha, buffer=buf, progress=tell, observe=observe)
             break
         except (FileNotFoundError, NotFound):
-            return _check(f, "missing", f"vanished while reading {where}"), 0, 0
+            return _check(f, "missing", f"vanished while reading {where}"), 0, 0, ()
         except IntegrityError as exc:
             # The store's own checksum rejected the bytes; once may be the
             # network, twice in a row is the object.
             if attempt + 1 == _INTEGRITY_ATTEMPTS:
                 why = f"the store's checksum rejected the bytes {attempt + 1} times: {_one_line(exc)}"
-                return _check(f, "corrupt", why, size=info.size), 0, 0
+                return _check(f, "corrupt", why, size=info.size), 0, 0, ()
         except (StoreError, OSError) as exc:
-            return _check(f, "error", f"cannot read: {_one_line(exc)}"), 0, 0
+            return _check(f, "error", f"cannot read: {_one_line(exc)}"), 0, 0, ()
+    structure = checker.finish() if checker is not None else None
 
     problems = []
     if d.size != f.size:
@@ -393,12 +372,16 @@ def _check_file(
         problems.append(f"sha256 {d.sha256}, expected {f.sha256_expected} (from the checkpoint's metadata)")
     if stored is not None and d.crc64nvme != stored:
         problems.append(f"crc64nvme {d.crc64nvme}, the store's checksum is {stored}")
+    if structure is not None and structure.problem is not None and d.size == f.size:
+        problems.append(f"{structure.kind}: {structure.problem}")
     if problems:
-        return _check(f, "corrupt", "; ".join(problems), d), d.size, 0
+        return _check(f, "corrupt", "; ".join(problems), d), d.size, 0, ()
     detail = None if baseline is not None else "first verification: baseline recorded"
+    if detail and structure is not None and structure.notes:
+        detail += "; " + "; ".join(structure.notes)
     if bad_store_checksum:
         detail = f"store checksum ignored: {bad_store_checksum}"
-    return _check(f, "ok", detail, d), d.size, 0
+    return _check(f, "ok", detail, d), d.size, 0, structure.needs if structure is not None else ()
 
 
 def _one_line(exc: BaseException) -> str:
@@ -454,16 +437,50 @@ def verify_checkpoint(
     info) only spares the listing used to find extra files; sizes and
     checksums always come from a fresh ``stat``. Read-only and idempotent.
     ``progress`` is called with byte counts (read or skipped).
+
+    Each file read is also checked for its structure in the same pass (see
+    :func:`check_file`); the files the checkpoint's manifests require are
+    then checked against the results (:func:`with_shortfalls`).
     """
     pool = buffer_pool or BufferPool(1)
     outcome = VerifyOutcome(results=[])
+    needs: list[Need] = []
     for f in record.files:
-        check, read, skipped = check_file(store, file_key(prefix, record, f.relpath), f, deep=deep, pool=pool, on_bytes=progress)
+        check, read, skipped, wants = check_file(store, file_key(prefix, record, f.relpath), f, deep=deep, pool=pool,
+                                                 on_bytes=progress, fmt=record.format)
         outcome.results.append(check)
         outcome.bytes_read += read
         outcome.bytes_skipped += skipped
+        needs.extend(wants)
     outcome.extra, outcome.notes = find_extra(store, prefix, record, listing)
+    outcome.results = with_shortfalls(outcome.results, needs, outcome.extra)
     return outcome
+
+
+def with_shortfalls(results: Sequence[FileCheck], needs: Sequence[Need], extra: Sequence[str] = ()) -> list[FileCheck]:
+    """``results`` with the manifests' ``needs`` applied; pure.
+
+    A required file the results show with too few bytes becomes ``corrupt``
+    and a required file (or ``rank-*`` directory) that is neither among the
+    results nor among the ``extra`` files found gets a ``missing`` result
+    appended, each carrying its :class:`~ckptier.storage.model.Shortfall`
+    (the verdict waits for the job's grace: a save may be in flight). Files
+    already ``missing`` or unreadable are left as they are.
+    """
+    if not needs:
+        return list(results)
+    present = {r.relpath: r.size for r in results if r.status in ("ok", "corrupt") and r.size is not None}
+    unknown = [r.relpath for r in results if r.status == "error"]
+    out = list(results)
+    index = {r.relpath: i for i, r in enumerate(out)}
+    for sf in shortfalls(needs, present, also_present=[*extra, *unknown]):
+        i = index.get(sf.relpath)
+        if i is None:
+            out.append(FileCheck(sf.relpath, "missing", None, None, None, str(sf), sf))
+        elif out[i].status == "ok":
+            r = out[i]
+            out[i] = FileCheck(r.relpath, "corrupt", r.size, r.crc64nvme, r.sha256, str(sf), sf)
+    return out
 
 
 class _Meter:
@@ -488,7 +505,7 @@ class _InFlight:
     """A record whose files are submitted to the pool (or that failed to open)."""
 
     record: CheckpointRecord
-    files: list[Future[tuple[FileCheck, int, int]]]
+    files: list[Future[tuple[FileCheck, int, int, tuple[Need, ...]]]]
     extras: Future[tuple[list[str], list[str]]] | None
     failure: str | None
 
@@ -513,7 +530,8 @@ def verify_many(
     ``progress(done_bytes, total_bytes)`` is called from worker threads,
     serialized, as bytes are read or proven without reading; ``total_bytes``
     is the recorded size of all records, and ``done_bytes`` reaches it.
-    Each file is checked as by :func:`verify_checkpoint`. Leaving the
+    Each file is checked as by :func:`verify_checkpoint` (structure, then
+    the manifests' shortfalls). Leaving the
     iteration early cancels files not yet started.
     """
     if workers < 1:
@@ -540,7 +558,8 @@ def verify_many(
                     window.append(_InFlight(rec, [], None, f"cannot open the store: {_one_line(exc)}"))
                     continue
                 futs = [
-                    ex.submit(check_file, store, file_key(prefix, rec, f.relpath), f, deep=deep, pool=pool, on_bytes=meter.add)
+                    ex.submit(check_file, store, file_key(prefix, rec, f.relpath), f, deep=deep, pool=pool,
+                              on_bytes=meter.add, fmt=rec.format)
                     for f in rec.files
                 ]
                 extras = ex.submit(find_extra, store, prefix, rec)
@@ -555,12 +574,15 @@ def verify_many(
                 outcome.results = [_check(f, "error", head.failure or "not checked") for f in head.record.files]
                 meter.add(sum(f.size for f in head.record.files))
             else:
+                needs: list[Need] = []
                 for fut in head.files:
-                    check, read, skipped = fut.result()
+                    check, read, skipped, wants = fut.result()
                     outcome.results.append(check)
                     outcome.bytes_read += read
                     outcome.bytes_skipped += skipped
+                    needs.extend(wants)
                 outcome.extra, outcome.notes = head.extras.result()
+                outcome.results = with_shortfalls(outcome.results, needs, outcome.extra)
             yield head.record, outcome
     finally:
         ex.shutdown(wait=True, cancel_futures=True)

@@ -23,5 +23,6 @@ pytest_plugins = [
     "tests.fixtures.pg",
     "tests.fixtures.s3",
     "tests.fixtures.checkpoints",
+    "tests.fixtures.library_checkpoints",
     "tests.fixtures.prefect_server",
 ]

@@ -3,12 +3,14 @@ night-by-night simulation with the real planner, measured jobs, the command."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from ckptier.flows.cli import main
@@ -22,17 +24,26 @@ from ckptier.storage.model import (
 )
 from ckptier.tasks.advise import (
     DEFAULTS,
+    SIM_START,
     Request,
     advise,
     bytes_per_param,
     daly_interval,
     observe_job,
     overhead,
+    recovery_gaps,
     simulate_storage,
     young_interval,
 )
-from ckptier.tasks.prices import DEFAULT_PRICES, LIST_PRICE_NOTE
-from ckptier.tasks.retention import KeepLast, Milestones, Plan, Policy, plan_retention
+from ckptier.tasks.prices import DEFAULT_PRICES, LIST_PRICE_NOTE, requests_for
+from ckptier.tasks.retention import (
+    KeepLast,
+    Milestones,
+    Plan,
+    PlanItem,
+    Policy,
+    plan_retention,
+)
 from ckptier.tasks.tiers import ArchiveTier
 
 GB = 10**9
@@ -150,20 +161,145 @@ def test_simulation_runs_the_real_planner_every_night() -> None:
 
     nights = simulate_storage(POLICY, size=20 * GB, interval=timedelta(minutes=30), steps_per_save=1000,
                               run_length=21 * D, codec_ratio=1.24, hot_class="hot", prices=DEFAULT_PRICES, plan=spy)
-    assert len(nights) == len(calls) == 21
+    assert len(nights) == 21
     assert [n.day for n in nights] == list(range(1, 22))
+    # every night plans at 00:00 UTC, once per apply pass plus apply's fresh re-check before deleting
+    assert sorted(set(calls)) == [SIM_START + d * D for d in range(1, 22)]
     assert all(t.hour == 0 and t.minute == 0 for t in calls)
     assert [n.saves for n in nights] == [48 * d for d in range(1, 22)]
     assert all(n.keep_all_bytes == n.saves * 20 * GB for n in nights)
     final = nights[-1]
     hot = [s for s in final.stored if s.tier == "hot"]
     archive = [s for s in final.stored if s.tier == "archive"]
-    assert hot[0].storage_class == "hot" and 5 <= hot[0].checkpoints <= 8  # keep_last 5 + saves not yet verified
+    # keep_last 5 + the save of 23:30 (not verified yet) + the one of 00:00 (in flight)
+    assert hot[0].storage_class == "hot" and hot[0].checkpoints == 7
     # milestones 1k, 2k, 5k, ... 1M steps (1,008 saves of 1,000 steps) are archived, compressed
     assert archive[0].storage_class == "GLACIER_IR" and archive[0].checkpoints == 10
     assert archive[0].bytes == 10 * round(20 * GB / 1.24)
     assert final.stored_bytes / final.keep_all_bytes < 0.02
     assert simulate_storage.__kwdefaults__["plan"] is plan_retention  # the real planner unless told otherwise
+
+
+def _tiny(archive_when: str) -> tuple:
+    """Saves every 5 h (steps 1, 2, ...) for 2 days: 4 saves before night 1, 9 before night 2."""
+    policy = Policy((KeepLast(3), Milestones(log=True)), archive="s3://cold/ckpt", storage_class="GLACIER_IR",
+                    archive_when=archive_when)  # type: ignore[arg-type]
+    return simulate_storage(policy, size=1000, interval=timedelta(hours=5), steps_per_save=1, run_length=2 * D,
+                            codec_ratio=2.0, hot_class="hot", prices=DEFAULT_PRICES)
+
+
+def test_simulation_of_a_tiny_run_matches_the_hand_computed_bytes() -> None:
+    """keep_last 3 + milestones log (1, 2, 5), 1,000-byte saves, archive at ratio 2 (500 bytes).
+
+    Night 1 (steps 1-4): keep_last holds 2, 3, 4; milestone 1 leaves hot storage: promoted, and
+    its hot copy goes in apply's second pass the same night: hot {2, 3, 4}, archive {1}.
+    Night 2 (steps 5-9): keep_last holds 7, 8, 9; milestones 2 and 5 promoted, their hot copies
+    deleted, 3, 4 and 6 deleted: hot {7, 8, 9}, archive {1, 2, 5}.
+    """
+    n1, n2 = _tiny("leaving_hot")
+    assert (n1.saves, n2.saves) == (4, 9)
+    assert (n1.tier_bytes("hot"), n1.tier_checkpoints("hot")) == (3000, 3)
+    assert (n1.tier_bytes("archive"), n1.tier_checkpoints("archive")) == (500, 1)
+    assert (n2.tier_bytes("hot"), n2.tier_bytes("archive")) == (3000, 1500)
+    assert (n1.stored_bytes, n1.keep_all_bytes, n2.stored_bytes, n2.keep_all_bytes) == (3500, 4000, 4500, 9000)
+    # required: night 1 steps 4, 3, 2 hot and milestones at 1, 2; night 2 steps 9, 8, 7 hot and milestones 1, 2, 5
+    assert (n1.recovery_points, n2.recovery_points) == (4, 6)
+    assert n1.recovery_gaps == n2.recovery_gaps == ()
+    # "immediately" also archives milestone 2 on night 1 while keep_last holds it hot: stored twice
+    i1, i2 = _tiny("immediately")
+    assert (i1.tier_bytes("hot"), i1.tier_bytes("archive"), i2.stored_bytes) == (3000, 1000, 4500)
+
+
+def test_settle_adds_the_night_after_a_save_that_lands_on_the_last_plan() -> None:
+    """A 21-day run with 100 saves spread evenly: the 100th lands at 00:00 of the 21st night, in flight."""
+    policy = dataclasses.replace(POLICY, archive_when="leaving_hot")
+    args: dict[str, Any] = {"size": 20 * GB, "interval": 21 * D / 100, "steps_per_save": 500, "run_length": 21 * D,
+                            "codec_ratio": 1.24, "hot_class": "hot", "prices": DEFAULT_PRICES}
+    plain = simulate_storage(policy, **args)
+    settled = simulate_storage(policy, settle=True, **args)
+    assert len(plain) == 21 and len(settled) == 22 and settled[-1].saves == plain[-1].saves == 100
+    assert plain[-1].tier_checkpoints("hot") == 6  # keep_last 5 + the save in flight
+    assert settled[-1].tier_checkpoints("hot") == 5
+    # a run whose last save is verified before the last night needs no extra night
+    assert len(simulate_storage(policy, settle=True, **(args | {"interval": timedelta(hours=5)}))) == 21
+
+
+@pytest.mark.parametrize("archive_when, archived, fraction", [("leaving_hot", 6, 0.0984), ("immediately", 7, 0.1065)])
+def test_the_21_day_scenario_holds_every_recovery_point_every_night(archive_when: str, archived: int,
+                                                                    fraction: float) -> None:
+    """100 saves of 20 GB every 500 steps over 21 days, keep_last 5 + milestones log, archive in
+    GLACIER_IR: at the end hot holds steps 48,000-50,000 and the archive the holders of milestones
+    500 (1 to 500), 1,000, 2,000, 5,000, 10,000, 20,000 and, unless leaving_hot, 50,000 a second time."""
+    policy = dataclasses.replace(POLICY, archive_when=archive_when)
+    nights = simulate_storage(policy, size=20 * GB, interval=21 * D / 100, steps_per_save=500, run_length=21 * D,
+                              codec_ratio=1.24, hot_class="hot", prices=DEFAULT_PRICES, settle=True)
+    assert all(n.recovery_points > 0 and n.recovery_gaps == () for n in nights)
+    final = nights[-1]
+    assert final.recovery_points == 11  # 5 hot + 7 milestone holders, 50,000 in both
+    assert final.tier_bytes("hot") == 5 * 20 * GB
+    assert final.tier_bytes("archive") == archived * round(20 * GB / 1.24)
+    assert {s.storage_class for s in final.stored if s.tier == "archive"} == {"GLACIER_IR"}
+    assert final.stored_bytes / final.keep_all_bytes == pytest.approx(fraction, abs=5e-5)
+    assert final.monthly_cost / final.keep_all_monthly_cost < 0.06
+
+
+def test_recovery_gaps_name_what_a_faulty_planner_dropped() -> None:
+    """The check does not trust the planner: a planner that deletes everything it is shown is caught."""
+
+    def reckless(records: list[CheckpointRecord], policy: Policy, *, now: datetime) -> Plan:
+        return Plan(items=[PlanItem(c.job, c.step, c.id, "delete", ("reckless",), c.bytes) for c in records
+                           if c.state.value == "verified"])
+
+    nights = simulate_storage(POLICY, size=GB, interval=timedelta(hours=5), steps_per_save=1, run_length=2 * D,
+                              codec_ratio=1.0, hot_class="hot", prices=DEFAULT_PRICES, plan=reckless)
+    gaps = nights[0].recovery_gaps
+    assert any("step 4 (newest verified checkpoint): deleted" in g for g in gaps)
+    assert any("step 1 (holds a milestone of milestones log" in g for g in gaps)
+    assert any(g.startswith("min_verified 2: only 0") for g in gaps)
+
+
+def _rec(step: int, *, hot: bool = True, archived: bool = False) -> CheckpointRecord:
+    t = SIM_START + step * timedelta(hours=1)
+    copies: tuple[CopyRecord, ...] = ()
+    if archived:
+        copies += (CopyRecord(Tier.ARCHIVE, f"s3://cold/j/{step}", "present", 1, t, "ckz1"),)
+    if not hot:
+        copies += (CopyRecord(Tier.HOT, f"file:///hot/j/{step}", "deleted", None, None),)
+    return CheckpointRecord(
+        id=step, job="j", step=step, format=Format.GUIDE, state=State.VERIFIED, location=f"file:///hot/j/{step}",
+        bytes=1, saved_at=t, first_seen=t, last_seen=t, missing_since=None, verified_at=t, state_reason=None,
+        copies=copies,
+    )
+
+
+@pytest.mark.parametrize("after, expected", [
+    ([_rec(1, hot=False, archived=True), _rec(3), _rec(4), _rec(6), _rec(7)], ()),
+    ([_rec(3), _rec(4), _rec(6), _rec(7)],
+     ("step 1 (holds a milestone of milestones log (1-2-5 series)): held neither in hot storage nor in the archive",)),
+    ([_rec(1, archived=True), _rec(3), _rec(4), _rec(6), _rec(7, hot=False, archived=True)],
+     ("step 7 (newest verified checkpoint): hot copy gone, needed in hot storage",)),
+    ([_rec(1, archived=True), _rec(3), _rec(6), _rec(7)], ()),  # step 4 holds no milestone and no rule keeps it
+    ([_rec(1, archived=True), _rec(3), _rec(4), _rec(7)],
+     ("step 6 (keep_last 2 (#2 newest verified)): deleted, needed in hot storage",
+      "step 6 (holds a milestone of milestones log (1-2-5 series)): held neither in hot storage nor in the archive")),
+    ([_rec(1, archived=True), _rec(3, hot=False, archived=True), _rec(6), _rec(7)], ()),
+])
+def test_recovery_gaps_table(after: list[CheckpointRecord], expected: tuple[str, ...]) -> None:
+    """Saves at steps 1, 3, 4, 6, 7: log milestones 1, 2 and 5 are held (at or after) by 1, 3 and 6."""
+    before = [_rec(s) for s in (1, 3, 4, 6, 7)]
+    policy = Policy((KeepLast(2), Milestones(log=True)), archive="s3://cold/ckpt")
+    required, gaps = recovery_gaps(before, after, [1, 3, 4, 6, 7], policy, now=SIM_START + 10 * D)
+    assert required == 4  # 7 and 6 hot; 1, 3 and 6 hold milestones 1, 2 and 5
+    assert gaps == expected
+
+
+def test_recovery_gaps_count_a_milestone_held_pending_verification() -> None:
+    """A committed save at step 10 holds milestone 10 pending verification: it must not vanish either."""
+    before = [_rec(s) for s in (1, 3, 4, 6)] + [dataclasses.replace(_rec(10), state=State.COMMITTED, verified_at=None)]
+    policy = Policy((KeepLast(2), Milestones(log=True)), archive="s3://cold/ckpt")
+    required, gaps = recovery_gaps(before, before[:4], [1, 3, 4, 6, 10], policy, now=SIM_START + 10 * D)
+    assert required == 5  # 6 and 4 hot; 1, 3, 6 and 10 hold milestones 1, 2, 5 and 10
+    assert gaps == ("step 10 (holds a milestone of milestones log (1-2-5 series)): held neither in hot storage nor in the archive",)
 
 
 def test_simulation_prices_archive_copies_by_age_with_archive_tiers() -> None:
@@ -200,6 +336,11 @@ def test_forecast_costs_and_labels() -> None:
     assert st.requests_cost > 0  # archive uploads into GLACIER_IR
     on_s3 = advise(Request(params=7e9, hot_class="STANDARD"), POLICY, DEFAULT_PRICES).storage
     assert on_s3.requests_cost > st.requests_cost  # every save's parts are PUTs
+    # ... and keep-all writes the same saves: their PUTs count on both sides of the comparison
+    months = 21 * 24 / 730
+    save_puts = 1008 * DEFAULT_PRICES.puts(requests_for(56 * GB, 1, 8 << 20), "STANDARD")
+    assert on_s3.keep_all_monthly_cost == pytest.approx(DEFAULT_PRICES.monthly(1008 * 56 * GB, "STANDARD") + save_puts / months)
+    assert on_s3.cost_fraction == pytest.approx(on_s3.monthly_cost / on_s3.keep_all_monthly_cost)
 
 
 # ------------------------------------------------------------------ measured jobs

@@ -40,7 +40,7 @@ from ckptier.tasks.allowlist import (
 )
 from ckptier.tasks.config import load_config
 from ckptier.tasks.confine import landlock_abi
-from ckptier.tasks.safe_load import DEFAULT_ALLOWLIST, UnsafeCheckpoint, _allowed_names, safe_torch_load
+from ckptier.formats.safe_load import DEFAULT_ALLOWLIST, UnsafeCheckpoint, _allowed_names, safe_torch_load
 from tests.fixtures.hostile import Build, Call, Global, New, Pairs, dumps, torch_file
 
 HERE = __name__

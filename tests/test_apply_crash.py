@@ -161,7 +161,9 @@ def test_a_run_that_skips_work_held_by_a_live_run_names_it_and_exits_75(
     env = cli_env(world, tmp_path, monkeypatch)
     proc = child("stall", env)
     try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "stalled"
+        assert proc.stdout is not None
+        assert proc.stdout.readline().startswith("catalog: ")  # every command names its catalog first
+        assert proc.stdout.readline().strip() == "stalled"
         code = main(["apply", "--no-prefect"])
         out, err = capsys.readouterr()
         assert code == EXIT_BUSY == 75, out + err

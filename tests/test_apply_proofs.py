@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 
+from ckptier.storage.errors import Unavailable
+from ckptier.storage.local import LocalStore
 from ckptier.storage.model import State
 from ckptier.storage.s3 import S3Store
 from ckptier.tasks.apply import keepers
@@ -207,6 +209,38 @@ def test_a_keeper_held_only_in_the_archive_is_proven_from_the_archive(world: Wor
     assert not world.on_disk(700) and world.state(700) == State.DELETED
     assert {(p["step"], p["tier"], p["ok"]) for p in report["proofs"]} >= {(1000, "archive", False), (800, "hot", True)}
     assert not report["failed"], report["lines"]
+
+
+class _Unreachable(LocalStore):
+    """An archive whose every read fails as an unreachable store's would (after its retries)."""
+
+    def stat(self, key: str) -> Any:
+        raise Unavailable(f"{self.url}/{key}: endpoint unreachable")
+
+    def open_read(self, key: str) -> Any:
+        raise Unavailable(f"{self.url}/{key}: endpoint unreachable")
+
+
+def test_a_keeper_whose_archive_copy_cannot_be_read_defers_the_deletions_and_learns_nothing(
+    world: World, tmp_path: Path
+) -> None:
+    archive = tmp_path / "archive"
+    policy = Policy(rules=(KeepLast(10), Milestones(steps=(1000,))), archive=str(archive))
+    assert not apply(world, policy)["failed"]
+    for p in sorted((world.hot.root / f"{JOB}/step-00001000").rglob("*"), reverse=True):
+        p.unlink() if p.is_file() else p.rmdir()
+    world.catalog.record_scan(world.hot.url, recognition(world.hot.root, STEPS[:-1]), now=world.clock())
+    world.policy = Policy(rules=(KeepLast(2), Milestones(steps=(1000,))), archive=str(archive), min_verified=1)
+    world.clock.advance(timedelta(hours=1))
+
+    report = world.apply(archive=_Unreachable(archive), owner="run-2", replan=True)
+    assert world.state(1000) == State.VERIFIED  # an unreadable copy proves nothing either way
+    rec = world.catalog.get(JOB, 1000)
+    assert rec is not None and rec.archive_copy() is not None and rec.archive_copy().state == "present"  # type: ignore[union-attr]
+    deletes = [r for r in report.items if r.action == "delete"]
+    assert deletes and {r.outcome for r in deletes} == {"deferred"}
+    assert all("keeper step 1000: cannot read the archive copy back" in r.detail for r in deletes)
+    assert all(world.on_disk(s) for s in STEPS[:-1])
 
 
 # ------------------------------------------------------------------------------------- pure: who keeps

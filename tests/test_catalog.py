@@ -528,6 +528,30 @@ def test_copies_upsert_and_state(cat: Catalog) -> None:
         cat.set_copy_state(cid, tier=Tier.ARCHIVE, url="s3://arch/a/1", state="gone", now=T0)
 
 
+def test_copy_states_are_an_enum_stored_as_the_same_strings(cat: Catalog) -> None:
+    """Records carry :class:`CopyState` members; the table keeps the plain strings (no migration)."""
+    from sqlalchemy import select
+
+    from ckptier.storage.catalog.models import copies as cp
+    from ckptier.storage.model import CopyState
+
+    assert [s.value for s in CopyState] == ["present", "missing", "deleted", "degraded"]
+    cat.record_scan(STORE, recog(found("a", 1)), now=T0)
+    cid = cat.get("a", 1).id  # type: ignore[union-attr]
+    cat.add_copy(cid, tier=Tier.ARCHIVE, url="s3://arch/a/1", codec="zstd", manifest_key="m.json", stored_bytes=1,
+                 verified_at=T0, now=T0)
+    cat.set_copy_state(cid, tier=Tier.ARCHIVE, url="s3://arch/a/1", state=CopyState.DEGRADED, now=T0)
+    rec = cat.get_by_id(cid)
+    assert rec is not None
+    assert {c.tier: c.state for c in rec.copies} == {Tier.HOT: CopyState.PRESENT, Tier.ARCHIVE: CopyState.DEGRADED}
+    assert all(type(c.state) is CopyState for c in rec.copies)
+    with cat._engine.connect() as conn:
+        stored = sorted(conn.execute(select(cp.c.state).where(cp.c.checkpoint_id == cid)).scalars())
+    assert stored == ["degraded", "present"] and all(type(s) is str for s in stored)
+    event = cat.events(kinds=["copy-degraded"])[0]
+    assert event.data is not None and event.data["to"] == "degraded" and type(event.data["to"]) is str
+
+
 def test_decisions_events_drills_and_summary(cat: Catalog) -> None:
     cat.record_scan(STORE, recog(found("a", 1), found("a", 2), found("b", 1, committed=False)), now=T0)
     a1, a2 = (cat.get("a", s).id for s in (1, 2))  # type: ignore[union-attr]
@@ -654,7 +678,7 @@ def test_default_catalog_url(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.delenv("CKPTIER_CATALOG_URL")
     monkeypatch.setenv("CKPTIER_HOME", str(tmp_path / "home"))
     assert default_catalog_url() == f"sqlite:///{tmp_path}/home/catalog.db"
-    assert (tmp_path / "home").is_dir()
+    assert not (tmp_path / "home").exists()  # naming the default creates nothing; opening it for writing does
     monkeypatch.delenv("CKPTIER_HOME")
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
     assert default_catalog_url() == f"sqlite:///{tmp_path}/xdg/ckptier/catalog.db"

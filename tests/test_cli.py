@@ -166,6 +166,7 @@ def test_plan_apply_fetch_rescan_drill(env: dict[str, Path], capsys: pytest.Capt
 )
 def test_bad_input_is_one_line_and_non_zero(env: dict[str, Path], capsys: pytest.CaptureFixture[str],
                                             argv: list[str], needle: str) -> None:
+    assert run(capsys, "scan", str(env["hot"]))[0] == 0  # the catalog exists; the job does not
     code, out, err = run(capsys, *argv)
     assert code != 0
     lines = [ln for ln in err.splitlines() if ln.strip()]
@@ -180,6 +181,7 @@ def test_broken_config_names_table_and_key(env: dict[str, Path], capsys: pytest.
 
 def test_console_script_read_only_commands_do_not_import_prefect(env: dict[str, Path]) -> None:
     """``ls``/``latest``/``plan`` must answer without importing Prefect (it costs seconds)."""
+    assert main(["scan", str(env["hot"]), "--json"]) == 0
     code = (
         "import sys; from ckptier.flows.cli import main; rc = main(sys.argv[1:]); "
         "assert 'prefect' not in sys.modules, 'prefect imported'; sys.exit(rc)"
@@ -328,3 +330,296 @@ def test_janitor_removes_orphans_but_never_a_cataloged_copy(env: dict[str, Path]
     assert (damaged.parent / "rank-0000" / "model.pt.ckz").exists()  # left in place: damage to look at
     assert report["removed_temp_files"] == ["demo-run/.ckptier-tmp-abc123"] and not temp.exists()
     assert young_temp.exists() and by_hand.read_bytes() == b"keep me"
+
+
+# ------------------------------------------------------------- which catalog
+
+
+def _first_line(out: str) -> str:
+    return out.splitlines()[0] if out else ""
+
+
+def test_every_command_takes_the_catalog_by_one_precedence_and_names_it_first(
+    env: dict[str, Path], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """--catalog, then CKPTIER_CATALOG_URL, then [catalog] url in ckptier.toml, then the default; the
+    first line of human output says which (never in --json)."""
+    from_file = f"sqlite:///{tmp_path / 'from-file.db'}"
+    from_env = f"sqlite:///{tmp_path / 'from-env.db'}"
+    given = f"sqlite:///{tmp_path / 'given.db'}"
+    env["config"].write_text(f'[catalog]\nurl = "{from_file}"\n' + env["config"].read_text())
+    monkeypatch.delenv("CKPTIER_CATALOG_URL")
+    monkeypatch.setenv("CKPTIER_HOME", str(tmp_path / "home"))
+    code, out, err = run(capsys, "scan", str(env["hot"]))
+    assert code == 0, err
+    assert _first_line(out) == f"catalog: {from_file} ([catalog] url in {env['config']})"
+    assert (tmp_path / "from-file.db").exists() and not (tmp_path / "home").exists()
+    assert run(capsys, "verify")[0] == 0
+    assert run(capsys, "apply")[0] == 0
+
+    commands = [["ls"], ["latest", "--job", "demo-run"], ["plan"], ["verify"], ["apply", "--dry-run"], ["janitor"],
+                ["fetch", "--job", "demo-run", "--step", "150", str(tmp_path / "out")], ["scan", str(env["hot"])]]
+    for argv in commands:
+        code, out, err = run(capsys, *argv)
+        assert code == 0, (argv, err)
+        assert _first_line(out) == f"catalog: {from_file} ([catalog] url in {env['config']})", argv
+    code, out, _ = run(capsys, "ls", "--json")
+    assert code == 0 and json.loads(out) and "catalog" not in out.split("\n", 1)[0]
+
+    # The environment beats the file, --catalog beats both; each is really used (these two do not exist).
+    monkeypatch.setenv("CKPTIER_CATALOG_URL", from_env)
+    for argv in (["ls"], ["latest", "--job", "demo-run"], ["plan"], ["verify"], ["apply"], ["janitor"],
+                 ["fetch", "--job", "demo-run", "--step", "150", str(tmp_path / "out2")]):
+        code, out, err = run(capsys, *argv)
+        assert code == 2 and _first_line(out) == f"catalog: {from_env} (CKPTIER_CATALOG_URL)", argv
+        assert "no catalog at " + from_env in err and len(err.strip().splitlines()) == 1
+        code, out, err = run(capsys, *argv, "--catalog", given)
+        assert code == 2 and _first_line(out) == f"catalog: {given} (--catalog)" and given in err, argv
+    assert not (tmp_path / "from-env.db").exists() and not (tmp_path / "given.db").exists()
+    assert not (tmp_path / "out2").exists()
+
+    # Nothing set at all: the default, in the data directory.
+    monkeypatch.delenv("CKPTIER_CATALOG_URL")
+    env["config"].write_text('[[policy]]\njobs = "*"\nkeep_last = 2\n')
+    code, out, err = run(capsys, "ls")
+    default = f"sqlite:///{tmp_path / 'home' / 'catalog.db'}"
+    assert code == 2 and _first_line(out) == f"catalog: {default} (default)" and default in err
+    assert not (tmp_path / "home").exists()
+
+
+def test_the_catalog_password_is_masked_on_the_first_line(env: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "ls", "--catalog", "postgresql://u:hunter2@127.0.0.1:1/ckptier")
+    assert code == 2 and _first_line(out) == "catalog: postgresql://u:***@127.0.0.1:1/ckptier (--catalog)"
+    assert "hunter2" not in out + err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv", [["ls"], ["ls", "--json"], ["latest", "--job", "j"], ["plan"]], ids=lambda a: " ".join(a))
+def test_read_only_commands_never_create_a_catalog(catalog_url: str, argv: list[str], capsys: pytest.CaptureFixture[str],
+                                                   tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A typo in --catalog used to create a directory, a database and its schema."""
+    import sqlalchemy
+
+    monkeypatch.chdir(tmp_path)  # no ./ckptier.toml
+    monkeypatch.delenv("CKPTIER_CATALOG_URL", raising=False)
+    monkeypatch.delenv("CKPTIER_CONFIG", raising=False)
+    url = catalog_url
+    if url.startswith("sqlite"):
+        url = f"sqlite:///{tmp_path / 'typo' / 'dir' / 'c.db'}"
+    code, out, err = run(capsys, *argv, "--catalog", url)
+    assert code == 2 and "no catalog at" in err and "ckptier scan" in err and len(err.strip().splitlines()) == 1
+    if url.startswith("sqlite"):
+        assert not (tmp_path / "typo").exists()
+        empty = tmp_path / "empty.db"
+        empty.touch()
+        code, _, err = run(capsys, *argv, "--catalog", f"sqlite:///{empty}")
+        assert code == 2 and "empty file" in err and empty.stat().st_size == 0
+    else:
+        engine = sqlalchemy.create_engine(url)
+        try:
+            assert sqlalchemy.inspect(engine).get_table_names() == []  # no migration ran
+        finally:
+            engine.dispose()
+
+
+# ------------------------------------------------------------- policy
+
+
+@pytest.mark.parametrize(
+    "config_text",
+    [None, "", '[[policy]]\njobs = "*"\n', '[catalog]\nurl = "sqlite:////x.db"\n[[policy]]\njobs = "demo-*"\ngrace = "1h"\n'],
+    ids=["no-file", "empty-file", "jobs-only", "rule-less"],
+)
+def test_apply_deletes_only_under_a_policy_the_user_wrote(
+    env: dict[str, Path], capsys: pytest.CaptureFixture[str], config_text: str | None, monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    """No ckptier.toml (or an empty one, or a [[policy]] with no rule) used to delete 8 of 11 verified
+    checkpoints, milestones included, under a built-in keep_last = 3 nobody wrote."""
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # no ./ckptier.toml here
+    if config_text is None:
+        monkeypatch.delenv("CKPTIER_CONFIG")
+    else:
+        env["config"].write_text(config_text.replace("sqlite:////x.db", os.environ["CKPTIER_CATALOG_URL"]))
+    assert run(capsys, "scan", str(env["hot"]))[0] == 0
+    assert run(capsys, "verify")[0] == 0
+    before = sorted(p.name for p in env["job_dir"].iterdir())
+
+    code, out, err = run(capsys, "plan")  # a preview under the default is fine, and says so
+    assert code == 0, err
+    policy_line = out.splitlines()[1]
+    assert policy_line.startswith("policy: built-in default, preview only") and "keep_last 3" in policy_line
+    assert ("ckptier.toml" in policy_line) if config_text is None else (str(env["config"]) in policy_line)
+    assert "preview only: apply deletes only under a retention policy you wrote" in out
+    assert run(capsys, "apply", "--dry-run")[0] == 0
+
+    code, out, err = run(capsys, "apply")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "[[policy]]" in lines[0] and "keep_last" in lines[0]
+    assert sorted(p.name for p in env["job_dir"].iterdir()) == before  # nothing deleted
+
+    env["config"].write_text('[[policy]]\njobs = "*"\nkeep_last = 3\n')
+    monkeypatch.setenv("CKPTIER_CONFIG", str(env["config"]))
+    code, out, _ = run(capsys, "plan")
+    assert out.splitlines()[1] == f"policy: policy[0] (jobs = '*') in {env['config']}: keep_last 3, grace 2h, min_verified 2"
+    assert "preview only" not in out
+    code, out, err = run(capsys, "apply")
+    assert code == 0, err
+    assert len(list(env["job_dir"].iterdir())) < len(before)
+
+
+def test_a_policy_for_other_jobs_leaves_a_job_kept_whole(env: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    env["config"].write_text('[[policy]]\njobs = "llama-*"\nkeep_last = 1\n')
+    for argv in (["scan", str(env["hot"])], ["verify"]):
+        assert run(capsys, *argv)[0] == 0
+    before = sorted(p.name for p in env["job_dir"].iterdir())
+    code, out, err = run(capsys, "apply")
+    assert code == 0, err
+    assert "no [[policy]] in ckptier.toml matches this job" in out
+    assert sorted(p.name for p in env["job_dir"].iterdir()) == before
+
+
+# ------------------------------------------------------------- telling the user
+
+
+def test_verify_with_nothing_to_do_says_so(env: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(capsys, "scan", str(env["hot"]))[0] == 0
+    assert run(capsys, "verify")[0] == 0
+    code, out, _ = run(capsys, "verify")
+    assert code == 0 and out.splitlines()[1:] == [
+        "nothing to verify: every one of the 8 cataloged checkpoints is already verified or still being written "
+        "(1 incomplete); --deep re-reads every byte"
+    ]
+    code, out, _ = run(capsys, "verify", "--json")
+    assert code == 0 and json.loads(out)["checkpoints"] == []
+
+
+def test_verify_takes_the_nightly_auto_sample(env: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    """``--sample auto/7`` is what the README's nightly schedule runs; the CLI refused it."""
+    from datetime import UTC, datetime
+
+    from ckptier.tasks.verify import rotating_slice
+
+    assert run(capsys, "scan", str(env["hot"]))[0] == 0
+    code, out, err = run(capsys, "verify", "--sample", "auto/7", "--json")
+    assert code == 0, err
+    assert json.loads(out)["sample"] == f"{rotating_slice(datetime.now(UTC).date(), 7)}/7"
+
+
+def test_ls_and_latest_show_where_a_checkpoint_lives_now(env: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    """An archive-only checkpoint is listed at its archive copy, not at the deleted hot path."""
+    for argv in (["scan", str(env["hot"])], ["verify"], ["apply"]):
+        assert run(capsys, *argv)[0] == 0
+    archived = (env["archive"] / "demo-run" / "step-00000100").as_uri()
+    code, out, _ = run(capsys, "ls", "--job", "demo-run")
+    row = next(ln for ln in out.splitlines() if ln.split()[1:2] == ["100"])
+    assert row.split()[-1] == archived and "step-00000100" not in row.replace(archived, "")
+    code, out, _ = run(capsys, "ls", "--json")
+    rows = {r["step"]: r for r in json.loads(out)}
+    assert rows[100]["location"] == archived and rows[100]["hot_location"].startswith(env["hot"].as_uri())
+    assert rows[175]["location"] == (env["job_dir"] / "step-00000175").as_uri()
+
+
+def test_scan_of_a_file_says_it_is_a_file(env: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    target = env["job_dir"] / "step-00000025" / "metadata.json"
+    code, _, err = run(capsys, "scan", str(target))
+    assert code == 2 and "is a file, not a directory" in err and str(target.parent) in err
+
+
+# ------------------------------------------------------------- drill input
+
+
+DRILL_CHECK = """
+import sys, time
+from ckptier.flows.cli import main
+t = time.perf_counter()
+rc = main(sys.argv[1:])
+elapsed = time.perf_counter() - t
+sys.stderr.write(f"\\nELAPSED {elapsed:.3f} TORCH {'torch' in sys.modules}\\n")
+sys.exit(rc)
+"""
+
+
+def _drill_rows() -> list[tuple[list[str], str]]:
+    from ckptier.tasks.drill_inputs import cuda_problem
+
+    rows = [(["--model", "nosuchmod:f"], "no module named 'nosuchmod'"),
+            (["--model", "ckptier.tasks.models:no_such_factory"], "defines no 'no_such_factory'"),
+            (["--steps", "0"], "--steps 0"),
+            (["--steps", "-2"], "--steps -2")]
+    if cuda_problem() is not None:
+        rows.append((["--device", "cuda"], "--device cuda"))
+    return rows
+
+
+@pytest.mark.parametrize(("argv", "needle"), _drill_rows(), ids=lambda v: " ".join(v) if isinstance(v, list) else "")
+def test_drill_input_is_checked_at_once_without_torch(env: dict[str, Path], capsys: pytest.CaptureFixture[str],
+                                                      argv: list[str], needle: str) -> None:
+    """These took 17-30 s (a fetch, then a worker importing torch) and printed two lines on stdout."""
+    for pre in (["scan", str(env["hot"])], ["verify"]):
+        assert run(capsys, *pre)[0] == 0
+    proc = subprocess.run([sys.executable, "-c", DRILL_CHECK, "drill", *argv], capture_output=True, text=True,
+                          env={**os.environ}, timeout=120)
+    *message, stats = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    elapsed = float(stats.split()[1])
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert len(message) == 1 and needle in message[0]
+    assert elapsed < 1.0 and stats.endswith("TORCH False"), stats
+
+
+def test_a_drill_table_with_a_bad_model_is_refused_before_any_fetch(
+    env: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ckptier.storage.catalog.api import Catalog
+
+    env["config"].write_text('[[policy]]\njobs = "*"\nkeep_last = 2\n[[drill]]\njobs = "*"\nmodel = "ckptier.tasks.models:demo_modl"\n')
+    for argv in (["scan", str(env["hot"])], ["verify"]):
+        assert run(capsys, *argv)[0] == 0
+    code, _, err = run(capsys, "drill", "--no-prefect")
+    assert code == 2 and "[[drill]] model (jobs = '*') 'ckptier.tasks.models:demo_modl'" in err and "did you mean 'demo_model'" in err
+    with Catalog.open(f"sqlite:///{env['catalog']}") as cat:
+        assert cat.drills(job="demo-run") == []  # nothing was attempted
+
+
+# ------------------------------------------------------------- the first command
+
+
+@pytest.mark.slow
+def test_demo_from_a_fresh_home_with_prefect_defaults(tmp_path: Path) -> None:
+    """``ckptier demo`` exactly as the README runs it: a new user's empty home, Prefect's own
+    default settings (its temporary server must create its database on first start), offline."""
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {
+        "PATH": os.environ["PATH"], "LANG": os.environ.get("LANG", "C.UTF-8"), "HOME": str(home),
+        "PREFECT_HOME": str(home / ".prefect"), "XDG_DATA_HOME": str(home / ".local" / "share"),
+        "XDG_CONFIG_HOME": str(home / ".config"), "XDG_CACHE_HOME": str(home / ".cache"),
+        "TMPDIR": str(tmp_path), "PYTHONUNBUFFERED": "1",
+    }
+    script = Path(sys.executable).parent / "ckptier"
+    proc = subprocess.run([str(script) if script.exists() else "ckptier", "demo", "--dir", str(tmp_path / "demo")],
+                          capture_output=True, text=True, env=env, cwd=home, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "restore drill: demo-run step 275" in proc.stdout and "drill ok" in proc.stdout
+    assert "starting Prefect's temporary local server" in proc.stderr.splitlines()[0]
+    assert "Traceback" not in proc.stderr
+    errors = [ln for ln in proc.stderr.splitlines() if "| ERROR" in ln or "| CRITICAL" in ln]
+    assert errors == []  # no "Failed to send telemetry" or any other ERROR that is not one
+
+
+@pytest.mark.slow
+def test_demo_says_in_one_line_when_prefect_cannot_start(tmp_path: Path) -> None:
+    """Instead of a 50-line RuntimeError: one line that suggests --no-prefect, before anything is written."""
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {"PATH": os.environ["PATH"], "LANG": os.environ.get("LANG", "C.UTF-8"), "HOME": str(home),
+           "PREFECT_HOME": str(home / ".prefect"), "TMPDIR": str(tmp_path),
+           "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "0"}  # no time at all: it cannot come up
+    script = Path(sys.executable).parent / "ckptier"
+    proc = subprocess.run([str(script) if script.exists() else "ckptier", "demo", "--dir", str(tmp_path / "demo")],
+                          capture_output=True, text=True, env=env, cwd=home, timeout=300)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[-1].startswith("ckptier: Prefect's temporary server did not start within 0 s")
+    assert "ckptier demo --no-prefect" in lines[-1] and len(lines[-1]) < 400
+    assert not (tmp_path / "demo").exists()

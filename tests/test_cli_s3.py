@@ -67,7 +67,8 @@ def test_s3_scan_verify_without_download_tier_and_drill(uploaded: dict[str, obje
     code, out, err = run(capsys, "verify", "--json")
     totals = json.loads(out)["totals"]
     assert code == 0, err
-    assert totals["verified"] == 5 and totals["bytes_read"] == 0 and totals["bytes_skipped"] > 0
+    # torch files and manifests are read once, for their structure (a checksum proves only what was uploaded) ...
+    assert totals["verified"] == 5 and totals["bytes_read"] > 0
 
     code, out, err = run(capsys, "verify", "--deep", "--json")
     totals = json.loads(out)["totals"]
@@ -83,7 +84,7 @@ def test_s3_scan_verify_without_download_tier_and_drill(uploaded: dict[str, obje
     code, out, _ = run(capsys, "verify", "--json")
     report = json.loads(out)
     assert code == 1 and [r["step"] for r in report["checkpoints"] if r["state"] == "corrupt"] == [75]
-    assert report["totals"]["bytes_read"] == 0  # caught from S3's stored checksum alone
+    assert report["totals"]["bytes_read"] == 0  # ... later checks use S3's stored checksum alone
 
     code, out, err = run(capsys, "apply")
     assert code == 0, out + err

@@ -11,8 +11,10 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -189,6 +191,8 @@ def test_unreachable_api_is_one_line_naming_prefect_api_url(tmp_path: Path) -> N
         assert proc.returncode == 2, proc.stderr
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and "PREFECT_API_URL=" in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+        # Only options the command has: deploy and serve cannot run without Prefect.
+        assert "--no-prefect" not in lines[0] and "prefect server start" in lines[0], lines[0]
 
 
 # ------------------------------------------------------------------ against a real prefect server
@@ -255,7 +259,8 @@ def test_deployments_schedules_schemas_and_limits_are_as_defined(deployed: Prefe
             assert d.pull_steps == dep.PULL_STEPS
             assert set(d.parameter_openapi_schema["properties"]) >= set(spec.parameters)
         assert deps["scan-verify"].parameters == {"urls": [str(demo_dir / "hot")],
-                                                  "catalog_url": f"sqlite:///{demo_dir / 'catalog.db'}"}
+                                                  "catalog_url": f"sqlite:///{demo_dir / 'catalog.db'}",
+                                                  "config_path": str(demo_dir / "ckptier.toml")}
         assert deps["tiering"].parameters["apply"] is False
         assert deps["tiering"].parameters["config_path"] == str(demo_dir / "ckptier.toml")
         assert deps["restore-drill"].parameter_openapi_schema["properties"]["device"]["anyOf"][0]["enum"] == ["auto", "cpu", "cuda"]
@@ -324,6 +329,159 @@ def test_drill_deployment_runs_on_a_worker_and_publishes_its_report(deployed: Pr
         arts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run.id])))
     report = {a.key: a for a in arts}["drill-report"]
     assert "PASSED" in str(report.data) and "demo-run" in str(report.data)
+
+
+def _wait_for(predicate: Any, what: str, timeout: float, proc: subprocess.Popen[bytes] | None = None,
+              log: Path | None = None) -> Any:
+    """Poll ``predicate`` until it returns something truthy; fail naming ``what`` (with the log) after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = predicate()
+        if got:
+            return got
+        tail = log.read_text(errors="replace")[-3000:] if log is not None and log.exists() else ""
+        if proc is not None and proc.poll() is not None:
+            pytest.fail(f"{what}: the process exited with {proc.returncode}\n{tail}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not within {timeout:.0f} s\n{tail}")
+        time.sleep(0.5)
+
+
+SERVED = {f"{s.name}{dep.SERVED_SUFFIX}" for s in SHIPPED}
+
+
+@pytest.mark.prefect_server
+@pytest.mark.slow
+def test_serve_runs_flows_and_stopping_it_leaves_the_deployed_ones_alone(deployed: PrefectServer, tmp_path: Path) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+
+    env = dict(deployed.env, PREFECT_API_URL=deployed.api_url, PREFECT_RUNNER_POLL_FREQUENCY="2",
+               PYTHONUNBUFFERED="1", PREFECT_LOGGING_LEVEL="INFO")
+    try:
+        for n, stop in enumerate((signal.SIGTERM, signal.SIGINT)):
+            log = tmp_path / f"serve-{n}.log"
+            with log.open("wb") as out:
+                proc = subprocess.Popen([sys.executable, "-m", "ckptier.flows.cli", "serve"], env=env, stdout=out,
+                                        stderr=subprocess.STDOUT, cwd=tmp_path)
+            try:
+                _wait_for(lambda: "waiting for scheduled" in log.read_text(), "ckptier serve to start", 120, proc, log)
+                with get_client(sync_client=True) as client:
+                    deps = _deployments(client)
+                assert SERVED <= set(deps) and not any(deps[name].paused for name in SERVED)
+                assert all(deps[name].work_pool_name is None for name in SERVED)
+                if n == 0:  # a served deployment really runs its flow, in a subprocess of serve
+                    run = run_deployment("tiering/tiering-served", timeout=0)
+
+                    def finished() -> Any:
+                        with get_client(sync_client=True) as client:
+                            state = client.read_flow_run(run.id).state
+                        return state if state is not None and state.is_final() else None
+
+                    state = _wait_for(finished, "the served tiering run to finish", 240, proc, log)
+                    assert state.type.value == "COMPLETED", log.read_text()[-3000:]
+                    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+                    with get_client(sync_client=True) as client:
+                        arts = client.read_artifacts(artifact_filter=ArtifactFilter(
+                            flow_run_id=ArtifactFilterFlowRunId(any_=[run.id])))
+                    assert {"retention-plan", "catalog-summary"} <= {a.key for a in arts}
+                proc.send_signal(stop)
+                assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
+                assert "stopped serving" in log.read_text()
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait(timeout=30)
+            with get_client(sync_client=True) as client:
+                deps = _deployments(client)
+                # Stopping pauses what serve served, and nothing that deploy registered for workers.
+                assert all(deps[name].paused for name in SERVED), {n: deps[n].paused for n in SERVED}
+                for spec in SHIPPED:
+                    d = deps[spec.name]
+                    assert not d.paused and d.work_pool_name == spec.work_pool, spec.name
+                    assert all(s.active for s in client.read_deployment_schedules(d.id))
+    finally:
+        with get_client(sync_client=True) as client:
+            for name, d in _deployments(client).items():
+                if name in SERVED:
+                    client.delete_deployment(d.id)
+
+
+class _Hook:
+    """A webhook receiver on 127.0.0.1: keeps the body of every POST."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        bodies: list[str] = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                bodies.append(self.rfile.read(int(self.headers.get("Content-Length") or 0)).decode())
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.bodies = bodies
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.prefect_server
+@pytest.mark.slow
+def test_a_drill_alert_links_the_flow_run_and_the_dashboard(deployed: PrefectServer, demo_dir: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    from prefect.blocks.notifications import CustomWebhookNotificationBlock
+    from prefect.client.orchestration import get_client
+    from prefect.events.worker import EventsWorker
+
+    from ckptier.flows.drill import restore_drill_flow
+
+    hook = _Hook()
+    try:
+        CustomWebhookNotificationBlock(name="alerts", url=hook.url, json_data={"subject": "{{subject}}",
+                                                                               "body": "{{body}}"}
+                                       ).save("ckptier-alerts", overwrite=True)
+        with get_client(sync_client=True) as client:
+            assert dep.apply_automations(client)  # pointed at the block as it is now
+        monkeypatch.setenv("CKPTIER_DASHBOARD_URL", "http://dash.example:8765")
+        # Events go through one worker per process, bound to the API it first saw (another test's
+        # temporary server, in a whole run): start a fresh one for this server.
+        EventsWorker.drain_all(timeout=30)
+        state = restore_drill_flow(job="no-such-job", catalog_url=f"sqlite:///{demo_dir / 'catalog.db'}",
+                                   config_path=str(demo_dir / "ckptier.toml"), return_state=True)
+        assert state.is_failed()
+        EventsWorker.drain_all(timeout=30)  # the event is sent
+        run_id = str(state.state_details.flow_run_id)
+        (alert,) = _wait_for(lambda: [json.loads(b) for b in hook.bodies], "the drill alert", 90)
+    finally:
+        hook.close()
+    assert "restore drill FAILED: no-such-job" in alert["subject"], alert
+    body = alert["body"]
+    assert "job 'no-such-job': no checkpoints in the catalog" in body, body
+    assert f"{deployed.ui_url}/runs/flow-run/{run_id}" in body, body
+    assert "Dashboard: http://dash.example:8765/jobs/no-such-job" in body, body
+
+
+def test_readme_walkthrough_waits_for_the_api_before_setting_variables() -> None:
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    walk = readme.split("### Walkthrough (one machine)", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    commands = [line.split("#", 1)[0].strip() for line in walk.splitlines() if line.split("#", 1)[0].strip()]
+    start = next(i for i, c in enumerate(commands) if c.startswith("prefect server start"))
+    wait = next(i for i, c in enumerate(commands) if "/api/health" in c)
+    first_use = next(i for i, c in enumerate(commands) if c.startswith("prefect variable set"))
+    assert start < wait < first_use, commands
 
 
 def _chromium() -> str:

@@ -527,7 +527,7 @@ def test_drill_on_shared_fixture_checkpoints(run_name: str, request: pytest.Fixt
 
 
 def test_real_hf_trainer_checkpoint_loads_safely(hf_run) -> None:  # type: ignore[no-untyped-def]
-    from ckptier.tasks.safe_load import load_checkpoint_dir
+    from ckptier.formats.safe_load import load_checkpoint_dir
 
     newest = max(hf_run.steps)
     loaded = load_checkpoint_dir(hf_run.path(newest), Format.HF)
@@ -586,7 +586,7 @@ def test_hf_trainer_checkpoint_drills_without_a_factory(hf_run, tmp_path: Path) 
 
 def test_trainer_optimizer_rebuilds_the_saved_groups_exactly(hf_run) -> None:  # type: ignore[no-untyped-def]
     from ckptier.tasks.models import hf_spec, trainer_optimizer
-    from ckptier.tasks.safe_load import load_checkpoint_dir
+    from ckptier.formats.safe_load import load_checkpoint_dir
 
     step = max(hf_run.steps)
     loaded = load_checkpoint_dir(hf_run.path(step), Format.HF)
@@ -670,7 +670,7 @@ def test_fixture_checkpoints_drill_through_the_subprocess(
 
 
 def _model_state(path: Path, fmt: Format) -> dict[str, torch.Tensor]:
-    from ckptier.tasks.safe_load import load_checkpoint_dir
+    from ckptier.formats.safe_load import load_checkpoint_dir
 
     return load_checkpoint_dir(path, fmt).model_state
 

@@ -4,68 +4,30 @@ odd names, user patterns, and listings of 100,000 objects."""
 from __future__ import annotations
 
 import gc
-import json
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from ckptier.formats import PatternRule, is_own_file, recognise
+from ckptier.storage.base import ObjectInfo
+from ckptier.storage.errors import ConfigError, Unavailable
+from ckptier.storage.model import FileRef, Format, Recognition
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptier.storage.base import ObjectInfo, read_bytes
-from ckptier.storage.errors import ConfigError, NotFound, Unavailable
-from ckptier.storage.formats import PatternRule, is_own_file, recognise
-from ckptier.storage.local import LocalStore
-from ckptier.storage.model import FileRef, Format, Found, Recognition
-from tests.fixtures.checkpoints import LR, CheckpointRun, copy_run, tiny_batch, tiny_gpt2_config, tiny_loss, tiny_mlp
-
-LATER = time.time() + 86_400  # far past every settle time of files written now
-
-
-def scan(root: Path, *, now: float = LATER, **kwargs: object) -> Recognition:
-    store = LocalStore(root)
-    return recognise(
-        store.list(),
-        lambda key: read_bytes(store, key, limit=16 << 20),
-        root_name=root.name,
-        now=now,
-        **kwargs,  # type: ignore[arg-type]
-    )
-
-
-def only(found: Iterable[Found], step: int) -> Found:
-    matches = [f for f in found if f.step == step]
-    assert len(matches) == 1, matches
-    return matches[0]
-
-
-def reasons(rec: Recognition) -> dict[str, str]:
-    return {u.key: u.reason for u in rec.unrecognised}
-
-
-def infos(*keys: str, size: int = 10, mtime: float = 1000.0) -> list[ObjectInfo]:
-    return [ObjectInfo(key=k, size=size, mtime=mtime) for k in keys]
-
-
-def set_json_fields(path: Path, **fields: Any) -> None:
-    """Overwrite top-level fields of the JSON object in ``path``."""
-    data = json.loads(path.read_text())
-    data.update(fields)
-    path.write_text(json.dumps(data))
-
-
-def reader(contents: dict[str, bytes]) -> Callable[[str], bytes]:
-    def read(key: str) -> bytes:
-        if key not in contents:
-            raise NotFound(f"{key}: no such object", key=key)
-        return contents[key]
-
-    return read
-
+from tests.fixtures.checkpoints import (
+    LR,
+    CheckpointRun,
+    copy_run,
+    tiny_batch,
+    tiny_loss,
+    tiny_mlp,
+)
+from tests.fixtures.listing import LATER, dcp_meta, infos, reader, reasons, scan
 
 # --------------------------------------------------------------------------
 # Checkpoints written by the real libraries
@@ -98,36 +60,6 @@ def test_real_library_checkpoints_are_recognised(fixture: str, request: pytest.F
     assert rec.objects == sum(len(s.files) for s in run.steps.values()) + len(run.aliases)
 
 
-def test_guide_metadata_hashes_become_expected_sha256(guide_run: CheckpointRun) -> None:
-    rec = scan(guide_run.root)
-    for c in rec.checkpoints:
-        want = guide_run.steps[c.step].sha256
-        assert dict(c.expected_sha256) == {k: v for k, v in want.items() if k.startswith("rank-")}
-        assert c.reason == "committed: metadata.json present"
-
-
-def test_guide_metadata_is_read_once_per_step_and_nothing_else_is_read(guide_run: CheckpointRun) -> None:
-    store = LocalStore(guide_run.root)
-    read: list[str] = []
-
-    def read_small(key: str) -> bytes:
-        read.append(key)
-        return read_bytes(store, key)
-
-    recognise(store.list(), read_small, root_name="x", now=LATER)
-    assert sorted(read) == sorted(f"{s.prefix}/metadata.json" for s in guide_run.steps.values())
-
-
-def test_lightning_checkpoint_within_settle_time_is_incomplete(lightning_run: CheckpointRun) -> None:
-    newest = max((lightning_run.root / s.prefix).stat().st_mtime for s in lightning_run.steps.values())
-    rec = scan(lightning_run.root, now=newest + 10)
-    assert len(rec.checkpoints) == 3
-    assert not any(c.committed for c in rec.checkpoints)
-    assert "within the 60 s settle time" in rec.checkpoints[-1].reason
-    rec = scan(lightning_run.root, now=newest + 10, lightning_settle_seconds=5)
-    assert all(c.committed for c in rec.checkpoints)
-
-
 def _resume_and_train(fixture: str, run: CheckpointRun) -> float:
     """Load step 4 of ``run`` the documented way, train steps 5 and 6, return step 6's loss."""
     import torch
@@ -140,7 +72,10 @@ def _resume_and_train(fixture: str, run: CheckpointRun) -> float:
         optimizer.load_state_dict(torch.load(path / "rank-0000/optimizer.pt", weights_only=True))
     elif fixture == "dcp_run":
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            get_state_dict,
+            set_state_dict,
+        )
 
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
@@ -168,151 +103,8 @@ def test_fixture_models_rebuild_and_resume_as_documented(fixture: str, request: 
     assert _resume_and_train(fixture, run) == pytest.approx(run.steps[6].loss, rel=1e-5)
 
 
-def test_hf_fixture_checkpoint_loads_with_from_pretrained(hf_run: CheckpointRun) -> None:
-    from transformers import GPT2LMHeadModel
-
-    model = GPT2LMHeadModel.from_pretrained(hf_run.path(6))
-    assert model.config.n_layer == tiny_gpt2_config().n_layer
-
-
 # --------------------------------------------------------------------------
 # Torn and damaged checkpoints (copies of the real ones)
-
-
-def test_guide_without_metadata_is_incomplete(guide_run: CheckpointRun, tmp_path: Path) -> None:
-    run = copy_run(guide_run, tmp_path / "r")
-    (run.path(4) / "metadata.json").unlink()
-    rec = scan(run.root)
-    torn = only(rec.checkpoints, 4)
-    assert (torn.committed, torn.reason) == (False, "no metadata.json: save in flight or torn")
-    assert only(rec.checkpoints, 2).committed and only(rec.checkpoints, 6).committed
-
-
-def test_truncated_metadata_json_is_incomplete_with_position(guide_run: CheckpointRun, tmp_path: Path) -> None:
-    run = copy_run(guide_run, tmp_path / "r")
-    meta = run.path(2) / "metadata.json"
-    meta.write_bytes(meta.read_bytes()[:40])
-    with pytest.raises(json.JSONDecodeError) as err:
-        json.loads(meta.read_bytes())
-    rec = scan(run.root)
-    torn = only(rec.checkpoints, 2)
-    assert not torn.committed
-    assert torn.reason == f"metadata.json: not valid JSON (line {err.value.lineno} col {err.value.colno})"
-
-
-@pytest.mark.parametrize(
-    ("content", "reason"),
-    [
-        (b"", "metadata.json: empty file (0 bytes)"),
-        (b'{"step": 2, "loss": 1.0', "metadata.json: not valid JSON (line 1 col 24)"),
-        (b"[1, 2]", "metadata.json: expected a JSON object, found list"),
-        (b'{"step": 2}\xff', "metadata.json: not valid UTF-8 text"),
-    ],
-)
-def test_malformed_metadata_never_crashes(content: bytes, reason: str) -> None:
-    listing = [*infos("j/step-00000002/rank-0000/model.pt"), ObjectInfo("j/step-00000002/metadata.json", len(content), 1.0)]
-    rec = recognise(listing, reader({"j/step-00000002/metadata.json": content}), root_name="r", now=LATER)
-    (c,) = rec.checkpoints
-    assert (c.committed, c.reason) == (False, reason)
-
-
-def test_guide_step_mismatch_is_reported_not_guessed(guide_run: CheckpointRun, tmp_path: Path) -> None:
-    run = copy_run(guide_run, tmp_path / "r")
-    set_json_fields(run.path(4) / "metadata.json", step=5)
-    rec = scan(run.root)
-    assert [c.step for c in rec.checkpoints] == [2, 6]
-    assert "metadata.json says step 5 but the directory is 'step-00000004'" in reasons(rec)["runs/mlp/step-00000004/"]
-
-
-def test_guide_missing_or_resized_listed_file_stays_committed_with_reason(
-    guide_run: CheckpointRun, tmp_path: Path
-) -> None:
-    run = copy_run(guide_run, tmp_path / "r")
-    (run.path(2) / "rank-0000/optimizer.pt").unlink()
-    with open(run.path(4) / "rank-0000/model.pt", "ab") as fh:
-        fh.write(b"x")
-    rec = scan(run.root)
-
-    gone = only(rec.checkpoints, 2)
-    assert gone.committed
-    assert "listed in metadata.json but missing: rank-0000/optimizer.pt" in gone.reason
-    # The hash of the missing file stays expected, so verification marks it corrupt.
-    assert "rank-0000/optimizer.pt" in gone.expected_sha256
-    assert [f.relpath for f in gone.files] == ["metadata.json", "rank-0000/model.pt"]
-
-    grown = only(rec.checkpoints, 4)
-    size = (run.path(4) / "rank-0000/model.pt").stat().st_size
-    assert grown.committed
-    assert f"rank-0000/model.pt: {size} bytes, metadata.json says {size - 1}" in grown.reason
-
-
-def test_zero_byte_weights_make_a_checkpoint_incomplete(guide_run: CheckpointRun, tmp_path: Path) -> None:
-    run = copy_run(guide_run, tmp_path / "r")
-    (run.path(6) / "rank-0000/model.pt").write_bytes(b"")
-    c = only(scan(run.root).checkpoints, 6)
-    assert (c.committed, c.reason) == (False, "rank-0000/model.pt is empty (0 bytes): save in flight or torn")
-
-
-def test_dcp_shards_without_metadata_are_incomplete(dcp_run: CheckpointRun, tmp_path: Path) -> None:
-    run = copy_run(dcp_run, tmp_path / "r")
-    (run.path(6) / ".metadata").unlink()
-    (run.path(2) / "__0_0.distcp").write_bytes(b"")
-    rec = scan(run.root)
-    assert (only(rec.checkpoints, 6).committed, only(rec.checkpoints, 6).reason) == (
-        False,
-        "no .metadata: save in flight or torn",
-    )
-    assert only(rec.checkpoints, 2).reason == "__0_0.distcp is empty (0 bytes): save in flight or torn"
-    assert only(rec.checkpoints, 4).committed
-
-
-def test_dcp_reads_loss_from_a_metadata_json_beside_the_shards() -> None:
-    keys = ["j/step-7/__0_0.distcp", "j/step-7/.metadata", "j/step-7/metadata.json"]
-    (c,) = recognise(infos(*keys), reader({keys[2]: b'{"loss": 0.75}'}), root_name="r", now=LATER).checkpoints
-    assert (c.format, c.committed, c.recorded_loss) == (Format.DCP, True, 0.75)
-
-
-def test_dcp_at_the_root_takes_the_root_name() -> None:
-    rec = recognise(infos("step-7/__0_0.distcp", "step-7/.metadata"), reader({}), root_name="titan-out", now=LATER)
-    (c,) = rec.checkpoints
-    assert (c.job, c.step, c.format, c.prefix, c.committed) == ("titan-out", 7, Format.DCP, "step-7", True)
-
-
-def test_hf_global_step_mismatch_is_unrecognised(hf_run: CheckpointRun, tmp_path: Path) -> None:
-    run = copy_run(hf_run, tmp_path / "r")
-    set_json_fields(run.path(4) / "trainer_state.json", global_step=6)
-    rec = scan(run.root)
-    assert [c.step for c in rec.checkpoints] == [2, 6]
-    assert "global_step 6 but the directory is 'checkpoint-4'" in reasons(rec)["hf-out/checkpoint-4/"]
-
-
-def test_hf_torn_checkpoints(hf_run: CheckpointRun, tmp_path: Path) -> None:
-    run = copy_run(hf_run, tmp_path / "r")
-    (run.path(2) / "trainer_state.json").unlink()
-    state = run.path(4) / "trainer_state.json"
-    state.write_bytes(state.read_bytes()[:100])
-    (run.path(6) / "model.safetensors").unlink()
-    rec = scan(run.root)
-    assert only(rec.checkpoints, 2).reason == "no trainer_state.json: save in flight or torn"
-    assert only(rec.checkpoints, 4).reason.startswith("trainer_state.json: not valid JSON (line ")
-    assert only(rec.checkpoints, 6).reason.startswith("no model weights")
-    assert not any(c.committed for c in rec.checkpoints)
-
-
-def test_hf_sharded_weights_need_every_indexed_shard() -> None:
-    base = "out/checkpoint-10/"
-    index = json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}})
-    state = json.dumps({"global_step": 10, "log_history": [{"loss": 2.5, "step": 5}, {"loss": 2.0, "step": 10}, {"train_loss": 2.2}]})
-    files = {base + "trainer_state.json": state.encode(), base + "model.safetensors.index.json": index.encode()}
-    listing = [ObjectInfo(k, len(v), 1.0) for k, v in files.items()]
-    shard1 = infos(base + "model-00001-of-00002.safetensors")
-    rec = recognise([*listing, *shard1], reader(files), root_name="r", now=LATER)
-    (c,) = rec.checkpoints
-    assert not c.committed
-    assert c.reason == "model.safetensors.index.json names missing shard(s): model-00002-of-00002.safetensors"
-    shard2 = infos(base + "model-00002-of-00002.safetensors")
-    (c,) = recognise([*listing, *shard1, *shard2], reader(files), root_name="r", now=LATER).checkpoints
-    assert (c.committed, c.recorded_loss, c.job) == (True, 2.0, "out")
 
 
 # --------------------------------------------------------------------------
@@ -336,24 +128,6 @@ def test_unparseable_step_names_are_unrecognised(
         assert "is not a step number" in reasons(rec)[bad]
 
 
-def test_lightning_name_variants() -> None:
-    names = {
-        "d/epoch=3-step=300.ckpt": 300,
-        "d/model-epoch=4-step=400-val_loss=0.25.ckpt": 400,
-        "d/step=500.ckpt": 500,
-        "d/global_step=600.ckpt": 600,
-        "e/epoch=0-step=10.ckpt/checkpoint/mp_rank_00_model_states.pt": 10,  # DeepSpeed directory
-    }
-    ignored = ["d/last.ckpt", "d/last-v1.ckpt"]
-    rec = recognise(infos(*names, *ignored), reader({}), root_name="r", now=LATER)
-    assert {c.prefix.split("/checkpoint")[0]: c.step for c in rec.checkpoints} == {
-        k.split("/checkpoint")[0]: v for k, v in names.items()
-    }
-    assert {c.job for c in rec.checkpoints} == {"d", "e"}
-    assert rec.unrecognised == ()
-    assert rec.objects == len(names) + len(ignored)
-
-
 def test_duplicate_steps_keep_the_newest_and_report_the_rest() -> None:
     listing = [
         ObjectInfo("d/epoch=0-step=2.ckpt", 10, 100.0),
@@ -366,7 +140,7 @@ def test_duplicate_steps_keep_the_newest_and_report_the_rest() -> None:
 
 def test_dotdot_keys_are_unrecognised_and_never_part_of_a_checkpoint() -> None:
     listing = infos("job/step-1/__0_0.distcp", "job/step-1/.metadata", "job/../step-1/__1_0.distcp", "job/step-1/./x.distcp")
-    rec = recognise(listing, reader({}), root_name="r", now=LATER)
+    rec = recognise(listing, reader({"job/step-1/.metadata": dcp_meta({"__0_0.distcp": 10})}), root_name="r", now=LATER)
     (c,) = rec.checkpoints
     assert [f.relpath for f in c.files] == [".metadata", "__0_0.distcp"]
     got = reasons(rec)
@@ -416,27 +190,6 @@ def test_step_dir_of_unknown_content_is_stray_not_a_checkpoint() -> None:
 # Metadata schema, reads and limits
 
 
-def test_guide_metadata_list_form_with_prefixed_paths_and_bad_entries() -> None:
-    digest = "ab" * 32
-    meta = {
-        "step": "12",
-        "train_loss": 0.5,
-        "files": [
-            {"path": "step-00000012/rank-0000/model.pt", "sha256": f"sha256:{digest.upper()}", "bytes": 10},
-            {"name": "./rank-0001/model.pt", "hash": "not-a-digest"},
-            {"path": "../escape.pt", "sha256": digest},
-        ],
-    }
-    files = {"j/step-00000012/metadata.json": json.dumps(meta).encode()}
-    listing = [*infos("j/step-00000012/rank-0000/model.pt", "j/step-00000012/rank-0001/model.pt"),
-               ObjectInfo("j/step-00000012/metadata.json", 200, 1.0)]
-    (c,) = recognise(listing, reader(files), root_name="r", now=LATER).checkpoints
-    assert c.committed and c.step == 12 and c.recorded_loss == 0.5
-    assert dict(c.expected_sha256) == {"rank-0000/model.pt": digest}
-    assert "unusable file path(s) ignored: '../escape.pt'" in c.reason
-    assert "malformed sha256 ignored for rank-0001/model.pt" in c.reason
-
-
 def test_transient_read_errors_propagate_and_others_become_reasons() -> None:
     listing = [*infos("j/step-00000001/rank-0000/model.pt"), ObjectInfo("j/step-00000001/metadata.json", 10, 1.0)]
 
@@ -465,18 +218,18 @@ def test_oversized_metadata_is_not_read() -> None:
 
 def test_pattern_rules_group_by_step_directory_or_file() -> None:
     rules = [
-        PatternRule("megatron/iter_*/**", r"iter_(?P<step>\d+)", 30),
+        PatternRule("mylib/save_*/**", r"save_(?P<step>\d+)", 30),
         PatternRule("snaps/*.tar", r"snap-(\d+)\.tar", 30),
     ]
     listing = [
-        *infos("megatron/iter_0000100/mp_rank_00/model_optim_rng.pt", "megatron/iter_0000100/mp_rank_01/model_optim_rng.pt", mtime=1000),
-        *infos("megatron/iter_0000200/mp_rank_00/model_optim_rng.pt", mtime=1990),
+        *infos("mylib/save_0000100/part_00/model_optim_rng.pt", "mylib/save_0000100/part_01/model_optim_rng.pt", mtime=1000),
+        *infos("mylib/save_0000200/part_00/model_optim_rng.pt", mtime=1990),
         *infos("snaps/snap-5.tar", "snaps/other.tar", mtime=1000),
     ]
     rec = recognise(listing, reader({}), root_name="r", now=2000.0, patterns=rules)
     assert [(c.job, c.step, c.prefix, c.committed, len(c.files)) for c in rec.checkpoints] == [
-        ("megatron", 100, "megatron/iter_0000100", True, 2),
-        ("megatron", 200, "megatron/iter_0000200", False, 1),
+        ("mylib", 100, "mylib/save_0000100", True, 2),
+        ("mylib", 200, "mylib/save_0000200", False, 1),
         ("snaps", 5, "snaps/snap-5.tar", True, 1),
     ]
     assert all(c.format is Format.PATTERN for c in rec.checkpoints)
@@ -586,3 +339,43 @@ def test_100k_objects_fast_and_linear() -> None:
     assert t_big < 8 * t_small, (t_big, t_small)
     # About 3-4x the bare minimum here (0.3-0.5 s for 100k objects on an idle core).
     assert t_big < 8 * t_base, f"100,000 objects: {t_big:.2f} s vs baseline {t_base:.2f} s"
+
+
+# --------------------------------------------------------------------------
+# The plug-ins and their layers
+
+
+def test_every_format_has_one_plugin_module_and_the_registry_lists_them() -> None:
+    from ckptier.formats.registry import PLUGINS, plugin
+
+    assert sorted(p.format for p in PLUGINS) == sorted(Format)
+    for fmt in Format:
+        module = type(plugin(fmt)).__module__
+        assert module.startswith("ckptier.formats.") and plugin(fmt.value) is plugin(fmt)
+        assert plugin(fmt).why_factory and (plugin(fmt).anchor is not None)
+
+
+def test_recognition_and_the_registry_never_import_torch_and_storage_never_imports_formats() -> None:
+    import ast
+    import subprocess
+    import sys
+
+    code = ("import sys\nimport ckptier.formats, ckptier.formats.registry, ckptier.formats.recognise\n"
+            "from ckptier.formats.registry import PLUGINS\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'ckptier.tasks'))))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+    storage = Path(__file__).resolve().parents[1] / "storage"
+    for path in storage.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                assert not node.module.startswith(("ckptier.formats", "ckptier.tasks")), (path, node.module)
+            if isinstance(node, ast.Import):
+                assert not any(a.name.startswith(("ckptier.formats", "ckptier.tasks")) for a in node.names), path
+    formats = Path(__file__).resolve().parents[1] / "formats"
+    for path in formats.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else (
+                [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            assert not any(n.startswith(("ckptier.tasks", "ckptier.flows", "prefect")) for n in names), (path, names)

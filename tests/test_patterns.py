@@ -1,7 +1,7 @@
 """``[[pattern]]`` rules: from ``ckptier.toml`` to every scan (command line and Prefect task).
 
-The layout is Megatron-like, which no built-in format claims:
-``{job}/iter_{N:07d}/mp_rank_{R:02d}/model_optim_rng.pt`` plus a ``COMMITTED``
+The layout is a trainer's own, which no built-in format claims:
+``{job}/save_{N:07d}/part_{R:02d}/model_optim_rng.pt`` plus a ``COMMITTED``
 marker the trainer writes last, and a ``latest_checkpointed_iteration.txt``
 beside the iterations.
 """
@@ -19,23 +19,23 @@ from ckptier.flows.cli import main
 from ckptier.storage.base import ObjectInfo
 from ckptier.storage.catalog.api import Catalog
 from ckptier.storage.errors import ConfigError
-from ckptier.storage.formats import PatternRule, recognise
+from ckptier.formats import PatternRule, recognise
 from ckptier.storage.model import Format, State
 from ckptier.tasks.config import load_config, parse_config
 
 RULE = """
 [[pattern]]
-glob = "*/iter_*/**"
-step_regex = 'iter_(?P<step>\\d+)'
+glob = "*/save_*/**"
+step_regex = 'save_(?P<step>\\d+)'
 commit_marker = "COMMITTED"
 """
 
 
 def write_iteration(root: Path, job: str, step: int, *, committed: bool) -> None:
-    d = root / job / f"iter_{step:07d}"
+    d = root / job / f"save_{step:07d}"
     for rank in range(2):
-        (d / f"mp_rank_{rank:02d}").mkdir(parents=True, exist_ok=True)
-        (d / f"mp_rank_{rank:02d}" / "model_optim_rng.pt").write_bytes(os.urandom(128))
+        (d / f"part_{rank:02d}").mkdir(parents=True, exist_ok=True)
+        (d / f"part_{rank:02d}" / "model_optim_rng.pt").write_bytes(os.urandom(128))
     if committed:
         (d / "COMMITTED").write_bytes(b"")
     (root / job / "latest_checkpointed_iteration.txt").write_text(str(step))
@@ -56,7 +56,7 @@ def test_scan_advice_can_be_followed(tree: Path, tmp_path: Path, capsys: pytest.
     (report,) = json.loads(capsys.readouterr().out)
     assert report["checkpoints"] == 0
     advice = {u["key"]: u["reason"] for u in report["unrecognised"]}
-    assert "add a [[pattern]] rule to ckptier.toml" in advice["gpt/iter_0001000/mp_rank_00/"]
+    assert "add a [[pattern]] rule to ckptier.toml" in advice["gpt/save_0001000/part_00/"]
 
     config = tmp_path / "ckptier.toml"
     config.write_text(RULE)
@@ -69,7 +69,7 @@ def test_scan_advice_can_be_followed(tree: Path, tmp_path: Path, capsys: pytest.
     assert rows[1000].format == Format.PATTERN and rows[1000].state == State.COMMITTED
     assert rows[1000].state_reason == "committed: COMMITTED present"
     assert sorted(f.relpath for f in rows[1000].files) == [
-        "COMMITTED", "mp_rank_00/model_optim_rng.pt", "mp_rank_01/model_optim_rng.pt"]
+        "COMMITTED", "part_00/model_optim_rng.pt", "part_01/model_optim_rng.pt"]
     assert rows[2000].state == State.INCOMPLETE and rows[2000].state_reason == "no COMMITTED: save in flight or torn"
 
 
@@ -98,11 +98,11 @@ def _info(key: str, mtime: float, size: int = 10) -> ObjectInfo:
 
 def test_marker_and_settle_time_both_must_hold() -> None:
     now = 10_000.0
-    rule = PatternRule("**", r"iter_(?P<step>\d+)", 60, commit_marker="COMMITTED")
+    rule = PatternRule("**", r"save_(?P<step>\d+)", 60, commit_marker="COMMITTED")
     listing = [
-        _info("j/iter_1/a.pt", now - 600), _info("j/iter_1/COMMITTED", now - 600, 0),
-        _info("j/iter_2/a.pt", now - 5), _info("j/iter_2/COMMITTED", now - 5, 0),  # marker, but just written
-        _info("j/iter_3/a.pt", now - 600),  # settled, but no marker
+        _info("j/save_1/a.pt", now - 600), _info("j/save_1/COMMITTED", now - 600, 0),
+        _info("j/save_2/a.pt", now - 5), _info("j/save_2/COMMITTED", now - 5, 0),  # marker, but just written
+        _info("j/save_3/a.pt", now - 600),  # settled, but no marker
     ]
     rec = recognise(listing, lambda key: b"", root_name="r", now=now, patterns=[rule])
     got = {c.step: (c.committed, c.reason) for c in rec.checkpoints}
@@ -121,7 +121,7 @@ def test_pattern_tables_parse_in_order() -> None:
         RULE + '[[pattern]]\nglob = "snaps/*.tar"\nstep_regex = \'snap-(?P<step>\\d+)\\.tar\'\nsettle = "2m"\n'
     )
     assert cfg.patterns == (
-        PatternRule("*/iter_*/**", r"iter_(?P<step>\d+)", 0.0, commit_marker="COMMITTED"),
+        PatternRule("*/save_*/**", r"save_(?P<step>\d+)", 0.0, commit_marker="COMMITTED"),
         PatternRule("snaps/*.tar", r"snap-(?P<step>\d+)\.tar", 120.0),
     )
     assert parse_config("").patterns == ()
@@ -132,7 +132,7 @@ BAD: list[tuple[str, tuple[str, ...]]] = [
     ('[[pattern]]\nglob = "a/**"\nsettle = "1m"\n', ("pattern[0].step_regex is missing",)),
     ('[[pattern]]\nglob = "a/[x"\nstep_regex = "(?P<step>\\\\d+)"\nsettle = "1m"\n', ("pattern[0].glob", '"a/[x"', "no closing ']'")),
     ('[[pattern]]\nglob = "a/**"\nstep_regex = "(?P<step>\\\\d+"\nsettle = "1m"\n', ("pattern[0].step_regex", "not a regular expression")),
-    ('[[pattern]]\nglob = "a/**"\nstep_regex = "iter_(\\\\d+)"\nsettle = "1m"\n', ("pattern[0].step_regex", "named step", "(?P<step>")),
+    ('[[pattern]]\nglob = "a/**"\nstep_regex = "save_(\\\\d+)"\nsettle = "1m"\n', ("pattern[0].step_regex", "named step", "(?P<step>")),
     ('[[pattern]]\nglob = "a/**"\nstep_regex = "(?P<step>\\\\d+)"\n', ("pattern[0]", 'glob = "a/**"', "no commit evidence", "commit_marker", "settle")),
     ('[[pattern]]\nglob = "a/**"\nstep_regex = "(?P<step>\\\\d+)"\nsettle = "soon"\n', ("pattern[0].settle", '"soon"', "'2m'")),
     ('[[pattern]]\nglob = "a/**"\nstep_regex = "(?P<step>\\\\d+)"\nsettle = "0s"\n', ("pattern[0].settle", "longer than zero")),
@@ -158,7 +158,7 @@ def test_pattern_errors_are_one_line_naming_table_key_value_and_fix(
 
 def test_bad_pattern_is_one_line_on_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = tmp_path / "ckptier.toml"
-    config.write_text('[[pattern]]\nglob = "a/**"\nstep_regex = "iter_(\\\\d+)"\nsettle = "1m"\n')
+    config.write_text('[[pattern]]\nglob = "a/**"\nstep_regex = "save_(\\\\d+)"\nsettle = "1m"\n')
     code = main(["scan", "--no-prefect", "--catalog", f"sqlite:///{tmp_path / 'c.db'}", "--config", str(config),
                  str(tmp_path)])
     err = capsys.readouterr().err
@@ -167,7 +167,7 @@ def test_bad_pattern_is_one_line_on_the_command_line(tmp_path: Path, capsys: pyt
 
 def test_s3_scan_uses_pattern_rules(s3_bucket: Any, s3_env: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     client, bucket = s3_bucket.client, s3_bucket.name
-    for key in ("run/gpt/iter_0000500/mp_rank_00/model_optim_rng.pt", "run/gpt/iter_0000500/COMMITTED"):
+    for key in ("run/gpt/save_0000500/part_00/model_optim_rng.pt", "run/gpt/save_0000500/COMMITTED"):
         client.put_object(Bucket=bucket, Key=key, Body=os.urandom(16))
     config = tmp_path / "ckptier.toml"
     config.write_text(RULE)

@@ -53,10 +53,10 @@ def test_scan_verify_publishes_summary_and_verification(harness: None, tree: dic
     result = state.result()
     assert result["verify"]["totals"]["verified"] == 2 and result["verify"]["totals"]["corrupt"] == 0
     arts = _artifacts(state.state_details.flow_run_id)
-    summary = {(r["job"], r["state"]): r["checkpoints"] for r in json.loads(arts["catalog-summary"].data)}
-    assert summary == {("demo-run", "verified"): 2, ("demo-run", "incomplete"): 1}  # published once, after verify
-    (row,) = json.loads(arts["verification"].data)
-    assert (row["job"], row["verified"], row["corrupt"]) == ("demo-run", 2, 0) and row["bytes read"] > 0
+    row = _summary(arts)["demo-run"]
+    assert (row["checkpoints"], row["verified"], row["incomplete"]) == (3, 2, 1)  # published once, after verify
+    assert "| demo-run | 2 | 2 | 0 | 0 | 0 |" in arts["verification"].data
+    assert "Nothing corrupt or degraded." in arts["verification"].data
 
 
 def test_verify_progress_artifact_belongs_to_the_run(harness: None, tree: dict[str, Any]) -> None:
@@ -131,6 +131,7 @@ def test_restore_drill_reports_and_a_failed_drill_fails_the_run_with_its_event(
     from ckptier.flows import events as events_module
     from ckptier.flows.drill import DrillFailed, restore_drill_flow
     from ckptier.flows.scan_verify import scan_verify_flow
+    from ckptier.storage.catalog.api import Catalog
 
     scan_verify_flow(urls=[str(tree["hot"])], catalog_url=tree["catalog_url"])
     state = restore_drill_flow(catalog_url=tree["catalog_url"], config_path=tree["config"], steps=3,
@@ -141,14 +142,247 @@ def test_restore_drill_reports_and_a_failed_drill_fails_the_run_with_its_event(
     md = _artifacts(state.state_details.flow_run_id)["drill-report"].data
     assert "demo-run step 50: PASSED" in md and "| deterministic | ok |" in md
 
+    assert _summary(_artifacts(state.state_details.flow_run_id))["demo-run"]["verified"] == 2
+
     # A model whose shapes do not match the checkpoint: every candidate fails to restore.
     events: list[dict[str, Any]] = []
     real_emit = events_module.emit_event
     monkeypatch.setattr(events_module, "emit_event", lambda **kw: events.append(kw) or real_emit(**kw))
+    factory = tree["hot"].parent / "wrong_model.py"
+    factory.write_text("import torch\nfrom ckptier.tasks.models import DrillSpec, demo_batch, demo_loss\n\n\n"
+                       "def wrong_shapes():\n    model = torch.nn.Linear(3, 3)\n"
+                       "    return DrillSpec(model, torch.optim.AdamW(model.parameters()), demo_batch, demo_loss)\n")
     state = restore_drill_flow(catalog_url=tree["catalog_url"], config_path=tree["config"], steps=3,
-                               model="tests.fixtures.checkpoints:tiny_mlp", return_state=True)
+                               model=f"{factory}:wrong_shapes", return_state=True)
     assert state.is_failed()
     with pytest.raises(DrillFailed, match="demo-run step"):
         state.result()
-    assert {e["event"] for e in events} == {"ckptier.drill.failed"}
-    assert "FAILED" in _artifacts(state.state_details.flow_run_id)["drill-report"].data
+    assert [(e["event"], e["payload"]["step"]) for e in events] == [("ckptier.drill.failed", 50),
+                                                                     ("ckptier.drill.failed", 25)]
+    assert "demo-run step 50: FAILED" in _artifacts(state.state_details.flow_run_id)["drill-report"].data
+    with Catalog.open(tree["catalog_url"]) as cat:
+        assert [(d.step, d.ok) for d in cat.drills()] == [(25, False), (50, False), (50, True)]
+
+
+# ------------------------------------------------------------------ runs that tell the truth
+
+
+def _all_artifacts(flow_run_id: Any) -> list[Any]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    with get_client(sync_client=True) as client:
+        return list(client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))))
+
+
+def _dashboard_links(flow_run_id: Any) -> list[str]:
+    """What the run's link artifacts (``create_link_artifact``: markdown ``[text](url)``) link to the dashboard."""
+    import re
+
+    return [m for a in _all_artifacts(flow_run_id) if a.key is None
+            for m in re.findall(r"\]\((http[^)]*)\)", str(a.data)) if "dashboard" in str(a.data)]
+
+
+def _summary(arts: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The catalog-summary table by job (one row per job, or the test fails)."""
+    rows = json.loads(arts["catalog-summary"].data)
+    assert len({r["job"] for r in rows}) == len(rows), rows
+    return {r["job"]: r for r in rows}
+
+
+def _capture_events(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    from ckptier.flows import events as events_module
+
+    events: list[dict[str, Any]] = []
+    real_emit = events_module.emit_event
+    monkeypatch.setattr(events_module, "emit_event", lambda **kw: events.append(kw) or real_emit(**kw))
+    return events
+
+
+def test_verify_progress_reaches_100_percent_with_nothing_to_verify(harness: None, tree: dict[str, Any]) -> None:
+    from ckptier.flows.scan_verify import scan_verify_flow, verify_flow
+
+    scan_verify_flow(urls=[str(tree["hot"])], catalog_url=tree["catalog_url"])  # verifies everything there is
+    state = verify_flow(catalog_url=tree["catalog_url"], return_state=True)
+    assert state.is_completed() and state.result()["totals"]["checked"] == 0
+    arts = _artifacts(state.state_details.flow_run_id)
+    assert float(arts["verify-progress"].data) == 100.0
+    assert "Nothing to verify" in arts["verification"].data
+
+
+def test_verification_names_every_bad_file_with_expected_and_actual_hashes(harness: None, tree: dict[str, Any]) -> None:
+    from ckptier.flows.scan_verify import scan_flow, verify_flow
+    from ckptier.storage.hashing import hash_file
+
+    assert scan_flow(urls=[str(tree["hot"])], catalog_url=tree["catalog_url"])
+    expected = {}
+    for name in ("model.pt", "optimizer.pt"):
+        victim = next(p for p in sorted(tree["hot"].rglob(name)) if "00000025" in str(p))
+        expected[name] = hash_file(victim, sha256=True).sha256
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        victim.write_bytes(bytes(data))
+        expected[name] = (expected[name], hash_file(victim, sha256=True).sha256)
+    state = verify_flow(catalog_url=tree["catalog_url"], return_state=True)
+    assert state.is_failed()
+    md = _artifacts(state.state_details.flow_run_id)["verification"].data
+    assert "demo-run step 25: corrupt" in md
+    for name, (good, bad) in expected.items():
+        line = next(x for x in md.splitlines() if x.startswith(f"| `rank-0000/{name}`"))
+        assert good in line and bad in line and "corrupt" in line, line
+    assert "demo-run step 50" not in md.split("## Corrupt")[1]  # only what is bad is listed
+
+
+def test_every_flow_that_changes_the_catalog_republishes_the_summary(harness: None, tree: dict[str, Any]) -> None:
+    from ckptier.flows.scan_verify import scan_flow, verify_flow
+
+    state = scan_flow(urls=[str(tree["hot"])], catalog_url=tree["catalog_url"], return_state=True)
+    scanned = _summary(_artifacts(state.state_details.flow_run_id))["demo-run"]
+    assert (scanned["checkpoints"], scanned["committed"], scanned["incomplete"]) == (3, 2, 1)
+    state = verify_flow(catalog_url=tree["catalog_url"], return_state=True)
+    row = _summary(_artifacts(state.state_details.flow_run_id))["demo-run"]
+    assert (row["checkpoints"], row["verified"], row["incomplete"], row["newest verified step"]) == (3, 2, 1, 50)
+    assert row["hot"].endswith("(3 checkpoints)") and row["hot"].split()[1] in ("kB", "MB"), row
+    assert row["archive stored"] == "0 B" and row["archive logical"] == "0 B (0 checkpoints)"
+    assert "tiers" not in row
+
+
+def test_tiering_reports_what_it_did_and_the_plan_frees_what_apply_frees(harness: None, tmp_path: Path) -> None:
+    from ckptier.flows.scan_verify import scan_verify_flow
+    from ckptier.flows.tiering import tiering_flow
+    from ckptier.flows.output import human_bytes
+    from ckptier.storage.catalog.api import Catalog
+    from ckptier.tasks.demo import train_demo_run
+
+    hot, archive = tmp_path / "hot", tmp_path / "archive"
+    hot.mkdir()
+    train_demo_run(hot, steps=150, every=25)  # 25..125 committed, 150 in flight
+    config = tmp_path / "ckptier.toml"
+    config.write_text(f'[[policy]]\njobs = "*"\nkeep_last = 1\nmilestones = [50]\nmin_verified = 1\ngrace = "2h"\n'
+                      f'archive = "{archive}"\n')
+    url = f"sqlite:///{tmp_path / 'catalog.db'}"
+    scan_verify_flow(urls=[str(hot)], catalog_url=url)
+    with Catalog.open(url) as cat:
+        size = {c.step: c.bytes for c in cat.checkpoints()}
+    hot_before = sum(size.values())
+
+    state = tiering_flow(apply=True, catalog_url=url, config_path=str(config), return_state=True)
+    assert state.is_completed(), state
+    result = state.result()
+    arts = _artifacts(state.state_details.flow_run_id)
+    # Freed: 25, 75 and 100 deleted; 50 promoted, then its hot copy deleted in the same run.
+    freed = size[25] + size[75] + size[100] + size[50]
+    assert result["apply"]["bytes_freed"] == freed == result["forecast"]["freed_bytes"]
+    assert result["forecast"]["hot_bytes"] == hot_before
+    plan = arts["retention-plan"]
+    assert plan.description.startswith(f"Retention plan: {human_bytes(freed)} of {human_bytes(hot_before)} hot bytes")
+    done = arts["tiering-result"]
+    assert "1 promoted, 4 deleted" in done.description and human_bytes(freed) in done.description
+    assert "| archive | hot | 1 |" in done.data and "| hot | hot | 0 |" in done.data
+    assert "## Promoted" in done.data and "## Deleted" in done.data and "hot copy" in done.data
+    row = _summary(arts)["demo-run"]
+    assert row["hot"].endswith("(2 checkpoints)") and row["archive logical"] == f"{human_bytes(size[50])} (1 checkpoints)"
+    assert row["deleted"] == 3
+    assert sum(1 for p in hot.rglob("*") if p.is_file()) > 0
+
+    # A dry run publishes the plan only, never a "what was done".
+    state = tiering_flow(apply=False, catalog_url=url, config_path=str(config), return_state=True)
+    assert "tiering-result" not in _artifacts(state.state_details.flow_run_id)
+
+
+@pytest.mark.parametrize("case", ["unknown job", "nothing drillable", "corrupt step", "bad model"])
+def test_a_drill_that_cannot_start_fails_alerts_and_says_why(harness: None, tmp_path: Path, case: str,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptier.flows.drill import DrillFailed, restore_drill_flow
+    from ckptier.flows.scan_verify import scan_verify_flow
+    from ckptier.storage.catalog.api import Catalog
+    from ckptier.tasks.demo import train_demo_run
+
+    hot = tmp_path / "hot"
+    hot.mkdir()
+    url = f"sqlite:///{tmp_path / 'catalog.db'}"
+    params: dict[str, Any] = {"job": "demo-run", "model": "ckptier.tasks.models:demo_model", "steps": 2}
+    if case == "nothing drillable":
+        train_demo_run(hot, steps=25, every=25)  # its only save is still in flight
+        needle = "no verified or committed checkpoint of job 'demo-run'"
+    else:
+        train_demo_run(hot, steps=75, every=25)
+    scan_verify_flow(urls=[str(hot)], catalog_url=url, return_state=True)
+    if case == "unknown job":
+        params["job"], needle = "no-such-job", "job 'no-such-job': no checkpoints in the catalog"
+    elif case == "corrupt step":
+        victim = next(p for p in sorted(hot.rglob("model.pt")) if "00000025" in str(p))
+        victim.write_bytes(victim.read_bytes()[:-10] + b"0123456789")
+        scan_verify_flow(urls=[str(hot)], catalog_url=url, deep=True, return_state=True)
+        params["step"], needle = 25, "job 'demo-run' step 25 is corrupt"
+    elif case == "bad model":
+        params["model"], needle = "no_such_module_for_ckptier:build", "no_such_module_for_ckptier"
+    events = _capture_events(monkeypatch)
+    (tmp_path / "empty.toml").write_text("")
+    state = restore_drill_flow(catalog_url=url, config_path=str(tmp_path / "empty.toml"), return_state=True,
+                               **params)
+    assert state.is_failed()
+    with pytest.raises(DrillFailed, match=needle.split(":")[0]):
+        state.result()
+    report = _artifacts(state.state_details.flow_run_id)["drill-report"].data
+    assert "NOT STARTED" in report and needle in report, report
+    assert [e["event"] for e in events] == ["ckptier.drill.failed"]
+    assert needle in events[0]["payload"]["summary"]
+    assert events[0]["payload"]["flow_run_id"] == str(state.state_details.flow_run_id)
+    with Catalog.open(url) as cat:
+        assert cat.drills() == []  # nothing is recorded against a checkpoint
+
+
+def test_events_and_artifacts_link_the_run_and_the_dashboard(harness: None, tree: dict[str, Any],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptier.flows.scan_verify import scan_flow, verify_flow
+
+    monkeypatch.setenv("CKPTIER_DASHBOARD_URL", "http://dash.example:8765/")
+    state = scan_flow(urls=[str(tree["hot"])], catalog_url=tree["catalog_url"], return_state=True)
+    assert _dashboard_links(state.state_details.flow_run_id) == ["http://dash.example:8765/jobs/demo-run"]
+    victim = next(p for p in sorted(tree["hot"].rglob("model.pt")) if "00000050" in str(p))
+    victim.write_bytes(victim.read_bytes()[:-4] + b"oops")
+    events = _capture_events(monkeypatch)
+    state = verify_flow(catalog_url=tree["catalog_url"], return_state=True)
+    assert state.is_failed()
+    (event,) = events
+    run_id = str(state.state_details.flow_run_id)
+    assert event["payload"]["flow_run_id"] == run_id
+    assert event["payload"]["dashboard_url"] == "http://dash.example:8765/jobs/demo-run"
+    assert {"prefect.resource.id": f"prefect.flow-run.{run_id}", "prefect.resource.role": "flow-run"}.items() <= \
+        event["related"][0].items()
+    assert event["payload"]["files"] == ["rank-0000/model.pt"]
+    assert _dashboard_links(state.state_details.flow_run_id) == ["http://dash.example:8765/jobs/demo-run"]
+
+
+def test_flows_take_the_catalog_by_the_command_lines_precedence(
+    harness: None, tree: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """scan-verify ignored [catalog] url in ckptier.toml while tiering honoured it (and above the
+    environment): every flow now takes catalog_url, then CKPTIER_CATALOG_URL, then the file."""
+    from ckptier.flows.drill import restore_drill_flow
+    from ckptier.flows.scan_verify import scan_flow, scan_verify_flow, verify_flow
+    from ckptier.flows.tiering import tiering_flow
+
+    monkeypatch.delenv("CKPTIER_CATALOG_URL", raising=False)
+    from_file = tmp_path / "from-config.db"
+    config = Path(tree["config"])
+    config.write_text(f'[catalog]\nurl = "sqlite:///{from_file}"\n' + config.read_text())
+    result = scan_verify_flow(urls=[str(tree["hot"])], config_path=str(config))
+    assert from_file.exists() and result["verify"]["totals"]["verified"] == 2
+    assert scan_flow(urls=[str(tree["hot"])], config_path=str(config))[0]["rows_written"] == 0
+    assert tiering_flow(config_path=str(config))["plan"]
+    (drill,) = restore_drill_flow(config_path=str(config), steps=2, model="ckptier.tasks.models:demo_model")
+    assert drill["ok"]
+
+    env_url = f"sqlite:///{tmp_path / 'from-env.db'}"  # does not exist: the flows must look there and say so
+    monkeypatch.setenv("CKPTIER_CATALOG_URL", env_url)
+    for flow, params in ((verify_flow, {}), (tiering_flow, {}), (restore_drill_flow, {"steps": 2})):
+        state = flow(config_path=str(config), return_state=True, **params)
+        assert state.is_failed()
+        with pytest.raises(Exception, match="no catalog at " + env_url):
+            state.result()
+    assert not (tmp_path / "from-env.db").exists()
+    explicit = scan_flow(urls=[str(tree["hot"])], catalog_url=tree["catalog_url"], config_path=str(config))
+    assert explicit[0]["rows_written"] > 0 and Path(tree["catalog_url"].removeprefix("sqlite:///")).exists()

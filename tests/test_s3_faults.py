@@ -19,6 +19,7 @@ from ckptier.storage.base import MAX_DELETE_BATCH, DeleteResult
 from ckptier.storage.errors import (
     AccessDenied,
     AlreadyExists,
+    DeleteInterrupted,
     IntegrityError,
     NotFound,
     StoreError,
@@ -125,9 +126,11 @@ def test_slowdown_on_delete_batch_reports_nothing_of_that_batch(store: S3Store, 
         return None
 
     remove = hook(client, "DeleteObjects", second_batch_throttled)
-    with pytest.raises(Unavailable) as info:
+    with pytest.raises(DeleteInterrupted) as info:
         store.delete_many(keys)
-    partial: DeleteResult = info.value.partial  # type: ignore[attr-defined]
+    assert isinstance(info.value.error, Unavailable) and is_transient(info.value)
+    assert info.value.__cause__ is info.value.error and str(info.value) == str(info.value.error)
+    partial: DeleteResult = info.value.result
     assert sorted(partial.deleted) == keys[:MAX_DELETE_BATCH]  # only the confirmed first batch
     assert store.stat(keys[-1]).size == len(b"second batch")  # the second batch really did not happen
     remove()

@@ -26,7 +26,7 @@ from ckptier.storage.errors import ConfigError
 from ckptier.tasks.drill import DrillRequest, run_drill_subprocess
 from ckptier.tasks.drill_worker import run_request
 from ckptier.tasks.models import demo_model
-from ckptier.tasks.safe_load import (
+from ckptier.formats.safe_load import (
     CheckpointLoadError,
     UnsafeCheckpoint,
     load_checkpoint_dir,

@@ -12,15 +12,30 @@ import io
 import os
 import threading
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, ClassVar
 
 import pytest
 
-from ckptier.storage.base import MAX_DELETE_BATCH, ObjectInfo, Store, read_bytes
+from ckptier.storage.base import (
+    CAPABILITIES,
+    MAX_DELETE_BATCH,
+    Canary,
+    ListingSkips,
+    LocalPaths,
+    MultipartUploads,
+    ObjectInfo,
+    Restorable,
+    ResumableReads,
+    StorageClasses,
+    Store,
+    Taggable,
+    TempFiles,
+    read_bytes,
+)
 from ckptier.storage.errors import AlreadyExists, InvalidKey, NotFound
 from ckptier.storage.local import LocalStore
 from ckptier.storage.s3 import S3Store
-from ckptier.storage.wrappers import MeteredStore, RetryingStore
+from ckptier.storage.wrappers import RetryingStore
 from tests.fixtures.s3 import S3Bucket
 
 MiB = 1 << 20
@@ -358,13 +373,226 @@ class StoreContract:
         assert list(store.list()) == []
 
 
+# -- optional capabilities -------------------------------------------------------------
+#
+# A store's test class inherits the contract of every capability the store
+# has; ``test_has_exactly_its_capabilities`` then checks that the store has
+# those and no other (so a capability gained or lost unnoticed fails here).
+
+
+class CapabilityContract:
+    """Base of the capability contracts: ``capability`` names the protocol."""
+
+    capability: ClassVar[type]
+
+    def test_has_exactly_its_capabilities(self, store: Store) -> None:
+        declared = {c.capability for c in type(self).__mro__ if "capability" in vars(c)}
+        assert {cap for cap in CAPABILITIES if isinstance(store, cap)} == declared
+
+
+class NoCapabilities(CapabilityContract):
+    """For a store with none of the optional capabilities."""
+
+
+class CanaryContract(CapabilityContract):
+    capability = Canary
+
+    def test_canary_passes_and_leaves_nothing_behind(self, store: Any) -> None:
+        store.write("keep/me", b"mine")
+        for _ in range(2):
+            store.canary()
+        assert [i.key for i in store.list()] == ["keep/me"]
+        assert read_bytes(store, "keep/me") == b"mine"
+
+
+class MultipartUploadsContract(CapabilityContract):
+    capability = MultipartUploads
+
+    def start_upload(self, key: str) -> str:  # pragma: no cover - overridden
+        """Leave an unfinished multipart upload of ``key`` (a killed writer's); its upload id."""
+        raise NotImplementedError
+
+    def test_unfinished_uploads_are_listed_and_aborted(self, store: Any) -> None:
+        store.write("done/obj", b"finished")
+        first = self.start_upload("done/obj")  # an unfinished upload over a finished object
+        second = self.start_upload("other/big")
+        uploads = store.list_multipart_uploads("")
+        assert [(k, u) for k, u, _ in uploads] == [("done/obj", first), ("other/big", second)]  # by key
+        assert all(t.tzinfo is not None for _, _, t in uploads)  # aware (moto answers a fixed date)
+        assert [k for k, _, _ in store.list_multipart_uploads("other/")] == ["other/big"]
+        assert [i.key for i in store.list()] == ["done/obj"]  # uploads are never objects
+        store.abort_multipart("done/obj", first)
+        store.abort_multipart("done/obj", first)  # idempotent
+        store.abort_multipart("other/big", "no-such-upload-id")
+        assert [(k, u) for k, u, _ in store.list_multipart_uploads("")] == [("other/big", second)]
+        assert read_bytes(store, "done/obj") == b"finished"  # the finished object is untouched
+        store.abort_multipart("other/big", second)
+        assert store.list_multipart_uploads("") == []
+
+
+class TempFilesContract(CapabilityContract):
+    capability = TempFiles
+
+    def make_temp_file(self, key: str, mtime: float) -> None:  # pragma: no cover - overridden
+        """Leave the store's own temporary file ``key`` (a killed write's), last modified at ``mtime``."""
+        raise NotImplementedError
+
+    def test_stale_temp_files_are_listed_and_removed_and_nothing_else(self, store: Any) -> None:
+        import time
+
+        from ckptier.storage.local import TEMP_PREFIX
+
+        now = time.time()
+        store.write("d/obj", b"kept")
+        self.make_temp_file(f"d/{TEMP_PREFIX}old", now - 7200)
+        self.make_temp_file(f"{TEMP_PREFIX}young", now)
+        assert store.stale_temp_files(now - 3600) == [f"d/{TEMP_PREFIX}old"]
+        assert store.stale_temp_files(now + 60) == sorted([f"d/{TEMP_PREFIX}old", f"{TEMP_PREFIX}young"])
+        assert f"d/{TEMP_PREFIX}old" not in {i.key for i in store.list()}
+        store.remove_temp_file(f"d/{TEMP_PREFIX}old")
+        store.remove_temp_file(f"d/{TEMP_PREFIX}old")  # idempotent
+        assert store.stale_temp_files(now + 60) == [f"{TEMP_PREFIX}young"]
+        with pytest.raises(InvalidKey, match="not a ckptier temporary file"):
+            store.remove_temp_file("d/obj")
+        with pytest.raises(InvalidKey):
+            store.remove_temp_file(f"../{TEMP_PREFIX}x")
+        assert read_bytes(store, "d/obj") == b"kept"
+
+
+class LocalPathsContract(CapabilityContract):
+    capability = LocalPaths
+
+    def test_local_path_reads_what_open_read_reads(self, store: Any) -> None:
+        data = payload(300_000, seed=8)
+        store.write("p/q/file.bin", data)
+        path = store.local_path("p/q/file.bin")
+        assert isinstance(path, Path) and path.is_absolute()
+        assert path.read_bytes() == data == read_bytes(store, "p/q/file.bin")
+        missing = store.local_path("p/never")  # no I/O: a missing object shows when opened
+        with pytest.raises(FileNotFoundError):
+            missing.open("rb")
+        with pytest.raises(InvalidKey):
+            store.local_path("p/../../etc/passwd")
+
+
+class ListingSkipsContract(CapabilityContract):
+    capability = ListingSkips
+
+    def make_dangling_link(self, key: str) -> None:  # pragma: no cover - overridden
+        """Leave an entry ``key`` that ``list`` leaves out (a symlink to nothing)."""
+        raise NotImplementedError
+
+    def test_list_with_skips_lists_the_same_and_tells_each_skip_once(self, store: Any) -> None:
+        store.write("job/a", b"1")
+        store.write("job/sub/b", b"2")
+        self.make_dangling_link("job/sub/dangling")
+        self.make_dangling_link("other/dangling")
+        told: list[tuple[str, str]] = []
+        listed = sorted(i.key for i in store.list_with_skips("job/", lambda k, why: told.append((k, why))))
+        assert listed == sorted(i.key for i in store.list("job/")) == ["job/a", "job/sub/b"]
+        assert [k for k, _ in told] == ["job/sub/dangling"]  # once, and only under the prefix
+        assert "\n" not in told[0][1] and told[0][1]
+
+
+class ResumableReadsContract(CapabilityContract):
+    capability = ResumableReads
+
+    def test_a_read_goes_on_from_an_offset_of_the_same_version_only(self, store: Any) -> None:
+        from ckptier.storage.errors import ObjectChanged
+
+        data = payload(BIG, seed=9)
+        store.write("r/obj", data)
+        stream, version = store.open_versioned("r/obj")
+        with stream:
+            assert stream.read(1000) == data[:1000]
+        assert isinstance(version, str) and version
+        with store.open_from("r/obj", 1000, version) as rest:
+            assert rest.read() == data[1000:]
+        with store.open_from("r/obj", len(data), version) as end:
+            assert end.read() == b""
+        store.write("r/obj", data[::-1])  # replaced: a resumed read would mix two versions
+        with pytest.raises(ObjectChanged):
+            store.open_from("r/obj", 1000, version)
+        with pytest.raises(ObjectChanged):
+            store.open_from("r/obj", len(data), version)
+        with pytest.raises(NotFound):
+            store.open_from("r/never", 0, version)
+        with pytest.raises(NotFound):
+            store.open_versioned("r/never")
+
+
+class StorageClassesContract(CapabilityContract):
+    capability = StorageClasses
+
+    def test_in_class_is_the_same_store_writing_to_another_class(self, store: Any) -> None:
+        cold = store.in_class("STANDARD_IA")
+        assert cold.url == store.url and cold.storage_class == "STANDARD_IA" and store.storage_class is None
+        assert type(cold) is type(store)  # same wrappers, same capabilities
+        cold.write("c/obj", b"cold bytes")
+        assert store.stat("c/obj").storage_class == "STANDARD_IA"
+        assert read_bytes(store, "c/obj") == b"cold bytes"  # reads never depend on it
+        assert cold.in_class(None).storage_class is None
+
+
+class RestorableContract(CapabilityContract):
+    capability = Restorable
+
+    def test_an_object_that_needs_no_restore_is_ready(self, store: Any) -> None:
+        store.write("warm", b"w")
+        assert store.restore("warm") == "ready"
+        assert store.restore("warm", days=2, tier="Bulk") == "ready"  # idempotent
+        with pytest.raises(NotFound):
+            store.restore("no/such/object")
+
+
+class TaggableContract(CapabilityContract):
+    """The whole Taggable contract runs in tests/test_store_tagging.py; here, that it works at all."""
+
+    capability = Taggable
+
+    def test_tags_round_trip(self, store: Any) -> None:
+        store.write("t", b"x")
+        store.put_object_tagging("t", {"ckptier:retention": "delete"})
+        assert store.get_object_tagging("t") == {"ckptier:retention": "delete"}
+
+
+class LocalCapabilities(TempFilesContract, LocalPathsContract, ListingSkipsContract):
+    """What a local store can do; the test class sets ``self.root`` in its ``store`` fixture."""
+
+    root: Path
+
+    def make_temp_file(self, key: str, mtime: float) -> None:
+        path = self.root / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"half a write")
+        os.utime(path, (mtime, mtime))
+
+    def make_dangling_link(self, key: str) -> None:
+        path = self.root / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        os.symlink("nowhere", path)
+
+
+class S3Capabilities(CanaryContract, MultipartUploadsContract, ResumableReadsContract, StorageClassesContract,
+                     RestorableContract, TaggableContract):
+    """What an S3 store can do; the test class sets ``self.bucket`` and ``self.prefix`` in its ``store`` fixture."""
+
+    bucket: S3Bucket
+    prefix: str
+
+    def start_upload(self, key: str) -> str:
+        answer = self.bucket.client.create_multipart_upload(Bucket=self.bucket.name, Key=self.prefix + key)
+        return str(answer["UploadId"])
+
+
+
 # -- local ---------------------------------------------------------------------
 
 
-class TestLocalStore(StoreContract):
+class TestLocalStore(StoreContract, LocalCapabilities):
     @pytest.fixture
     def store(self, tmp_path: Path) -> Store:
-        root = tmp_path / "root"
+        root = self.root = tmp_path / "root"
         root.mkdir()
         return LocalStore(root)
 
@@ -422,26 +650,16 @@ class TestLocalStore(StoreContract):
         assert list(store.root.iterdir()) == []
 
 
-class TestRetryingLocalStore(StoreContract):
+class TestRetryingLocalStore(StoreContract, LocalCapabilities):
     @pytest.fixture
     def store(self, tmp_path: Path) -> Store:
-        (tmp_path / "root").mkdir()
-        return RetryingStore(LocalStore(tmp_path / "root"), sleep=lambda _s: None)
+        self.root = tmp_path / "root"
+        self.root.mkdir()
+        return RetryingStore(LocalStore(self.root), sleep=lambda _s: None)
 
     @pytest.fixture
     def missing_store(self, tmp_path: Path) -> Store:
         return RetryingStore(LocalStore(tmp_path / "missing"), sleep=lambda _s: None)
-
-
-class TestMeteredLocalStore(StoreContract):
-    @pytest.fixture
-    def store(self, tmp_path: Path) -> Store:
-        (tmp_path / "root").mkdir()
-        return MeteredStore(LocalStore(tmp_path / "root"))
-
-    @pytest.fixture
-    def missing_store(self, tmp_path: Path) -> Store:
-        return MeteredStore(LocalStore(tmp_path / "missing"))
 
 
 # -- S3 over HTTP ----------------------------------------------------------------
@@ -454,11 +672,12 @@ def s3_store(bucket: S3Bucket, prefix: str = "", **kwargs: Any) -> S3Store:
 
 
 @pytest.mark.s3
-class TestS3Store(StoreContract):
+class TestS3Store(StoreContract, S3Capabilities):
     concurrent_if_absent_is_atomic = False
 
     @pytest.fixture
     def store(self, s3_bucket: S3Bucket) -> Store:
+        self.bucket, self.prefix = s3_bucket, ""
         return s3_store(s3_bucket)
 
     @pytest.fixture
@@ -471,7 +690,7 @@ class TestS3Store(StoreContract):
 
 
 @pytest.mark.s3
-class TestS3StoreWithPrefix(StoreContract):
+class TestS3StoreWithPrefix(StoreContract, S3Capabilities):
     """Keys are relative to the prefix; objects outside it are invisible."""
 
     concurrent_if_absent_is_atomic = False
@@ -481,6 +700,8 @@ class TestS3StoreWithPrefix(StoreContract):
         # Neighbours that share the prefix's spelling must not leak in.
         s3_bucket.client.put_object(Bucket=s3_bucket.name, Key="runs/a-other/x", Body=b"no")
         s3_bucket.client.put_object(Bucket=s3_bucket.name, Key="outside", Body=b"no")
+        s3_bucket.client.create_multipart_upload(Bucket=s3_bucket.name, Key="runs/a-other/upload")
+        self.bucket, self.prefix = s3_bucket, "runs/a/"
         return s3_store(s3_bucket, "runs/a")
 
     @pytest.fixture
@@ -496,11 +717,12 @@ class TestS3StoreWithPrefix(StoreContract):
 
 
 @pytest.mark.s3
-class TestRetryingS3Store(StoreContract):
+class TestRetryingS3Store(StoreContract, S3Capabilities):
     concurrent_if_absent_is_atomic = False
 
     @pytest.fixture
     def store(self, s3_bucket: S3Bucket) -> Store:
+        self.bucket, self.prefix = s3_bucket, ""
         return RetryingStore(s3_store(s3_bucket), sleep=lambda _s: None)
 
     @pytest.fixture
@@ -644,12 +866,61 @@ def test_retrying_delete_many_retries_transient(local: LocalStore) -> None:
     assert flaky.calls["delete_many"] == 2
 
 
-def test_wrappers_delegate_extra_attributes(local: LocalStore) -> None:
-    assert RetryingStore(local).root == local.root
-    assert MeteredStore(RetryingStore(local)).root == local.root
-    assert RetryingStore(local).url == local.url
-    with pytest.raises(AttributeError):
-        RetryingStore(local).no_such_method  # noqa: B018
+class Interrupting(Flaky):
+    """``delete_many`` confirms the first key it is given, then stops as a throttled batch would."""
+
+    sent: list[list[str]]
+
+    def __init__(self, inner: LocalStore, error: Exception, **failures: int) -> None:
+        super().__init__(inner, error, **failures)
+        self.sent = []
+
+    def delete_many(self, keys: Any) -> Any:
+        from ckptier.storage.base import DeleteResult
+        from ckptier.storage.errors import DeleteInterrupted
+
+        self.calls["delete_many"] = self.calls.get("delete_many", 0) + 1
+        self.sent.append(list(keys))
+        if self.failures.get("delete_many", 0) > 0 and len(keys) > 1:
+            self.failures["delete_many"] -= 1
+            done = self.inner.delete_many(keys[:1])
+            raise DeleteInterrupted(self.error, DeleteResult(deleted=done.deleted))  # type: ignore[arg-type]
+        return self.inner.delete_many(keys)
+
+
+def test_retrying_delete_many_gives_up_with_everything_confirmed(local: LocalStore) -> None:
+    import pickle
+
+    from ckptier.storage.errors import DeleteInterrupted, Unavailable, is_transient
+
+    keys = ["a", "b", "c", "d"]
+    for k in keys:
+        local.write(k, b"1")
+    flaky = Interrupting(local, transient(), delete_many=10)
+    with pytest.raises(DeleteInterrupted) as info:
+        RetryingStore(flaky, attempts=3, sleep=lambda _s: None).delete_many(keys)
+    assert flaky.sent == [["a", "b", "c", "d"], ["b", "c", "d"], ["c", "d"]]  # only what was not confirmed is resent
+    assert info.value.result.deleted == ["a", "b", "c"]  # everything confirmed over all three tries
+    assert isinstance(info.value.error, Unavailable) and is_transient(info.value)
+    assert info.value.__cause__ is info.value.error
+    again = pickle.loads(pickle.dumps(info.value))  # crosses process boundaries (Prefect) intact
+    assert type(again) is DeleteInterrupted and again.result.deleted == ["a", "b", "c"] and str(again) == str(info.value)
+    # A permanent failure is not retried, and still says what was confirmed.
+    with pytest.raises(DeleteInterrupted) as permanent:
+        RetryingStore(Interrupting(local, NotFound("s3://b: no such bucket"), delete_many=1),
+                      sleep=lambda _s: None).delete_many(["c", "d"])
+    assert permanent.value.result.deleted == ["c"] and not is_transient(permanent.value)
+
+
+def test_wrappers_show_nothing_of_the_wrapped_store_beyond_the_protocol(local: LocalStore) -> None:
+    """Only the Store protocol and the wrapped store's capabilities show through a wrapper."""
+    from ckptier.storage.wrappers import DryRunStore
+
+    for wrapper in (RetryingStore(local), DryRunStore(local)):
+        assert wrapper.url == local.url
+        for name in ("root", "no_such_method"):
+            with pytest.raises(AttributeError):
+                getattr(wrapper, name)
 
 
 def test_dry_run_changes_nothing_and_records_intent(local: LocalStore) -> None:
@@ -679,29 +950,4 @@ def test_dry_run_changes_nothing_and_records_intent(local: LocalStore) -> None:
     assert dry.intended_deletes == ["exists"]
     assert [i.key for i in dry.list()] == ["exists"]  # reads pass through; nothing changed
     assert read_bytes(dry, "exists") == b"old"
-    dry.abort_multipart("k", "upload-1")
-    assert dry.intended_aborts == [("k", "upload-1")]
-    dry.canary()
     assert [i.key for i in local.list()] == ["exists"]
-    assert dry.root == local.root  # read-only attributes pass through
-    with pytest.raises(AttributeError, match="might change the store"):
-        dry.some_mutating_extra  # noqa: B018
-
-
-def test_metered_counts_calls_and_bytes(local: LocalStore) -> None:
-    metered = MeteredStore(local)
-    metered.write("a", b"x" * 1000)
-    metered.write("b", io.BytesIO(b"y" * 500))
-    with metered.open_read("a") as fh:
-        assert fh.read(300) == b"x" * 300
-    assert metered.bytes_read == 300  # only what was actually read
-    assert read_bytes(metered, "b") == b"y" * 500
-    list(metered.list())
-    metered.stat("a")
-    metered.delete_many(["a", "b"])
-    with pytest.raises(NotFound):
-        metered.stat("a")
-    assert metered.bytes_written == 1500
-    assert metered.bytes_read == 800
-    assert metered.keys_deleted == 2
-    assert metered.calls == {"write": 2, "open_read": 2, "list": 1, "stat": 2, "delete_many": 1}

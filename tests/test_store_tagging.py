@@ -12,7 +12,7 @@ from ckptier.storage.base import MAX_TAGS, Store, Taggable
 from ckptier.storage.errors import ConfigError, InvalidKey, NotFound
 from ckptier.storage.local import LocalStore
 from ckptier.storage.s3 import S3Store
-from ckptier.storage.wrappers import DryRunStore, MeteredStore, RetryingStore
+from ckptier.storage.wrappers import DryRunStore, RetryingStore
 
 from tests.fixtures.s3 import S3Bucket
 
@@ -107,11 +107,11 @@ class TestS3StoreWithPrefixTagging(TestS3StoreTagging):
 
 
 @pytest.mark.s3
-class TestRetryingMeteredS3StoreTagging(TestS3StoreTagging):
+class TestRetryingS3StoreTagging(TestS3StoreTagging):
     @pytest.fixture
     def store(self, s3_bucket: S3Bucket) -> Any:
         self.bucket, self.prefix = s3_bucket, ""
-        return MeteredStore(RetryingStore(_s3(s3_bucket), sleep=lambda _s: None))
+        return RetryingStore(_s3(s3_bucket), sleep=lambda _s: None)
 
 
 @pytest.mark.s3
@@ -145,5 +145,5 @@ def test_dry_run_records_tags_and_changes_nothing(s3_bucket: S3Bucket) -> None:
 
 def test_stores_that_cannot_tag_are_not_taggable(tmp_path: Path) -> None:
     local = LocalStore(tmp_path)
-    for store in (local, RetryingStore(local), MeteredStore(local), DryRunStore(local)):
+    for store in (local, RetryingStore(local), DryRunStore(local)):
         assert isinstance(store, Store) and not isinstance(store, Taggable)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 import threading
 import tracemalloc
@@ -16,15 +17,20 @@ from typing import Any, BinaryIO
 import pytest
 
 from ckptier.storage.base import DeleteResult, ObjectInfo, Store
+from ckptier.storage.catalog.api import Catalog
 from ckptier.storage.errors import AccessDenied, ConfigError, IntegrityError
 from ckptier.storage.hashing import hash_bytes
 from ckptier.storage.local import LocalStore
 from ckptier.storage.model import CheckpointRecord, FileRecord, Format, State
+from ckptier.storage.transitions import Row, Verification, on_verification
+from ckptier.tasks.config import load_config
+from ckptier.tasks.drill import choose_candidates
+from ckptier.tasks.pipeline import StoreCache, make_plan, run_scan, run_verify
+from ckptier.tasks.scan import scan_url
 from ckptier.tasks.verify import (
     BufferPool,
     FileCheck,
     VerifyOutcome,
-    judge_files,
     needs_verification,
     parse_sample,
     rotating_slice,
@@ -33,6 +39,7 @@ from ckptier.tasks.verify import (
     verify_checkpoint,
     verify_many,
 )
+from tests.fixtures.checkpoints import CheckpointRun, copy_run
 
 NOW = datetime(2025, 6, 1, 3, 0, tzinfo=UTC)
 PREFIX = "llama/step-00000100"
@@ -75,6 +82,17 @@ def _record(store: Store, prefix: str = PREFIX, *, sha256: dict[str, str] | None
     )
 
 
+def _judge(record: CheckpointRecord, results: Sequence[FileCheck]) -> Verification:
+    """What the catalog makes of ``results`` (the one verdict, storage.transitions)."""
+    row = Row(record.state, record.state_reason, record.first_seen, record.saved_at, record.verified_at)
+    return on_verification(row, record.files, results, label=f"step {record.step}", now=NOW, grace=timedelta(hours=2))
+
+
+def _verdict(record: CheckpointRecord, results: Sequence[FileCheck]) -> tuple[State, str | None]:
+    t = _judge(record, results).transition
+    return t.state, t.reason
+
+
 def _recorded(record: CheckpointRecord, outcome: VerifyOutcome) -> CheckpointRecord:
     """What a catalog makes of an outcome: ok files keep their digests as the baseline."""
     by = {r.relpath: r for r in outcome.results}
@@ -83,7 +101,7 @@ def _recorded(record: CheckpointRecord, outcome: VerifyOutcome) -> CheckpointRec
         r = by[f.relpath]
         crc = f.crc64nvme if f.crc64nvme is not None else (r.crc64nvme if r.status == "ok" else None)
         files.append(replace(f, crc64nvme=crc, status=r.status, detail=r.detail))
-    state, reason = judge_files(record, outcome.results)
+    state, reason = _verdict(record, outcome.results)
     return replace(record, files=tuple(files), state=state, state_reason=reason, verified_at=NOW)
 
 
@@ -109,7 +127,7 @@ def test_first_verification_records_baseline_then_compares(store: LocalStore) ->
         assert r.sha256 is None  # nothing expected it: not computed
     assert first.bytes_read == sum(map(len, FILES.values())) and first.bytes_skipped == 0
     assert first.extra == [] and first.notes == []
-    assert judge_files(rec, first.results)[0] == State.VERIFIED
+    assert _verdict(rec, first.results)[0] == State.VERIFIED
 
     rec = _recorded(rec, first)
     assert needs_verification(rec, {i.key[len(PREFIX) + 1:]: i for i in store.list(PREFIX + "/")}) is None
@@ -129,8 +147,8 @@ def test_flipped_byte_is_corrupt(store: LocalStore) -> None:
     assert bad.status == "corrupt" and "crc64nvme" in (bad.detail or "")
     assert bad.crc64nvme == hash_bytes(bytes(data)).crc64nvme  # the evidence, not the baseline
     assert out.count("ok") == 3  # the other files are still checked
-    state, reason = judge_files(rec, out.results)
-    assert state == State.CORRUPT and "rank-0000/optimizer.pt" in reason and "1 corrupt of 4 files" in reason
+    state, reason = _verdict(rec, out.results)
+    assert state == State.CORRUPT and (reason or "").startswith("rank-0000/optimizer.pt: crc64nvme")
 
 
 def test_truncated_file_is_corrupt_without_reading(store: LocalStore) -> None:
@@ -152,8 +170,8 @@ def test_missing_shard(store: LocalStore) -> None:
     out = verify_checkpoint(store, PREFIX, rec, deep=False)
     assert _by(out)["rank-0001/model.pt"].status == "missing"
     assert out.count("ok") == 3
-    state, reason = judge_files(rec, out.results)
-    assert state == State.CORRUPT and reason.startswith("1 missing of 4 files: rank-0001/model.pt")
+    state, reason = _verdict(rec, out.results)
+    assert state == State.CORRUPT and (reason or "").startswith("rank-0001/model.pt: not found at")
 
 
 def test_extra_file_is_reported_not_corruption(store: LocalStore) -> None:
@@ -164,7 +182,7 @@ def test_extra_file_is_reported_not_corruption(store: LocalStore) -> None:
     (store.root / "llama/step-00000200/model.pt").write_bytes(b"neighbour, not ours")
     out = verify_checkpoint(store, PREFIX, rec, deep=False)
     assert out.ok and out.extra == ["rank-0002/model.pt"]
-    assert judge_files(rec, out.results)[0] == State.VERIFIED
+    assert _verdict(rec, out.results)[0] == State.VERIFIED
     # A caller's listing (relpath -> info) spares the extra list call.
     listing = {"metadata.json": ObjectInfo("x", 1), "stray.tmp": ObjectInfo("y", 1)}
     assert verify_checkpoint(store, PREFIX, rec, deep=False, listing=listing).extra == ["stray.tmp"]
@@ -263,9 +281,9 @@ def test_unreadable_files_are_errors_not_corruption(store: LocalStore) -> None:
     assert r["rank-0000/model.pt"].status == "error" and "AccessDenied" in (r["rank-0000/model.pt"].detail or "")
     assert r["rank-0000/optimizer.pt"].status == "error" and "Input/output error" in (r["rank-0000/optimizer.pt"].detail or "")
     assert r["rank-0001/model.pt"].status == "ok" and r["metadata.json"].status == "ok"  # the rest still checked
-    state, reason = judge_files(rec, out.results)
-    assert state == State.VERIFIED  # unchanged: unreadable proves nothing either way
-    assert "2 of 4 files could not be read" in reason and "\n" not in reason
+    v = _judge(rec, out.results)
+    assert v.transition.state == State.VERIFIED  # unchanged: unreadable proves nothing either way
+    assert v.errors == ("rank-0000/model.pt", "rank-0000/optimizer.pt")
     assert needs_verification(_recorded(rec, out)) == "could not be read last time: rank-0000/model.pt, rank-0000/optimizer.pt"
 
 
@@ -313,15 +331,23 @@ def test_single_file_checkpoint(tmp_path: Path) -> None:
 # -- store-kept checksums (no download) -------------------------------------------------
 
 
-def test_store_checksum_spares_the_read_unless_deep(store: LocalStore) -> None:
+def test_store_checksum_spares_the_read_after_the_first_verification_unless_deep(store: LocalStore) -> None:
     rec = _record(store)
     checksums = {f"{PREFIX}/{rel}": "crc64nvme:" + hash_bytes(data).crc64nvme for rel, data in FILES.items()}
+    checksums[f"{PREFIX}/notes.txt"] = "crc64nvme:" + hash_bytes(b"no structure").crc64nvme
+    (store.root / PREFIX / "notes.txt").write_bytes(b"no structure")
+    rec = _record(store)
     faulty = FaultyStore(store, {}, checksums=checksums)
     first = verify_checkpoint(faulty, PREFIX, rec, deep=False)
-    assert first.ok and first.bytes_read == 0 and first.bytes_skipped == sum(map(len, FILES.values()))
-    assert faulty.opened == []
-    assert "baseline taken from the store's checksum" in (first.results[0].detail or "")
+    # The first verification reads the files that have a structure to check (.pt, the manifest)...
+    assert first.ok and first.bytes_read == sum(map(len, FILES.values())) and first.bytes_skipped == 12
+    assert "baseline taken from the store's checksum" in (_by(first)["notes.txt"].detail or "")
+    assert sorted(faulty.opened) == sorted(f"{PREFIX}/{rel}" for rel in FILES)
     rec = _recorded(rec, first)
+    # ... and later ones compare the store's checksum with the baseline, reading nothing.
+    faulty.opened.clear()
+    again = verify_checkpoint(faulty, PREFIX, rec, deep=False)
+    assert again.ok and again.bytes_read == 0 and faulty.opened == []
     # The store's checksum changes (object replaced, same size): corrupt without a read.
     key = f"{PREFIX}/rank-0000/model.pt"
     faulty.checksums[key] = "crc64nvme:" + hash_bytes(b"other").crc64nvme
@@ -329,7 +355,7 @@ def test_store_checksum_spares_the_read_unless_deep(store: LocalStore) -> None:
     assert _by(out)["rank-0000/model.pt"].status == "corrupt" and out.bytes_read == 0
     # deep reads every byte, and the bytes disagree with the store's own checksum.
     deep = verify_checkpoint(faulty, PREFIX, rec, deep=True)
-    assert deep.bytes_read == sum(map(len, FILES.values())) and deep.bytes_skipped == 0
+    assert deep.bytes_read == sum(map(len, FILES.values())) + 12 and deep.bytes_skipped == 0
     assert _by(deep)["rank-0000/model.pt"].status == "corrupt"
     assert "store's checksum" in (_by(deep)["rank-0000/model.pt"].detail or "")
 
@@ -337,6 +363,10 @@ def test_store_checksum_spares_the_read_unless_deep(store: LocalStore) -> None:
 def test_expected_sha256_forces_a_read_even_with_store_checksum(store: LocalStore) -> None:
     sha = hashlib.sha256(FILES["metadata.json"]).hexdigest()
     rec = _record(store, sha256={"metadata.json": hashlib.sha256(b"lie").hexdigest()})
+    # The weights were verified before (baselines recorded); the manifest's sha256 was never proven.
+    rec = replace(rec, files=tuple(f if f.relpath == "metadata.json" else
+                                   replace(f, crc64nvme=hash_bytes(FILES[f.relpath]).crc64nvme, status="ok")
+                                   for f in rec.files))
     checksums = {f"{PREFIX}/{rel}": "crc64nvme:" + hash_bytes(data).crc64nvme for rel, data in FILES.items()}
     out = verify_checkpoint(FaultyStore(store, {}, checksums=checksums), PREFIX, rec, deep=False)
     assert _by(out)["metadata.json"].status == "corrupt"
@@ -386,38 +416,6 @@ def _rec(*files: FileRecord, state: State = State.VERIFIED, verified: bool = Tru
 def test_needs_verification(record: CheckpointRecord, listing: dict[str, ObjectInfo] | None, deep: bool,
                             expected: str | None) -> None:
     assert needs_verification(record, listing, deep=deep) == expected
-
-
-def _fc(rel: str, status: str, detail: str | None = None) -> FileCheck:
-    return FileCheck(rel, status, 10, None, None, detail)  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize(
-    ("state", "checks", "expected_state", "reason_part"),
-    [
-        (State.COMMITTED, [_fc("a", "ok"), _fc("b", "ok")], State.VERIFIED, "all 2 files intact (20 bytes)"),
-        (State.CORRUPT, [_fc("a", "ok"), _fc("b", "ok")], State.VERIFIED, "all 2 files intact"),
-        (State.VERIFIED, [_fc("a", "corrupt", "crc64nvme X, recorded Y"), _fc("b", "ok")], State.CORRUPT,
-         "1 corrupt of 2 files: a (crc64nvme X, recorded Y)"),
-        (State.VERIFIED, [_fc("a", "missing"), _fc("b", "corrupt", "truncated")], State.CORRUPT,
-         "1 missing, 1 corrupt of 2 files"),
-        (State.VERIFIED, [_fc("a", "error", "AccessDenied: no"), _fc("b", "corrupt", "x")], State.CORRUPT, "b (x)"),
-        (State.COMMITTED, [_fc("a", "error", "Unavailable: down"), _fc("b", "ok")], State.COMMITTED,
-         "1 of 2 files could not be read (a (Unavailable: down)); state stays committed"),
-        (State.VERIFIED, [_fc("a", "ok")], State.VERIFIED, "1 of 2 files were not checked (b)"),
-        (State.INCOMPLETE, [_fc("a", "ok"), _fc("b", "ok")], State.INCOMPLETE, "not judged"),
-    ],
-)
-def test_judge_files(state: State, checks: list[FileCheck], expected_state: State, reason_part: str) -> None:
-    rec = _rec(_fr("a"), _fr("b"), state=state)
-    got_state, reason = judge_files(rec, checks)
-    assert got_state == expected_state
-    assert reason_part in reason and "\n" not in reason
-
-
-def test_judge_files_refuses_foreign_results() -> None:
-    with pytest.raises(ValueError, match="'zzz', which is not a file of j step 1"):
-        judge_files(_rec(_fr("a")), [_fc("zzz", "ok")])
 
 
 def test_sample_slices_are_disjoint_covering_and_stable() -> None:
@@ -538,11 +536,10 @@ def test_s3_stored_checksum_verifies_without_download(s3_bucket) -> None:
     for rel, blob in data.items():
         client.put_object(Bucket=bucket, Key=f"{PREFIX}/{rel}", Body=blob, ChecksumAlgorithm="CRC64NVME")
     store = S3Store(bucket, client=client)
-    rec = _record(store)
+    rec = _recorded(_record(store), verify_checkpoint(store, PREFIX, _record(store), deep=False))  # structure read once
     first = verify_checkpoint(store, PREFIX, rec, deep=False)
     assert first.ok and first.bytes_read == 0 and first.bytes_skipped == sum(map(len, data.values()))
     assert {r.relpath: r.crc64nvme for r in first.results} == {rel: hash_bytes(b).crc64nvme for rel, b in data.items()}
-    rec = _recorded(rec, first)
     # Replaced with different bytes of the same size: caught from the checksum alone.
     client.put_object(Bucket=bucket, Key=f"{PREFIX}/metadata.json", Body=b'{"step": 999}', ChecksumAlgorithm="CRC64NVME")
     out = verify_checkpoint(store, PREFIX, rec, deep=False)
@@ -563,3 +560,152 @@ def test_s3_without_stored_checksum_reads_fully(s3_bucket) -> None:
     out = verify_checkpoint(store, PREFIX, _record(store), deep=False)
     assert out.ok and out.bytes_read == sum(map(len, FILES.values())) and out.bytes_skipped == 0
     assert {r.relpath: r.crc64nvme for r in out.results} == {rel: hash_bytes(b).crc64nvme for rel, b in FILES.items()}
+
+
+# -- complete means complete, intact means intact: end to end -------------------------
+
+
+def test_a_manifest_requiring_an_absent_file_is_named_at_verification(store: LocalStore) -> None:
+    """Verification reads the manifest it hashes: what it requires must be there, whatever the scan saw."""
+    (store.root / PREFIX / "metadata.json").write_bytes(b'{"step": 100, "world_size": 3}')
+    rec = _record(store)
+    out = verify_checkpoint(store, PREFIX, rec, deep=False)
+    absent = _by(out)["rank-0002/"]
+    assert absent.status == "missing" and absent.shortfall is not None
+    assert absent.detail == "rank-0002/ (absent, listed in metadata.json)"
+    assert not out.ok and [r.relpath for r in out.results][:4] == [f.relpath for f in rec.files]
+    state, reason = _verdict(replace(rec, saved_at=NOW - timedelta(days=1)), out.results)  # past the grace
+    assert state == State.CORRUPT and "rank-0002/ (absent, listed in metadata.json)" in (reason or "")
+    young = replace(rec, saved_at=NOW - timedelta(minutes=5))
+    assert _verdict(young, out.results)[0] == State.INCOMPLETE
+
+
+def _catalog(tmp_path: Path) -> Catalog:
+    return Catalog.open(f"sqlite:///{tmp_path}/catalog.db")
+
+
+def _guide_with_absent_rank(guide_run: CheckpointRun, tmp_path: Path) -> tuple[CheckpointRun, int]:
+    """The repro: the newest step's metadata.json lists rank-0001/optimizer.pt (world_size 2), which never arrived."""
+    run = copy_run(guide_run, tmp_path / "run")
+    newest = max(run.steps)
+    meta_path = run.path(newest) / "metadata.json"
+    meta = json.loads(meta_path.read_text())
+    meta["world_size"] = 2
+    meta["files"]["rank-0001/optimizer.pt"] = {"size": 5439}
+    meta_path.write_text(json.dumps(meta))
+    return run, newest
+
+
+def test_listed_but_absent_file_is_corrupt_not_verified_latest_kept_or_drilled(
+    guide_run: CheckpointRun, tmp_path: Path
+) -> None:
+    run, newest = _guide_with_absent_rank(guide_run, tmp_path)
+    previous = max(s for s in run.steps if s != newest)
+    now = datetime.now(UTC) + timedelta(hours=3)  # past the 2 h grace
+    (tmp_path / "ckptier.toml").write_text('[[policy]]\njobs = "*"\nkeep_last = 1\n')
+    config = load_config(tmp_path / "ckptier.toml")
+    with _catalog(tmp_path) as cat:
+        (scanned,) = run_scan([str(run.root)], cat, now=lambda: now, config=config)
+        assert scanned["corrupt"] == 1  # found at the scan already: the listing lacks what metadata.json lists
+        run_verify(cat, now=lambda: now, config=config)
+        rec = cat.get(run.job, newest)
+        assert rec is not None and rec.state == State.CORRUPT
+        assert "rank-0001/optimizer.pt (absent, listed in metadata.json)" in (rec.state_reason or "")
+        assert "rank-0001/ (absent" in (rec.state_reason or "")
+        latest = cat.latest(run.job)
+        assert latest is not None and latest.step == previous
+        plan = {i.step: i for i in make_plan(cat, config, job=run.job, now=now).items}
+        assert "newest verified checkpoint of the job" in plan[previous].reasons
+        assert plan[newest].action == "keep" and plan[newest].reasons[0].startswith("corrupt")
+        assert [c.step for c in choose_candidates(cat.checkpoints(job=run.job))][0] == previous
+
+
+def test_listed_but_absent_file_in_a_young_save_is_incomplete_until_grace(guide_run: CheckpointRun, tmp_path: Path) -> None:
+    run, newest = _guide_with_absent_rank(guide_run, tmp_path)
+    soon = datetime.now(UTC) + timedelta(minutes=5)
+    with _catalog(tmp_path) as cat:
+        run_scan([str(run.root)], cat, now=lambda: soon)
+        run_verify(cat, now=lambda: soon)
+        rec = cat.get(run.job, newest)
+        assert rec is not None and rec.state == State.INCOMPLETE
+        assert "not present yet: rank-0001/" in (rec.state_reason or "") and "corrupt if still so at" in (rec.state_reason or "")
+        assert cat.latest(run.job).step != newest  # type: ignore[union-attr]
+        # The grace runs out with the files still absent: corrupt, naming them.
+        later = soon + timedelta(hours=3)
+        run_scan([str(run.root)], cat, now=lambda: later)
+        rec = cat.get(run.job, newest)
+        assert rec is not None and rec.state == State.CORRUPT and "rank-0001/optimizer.pt" in (rec.state_reason or "")
+        assert [e.kind for e in cat.events(job=run.job, kinds=["corrupt"])] == ["corrupt"]
+
+
+def test_dcp_shard_shorter_than_its_metadata_needs_is_corrupt(dcp_run: CheckpointRun, tmp_path: Path) -> None:
+    run = copy_run(dcp_run, tmp_path / "run")
+    (shard,) = run.path(4).glob("*.distcp")
+    shard.write_bytes(shard.read_bytes()[:100])
+    now = datetime.now(UTC) + timedelta(hours=3)
+    with _catalog(tmp_path) as cat:
+        run_scan([str(run.root)], cat, now=lambda: now)
+        run_verify(cat, now=lambda: now)
+        states = {c.step: c.state for c in cat.checkpoints(job=run.job)}
+        assert states == {2: State.VERIFIED, 4: State.CORRUPT, 6: State.VERIFIED}
+        assert f"{shard.name} (100 bytes, .metadata needs at least" in (cat.get(run.job, 4).state_reason or "")  # type: ignore[union-attr]
+
+
+def _truncated_lightning(lightning_run: CheckpointRun, tmp_path: Path) -> tuple[CheckpointRun, int]:
+    run = copy_run(lightning_run, tmp_path / "run")
+    newest = max(run.steps)
+    path = run.path(newest)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) * 2 // 3])  # what a crash mid-write (or a short copy) leaves
+    return run, newest
+
+
+def test_truncated_lightning_checkpoint_is_corrupt_and_never_latest(lightning_run: CheckpointRun, tmp_path: Path) -> None:
+    run, newest = _truncated_lightning(lightning_run, tmp_path)
+    now = datetime.now(UTC) + timedelta(hours=3)
+    with _catalog(tmp_path) as cat:
+        run_scan([str(run.root)], cat, now=lambda: now)
+        report = run_verify(cat, now=lambda: now)
+        rec = cat.get(run.job, newest)
+        assert rec is not None and rec.state == State.CORRUPT
+        assert (rec.state_reason or "").startswith(f"{rec.files[0].relpath}: torch zip: truncated: the file ends")
+        assert report["totals"]["corrupt"] == 1 and report["totals"]["verified"] == len(run.steps) - 1
+        assert cat.latest(run.job).step == max(s for s in run.steps if s != newest)  # type: ignore[union-attr]
+
+
+@pytest.mark.s3
+def test_truncated_lightning_checkpoint_on_s3_is_read_once_and_corrupt(
+    lightning_run: CheckpointRun, tmp_path: Path, s3_bucket
+) -> None:
+    """The store's CRC64NVME proves the bytes are what was uploaded, not that a whole file was."""
+    from ckptier.storage.s3 import S3Store
+
+    run, newest = _truncated_lightning(lightning_run, tmp_path)
+    for path in run.root.rglob("*"):
+        if path.is_file():
+            s3_bucket.client.put_object(Bucket=s3_bucket.name, Key=path.relative_to(run.root).as_posix(),
+                                        Body=path.read_bytes(), ChecksumAlgorithm="CRC64NVME")
+    store = S3Store(s3_bucket.name, client=s3_bucket.client)
+    stores = StoreCache(opener=lambda url: store)
+    now = datetime.now(UTC) + timedelta(hours=3)
+    with _catalog(tmp_path) as cat:
+        scan_url(store.url, cat, now=now, store=store)
+        first = run_verify(cat, now=lambda: now, stores=stores)
+        rec = cat.get(run.job, newest)
+        assert rec is not None and rec.state == State.CORRUPT and "torch zip: truncated" in (rec.state_reason or "")
+        assert first["totals"]["bytes_read"] == sum(c.bytes for c in cat.checkpoints(job=run.job))
+        assert cat.latest(run.job).step == max(s for s in run.steps if s != newest)  # type: ignore[union-attr]
+        # Once structure and baseline are recorded, a deep-less re-verification reads nothing.
+        again = run_verify(cat, now=lambda: now, stores=stores, sample=(1, 1))
+        assert again["totals"]["bytes_read"] > 0  # a sample is a deep read
+        assert run_verify(cat, now=lambda: now, stores=stores)["totals"]["bytes_read"] == 0
+
+
+def test_the_scan_verify_flow_alerts_on_corruption_a_scan_found() -> None:
+    """A checkpoint found corrupt by the scan (files missing past the grace) alerts like one found by verification."""
+    from ckptier.flows.scan_verify import corruption_in
+
+    found = {"job": "j", "step": 3, "detail": "incomplete: ..."}
+    verified = {"job": "j", "step": 1, "state": "corrupt", "detail": "x"}
+    assert corruption_in({"checkpoints": []}, [{"url": "file:///x", "corrupt_found": []}]) == []
+    assert corruption_in({"checkpoints": [verified]}, [{"corrupt_found": [found]}]) == [verified, {**found, "tier": "hot"}]

@@ -34,17 +34,19 @@ from sqlalchemy import (
     true,
     update,
 )
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
+from .. import transitions
 from ..errors import CkptierError
 from ..model import (
     FileCheck,
     CheckpointRecord,
     CopyRecord,
+    CopyState,
+    DrillOutcome,
     FileRecord,
     Format,
     Found,
+    HELD_COPY_STATES,
     Recognition,
     State,
     Tier,
@@ -59,13 +61,19 @@ from .models import files as fl
 from .models import jobs as jb
 from .models import scans as sc
 
-COPY_STATES = ("present", "missing", "deleted", "degraded")
+COPY_STATES = tuple(s.value for s in CopyState)
 DELETE_SCOPES = ("checkpoint", "hot-copy")
-FILE_STATUSES = ("ok", "corrupt", "missing", "error")
+FILE_STATUSES = transitions.FILE_STATUSES
 #: How many file names a state reason or event message lists before "+N more".
 _NAMES_SHOWN = 3
 #: First key of the PostgreSQL advisory locks that serialise scans of one job.
 _SCAN_LOCK_CLASS = 0x636B73  # "cks"
+# Stored values to enum members by dictionary: ``Enum(value)`` costs ~1 µs a call,
+# a noticeable part of listing 100,000 checkpoints.
+_FORMATS = {f.value: f for f in Format}
+_STATES = {s.value: s for s in State}
+_TIERS = {t.value: t for t in Tier}
+_COPY_STATES = {c.value: c for c in CopyState}
 
 
 class UnknownCheckpoint(CkptierError, LookupError):
@@ -78,8 +86,10 @@ class ScanSummary:
 
     ``rows_written`` counts rows of jobs, checkpoints, files and copies that
     were inserted, updated or deleted (0 on an unchanged rescan). ``new``,
-    ``changed``, ``committed``, ``vanished``, ``reappeared`` and
-    ``resurrected`` count checkpoints.
+    ``changed``, ``committed``, ``vanished``, ``reappeared``,
+    ``resurrected`` and ``corrupt`` (found incomplete past the grace: files
+    its manifest lists are missing or short) count checkpoints;
+    ``corrupt_found`` names those (job, step, reason).
     """
 
     store_url: str
@@ -95,6 +105,8 @@ class ScanSummary:
     vanished: int = 0
     reappeared: int = 0
     resurrected: int = 0
+    corrupt: int = 0
+    corrupt_found: tuple[tuple[str, int, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -223,6 +235,23 @@ class _Tally:
     vanished: int = 0
     reappeared: int = 0
     resurrected: int = 0
+    corrupt: int = 0
+    corrupt_found: list[tuple[str, int, str]] = field(default_factory=list)
+
+
+def _row(old: Any) -> transitions.Row:
+    """The rules' view of a checkpoints row (any object with its columns as attributes)."""
+    return transitions.Row(
+        state=State(old.state), reason=old.state_reason, first_seen=old.first_seen, saved_at=old.saved_at,
+        verified_at=old.verified_at, missing_since=old.missing_since,
+    )
+
+
+def _seen(found: Found, changed: Sequence[str], gone: Sequence[str], still_gone: Sequence[str]) -> transitions.Seen:
+    return transitions.Seen(
+        committed=found.committed, reason=found.reason, saved_at=_epoch(found.saved_at),
+        shortfalls=found.shortfalls, changed=tuple(changed), gone=tuple(gone), still_gone=tuple(still_gone),
+    )
 
 
 # Column order of the per-job file load in record_scan (tuples, for speed).
@@ -243,12 +272,14 @@ class Catalog:
     # -- lifecycle -----------------------------------------------------------------
 
     @classmethod
-    def open(cls, url: str | None = None) -> Catalog:
+    def open(cls, url: str | None = None, *, create: bool = True) -> Catalog:
         """Open (creating if needed) the catalog at ``url`` and migrate it to
-        the newest schema; ``None`` means :func:`db.default_catalog_url`.
-        Raises :class:`~ckptier.storage.errors.ConfigError` (one line) when it
-        cannot."""
-        return cls(db.open_engine(url if url is not None else db.default_catalog_url()))
+        the newest schema; ``None`` means :func:`db.resolve_catalog_url`
+        without a config file. With ``create=False`` (read-only commands) a
+        catalog that does not exist raises :class:`db.CatalogMissing` and
+        nothing is created. Raises :class:`~ckptier.storage.errors.ConfigError`
+        (one line) when it cannot."""
+        return cls(db.open_engine(url if url is not None else db.resolve_catalog_url(None).url, create=create))
 
     def close(self) -> None:
         """Release the database connections. Idempotent."""
@@ -292,6 +323,7 @@ class Catalog:
         *,
         now: datetime,
         scope_prefix: str = "",
+        grace_for: Callable[[str], timedelta] | None = None,
     ) -> ScanSummary:
         """Bring the catalog in line with one listing of ``store_url`` (under
         ``scope_prefix``, a raw key prefix as given to ``Store.list``).
@@ -302,8 +334,12 @@ class Catalog:
         * Changes only are written: an unchanged rescan writes nothing at all
           (no ``last_seen`` bump, no scans row, no event), so ``last_seen`` is
           the time of the last scan that changed the row.
-        * ``incomplete`` becomes ``committed`` when commit evidence appears, and
-          a ``committed``/``verified`` one loses its evidence → ``incomplete``.
+        * Every state change follows :func:`ckptier.storage.transitions.on_scan`
+          (and ``on_vanished``): ``incomplete`` becomes ``committed`` when
+          commit evidence appears, and a ``committed``/``verified`` one loses
+          its evidence → ``incomplete``; a checkpoint whose manifest lists
+          files that are absent or short is ``incomplete`` within the job's
+          grace (``grace_for(job)``, default 2 h) and ``corrupt`` after.
           Files that changed (size, mtime, etag, expected hash, or the set of
           files) send a ``verified`` checkpoint back to ``committed`` and
           forget the changed files' verification; ``corrupt`` stays corrupt
@@ -348,8 +384,9 @@ class Catalog:
 
         tally = _Tally()
         for name in affected:
+            grace = grace_for(name) if grace_for is not None else transitions.DEFAULT_GRACE
             with self._write() as conn:
-                self._scan_job(conn, name, by_job.get(name, {}), base, scope, now, tally)
+                self._scan_job(conn, name, by_job.get(name, {}), base, scope, now, tally, grace)
                 self._settle_delete_intents(conn, name, scope, now, tally)
 
         summary = ScanSummary(
@@ -359,7 +396,7 @@ class Catalog:
             checkpoints=len(recognition.checkpoints),
             unrecognised=len(recognition.unrecognised),
             jobs=tuple(sorted(by_job)),
-            **asdict(tally),
+            **{**asdict(tally), "corrupt_found": tuple(tally.corrupt_found)},
         )
         if tally.rows_written:
             with self._write() as conn:
@@ -386,7 +423,15 @@ class Catalog:
         return int(conn.execute(select(jb.c.id).where(jb.c.name == name)).scalar_one()), True
 
     def _insert(self, table: Any) -> Any:
-        return pg_insert(table) if self.dialect == "postgresql" else sqlite_insert(table)
+        # The dialect's own INSERT (for ON CONFLICT), imported when a write needs it:
+        # read-only commands never load the PostgreSQL dialect for a SQLite catalog.
+        if self.dialect == "postgresql":
+            from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+            return pg_insert(table)
+        from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+        return sqlite_insert(table)
 
     def _scan_job(
         self,
@@ -397,6 +442,7 @@ class Catalog:
         scope: str,
         now: datetime,
         tally: _Tally,
+        grace: timedelta,
     ) -> None:
         if self.dialect == "postgresql":
             # Two scans of the same job queue here instead of racing on inserts;
@@ -469,16 +515,21 @@ class Catalog:
         copy_updates: list[dict[str, Any]] = []
         events: list[dict[str, Any]] = []
 
-        def event(kind: str, message: str, checkpoint_id: int | None, **data: Any) -> None:
+        new_events: list[tuple[transitions.Event, ...]] = []
+
+        def event(e: transitions.Event, checkpoint_id: int | None) -> None:
             events.append(
-                {"at": now, "kind": kind, "message": message, "job_id": job_id,
-                 "checkpoint_id": checkpoint_id, "data": data or None}
+                {"at": now, "kind": e.kind, "message": e.message, "job_id": job_id,
+                 "checkpoint_id": checkpoint_id, "data": dict(e.data) if e.data else None}
             )
 
         for step, found in sorted(found_by_step.items()):
             location = _join_url(base, found.prefix)
             old = existing.get(step)
+            label = f"{name} step {step}"
             if old is None:
+                t = transitions.on_scan(None, _seen(found, (), (), ()), label=label, location=location, now=now,
+                                        grace=grace)
                 new_found.append(found)
                 new_ck.append(
                     {
@@ -486,8 +537,8 @@ class Catalog:
                         "step": step,
                         "format": found.format.value,
                         "location": location,
-                        "state": (State.COMMITTED if found.committed else State.INCOMPLETE).value,
-                        "state_reason": found.reason,
+                        "state": t.state.value,
+                        "state_reason": t.reason,
                         "bytes": found.bytes,
                         "file_count": len(found.files),
                         "saved_at": _epoch(found.saved_at),
@@ -499,10 +550,13 @@ class Catalog:
                         "generation": 0,
                     }
                 )
+                new_events.append(t.events)
+                if t.state == State.CORRUPT:
+                    tally.corrupt += 1
+                    tally.corrupt_found.append((name, step, t.reason or ""))
                 continue
 
             cid = int(old.id)
-            old_state = State(old.state)
             old_files = files_by_ck.get(cid, {})
             expected = found.expected_sha256
             changed_names: list[str] = []
@@ -527,23 +581,14 @@ class Catalog:
                      "sha256_expected": exp, "crc64nvme": row[_F_CRC], "sha256": None, "status": None,
                      "detail": None, "verified_at": None}
                 )
-            gone = [rel for rel in old_files if rel not in listed]
+            gone = [rel for rel in old_files if rel not in listed and old_files[rel][_F_STATUS] != "missing"]
+            still_gone = [rel for rel in old_files if rel not in listed and old_files[rel][_F_STATUS] == "missing"]
+            t = transitions.on_scan(_row(old), _seen(found, changed_names, gone, still_gone), label=label,
+                                    location=location, now=now, grace=grace)
 
-            # The state the listing implies.
-            if old_state == State.DELETED:
-                new_state = State.COMMITTED if found.committed else State.INCOMPLETE
-            elif not found.committed:
-                new_state = State.INCOMPLETE
-            elif old_state == State.INCOMPLETE:
-                new_state = State.COMMITTED
-            elif old_state == State.VERIFIED and (changed_names or gone):
-                new_state = State.COMMITTED
-            else:
-                new_state = old_state
-
-            for rel in gone:
+            for rel in (*gone, *still_gone):
                 row = old_files[rel]
-                if new_state == State.INCOMPLETE:
+                if t.forget_gone_files:
                     file_deletes.append(row[_F_ID])
                 elif row[_F_STATUS] != "missing":
                     file_updates.append(
@@ -553,56 +598,24 @@ class Catalog:
                          "detail": f"no longer listed by the scan at {now.isoformat()}",
                          "verified_at": None}
                     )
-            files_changed = bool(changed_names) or any(
-                old_files[rel][_F_STATUS] != "missing" or new_state == State.INCOMPLETE for rel in gone
-            )
-
-            reason = old.state_reason
-            verified_at = old.verified_at
-            if old_state == State.DELETED:
-                reason = found.reason
-                verified_at = None
-                tally.resurrected += 1
-                event("resurrected", f"{name} step {step}: deleted checkpoint reappeared at {location}; "
-                      f"now {new_state.value} ({found.reason})", cid, state=new_state.value)
-            elif new_state != old_state:
-                reason = found.reason
-                if new_state == State.COMMITTED and old_state == State.INCOMPLETE:
-                    tally.committed += 1
-                    event("committed", f"{name} step {step}: committed ({found.reason})", cid)
-                elif new_state == State.COMMITTED:
-                    names = sorted(set(changed_names) | set(gone))
-                    reason = f"files changed since verification: {_names(names)}"
-                    verified_at = None
-                    event("changed", f"{name} step {step}: {reason}; needs re-verification", cid,
-                          files=names[:100])
-                else:  # lost its commit evidence
-                    verified_at = None
-                    event("uncommitted", f"{name} step {step}: commit evidence gone ({found.reason})", cid)
-            elif files_changed and old_state in (State.COMMITTED, State.CORRUPT):
-                names = sorted(set(changed_names) | set(gone))
-                event("changed", f"{name} step {step}: files changed: {_names(names)}", cid,
-                      files=names[:100])
-            if files_changed:
-                tally.changed += 1
-
-            missing_since = old.missing_since
-            if missing_since is not None:
-                missing_since = None
-                tally.reappeared += 1
-                if old_state != State.DELETED:
-                    event("reappeared", f"{name} step {step}: listed again at {location}", cid)
+            for counter in t.counts:
+                setattr(tally, counter, getattr(tally, counter) + 1)
+            if t.state == State.CORRUPT and old.state != State.CORRUPT.value:
+                tally.corrupt += 1
+                tally.corrupt_found.append((name, step, t.reason or ""))
+            for e in t.events:
+                event(e, cid)
 
             values = {
                 "format": found.format.value,
                 "location": location,
-                "state": new_state.value,
-                "state_reason": reason,
+                "state": t.state.value,
+                "state_reason": t.reason,
                 "bytes": found.bytes,
                 "file_count": len(found.files),
                 "saved_at": _epoch(found.saved_at),
-                "missing_since": missing_since,
-                "verified_at": verified_at,
+                "missing_since": t.missing_since,
+                "verified_at": t.verified_at,
                 "recorded_loss": found.recorded_loss,
             }
             if any(getattr(old, k) != v for k, v in values.items()):
@@ -611,8 +624,8 @@ class Catalog:
             hot = hot_copies.get((cid, location))
             if hot is None:
                 copy_inserts.append(self._hot_copy_row(cid, location, found.bytes, now))
-            elif hot[1] != "present" or hot[2] != found.bytes:
-                copy_updates.append({"_id": hot[0], "state": "present", "stored_bytes": found.bytes})
+            elif hot[1] != CopyState.PRESENT or hot[2] != found.bytes:
+                copy_updates.append({"_id": hot[0], "state": CopyState.PRESENT.value, "stored_bytes": found.bytes})
 
         # Vanished: cataloged under this store and scope, not listed now.
         for step, old in existing.items():
@@ -625,27 +638,31 @@ class Catalog:
                 continue
             cid = int(old.id)
             hot = hot_copies.get((cid, old.location))
-            if hot is not None and hot[1] == "deleted":
+            if hot is not None and hot[1] == CopyState.DELETED:
                 continue  # ckptier removed this hot copy on purpose (an archive copy remains)
+            t = transitions.on_vanished(_row(old), label=f"{name} step {step}", location=old.location, now=now)
             ck_updates.append(
                 {"_id": cid, "last_seen": old.last_seen,
                  **{k: getattr(old, k) for k in (
-                     "format", "location", "state", "state_reason", "bytes", "file_count",
-                     "saved_at", "verified_at", "recorded_loss")},
-                 "missing_since": now}
+                     "format", "location", "bytes", "file_count", "saved_at", "recorded_loss")},
+                 "state": t.state.value, "state_reason": t.reason, "verified_at": t.verified_at,
+                 "missing_since": t.missing_since}
             )
-            if hot is not None and hot[1] == "present":
-                copy_updates.append({"_id": hot[0], "state": "missing", "stored_bytes": hot[2]})
-            tally.vanished += 1
-            event("vanished", f"{name} step {step}: no longer listed at {old.location}", cid,
-                  state=old.state)
+            if hot is not None and hot[1] == CopyState.PRESENT:
+                copy_updates.append({"_id": hot[0], "state": CopyState.MISSING.value, "stored_bytes": hot[2]})
+            for counter in t.counts:
+                setattr(tally, counter, getattr(tally, counter) + 1)
+            for e in t.events:
+                event(e, cid)
 
         # Write.
         if new_ck:
             ids = conn.execute(
                 insert(ck).returning(ck.c.id, sort_by_parameter_order=True), new_ck
             ).scalars().all()
-            for cid, found in zip(ids, new_found, strict=True):
+            for cid, found, found_events in zip(ids, new_found, new_events, strict=True):
+                for e in found_events:
+                    event(e, cid)
                 hashes = found.expected_sha256
                 file_inserts.extend(
                     self._file_row(cid, r.relpath, r.size, r.mtime, r.etag, hashes.get(r.relpath))
@@ -654,9 +671,7 @@ class Catalog:
                 copy_inserts.append(self._hot_copy_row(cid, _join_url(base, found.prefix), found.bytes, now))
             tally.new += len(new_ck)
             tally.rows_written += len(new_ck)
-            event("discovered", f"{name}: {len(new_ck)} new checkpoint(s), steps "
-                  f"{_names([str(f.step) for f in new_found])}", None,
-                  steps=[f.step for f in new_found][:1000])
+            event(transitions.discovered(name, [f.step for f in new_found]), None)
         if ck_updates:
             tally.rows_written += _bulk_update(conn, ck, ck_updates)
         if file_deletes:
@@ -684,7 +699,7 @@ class Catalog:
     @staticmethod
     def _hot_copy_row(cid: int, url: str, size: int, now: datetime) -> dict[str, Any]:
         return {
-            "checkpoint_id": cid, "tier": Tier.HOT.value, "url": url, "state": "present",
+            "checkpoint_id": cid, "tier": Tier.HOT.value, "url": url, "state": CopyState.PRESENT.value,
             "stored_bytes": size, "codec": None, "manifest_key": None, "created_at": now,
             "verified_at": None,
         }
@@ -728,25 +743,38 @@ class Catalog:
             rows = self._load(conn, [ck.c.id == checkpoint_id], with_files=True)
         return rows[0] if rows else None
 
-    def latest(self, job: str) -> CheckpointRecord | None:
+    def latest(self, job: str, *, drilled: bool = False) -> CheckpointRecord | None:
+        """The checkpoint of ``job`` safe to resume from, or None: see :meth:`choose_latest`."""
+        return self.choose_latest(job, drilled=drilled).record
+
+    def choose_latest(self, job: str, *, drilled: bool = False) -> transitions.Latest:
         """The highest-step ``verified`` checkpoint of ``job`` that still has a
-        ``present`` copy in some tier (safe to resume from), or None."""
+        ``present`` copy in some tier and whose most recent drill did not fail
+        (with ``drilled``: passed), its proof, and the newer ones passed over
+        with why (:func:`ckptier.storage.transitions.pick_latest`). The
+        chosen record carries its files."""
         has_copy = (
             select(cp.c.id)
-            .where(cp.c.checkpoint_id == ck.c.id, cp.c.state == "present")
+            .where(cp.c.checkpoint_id == ck.c.id, cp.c.state == CopyState.PRESENT.value)
             .exists()
         )
         with self._read() as conn:
-            cid = conn.execute(
-                select(ck.c.id)
-                .join(jb, jb.c.id == ck.c.job_id)
-                .where(jb.c.name == job, ck.c.state == State.VERIFIED.value, has_copy)
-                .order_by(ck.c.step.desc())
-                .limit(1)
-            ).scalar()
-            if cid is None:
-                return None
-            return self._load(conn, [ck.c.id == cid], with_files=True)[0]
+            candidates = self._load(conn, [jb.c.name == job, ck.c.state == State.VERIFIED.value, has_copy],
+                                    with_files=False)
+            latest = transitions.pick_latest(candidates, drilled=drilled)
+            if latest.record is None:
+                return latest
+            record = self._load(conn, [ck.c.id == latest.record.id], with_files=True)[0]
+        return transitions.Latest(record, latest.proof, latest.proven_at, latest.passed_over)
+
+    def file_counts(self, *, job: str | None = None) -> dict[int, int]:
+        """How many files the catalog lists for each checkpoint (by id) of ``job``, or
+        of every job: what a listing shows without loading every file row."""
+        stmt = select(fl.c.checkpoint_id, func.count()).group_by(fl.c.checkpoint_id)
+        if job is not None:
+            stmt = stmt.join(ck, ck.c.id == fl.c.checkpoint_id).join(jb, jb.c.id == ck.c.job_id).where(jb.c.name == job)
+        with self._read() as conn:
+            return {int(cid): int(n) for cid, n in conn.execute(stmt).tuples()}
 
     def jobs(self) -> list[str]:
         """Names of all jobs, sorted."""
@@ -766,15 +794,19 @@ class Catalog:
     ) -> list[CheckpointRecord]:
         where = and_(true(), *conds)
         base = select(ck.c.id).join(jb, jb.c.id == ck.c.job_id).where(where)
+        # Columns named and rows unpacked as tuples: attribute access on 100,000
+        # rows costs more than the query itself.
         rows = conn.execute(
-            select(ck, jb.c.name.label("job_name"))
+            select(ck.c.id, jb.c.name, ck.c.step, ck.c.format, ck.c.state, ck.c.location, ck.c.bytes,
+                   ck.c.saved_at, ck.c.first_seen, ck.c.last_seen, ck.c.missing_since, ck.c.verified_at,
+                   ck.c.state_reason, ck.c.recorded_loss, ck.c.generation)
             .join(jb, jb.c.id == ck.c.job_id)
             .where(where)
             .order_by(jb.c.name, ck.c.step)
-        ).all()
+        ).tuples().all()
         if not rows:
             return []
-        ids = base.scalar_subquery() if len(rows) > 500 else [r.id for r in rows]
+        ids = base.scalar_subquery() if len(rows) > 500 else [r[0] for r in rows]
         files: dict[int, list[FileRecord]] = {}
         if with_files:
             cols = (fl.c.relpath, fl.c.size, fl.c.mtime, fl.c.etag, fl.c.crc64nvme,
@@ -788,51 +820,75 @@ class Catalog:
                     FileRecord(relpath=rel, size=size, mtime=mtime, etag=etag, crc64nvme=crc,
                                sha256_expected=exp, status=status, detail=detail)
                 )
-        copies: dict[int, list[CopyRecord]] = {}
-        for c in conn.execute(
-            select(cp).where(cp.c.checkpoint_id.in_(ids)).order_by(cp.c.checkpoint_id, cp.c.tier, cp.c.url)
+        last_drill: dict[int, DrillOutcome] = {}
+        for d in conn.execute(
+            select(dr.c.checkpoint_id, dr.c.ok, dr.c.started_at, dr.c.finished_at, dr.c.error, dr.c.verdict)
+            .where(dr.c.checkpoint_id.in_(ids))
+            .order_by(dr.c.checkpoint_id, dr.c.started_at.desc(), dr.c.id.desc())
         ):
-            copies.setdefault(c.checkpoint_id, []).append(
-                CopyRecord(tier=Tier(c.tier), url=c.url, state=c.state, stored_bytes=c.stored_bytes,
-                           verified_at=c.verified_at, codec=c.codec, storage_class=c.storage_class)
+            if d.checkpoint_id not in last_drill:
+                summary = d.verdict.get("summary") if isinstance(d.verdict, dict) else None
+                last_drill[d.checkpoint_id] = DrillOutcome(
+                    ok=bool(d.ok), at=d.finished_at or d.started_at,
+                    detail=None if d.ok else (d.error or summary),
+                )
+        copies: dict[int, list[CopyRecord]] = {}
+        for ccid, tier, url, cstate, stored, cverified, codec, sclass in conn.execute(
+            select(cp.c.checkpoint_id, cp.c.tier, cp.c.url, cp.c.state, cp.c.stored_bytes, cp.c.verified_at,
+                   cp.c.codec, cp.c.storage_class)
+            .where(cp.c.checkpoint_id.in_(ids)).order_by(cp.c.checkpoint_id, cp.c.tier, cp.c.url)
+        ).tuples():
+            copies.setdefault(ccid, []).append(
+                CopyRecord(tier=_TIERS[tier], url=url, state=_COPY_STATES[cstate], stored_bytes=stored,
+                           verified_at=cverified, codec=codec, storage_class=sclass)
             )
         return [
             CheckpointRecord(
-                id=r.id, job=r.job_name, step=r.step, format=Format(r.format), state=State(r.state),
-                location=r.location, bytes=r.bytes, saved_at=r.saved_at, first_seen=r.first_seen,
-                last_seen=r.last_seen, missing_since=r.missing_since, verified_at=r.verified_at,
-                state_reason=r.state_reason, recorded_loss=r.recorded_loss, generation=r.generation,
-                files=tuple(files.get(r.id, ())), copies=tuple(copies.get(r.id, ())),
+                id=cid, job=job, step=step, format=_FORMATS[fmt], state=_STATES[state],
+                location=location, bytes=size, saved_at=saved_at, first_seen=first_seen,
+                last_seen=last_seen, missing_since=missing_since, verified_at=verified_at,
+                state_reason=reason, recorded_loss=loss, generation=generation,
+                files=tuple(files.get(cid, ())), copies=tuple(copies.get(cid, ())),
+                last_drill=last_drill.get(cid),
             )
-            for r in rows
+            for (cid, job, step, fmt, state, location, size, saved_at, first_seen, last_seen, missing_since,
+                 verified_at, reason, loss, generation) in rows
         ]
 
     # -- verification --------------------------------------------------------------
 
     def record_verification(
-        self, checkpoint_id: int, results: Sequence[FileCheck], *, now: datetime
+        self,
+        checkpoint_id: int,
+        results: Sequence[FileCheck],
+        *,
+        now: datetime,
+        grace: timedelta = transitions.DEFAULT_GRACE,
+        extra: Sequence[str] = (),
     ) -> State:
         """Record per-file read-back results and return the checkpoint's state.
 
-        * A file is bad when reported ``corrupt``/``missing``, or reported
-          ``ok`` but its size, sha256 (vs the format's expected hash) or
-          crc64nvme (vs the value recorded by an earlier verification)
-          differs from the catalog. Any bad file → ``corrupt``, the reason
-          naming the file with expected vs actual.
-        * Otherwise, only ``error`` results (unreadable) → state unchanged.
-        * Otherwise, every cataloged file ``ok`` → ``verified`` (and
-          ``verified_at = now`` on the checkpoint and its hot copy).
-        * The first ``ok`` verification records the file's crc64nvme.
-        * ``incomplete`` and ``deleted`` checkpoints keep their state; their
-          file results are still recorded.
-        An event is logged for every state change. Raises
-        :class:`UnknownCheckpoint` for an unknown id and ``ValueError`` for a
-        result naming a file the catalog does not list.
+        What the results mean is :func:`ckptier.storage.transitions.on_verification`:
+        a file reported ``corrupt``/``missing``, or ``ok`` but contradicting
+        the catalog (size, expected sha256, recorded crc64nvme) → ``corrupt``,
+        the reason naming the file with expected vs actual; files a manifest
+        of the checkpoint requires that are absent or short (results with a
+        ``shortfall``; those for files the catalog does not hold are not
+        stored as files) → ``incomplete`` within ``grace`` of the save,
+        ``corrupt`` after; only ``error`` results → state unchanged; every
+        cataloged file ``ok`` → ``verified`` (``verified_at = now`` on the
+        checkpoint and its hot copy; ``extra`` files are named in the
+        reason). The first ``ok`` verification records the file's crc64nvme.
+        ``incomplete`` and ``deleted`` checkpoints keep their state; their
+        file results are still recorded. An event is logged for every state
+        change. Raises :class:`UnknownCheckpoint` for an unknown id and
+        ``ValueError`` for a result naming a file the catalog does not list.
         """
         now = _aware(now)
         with self._write() as conn:
             head = conn.execute(
-                select(ck.c.id, ck.c.job_id, ck.c.step, ck.c.state, ck.c.state_reason, ck.c.location)
+                select(ck.c.id, ck.c.job_id, ck.c.step, ck.c.state, ck.c.state_reason, ck.c.location,
+                       ck.c.first_seen, ck.c.saved_at, ck.c.verified_at, ck.c.missing_since)
                 .where(ck.c.id == checkpoint_id)
             ).first()
             if head is None:
@@ -845,76 +901,41 @@ class Catalog:
                     .where(fl.c.checkpoint_id == checkpoint_id)
                 )
             }
-            bad: list[str] = []
-            errors: list[str] = []
-            ok: set[str] = set()
-            updates: list[dict[str, Any]] = []
-            for res in results:
-                if res.status not in FILE_STATUSES:
-                    raise ValueError(f"{res.relpath}: status {res.status!r}; use one of {', '.join(FILE_STATUSES)}")
-                row = rows.get(res.relpath)
-                if row is None:
-                    raise ValueError(
-                        f"checkpoint {checkpoint_id} has no file {res.relpath!r} in the catalog; "
-                        "rescan before verifying"
-                    )
-                status: str = res.status
-                detail = res.detail
-                if status == "ok":
-                    mismatch = _mismatch(row.size, row.sha256_expected, row.crc64nvme, res)
-                    if mismatch:
-                        status, detail = "corrupt", mismatch
-                elif status in ("corrupt", "missing") and not detail:
-                    detail = status
-                crc = row.crc64nvme
-                if status == "ok" and crc is None:
-                    crc = res.crc64nvme
-                updates.append(
-                    {"_id": row.id, "status": status, "detail": detail, "verified_at": now,
-                     "crc64nvme": crc, "sha256": res.sha256 if res.sha256 else row.sha256}
-                )
-                if status in ("corrupt", "missing"):
-                    bad.append(f"{res.relpath}: {detail}")
-                elif status == "error":
-                    errors.append(res.relpath)
-                else:
-                    ok.add(res.relpath)
+            files = [FileRecord(r.relpath, r.size, None, None, r.crc64nvme, r.sha256_expected, r.status, None)
+                     for r in rows.values()]
+            v = transitions.on_verification(
+                _row(head), files, results, label=f"checkpoint {checkpoint_id} (step {head.step})", now=now,
+                grace=grace, extra=extra,
+            )
+            updates = [
+                {"_id": rows[f.relpath].id, "status": f.status, "detail": f.detail, "verified_at": now,
+                 "crc64nvme": f.crc64nvme, "sha256": f.sha256 if f.sha256 else rows[f.relpath].sha256}
+                for f in v.files
+            ]
             if updates:
                 _bulk_update(conn, fl, updates)
 
+            t = v.transition
             old = State(head.state)
-            new, reason = old, head.state_reason
-            if old in (State.INCOMPLETE, State.DELETED):
-                pass
-            elif bad:
-                new = State.CORRUPT
-                reason = bad[0] + (f" (+{len(bad) - 1} more bad files)" if len(bad) > 1 else "")
-            elif errors:
-                pass
-            elif rows and ok >= set(rows):
-                new, reason = State.VERIFIED, f"{len(rows)} files verified"
-
-            values: dict[str, Any] = {"state": new.value, "state_reason": reason}
-            if new == State.VERIFIED:
-                values["verified_at"] = now
-            if new != old or reason != head.state_reason or new == State.VERIFIED:
+            values: dict[str, Any] = {"state": t.state.value, "state_reason": t.reason}
+            if t.state == State.VERIFIED:
+                values["verified_at"] = t.verified_at
+            if t.state != old or t.reason != head.state_reason or t.state == State.VERIFIED:
                 conn.execute(update(ck).where(ck.c.id == checkpoint_id).values(**values))
-            if new == State.VERIFIED:
+            if t.state == State.VERIFIED:
                 conn.execute(
                     update(cp)
                     .where(cp.c.checkpoint_id == checkpoint_id, cp.c.tier == Tier.HOT.value,
-                           cp.c.url == head.location, cp.c.state == "present")
+                           cp.c.url == head.location, cp.c.state == CopyState.PRESENT.value)
                     .values(verified_at=now)
                 )
-            if new != old:
+            for e in t.events:
                 conn.execute(
-                    insert(ev).values(
-                        at=now, kind=new.value, job_id=head.job_id, checkpoint_id=checkpoint_id,
-                        message=f"step {head.step}: {old.value} -> {new.value}: {reason}",
-                        data={"from": old.value, "to": new.value, "bad": bad[:100], "errors": errors[:100]},
-                    )
+                    insert(ev).values(at=now, kind=e.kind, job_id=head.job_id, checkpoint_id=checkpoint_id,
+                                      message=e.message,
+                                      data=dict(e.data) if e.data else None)
                 )
-            return new
+            return t.state
 
     # -- copies --------------------------------------------------------------------
 
@@ -924,7 +945,7 @@ class Catalog:
         *,
         tier: Tier,
         url: str,
-        state: str = "present",
+        state: CopyState = CopyState.PRESENT,
         stored_bytes: int | None,
         codec: str | None,
         manifest_key: str | None,
@@ -936,11 +957,11 @@ class Catalog:
         checkpoint. ``created_at`` is set on insert only. ``storage_class``:
         the S3 class its objects were confirmed in. Idempotent."""
         now = _aware(now)
-        _check_copy_state(state)
+        state = _check_copy_state(state)
         if verified_at is not None:
             verified_at = _aware(verified_at, "verified_at")
         values = {
-            "state": state, "stored_bytes": stored_bytes, "codec": codec,
+            "state": state.value, "stored_bytes": stored_bytes, "codec": codec,
             "manifest_key": manifest_key, "verified_at": verified_at, "storage_class": storage_class,
         }
         stmt = self._insert(cp).values(
@@ -951,11 +972,11 @@ class Catalog:
             self._require(conn, checkpoint_id)
             conn.execute(stmt)
 
-    def set_copy_state(self, checkpoint_id: int, *, tier: Tier, url: str, state: str, now: datetime) -> None:
+    def set_copy_state(self, checkpoint_id: int, *, tier: Tier, url: str, state: CopyState, now: datetime) -> None:
         """Set the state of an existing copy; raises :class:`UnknownCheckpoint`
         when there is no such copy. Logs an event when the state changes."""
         now = _aware(now)
-        _check_copy_state(state)
+        state = _check_copy_state(state)
         with self._write() as conn:
             row = conn.execute(
                 select(cp.c.id, cp.c.state, ck.c.job_id, ck.c.step)
@@ -968,12 +989,12 @@ class Catalog:
                 )
             if row.state == state:
                 return
-            conn.execute(update(cp).where(cp.c.id == row.id).values(state=state))
+            conn.execute(update(cp).where(cp.c.id == row.id).values(state=state.value))
             conn.execute(
                 insert(ev).values(
-                    at=now, kind="copy-" + state, job_id=row.job_id, checkpoint_id=checkpoint_id,
-                    message=f"step {row.step}: {Tier(tier).value} copy {url}: {row.state} -> {state}",
-                    data={"tier": Tier(tier).value, "url": url, "from": row.state, "to": state},
+                    at=now, kind="copy-" + state.value, job_id=row.job_id, checkpoint_id=checkpoint_id,
+                    message=f"step {row.step}: {Tier(tier).value} copy {url}: {row.state} -> {state.value}",
+                    data={"tier": Tier(tier).value, "url": url, "from": row.state, "to": state.value},
                 )
             )
 
@@ -1182,7 +1203,7 @@ class Catalog:
             conn.execute(
                 update(cp)
                 .where(cp.c.checkpoint_id == checkpoint_id, cp.c.tier == Tier.HOT.value)
-                .values(state="deleted")
+                .values(state=CopyState.DELETED.value)
             )
             conn.execute(
                 insert(ev).values(
@@ -1219,14 +1240,14 @@ class Catalog:
             conn.execute(
                 update(cp)
                 .where(cp.c.checkpoint_id == checkpoint_id, cp.c.tier == Tier.HOT.value, cp.c.url == row.location)
-                .values(state="deleted")
+                .values(state=CopyState.DELETED.value)
             )
             conn.execute(
                 insert(ev).values(
                     at=now, kind="copy-deleted", job_id=row.job_id, checkpoint_id=checkpoint_id,
                     message=f"step {row.step}: hot copy {row.location} deleted: "
                             f"{'; '.join(reasons) or 'no reason given'}",
-                    data={"tier": Tier.HOT.value, "url": row.location, "to": "deleted", "reasons": list(reasons),
+                    data={"tier": Tier.HOT.value, "url": row.location, "to": CopyState.DELETED.value, "reasons": list(reasons),
                           "owner": owner, "generation": generation},
                 )
             )
@@ -1253,7 +1274,7 @@ class Catalog:
             conn.execute(update(ck).where(ck.c.id == r.id).values(**values))
             conn.execute(
                 update(cp).where(cp.c.checkpoint_id == r.id, cp.c.tier == Tier.HOT.value, cp.c.url == r.location)
-                .values(state="deleted")
+                .values(state=CopyState.DELETED.value)
             )
             conn.execute(insert(ev).values(
                 at=now, kind="deleted" if whole else "copy-deleted", job_id=r.job_id,
@@ -1294,8 +1315,8 @@ class Catalog:
                 return False
             conn.execute(
                 update(cp)
-                .where(cp.c.checkpoint_id == checkpoint_id, cp.c.state != "deleted")
-                .values(state="missing")
+                .where(cp.c.checkpoint_id == checkpoint_id, cp.c.state != CopyState.DELETED.value)
+                .values(state=CopyState.MISSING.value)
             )
             conn.execute(
                 insert(ev).values(
@@ -1433,7 +1454,7 @@ class Catalog:
                 select(jb.c.name, cp.c.tier)
                 .join(ck, ck.c.job_id == jb.c.id)
                 .join(cp, cp.c.checkpoint_id == ck.c.id)
-                .where(cp.c.state.in_(("present", "degraded")), ck.c.state != State.DELETED.value)
+                .where(cp.c.state.in_(sorted(s.value for s in HELD_COPY_STATES)), ck.c.state != State.DELETED.value)
                 .distinct()
             ):
                 tiers.setdefault(name, set()).add(tier)
@@ -1498,17 +1519,8 @@ def _bulk_update(conn: Connection, table: Any, rows: list[dict[str, Any]]) -> in
     return len(rows)
 
 
-def _check_copy_state(state: str) -> None:
-    if state not in COPY_STATES:
+def _check_copy_state(state: CopyState | str) -> CopyState:
+    """``state`` as a :class:`CopyState`; a string that names none is a ``ValueError``."""
+    if state not in _COPY_STATES:
         raise ValueError(f"copy state {state!r} is unknown; use one of {', '.join(COPY_STATES)}")
-
-
-def _mismatch(size: int, sha256_expected: str | None, crc_recorded: str | None, res: FileCheck) -> str | None:
-    """Why an ``ok`` read-back still contradicts the catalog, or None."""
-    if res.size is not None and res.size != size:
-        return f"size expected {size}, got {res.size}"
-    if res.sha256 and sha256_expected and res.sha256.lower() != sha256_expected.lower():
-        return f"sha256 expected {sha256_expected}, got {res.sha256}"
-    if res.crc64nvme and crc_recorded and res.crc64nvme != crc_recorded:
-        return f"crc64nvme expected {crc_recorded}, got {res.crc64nvme}"
-    return None
+    return _COPY_STATES[state]

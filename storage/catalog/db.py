@@ -1,7 +1,9 @@
 """Opening the catalog database: URL rules, engine set-up, migrations.
 
-One SQLAlchemy URL chooses the database (``--catalog`` or
-``CKPTIER_CATALOG_URL``):
+One SQLAlchemy URL chooses the database. :func:`resolve_catalog_url` is
+the one place that decides which: ``--catalog``, then
+``CKPTIER_CATALOG_URL``, then ``[catalog] url`` in ``ckptier.toml``, then the
+default below.
 
 * ``sqlite:///path/catalog.db`` (the default, under the user's data dir):
   WAL journal, a 30 s busy timeout, foreign keys on, and every write
@@ -15,7 +17,9 @@ One SQLAlchemy URL chooses the database (``--catalog`` or
 
 :func:`open_engine` makes the engine and migrates the schema to the newest
 revision; every failure to do so is a one-line :class:`ConfigError` naming the
-URL with its password masked.
+URL with its password masked. With ``create=False`` (the read-only commands)
+a catalog that does not exist yet is never created: no directory, no file,
+no schema; :class:`CatalogMissing` says which catalog was looked for.
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ from __future__ import annotations
 import functools
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -69,37 +74,91 @@ NETWORK_FILESYSTEMS = frozenset(
 )
 #: Key of the PostgreSQL advisory lock that serialises concurrent migrations.
 _MIGRATION_LOCK_KEY = 0x636B7074  # "ckpt"
-_FIX = "set a valid URL with --catalog or CKPTIER_CATALOG_URL"
+_FIX = "set a valid URL with --catalog, CKPTIER_CATALOG_URL or [catalog] url in ckptier.toml"
 _MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 
 
 def data_dir() -> Path:
     """ckptier's data directory: ``$CKPTIER_HOME``, else ``$XDG_DATA_HOME/ckptier``,
     else ``~/.local/share/ckptier``. Not created here."""
-    home = os.environ.get("CKPTIER_HOME")
-    if home:
-        return Path(home).expanduser()
-    xdg = os.environ.get("XDG_DATA_HOME")
-    if xdg:
-        return Path(xdg).expanduser() / "ckptier"
-    return Path.home() / ".local" / "share" / "ckptier"
+    return _data_dir(os.environ)
 
 
 def default_catalog_url() -> str:
     """``$CKPTIER_CATALOG_URL`` when set, else a SQLite file ``catalog.db`` in
-    :func:`data_dir`, which is created (with parents) if needed."""
-    env = os.environ.get("CKPTIER_CATALOG_URL", "").strip()
-    if env:
-        return env
-    d = data_dir()
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(
-            f"cannot create the catalog directory {d}: {exc.strerror or exc}; "
-            "set CKPTIER_HOME to a writable directory or pass --catalog"
-        ) from exc
-    return f"sqlite:///{d.resolve() / 'catalog.db'}"
+    :func:`data_dir` (see :func:`resolve_catalog_url`). Creates nothing: the
+    directory is made when a catalog is first opened for writing."""
+    return resolve_catalog_url(None).url
+
+
+#: Environment variable naming the catalog (second in precedence, after ``--catalog``).
+CATALOG_URL_ENV = "CKPTIER_CATALOG_URL"
+
+
+@dataclass(frozen=True)
+class CatalogLocation:
+    """Which catalog a command uses and why: ``url`` and ``source``, one of
+    ``--catalog``, ``CKPTIER_CATALOG_URL``, ``[catalog] url in PATH`` or
+    ``default``."""
+
+    url: str
+    source: str
+
+    @property
+    def masked(self) -> str:
+        """The URL with its password masked (safe to print)."""
+        return mask_url(self.url)
+
+    def __str__(self) -> str:
+        return f"{self.masked} ({self.source})"
+
+
+#: What a config-file reader returns: the ``[catalog] url`` (or None) and the file it came from.
+ConfigURL = tuple[str | None, str | None]
+
+
+def resolve_catalog_url(
+    explicit: str | None,
+    *,
+    config_url: ConfigURL | Callable[[], ConfigURL] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> CatalogLocation:
+    """The catalog to use: ``explicit`` (``--catalog``, or a flow's
+    ``catalog_url`` parameter), else ``$CKPTIER_CATALOG_URL``, else the
+    ``[catalog] url`` of ``ckptier.toml``, else SQLite ``catalog.db`` in
+    :func:`data_dir`. Empty strings count as unset.
+
+    ``config_url`` is ``(url, file)`` or a callable returning it, called only
+    when the first two are unset (so a command given ``--catalog`` never
+    reads the config file for it). Pure apart from reading ``environ`` (the
+    process environment by default); creates nothing.
+    """
+    if explicit is not None and str(explicit).strip():
+        return CatalogLocation(str(explicit).strip(), "--catalog")
+    env = os.environ if environ is None else environ
+    from_env = env.get(CATALOG_URL_ENV, "").strip()
+    if from_env:
+        return CatalogLocation(from_env, CATALOG_URL_ENV)
+    if config_url is not None:
+        url, where = config_url() if callable(config_url) else config_url
+        if url is not None and url.strip():
+            return CatalogLocation(url.strip(), f"[catalog] url in {where or 'ckptier.toml'}")
+    path = _data_dir(env) / "catalog.db"
+    return CatalogLocation(f"sqlite:///{path.absolute()}", "default")
+
+
+def _data_dir(env: Mapping[str, str]) -> Path:
+    home = env.get("CKPTIER_HOME")
+    if home:
+        return Path(home).expanduser()
+    xdg = env.get("XDG_DATA_HOME")
+    if xdg:
+        return Path(xdg).expanduser() / "ckptier"
+    return Path(env.get("HOME") or Path.home()).expanduser() / ".local" / "share" / "ckptier"
+
+
+class CatalogMissing(ConfigError):
+    """A read-only command was pointed at a catalog that does not exist (yet)."""
 
 
 def mask_url(url: str | URL) -> str:
@@ -156,6 +215,13 @@ def _normalise(url: str) -> URL:
                 f"catalog URL {mask_url(u)!r} uses SQLite driver {u.get_driver_name()!r}; "
                 f"use plain sqlite:///PATH ({_FIX})"
             )
+        if u.host or u.port or u.username:
+            # sqlite://name.db parses as host "name.db" and an in-memory database.
+            raise ConfigError(
+                f"catalog URL {mask_url(u)!r} has {u.host!r} where a SQLite URL has no host; "
+                f"write sqlite:///{(u.host or '') + ('/' + u.database if u.database else '')} for a path relative "
+                "to the working directory or sqlite:////absolute/path.db"
+            )
         return u
     raise ConfigError(
         f"catalog URL {mask_url(u)!r} has unsupported database {backend!r}; "
@@ -163,40 +229,58 @@ def _normalise(url: str) -> URL:
     )
 
 
-def make_engine(url: str) -> Engine:
+POSTGRES_EXTRA_HINT = "pip install 'ckptier[postgres]'"
+
+
+def make_engine(url: str, *, create: bool = True) -> Engine:
     """An engine for ``url`` set up as the module docstring describes (no I/O
     on PostgreSQL; on SQLite the file's directory is created and checked).
 
-    Raises :class:`ConfigError` for an unsupported or malformed URL, an
-    SQLite directory that cannot be created or written, or a network
-    filesystem.
+    With ``create=False`` nothing is created: a SQLite file that does not
+    exist, is empty, or is in memory raises :class:`CatalogMissing`.
+
+    Raises :class:`ConfigError` for an unsupported or malformed URL, a
+    ``postgresql://`` URL without the psycopg driver installed, an SQLite
+    directory that cannot be created or written, or a network filesystem.
     """
     u = _normalise(url)
     if u.get_backend_name() == "postgresql":
         connect_args: dict[str, Any] = {}
         if "connect_timeout" not in u.query:
             connect_args["connect_timeout"] = PG_CONNECT_TIMEOUT_S
-        return create_engine(u, connect_args=connect_args, pool_pre_ping=True)
+        try:
+            return create_engine(u, connect_args=connect_args, pool_pre_ping=True)
+        except ImportError as exc:
+            raise ConfigError(
+                f"catalog {mask_url(u)} is PostgreSQL, but its driver psycopg is not installed "
+                f"({exc.name or 'psycopg'}); run {POSTGRES_EXTRA_HINT}"
+            ) from None
 
     database = u.database or ""
     if database in ("", ":memory:"):
+        if not create:
+            raise CatalogMissing(f"catalog {mask_url(u)} is an in-memory database: it holds no catalog to read; "
+                                 "give the file a scan wrote to, e.g. sqlite:////path/catalog.db")
         engine = create_engine(
             u, poolclass=StaticPool, connect_args={"check_same_thread": False}
         )
     else:
         path = Path(database).expanduser()
         directory = path.parent
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ConfigError(
-                f"cannot create directory {directory} for catalog {mask_url(u)}: "
-                f"{exc.strerror or exc}; {_FIX}"
-            ) from exc
-        if not os.access(directory, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-            raise ConfigError(f"catalog {mask_url(u)} is not writable; {_FIX}")
-        if path.is_dir():
-            raise ConfigError(f"catalog {mask_url(u)} is a directory, not a file; {_FIX}")
+        if not create:
+            _check_existing_sqlite(path, u)
+        else:
+            try:
+                directory.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise ConfigError(
+                    f"cannot create directory {directory} for catalog {mask_url(u)}: "
+                    f"{exc.strerror or exc}; {_FIX}"
+                ) from exc
+            if not os.access(directory, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+                raise ConfigError(f"catalog {mask_url(u)} is not writable; {_FIX}")
+            if path.is_dir():
+                raise ConfigError(f"catalog {mask_url(u)} is a directory, not a file; {_FIX}")
         _check_local_filesystem(directory, url)
         engine = create_engine(
             u.set(database=str(path)),
@@ -204,6 +288,33 @@ def make_engine(url: str) -> Engine:
         )
     _configure_sqlite(engine)
     return engine
+
+
+_SQLITE_HEADER = b"SQLite format 3\x00"
+
+
+def _check_existing_sqlite(path: Path, u: URL) -> None:
+    """Raise unless ``path`` is an existing, non-empty SQLite file (reads 16 bytes, writes nothing)."""
+    try:
+        with path.open("rb") as f:
+            header = f.read(len(_SQLITE_HEADER))
+    except FileNotFoundError:
+        raise _missing(mask_url(u), "does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"catalog {mask_url(u)} is a directory, not a file; {_FIX}") from None
+    except OSError as exc:
+        raise ConfigError(f"catalog {mask_url(u)} cannot be read: {exc.strerror or exc}; {_FIX}") from None
+    if not header:
+        raise _missing(mask_url(u), "is an empty file")
+    if header != _SQLITE_HEADER:
+        raise ConfigError(f"catalog {mask_url(u)} is not a SQLite database file; {_FIX}")
+
+
+def _missing(masked: str, what: str) -> CatalogMissing:
+    return CatalogMissing(
+        f"no catalog at {masked}: it {what}; run 'ckptier scan URL' to create it, "
+        "or point --catalog, CKPTIER_CATALOG_URL or [catalog] url at the one you meant"
+    )
 
 
 def _configure_sqlite(engine: Engine) -> None:
@@ -265,17 +376,23 @@ def _known_revisions() -> frozenset[str]:
     return frozenset(rev.revision for rev in _script().walk_revisions())
 
 
-def migrate(engine: Engine) -> bool:
+def migrate(engine: Engine, *, create: bool = True) -> bool:
     """Bring the schema to the newest revision; True when anything was run.
 
     Idempotent and safe to race: when the schema is already current only a
-    read transaction runs; otherwise the upgrade runs in one write transaction
-    (``BEGIN IMMEDIATE`` on SQLite, an advisory lock on PostgreSQL) that
-    re-checks the revision first. A database whose revision this version of
-    ckptier does not know (written by a newer ckptier) is refused.
+    read transaction runs (one version query, Alembic is not imported);
+    otherwise the upgrade runs in one write transaction (``BEGIN IMMEDIATE``
+    on SQLite, an advisory lock on PostgreSQL) that re-checks the revision
+    first. A database whose revision this version of ckptier does not know
+    (written by a newer ckptier) is refused. With ``create=False`` a database
+    without a catalog schema raises :class:`CatalogMissing` instead of
+    getting one; an existing catalog at an older revision is still upgraded.
     """
-    if _current_revisions(engine) == {HEAD_REVISION}:
+    current = _current_revisions(engine)
+    if current == {HEAD_REVISION}:
         return False
+    if not current and not create:
+        raise _missing(mask_url(engine.url), "holds no ckptier catalog (no schema)")
     from alembic import command
     from alembic.runtime.migration import MigrationContext
 
@@ -314,13 +431,15 @@ def _reason(exc: BaseException) -> str:
     return first.rstrip(".")
 
 
-def open_engine(url: str) -> Engine:
+def open_engine(url: str, *, create: bool = True) -> Engine:
     """Make the engine for ``url`` and migrate it (see :func:`make_engine`,
     :func:`migrate`). Every failure is a one-line :class:`ConfigError` that
-    names the URL (password masked) and the fix."""
-    engine = make_engine(url)
+    names the URL (password masked) and the fix. With ``create=False`` a
+    catalog that does not exist yet raises :class:`CatalogMissing` and
+    nothing is created."""
+    engine = make_engine(url, create=create)
     try:
-        migrate(engine)
+        migrate(engine, create=create)
     except ConfigError:
         engine.dispose()
         raise

@@ -1,8 +1,11 @@
 """SQLAlchemy 2 tables of the catalog.
 
 The schema itself is created and changed only by the Alembic migrations in
-``migrations/versions``; these classes describe it to the query code and are
+``migrations/versions``; these tables describe it to the query code and are
 checked against the migrated schema by the test suite (no autogenerate drift).
+They are SQLAlchemy Core tables, not ORM classes: the catalog's queries are
+Core statements, and not importing ``sqlalchemy.orm`` (about 0.15 s) keeps
+``ckptier latest`` close to the cost of ``import sqlalchemy``.
 
 Conventions:
 
@@ -16,26 +19,28 @@ Conventions:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import Any, cast
+from typing import Any
 
 from sqlalchemy import (
     JSON,
     BigInteger,
     Boolean,
+    Column,
     DateTime,
     Dialect,
     Float,
     ForeignKey,
     Index,
     Integer,
+    MetaData,
     String,
     Table,
     Text,
     UniqueConstraint,
 )
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
-from sqlalchemy.types import TypeDecorator
+from sqlalchemy.types import TypeDecorator, TypeEngine
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -67,179 +72,186 @@ class UTCDateTime(TypeDecorator[datetime]):
             return value.astimezone(UTC)
         return value.replace(tzinfo=UTC)
 
+    def result_processor(self, dialect: Dialect, coltype: object) -> Callable[[Any], datetime | None]:
+        """The driver's value to an aware UTC datetime in one call (a listing of 100,000
+        checkpoints converts 700,000 of them; the default chain costs twice as much)."""
+        parse = self.impl_instance.dialect_impl(dialect).result_processor(dialect, coltype)
 
-class Base(DeclarativeBase):
-    type_annotation_map = {datetime: UTCDateTime(), dict[str, Any]: JSON, list[Any]: JSON}
+        def process(value: Any) -> datetime | None:
+            if value is None:
+                return None
+            if parse is not None:
+                value = parse(value)
+            return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
-
-class Job(Base):
-    """A training job: a named series of checkpoints."""
-
-    __tablename__ = "jobs"
-    __table_args__ = (UniqueConstraint("name", name="uq_jobs_name"),)
-
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    name: Mapped[str] = mapped_column(String(512))
-    # URL of the directory holding the job's checkpoints in the hot store;
-    # NULL for a job known only from an event.
-    hot_url: Mapped[str | None] = mapped_column(Text)
-    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+        return process
 
 
-class Checkpoint(Base):
-    """One checkpoint (a step of a job), its lease for fenced operations and any pending delete."""
+metadata = MetaData()
 
-    __tablename__ = "checkpoints"
-    __table_args__ = (
-        UniqueConstraint("job_id", "step", name="uq_checkpoints_job_step"),
-        Index("ix_checkpoints_state", "state"),
-        Index("ix_checkpoints_location", "location"),
-        Index("ix_checkpoints_delete_intent", "delete_intent"),
-    )
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
-    step: Mapped[int] = mapped_column(BigInteger)
-    format: Mapped[str] = mapped_column(String(32))
-    location: Mapped[str] = mapped_column(Text)
-    state: Mapped[str] = mapped_column(String(16))
-    state_reason: Mapped[str | None] = mapped_column(Text)
-    bytes: Mapped[int] = mapped_column(BigInteger)
-    file_count: Mapped[int] = mapped_column(Integer)
-    saved_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
-    first_seen: Mapped[datetime] = mapped_column(UTCDateTime())
-    last_seen: Mapped[datetime] = mapped_column(UTCDateTime())
-    missing_since: Mapped[datetime | None] = mapped_column(UTCDateTime())
-    verified_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
-    recorded_loss: Mapped[float | None] = mapped_column(Float)
-    generation: Mapped[int] = mapped_column(BigInteger, default=0)
-    lease_owner: Mapped[str | None] = mapped_column(String(256))
-    lease_expires: Mapped[datetime | None] = mapped_column(UTCDateTime())
+class Base:
+    """What Alembic's ``env.py`` and the schema test compare against: ``Base.metadata``."""
+
+    metadata = metadata
+
+
+def _id() -> Column[int]:
+    return Column("id", Integer, primary_key=True)
+
+
+_Type = TypeEngine[Any] | type[TypeEngine[Any]]
+
+
+def _required(name: str, type_: _Type) -> Column[Any]:
+    return Column(name, type_, nullable=False)
+
+
+def _optional(name: str, type_: _Type) -> Column[Any]:
+    return Column(name, type_, nullable=True)
+
+
+#: A training job: a named series of checkpoints. ``hot_url`` is the URL of the
+#: directory holding the job's checkpoints in the hot store; NULL for a job
+#: known only from an event.
+jobs = Table(
+    "jobs", metadata,
+    _id(),
+    _required("name", String(512)),
+    _optional("hot_url", Text),
+    _required("created_at", UTCDateTime()),
+    UniqueConstraint("name", name="uq_jobs_name"),
+)
+
+#: One checkpoint (a step of a job), its lease for fenced operations and any pending delete.
+checkpoints = Table(
+    "checkpoints", metadata,
+    _id(),
+    Column("job_id", ForeignKey("jobs.id", ondelete="CASCADE"), nullable=False),
+    _required("step", BigInteger),
+    _required("format", String(32)),
+    _required("location", Text),
+    _required("state", String(16)),
+    _optional("state_reason", Text),
+    _required("bytes", BigInteger),
+    _required("file_count", Integer),
+    _optional("saved_at", UTCDateTime()),
+    _required("first_seen", UTCDateTime()),
+    _required("last_seen", UTCDateTime()),
+    _optional("missing_since", UTCDateTime()),
+    _optional("verified_at", UTCDateTime()),
+    _optional("recorded_loss", Float),
+    Column("generation", BigInteger, nullable=False, default=0),
+    _optional("lease_owner", String(256)),
+    _optional("lease_expires", UTCDateTime()),
     # The lease holder's process: a run finding it gone takes the lease over at once.
-    lease_host: Mapped[str | None] = mapped_column(String(256))
-    lease_pid: Mapped[int | None] = mapped_column(Integer)
-    lease_started: Mapped[str | None] = mapped_column(String(64))  # process start, as leases.process_start gives it
+    _optional("lease_host", String(256)),
+    _optional("lease_pid", Integer),
+    _optional("lease_started", String(64)),  # process start, as leases.process_start gives it
     # Set (fenced by the lease) before any file is deleted; cleared by the tombstone.
-    delete_intent: Mapped[str | None] = mapped_column(String(16))  # "checkpoint" / "hot-copy"
-    delete_intent_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
-    delete_intent_files: Mapped[int | None] = mapped_column(Integer)  # files it was to delete
+    _optional("delete_intent", String(16)),  # "checkpoint" / "hot-copy"
+    _optional("delete_intent_at", UTCDateTime()),
+    _optional("delete_intent_files", Integer),  # files it was to delete
+    UniqueConstraint("job_id", "step", name="uq_checkpoints_job_step"),
+    Index("ix_checkpoints_state", "state"),
+    Index("ix_checkpoints_location", "location"),
+    Index("ix_checkpoints_delete_intent", "delete_intent"),
+)
 
+#: A file of a checkpoint, as listed and as last verified. ``mtime`` is epoch
+#: seconds as the store lists it; ``crc64nvme`` base64; ``sha256`` hex as last
+#: computed, ``sha256_expected`` hex from the format's metadata; ``status``
+#: None / ok / corrupt / error / missing.
+files = Table(
+    "files", metadata,
+    _id(),
+    Column("checkpoint_id", ForeignKey("checkpoints.id", ondelete="CASCADE"), nullable=False),
+    _required("relpath", Text),
+    _required("size", BigInteger),
+    _optional("mtime", Float),
+    _optional("etag", String(256)),
+    _optional("crc64nvme", String(32)),
+    _optional("sha256", String(64)),
+    _optional("sha256_expected", String(64)),
+    _optional("status", String(16)),
+    _optional("detail", Text),
+    _optional("verified_at", UTCDateTime()),
+    UniqueConstraint("checkpoint_id", "relpath", name="uq_files_checkpoint_relpath"),
+)
 
-class File(Base):
-    """A file of a checkpoint, as listed and as last verified."""
+#: Where a checkpoint's bytes live: one row per (tier, url); ``state`` is
+#: present / missing / deleted / degraded.
+copies = Table(
+    "copies", metadata,
+    _id(),
+    Column("checkpoint_id", ForeignKey("checkpoints.id", ondelete="CASCADE"), nullable=False),
+    _required("tier", String(16)),
+    _required("url", Text),
+    _required("state", String(16)),
+    _optional("stored_bytes", BigInteger),
+    _optional("codec", String(64)),
+    _optional("manifest_key", Text),
+    _required("created_at", UTCDateTime()),
+    _optional("verified_at", UTCDateTime()),
+    _optional("storage_class", String(32)),  # S3 class of an archive copy, as confirmed
+    UniqueConstraint("checkpoint_id", "tier", "url", name="uq_copies_checkpoint_tier_url"),
+)
 
-    __tablename__ = "files"
-    __table_args__ = (UniqueConstraint("checkpoint_id", "relpath", name="uq_files_checkpoint_relpath"),)
+#: A retention decision about one checkpoint, with the reasons given.
+decisions = Table(
+    "decisions", metadata,
+    _id(),
+    Column("checkpoint_id", ForeignKey("checkpoints.id", ondelete="CASCADE"), nullable=False),
+    _required("at", UTCDateTime()),
+    _required("action", String(32)),
+    _required("reasons", JSON),
+    _required("policy", Text),
+    Index("ix_decisions_checkpoint_at", "checkpoint_id", "at"),
+)
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id", ondelete="CASCADE"))
-    relpath: Mapped[str] = mapped_column(Text)
-    size: Mapped[int] = mapped_column(BigInteger)
-    mtime: Mapped[float | None] = mapped_column(Float)  # epoch seconds, as the store lists it
-    etag: Mapped[str | None] = mapped_column(String(256))
-    crc64nvme: Mapped[str | None] = mapped_column(String(32))  # base64
-    sha256: Mapped[str | None] = mapped_column(String(64))  # hex, as last computed
-    sha256_expected: Mapped[str | None] = mapped_column(String(64))  # hex, from format metadata
-    status: Mapped[str | None] = mapped_column(String(16))  # None / ok / corrupt / error / missing
-    detail: Mapped[str | None] = mapped_column(Text)
-    verified_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+#: An append-only log line: state changes, tombstones, scan findings.
+events = Table(
+    "events", metadata,
+    _id(),
+    _required("at", UTCDateTime()),
+    _required("kind", String(64)),
+    _required("message", Text),
+    Column("job_id", ForeignKey("jobs.id", ondelete="SET NULL"), nullable=True),
+    Column("checkpoint_id", ForeignKey("checkpoints.id", ondelete="SET NULL"), nullable=True),
+    _optional("data", JSON),
+    Index("ix_events_at", "at"),
+    Index("ix_events_job_at", "job_id", "at"),
+    Index("ix_events_checkpoint", "checkpoint_id"),
+)
 
+#: One restore drill: what was restored from where, how long it took, the verdict.
+drills = Table(
+    "drills", metadata,
+    _id(),
+    Column("job_id", ForeignKey("jobs.id", ondelete="CASCADE"), nullable=False),
+    Column("checkpoint_id", ForeignKey("checkpoints.id", ondelete="SET NULL"), nullable=True),
+    _required("started_at", UTCDateTime()),
+    _optional("finished_at", UTCDateTime()),
+    _required("ok", Boolean),
+    _optional("device", String(64)),
+    _optional("source_tier", String(16)),
+    _optional("verdict", JSON),
+    _optional("timings", JSON),
+    _optional("peak_memory_bytes", BigInteger),
+    _optional("error", Text),
+    Index("ix_drills_job_started", "job_id", "started_at"),
+)
 
-class Copy(Base):
-    """Where a checkpoint's bytes live: one row per (tier, url)."""
-
-    __tablename__ = "copies"
-    __table_args__ = (
-        UniqueConstraint("checkpoint_id", "tier", "url", name="uq_copies_checkpoint_tier_url"),
-    )
-
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id", ondelete="CASCADE"))
-    tier: Mapped[str] = mapped_column(String(16))
-    url: Mapped[str] = mapped_column(Text)
-    state: Mapped[str] = mapped_column(String(16))  # present / missing / deleted / degraded
-    stored_bytes: Mapped[int | None] = mapped_column(BigInteger)
-    codec: Mapped[str | None] = mapped_column(String(64))
-    manifest_key: Mapped[str | None] = mapped_column(Text)
-    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
-    verified_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
-    storage_class: Mapped[str | None] = mapped_column(String(32))  # S3 class of an archive copy, as confirmed
-
-
-class Decision(Base):
-    """A retention decision about one checkpoint, with the reasons given."""
-
-    __tablename__ = "decisions"
-    __table_args__ = (Index("ix_decisions_checkpoint_at", "checkpoint_id", "at"),)
-
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id", ondelete="CASCADE"))
-    at: Mapped[datetime] = mapped_column(UTCDateTime())
-    action: Mapped[str] = mapped_column(String(32))
-    reasons: Mapped[list[Any]] = mapped_column(JSON)
-    policy: Mapped[str] = mapped_column(Text)
-
-
-class Event(Base):
-    """An append-only log line: state changes, tombstones, scan findings."""
-
-    __tablename__ = "events"
-    __table_args__ = (
-        Index("ix_events_at", "at"),
-        Index("ix_events_job_at", "job_id", "at"),
-        Index("ix_events_checkpoint", "checkpoint_id"),
-    )
-
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    at: Mapped[datetime] = mapped_column(UTCDateTime())
-    kind: Mapped[str] = mapped_column(String(64))
-    message: Mapped[str] = mapped_column(Text)
-    job_id: Mapped[int | None] = mapped_column(ForeignKey("jobs.id", ondelete="SET NULL"))
-    checkpoint_id: Mapped[int | None] = mapped_column(ForeignKey("checkpoints.id", ondelete="SET NULL"))
-    data: Mapped[dict[str, Any] | None] = mapped_column(JSON)
-
-
-class Drill(Base):
-    """One restore drill: what was restored from where, how long it took, the verdict."""
-
-    __tablename__ = "drills"
-    __table_args__ = (Index("ix_drills_job_started", "job_id", "started_at"),)
-
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
-    checkpoint_id: Mapped[int | None] = mapped_column(ForeignKey("checkpoints.id", ondelete="SET NULL"))
-    started_at: Mapped[datetime] = mapped_column(UTCDateTime())
-    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
-    ok: Mapped[bool] = mapped_column(Boolean)
-    device: Mapped[str | None] = mapped_column(String(64))
-    source_tier: Mapped[str | None] = mapped_column(String(16))
-    verdict: Mapped[dict[str, Any] | None] = mapped_column(JSON)
-    timings: Mapped[dict[str, Any] | None] = mapped_column(JSON)
-    peak_memory_bytes: Mapped[int | None] = mapped_column(BigInteger)
-    error: Mapped[str | None] = mapped_column(Text)
-
-
-class Scan(Base):
-    """Statistics of a scan that changed the catalog (unchanged rescans leave no row)."""
-
-    __tablename__ = "scans"
-    __table_args__ = (Index("ix_scans_url_started", "url", "started_at"),)
-
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    url: Mapped[str] = mapped_column(Text)
-    started_at: Mapped[datetime] = mapped_column(UTCDateTime())
-    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
-    objects: Mapped[int] = mapped_column(Integer)
-    checkpoints: Mapped[int] = mapped_column(Integer)
-    unrecognised: Mapped[int] = mapped_column(Integer)
-    rows_written: Mapped[int] = mapped_column(Integer)
-
-
-jobs = cast(Table, Job.__table__)
-checkpoints = cast(Table, Checkpoint.__table__)
-files = cast(Table, File.__table__)
-copies = cast(Table, Copy.__table__)
-decisions = cast(Table, Decision.__table__)
-events = cast(Table, Event.__table__)
-drills = cast(Table, Drill.__table__)
-scans = cast(Table, Scan.__table__)
+#: Statistics of a scan that changed the catalog (unchanged rescans leave no row).
+scans = Table(
+    "scans", metadata,
+    _id(),
+    _required("url", Text),
+    _required("started_at", UTCDateTime()),
+    _optional("finished_at", UTCDateTime()),
+    _required("objects", Integer),
+    _required("checkpoints", Integer),
+    _required("unrecognised", Integer),
+    _required("rows_written", Integer),
+    Index("ix_scans_url_started", "url", "started_at"),
+)

@@ -1,0 +1,255 @@
+"""The dashboard overview on a large catalog, against the raw SQL it needs.
+
+Builds (once, reused) a SQLite catalog of ``--checkpoints`` checkpoints
+(100,000) in ``--jobs`` jobs (20) with ``--files`` files each (10: a million
+file rows), shaped like months of real runs: a save every 30 minutes,
+rolling checkpoints deleted (tombstones), milestones promoted to an archive
+tier (a few degraded), some corrupt, the newest ones committed or still in
+flight, one restore drill per job per night (some failed), and the events
+all of that logs.
+
+Baseline: **raw SQL** — every statement the overview executes, captured
+while it renders once, replayed on a plain DBAPI connection with
+``fetchall()`` (no SQLAlchemy result processing, no pandas, no HTML).
+Measured: **overview** — ``GET /`` through the FastAPI app in process
+(queries, pandas tables, alerts, Jinja2 rendering, HTTP handling).
+Interleaved rounds, best of ``--repeat``; prints both and the ratio
+(target: ≤ 2×). Also prints a job page's time, for information.
+
+Run: ``python bench/dashboard.py [--dir /tmp/ckptier-bench-dashboard] [--repeat 5] [--rebuild]``.
+Building takes about a minute; a run, a few seconds more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from fastapi.testclient import TestClient
+
+from ckptier.dashboard.app import create_app
+from ckptier.dashboard.source import open_source
+from ckptier.storage.catalog.api import Catalog, DrillRecord
+from ckptier.tasks.config import parse_config
+from ckptier.tasks.retention import is_log_milestone
+
+START = datetime(2026, 6, 1, tzinfo=UTC)
+INTERVAL = timedelta(minutes=30)
+STEPS_PER_SAVE = 1000
+FILE_BYTES = 200_000_000  # per file: a 10-file checkpoint is 2 GB
+POLICY = '[[policy]]\njobs = "*"\nkeep_last = 5\nmilestones = "log"\narchive = "s3://bench-cold/archive"\n'
+SHAPE_KEY = "bench-dashboard-v1"
+
+
+def _ts(t: datetime) -> str:
+    """How the catalog stores a time on SQLite (naive UTC text)."""
+    return t.astimezone(UTC).replace(tzinfo=None).strftime("%Y-%m-%d %H:%M:%S.%f")
+
+
+def build(path: Path, *, jobs: int, checkpoints: int, files: int, seed: int = 7) -> datetime:
+    """Write the catalog at ``path``; returns the simulated 'now'."""
+    rng = random.Random(seed)
+    path.unlink(missing_ok=True)
+    url = f"sqlite:///{path}"
+    per_job = checkpoints // jobs
+    now = START + INTERVAL * (per_job + 1)
+    with Catalog.open(url) as cat:
+        engine = cat._engine  # noqa: SLF001 - a benchmark's bulk loader, not product code
+        with engine.begin() as conn:
+            ck_rows: list[tuple[Any, ...]] = []
+            for j in range(jobs):
+                name = f"llama-{j:02d}"
+                conn.exec_driver_sql("INSERT INTO jobs (id, name, hot_url, created_at) VALUES (?, ?, ?, ?)",
+                                     (j + 1, name, f"s3://bench-hot/runs/{name}", _ts(START)))
+                for i in range(per_job):
+                    step = (i + 1) * STEPS_PER_SAVE
+                    saved = START + INTERVAL * (i + 1)
+                    age = per_job - i
+                    milestone = is_log_milestone(step)
+                    if age == 1:
+                        state = "incomplete"
+                    elif age <= 3:
+                        state = "committed"
+                    elif age > 5 and not milestone:
+                        state = "deleted"
+                    else:
+                        state = "verified"
+                    if state in ("verified", "committed") and rng.random() < 0.004:
+                        state = "corrupt"
+                    cid = j * per_job + i + 1
+                    verified = _ts(saved + timedelta(hours=1)) if state in ("verified", "deleted", "corrupt") else None
+                    ck_rows.append((cid, j + 1, step, "guide", f"s3://bench-hot/runs/{name}/step-{step:08d}", state,
+                                    "metadata.json present", files * FILE_BYTES, files, _ts(saved), _ts(saved),
+                                    _ts(saved), None, verified, None, 0))
+            conn.exec_driver_sql(
+                "INSERT INTO checkpoints (id, job_id, step, format, location, state, state_reason, bytes, file_count, "
+                "saved_at, first_seen, last_seen, missing_since, verified_at, recorded_loss, generation) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", ck_rows)
+            file_rows = [(row[0], f"rank-{r:04d}/model.pt", FILE_BYTES, 0.0, f"etag-{row[0]}-{r}", "crc", "ab" * 32,
+                          None if row[5] == "incomplete" else "ok")
+                         for row in ck_rows for r in range(files)]
+            conn.exec_driver_sql(
+                "INSERT INTO files (checkpoint_id, relpath, size, mtime, etag, crc64nvme, sha256_expected, status) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)", file_rows)
+            copies, events = [], []
+            for cid, job_id, step, _f, loc, state, _r, size, _n, saved, *_ in ck_rows:
+                milestone = is_log_milestone(step)
+                archived = milestone and state == "verified"
+                hot_state = "deleted" if state == "deleted" or (archived and rng.random() < 0.8) else "present"
+                copies.append((cid, "hot", loc, hot_state, size, None, None, saved, None))
+                events.append((saved, "verified" if state != "incomplete" else "discovered",
+                               f"step {step}: committed -> verified", job_id, cid))
+                if archived:
+                    arch = "degraded" if rng.random() < 0.05 else "present"
+                    copies.append((cid, "archive", loc.replace("bench-hot/runs", "bench-cold/archive"), arch,
+                                   int(size / 1.24), "ckz1", "m", saved, saved))
+                if hot_state == "deleted":
+                    events.append((saved, "deleted", f"step {step}: deleted {loc}: rolling", job_id, cid))
+            conn.exec_driver_sql(
+                "INSERT INTO copies (checkpoint_id, tier, url, state, stored_bytes, codec, manifest_key, created_at, "
+                "verified_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", copies)
+            conn.exec_driver_sql("INSERT INTO events (at, kind, message, job_id, checkpoint_id) VALUES (?, ?, ?, ?, ?)",
+                                 events)
+            conn.exec_driver_sql("ANALYZE")
+        # One drill per job per night, of the newest verified checkpoint then.
+        nights = int((now - START) / timedelta(days=1))
+        verified = {(job_id, step): cid for cid, job_id, step, _f, _l, state, *_ in ck_rows if state == "verified"}
+        for j in range(jobs):
+            for night in range(1, nights + 1):
+                t = START + timedelta(days=night)
+                i = int((t - START) / INTERVAL) - 2
+                candidates = [verified[(j + 1, (k + 1) * STEPS_PER_SAVE)] for k in range(min(i, per_job - 1), 0, -1)
+                              if (j + 1, (k + 1) * STEPS_PER_SAVE) in verified][:1]
+                if not candidates:
+                    continue
+                ok = rng.random() > 0.05
+                cat.record_drill(DrillRecord(job=f"llama-{j:02d}", step=None, checkpoint_id=candidates[0], started_at=t,
+                                             finished_at=t + timedelta(minutes=4), ok=ok, device="cuda", source_tier="hot",
+                                             verdict={"summary": "drill ok" if ok else "drill failed: loss is nan",
+                                                      "losses": [2.5, 2.4, 2.3]}))
+        with engine.begin() as conn:
+            conn.exec_driver_sql("CREATE TABLE IF NOT EXISTS bench_shape (key TEXT, checkpoints INT, files INT, now TEXT)")
+            conn.exec_driver_sql("INSERT INTO bench_shape VALUES (?, ?, ?, ?)", (SHAPE_KEY, checkpoints, files, _ts(now)))
+    return now
+
+
+def existing_now(path: Path, *, checkpoints: int, files: int) -> datetime | None:
+    """The 'now' of a catalog this script built with the same shape, else None."""
+    if not path.is_file():
+        return None
+    engine = sa.create_engine(f"sqlite:///{path}")
+    try:
+        with engine.connect() as conn:
+            row = conn.exec_driver_sql("SELECT checkpoints, files, now FROM bench_shape WHERE key = ?", (SHAPE_KEY,)).first()
+    except sa.exc.OperationalError:
+        return None
+    finally:
+        engine.dispose()
+    if row is None or (row[0], row[1]) != (checkpoints, files):
+        return None
+    return datetime.strptime(row[2], "%Y-%m-%d %H:%M:%S.%f").replace(tzinfo=UTC)
+
+
+class Capture:
+    """Every (statement, parameters) an engine executes while listening."""
+
+    def __init__(self) -> None:
+        self.statements: list[tuple[str, Any]] = []
+
+    def __call__(self, conn: Any, cursor: Any, statement: str, parameters: Any, context: Any, executemany: bool) -> None:
+        self.statements.append((statement, parameters))
+
+
+def replay(raw: Any, statements: Sequence[tuple[str, Any]]) -> tuple[float, list[float]]:
+    """Run each statement on a raw DBAPI connection and fetch all rows; total and per-statement seconds."""
+    each = []
+    cur = raw.cursor()
+    t0 = time.perf_counter()
+    for sql, params in statements:
+        s = time.perf_counter()
+        cur.execute(sql, params)
+        if cur.description is not None:
+            cur.fetchall()
+        each.append(time.perf_counter() - s)
+    total = time.perf_counter() - t0
+    cur.close()
+    return total, each
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", default="/tmp/ckptier-bench-dashboard")
+    ap.add_argument("--checkpoints", type=int, default=100_000)
+    ap.add_argument("--jobs", type=int, default=20)
+    ap.add_argument("--files", type=int, default=10, help="files per checkpoint")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--rebuild", action="store_true")
+    args = ap.parse_args(argv)
+
+    path = Path(args.dir) / "catalog.db"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    now = None if args.rebuild else existing_now(path, checkpoints=args.checkpoints, files=args.files)
+    if now is None:
+        t = time.perf_counter()
+        now = build(path, jobs=args.jobs, checkpoints=args.checkpoints, files=args.files)
+        print(f"built {path} in {time.perf_counter() - t:.1f} s")
+    url = f"sqlite:///{path}"
+    source = open_source(url, parse_config(POLICY))
+    engine = source.engine
+    with engine.connect() as conn:
+        counts = {t: conn.exec_driver_sql(f"SELECT count(*) FROM {t}").scalar()  # noqa: S608 - fixed names
+                  for t in ("jobs", "checkpoints", "files", "copies", "events", "drills")}
+    print("catalog: " + ", ".join(f"{v:,} {k}" for k, v in counts.items()))
+
+    client = TestClient(create_app(source, clock=lambda: now), base_url="http://127.0.0.1:8765")
+    first = client.get("/")
+    assert first.status_code == 200 and "llama-00" in first.text, first.text[:500]
+
+    capture = Capture()
+    sa.event.listen(engine, "before_cursor_execute", capture)
+    client.get("/")
+    sa.event.remove(engine, "before_cursor_execute", capture)
+    statements = [(s, p) for s, p in capture.statements if not s.lstrip().upper().startswith(("BEGIN", "COMMIT", "ROLLBACK", "PRAGMA"))]
+
+    raw = engine.raw_connection()
+    raw_times, page_times, job_times = [], [], []
+    per_statement: list[list[float]] = []
+    for _ in range(args.repeat):
+        total, each = replay(raw, statements)
+        raw_times.append(total)
+        per_statement.append(each)
+        t = time.perf_counter()
+        r = client.get("/")
+        page_times.append(time.perf_counter() - t)
+        assert r.status_code == 200
+        t = time.perf_counter()
+        assert client.get("/jobs/llama-07").status_code == 200
+        job_times.append(time.perf_counter() - t)
+    raw.close()
+
+    best_raw, best_page = min(raw_times), min(page_times)
+    print(f"overview statements: {len(statements)} (drills read per job through Catalog.drills)")
+    slowest = sorted(range(len(statements)), key=lambda i: -statistics.median(e[i] for e in per_statement))[:4]
+    for i in slowest:
+        sql = " ".join(statements[i][0].split())
+        print(f"  {statistics.median(e[i] for e in per_statement) * 1000:7.1f} ms  {sql[:110]}…")
+    print(f"raw SQL (baseline), best of {args.repeat}:   {best_raw * 1000:8.1f} ms")
+    print(f"overview GET /, best of {args.repeat}:       {best_page * 1000:8.1f} ms  ({len(first.content):,} bytes of HTML)")
+    print(f"ratio overview / raw SQL:            {best_page / best_raw:8.2f}x   (target <= 2x)")
+    print(f"job page GET /jobs/llama-07 (info):  {min(job_times) * 1000:8.1f} ms  "
+          f"({math.floor(args.checkpoints / args.jobs):,} checkpoints in that job)")
+    source.close()
+    return 0 if best_page / best_raw <= 2.0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

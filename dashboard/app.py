@@ -1,0 +1,336 @@
+"""The dashboard's web application (FastAPI, Jinja2 templates, no JavaScript).
+
+Routes:
+
+==============================  ===============================================
+``GET /``                       overview: every job, alerts
+``GET /jobs/{job}``             a job: step chart, storage over time, plan,
+                                drills, verifications, events
+``GET /checkpoint?job=&step=``  a checkpoint: files, copies, drills, events,
+                                the ``ckptier fetch`` command
+``GET /data/{table}.{csv|json}``  any table of :data:`tables.TABLES`
+                                (``?job=``, ``?step=`` as the table needs)
+``POST /drill``                 start the ``restore-drill`` deployment
+                                (CSRF-protected form) and go to the job page
+``GET /static/style.css``       the stylesheet
+==============================  ===============================================
+
+Every response carries a strict Content-Security-Policy (no scripts at
+all, styles only from ``/static``). With a token, every route but
+``/static`` needs it: an ``Authorization: Bearer`` header, or the
+``ckptier_token`` cookie set by opening any page once with ``?token=…``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import secrets
+import shlex
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlencode
+
+import pandas as pd
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response
+from jinja2 import Environment, FileSystemLoader, select_autoescape
+
+from ckptier import __version__
+from ckptier.storage.errors import CkptierError
+from ckptier.storage.model import HELD_COPY_STATES, CopyState
+
+from . import charts, security
+from .alerts import format_age
+from .format import display, human_bytes, missing, python_rows, to_csv, to_json
+from .prefect_api import DrillError, PrefectDrills
+from .source import Source
+from .tables import TABLES, Snapshot, TableError
+from .views import checkpoint_url, data_url, job_url, table_view
+
+log = logging.getLogger("ckptier.dashboard")
+
+HERE = Path(__file__).resolve().parent
+#: Rows of a job's checkpoint table drawn on the page (the downloads hold all of them).
+PAGE_ROWS = 500
+#: Rows of the recent drills and events drawn on the overview.
+OVERVIEW_ROWS = 12
+CSP = ("default-src 'none'; style-src 'self'; img-src 'self' data:; form-action 'self'; "
+       "frame-ancestors 'none'; base-uri 'none'")
+SECURITY_HEADERS = {
+    "Content-Security-Policy": CSP,
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "same-origin",  # "no-referrer" makes browsers send "Origin: null" on our own form posts
+    "X-Frame-Options": "DENY",
+    "Cache-Control": "no-store",
+}
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def _templates() -> Environment:
+    env = Environment(loader=FileSystemLoader(str(HERE / "templates")),
+                      autoescape=select_autoescape(default=True, default_for_string=True), trim_blocks=True,
+                      lstrip_blocks=True)
+    env.globals.update(job_url=job_url, checkpoint_url=checkpoint_url, data_url=data_url, human_bytes=human_bytes,
+                       display=display, version=__version__)
+    return env
+
+
+def create_app(source: Source, *, token: str | None = None, prefect: PrefectDrills | None = None,
+               clock: Callable[[], datetime] = utcnow) -> FastAPI:
+    """The dashboard over ``source``. ``token``: required of every request
+    when set; ``prefect``: the drill button's API link (None: disabled);
+    ``clock``: aware UTC now."""
+    app = FastAPI(title="ckptier dashboard", docs_url=None, redoc_url=None, openapi_url=None)
+    env = _templates()
+    drills = prefect or PrefectDrills(None)
+    css = (HERE / "static" / "style.css").read_bytes()
+    env.globals["css_version"] = hashlib.sha256(css).hexdigest()[:12]  # a new stylesheet is never served from cache
+
+    def page(request: Request, template: str, status: int = 200, **ctx: Any) -> HTMLResponse:
+        csrf = request.cookies.get(security.CSRF_COOKIE) or security.new_csrf()
+        body = env.get_template(template).render(
+            catalog_url=source.url, now=ctx.pop("now", None) or clock(), csrf=csrf, nonce=secrets.token_urlsafe(12),
+            format_age=format_age, **ctx)
+        response = HTMLResponse(body, status_code=status)
+        if request.cookies.get(security.CSRF_COOKIE) != csrf:
+            response.set_cookie(security.CSRF_COOKIE, csrf, httponly=True, samesite="strict", path="/")
+        return response
+
+    def error(request: Request, status: int, title: str, message: str) -> HTMLResponse:
+        return page(request, "error.html", status=status, title=title, message=message)
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        if token is not None and not request.url.path.startswith("/static/"):
+            given = request.query_params.get("token")
+            if given is not None and request.method == "GET":
+                if not security.token_ok(given, token):
+                    return _refused()
+                rest = [(k, v) for k, v in request.query_params.multi_items() if k != "token"]
+                target = request.url.path + ("?" + urlencode(rest) if rest else "")
+                response: Response = RedirectResponse(target, status_code=303)
+                response.set_cookie(security.TOKEN_COOKIE, token, httponly=True, samesite="strict", path="/")
+                return _secure(response)
+            auth = request.headers.get("authorization", "")
+            bearer = auth[len("Bearer "):] if auth.startswith("Bearer ") else None
+            if not (security.token_ok(bearer, token) or security.token_ok(request.cookies.get(security.TOKEN_COOKIE), token)):
+                return _refused()
+        try:
+            response = await call_next(request)
+        except Exception:  # noqa: BLE001 - one line to the log, a plain page to the browser
+            log.exception("dashboard request %s failed", request.url.path)
+            response = PlainTextResponse("internal error: see the dashboard's log", status_code=500)
+        return _secure(response)
+
+    @app.get("/static/style.css")
+    def stylesheet() -> Response:
+        return Response(css, media_type="text/css", headers={"Cache-Control": "max-age=300"})
+
+    @app.get("/", response_class=HTMLResponse)
+    def overview(request: Request) -> Response:
+        now = clock()
+        snap = Snapshot(source, now=now)
+        try:
+            jobs = snap.table("jobs")
+            alerts = snap.table("alerts")
+        except CkptierError as exc:
+            return error(request, 500, "Cannot read the catalog", str(exc))
+        totals = _totals(jobs)
+        return page(request, "overview.html", now=now, jobs=python_rows(jobs), totals=totals,
+                    jobs_view=table_view(TABLES["jobs"], jobs),
+                    alerts=table_view(TABLES["alerts"], alerts, columns=["severity", "job", "kind", "steps", "message"]),
+                    drills=table_view(TABLES["drills"], snap.table("drills"), limit=OVERVIEW_ROWS,
+                                      columns=["started_at", "job", "step", "ok", "seconds", "tier", "summary"]),
+                    events=table_view(TABLES["events"], snap.table("events"), limit=OVERVIEW_ROWS,
+                                      columns=["at", "job", "step", "kind", "message"]))
+
+    @app.get("/jobs/{job:path}", response_class=HTMLResponse)
+    def job_page(request: Request, job: str, run: str | None = None) -> Response:
+        now = clock()
+        snap = Snapshot(source, now=now, job=job)
+        try:
+            row = python_rows(snap.table("jobs"))[0]
+        except TableError as exc:
+            return error(request, 404, "No such job", str(exc))
+        cks = snap.table("checkpoints")
+        storage = snap.table("storage")
+        policy = source.config.policy_for(job)
+        plan = snap.plan
+        recovery = row.get("recovery_step")
+        marks = [m for r in python_rows(cks) for m in _marks(r)]
+        milestones = [int(s) for s in cks["step"] if policy is not None and policy.is_milestone(int(s))]
+        step_svg = charts.step_chart(marks, milestones=milestones, recovery_step=recovery)
+        times = list(storage["at"])
+        storage_svg = charts.time_chart(times, [
+            charts.Series("tier-hot", "hot", list(storage["hot_bytes"])),
+            charts.Series("tier-archive", "archive stored", list(storage["archive_stored_bytes"]), fill=True),
+            charts.Series("tier-archive-logical", "archive logical", list(storage["archive_logical_bytes"])),
+        ])
+        newest_first = cks.sort_values("step", ascending=False)
+        return page(
+            request, "job.html", now=now, job=job, row=row, hot_url=security.redact(_hot_url(snap)),
+            policy=str(policy) if policy is not None else None, refused=(plan.refused_jobs.get(job) if plan else None),
+            alerts=table_view(TABLES["alerts"], snap.table("alerts"), job=job, columns=["severity", "kind", "steps", "message"]),
+            step_svg=step_svg, storage_svg=storage_svg, storage_now=python_rows(storage)[-1] if len(storage) else None,
+            checkpoints=table_view(TABLES["checkpoints"], newest_first, job=job, limit=PAGE_ROWS,
+                                   columns=["step", "state", "proof", "last_drill", "bytes", "hot", "archive",
+                                            "archive_stored_bytes", "milestone", "saved_at", "verified_at", "reason"]),
+            plan=table_view(TABLES["plan"], snap.table("plan"), job=job, columns=["step", "state", "action", "bytes", "reasons"]),
+            drills=table_view(TABLES["drills"], snap.table("drills"), job=job,
+                              columns=["started_at", "step", "ok", "seconds", "device", "tier", "first_loss", "summary"]),
+            verifications=table_view(TABLES["verifications"], snap.table("verifications"), job=job,
+                                     columns=["at", "step", "kind", "message"], limit=100),
+            events=table_view(TABLES["events"], snap.table("events"), job=job, columns=["at", "step", "kind", "message"],
+                              limit=100),
+            drill=drills.status(), run=drills.flow_run(run) if run else None, run_id=run, drill_step=None,
+            storage_view=table_view(TABLES["storage"], storage, job=job),
+        )
+
+    @app.get("/checkpoint", response_class=HTMLResponse)
+    def checkpoint_page(request: Request, job: str, step: int, run: str | None = None) -> Response:
+        now = clock()
+        snap = Snapshot(source, now=now, job=job, step=step)
+        try:
+            record = snap.record
+            row = python_rows(snap.table("checkpoints"))[0]
+        except TableError as exc:
+            return error(request, 404, "No such checkpoint", str(exc))
+        return page(
+            request, "checkpoint.html", now=now, job=job, step=step, row=row, record=record,
+            location=security.redact(record.location), fetch=_fetch_command(source, job, step),
+            files=table_view(TABLES["files"], snap.table("files"), job=job, step=step),
+            copies=table_view(TABLES["copies"], snap.table("copies"), job=job, step=step),
+            drills=table_view(TABLES["drills"], snap.table("drills"), job=job, step=step,
+                              columns=["started_at", "ok", "seconds", "device", "tier", "first_loss", "summary"]),
+            events=table_view(TABLES["events"], snap.table("events"), job=job, step=step,
+                              columns=["at", "kind", "message"]),
+            plan=table_view(TABLES["plan"], snap.table("plan"), job=job, step=step, columns=["action", "reasons"]),
+            drill=drills.status(), run=drills.flow_run(run) if run else None, run_id=run, drill_step=step,
+        )
+
+    @app.get("/data/{name}.{fmt}")
+    def download(request: Request, name: str, fmt: str, job: str | None = None, step: int | None = None) -> Response:
+        if fmt not in ("csv", "json"):
+            return PlainTextResponse(f"format {fmt!r} is not offered: use .csv or .json", status_code=404)
+        snap = Snapshot(source, now=clock(), job=job, step=step)
+        try:
+            df = snap.table(name)
+        except TableError as exc:
+            return PlainTextResponse(str(exc), status_code=404)
+        stem = "-".join(["ckptier", name, *([_slug(job)] if job else []), *([str(step)] if step is not None else [])])
+        if fmt == "csv":
+            return Response(to_csv(df), media_type="text/csv; charset=utf-8",
+                            headers={"Content-Disposition": f'attachment; filename="{stem}.csv"'})
+        return Response(to_json(df), media_type="application/json",
+                        headers={"Content-Disposition": f'attachment; filename="{stem}.json"'})
+
+    @app.post("/drill")
+    async def start_drill(request: Request) -> Response:
+        form = {k: v[0] for k, v in parse_qs((await request.body()).decode("utf-8", "replace")).items()}
+        why = security.csrf_ok(request.cookies.get(security.CSRF_COOKIE), form.get(security.CSRF_FIELD),
+                               origin=request.headers.get("origin"), host=request.headers.get("host"),
+                               fetch_site=request.headers.get("sec-fetch-site"))
+        if why is not None:
+            return error(request, 403, "Drill refused", f"refused to start a drill: {why}")
+        job = form.get("job", "")
+        step_text = form.get("step", "").strip()
+        if not job or (step_text and not step_text.isdigit()):
+            return error(request, 400, "Drill refused", "the drill form needs a job (and a numeric step, if any)")
+        step = int(step_text) if step_text else None
+        try:
+            run = drills.start(job=job, step=step, idempotency_key=form.get("nonce") or None)
+        except DrillError as exc:
+            return error(request, 503, "Drill not started", str(exc))
+        target = checkpoint_url(job, step) + "&" if step is not None else job_url(job) + "?"
+        return RedirectResponse(target + urlencode({"run": run.id}) + "#drill", status_code=303)
+
+    return app
+
+
+_REFUSED = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>Token required · ckptier</title>
+<link rel="stylesheet" href="/static/style.css"></head>
+<body><header class="top"><span class="brand">ckptier</span><nav class="crumbs"><span>token required</span></nav></header>
+<main><section class="error"><h1>Token required</h1>
+<p>This dashboard needs its access token. Open it once with <code>?token=…</code> added to the address
+(the token given to <code>ckptier dashboard --token</code> or <code>CKPTIER_DASHBOARD_TOKEN</code>): the browser then
+keeps it in a cookie. Scripts send <code>Authorization: Bearer …</code>.</p></section></main></body></html>"""
+
+
+def _refused() -> Response:
+    """The answer without a valid token: says how to get in, tells nothing about the catalog."""
+    return _secure(HTMLResponse(_REFUSED, status_code=401, headers={"WWW-Authenticate": "Bearer"}))
+
+
+def _secure(response: Response) -> Response:
+    for k, v in SECURITY_HEADERS.items():
+        response.headers.setdefault(k, v)
+    return response
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)[:80]
+
+
+def _totals(jobs: pd.DataFrame) -> dict[str, Any]:
+    keep_all = int(jobs["keep_all_bytes"].sum())
+    stored = int(jobs["hot_bytes"].sum() + jobs["archive_stored_bytes"].sum())
+    return {
+        "jobs": len(jobs),
+        "live": int(jobs["checkpoints"].sum()),
+        "drilled": int(jobs["drilled"].sum()),
+        "verified": int(jobs["verified"].sum()),
+        "committed": int(jobs["committed"].sum()),
+        "corrupt": int(jobs["corrupt"].sum()),
+        "hot_bytes": int(jobs["hot_bytes"].sum()),
+        "archive_stored_bytes": int(jobs["archive_stored_bytes"].sum()),
+        "archive_logical_bytes": int(jobs["archive_logical_bytes"].sum()),
+        "keep_all_bytes": keep_all,
+        "saved_bytes": keep_all - stored,
+        "saved_fraction": (keep_all - stored) / keep_all if keep_all else None,
+        "alerts": int(jobs["alerts"].sum()),
+    }
+
+
+def _hot_url(snap: Snapshot) -> str | None:
+    urls = snap.jobs["hot_url"].dropna()
+    return str(urls.iloc[0]) if len(urls) else None
+
+
+def _marks(row: dict[str, Any]) -> list[charts.Mark]:
+    """The step-chart marks of one checkpoint row: one per tier holding it, or a tombstone."""
+    job, step, state = str(row["job"]), int(row["step"]), str(row["state"])
+    cls = row["proof"] if row["proof"] == "drilled" else state
+    href = checkpoint_url(job, step)
+    tiers = [t for t in ("hot", "archive") if row[t] in HELD_COPY_STATES]
+    text = f"step {step:,}: {state}" + (f", {row['proof']}" if row["proof"] and row["proof"] != state else "")
+    out = []
+    for t in tiers:
+        gone = t == "hot" and not missing(row.get("missing_since"))
+        copy_cls = "degraded" if row[t] == CopyState.DEGRADED else ("missing" if gone else cls)
+        out.append(charts.Mark(step, t, copy_cls, f"{text}; {t} copy {row[t]}", href))
+    if not tiers:
+        out.append(charts.Mark(step, "deleted" if state == "deleted" else "hot", "deleted" if state == "deleted" else "missing",
+                               f"{text}; no copy holds it", href))
+    return out
+
+
+def _fetch_command(source: Source, job: str, step: int) -> str:
+    """The exact ``ckptier fetch`` command that restores this checkpoint (no password in it)."""
+    parts = ["ckptier", "fetch"]
+    if source.engine.url.password:
+        note = "  # set CKPTIER_CATALOG_URL to this catalog (its password is not shown here)"
+    else:
+        parts += ["--catalog", source.url]
+        note = ""
+    cfg = getattr(source.config, "source", None)
+    if cfg is not None:
+        parts += ["--config", str(Path(cfg).resolve())]
+    dest = f"./{_slug(job)}-step-{step}"
+    return shlex.join([*parts, "--job", job, "--step", str(step), dest]) + note

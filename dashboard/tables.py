@@ -1,0 +1,661 @@
+"""Every table the dashboard shows, computed once, with pandas.
+
+The pages, their CSV/JSON downloads and ``ckptier report`` all ask a
+:class:`Snapshot` for tables by name; :data:`TABLES` is the registry (adding
+a table is one :class:`TableSpec` entry plus its build function). A snapshot
+is one read of the catalog at one ``now``: each query runs at most once and
+each table is built at most once, however many times it is asked for.
+
+Definitions used throughout:
+
+* **proof level** of a checkpoint: ``committed`` < ``verified`` (every
+  file's bytes matched) < ``drilled`` (verified, and its most recent
+  restore drill passed); ``incomplete``, ``corrupt`` and ``deleted``
+  checkpoints have no proof.
+* **recovery point** of a job: the highest-step checkpoint whose most recent
+  drill passed, that is still verified and held by some copy; its age is
+  ``now`` minus its save time.
+* **keep-all bytes**: the logical size of every checkpoint ever cataloged
+  (tombstones included) — what keeping everything hot would store;
+  **saved** is keep-all minus hot bytes minus archive stored bytes.
+* **verification coverage**: verified / (committed + verified) live checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from functools import cached_property
+from typing import Any, Literal
+
+import pandas as pd
+
+from ckptier.storage.catalog.api import DrillRecord
+from ckptier.storage.errors import ConfigError
+from ckptier.storage.model import CheckpointRecord
+
+from . import alerts as al
+from . import queries as q
+from .history import storage_history
+from .security import redact
+from .source import Source
+
+Scope = Literal["catalog", "job", "checkpoint"]
+Kind = Literal["text", "job", "step", "int", "bytes", "time", "age", "ratio", "bool", "verdict", "state", "proof",
+               "severity", "mono", "float"]
+#: Drills read per job (newest first) for the overview and the job page.
+DRILL_WINDOW = 200
+#: Events shown per job.
+EVENT_LIMIT = 300
+STATES = ("incomplete", "committed", "verified", "corrupt", "deleted")
+
+
+@dataclass(frozen=True)
+class Column:
+    """A column: its name (CSV/JSON key), how to show it, and a header."""
+
+    name: str
+    kind: Kind
+    title: str
+    help: str = ""
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """A table of the registry.
+
+    ``scope`` says which filters it needs: ``catalog`` (``job`` optional;
+    with it, ``step`` where it makes sense), ``job`` (``job`` required) or
+    ``checkpoint`` (both required). ``build`` returns a DataFrame with
+    exactly ``columns``, in order.
+    """
+
+    name: str
+    title: str
+    scope: Scope
+    columns: tuple[Column, ...]
+    build: Callable[[Snapshot], pd.DataFrame]
+    description: str
+
+    @property
+    def column_names(self) -> list[str]:
+        return [c.name for c in self.columns]
+
+
+class TableError(ConfigError):
+    """A table asked for without the filters it needs, or an unknown table/job/step."""
+
+
+# ------------------------------------------------------------------ the snapshot
+
+
+class Snapshot:
+    """One read of the catalog at ``now``, optionally narrowed to ``job`` / ``step``."""
+
+    def __init__(self, source: Source, *, now: datetime, job: str | None = None, step: int | None = None) -> None:
+        self.source = source
+        self.now = now
+        self.job = job
+        self.step = step
+        self._tables: dict[str, pd.DataFrame] = {}
+
+    @property
+    def catalog(self) -> Any:
+        return self.source.catalog
+
+    def table(self, name: str) -> pd.DataFrame:
+        """The table ``name`` (see :data:`TABLES`); built once per snapshot."""
+        spec = TABLES.get(name)
+        if spec is None:
+            raise TableError(f"unknown table {name!r}; choose one of {', '.join(TABLES)}")
+        if spec.scope in ("job", "checkpoint") and self.job is None:
+            raise TableError(f"table {name!r} is per job: give the job (--job J / ?job=J)")
+        if self.step is not None and self.job is None:
+            raise TableError(f"a step ({self.step}) needs its job (--job J / ?job=J)")
+        if spec.scope == "checkpoint" and self.step is None:
+            raise TableError(f"table {name!r} is per checkpoint: give the step too (--step N / ?step=N)")
+        if name not in self._tables:
+            df = spec.build(self)
+            self._tables[name] = df[spec.column_names]
+        return self._tables[name]
+
+    # -- raw reads, each at most once ------------------------------------------------
+
+    def _frame(self, stmt: Any) -> pd.DataFrame:
+        return q.frame(self.source.engine, stmt)
+
+    @cached_property
+    def jobs(self) -> pd.DataFrame:
+        df = self._frame(q.jobs(self.job))
+        if self.job is not None and df.empty:
+            raise TableError(f"job {self.job!r} is not in the catalog; see 'ckptier ls' for the jobs it holds")
+        return df
+
+    @cached_property
+    def placement(self) -> pd.DataFrame:
+        return self._frame(q.placement(self.job))
+
+    @cached_property
+    def saves(self) -> pd.DataFrame:
+        """The newest :data:`queries.RECENT_SAVES` saves of each job: ``job``, ``step``, ``saved_at``."""
+        df = q.frames(self.source.engine, [q.recent_saves(name) for name in self.jobs["job"]], ["job", "step", "saved_at"])
+        df["saved_at"] = pd.to_datetime(df["saved_at"], utc=True)
+        return df
+
+    @cached_property
+    def problems(self) -> pd.DataFrame:
+        return self._frame(q.problems(self.job))
+
+    @cached_property
+    def drills(self) -> dict[str, list[DrillRecord]]:
+        """Each job's newest :data:`DRILL_WINDOW` drills, newest first (through :meth:`Catalog.drills`)."""
+        return {name: self.catalog.drills(job=name, limit=DRILL_WINDOW) for name in self.jobs["job"]}
+
+    @cached_property
+    def latest_drill(self) -> dict[int, DrillRecord]:
+        """The most recent drill of each drilled checkpoint (by id)."""
+        out: dict[int, DrillRecord] = {}
+        for records in self.drills.values():
+            for d in records:
+                if d.checkpoint_id is not None and d.checkpoint_id not in out:
+                    out[d.checkpoint_id] = d
+        return out
+
+    @cached_property
+    def drill_passed(self) -> pd.DataFrame:
+        """Checkpoints whose most recent drill passed, with ``job``, ``step``,
+        ``state``, ``saved_at`` and ``held`` (1 when a copy holds them)."""
+        passed = {cid: d for cid, d in self.latest_drill.items() if d.ok}
+        if not passed:
+            return pd.DataFrame(columns=["id", "step", "state", "saved_at", "held", "job"])
+        df = self._frame(q.restorable(sorted(passed)))
+        df["job"] = [passed[int(cid)].job for cid in df["id"]]
+        return df
+
+    @cached_property
+    def policies(self) -> dict[str, Any]:
+        return {name: self.source.config.policy_for(name) for name in self.jobs["job"]}
+
+    @cached_property
+    def record(self) -> CheckpointRecord:
+        """The checkpoint ``job``/``step`` (tombstones included)."""
+        assert self.job is not None and self.step is not None
+        rec = self.catalog.get(self.job, self.step)
+        if rec is None:
+            raise TableError(f"job {self.job!r} has no step {self.step} in the catalog; see 'ckptier ls --job {self.job} --all'")
+        return rec
+
+    @cached_property
+    def records(self) -> list[CheckpointRecord]:
+        """Every checkpoint of ``job``, tombstones included, with copies (no files)."""
+        self.jobs  # noqa: B018 - raises for an unknown job
+        return list(self.catalog.checkpoints(job=self.job, include_deleted=True, with_files=False))
+
+    @cached_property
+    def plan(self) -> Any:
+        """The job's retention plan now (``ckptier plan --job J``), or None when it has no live checkpoint."""
+        from ckptier.tasks.pipeline import merge_plans, plans_by_policy
+
+        try:
+            return merge_plans([p for _, p in plans_by_policy(self.catalog, self.source.config, job=self.job,
+                                                               now=self.now)])
+        except ConfigError:
+            return None
+
+    def proof(self, record: CheckpointRecord) -> str:
+        """The proof level of a checkpoint (:func:`alerts.proof_level`)."""
+        drill = self.latest_drill.get(record.id)
+        return al.proof_level(record.state.value, drill.ok if drill is not None else None)
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def _age_s(now: datetime, t: Any) -> float | None:
+    if t is None or (isinstance(t, float) and math.isnan(t)) or t is pd.NaT:
+        return None
+    return round((pd.Timestamp(now) - pd.Timestamp(t)).total_seconds(), 3)
+
+
+def _opt(v: Any) -> Any:
+    """None for NaN/NaT, the value otherwise."""
+    if v is None or v is pd.NaT:
+        return None
+    if isinstance(v, float) and math.isnan(v):
+        return None
+    return v
+
+
+def _records(rows: Iterable[Mapping[str, Any]], spec_name: str) -> pd.DataFrame:
+    return pd.DataFrame.from_records(list(rows), columns=TABLES[spec_name].column_names)
+
+
+def _drill_summary(d: DrillRecord) -> str:
+    summary = d.verdict.get("summary") if isinstance(d.verdict, Mapping) else None
+    return redact(str(summary or d.error or ("ok" if d.ok else "failed"))) or ""
+
+
+def _first_loss(d: DrillRecord) -> float | None:
+    losses = d.verdict.get("losses") if isinstance(d.verdict, Mapping) else None
+    if isinstance(losses, list) and losses and isinstance(losses[0], (int, float)):
+        return float(losses[0])
+    return None
+
+
+# ------------------------------------------------------------------ catalog tables
+
+
+#: Where a live checkpoint's bytes are held, by (hot held, archive held).
+_HELD_LABELS = {(1, 0): "hot_only", (1, 1): "hot_and_archive", (0, 1): "archive_only", (0, 0): "no_copy"}
+
+
+def _per_job(frame: pd.DataFrame, column: str, how: str, names: Sequence[str], *, fill: Any = 0) -> pd.Series:
+    """``frame[column]`` aggregated per job (``sum``/``min``/``max``), one value per name in ``names``."""
+    if frame.empty:
+        return pd.Series([fill] * len(names), index=list(names), dtype=object if fill is None else None)
+    agg = frame.groupby("job", sort=False)[column].agg(how)
+    return agg.reindex(list(names), fill_value=fill)
+
+
+def build_jobs(s: Snapshot) -> pd.DataFrame:
+    """One row per job: counts by state/proof/tier, bytes, coverage, drills, recovery point, alerts."""
+    names = list(s.jobs["job"])
+    pl = s.placement
+    live = pl[pl["state"] != "deleted"]
+    states = (pl.groupby(["job", "state"], sort=False)["count"].sum().unstack(fill_value=0)
+              .reindex(index=names, columns=list(STATES), fill_value=0)) if len(pl) else \
+        pd.DataFrame(0, index=names, columns=list(STATES))
+    where = live.assign(held=[_HELD_LABELS[(int(h), int(a))] for h, a in zip(live["hot"], live["archive"], strict=True)])
+    held = (where.groupby(["job", "held"], sort=False)["count"].sum().unstack(fill_value=0)
+            .reindex(index=names, columns=list(_HELD_LABELS.values()), fill_value=0)) if len(where) else \
+        pd.DataFrame(0, index=names, columns=list(_HELD_LABELS.values()))
+    archive_logical = _per_job(pl[pl["archive"] == 1], "bytes", "sum", names)
+    passed = s.drill_passed
+    is_drilled = [al.proof_level(str(state), True) == "drilled" for state in passed["state"]]
+    drilled = _per_job(passed.assign(n=[int(d) for d in is_drilled]), "n", "sum", names)
+    held_ok = passed[pd.Series(is_drilled, index=passed.index, dtype=bool) & (passed["held"] == 1)]
+    recovery = held_ok.loc[held_ok.groupby("job")["step"].idxmax()].set_index("job") if len(held_ok) else None
+    hot_bytes = _per_job(pl, "hot_bytes", "sum", names)
+    archive_stored = _per_job(pl, "archive_bytes", "sum", names)
+    keep_all = _per_job(pl, "bytes", "sum", names)
+    oldest = _per_job(pl[pl["state"] == "verified"], "oldest_verified_at", "min", names, fill=None)
+    saves = s.saves
+    newest = saves.loc[saves.groupby("job")["step"].idxmax()].set_index("job") if len(saves) else None
+    times = {name: [t.to_pydatetime() for t in g["saved_at"].dropna()] for name, g in saves.groupby("job", sort=False)}
+    alerts = s.table("alerts")
+    n_alerts = alerts.groupby("job", sort=False).size() if len(alerts) else pd.Series(dtype=int)
+    worst = alerts.groupby("job", sort=False)["severity"].first() if len(alerts) else pd.Series(dtype=object)
+    rows = []
+    for name in names:
+        verified_all, committed = int(states.at[name, "verified"]), int(states.at[name, "committed"])
+        n_drilled = int(drilled[name])
+        rec = recovery.loc[name] if recovery is not None and name in recovery.index else None
+        top = newest.loc[name] if newest is not None and name in newest.index else None
+        interval = al.usual_interval(times.get(name, []))
+        last = (s.drills.get(name) or [None])[0]
+        last_at = (last.finished_at or last.started_at) if last else None
+        hb, ab, ka = int(hot_bytes[name]), int(archive_stored[name]), int(keep_all[name])
+        newest_saved = _opt(top["saved_at"]) if top is not None else None
+        rows.append({
+            "job": name,
+            "checkpoints": int(states.loc[name].sum() - states.at[name, "deleted"]),
+            "incomplete": int(states.at[name, "incomplete"]),
+            "committed": committed,
+            "verified": verified_all - n_drilled,
+            "drilled": n_drilled,
+            "corrupt": int(states.at[name, "corrupt"]),
+            "deleted": int(states.at[name, "deleted"]),
+            **{label: int(held.at[name, label]) for label in _HELD_LABELS.values()},
+            "hot_bytes": hb,
+            "archive_stored_bytes": ab,
+            "archive_logical_bytes": int(archive_logical[name]),
+            "keep_all_bytes": ka,
+            "saved_bytes": ka - hb - ab,
+            "saved_fraction": round((ka - hb - ab) / ka, 4) if ka else None,
+            "verified_coverage": round(verified_all / (committed + verified_all), 4) if committed + verified_all else None,
+            "oldest_verified_at": _opt(oldest[name]),
+            "oldest_verification_age_s": _age_s(s.now, _opt(oldest[name])),
+            "last_drill_at": last_at,
+            "last_drill_age_s": _age_s(s.now, last_at),
+            "last_drill_step": last.step if last else None,
+            "last_drill_ok": last.ok if last else None,
+            "recovery_step": int(rec["step"]) if rec is not None else None,
+            "recovery_saved_at": _opt(rec["saved_at"]) if rec is not None else None,
+            "recovery_age_s": _age_s(s.now, _opt(rec["saved_at"])) if rec is not None else None,
+            "newest_step": int(top["step"]) if top is not None else None,
+            "newest_saved_at": newest_saved,
+            "newest_save_age_s": _age_s(s.now, newest_saved),
+            "usual_interval_s": interval.total_seconds() if interval is not None else None,
+            "alerts": int(n_alerts.get(name, 0)),
+            "worst_alert": worst.get(name),  # alerts come most severe first
+        })
+    df = _records(rows, "jobs")
+    for col in ("last_drill_step", "recovery_step", "newest_step"):
+        df[col] = df[col].astype("Int64")
+    return df
+
+
+def build_alerts(s: Snapshot) -> pd.DataFrame:
+    """Every alert of every job (or of ``job``), most severe first."""
+    found: list[al.Alert] = []
+    problems: dict[str, list[al.Problem]] = {}
+    for row in s.problems.itertuples(index=False):
+        problems.setdefault(row.job, []).append(
+            al.Problem(step=int(row.step), problem=str(row.problem), hot=bool(row.hot), detail=redact(_opt(row.detail))))
+    pl = s.placement
+    live = pl[pl["state"] != "deleted"]
+    counts = live.groupby("job")[["count", "missing"]].sum() if len(live) else None
+    saves = dict(tuple(s.saves.groupby("job", sort=False)))
+    for name in s.jobs["job"]:
+        found.extend(al.problem_alerts(name, problems.get(name, [])))
+        if counts is not None and name in counts.index:
+            a = al.suspension_alert(name, int(counts.loc[name, "count"]), int(counts.loc[name, "missing"]),
+                                    s.policies.get(name))
+            if a:
+                found.append(a)
+        sv = saves.get(name)
+        if sv is not None and len(sv):
+            times = [t.to_pydatetime() for t in sv["saved_at"].dropna()]
+            top = sv.loc[sv["step"].idxmax()]
+            a = al.stale_alert(name, int(top["step"]), max(times) if times else None, al.usual_interval(times), now=s.now)
+            if a:
+                found.append(a)
+        drills = s.drills.get(name, [])
+        if drills:
+            a = al.drill_alert(name, drills[0].step, drills[0].ok, _drill_summary(drills[0]))
+            if a:
+                found.append(a)
+    rows = [{"severity": a.severity, "job": a.job, "kind": a.kind, "steps": ", ".join(map(str, a.steps)),
+             "message": redact(a.message), "rank": a.rank} for a in al.sort_alerts(found)]
+    return _records(rows, "alerts")
+
+
+# ------------------------------------------------------------------ job tables
+
+
+def _copy_cells(record: CheckpointRecord) -> dict[str, Any]:
+    hot = [c for c in record.copies if c.tier.value == "hot"]
+    arch = [c for c in record.copies if c.tier.value == "archive"]
+
+    def best(cs: Sequence[Any]) -> Any:
+        held = [c for c in cs if c.state in q.HELD]
+        return (held or cs or [None])[0]
+
+    h, a = best(hot), best(arch)
+    return {
+        "hot": str(h.state) if h else "",
+        "archive": str(a.state) if a else "",
+        "archive_stored_bytes": a.stored_bytes if a is not None and a.state in q.HELD else None,
+    }
+
+
+def build_checkpoints(s: Snapshot) -> pd.DataFrame:
+    """Every checkpoint of the job, tombstones included, by step."""
+    policy = s.policies.get(s.job or "")
+    rows = []
+    for r in s.records:
+        if s.step is not None and r.step != s.step:
+            continue
+        drill = s.latest_drill.get(r.id)
+        rows.append({
+            "job": r.job,
+            "step": r.step,
+            "state": r.state.value,
+            "proof": s.proof(r),
+            "last_drill": ("passed" if drill.ok else "failed") if drill else "",
+            "format": r.format.value,
+            "bytes": r.bytes,
+            **_copy_cells(r),
+            "milestone": bool(policy.is_milestone(r.step)) if policy is not None else False,
+            "saved_at": r.saved_at,
+            "verified_at": r.verified_at,
+            "missing_since": r.missing_since,
+            "reason": redact(r.state_reason) or "",
+        })
+    df = _records(rows, "checkpoints")
+    df["archive_stored_bytes"] = df["archive_stored_bytes"].astype("Int64")
+    return df
+
+
+def build_plan(s: Snapshot) -> pd.DataFrame:
+    """The retention plan for the job now, with every reason."""
+    plan = s.plan
+    rows = [] if plan is None else [
+        {"job": i.job, "step": i.step, "state": i.state, "action": i.action + (" hot copy" if i.scope == "hot-copy" and i.action == "delete" else ""),
+         "bytes": i.bytes, "reasons": redact("; ".join(i.reasons))}
+        for i in plan.items if s.step is None or i.step == s.step
+    ]
+    return _records(rows, "plan")
+
+
+def build_drills(s: Snapshot) -> pd.DataFrame:
+    """Restore drills, newest first: the catalog's newest :data:`EVENT_LIMIT`, or the job's newest
+    :data:`DRILL_WINDOW`, or one checkpoint's among those."""
+    drills = sorted((d for ds in s.drills.values() for d in ds), key=lambda d: d.started_at, reverse=True)
+    if s.job is None:
+        drills = drills[:EVENT_LIMIT]
+    if s.step is not None:
+        rid = s.record.id
+        drills = [d for d in drills if d.checkpoint_id == rid]
+    rows = [{
+        "job": d.job, "step": d.step, "started_at": d.started_at, "finished_at": d.finished_at,
+        "seconds": round((d.finished_at - d.started_at).total_seconds(), 3) if d.finished_at else None,
+        "ok": d.ok, "device": d.device or "", "tier": d.source_tier or "", "first_loss": _first_loss(d),
+        "peak_memory_bytes": d.peak_memory_bytes, "summary": _drill_summary(d),
+    } for d in drills]
+    df = _records(rows, "drills")
+    df["step"] = df["step"].astype("Int64")
+    df["peak_memory_bytes"] = df["peak_memory_bytes"].astype("Int64")
+    return df
+
+
+def _events(s: Snapshot, kinds: Sequence[str] | None) -> pd.DataFrame:
+    if s.job is not None:
+        s.jobs  # noqa: B018 - raises for an unknown job
+    cid = s.record.id if s.step is not None else None
+    df = q.frame(s.source.engine, q.events(s.job, checkpoint_id=cid, kinds=kinds, limit=EVENT_LIMIT))
+    df["message"] = [redact(m) for m in df["message"]]
+    df["job"] = df["job"].fillna("")
+    df["step"] = df["step"].astype("Int64")
+    return df
+
+
+def build_verifications(s: Snapshot) -> pd.DataFrame:
+    """Verification outcomes (state changes and archive read-backs), newest first (at most :data:`EVENT_LIMIT`)."""
+    return _events(s, q.VERIFICATION_EVENT_KINDS)
+
+
+def build_events(s: Snapshot) -> pd.DataFrame:
+    """The event log, newest first (at most :data:`EVENT_LIMIT`)."""
+    return _events(s, None)
+
+
+def build_storage(s: Snapshot) -> pd.DataFrame:
+    """Bytes held per tier over time (see :mod:`.history`)."""
+    s.jobs  # noqa: B018 - raises for an unknown job
+    assert s.job is not None
+    copies = q.frame(s.source.engine, q.storage_copies(s.job))
+    events = q.frame(s.source.engine, q.storage_events(s.job))
+    return storage_history(copies, events, now=s.now)
+
+
+# ------------------------------------------------------------------ checkpoint tables
+
+
+def build_files(s: Snapshot) -> pd.DataFrame:
+    """The checkpoint's files with sizes, hashes and their last verification."""
+    computed = {r.relpath: r for r in q.frame(s.source.engine, q.file_hashes(s.record.id)).itertuples(index=False)}
+    rows = []
+    for f in s.record.files:
+        c = computed.get(f.relpath)
+        rows.append({
+            "relpath": f.relpath, "size": f.size, "status": f.status or "unverified",
+            "sha256_expected": f.sha256_expected or "", "sha256": (_opt(c.sha256) if c is not None else None) or "",
+            "crc64nvme": f.crc64nvme or "", "verified_at": _opt(c.verified_at) if c is not None else None,
+            "detail": redact(f.detail) or "",
+        })
+    return _records(rows, "files")
+
+
+def build_copies(s: Snapshot) -> pd.DataFrame:
+    """Where the checkpoint's bytes are: one row per copy and tier."""
+    r = s.record
+    rows = [{
+        "tier": c.tier.value, "state": c.state, "url": redact(c.url), "stored_bytes": c.stored_bytes,
+        "ratio": round(r.bytes / c.stored_bytes, 3) if c.stored_bytes else None, "codec": c.codec or "",
+        # Catalogs that record the storage class carry it on the copy; older ones do not.
+        "storage_class": getattr(c, "storage_class", None) or "",
+        "verified_at": c.verified_at,
+    } for c in r.copies]
+    df = _records(rows, "copies")
+    df["stored_bytes"] = df["stored_bytes"].astype("Int64")
+    return df
+
+
+# ------------------------------------------------------------------ the registry
+
+C = Column
+TABLES: dict[str, TableSpec] = {}
+
+
+def register(spec: TableSpec) -> None:
+    TABLES[spec.name] = spec
+
+
+register(TableSpec("jobs", "Jobs", "catalog", (
+    C("job", "job", "Job"),
+    C("checkpoints", "int", "Live", "checkpoints not deleted"),
+    C("incomplete", "int", "Incomplete", "saves in flight or torn"),
+    C("committed", "int", "Committed", "complete, bytes not yet proven"),
+    C("verified", "int", "Verified", "bytes proven, not (yet) drilled"),
+    C("drilled", "int", "Drilled", "verified and the most recent drill passed"),
+    C("corrupt", "int", "Corrupt"),
+    C("deleted", "int", "Deleted", "tombstones"),
+    C("hot_only", "int", "Hot only"),
+    C("hot_and_archive", "int", "Hot + archive"),
+    C("archive_only", "int", "Archive only"),
+    C("no_copy", "int", "No copy", "live checkpoints no copy holds (missing from storage)"),
+    C("hot_bytes", "bytes", "Hot"),
+    C("archive_stored_bytes", "bytes", "Archive stored", "compressed bytes in the archive tier"),
+    C("archive_logical_bytes", "bytes", "Archive logical", "original size of what the archive holds"),
+    C("keep_all_bytes", "bytes", "Keep-all", "every checkpoint ever seen, kept hot"),
+    C("saved_bytes", "bytes", "Saved", "keep-all minus hot minus archive stored"),
+    C("saved_fraction", "ratio", "Saved %"),
+    C("verified_coverage", "ratio", "Verified %", "verified / (committed + verified)"),
+    C("oldest_verified_at", "time", "Oldest verification"),
+    C("oldest_verification_age_s", "age", "Oldest verification age"),
+    C("last_drill_at", "time", "Last drill"),
+    C("last_drill_age_s", "age", "Last drill age"),
+    C("last_drill_step", "step", "Last drill step"),
+    C("last_drill_ok", "verdict", "Last drill verdict"),
+    C("recovery_step", "step", "Recovery point", "newest checkpoint whose most recent drill passed"),
+    C("recovery_saved_at", "time", "Recovery point saved"),
+    C("recovery_age_s", "age", "Recovery point age"),
+    C("newest_step", "step", "Newest step"),
+    C("newest_saved_at", "time", "Newest save"),
+    C("newest_save_age_s", "age", "Newest save age"),
+    C("usual_interval_s", "age", "Usual interval", "median gap between the newest saves"),
+    C("alerts", "int", "Alerts"),
+    C("worst_alert", "severity", "Worst alert"),
+), build_jobs, "one row per job: checkpoints by state, proof and tier; bytes; coverage; drills; recovery point"))
+
+register(TableSpec("alerts", "Alerts", "catalog", (
+    C("severity", "severity", "Severity"),
+    C("job", "job", "Job"),
+    C("kind", "text", "Kind"),
+    C("steps", "text", "Steps"),
+    C("message", "text", "Message"),
+    C("rank", "int", "Rank", "0 = most severe"),
+), build_alerts, "corrupt, degraded and only copies, suspended deletion, stale jobs, failed drills"))
+
+register(TableSpec("checkpoints", "Checkpoints", "job", (
+    C("job", "job", "Job"),
+    C("step", "step", "Step"),
+    C("state", "state", "State"),
+    C("proof", "proof", "Proof"),
+    C("last_drill", "state", "Last drill"),
+    C("format", "text", "Format"),
+    C("bytes", "bytes", "Size"),
+    C("hot", "state", "Hot copy"),
+    C("archive", "state", "Archive copy"),
+    C("archive_stored_bytes", "bytes", "Archive stored"),
+    C("milestone", "bool", "Milestone"),
+    C("saved_at", "time", "Saved"),
+    C("verified_at", "time", "Verified"),
+    C("missing_since", "time", "Missing since"),
+    C("reason", "text", "Reason"),
+), build_checkpoints, "every checkpoint of the job, tombstones included"))
+
+register(TableSpec("plan", "Retention plan", "job", (
+    C("job", "job", "Job"),
+    C("step", "step", "Step"),
+    C("state", "state", "State"),
+    C("action", "text", "Action"),
+    C("bytes", "bytes", "Size"),
+    C("reasons", "text", "Reasons"),
+), build_plan, "what 'ckptier apply' would do now, with its reasons"))
+
+register(TableSpec("drills", "Restore drills", "catalog", (
+    C("job", "job", "Job"),
+    C("step", "step", "Step"),
+    C("started_at", "time", "Started"),
+    C("finished_at", "time", "Finished"),
+    C("seconds", "float", "Seconds"),
+    C("ok", "verdict", "Verdict"),
+    C("device", "text", "Device"),
+    C("tier", "text", "From tier"),
+    C("first_loss", "float", "First loss"),
+    C("peak_memory_bytes", "bytes", "Peak memory"),
+    C("summary", "text", "Summary"),
+), build_drills, "restore drills, newest first"))
+
+register(TableSpec("verifications", "Verification history", "catalog", (
+    C("at", "time", "At"),
+    C("job", "job", "Job"),
+    C("step", "step", "Step"),
+    C("kind", "state", "Outcome"),
+    C("message", "text", "Message"),
+), build_verifications, "verification outcomes (state changes, archive read-backs), newest first"))
+
+register(TableSpec("events", "Events", "catalog", (
+    C("at", "time", "At"),
+    C("job", "job", "Job"),
+    C("step", "step", "Step"),
+    C("kind", "text", "Kind"),
+    C("message", "text", "Message"),
+), build_events, "the event log, newest first"))
+
+register(TableSpec("storage", "Storage over time", "job", (
+    C("at", "time", "At"),
+    C("hot_bytes", "bytes", "Hot"),
+    C("archive_stored_bytes", "bytes", "Archive stored"),
+    C("archive_logical_bytes", "bytes", "Archive logical"),
+), build_storage, "bytes held per tier over time"))
+
+register(TableSpec("files", "Files", "checkpoint", (
+    C("relpath", "mono", "File"),
+    C("size", "bytes", "Size"),
+    C("status", "state", "Status"),
+    C("sha256_expected", "mono", "sha256 expected"),
+    C("sha256", "mono", "sha256 computed"),
+    C("crc64nvme", "mono", "CRC64NVME"),
+    C("verified_at", "time", "Verified"),
+    C("detail", "text", "Detail"),
+), build_files, "the checkpoint's files with sizes and hashes"))
+
+register(TableSpec("copies", "Copies", "checkpoint", (
+    C("tier", "text", "Tier"),
+    C("state", "state", "State"),
+    C("url", "mono", "URL"),
+    C("stored_bytes", "bytes", "Stored"),
+    C("ratio", "float", "Ratio", "logical / stored"),
+    C("codec", "text", "Codec"),
+    C("storage_class", "text", "Storage class"),
+    C("verified_at", "time", "Verified"),
+), build_copies, "the checkpoint's copies per tier"))
+
+
+def tables_for(scope: Scope) -> list[TableSpec]:
+    return [t for t in TABLES.values() if t.scope == scope]

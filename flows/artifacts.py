@@ -1,0 +1,75 @@
+"""Artifacts every flow publishes: the catalog summary and links to the dashboard.
+
+Rendering only: the figures come from the tasks' typed results
+(:mod:`ckptier.tasks.reports`); bytes are shown in decimal units, as
+storage bills them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from ckptier.tasks.prefect_tasks import catalog_summary_task
+from ckptier.tasks.reports import dashboard_job_url, dashboard_url
+
+from .output import human_bytes
+
+#: Dashboard links published per run at most; a run over more jobs links the overview too.
+MAX_DASHBOARD_LINKS = 20
+
+#: The states a catalog-summary row counts, in lifecycle order.
+SUMMARY_STATES = ("committed", "verified", "incomplete", "corrupt")
+
+
+def summary_rows(jobs: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One table row per job (``JobSummary`` as a dict): counts by state, bytes per tier in human units."""
+    rows = []
+    for j in jobs:
+        degraded = f", {j['archive_degraded']} degraded" if j["archive_degraded"] else ""
+        rows.append({
+            "job": j["job"], "checkpoints": j["checkpoints"],
+            **{s: j["states"].get(s, 0) for s in SUMMARY_STATES}, "deleted": j["deleted"],
+            "newest verified step": j["newest_verified_step"],
+            "hot": f"{human_bytes(j['hot_bytes'])} ({j['hot_checkpoints']} checkpoints)",
+            "archive stored": f"{human_bytes(j['archive_stored_bytes'])}{degraded}",
+            "archive logical": f"{human_bytes(j['archive_logical_bytes'])} ({j['archive_checkpoints']} checkpoints)",
+        })
+    return rows
+
+
+def publish_catalog_summary(catalog_url: str | None, config_path: str | None = None) -> list[dict[str, Any]]:
+    """Table artifact ``catalog-summary``: a row per job, checkpoints by state and bytes per tier.
+
+    Every flow that changes the catalog publishes it at its end, so the
+    latest one is the catalog as it is now (``catalog_url`` and ``config_path``
+    resolved as the flows resolve them). Returns the jobs' summaries."""
+    from prefect.artifacts import create_table_artifact
+
+    jobs = catalog_summary_task(catalog_url, config_path)
+    create_table_artifact(summary_rows(jobs) or [{"job": "-", "checkpoints": 0}], key="catalog-summary",
+                          description="Checkpoints per job: counts by state; hot bytes, and archive bytes as stored "
+                                      "(compressed) and logical (what they hold)")
+    return jobs
+
+
+def publish_dashboard_links(jobs: Iterable[str]) -> list[str]:
+    """A link artifact to each job's dashboard page (at most :data:`MAX_DASHBOARD_LINKS`, then
+    one to the overview), when ``CKPTIER_DASHBOARD_URL`` is set; returns the URLs linked."""
+    from prefect.artifacts import create_link_artifact
+
+    names = sorted(set(jobs))
+    urls = [(job, url) for job in names[:MAX_DASHBOARD_LINKS] if (url := dashboard_job_url(job, os.environ))]
+    if not urls:
+        return []
+    for job, url in urls:
+        create_link_artifact(url, link_text=f"{job} on the ckptier dashboard",
+                             description=f"Job {job}: checkpoints, tiers, drills and verifications")
+    out = [url for _, url in urls]
+    if len(names) > MAX_DASHBOARD_LINKS:
+        overview = dashboard_url(os.environ) or ""
+        create_link_artifact(overview, link_text="every job on the ckptier dashboard",
+                             description=f"{len(names)} jobs; the first {MAX_DASHBOARD_LINKS} are linked one by one")
+        out.append(overview)
+    return out

@@ -1,0 +1,237 @@
+"""``deepspeed``: DeepSpeed engine checkpoints (``engine.save_checkpoint``).
+
+Layout (DeepSpeed 0.19, ``DeepSpeedEngine.save_checkpoint``)::
+
+    {save_dir}/latest                                  # the tag of the newest save, e.g. "global_step600"
+    {save_dir}/zero_to_fp32.py                         # a helper script DeepSpeed copies in
+    {save_dir}/global_step{N}/mp_rank_{MP:02d}_model_states.pt
+    {save_dir}/global_step{N}/[bf16_]zero_pp_rank_{DP}_mp_rank_{MP:02d}_optim_states.pt   # ZeRO 1-3
+    {save_dir}/global_step{N}/zero_pp_rank_{DP}_mp_rank_{MP:02d}_model_states.pt          # ZeRO 3
+
+The job is ``save_dir``. Commit evidence: the ``latest`` tag, which
+DeepSpeed writes after the step's files: a ``global_step{N}`` at or before
+the step the tag names is committed; a newer one is a save in flight (or one
+that never finished), ``incomplete``. Without a ``latest`` file
+(``save_latest=False``) a step commits once unchanged for the Lightning
+settle time (60 s by default). Its own file names are its manifest: model
+states for every model-parallel rank from 0 to the highest seen, and ZeRO
+optimizer states for every data-parallel rank from 0 to the highest seen, on
+every model-parallel rank; a gap is a shortfall (``incomplete`` within the
+job's grace, ``corrupt`` after). The highest data-parallel rank missing on
+every model-parallel rank cannot be told from names.
+
+Drills restore one rank: ``mp_rank_00_model_states.pt`` (its ``module`` is
+the model's state dict; without ZeRO its ``optimizer`` is the optimizer's
+state dict) and, with ZeRO stage 1 or 2 on one data-parallel rank,
+``zero_pp_rank_0_mp_rank_00_optim_states.pt``, whose flat fp32 partitions are
+cut back into per-parameter optimizer state by the ``param_shapes`` the model
+states record (as DeepSpeed's ``zero_to_fp32.py`` does). Both load with the
+safe torch loader; the DeepSpeed classes they pickle are read as inert
+records (:mod:`ckptier.formats.stubs`), never imported. A factory is needed,
+with the optimizer built as training built it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ckptier.formats.base import FormatPlugin, Group, Scan, names
+from ckptier.storage.model import Format, Shortfall
+
+if TYPE_CHECKING:
+    from ckptier.formats.safe_load import LoadedCheckpoint
+
+__all__ = ["PLUGIN", "rank_shortfalls"]
+
+_LATEST = "latest"
+_MODEL = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+_ZERO3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+_OPTIM = re.compile(r"^((?:bf16_)?zero_pp_rank_)(\d+)(_mp_rank_)(\d+)(_optim_states\.pt)$")
+_TAG_STEP = re.compile(r"^global_step(\d+)$")
+_NUMBERING = "DeepSpeed's rank numbering"
+
+#: What DeepSpeed 0.19's ZeRO optimizer files pickle beside the tensors (read in
+#: the real files the tests write), each read as an inert record.
+LIBRARY_GLOBALS = {
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler": "the static loss scale: a number in its __dict__",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler": "the dynamic loss scale and its counters: numbers",
+    "deepspeed.runtime.zero.config.ZeroStageEnum": "an IntEnum: the ZeRO stage number",
+    "deepspeed.utils.tensor_fragment.fragment_address": "a dataclass of two integers (numel, start)",
+}
+
+
+class DeepSpeedFormat(FormatPlugin):
+    format = Format.DEEPSPEED
+    metadata_names = frozenset({_LATEST})
+    sidecar_names = frozenset({_LATEST, "zero_to_fp32.py", "zero_to_torch.py"})
+    why_factory = "a DeepSpeed checkpoint holds tensors only and the model's code is needed"
+    library_globals = LIBRARY_GLOBALS
+
+    def anchor(self, key: str, slash: int, up: int) -> str | None:
+        if slash > 0 and key.startswith("global_step", up + 1):
+            return key[:slash]
+        return None
+
+    def recognise(self, group: Group, scan: Scan) -> None:
+        prefix, dirname = group.prefix, group.dirname
+        m = _TAG_STEP.match(dirname)
+        if m is None:
+            scan.refuse(prefix + "/", f"{dirname!r} is not global_step<digits>; DeepSpeed tags of other names need a [[pattern]] rule")
+            return
+        step = int(m.group(1))
+        top = group.top()
+        job, files = scan.job_of(prefix), group.files
+        if not any(_MODEL.match(n) or _ZERO3_MODEL.match(n) for n in top):
+            scan.emit(job=job, step=step, fmt=self.format, prefix=prefix, files=files, committed=False,
+                      reason="no mp_rank_*_model_states.pt: save in flight or torn")
+            return
+        short = rank_shortfalls(top)
+        latest = scan.sidecar(prefix, _LATEST)
+        if latest is None:
+            committed, reason = scan.settled(files, scan.lightning_settle, "DeepSpeed checkpoints without a latest tag")
+        else:
+            tag, problem = scan.read_text(latest, "latest")
+            tagged = _TAG_STEP.match(tag)
+            if problem is not None:
+                committed, reason = False, problem
+            elif tag == dirname or (tagged is not None and int(tagged.group(1)) >= step):
+                committed, reason = True, f"committed: the latest tag ({tag}) was written after it"
+            elif tagged is not None:
+                committed, reason = False, f"newer than the latest tag ({tag}): save in flight, or never finished"
+            else:
+                committed, reason = scan.settled(files, scan.lightning_settle, f"DeepSpeed tag {tag!r}")
+        if committed and short:
+            reason += f"; rank file(s) missing: {names([str(x) for x in short])}"
+        scan.emit(job=job, step=step, fmt=self.format, prefix=prefix, files=files, committed=committed,
+                  reason=reason, short=short if committed else ())
+
+    def rank_files(self, path: Path) -> dict[int, list[Path]]:
+        """Rank ``r`` of ``mp * dp`` ranks (model-parallel major): its model
+        states and its ZeRO optimizer states."""
+        models = {int(m.group(1)): p for p in path.iterdir() if (m := _MODEL.match(p.name))}
+        optims: dict[tuple[int, int], Path] = {}
+        for p in path.iterdir():
+            if m := _OPTIM.match(p.name):
+                optims[(int(m.group(4)), int(m.group(2)))] = p
+        if not optims:
+            return {mp: [p] for mp, p in sorted(models.items())}
+        return {i: [models[mp], p] for i, ((mp, _dp), p) in enumerate(sorted(optims.items())) if mp in models}
+
+    def load(self, path: Path, allow: Sequence[Any]) -> LoadedCheckpoint:
+        return _load(path, allow)
+
+
+PLUGIN = DeepSpeedFormat()
+
+
+def rank_shortfalls(top: Mapping[str, Any]) -> list[Shortfall]:
+    """The rank files a ``global_stepN`` directory (file name -> anything)
+    lacks by DeepSpeed's own numbering; pure."""
+    mps = {int(m.group(1)) for n in top if (m := _MODEL.match(n))}
+    out: list[Shortfall] = []
+    if mps:
+        out += [Shortfall(f"mp_rank_{mp:02d}_model_states.pt", _NUMBERING) for mp in range(max(mps) + 1) if mp not in mps]
+    optim: dict[str, set[tuple[int, int]]] = {}
+    spelling: dict[str, tuple[str, str, str]] = {}
+    for n in top:
+        if m := _OPTIM.match(n):
+            optim.setdefault(m.group(1), set()).add((int(m.group(4)), int(m.group(2))))
+            spelling[m.group(1)] = (m.group(1), m.group(3), m.group(5))
+    for kind, seen in optim.items():
+        head, mid, tail = spelling[kind]
+        width = max(len(m.group(4)) for n in top if (m := _OPTIM.match(n)) and m.group(1) == kind)
+        all_mp = range(max(max(mp for mp, _ in seen), max(mps, default=0)) + 1)
+        all_dp = range(max(dp for _, dp in seen) + 1)
+        out += [Shortfall(f"{head}{dp}{mid}{mp:0{width}d}{tail}", _NUMBERING)
+                for mp in all_mp for dp in all_dp if (mp, dp) not in seen]
+    return sorted(out, key=lambda s: s.relpath)
+
+
+# -- loading (torch, lazily) ----------------------------------------------------
+
+
+def _load(path: Path, allow: Sequence[Any]) -> LoadedCheckpoint:
+    import torch
+
+    from ckptier.formats.safe_load import (
+        CheckpointLoadError,
+        LoadedCheckpoint,
+        float_or_none,
+        safe_torch_load,
+        unwrap_state,
+    )
+    from ckptier.formats.stubs import stub_allowlist
+
+    ranks = sorted(p.name for p in path.iterdir() if _MODEL.match(p.name))
+    if not ranks:
+        if any(_ZERO3_MODEL.match(p.name) for p in path.iterdir()):
+            raise CheckpointLoadError(f"{path}: not supported yet: ZeRO stage 3 checkpoints (their weights are partitioned "
+                                      "over ranks); convert it with DeepSpeed's zero_to_fp32.py or drill a stage 1/2 one")
+        raise CheckpointLoadError(f"{path}: no mp_rank_00_model_states.pt; not a DeepSpeed checkpoint")
+    if len(ranks) > 1:
+        raise CheckpointLoadError(f"{path}: not supported yet: {len(ranks)} model-parallel ranks ({ranks[0]}..{ranks[-1]}); "
+                                  "drills restore one rank")
+    optim_files = sorted(p for p in path.iterdir() if _OPTIM.match(p.name))
+    if len(optim_files) > 1:
+        raise CheckpointLoadError(f"{path}: not supported yet: ZeRO optimizer states of {len(optim_files)} data-parallel "
+                                  "ranks; drills restore one rank")
+    full_allow = [*allow, *stub_allowlist(LIBRARY_GLOBALS)]
+    states = safe_torch_load(path / ranks[0], extra_allowlist=full_allow)
+    if not isinstance(states, Mapping):
+        raise CheckpointLoadError(f"{path / ranks[0]}: not DeepSpeed model states (a {type(states).__name__})")
+    model = unwrap_state(states, path / ranks[0], ("module",))
+    optimizer: Any = states.get("optimizer")
+    if optim_files:
+        zero = safe_torch_load(optim_files[0], extra_allowlist=full_allow)
+        optimizer = _zero_to_torch(zero, states, optim_files[0], torch, CheckpointLoadError)
+    elif optimizer is not None and not (isinstance(optimizer, Mapping) and "state" in optimizer):
+        raise CheckpointLoadError(f"{path / ranks[0]}: its optimizer entry is not an Optimizer.state_dict(); "
+                                  "fp16 optimizer wrappers are not supported yet")
+    extra: dict[str, Any] = {k: v for k, v in states.items() if isinstance(v, (int, float, str, bool))}
+    if isinstance(states.get("ds_config"), Mapping):
+        extra["ds_config"] = dict(states["ds_config"])
+    step = states.get("global_steps") if isinstance(states.get("global_steps"), int) else None
+    return LoadedCheckpoint(model, optimizer, extra, "torch", step, float_or_none(states.get("loss")))
+
+
+def _zero_to_torch(zero: Any, states: Mapping[str, Any], where: Path, torch: Any, error: type[Exception]) -> dict[str, Any]:
+    """A ZeRO stage 1/2 optimizer file of one data-parallel rank as
+    ``Optimizer.state_dict()``: each group's flat state cut into its
+    parameters by ``param_shapes`` (parameters in group order, padding after)."""
+    osd = zero.get("optimizer_state_dict") if isinstance(zero, Mapping) else None
+    base = osd.get("base_optimizer_state") if isinstance(osd, Mapping) else None
+    shapes = states.get("param_shapes")
+    if not (isinstance(base, Mapping) and isinstance(base.get("state"), Mapping) and isinstance(base.get("param_groups"), list)):
+        raise error(f"{where}: no base_optimizer_state with state and param_groups; not a ZeRO stage 1/2 optimizer file")
+    partitions = osd.get("partition_count") if isinstance(osd, Mapping) else None
+    if isinstance(partitions, list) and any(isinstance(n, int) and n > 1 for n in partitions):
+        raise error(f"{where}: not supported yet: partitioned over {max(partitions)} data-parallel ranks; drills restore one rank")
+    if not isinstance(shapes, list) or len(shapes) != len(base["param_groups"]):
+        raise error(f"{where}: the model states record no param_shapes for its {len(base['param_groups'])} group(s); "
+                    "cannot cut the flat optimizer state into parameters")
+    state: dict[int, dict[str, Any]] = {}
+    groups: list[dict[str, Any]] = []
+    pid = 0
+    for g, (group, group_shapes) in enumerate(zip(base["param_groups"], shapes, strict=True)):
+        flat = base["state"].get(g, {})
+        total = sum(int(torch.Size(s).numel()) for s in group_shapes.values())
+        ids: list[int] = []
+        offset = 0
+        for shape in group_shapes.values():
+            n = int(torch.Size(shape).numel())
+            per: dict[str, Any] = {}
+            for key, value in flat.items():
+                if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() >= total:
+                    per[key] = value[offset : offset + n].view(tuple(shape)).clone()
+                else:
+                    per[key] = value.clone() if isinstance(value, torch.Tensor) else value
+            if per:
+                state[pid] = per
+            ids.append(pid)
+            pid += 1
+            offset += n
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+    return {"state": state, "param_groups": groups}

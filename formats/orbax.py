@@ -1,0 +1,144 @@
+"""``orbax``: JAX checkpoints written by Orbax's ``CheckpointManager``.
+
+Layout (orbax-checkpoint 0.12: ``CheckpointManager.save``, step names from
+``step_name_format``: the bare step, or ``{prefix}_{step}``)::
+
+    {job}/{step}/_CHECKPOINT_METADATA     # JSON, written at the commit: commit_timestamp_nsecs, metrics
+    {job}/{step}/commit_success.txt       # on stores without atomic rename (and often beside it)
+    {job}/{step}/{item}/...               # each item: _METADATA, manifest.ocdbt, ocdbt.process_0/d/...
+    {job}/{step}.orbax-checkpoint-tmp-{T}/...   # a save in flight (renamed to {step} at the commit)
+
+Commit evidence: ``_CHECKPOINT_METADATA`` with a ``commit_timestamp_nsecs``,
+or ``commit_success.txt``, directly in the step directory. A directory with
+the ``.orbax-checkpoint-tmp-`` suffix is a save in flight: ``incomplete``,
+so retention never deletes it before the job's grace. A numeric ``loss`` in
+the metadata's ``metrics``, or in the ``metrics/metrics`` item the manager
+writes when it tracks a best metric, is the recorded loss. Item directories are part of
+their step's checkpoint.
+
+Drills need JAX and ``orbax-checkpoint`` in the drill's environment: the
+arrays are restored with Orbax (no pickle) and handed to the factory's torch
+model by their flattened tree paths (``params.dense.kernel``). Without JAX
+the drill says so in one line.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ckptier.formats.base import FormatPlugin, Group, Scan, as_loss, step_in_name
+from ckptier.storage.model import Format
+
+if TYPE_CHECKING:
+    from ckptier.formats.safe_load import LoadedCheckpoint
+
+__all__ = ["PLUGIN", "TMP_SUFFIX"]
+
+TMP_SUFFIX = ".orbax-checkpoint-tmp-"
+_META = "_CHECKPOINT_METADATA"
+_SUCCESS = "commit_success.txt"
+_METRICS = "metrics/metrics"
+_STEP = re.compile(r"^(?:.*_)?(\d+)$")
+_NEEDS_JAX = ("an Orbax checkpoint needs JAX to drill, and JAX or orbax-checkpoint is not installed in the drill's "
+              "environment; install them there (pip install 'ckptier[orbax]') or drill another format")
+
+
+def orbax_step(dirname: str) -> int | None:
+    """The step of an Orbax step directory name (``1000``, ``ckpt_1000``), else None."""
+    m = _STEP.match(dirname)
+    return int(m.group(1)) if m else step_in_name(dirname)
+
+
+class OrbaxFormat(FormatPlugin):
+    format = Format.ORBAX
+    metadata_names = frozenset({_META, "metrics"})
+    adopts_subdirs = True
+    why_factory = "an Orbax checkpoint holds arrays only; give a torch model whose state dict keys are its tree paths"
+
+    def anchor(self, key: str, slash: int, up: int) -> str | None:
+        if slash <= 0:
+            return None
+        at = key.find(TMP_SUFFIX)
+        if at >= 0:
+            end = key.find("/", at)
+            return key[:end] if end > 0 else None
+        if key.endswith(("/" + _META, "/" + _SUCCESS)):
+            return key[:slash]
+        return None
+
+    def recognise(self, group: Group, scan: Scan) -> None:
+        prefix, dirname = group.prefix, group.dirname
+        job, files = scan.job_of(prefix), group.files
+        at = dirname.find(TMP_SUFFIX)
+        step = orbax_step(dirname[:at] if at >= 0 else dirname)
+        if step is None:
+            scan.refuse(prefix + "/", f"Orbax checkpoint {dirname!r} not recognised: no step in the path")
+            return
+        if at >= 0:
+            scan.emit(job=job, step=step, fmt=self.format, prefix=prefix, files=files, committed=False,
+                      reason=f"Orbax save in flight ({dirname[at + 1:]}): renamed to its step directory at the commit")
+            return
+        top = group.top()
+        loss = None
+        committed, reason = False, f"no {_META} or {_SUCCESS}: save in flight or torn"
+        meta = top.get(_META)
+        if meta is not None:
+            data, problem = scan.read_json(meta, _META)
+            if problem is None and not isinstance(data, dict):
+                problem = f"{_META}: expected a JSON object, found {type(data).__name__}"
+            if problem is not None:
+                reason = problem
+            else:
+                assert isinstance(data, dict)
+                metrics = data.get("metrics")
+                loss = as_loss(metrics.get("loss")) if isinstance(metrics, dict) else None
+                if data.get("commit_timestamp_nsecs") is not None:
+                    committed, reason = True, f"committed: {_META} records its commit time"
+        if not committed and _SUCCESS in top and (meta is None or reason.startswith("no ")):
+            committed, reason = True, f"committed: {_SUCCESS} present"
+        metrics_file = next((f for f in files if group.relpath(f) == _METRICS), None)
+        if committed and loss is None and metrics_file is not None:  # CheckpointManager's metrics item
+            metrics, _ = scan.read_json(metrics_file, _METRICS)
+            loss = as_loss(metrics.get("loss")) if isinstance(metrics, dict) else None
+        scan.emit(job=job, step=step, fmt=self.format, prefix=prefix, files=files, committed=committed,
+                  reason=reason, loss=loss)
+
+    def load(self, path: Path, allow: Sequence[Any]) -> LoadedCheckpoint:
+        from ckptier.formats.safe_load import CheckpointLoadError, LoadedCheckpoint
+
+        try:
+            import numpy as np
+            import orbax.checkpoint as ocp  # type: ignore[import-not-found]
+            import torch
+        except ImportError:
+            raise CheckpointLoadError(f"{path}: {_NEEDS_JAX}") from None
+        items = sorted(p for p in path.iterdir() if p.is_dir() and (p / "_METADATA").is_file())
+        if len(items) != 1:
+            raise CheckpointLoadError(f"{path}: expected one Orbax item directory, found {len(items)}; drills restore one item")
+        try:
+            tree = ocp.StandardCheckpointer().restore(items[0].resolve())
+        except Exception as exc:  # noqa: BLE001 - Orbax/tensorstore errors of every kind: one line
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise CheckpointLoadError(f"{items[0]}: Orbax restore failed: {first}; re-fetch or re-verify it") from None
+        model = {k: torch.from_numpy(np.array(v)) for k, v in _flatten(tree).items()}
+        extra: dict[str, Any] = {"orbax_item": items[0].name}
+        return LoadedCheckpoint(model, None, extra, "torch", orbax_step(path.name), None)
+
+
+PLUGIN = OrbaxFormat()
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if isinstance(tree, Mapping):
+        for key, value in tree.items():
+            out.update(_flatten(value, f"{prefix}{key}."))
+    elif isinstance(tree, (list, tuple)):
+        for i, value in enumerate(tree):
+            out.update(_flatten(value, f"{prefix}{i}."))
+    elif tree is not None:
+        out[prefix[:-1]] = tree
+    return out

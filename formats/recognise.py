@@ -1,0 +1,356 @@
+"""Format recognition: a listing in, checkpoints and leftovers out.
+
+:func:`recognise` is a pure function of a store listing, the bytes of a few
+small metadata files (read through the injected ``read_small``) and ``now``.
+It never reads the clock, never opens weights, and never unpickles anything
+but DCP's ``.metadata``, with a restricted unpickler that constructs nothing
+executable (:func:`ckptier.formats.dcp.dcp_needs`).
+
+The pass is the same for every format; what a layout looks like and what
+commits it is each format's own module (:mod:`ckptier.formats`):
+
+1. every key is offered to the formats' anchors in registry order; the first
+   that claims it puts it in that checkpoint directory's group;
+2. a file no anchor claimed joins the group of its own directory (or of an
+   ancestor, for formats that adopt subdirectories: Orbax item directories);
+   a job-level file a format owns (DeepSpeed's ``latest``, Megatron's
+   tracker) is kept aside for that format to read;
+3. each group goes to the first of its claimants in registry order, which
+   emits a checkpoint (or says why the directory is not one);
+4. what is left goes to the user's ``[[pattern]]`` rules, then is reported
+   as not recognised, one row per directory.
+
+Common rules:
+
+* ``job`` is the key path between the scan root and the checkpoint's
+  directory (``runs/llama/step-00001000/...`` -> ``runs/llama``); when the
+  checkpoint sits directly at the root it is ``root_name``.
+* A zero-byte data file (``.pt``, ``.pth``, ``.bin``, ``.safetensors``,
+  ``.distcp``, ``.ckpt``...) makes the checkpoint ``incomplete`` naming it.
+* A malformed metadata file makes it ``incomplete`` with a reason such as
+  ``metadata.json: not valid JSON (line 1 col 17)``; nothing raises for bad
+  content. ``read_small`` errors: a transient one (:func:`is_transient`)
+  propagates so that the caller retries the scan; any other storage error
+  makes the checkpoint incomplete with the error in its reason.
+* A step that does not parse (``step-abc``, ``checkpoint-best`` holding
+  checkpoint files, ``step=x.ckpt``) is Unrecognised, once per directory;
+  so is one above :data:`MAX_STEP`, which no catalog column can hold.
+* Keys that :func:`key_problem` rejects (not UTF-8, ``..``, ...) are
+  Unrecognised one by one; their ``key`` is made printable (undecodable bytes
+  as ``\\xNN``).
+* Files of no format are reported as one Unrecognised per directory with a
+  count and an example, so a million stray files give one row per directory.
+  Directory keys end with ``/``; the root directory is ``""``.
+* ckptier's own files are skipped: temp files (``.ckptier-tmp-*``), names
+  ending in ``ckptier-manifest.json``, and anything under a ``.ckptier/``
+  directory (see :func:`is_own_file`).
+* Two checkpoints with the same (job, step): the newest (by file mtime, then
+  prefix) is kept, the others are Unrecognised naming the kept one.
+
+Output is deterministic: checkpoints sorted by (job, step, prefix), each
+checkpoint's files by relpath, unrecognised entries by key. Cost is linear in
+the listing; plain string splits per object, each format's anchor is a few
+string tests per key; regexes only for step names of claimed directories,
+``.ckpt`` names and user patterns.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from ckptier.formats.base import Group, Scan, Tally
+from ckptier.formats.pattern import PatternRule, recognise_patterns
+from ckptier.formats.registry import ANCHORING, SIDECAR_NAMES, SIDECAR_OWNERS, plugin
+from ckptier.storage.base import ObjectInfo, key_problem
+from ckptier.storage.local import TEMP_PREFIX
+from ckptier.storage.model import Found, Recognition, Unrecognised
+
+__all__ = [
+    "DEFAULT_LIGHTNING_SETTLE_SECONDS",
+    "DEFAULT_METADATA_LIMIT",
+    "MANIFEST_SUFFIX",
+    "OWN_DIR",
+    "is_own_file",
+    "recognise",
+]
+
+#: Seconds a Lightning ``.ckpt`` must stay unchanged before it counts.
+DEFAULT_LIGHTNING_SETTLE_SECONDS = 60.0
+#: Largest metadata file (bytes) ``recognise`` will read.
+DEFAULT_METADATA_LIMIT = 16 << 20
+#: Archive manifests end with this name and are never checkpoint files.
+MANIFEST_SUFFIX = "ckptier-manifest.json"
+#: A directory segment reserved for ckptier's own bookkeeping.
+OWN_DIR = ".ckptier"
+
+
+def is_own_file(key: str) -> bool:
+    """True for keys ckptier itself writes (temp files, manifests, ``.ckptier/``)."""
+    name = key[key.rfind("/") + 1 :]
+    return (
+        name.startswith(TEMP_PREFIX)
+        or name.endswith(MANIFEST_SUFFIX)
+        or key.startswith(OWN_DIR + "/")
+        or f"/{OWN_DIR}/" in key
+    )
+
+
+class _Leftovers:
+    """Files no format claimed: the user's patterns, else a tally per directory."""
+
+    def __init__(self, patterns: Sequence[PatternRule]) -> None:
+        self.patterns = tuple(patterns)
+        self.stray: dict[str, Tally] = {}
+        self.pattern_misses: dict[tuple[str, int], Tally] = {}
+        self.pattern_files: dict[tuple[int, str], list[ObjectInfo]] = {}
+
+    def __call__(self, info: ObjectInfo) -> None:
+        key = info.key
+        for index, rule in enumerate(self.patterns):
+            if rule._glob_re.match(key) is None:
+                continue
+            m = rule._step_re.search(key)
+            text = m.group(rule._group) if m is not None else None
+            if m is None or text is None or not (text.isascii() and text.isdigit()):
+                _tally(self.pattern_misses, (_dir_of(key), index), key)
+                return
+            end = key.find("/", m.end(rule._group))
+            prefix = key if end < 0 else key[:end]
+            self.pattern_files.setdefault((index, prefix), []).append(info)
+            return
+        _tally(self.stray, _dir_of(key), key)
+
+    def report(self, scan: Scan) -> None:
+        for directory, tally in self.stray.items():
+            scan.refuse(
+                directory,
+                f"{tally.count} file(s) in no known checkpoint format (e.g. {tally.example!r}); "
+                "add a [[pattern]] rule to ckptier.toml if they are checkpoints",
+            )
+        for (directory, index), tally in self.pattern_misses.items():
+            rule = self.patterns[index]
+            scan.refuse(
+                directory,
+                f"{tally.count} file(s) match glob {rule.glob!r} but step_regex {rule.step_regex!r} "
+                f"finds no step number in them (e.g. {tally.example!r}); fix the pattern rule",
+            )
+
+
+def _tally(table: dict[Any, Tally], slot: Any, key: str) -> None:
+    name = key[key.rfind("/") + 1 :]
+    tally = table.get(slot)
+    if tally is None:
+        table[slot] = Tally(1, name)
+    else:
+        tally.count += 1
+        if name < tally.example:
+            tally.example = name
+
+
+def _drop_duplicates(scan: Scan) -> None:
+    by_step: dict[tuple[str, int], list[Found]] = {}
+    for found in scan.found:
+        by_step.setdefault((found.job, found.step), []).append(found)
+    kept: list[Found] = []
+    for (job, step), same in by_step.items():
+        if len(same) == 1:
+            kept.append(same[0])
+            continue
+        same.sort(key=lambda f: (f.saved_at if f.saved_at is not None else -math.inf, f.prefix), reverse=True)
+        winner = same[0]
+        kept.append(winner)
+        for other in same[1:]:
+            scan.unrecognised.append(
+                Unrecognised(
+                    other.prefix if len(other.files) == 1 and other.files[0].key == other.prefix
+                    else other.prefix + "/",
+                    f"job {job!r} step {step} is also at {winner.prefix!r} ({winner.format}), which is newer "
+                    "and was kept; remove or rename this copy",
+                )
+            )
+    scan.found = kept
+
+
+
+def recognise(
+    listing: Iterable[ObjectInfo],
+    read_small: Callable[[str], bytes],
+    *,
+    root_name: str,
+    now: float,
+    patterns: Sequence[PatternRule] = (),
+    metadata_limit: int = DEFAULT_METADATA_LIMIT,
+    lightning_settle_seconds: float = DEFAULT_LIGHTNING_SETTLE_SECONDS,
+) -> Recognition:
+    """Find every checkpoint in ``listing`` (see the module docstring).
+
+    ``listing`` holds keys relative to the scanned root, each once, in any
+    order; it is consumed once. ``read_small(key)`` returns a whole small
+    object (only the files the formats name in ``metadata_names`` and
+    ``sidecar_names``, no larger than ``metadata_limit`` bytes, each at most
+    once). ``now`` is epoch seconds. ``root_name`` (the last component of the
+    scanned URL) is the job of checkpoints at the root; it must not be empty.
+    The result is deterministic for a given listing and file contents;
+    ``objects`` counts every object in the listing, skipped ones included.
+    Raises only what ``read_small`` raises for transient errors.
+
+    Python's cyclic garbage collector is paused while the listing is
+    consumed: the pass allocates a few objects per listed key and no cycles,
+    and in a process with a large heap (torch, Prefect) the collections it
+    would trigger cost more than the recognition itself (measured: 0.73 s vs
+    0.29 s for 100,000 keys with ~600,000 live objects).
+    """
+    if not root_name:
+        raise ValueError("root_name is empty; pass the last path component of the scanned URL (or the bucket name)")
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _recognise(listing, read_small, root_name, now, patterns, metadata_limit, lightning_settle_seconds)
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _recognise(
+    listing: Iterable[ObjectInfo],
+    read_small: Callable[[str], bytes],
+    root_name: str,
+    now: float,
+    patterns: Sequence[PatternRule],
+    metadata_limit: int,
+    lightning_settle_seconds: float,
+) -> Recognition:
+    leftovers = _Leftovers(patterns)
+    scan = Scan(read_small, root_name, now, metadata_limit, lightning_settle_seconds, leftovers)
+    groups: dict[str, Group] = {}
+    get_group = groups.get
+    loose: list[ObjectInfo] = []
+    anchors = ANCHORING
+    sidecar_names = SIDECAR_NAMES
+    objects = 0
+    for info in listing:
+        objects += 1
+        key = info.key
+        slash = key.rfind("/")
+        name = key[slash + 1 :]
+        if name.startswith(TEMP_PREFIX) or name.endswith(MANIFEST_SUFFIX) or OWN_DIR in key and is_own_file(key):
+            continue
+        if not _plainly_safe(key):
+            problem = key_problem(key)
+            if problem is not None:
+                scan.refuse(_printable(key), problem)
+                continue
+        up = key.rfind("/", 0, slash) if slash > 0 else -1
+        for fmt, anchor in anchors:
+            prefix = anchor(key, slash, up)
+            if prefix is None:
+                continue
+            group = get_group(prefix)
+            if group is None:
+                groups[prefix] = Group(prefix, [info], [fmt], prefix == key)
+            else:
+                group.files.append(info)
+                if fmt not in group.claimants:
+                    group.claimants.append(fmt)
+            break
+        else:
+            if name in sidecar_names:
+                scan.sidecars[key] = info
+            else:
+                loose.append(info)
+
+    _nest(groups)
+    for info in loose:
+        group = _adopter(groups, info.key)
+        if group is None:
+            leftovers(info)
+        else:
+            group.files.append(info)
+    for group in sorted(groups.values(), key=lambda g: g.prefix):
+        owner = min(group.claimants, key=_RANK.__getitem__)
+        plugin(owner).recognise(group, scan)
+    owned = {(f.prefix.rpartition("/")[0], f.format) for f in scan.found}
+    for key, info in scan.sidecars.items():
+        where, _, name = key.rpartition("/")
+        if key not in scan.used_sidecars and not any(
+            (where, fmt) in owned for fmt in SIDECAR_OWNERS.get(name, ())
+        ):
+            leftovers(info)
+    recognise_patterns(scan, leftovers.patterns, leftovers.pattern_files)
+    leftovers.report(scan)
+    _drop_duplicates(scan)
+    return Recognition(
+        checkpoints=tuple(sorted(scan.found, key=lambda f: (f.job, f.step, f.prefix))),
+        unrecognised=tuple(sorted(scan.unrecognised, key=lambda u: (u.key, u.reason))),
+        objects=objects,
+    )
+
+
+_RANK = {fmt: i for i, (fmt, _) in enumerate(ANCHORING)}
+
+
+def _nest(groups: dict[str, Group]) -> None:
+    """Merge groups that lie inside a group of a format that adopts
+    subdirectories (an Orbax item directory inside its step directory)."""
+    for prefix in sorted(groups, key=len, reverse=True):
+        group = groups[prefix]
+        cut = prefix.rfind("/")
+        while cut > 0:
+            outer = groups.get(prefix[:cut])
+            if outer is not None:
+                if group.claimants[0] in outer.claimants and plugin(group.claimants[0]).adopts_subdirs:
+                    outer.files.extend(group.files)
+                    del groups[prefix]
+                break
+            cut = prefix.rfind("/", 0, cut)
+
+
+def _adopter(groups: dict[str, Group], key: str) -> Group | None:
+    """The group an unclaimed file joins: its own directory's, else the
+    nearest ancestor's when that format adopts subdirectories."""
+    cut = key.rfind("/")
+    first = True
+    while cut > 0:
+        group = groups.get(key[:cut])
+        if group is not None and not group.single:
+            if first or plugin(group.claimants[0]).adopts_subdirs:
+                return group
+            return None
+        first = False
+        cut = key.rfind("/", 0, cut)
+    return None
+
+
+# --------------------------------------------------------------------------
+# Small pure helpers
+
+
+def _plainly_safe(key: str) -> bool:
+    """A cheap, conservative pre-check: True only for keys :func:`key_problem` accepts.
+
+    False means "look closer" (hidden files, non-ASCII names), not "unsafe".
+    """
+    return (
+        key.isascii()
+        and key[:1] not in ("", "/", ".")
+        and "/." not in key
+        and "//" not in key
+        and "\\" not in key
+        and "\x00" not in key
+    )
+
+
+def _dir_of(key: str) -> str:
+    return key[: key.rfind("/") + 1]
+
+
+def _printable(key: str) -> str:
+    """``key`` with undecodable bytes (surrogate escapes) shown as ``\\xNN``."""
+    try:
+        key.encode("utf-8")
+        return key
+    except UnicodeEncodeError:
+        return key.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")

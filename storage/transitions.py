@@ -1,0 +1,509 @@
+"""The rules that move a checkpoint between states: one pure module, no I/O.
+
+Everything that decides a checkpoint's state lives here, as functions of
+plain values with the time passed in (they never read the clock); the
+catalog loads rows, calls these, and stores what they return. Each returns
+a :class:`Transition`: the new state, its reason (one line), the times to
+store and the events to log. Three kinds of input move a checkpoint:
+
+* a scan finding (:func:`on_scan`, :func:`on_vanished`): new, files changed,
+  commit evidence appeared or lost, vanished, reappeared, a tombstone
+  resurrected, and completeness (:func:`completeness`);
+* a verification result (:func:`on_verification`): per file ``ok`` /
+  ``corrupt`` / ``missing`` / ``error``, files a manifest lists that are
+  absent or short, extra files;
+* drills, which do not change the state but the proof
+  (:func:`proof_of`, :func:`pick_latest`).
+
+States (see :class:`~ckptier.storage.model.State`)::
+
+    (new) ──> incomplete <──> committed ──> verified
+                  │              │  ^          │
+                  └──> corrupt <─┘  └──────────┘ (files changed)
+    deleted ──> (reappears) committed / incomplete / corrupt
+
+Complete means complete: a checkpoint whose commit evidence is present but
+whose own manifest lists files that are absent (or have fewer bytes than it
+requires) is ``incomplete`` while younger than the job's ``grace`` (its save
+may still be in flight; the deadline is in the reason) and ``corrupt``
+after, naming the files. Age is measured from ``saved_at`` (the newest file's
+mtime), else from when the catalog first saw the checkpoint.
+
+Proof, weakest to strongest: ``committed`` (commit evidence seen) <
+``verified`` (every byte proven) < ``drilled`` (verified, and its most recent
+restore drill passed). A failed drill never lowers the state, but
+:func:`pick_latest` passes over the checkpoint, saying why.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from .model import CheckpointRecord, CopyState, FileCheck, FileRecord, Shortfall, State
+
+__all__ = [
+    "DEFAULT_GRACE",
+    "Event",
+    "FileVerdict",
+    "Latest",
+    "Proof",
+    "Row",
+    "Seen",
+    "Transition",
+    "Verification",
+    "completeness",
+    "discovered",
+    "on_scan",
+    "on_vanished",
+    "on_verification",
+    "pick_latest",
+    "proof_of",
+]
+
+#: How long a save whose manifest lists absent files may still be in flight
+#: (the policy's ``grace`` when a job has one).
+DEFAULT_GRACE = timedelta(hours=2)
+
+#: Statuses a file's verification result may have.
+FILE_STATUSES = ("ok", "corrupt", "missing", "error")
+
+#: How many names a reason lists before "(+N more)".
+_NAMES_SHOWN = 3
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """An event to log with a transition: ``kind`` (``committed``,
+    ``corrupt``, ``vanished``...), a one-line ``message`` and optional data."""
+
+    kind: str
+    message: str
+    data: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """What the catalog holds of a checkpoint, as far as the rules need it.
+    Times are aware UTC."""
+
+    state: State
+    reason: str | None
+    first_seen: datetime
+    saved_at: datetime | None = None
+    verified_at: datetime | None = None
+    missing_since: datetime | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Seen:
+    """What one scan found of a checkpoint.
+
+    ``committed``/``reason``/``shortfalls``/``saved_at`` come from format
+    recognition (:class:`~ckptier.storage.model.Found`). Against the row's
+    files: ``changed`` are relpaths that are new or whose size, mtime, etag
+    or expected hash changed; ``gone`` are relpaths no longer listed that
+    were present; ``still_gone`` are relpaths no longer listed that the
+    catalog already records as missing.
+    """
+
+    committed: bool
+    reason: str
+    saved_at: datetime | None = None
+    shortfalls: tuple[Shortfall, ...] = ()
+    changed: tuple[str, ...] = ()
+    gone: tuple[str, ...] = ()
+    still_gone: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """A checkpoint's state after one input, and what to record.
+
+    ``verified_at`` and ``missing_since`` are the values to store (kept,
+    set or cleared). ``counts`` names the scan counters (``new``,
+    ``committed``, ``changed``, ``vanished``, ``reappeared``,
+    ``resurrected``) this input adds one to. ``forget_gone_files``: rows of
+    files no longer listed are dropped (a save in flight still changes its
+    file set) instead of kept as ``missing``.
+    """
+
+    state: State
+    reason: str | None
+    verified_at: datetime | None = None
+    missing_since: datetime | None = None
+    events: tuple[Event, ...] = ()
+    counts: frozenset[str] = frozenset()
+    forget_gone_files: bool = False
+
+
+# -- completeness ------------------------------------------------------------------
+
+
+def completeness(
+    shortfalls: Sequence[Shortfall], *, saved_at: datetime | None, first_seen: datetime, now: datetime,
+    grace: timedelta,
+) -> tuple[State, str] | None:
+    """The verdict on a checkpoint whose manifest requires ``shortfalls``, or
+    ``None`` when there are none (it is complete).
+
+    ``incomplete`` while ``now - (saved_at or first_seen) < grace``, with the
+    deadline in the reason; ``corrupt`` after, naming the files. The reason
+    does not depend on ``now`` while the verdict stands, so rescans that find
+    the same thing write nothing.
+    """
+    if not shortfalls:
+        return None
+    since = saved_at or first_seen
+    names = _names([str(s) for s in shortfalls])
+    manifests = ", ".join(sorted({s.manifest for s in shortfalls}))
+    if now - since < grace:
+        return State.INCOMPLETE, (
+            f"{len(shortfalls)} file(s) that {manifests} requires not present yet: {names}; "
+            f"a save in flight? corrupt if still so at {(since + grace).isoformat(timespec='seconds')} "
+            f"(grace {_duration(grace)})"
+        )
+    return State.CORRUPT, f"incomplete: {len(shortfalls)} file(s) that {manifests} requires are missing or short: {names}"
+
+
+# -- scans ------------------------------------------------------------------------
+
+
+def on_scan(old: Row | None, seen: Seen, *, label: str, location: str, now: datetime, grace: timedelta) -> Transition:
+    """What one scan finding does to a checkpoint row (``old``; ``None`` for a new checkpoint).
+
+    ``label`` names the checkpoint in event messages (``"job step N"``).
+
+    * New: ``committed`` when commit evidence is present, else
+      ``incomplete``; then the completeness rule (:func:`completeness`).
+    * A ``deleted`` tombstone that is listed again is revived to the state
+      the listing implies (``resurrected`` event).
+    * Evidence gone: ``incomplete`` (``uncommitted`` event).
+    * Evidence present with shortfalls: the completeness rule, except that a
+      ``corrupt`` checkpoint stays corrupt with its reason (evidence).
+    * Evidence present, complete: ``incomplete`` -> ``committed``
+      (``committed`` event); ``verified`` with changed or vanished files ->
+      ``committed`` and ``verified_at`` cleared (``changed`` event: it needs
+      re-verification); otherwise the state is kept (``corrupt`` stays
+      corrupt: evidence), with a ``changed`` event when files changed.
+    * ``missing_since`` is cleared when it was set (``reappeared``).
+    """
+    evidence = State.COMMITTED if seen.committed else State.INCOMPLETE
+    reason: str | None
+    if old is None:
+        state, reason = evidence, seen.reason
+        verdict = completeness(seen.shortfalls, saved_at=seen.saved_at, first_seen=now, now=now, grace=grace) \
+            if seen.committed else None
+        events: list[Event] = []
+        if verdict is not None:
+            state, reason = verdict
+            if state == State.CORRUPT:
+                events.append(Event("corrupt", f"{label}: {reason}", {"files": _shortfall_names(seen)}))
+        return Transition(state, reason, events=tuple(events), counts=frozenset({"new"}),
+                          forget_gone_files=state == State.INCOMPLETE)
+
+    verdict = completeness(seen.shortfalls, saved_at=seen.saved_at, first_seen=old.first_seen, now=now, grace=grace) \
+        if seen.committed else None
+    events = []
+    counts: set[str] = set()
+    reason = old.reason
+    verified_at = old.verified_at
+    touched = sorted(set(seen.changed) | set(seen.gone) | set(seen.still_gone))
+
+    if old.state == State.DELETED:
+        state, reason = verdict if verdict is not None else (evidence, seen.reason)
+        verified_at = None
+        counts.add("resurrected")
+        events.append(Event("resurrected", f"{label}: deleted checkpoint reappeared at {location}; "
+                                           f"now {state.value} ({reason})", {"state": state.value}))
+    elif not seen.committed:
+        state = State.INCOMPLETE
+        if old.state != State.INCOMPLETE:
+            reason, verified_at = seen.reason, None
+            events.append(Event("uncommitted", f"{label}: commit evidence gone ({seen.reason})"))
+    elif verdict is not None:
+        state = old.state if old.state == State.CORRUPT else verdict[0]
+        if state != old.state or (state == State.INCOMPLETE and reason != verdict[1]):
+            reason, verified_at = verdict[1], None
+            if state != old.state:
+                events.append(Event(state.value, f"{label}: {old.state.value} -> {state.value}: {reason}",
+                                    {"from": old.state.value, "to": state.value, "files": _shortfall_names(seen)}))
+    elif old.state == State.INCOMPLETE:
+        state, reason = State.COMMITTED, seen.reason
+        counts.add("committed")
+        events.append(Event("committed", f"{label}: committed ({seen.reason})"))
+    elif old.state == State.VERIFIED and (seen.changed or seen.gone or seen.still_gone):
+        state, verified_at = State.COMMITTED, None
+        reason = f"files changed since verification: {_names(touched)}"
+        events.append(Event("changed", f"{label}: {reason}; needs re-verification", {"files": touched[:100]}))
+    else:
+        state = old.state
+        if (seen.changed or seen.gone) and state in (State.COMMITTED, State.CORRUPT):
+            events.append(Event("changed", f"{label}: files changed: {_names(touched)}", {"files": touched[:100]}))
+
+    forget = state == State.INCOMPLETE
+    if seen.changed or seen.gone or (forget and seen.still_gone):
+        counts.add("changed")
+    if old.missing_since is not None:
+        counts.add("reappeared")
+        if old.state != State.DELETED:
+            events.append(Event("reappeared", f"{label}: listed again at {location}"))
+    return Transition(state, reason, verified_at=verified_at, missing_since=None, events=tuple(events),
+                      counts=frozenset(counts), forget_gone_files=forget)
+
+
+def on_vanished(old: Row, *, label: str, location: str, now: datetime) -> Transition:
+    """A checkpoint the scan of its store no longer lists: state kept,
+    ``missing_since = now`` (a ``vanished`` event). Call it only for rows not
+    already missing, not deleted, and whose hot copy ckptier did not delete."""
+    return Transition(
+        old.state, old.reason, verified_at=old.verified_at, missing_since=now,
+        events=(Event("vanished", f"{label}: no longer listed at {location}", {"state": old.state.value}),),
+        counts=frozenset({"vanished"}),
+    )
+
+
+def discovered(job: str, steps: Sequence[int]) -> Event:
+    """The one event logged for the new checkpoints a scan found in ``job``."""
+    return Event("discovered", f"{job}: {len(steps)} new checkpoint(s), steps {_names([str(s) for s in steps])}",
+                 {"steps": list(steps)[:1000]})
+
+
+def _shortfall_names(seen: Seen) -> list[str]:
+    return [s.relpath for s in seen.shortfalls][:100]
+
+
+# -- verification -----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class FileVerdict:
+    """What to record of one cataloged file after verification: its status,
+    detail, the CRC64NVME baseline to keep (the first ``ok`` read sets it and
+    later reads never replace it) and the SHA-256 observed (``None``: not
+    computed, keep what is recorded)."""
+
+    relpath: str
+    status: str
+    detail: str | None
+    crc64nvme: str | None
+    sha256: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Verification:
+    """:func:`on_verification`'s answer: per cataloged file what to record,
+    the files a manifest lists that the catalog does not hold (absent), and
+    the checkpoint's transition."""
+
+    files: tuple[FileVerdict, ...]
+    absent: tuple[str, ...]
+    transition: Transition
+    bad: tuple[str, ...] = ()
+    errors: tuple[str, ...] = ()
+
+
+def on_verification(
+    old: Row,
+    files: Sequence[FileRecord],
+    results: Sequence[FileCheck],
+    *,
+    label: str,
+    now: datetime,
+    grace: timedelta,
+    extra: Sequence[str] = (),
+) -> Verification:
+    """What per-file read-back ``results`` mean for a checkpoint whose
+    cataloged files are ``files``.
+
+    Per file: a result ``ok`` whose size, SHA-256 (against the format's
+    expected hash) or CRC64NVME (against the recorded baseline) contradicts
+    the catalog is ``corrupt``, naming expected and actual. Then, in order:
+
+    * ``incomplete`` and ``deleted`` checkpoints keep their state (a save in
+      flight is never judged); the file results are still recorded;
+    * any file ``corrupt`` or ``missing`` (not for a shortfall) ->
+      ``corrupt``, the reason naming the first file and counting the rest;
+    * any shortfall (a manifest of the checkpoint requires a file that is
+      absent or too short; results for files the catalog does not hold must
+      be such ``missing`` ones) -> the completeness rule: ``incomplete``
+      within ``grace`` of the save, ``corrupt`` after;
+    * any file ``error`` (unreadable: proves nothing) -> state unchanged;
+    * every cataloged file ``ok`` -> ``verified`` (``verified_at = now``);
+      ``extra`` files (present, not cataloged) are named in the reason but
+      change nothing: a rescan adds them;
+    * otherwise (files without a result) -> state unchanged.
+
+    An event (kind = the new state) is logged for every state change.
+    Raises ``ValueError`` for an unknown status, or a result naming a file
+    the catalog does not hold that is not a missing shortfall.
+    """
+    rows = {f.relpath: f for f in files}
+    verdicts: list[FileVerdict] = []
+    bad: list[str] = []
+    errors: list[str] = []
+    short: list[Shortfall] = []
+    absent: list[str] = []
+    ok: set[str] = set()
+    for res in results:
+        if res.status not in FILE_STATUSES:
+            raise ValueError(f"{res.relpath}: status {res.status!r}; use one of {', '.join(FILE_STATUSES)}")
+        row = rows.get(res.relpath)
+        if row is None:
+            if res.status == "missing" and res.shortfall is not None:
+                short.append(res.shortfall)
+                absent.append(res.relpath)
+                continue
+            raise ValueError(f"{label}: no file {res.relpath!r} in the catalog; rescan before verifying")
+        status: str = res.status
+        detail = res.detail
+        if status == "ok":
+            mismatch = _mismatch(row, res)
+            if mismatch:
+                status, detail = "corrupt", mismatch
+        elif status in ("corrupt", "missing") and not detail:
+            detail = status
+        crc = row.crc64nvme if row.crc64nvme is not None else (res.crc64nvme if status == "ok" else None)
+        verdicts.append(FileVerdict(res.relpath, status, detail, crc, res.sha256))
+        if status in ("corrupt", "missing") and res.shortfall is not None:
+            short.append(res.shortfall)
+        elif status in ("corrupt", "missing"):
+            bad.append(f"{res.relpath}: {detail}")
+        elif status == "error":
+            errors.append(res.relpath)
+        else:
+            ok.add(res.relpath)
+
+    state, reason, verified_at = old.state, old.reason, old.verified_at
+    if old.state in (State.INCOMPLETE, State.DELETED):
+        pass
+    elif bad:
+        state = State.CORRUPT
+        reason = bad[0] + (f" (+{len(bad) - 1} more bad files)" if len(bad) > 1 else "")
+    elif short:
+        verdict = completeness(short, saved_at=old.saved_at, first_seen=old.first_seen, now=now, grace=grace)
+        assert verdict is not None
+        state, reason = verdict
+    elif errors:
+        pass
+    elif rows and ok >= set(rows):
+        state, reason, verified_at = State.VERIFIED, f"{len(rows)} files verified", now
+        if extra:
+            reason += f"; {len(extra)} extra file(s) not cataloged: {_names(sorted(extra))} (rescan to add them)"
+    events: tuple[Event, ...] = ()
+    if state != old.state:
+        events = (Event(state.value, f"{label}: {old.state.value} -> {state.value}: {reason}",
+                        {"from": old.state.value, "to": state.value, "bad": bad[:100], "errors": errors[:100],
+                         "absent": [s.relpath for s in short][:100]}),)
+    return Verification(
+        files=tuple(verdicts),
+        absent=tuple(absent),
+        transition=Transition(state, reason, verified_at=verified_at, missing_since=old.missing_since, events=events),
+        bad=tuple(bad),
+        errors=tuple(errors),
+    )
+
+
+def _mismatch(row: FileRecord, res: FileCheck) -> str | None:
+    """Why an ``ok`` read-back still contradicts the catalog, or None."""
+    if res.size is not None and res.size != row.size:
+        return f"size expected {row.size}, got {res.size}"
+    if res.sha256 and row.sha256_expected and res.sha256.lower() != row.sha256_expected.lower():
+        return f"sha256 expected {row.sha256_expected}, got {res.sha256}"
+    if res.crc64nvme and row.crc64nvme and res.crc64nvme != row.crc64nvme:
+        return f"crc64nvme expected {row.crc64nvme}, got {res.crc64nvme}"
+    return None
+
+
+# -- proof ------------------------------------------------------------------------
+
+
+class Proof(enum.StrEnum):
+    """How much is proven about a checkpoint, weakest first."""
+
+    COMMITTED = "committed"  # commit evidence seen; bytes not proven
+    VERIFIED = "verified"  # every byte proven
+    DRILLED = "drilled"  # verified, and its most recent restore drill passed
+
+    @property
+    def rank(self) -> int:
+        return list(Proof).index(self)
+
+
+def proof_of(record: CheckpointRecord) -> tuple[Proof | None, datetime | None]:
+    """The proof ``record`` has and when it was obtained (``None, None`` for
+    incomplete, corrupt and deleted checkpoints).
+
+    ``committed``: since ``saved_at`` (else ``first_seen``); ``verified``:
+    ``verified_at``; ``drilled``: verified and its most recent drill passed,
+    at that drill's time. A drill proves the bytes it restored: a checkpoint
+    whose files changed is back to ``committed`` until verification proves
+    the same bytes (the CRC64NVME baseline is never replaced).
+    """
+    if record.state == State.COMMITTED:
+        return Proof.COMMITTED, record.saved_at or record.first_seen
+    if record.state != State.VERIFIED:
+        return None, None
+    drill = record.last_drill
+    if drill is not None and drill.ok:
+        return Proof.DRILLED, drill.at
+    return Proof.VERIFIED, record.verified_at
+
+
+@dataclass(frozen=True)
+class Latest:
+    """:func:`pick_latest`'s answer: the checkpoint to resume from (or
+    ``None``), its proof and when it was obtained, and the newer verified
+    checkpoints passed over with why (``(step, reason)``, newest first)."""
+
+    record: CheckpointRecord | None
+    proof: Proof | None = None
+    proven_at: datetime | None = None
+    passed_over: tuple[tuple[int, str], ...] = field(default_factory=tuple)
+
+
+def pick_latest(records: Iterable[CheckpointRecord], *, drilled: bool = False) -> Latest:
+    """The newest checkpoint safe to resume from.
+
+    Candidates are ``verified`` checkpoints with a ``present`` copy in some
+    tier, newest step first. One whose most recent drill failed is passed
+    over (named with the drill's reason); with ``drilled``, only a checkpoint
+    whose most recent drill passed qualifies. Pure: ``records`` carry their
+    copies and last drill.
+    """
+    passed: list[tuple[int, str]] = []
+    candidates = sorted(
+        (r for r in records if r.state == State.VERIFIED and any(c.state == CopyState.PRESENT for c in r.copies)),
+        key=lambda r: r.step, reverse=True,
+    )
+    for r in candidates:
+        drill = r.last_drill
+        if drill is not None and not drill.ok:
+            passed.append((r.step, f"its drill failed at {drill.at.isoformat(timespec='seconds')}: "
+                                   f"{drill.detail or 'no reason recorded'}"))
+            continue
+        if drilled and drill is None:
+            continue
+        proof, at = proof_of(r)
+        return Latest(r, proof, at, tuple(passed))
+    return Latest(None, None, None, tuple(passed))
+
+
+# -- helpers ----------------------------------------------------------------------
+
+
+def _names(items: Sequence[str]) -> str:
+    shown = ", ".join(items[:_NAMES_SHOWN])
+    more = len(items) - _NAMES_SHOWN
+    return f"{shown} (+{more} more)" if more > 0 else shown
+
+
+def _duration(d: timedelta) -> str:
+    seconds = int(d.total_seconds())
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds and seconds % size == 0:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"

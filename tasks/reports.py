@@ -1,0 +1,359 @@
+"""What the Prefect flows report, as typed results; pure.
+
+The flows only render these (markdown and table artifacts); every figure
+they show is computed here, from catalog records and the operations' own
+reports, so the command line, the flows and the tests agree on one number.
+
+* :func:`summarize_jobs`: one row per job, checkpoints by state and bytes
+  per tier (hot, archive stored and archive logical).
+* :func:`forecast_freed`: the hot bytes a retention plan frees when it is
+  carried out by ``ckptier apply`` (its deletions, then the hot copies of
+  the milestones it promotes, which go in the same run).
+* :func:`tiering_outcome`: what a tiering run did, per tier and storage
+  class: copies written, hot copies deleted, bytes actually freed.
+* :func:`file_problems` / :func:`verification_by_job`: every file a
+  verification found bad, with the expected and the actual size and hashes,
+  and the totals per job.
+* :func:`dashboard_job_url`: the dashboard page of a job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+from urllib.parse import quote
+
+from ckptier.storage.model import CheckpointRecord, CopyRecord, FileCheck, FileRecord, State, Tier
+
+from .costs import hot_class_of
+from .retention import Plan, hot_present
+from .tiers import HOT
+
+#: The environment variable naming the dashboard's base URL (``ckptier dashboard``).
+DASHBOARD_URL_ENV = "CKPTIER_DASHBOARD_URL"
+
+
+# ------------------------------------------------------------------ catalog summary
+
+
+@dataclass(frozen=True)
+class JobSummary:
+    """One job of the catalog.
+
+    ``checkpoints``: live checkpoints (every state but ``deleted``) and
+    ``states`` their count per state; ``deleted``: tombstones.
+    ``hot_bytes``: the size of the live checkpoints that still have a hot
+    copy (``hot_checkpoints`` of them). ``archive_stored_bytes``: what their
+    archive copies occupy (compressed, as stored); ``archive_logical_bytes``:
+    the size of the checkpoints those copies hold (``archive_checkpoints``).
+    Degraded archive copies count (they still take space);
+    ``archive_degraded`` says how many there are.
+    """
+
+    job: str
+    checkpoints: int
+    states: Mapping[str, int]
+    deleted: int
+    newest_verified_step: int | None
+    hot_checkpoints: int
+    hot_bytes: int
+    archive_checkpoints: int
+    archive_stored_bytes: int
+    archive_logical_bytes: int
+    archive_degraded: int
+
+
+def summarize_jobs(records: Iterable[CheckpointRecord]) -> list[JobSummary]:
+    """One :class:`JobSummary` per job of ``records`` (tombstones included or not), sorted by job name."""
+    by_job: dict[str, list[CheckpointRecord]] = {}
+    for c in records:
+        by_job.setdefault(c.job, []).append(c)
+    out = []
+    for job in sorted(by_job):
+        live = [c for c in by_job[job] if c.state != State.DELETED]
+        states: dict[str, int] = {}
+        for c in live:
+            states[c.state.value] = states.get(c.state.value, 0) + 1
+        hot = [c for c in live if hot_present(c)]
+        archived = [(c, copy) for c in live if (copy := c.archive_copy()) is not None]
+        verified = [c.step for c in live if c.state == State.VERIFIED]
+        out.append(JobSummary(
+            job=job, checkpoints=len(live), states=dict(sorted(states.items())), deleted=len(by_job[job]) - len(live),
+            newest_verified_step=max(verified) if verified else None,
+            hot_checkpoints=len(hot), hot_bytes=sum(c.bytes for c in hot),
+            archive_checkpoints=len(archived),
+            archive_stored_bytes=sum(copy.stored_bytes or 0 for _, copy in archived),
+            archive_logical_bytes=sum(c.bytes for c, _ in archived),
+            archive_degraded=sum(1 for _, copy in archived if copy.state == "degraded"),
+        ))
+    return out
+
+
+# ------------------------------------------------------------------ what a plan frees
+
+
+@dataclass(frozen=True)
+class FreedForecast:
+    """The hot bytes carrying out a retention plan frees (``ckptier apply``, the tiering flow with ``apply``).
+
+    ``hot_bytes``: the size of the planned checkpoints that have a hot copy
+    now. ``deleted_bytes``: what the plan's deletions free.
+    ``after_promotion_bytes``: the hot copies of milestones the plan
+    promotes that the same run then deletes (once their archive copy is
+    verified, the plan made anew lets them go). Only hot bytes: retention
+    never deletes archive copies.
+    """
+
+    hot_bytes: int
+    deleted_bytes: int
+    after_promotion_bytes: int
+
+    @property
+    def freed_bytes(self) -> int:
+        """Hot bytes freed in all: ``deleted_bytes + after_promotion_bytes``."""
+        return self.deleted_bytes + self.after_promotion_bytes
+
+    def __add__(self, other: FreedForecast) -> FreedForecast:
+        return FreedForecast(self.hot_bytes + other.hot_bytes, self.deleted_bytes + other.deleted_bytes,
+                             self.after_promotion_bytes + other.after_promotion_bytes)
+
+
+NOTHING_FREED = FreedForecast(0, 0, 0)
+
+
+def hot_bytes(records: Iterable[CheckpointRecord]) -> int:
+    """The size of the live checkpoints among ``records`` that have a hot copy."""
+    return sum(c.bytes for c in records if c.state != State.DELETED and hot_present(c))
+
+
+def forecast_freed(records: Sequence[CheckpointRecord], plan: Callable[[Sequence[CheckpointRecord]], Plan], *,
+                   now: datetime, first: Plan | None = None) -> FreedForecast:
+    """What carrying out ``plan(records)`` frees, as ``ckptier apply`` carries it out.
+
+    ``records``: one policy's checkpoints (tombstones may be among them) and
+    ``plan`` that policy's planner. Apply deletes what the plan deletes, and
+    when it promoted something, plans again from the catalog and deletes
+    what that second plan deletes: here the second plan sees every promoted
+    milestone with a verified archive copy (written ``now``) and every
+    deleted hot copy gone. Assumes every step succeeds. ``first``:
+    ``plan(records)`` when the caller already has it.
+    """
+    first = plan(records) if first is None else first
+    held = hot_bytes(records)
+    deleted = {i.checkpoint_id: i for i in first.items if i.action == "delete"}
+    promoted = {i.checkpoint_id for i in first.items if i.action == "promote"}
+    deleted_bytes = sum(i.bytes for i in deleted.values())
+    if not promoted:
+        return FreedForecast(held, deleted_bytes, 0)
+    after: list[CheckpointRecord] = []
+    for c in records:
+        if c.id in deleted and deleted[c.id].scope == "checkpoint":
+            c = dataclasses.replace(c, state=State.DELETED)
+        elif c.id in deleted:
+            c = dataclasses.replace(c, copies=c.copies + (CopyRecord(Tier.HOT, c.location, "deleted", None, None),))
+        elif c.id in promoted:
+            copy = CopyRecord(Tier.ARCHIVE, f"forecast:{c.job}/{c.step}", "present", None, now)
+            c = dataclasses.replace(c, copies=c.copies + (copy,))
+        after.append(c)
+    then = sum(i.bytes for i in plan(after).items if i.action == "delete" and i.checkpoint_id not in deleted)
+    return FreedForecast(held, deleted_bytes, then)
+
+
+# ------------------------------------------------------------------ what tiering did
+
+
+def copy_class(copy: CopyRecord) -> str:
+    """A copy's storage class as the store confirmed it; ``STANDARD`` for an S3 copy
+    with none recorded (S3's default), ``hot`` for one on a local filesystem."""
+    if copy.storage_class:
+        return copy.storage_class
+    return "STANDARD" if copy.url.startswith("s3://") else HOT
+
+
+@dataclass(frozen=True)
+class TierChange:
+    """What a tiering run changed in one tier and storage class.
+
+    ``written``: copies written there (promotions), ``written_bytes`` what
+    they occupy as stored and ``logical_bytes`` the size of the checkpoints
+    they hold; ``deleted``: copies deleted there and ``freed_bytes`` the
+    bytes that deleting them actually freed (0 for files a versioned bucket
+    kept behind delete markers).
+    """
+
+    tier: str
+    storage_class: str
+    written: int = 0
+    written_bytes: int = 0
+    logical_bytes: int = 0
+    deleted: int = 0
+    freed_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Promoted:
+    """A checkpoint promoted by the run: its archive copy, where and in which class."""
+
+    job: str
+    step: int
+    bytes: int
+    stored_bytes: int | None
+    storage_class: str
+    url: str
+
+
+@dataclass(frozen=True)
+class Deleted:
+    """A checkpoint (``scope == "checkpoint"``) or hot copy (``"hot-copy"``) the run deleted."""
+
+    job: str
+    step: int
+    scope: str
+    bytes: int
+    freed_bytes: int
+    storage_class: str
+
+
+@dataclass(frozen=True)
+class TieringOutcome:
+    """What a tiering run did (never what it would do): per tier and class, and per checkpoint."""
+
+    tiers: tuple[TierChange, ...]
+    promoted: tuple[Promoted, ...]
+    deleted: tuple[Deleted, ...]
+
+    @property
+    def hot_freed_bytes(self) -> int:
+        return sum(t.freed_bytes for t in self.tiers if t.tier == Tier.HOT.value)
+
+
+def tiering_outcome(items: Iterable[Mapping[str, Any]], records: Mapping[int, CheckpointRecord]) -> TieringOutcome:
+    """Summarise ``ckptier apply``'s item rows (``ItemResult`` as dicts) that were carried out.
+
+    ``records`` maps checkpoint ids to their catalog records read after the
+    run (their archive copies say where a promotion went). Items that were
+    not carried out (would, skipped, held, deferred, failed) are left out;
+    a ``partial`` deletion counts the bytes it freed.
+    """
+    promoted: list[Promoted] = []
+    deleted: list[Deleted] = []
+    for item in items:
+        record = records.get(int(item["checkpoint_id"]))
+        if item["action"] == "promote" and item["outcome"] == "done" and record is not None:
+            copy = record.archive_copy()
+            if copy is not None:
+                promoted.append(Promoted(item["job"], item["step"], record.bytes, copy.stored_bytes, copy_class(copy),
+                                         copy.url))
+        elif item["action"] == "delete" and item["outcome"] in ("done", "partial", "fenced") and item.get("freed"):
+            where = hot_class_of(record) if record is not None else HOT
+            deleted.append(Deleted(item["job"], item["step"], item["scope"], int(item["bytes"]), int(item["freed"]),
+                                   where))
+    changes: dict[tuple[str, str], TierChange] = {}
+    for p in promoted:
+        key = (Tier.ARCHIVE.value, p.storage_class)
+        t = changes.get(key, TierChange(*key))
+        changes[key] = dataclasses.replace(t, written=t.written + 1, written_bytes=t.written_bytes + (p.stored_bytes or 0),
+                                           logical_bytes=t.logical_bytes + p.bytes)
+    for d in deleted:
+        key = (Tier.HOT.value, d.storage_class)
+        t = changes.get(key, TierChange(*key))
+        changes[key] = dataclasses.replace(t, deleted=t.deleted + 1, freed_bytes=t.freed_bytes + d.freed_bytes)
+    return TieringOutcome(tuple(changes[k] for k in sorted(changes)), tuple(promoted), tuple(deleted))
+
+
+# ------------------------------------------------------------------ verification
+
+
+@dataclass(frozen=True)
+class FileProblem:
+    """One file a verification found bad: what the catalog expected and what was read.
+
+    Sizes in bytes; ``sha256`` as hex, ``crc64nvme`` as base64 (S3's
+    encoding). ``expected_sha256`` is the checkpoint's own record of it (a
+    format's metadata), ``expected_crc64nvme`` the baseline of the first
+    verification; ``None`` where nothing was recorded or nothing could be
+    read.
+    """
+
+    relpath: str
+    status: str
+    expected_size: int | None
+    actual_size: int | None
+    expected_sha256: str | None
+    actual_sha256: str | None
+    expected_crc64nvme: str | None
+    actual_crc64nvme: str | None
+    detail: str | None
+
+
+def file_problems(files: Sequence[FileRecord], results: Iterable[FileCheck]) -> list[FileProblem]:
+    """The results that are not ``ok``, each with the catalog's expectations for its file, in result order."""
+    known = {f.relpath: f for f in files}
+    out = []
+    for r in results:
+        if r.status == "ok":
+            continue
+        f = known.get(r.relpath)
+        out.append(FileProblem(
+            relpath=r.relpath, status=r.status, expected_size=f.size if f else None, actual_size=r.size,
+            expected_sha256=f.sha256_expected if f else None, actual_sha256=r.sha256,
+            expected_crc64nvme=f.crc64nvme if f else None, actual_crc64nvme=r.crc64nvme, detail=r.detail,
+        ))
+    return out
+
+
+def archive_file_problems(files: Sequence[FileRecord], bad: Iterable[str]) -> list[FileProblem]:
+    """The files of a damaged archive copy, with the catalog's expectations (what was
+    decoded is in the copy's problem lines)."""
+    known = {f.relpath: f for f in files}
+    return [FileProblem(rel, "degraded", known[rel].size if rel in known else None, None,
+                        known[rel].sha256_expected if rel in known else None, None,
+                        known[rel].crc64nvme if rel in known else None, None, None) for rel in bad]
+
+
+@dataclass(frozen=True)
+class JobVerification:
+    """One job's line of a verification run: checkpoints checked and their outcome, bytes read and skipped."""
+
+    job: str
+    checked: int
+    verified: int
+    corrupt: int
+    degraded: int
+    errors: int
+    bytes_read: int
+    bytes_skipped: int
+
+
+def verification_by_job(rows: Iterable[Mapping[str, Any]]) -> list[JobVerification]:
+    """Totals per job of ``run_verify``'s rows (hot checkpoints and archive copies), sorted by job."""
+    acc: dict[str, dict[str, int]] = {}
+    for r in rows:
+        j = acc.setdefault(r["job"], dict.fromkeys(("checked", "verified", "corrupt", "degraded", "errors",
+                                                     "bytes_read", "bytes_skipped"), 0))
+        j["checked"] += 1
+        j["verified"] += r["state"] == "verified"
+        j["corrupt"] += r["state"] == "corrupt"
+        j["degraded"] += r["state"] == "degraded"
+        j["errors"] += r["errors"] > 0
+        j["bytes_read"] += r["bytes_read"]
+        j["bytes_skipped"] += r["bytes_skipped"]
+    return [JobVerification(job, **acc[job]) for job in sorted(acc)]
+
+
+# ------------------------------------------------------------------ links
+
+
+def dashboard_url(environ: Mapping[str, str]) -> str | None:
+    """The dashboard's overview, ``{CKPTIER_DASHBOARD_URL}/``, or None when the variable is unset."""
+    base = (environ.get(DASHBOARD_URL_ENV) or "").strip()
+    return base.rstrip("/") + "/" if base else None
+
+
+def dashboard_job_url(job: str, environ: Mapping[str, str]) -> str | None:
+    """``{CKPTIER_DASHBOARD_URL}/jobs/{job}`` (the job name URL-quoted), or None when the variable is unset."""
+    base = dashboard_url(environ)
+    return None if base is None else base + "jobs/" + quote(job, safe="")

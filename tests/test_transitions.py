@@ -1,0 +1,296 @@
+"""The state-transition rules (storage/transitions.py): table tests, no database."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from ckptier.storage.model import (
+    CheckpointRecord,
+    CopyRecord,
+    DrillOutcome,
+    FileCheck,
+    FileRecord,
+    Format,
+    Shortfall,
+    State,
+    Tier,
+)
+from ckptier.storage.transitions import (
+    Proof,
+    Row,
+    Seen,
+    completeness,
+    discovered,
+    on_scan,
+    on_vanished,
+    on_verification,
+    pick_latest,
+    proof_of,
+)
+
+NOW = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
+GRACE = timedelta(hours=2)
+OLD = NOW - timedelta(days=1)  # saved long before the grace period
+YOUNG = NOW - timedelta(minutes=10)
+ABSENT = Shortfall("rank-0001/optimizer.pt", "metadata.json")
+SHORT = Shortfall("__1_0.distcp", ".metadata", have=100, need=4096)
+
+
+def row(state: State, reason: str | None = "r", *, saved: datetime | None = OLD, missing: datetime | None = None,
+        verified: datetime | None = None) -> Row:
+    return Row(state, reason, first_seen=OLD, saved_at=saved, verified_at=verified, missing_since=missing)
+
+
+def seen(committed: bool = True, *, short: tuple[Shortfall, ...] = (), saved: datetime | None = OLD,
+         changed: tuple[str, ...] = (), gone: tuple[str, ...] = (), still_gone: tuple[str, ...] = ()) -> Seen:
+    return Seen(committed, "evidence" if committed else "no evidence", saved, short, changed, gone, still_gone)
+
+
+def scan(old: Row | None, s: Seen) -> tuple[State, str | None, list[str], frozenset[str]]:
+    t = on_scan(old, s, label="j step 1", location="file:///x/j/step-1", now=NOW, grace=GRACE)
+    return t.state, t.reason, [e.kind for e in t.events], t.counts
+
+
+# -- scans -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("old", "s", "state", "events", "counts"),
+    [
+        # new checkpoints
+        (None, seen(), State.COMMITTED, [], {"new"}),
+        (None, seen(False), State.INCOMPLETE, [], {"new"}),
+        (None, seen(short=(ABSENT,), saved=YOUNG), State.INCOMPLETE, [], {"new"}),
+        (None, seen(short=(ABSENT,)), State.CORRUPT, ["corrupt"], {"new"}),
+        (None, seen(False, short=(ABSENT,)), State.INCOMPLETE, [], {"new"}),  # no evidence: no verdict yet
+        # commit evidence appears / is lost
+        (row(State.INCOMPLETE), seen(), State.COMMITTED, ["committed"], {"committed"}),
+        (row(State.COMMITTED), seen(False), State.INCOMPLETE, ["uncommitted"], set()),
+        (row(State.VERIFIED, verified=OLD), seen(False), State.INCOMPLETE, ["uncommitted"], set()),
+        (row(State.INCOMPLETE), seen(False), State.INCOMPLETE, [], set()),
+        # unchanged
+        (row(State.COMMITTED), seen(), State.COMMITTED, [], set()),
+        (row(State.VERIFIED, verified=OLD), seen(), State.VERIFIED, [], set()),
+        (row(State.CORRUPT), seen(), State.CORRUPT, [], set()),
+        # files changed
+        (row(State.VERIFIED, verified=OLD), seen(changed=("a",)), State.COMMITTED, ["changed"], {"changed"}),
+        (row(State.VERIFIED, verified=OLD), seen(gone=("a",)), State.COMMITTED, ["changed"], {"changed"}),
+        (row(State.COMMITTED), seen(changed=("a",)), State.COMMITTED, ["changed"], {"changed"}),
+        (row(State.CORRUPT), seen(changed=("a",)), State.CORRUPT, ["changed"], {"changed"}),  # evidence
+        (row(State.COMMITTED), seen(still_gone=("a",)), State.COMMITTED, [], set()),
+        (row(State.INCOMPLETE), seen(False, still_gone=("a",)), State.INCOMPLETE, [], {"changed"}),  # row dropped
+        # complete means complete
+        (row(State.COMMITTED), seen(short=(ABSENT,), saved=YOUNG), State.INCOMPLETE, ["incomplete"], set()),
+        (row(State.COMMITTED), seen(short=(ABSENT,)), State.CORRUPT, ["corrupt"], set()),
+        (row(State.VERIFIED, verified=OLD), seen(short=(SHORT,)), State.CORRUPT, ["corrupt"], set()),
+        (row(State.INCOMPLETE, saved=YOUNG), seen(short=(ABSENT,), saved=YOUNG), State.INCOMPLETE, [], set()),
+        (row(State.INCOMPLETE, saved=YOUNG), seen(short=(ABSENT,)), State.CORRUPT, ["corrupt"], set()),  # grace over
+        (row(State.CORRUPT, "bytes"), seen(short=(ABSENT,)), State.CORRUPT, [], set()),
+        # vanished and reappeared, tombstones
+        (row(State.COMMITTED, missing=OLD), seen(), State.COMMITTED, ["reappeared"], {"reappeared"}),
+        (row(State.DELETED), seen(), State.COMMITTED, ["resurrected"], {"resurrected"}),
+        (row(State.DELETED), seen(False), State.INCOMPLETE, ["resurrected"], {"resurrected"}),
+        (row(State.DELETED), seen(short=(ABSENT,)), State.CORRUPT, ["resurrected"], {"resurrected"}),
+        (row(State.DELETED, missing=OLD), seen(), State.COMMITTED, ["resurrected"], {"resurrected", "reappeared"}),
+    ],
+)
+def test_scan_findings(old: Row | None, s: Seen, state: State, events: list[str], counts: set[str]) -> None:
+    got_state, reason, got_events, got_counts = scan(old, s)
+    assert (got_state, got_events, set(got_counts)) == (state, events, counts)
+    assert reason and "\n" not in reason
+
+
+def test_scan_reasons_name_the_missing_files_and_the_deadline() -> None:
+    _, reason, _, _ = scan(row(State.COMMITTED), seen(short=(ABSENT,)))
+    assert reason == ("incomplete: 1 file(s) that metadata.json requires are missing or short: "
+                      "rank-0001/optimizer.pt (absent, listed in metadata.json)")
+    _, reason, _, _ = scan(row(State.COMMITTED), seen(short=(SHORT,), saved=YOUNG))
+    assert "__1_0.distcp (100 bytes, .metadata needs at least 4096)" in (reason or "")
+    assert "corrupt if still so at 2026-03-01T13:50:00+00:00 (grace 2h)" in (reason or "")
+
+
+def test_a_young_shortfall_rescanned_writes_the_same_reason() -> None:
+    """The reason does not move with the clock, so an unchanged rescan changes nothing."""
+    first = on_scan(row(State.COMMITTED), seen(short=(ABSENT,), saved=YOUNG), label="j", location="x", now=NOW,
+                    grace=GRACE)
+    later = on_scan(row(State.INCOMPLETE, first.reason, saved=YOUNG), seen(short=(ABSENT,), saved=YOUNG), label="j",
+                    location="x", now=NOW + timedelta(minutes=30), grace=GRACE)
+    assert later.state == State.INCOMPLETE and later.reason == first.reason and later.events == ()
+
+
+def test_scan_times() -> None:
+    changed = on_scan(row(State.VERIFIED, verified=OLD), seen(changed=("a",)), label="j", location="x", now=NOW,
+                      grace=GRACE)
+    assert changed.verified_at is None and changed.reason == "files changed since verification: a"
+    kept = on_scan(row(State.VERIFIED, verified=OLD, missing=OLD), seen(), label="j", location="x", now=NOW,
+                   grace=GRACE)
+    assert kept.verified_at == OLD and kept.missing_since is None
+    gone = on_vanished(row(State.VERIFIED, verified=OLD), label="j step 1", location="file:///x", now=NOW)
+    assert (gone.state, gone.verified_at, gone.missing_since, gone.counts) == (
+        State.VERIFIED, OLD, NOW, frozenset({"vanished"}))
+    assert gone.events[0].message == "j step 1: no longer listed at file:///x"
+    assert discovered("j", [1, 2, 3, 4]).message == "j: 4 new checkpoint(s), steps 1, 2, 3 (+1 more)"
+
+
+def test_incomplete_saves_forget_files_that_went_away() -> None:
+    assert on_scan(row(State.INCOMPLETE), seen(False, gone=("a",)), label="j", location="x", now=NOW,
+                   grace=GRACE).forget_gone_files
+    assert not on_scan(row(State.VERIFIED), seen(gone=("a",)), label="j", location="x", now=NOW,
+                       grace=GRACE).forget_gone_files
+
+
+@pytest.mark.parametrize(
+    ("saved", "first_seen", "expected"),
+    [
+        (YOUNG, OLD, State.INCOMPLETE),
+        (OLD, NOW, State.CORRUPT),
+        (None, YOUNG, State.INCOMPLETE),  # no mtime: age from when the catalog first saw it
+        (None, OLD, State.CORRUPT),
+        (NOW - GRACE, OLD, State.CORRUPT),  # the grace period is half-open
+    ],
+)
+def test_completeness_age(saved: datetime | None, first_seen: datetime, expected: State) -> None:
+    verdict = completeness((ABSENT,), saved_at=saved, first_seen=first_seen, now=NOW, grace=GRACE)
+    assert verdict is not None and verdict[0] == expected
+    assert completeness((), saved_at=saved, first_seen=first_seen, now=NOW, grace=GRACE) is None
+
+
+# -- verification ------------------------------------------------------------------------
+
+
+def fr(rel: str, *, crc: str | None = None, sha: str | None = None, size: int = 10) -> FileRecord:
+    return FileRecord(rel, size, 1.0, None, crc, sha, None, None)
+
+
+def fc(rel: str, status: str, detail: str | None = None, *, crc: str | None = "C", size: int = 10,
+       short: Shortfall | None = None) -> FileCheck:
+    return FileCheck(rel, status, size, crc, None, detail, short)  # type: ignore[arg-type]
+
+
+FILES = (fr("a"), fr("b"))
+
+
+def verify(state: State, results: list[FileCheck], *, files: tuple[FileRecord, ...] = FILES, saved: datetime = OLD,
+           extra: tuple[str, ...] = ()) -> tuple[State, str | None, list[str]]:
+    v = on_verification(row(state, "before", saved=saved), files, results, label="step 1", now=NOW, grace=GRACE,
+                        extra=extra)
+    return v.transition.state, v.transition.reason, [e.kind for e in v.transition.events]
+
+
+@pytest.mark.parametrize(
+    ("state", "results", "expected", "reason"),
+    [
+        (State.COMMITTED, [fc("a", "ok"), fc("b", "ok")], State.VERIFIED, "2 files verified"),
+        (State.CORRUPT, [fc("a", "ok"), fc("b", "ok")], State.VERIFIED, "2 files verified"),
+        (State.VERIFIED, [fc("a", "corrupt", "crc64nvme X, recorded Y"), fc("b", "ok")], State.CORRUPT,
+         "a: crc64nvme X, recorded Y"),
+        (State.VERIFIED, [fc("a", "missing"), fc("b", "corrupt", "truncated")], State.CORRUPT,
+         "a: missing (+1 more bad files)"),
+        (State.VERIFIED, [fc("a", "error", "AccessDenied: no"), fc("b", "corrupt", "x")], State.CORRUPT, "b: x"),
+        (State.COMMITTED, [fc("a", "error", "Unavailable: down"), fc("b", "ok")], State.COMMITTED, "before"),
+        (State.VERIFIED, [fc("a", "ok")], State.VERIFIED, "before"),  # b not checked: nothing proven
+        (State.INCOMPLETE, [fc("a", "ok"), fc("b", "ok")], State.INCOMPLETE, "before"),  # in flight: never judged
+        (State.DELETED, [fc("a", "corrupt", "x")], State.DELETED, "before"),
+        (State.COMMITTED, [fc("a", "ok", size=11), fc("b", "ok")], State.CORRUPT, "a: size expected 10, got 11"),
+        # listed in a manifest, absent: the completeness rule
+        (State.COMMITTED, [fc("a", "ok"), fc("b", "ok"), fc("c", "missing", "listed", short=ABSENT)],
+         State.CORRUPT, "incomplete: 1 file(s) that metadata.json requires are missing or short"),
+        (State.COMMITTED, [fc("a", "ok"), fc("b", "corrupt", "short", short=SHORT)], State.CORRUPT,
+         "__1_0.distcp (100 bytes, .metadata needs at least 4096)"),
+        # byte corruption outranks a shortfall
+        (State.COMMITTED, [fc("a", "corrupt", "bad crc"), fc("c", "missing", short=ABSENT)], State.CORRUPT, "a: bad crc"),
+    ],
+)
+def test_verification_results(state: State, results: list[FileCheck], expected: State, reason: str) -> None:
+    got, got_reason, events = verify(state, results)
+    assert got == expected and reason in (got_reason or "")
+    assert events == ([] if got == state else [expected.value])
+
+
+def test_a_young_checkpoint_with_absent_listed_files_is_incomplete_not_corrupt() -> None:
+    results = [fc("a", "ok"), fc("b", "ok"), fc("c", "missing", "listed", short=ABSENT)]
+    state, reason, events = verify(State.COMMITTED, results, saved=YOUNG)
+    assert state == State.INCOMPLETE and "not present yet" in (reason or "") and events == ["incomplete"]
+
+
+def test_verification_records_baselines_and_flags_contradictions() -> None:
+    files = (fr("a", crc="OLD"), fr("b", sha="a" * 64), fr("c"))
+    v = on_verification(row(State.VERIFIED), files, [fc("a", "ok", crc="NEW"), FileCheck("b", "ok", 10, "B", "b" * 64),
+                                                     fc("c", "ok", crc="C1")],
+                        label="step 1", now=NOW, grace=GRACE)
+    by = {f.relpath: f for f in v.files}
+    assert (by["a"].status, by["a"].detail, by["a"].crc64nvme) == ("corrupt", "crc64nvme expected OLD, got NEW", "OLD")
+    assert by["b"].status == "corrupt" and by["b"].detail == f"sha256 expected {'a' * 64}, got {'b' * 64}"
+    assert (by["c"].status, by["c"].crc64nvme) == ("ok", "C1")  # first ok read: the baseline
+    assert v.transition.state == State.CORRUPT and v.transition.verified_at is None
+
+
+def test_extra_files_are_named_but_change_nothing() -> None:
+    state, reason, _ = verify(State.COMMITTED, [fc("a", "ok"), fc("b", "ok")], extra=("stray.tmp",))
+    assert state == State.VERIFIED
+    assert reason == "2 files verified; 1 extra file(s) not cataloged: stray.tmp (rescan to add them)"
+
+
+def test_verification_refuses_unknown_files_and_statuses() -> None:
+    with pytest.raises(ValueError, match="no file 'zzz'"):
+        verify(State.COMMITTED, [fc("zzz", "ok")])
+    with pytest.raises(ValueError, match="no file 'zzz'"):
+        verify(State.COMMITTED, [fc("zzz", "missing")])  # not a manifest's shortfall
+    with pytest.raises(ValueError, match="status 'fine'"):
+        verify(State.COMMITTED, [fc("a", "fine")])
+
+
+# -- proof and latest --------------------------------------------------------------------
+
+
+def rec(step: int, state: State = State.VERIFIED, *, drill: DrillOutcome | None = None,
+        copy_state: str = "present") -> CheckpointRecord:
+    return CheckpointRecord(
+        id=step, job="j", step=step, format=Format.GUIDE, state=state, location=f"file:///j/{step}", bytes=1,
+        saved_at=OLD, first_seen=OLD, last_seen=OLD, missing_since=None,
+        verified_at=NOW - timedelta(hours=step) if state == State.VERIFIED else None, state_reason=None,
+        copies=(CopyRecord(Tier.HOT, f"file:///j/{step}", copy_state, 1, None),), last_drill=drill,
+    )
+
+
+PASSED = DrillOutcome(True, NOW - timedelta(minutes=5))
+FAILED = DrillOutcome(False, NOW - timedelta(minutes=1), "load: unexpected key 'x'")
+
+
+@pytest.mark.parametrize(
+    ("record", "proof", "at"),
+    [
+        (rec(1, State.COMMITTED), Proof.COMMITTED, OLD),
+        (rec(2), Proof.VERIFIED, NOW - timedelta(hours=2)),
+        (rec(3, drill=PASSED), Proof.DRILLED, PASSED.at),
+        (rec(4, drill=FAILED), Proof.VERIFIED, NOW - timedelta(hours=4)),
+        (rec(5, State.COMMITTED, drill=PASSED), Proof.COMMITTED, OLD),  # files changed since the drill
+        (rec(6, State.CORRUPT), None, None),
+        (rec(7, State.INCOMPLETE), None, None),
+    ],
+)
+def test_proof_levels(record: CheckpointRecord, proof: Proof | None, at: datetime | None) -> None:
+    assert proof_of(record) == (proof, at)
+
+
+def test_proof_levels_are_ordered() -> None:
+    assert Proof.COMMITTED.rank < Proof.VERIFIED.rank < Proof.DRILLED.rank
+
+
+def test_latest_passes_over_a_failed_drill_and_says_why() -> None:
+    records = [rec(1, drill=PASSED), rec(2), rec(3, drill=FAILED), rec(4, State.COMMITTED), rec(5, State.CORRUPT)]
+    latest = pick_latest(records)
+    assert latest.record is not None and latest.record.step == 2 and latest.proof == Proof.VERIFIED
+    assert latest.passed_over == ((3, f"its drill failed at {FAILED.at.isoformat(timespec='seconds')}: "
+                                      "load: unexpected key 'x'"),)
+    drilled = pick_latest(records, drilled=True)
+    assert drilled.record is not None and drilled.record.step == 1
+    assert (drilled.proof, drilled.proven_at) == (Proof.DRILLED, PASSED.at)
+
+
+def test_latest_needs_a_present_copy() -> None:
+    assert pick_latest([rec(1, copy_state="missing")]).record is None
+    assert pick_latest([rec(1, copy_state="degraded"), rec(0)]).record.step == 0  # type: ignore[union-attr]
+    assert pick_latest([], drilled=True).record is None
