@@ -209,7 +209,7 @@ def well_formed_keys(prefix: str, files: dict[str, bytes]) -> bool:
     """True when every key is one a scan must catalog: safe, not ckptier's own (``.ckptier/``,
     manifests, temp files), and no directory above the checkpoint looks like a checkpoint itself."""
     from ckptier.storage.base import key_problem
-    from ckptier.storage.formats import is_own_file
+    from ckptier.formats import is_own_file
 
     keys = [f"{prefix}/{rel}" for rel in files]
     if any(key_problem(k) is not None or is_own_file(k) for k in keys):
