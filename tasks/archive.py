@@ -805,7 +805,13 @@ FETCH_STAGE_PREFIX = ".ckptier-fetch-"
 
 class UnfetchableLayout(CkptierError):
     """A checkpoint whose file names no filesystem can hold at once (a key that is
-    also the "directory" of other keys, as S3 allows)."""
+    also the "directory" of other keys, as S3 allows; a name longer than
+    :data:`NAME_MAX` bytes)."""
+
+
+#: Bytes a file or directory name may take on the filesystems fetch writes to (ext4, XFS,
+#: btrfs, tmpfs: 255); an S3 key's segments may be longer.
+NAME_MAX = 255
 
 
 def check_fetch_dest(dest: str | os.PathLike[str]) -> None:
@@ -854,7 +860,22 @@ def path_conflicts(relpaths: Collection[str]) -> list[tuple[str, str]]:
     return out
 
 
+def overlong_names(relpaths: Collection[str]) -> list[str]:
+    """The ``relpaths`` holding a name (a ``/``-separated segment) of more than
+    :data:`NAME_MAX` bytes in UTF-8, which no common filesystem can create.
+    Sorted; pure."""
+    return sorted(r for r in relpaths if any(len(part.encode("utf-8", "surrogateescape")) > NAME_MAX
+                                             for part in r.split("/")))
+
+
 def _check_layout(record: CheckpointRecord) -> None:
+    overlong = overlong_names([f.relpath for f in record.files])
+    if overlong:
+        more = f" (and {len(overlong) - 1} more)" if len(overlong) > 1 else ""
+        raise UnfetchableLayout(
+            f"job {record.job} step {record.step}: {overlong[0][:60]!r}... holds a name over {NAME_MAX} bytes{more}, "
+            "which no filesystem can hold; nothing was written. Rename the object in the store and rescan"
+        )
     conflicts = path_conflicts([f.relpath for f in record.files])
     if conflicts:
         head, other = conflicts[0]
