@@ -64,11 +64,7 @@ S3_EVERY = 20
 #: Inputs that hit defects known and reported but not fixed yet (in code other work is
 #: rewriting). The bench generates them by default, so that its figures tell the truth;
 #: ``skip_open`` (the short run in the test suite) leaves them out. Remove an entry once fixed.
-OPEN_DEFECTS = {
-    "url-chars": "job or directory names holding '%', '#', '?', a tab or a newline: catalog locations are URLs "
-                 "that do not escape them (verify finds such checkpoints corrupt or never reads them; apply and "
-                 "janitor stop with 'has a query or fragment')",
-}
+OPEN_DEFECTS: dict[str, str] = {}
 #: Share of the cataloged checkpoints that are not well formed which are fetched too
 #: (every well-formed one is).
 FETCH_OTHERS = 0.2
