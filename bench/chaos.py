@@ -258,6 +258,10 @@ class Run:
         return f"ckptier {' '.join(self.argv[:1])} exited {self.rc}: {text[-1][:1000] if text else ''}"
 
 
+class Stopped(BaseException):
+    """SIGTERM: stop the run, never counted as a command's crash."""
+
+
 def cli(*argv: str) -> Run:
     """Run ``ckptier ARGV`` in this process, capturing stdout and stderr; an exception is a crash."""
     from ckptier.flows.cli import main
@@ -267,6 +271,8 @@ def cli(*argv: str) -> Run:
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             rc = main(list(argv))
+    except (Stopped, KeyboardInterrupt):
+        raise  # the bench is being stopped: not a crash of this command
     except SystemExit as exc:
         rc = exc.code if isinstance(exc.code, int) else 2
     except BaseException:  # noqa: BLE001 - exactly what this bench counts
@@ -1140,5 +1146,13 @@ def main() -> int:
 
 if __name__ == "__main__":
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers and children on the way out
-    sys.exit(main())
+    def stop(*_: object) -> None:
+        raise Stopped()  # the servers and children are stopped on the way out
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        sys.exit(main())
+    except Stopped:
+        sys.exit(143)
+    except KeyboardInterrupt:
+        sys.exit(130)
