@@ -271,11 +271,10 @@ def cli(*argv: str) -> Run:
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             rc = main(list(argv))
-    except (Stopped, KeyboardInterrupt):
-        raise  # the bench is being stopped: not a crash of this command
     except SystemExit as exc:
         rc = exc.code if isinstance(exc.code, int) else 2
-    except BaseException:  # noqa: BLE001 - exactly what this bench counts
+    except Exception:  # noqa: BLE001 - exactly what this bench counts
+        # (a SIGTERM, Ctrl-C or a test's timeout is no crash of this command: it stops the run)
         rc = None
         err.write(traceback.format_exc())
     return Run(list(argv), rc, out.getvalue(), err.getvalue())

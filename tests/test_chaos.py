@@ -6,8 +6,7 @@ once on SQLite and PostgreSQL, and a few hundred generated hostile trees,
 archive manifests and S3 key sets go through scan, verify, plan, apply and
 fetch; every trial is checked (kept checkpoints fetch bit-exactly, the catalog
 agrees with storage after a rescan and re-runs, no half-written archive copy,
-no traceback, no lease or delete intent left). Inputs of defects known and
-reported but not fixed yet are left out (``skip_open``).
+no traceback, no lease or delete intent left).
 """
 
 from __future__ import annotations
@@ -19,17 +18,19 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import chaos  # noqa: E402
+import chaos_fuzz  # noqa: E402
 
 from tests.fixtures.pg import PgServer  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.s3, pytest.mark.postgres]
 
 
+@pytest.mark.timeout(900)  # about a minute of CPU; far more wall time on a loaded machine
 def test_a_short_chaos_run_finds_no_violation_no_crash_and_nothing_stuck(
-    moto_endpoint: str, pg_server: PgServer, tmp_path: Path
+    moto_endpoint: str, pg_server: PgServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    opts = chaos.Options(trials=4, concurrent=1, fuzz=150, seed=20261130, workdir=tmp_path, quiet=True,
-                         skip_open=True)
+    monkeypatch.setattr(chaos_fuzz, "BATCH", 40)  # two batches: a local tree, then S3 key sets
+    opts = chaos.Options(trials=4, concurrent=1, fuzz=80, seed=20261130, workdir=tmp_path, quiet=True)
     findings = chaos.run(opts, chaos.Services(moto_endpoint, pg_server))
     report = chaos.render(findings, opts, 0.0)
     assert findings.totals == (0, 0, 0), report
