@@ -4,8 +4,11 @@ Routes:
 
 ==============================  ===============================================
 ``GET /``                       overview: every job, alerts
-``GET /jobs/{job}``             a job: step chart, storage over time, plan,
-                                drills, verifications, events
+``GET /jobs/{job}``             a job: step chart, storage over time, costs,
+                                plan, drills, verifications, events
+``GET /costs``                  every job's costs (read from every checkpoint
+                                row, so not on the overview, which stays an
+                                aggregate)
 ``GET /checkpoint?job=&step=``  a checkpoint: files, copies, drills, events,
                                 the ``ckptier fetch`` command
 ``GET /data/{table}.{csv|json}``  any table of :data:`tables.TABLES`
@@ -150,6 +153,11 @@ def create_app(source: Source, *, token: str | None = None, prefect: PrefectDril
                     events=table_view(TABLES["events"], snap.table("events"), limit=OVERVIEW_ROWS,
                                       columns=["at", "job", "step", "kind", "message"]))
 
+    @app.get("/costs", response_class=HTMLResponse)
+    def costs_page(request: Request) -> Response:
+        now = clock()
+        return page(request, "costs.html", now=now, **_costs(Snapshot(source, now=now)))
+
     @app.get("/jobs/{job:path}", response_class=HTMLResponse)
     def job_page(request: Request, job: str, run: str | None = None) -> Response:
         now = clock()
@@ -189,7 +197,7 @@ def create_app(source: Source, *, token: str | None = None, prefect: PrefectDril
             events=table_view(TABLES["events"], snap.table("events"), job=job, columns=["at", "step", "kind", "message"],
                               limit=100),
             drill=drills.status(), run=drills.flow_run(run) if run else None, run_id=run, drill_step=None,
-            storage_view=table_view(TABLES["storage"], storage, job=job),
+            storage_view=table_view(TABLES["storage"], storage, job=job), **_costs(snap, job=job),
         )
 
     @app.get("/checkpoint", response_class=HTMLResponse)
@@ -295,6 +303,31 @@ def _totals(jobs: pd.DataFrame) -> dict[str, Any]:
         "saved_bytes": keep_all - stored,
         "saved_fraction": (keep_all - stored) / keep_all if keep_all else None,
         "alerts": int(jobs["alerts"].sum()),
+    }
+
+
+#: Columns of the cost table the pages draw (the downloads carry every column).
+COST_COLUMNS = ["job", "stored_bytes", "monthly_cost", "hot_monthly_cost", "archive_monthly_cost", "keep_all_bytes",
+                "keep_all_monthly_cost", "savings_monthly", "savings_fraction", "recovery_step", "recovery_age_s",
+                "restore_tier", "restore_throughput_bytes_per_s", "restore_seconds", "restore_cost"]
+
+
+def _costs(snap: Snapshot, *, job: str | None = None) -> dict[str, Any]:
+    """The cost tables as the templates draw them: ``costs`` and ``cost_tiers`` views, the
+    price notes, or ``costs_error`` (one line) when they cannot be priced."""
+    try:
+        costs, tiers = snap.table("costs"), snap.table("cost_tiers")
+    except CkptierError as exc:
+        return {"costs": None, "cost_tiers": None, "price_notes": [], "currency": "", "costs_error": str(exc)}
+    columns = COST_COLUMNS[1:] if job else COST_COLUMNS
+    return {
+        "costs": table_view(TABLES["costs"], costs, job=job, columns=columns),
+        "cost_tiers": table_view(TABLES["cost_tiers"], tiers, job=job,
+                                 columns=["tier", "storage_class", "checkpoints", "bytes", "monthly_cost"] if job else
+                                 ["job", "tier", "storage_class", "checkpoints", "bytes", "monthly_cost"]),
+        "price_notes": list(dict.fromkeys(costs["price_note"])),
+        "currency": ", ".join(sorted(set(costs["currency"]))),
+        "costs_error": None,
     }
 
 

@@ -20,12 +20,15 @@ from .format import display, records, text_table, to_csv
 from .security import TOKEN_ENV, check_bind
 from .source import open_source
 from .tables import TABLES, Snapshot
+from .views import NUMERIC
 
 FORMATS = ("table", "csv", "json")
 #: What ``report`` prints without ``--table``: the catalog's tables, or a job's.
 DEFAULT_TABLES = ("jobs", "alerts")
 DEFAULT_JOB_TABLES = ("jobs", "alerts", "checkpoints", "plan", "drills", "storage")
 DEFAULT_CHECKPOINT_TABLES = ("checkpoints", "copies", "files", "drills", "events")
+#: What ``report --costs`` prints (CSV: the first).
+COST_TABLES = ("costs", "cost_tiers")
 #: Columns the terminal shows of the wide tables (CSV and JSON always carry every column).
 TERMINAL_COLUMNS: dict[str, tuple[str, ...]] = {
     "jobs": ("job", "checkpoints", "drilled", "verified", "committed", "incomplete", "corrupt", "hot_bytes",
@@ -38,6 +41,10 @@ TERMINAL_COLUMNS: dict[str, tuple[str, ...]] = {
     "events": ("at", "step", "kind", "message"),
     "verifications": ("at", "step", "kind", "message"),
     "files": ("relpath", "size", "status", "sha256_expected", "verified_at"),
+    "costs": ("job", "stored_bytes", "monthly_cost", "keep_all_bytes", "keep_all_monthly_cost", "savings_monthly",
+              "savings_fraction", "recovery_step", "recovery_age_s", "restore_tier", "restore_bytes",
+              "restore_throughput_bytes_per_s", "restore_seconds"),
+    "cost_tiers": ("job", "tier", "storage_class", "checkpoints", "bytes", "monthly_cost"),
 }
 
 
@@ -77,8 +84,9 @@ def serve_dashboard(*, catalog_url: str | None, config_path: str | None, host: s
 
 def print_report(*, catalog_url: str | None, config_path: str | None, job: str | None, step: int | None,
                  fmt: str, tables: Sequence[str] | None, out: TextIO | None = None,
-                 now: datetime | None = None) -> int:
-    """Print the dashboard's tables (see :data:`DEFAULT_TABLES`).
+                 now: datetime | None = None, costs: bool = False) -> int:
+    """Print the dashboard's tables (see :data:`DEFAULT_TABLES`; with
+    ``costs``, :data:`COST_TABLES` instead, for ``job`` or every job).
 
     ``table``: each table under its title, for people. ``json``: one object
     mapping table name to rows. ``csv``: one table only (the first asked
@@ -89,7 +97,10 @@ def print_report(*, catalog_url: str | None, config_path: str | None, job: str |
         raise ConfigError(f"--format {fmt!r}: use one of {', '.join(FORMATS)}")
     if step is not None and job is None:
         raise ConfigError("--step needs --job")
+    if costs and step is not None:
+        raise ConfigError("--costs is per job: drop --step (or use --job J alone)")
     names = list(tables) if tables else list(
+        COST_TABLES if costs else
         DEFAULT_CHECKPOINT_TABLES if step is not None else DEFAULT_JOB_TABLES if job else DEFAULT_TABLES)
     unknown = [n for n in names if n not in TABLES]
     if unknown:
@@ -116,6 +127,12 @@ def print_report(*, catalog_url: str | None, config_path: str | None, job: str |
             print("  (none)", file=out)
             continue
         rows = [[display(r[c.name], c.kind) for c in cols] for r in df.to_dict("records")]
-        numeric = [c.kind in ("int", "bytes", "age", "ratio", "float", "step") for c in cols]
+        numeric = [c.kind in NUMERIC for c in cols]
         print(text_table(rows, [c.title for c in cols], numeric), file=out)
+        if name == "costs":
+            currencies = sorted(set(df["currency"]))
+            print(f"costs per month in {', '.join(currencies)}; expected restore = size over the fetch rate "
+                  "the job's drills measured", file=out)
+            for note in dict.fromkeys(df["price_note"]):
+                print(f"prices: {note}", file=out)
     return 0

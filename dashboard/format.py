@@ -113,6 +113,11 @@ def display(v: Any, kind: str) -> str:
         return f"{f:.4g}" if abs(f) < 1e4 else f"{f:,.0f}"
     if kind == "int":
         return f"{int(v):,}"
+    if kind == "money":
+        m = float(v)
+        return "<0.01" if 0 < m < 0.005 else f"{m:,.2f}"
+    if kind == "rate":
+        return human_bytes(v) + "/s"
     return str(v)
 
 

@@ -35,6 +35,7 @@ import pandas as pd
 from ckptier.storage.catalog.api import DrillRecord
 from ckptier.storage.errors import ConfigError
 from ckptier.storage.model import CheckpointRecord
+from ckptier.tasks.costs import JobCosts
 
 from . import alerts as al
 from . import queries as q
@@ -44,7 +45,7 @@ from .source import Source
 
 Scope = Literal["catalog", "job", "checkpoint"]
 Kind = Literal["text", "job", "step", "int", "bytes", "time", "age", "ratio", "bool", "verdict", "state", "proof",
-               "severity", "mono", "float"]
+               "severity", "mono", "float", "money", "rate"]
 #: Drills read per job (newest first) for the overview and the job page.
 DRILL_WINDOW = 200
 #: Events shown per job.
@@ -203,6 +204,15 @@ class Snapshot:
                                                                now=self.now)])
         except ConfigError:
             return None
+
+    @cached_property
+    def costs(self) -> list[JobCosts]:
+        """Each job's :class:`~ckptier.tasks.costs.JobCosts` (``ckptier report --costs``): from
+        the records (tombstones included), the drills read and the config's policies and prices."""
+        from ckptier.tasks.costs import cost_tables
+
+        drills = [d for ds in self.drills.values() for d in ds]
+        return cost_tables(self.records, drills, self.source.config, now=self.now)
 
     def proof(self, record: CheckpointRecord) -> str:
         """The proof level of a checkpoint (:func:`alerts.proof_level`)."""
@@ -481,6 +491,58 @@ def build_storage(s: Snapshot) -> pd.DataFrame:
     return storage_history(copies, events, now=s.now)
 
 
+def build_costs(s: Snapshot) -> pd.DataFrame:
+    """One row per job: stored bytes and monthly cost (hot, archive, total), keep-all and the
+    savings against it, the recovery point and the expected time to restore it
+    (:func:`ckptier.tasks.costs.cost_tables`)."""
+    rows = []
+    for c in s.costs:
+        by_tier = {t: [x for x in c.tiers if x.tier == t] for t in ("hot", "archive")}
+        point, restore = c.recovery_point, c.restore
+        rows.append({
+            "job": c.job,
+            "stored_bytes": c.stored_bytes,
+            "monthly_cost": round(c.monthly_cost, 4),
+            "hot_bytes": sum(x.bytes for x in by_tier["hot"]),
+            "hot_monthly_cost": round(sum(x.monthly_cost for x in by_tier["hot"]), 4),
+            "archive_bytes": sum(x.bytes for x in by_tier["archive"]),
+            "archive_monthly_cost": round(sum(x.monthly_cost for x in by_tier["archive"]), 4),
+            "classes": ", ".join(f"{x.tier} {x.storage_class}" for x in c.tiers),
+            "keep_all_checkpoints": c.keep_all_checkpoints,
+            "keep_all_bytes": c.keep_all_bytes,
+            "keep_all_monthly_cost": round(c.keep_all_monthly_cost, 4),
+            "savings_monthly": round(c.savings_monthly, 4),
+            "savings_fraction": round(c.savings_fraction, 4),
+            "recovery_step": point.step if point else None,
+            "recovery_saved_at": point.saved_at if point else None,
+            "recovery_age_s": round(point.age_s, 3) if point else None,
+            "restore_tier": restore.tier if restore else "",
+            "restore_bytes": restore.bytes if restore else None,
+            "restore_throughput_bytes_per_s": round(restore.throughput_bytes_per_s, 1)
+            if restore and restore.throughput_bytes_per_s else None,
+            "restore_seconds": round(restore.seconds, 3) if restore and restore.seconds is not None else None,
+            "restore_drills": restore.drills if restore else 0,
+            "restore_cost": round(restore.cost, 6) if restore else None,
+            "restore_note": (restore.reason or "") if restore else ("" if point else "no drill-passed checkpoint held"),
+            "currency": c.currency,
+            "prices_assumed": c.prices_assumed,
+            "price_note": c.price_note,
+        })
+    df = _records(rows, "costs")
+    for col in ("recovery_step", "restore_bytes"):
+        df[col] = df[col].astype("Int64")
+    return df
+
+
+def build_cost_tiers(s: Snapshot) -> pd.DataFrame:
+    """One row per job, tier and storage class: checkpoints, bytes and monthly cost."""
+    rows = [{"job": c.job, "tier": t.tier, "storage_class": t.storage_class, "checkpoints": t.checkpoints,
+             "bytes": t.bytes, "monthly_cost": round(t.monthly_cost, 4), "currency": c.currency,
+             "price_source": t.price_source}
+            for c in s.costs for t in c.tiers]
+    return _records(rows, "cost_tiers")
+
+
 # ------------------------------------------------------------------ checkpoint tables
 
 
@@ -655,6 +717,47 @@ register(TableSpec("copies", "Copies", "checkpoint", (
     C("storage_class", "text", "Storage class"),
     C("verified_at", "time", "Verified"),
 ), build_copies, "the checkpoint's copies per tier"))
+
+
+register(TableSpec("costs", "Costs", "catalog", (
+    C("job", "job", "Job"),
+    C("stored_bytes", "bytes", "Stored", "hot bytes plus archive stored bytes"),
+    C("monthly_cost", "money", "Monthly cost", "storage per month at the configured prices"),
+    C("hot_bytes", "bytes", "Hot"),
+    C("hot_monthly_cost", "money", "Hot / month"),
+    C("archive_bytes", "bytes", "Archive", "stored (compressed) bytes"),
+    C("archive_monthly_cost", "money", "Archive / month"),
+    C("classes", "text", "Tiers and classes", "archive classes are estimated from the policy's archive_tiers"),
+    C("keep_all_checkpoints", "int", "Keep-all checkpoints", "every checkpoint ever seen"),
+    C("keep_all_bytes", "bytes", "Keep-all", "every checkpoint ever seen, kept hot"),
+    C("keep_all_monthly_cost", "money", "Keep-all / month"),
+    C("savings_monthly", "money", "Saved / month", "keep-all's monthly cost minus this one"),
+    C("savings_fraction", "ratio", "Saved %"),
+    C("recovery_step", "step", "Recovery point", "newest checkpoint whose most recent drill passed, still held"),
+    C("recovery_saved_at", "time", "Recovery point saved"),
+    C("recovery_age_s", "age", "Recovery point age"),
+    C("restore_tier", "text", "Restore from"),
+    C("restore_bytes", "bytes", "Restore size"),
+    C("restore_throughput_bytes_per_s", "rate", "Fetch rate", "median fetch throughput the job's drills measured"),
+    C("restore_seconds", "age", "Expected restore", "restore size over the measured fetch rate"),
+    C("restore_drills", "int", "Drills measured"),
+    C("restore_cost", "money", "Restore cost", "retrieval and requests to read it back once"),
+    C("restore_note", "text", "Restore note"),
+    C("currency", "text", "Currency"),
+    C("prices_assumed", "bool", "List prices", "yes: some figure is a built-in list-price assumption"),
+    C("price_note", "text", "Prices"),
+), build_costs, "bytes and monthly cost per tier, savings against keep-all, recovery point and expected restore time"))
+
+register(TableSpec("cost_tiers", "Costs per tier and class", "catalog", (
+    C("job", "job", "Job"),
+    C("tier", "text", "Tier"),
+    C("storage_class", "text", "Storage class"),
+    C("checkpoints", "int", "Checkpoints"),
+    C("bytes", "bytes", "Stored"),
+    C("monthly_cost", "money", "Monthly cost"),
+    C("currency", "text", "Currency"),
+    C("price_source", "text", "Prices"),
+), build_cost_tiers, "bytes and monthly cost per job, tier and storage class"))
 
 
 def tables_for(scope: Scope) -> list[TableSpec]:

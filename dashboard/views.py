@@ -17,7 +17,7 @@ import pandas as pd
 from .format import display, missing, python_rows
 from .tables import TableSpec
 
-NUMERIC = frozenset({"int", "bytes", "age", "ratio", "float", "step"})
+NUMERIC = frozenset({"int", "bytes", "age", "ratio", "float", "step", "money", "rate"})
 
 
 def job_url(job: str) -> str:

@@ -1,4 +1,4 @@
-"""The ``ckptier`` command line (the contract in DESIGN.md).
+"""The ``ckptier`` command line (the contract README.md documents).
 
 Commands that only read the catalog (``ls``, ``latest``, ``plan``) never
 import Prefect or torch, so they answer at once, and they never create a
@@ -36,6 +36,8 @@ EXIT_BUSY = 75
 EXIT_INTERNAL = 70
 #: Set to print the traceback of an unexpected error (for a bug report).
 TRACEBACK_ENV = "CKPTIER_TRACEBACK"
+#: ``--runner`` choices (``ckptier.tasks.config.RUNNER_KINDS``, not imported: help answers at once).
+RUNNERS = ("threads", "dask")
 #: The demo saves every this many steps and needs two saves (one committed, one in flight).
 DEMO_SAVE_EVERY = 25
 
@@ -193,13 +195,20 @@ def cmd_scan(args: argparse.Namespace) -> int:
     location = _location(args)
     _announce(args, location)
     reports = runner.scan(args.urls, catalog_url=location.url, use_prefect=_use_prefect(args), progress=not args.json,
-                          config_path=args.config)
+                          config_path=args.config, inventory=args.inventory, full=args.full)
     if args.json:
         print_json(reports)
         return 0
     for r in reports:
         print(f"{r['url']}: {r['objects']:,} objects, {r['checkpoints']} checkpoints "
               f"({r['committed']} committed, {r['incomplete']} incomplete), {r['rows_written']} catalog rows written")
+        if r.get("unchanged_dirs"):
+            print(f"  {r['unchanged_dirs']:,} checkpoint directories unchanged since the last scan were not listed "
+                  "(--full lists everything)")
+        if inv := r.get("inventory"):
+            print(f"  from the S3 Inventory report {inv['url']} taken {inv['created_at']} "
+                  f"({inv['age_s'] / 3600:.1f} h ago); {inv['left_as_cataloged']} checkpoints left as the catalog "
+                  "has them; nothing marked missing")
         for u in r["unrecognised"][:20]:
             print(f"  not recognised: {u['key']}: {u['reason']}")
         if len(r["unrecognised"]) > 20:
@@ -214,7 +223,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     location = _location(args)
     _announce(args, location)
     report = runner.verify(job=args.job, deep=args.deep, sample=sample, workers=args.workers,
-                           catalog_url=location.url, use_prefect=_use_prefect(args), progress=not args.json)
+                           catalog_url=location.url, use_prefect=_use_prefect(args), progress=not args.json,
+                           config_path=args.config, runner=args.runner, claim_rows=args.claim_rows, since=args.since)
     if args.json:
         print_json(report)
     elif not report["checkpoints"]:
@@ -238,7 +248,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
     location = _location(args, config)
     _announce(args, location)
     report = runner.apply(job=args.job, dry_run=args.dry_run, config_path=args.config,
-                          catalog_url=location.url, use_prefect=_use_prefect(args))
+                          catalog_url=location.url, use_prefect=_use_prefect(args), runner=args.runner)
     if args.json:
         print_json(report)
     else:
@@ -374,7 +384,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     if args.format == "table":
         _announce(args, location)
     return print_report(catalog_url=location.url, config_path=args.config, job=args.job, step=args.step,
-                        fmt=args.format, tables=args.table)
+                        fmt=args.format, tables=args.table, costs=args.costs)
 
 
 # ------------------------------------------------------------------ parser
@@ -444,6 +454,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("scan", cmd_scan, "catalog every checkpoint under URL (a path, file:///path or s3://bucket/prefix)", flowopts)
     sp.add_argument("urls", nargs="+", metavar="URL")
     sp.add_argument("--json", action="store_true")
+    sp.add_argument("--inventory", metavar="MANIFEST",
+                    help="read this S3 Inventory report (s3://.../manifest.json, or the inventory configuration's "
+                         "folder for its newest report) instead of listing the bucket")
+    sp.add_argument("--full", action="store_true",
+                    help="list every local directory, even those unchanged since the last scan")
 
     sp = add("ls", cmd_ls, "list cataloged checkpoints")
     sp.add_argument("--job")
@@ -455,6 +470,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--deep", action="store_true", help="read every byte even when the store keeps a checksum")
     sp.add_argument("--sample", metavar="K/N", help="verify only the K-th of N disjoint slices of the catalog (auto/N: today's slice)")
     sp.add_argument("--workers", type=_positive_int, default=4, help="files read in parallel (default 4)")
+    sp.add_argument("--runner", choices=RUNNERS, help="where files are read: threads here, or dask "
+                    "(default: [runner] kind in ckptier.toml, else threads)")
+    sp.add_argument("--claim-rows", action="store_true", help="share the work with other ckptier processes on "
+                    "this catalog: claim rows under a lease (default: [runner] claim_rows)")
+    sp.add_argument("--since", metavar="TIME", help="with --claim-rows: ISO 8601 start of the sweep the processes "
+                    "share; rows checked since are done (default: now)")
     sp.add_argument("--json", action="store_true")
 
     sp = add("latest", cmd_latest, "newest verified checkpoint of a job whose last drill did not fail (exit 1 if none)")
@@ -469,6 +490,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("apply", cmd_apply, "carry out the retention plan: promote milestones, then delete what the policy lets go", flowopts)
     sp.add_argument("--job")
     sp.add_argument("--dry-run", action="store_true", help="say what would happen, change nothing")
+    sp.add_argument("--runner", choices=RUNNERS, help="where archive copies are made: threads here, or dask "
+                    "(default: [runner] kind in ckptier.toml, else threads)")
     sp.add_argument("--json", action="store_true")
 
     sp = add("fetch", cmd_fetch, "restore a checkpoint's original files from any tier, verified, into a new directory DEST")
@@ -520,9 +543,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("report", cmd_report, "print the dashboard's tables: jobs and alerts, or one job's with --job")
     sp.add_argument("--job")
     sp.add_argument("--step", type=int, help="with --job: one checkpoint's tables")
+    sp.add_argument("--costs", action="store_true", help="bytes and monthly cost per tier and class, savings "
+                    "against keep-all, recovery point, expected restore time")
     sp.add_argument("--format", choices=("table", "csv", "json"), default="table")
     sp.add_argument("--table", action="append", metavar="NAME", help="a table to print (repeatable): jobs, alerts, "
-                    "checkpoints, plan, drills, verifications, events, storage, files, copies")
+                    "checkpoints, plan, drills, verifications, events, storage, files, copies, costs, cost_tiers")
     return p
 
 

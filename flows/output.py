@@ -42,7 +42,7 @@ def current_location(c: CheckpointRecord) -> str:
 
 
 def checkpoint_json(c: CheckpointRecord, *, files: int | None = None) -> dict[str, Any]:
-    """The JSON object of ``ckptier ls --json`` (DESIGN.md's contract fields first).
+    """The JSON object of ``ckptier ls --json`` (the documented contract fields first).
 
     ``location`` is :func:`current_location`; ``hot_location`` is where the
     checkpoint was written (scanned), whether or not that copy still exists.

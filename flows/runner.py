@@ -1,6 +1,6 @@
 """Run an operation directly, or as a Prefect flow run when an API is configured.
 
-DESIGN.md: starting Prefect's temporary local API costs ~10 s per process,
+Starting Prefect's temporary local API costs ~10 s per process,
 so the command line runs the task code directly unless ``PREFECT_API_URL``
 is set; then it goes through the flow so the run shows in the UI. Both paths
 return the same JSON-ready report.
@@ -125,11 +125,17 @@ def why_nothing_to_verify(catalog_url: str, *, job: str | None, deep: bool, samp
 
 
 def scan(urls: list[str], *, catalog_url: str | None, use_prefect: bool, progress: bool = True,
-         config_path: str | None = None) -> list[dict[str, Any]]:
+         config_path: str | None = None, inventory: str | None = None, full: bool = False) -> list[dict[str, Any]]:
+    if inventory is not None and len(urls) != 1:
+        from ckptier.storage.errors import ConfigError
+
+        raise ConfigError(f"--inventory {inventory} names the report of one bucket; scan one s3:// URL with it, "
+                          f"not {len(urls)}")
     if use_prefect:
         from .scan_verify import scan_flow
 
-        return list(run_flow(scan_flow, urls=urls, catalog_url=catalog_url, config_path=config_path))
+        return list(run_flow(scan_flow, urls=urls, catalog_url=catalog_url, config_path=config_path,
+                             inventory=inventory, full=full))
     from ckptier.tasks.config import load_config
     from ckptier.tasks.pipeline import run_scan, utcnow
 
@@ -137,19 +143,22 @@ def scan(urls: list[str], *, catalog_url: str | None, use_prefect: bool, progres
     bar = Progress("listing", unit="objects", enabled=None if progress else False)
     try:
         with _open(catalog_url, create=True) as cat:
-            return run_scan(urls, cat, now=utcnow, tick=bar.update, patterns=config.patterns, config=config)
+            return run_scan(urls, cat, now=utcnow, tick=bar.update, patterns=config.patterns, config=config,
+                            inventories=[(urls[0], inventory)] if inventory else (), full=full)
     finally:
         bar.close()
 
 
 def verify(*, job: str | None, deep: bool, sample: tuple[int, int] | None, workers: int,
-           catalog_url: str | None, use_prefect: bool, progress: bool = True) -> dict[str, Any]:
+           catalog_url: str | None, use_prefect: bool, progress: bool = True, config_path: str | None = None,
+           runner: str | None = None, claim_rows: bool = False, since: str | None = None) -> dict[str, Any]:
     if use_prefect:
         from .scan_verify import CorruptionFound, verify_flow
 
+        fanned = {"config_path": config_path, "runner": runner, "sweep_since": since} if config_path or runner or since else {}
         try:
             return dict(run_flow(verify_flow, job=job, deep=deep, sample=f"{sample[0]}/{sample[1]}" if sample else None,
-                                 workers=workers, catalog_url=catalog_url))
+                                 workers=workers, catalog_url=catalog_url, **fanned))
         except CorruptionFound:
             # The run failed because corruption was found: report it like the direct path.
             with _open(catalog_url) as cat:
@@ -163,30 +172,56 @@ def verify(*, job: str | None, deep: bool, sample: tuple[int, int] | None, worke
                                "bytes_read": 0, "bytes_skipped": 0}, "sample": None}
     from ckptier.tasks.pipeline import run_verify, utcnow
 
+    fanout, claims = _fanout(config_path, runner, claim_rows, since)
     bar = Progress("verifying", unit="bytes", enabled=None if progress else False)
     try:
         with _open(catalog_url) as cat:
             return run_verify(cat, now=utcnow, job=job, deep=deep, sample=sample, workers=workers,
-                              progress=lambda done, total: bar.update(done, total))
+                              progress=lambda done, total: bar.update(done, total), fanout=fanout, claims=claims)
     finally:
         bar.close()
+        if fanout is not None:
+            fanout.close()
+
+
+def _fanout(config_path: str | None, runner: str | None, claim_rows: bool = False, since: str | None = None) -> Any:
+    """The Dask executor (None: threads here) and the row claims for a direct run, from
+    ``[runner]`` and the command line (``--runner``, ``--claim-rows``, ``--since``)."""
+    from dataclasses import replace
+
+    from ckptier.tasks.config import load_config
+    from ckptier.tasks.fanout import open_fanout, row_claims, runner_settings
+    from ckptier.tasks.pipeline import run_owner
+
+    settings = runner_settings(load_config(config_path).runner, runner)
+    if claim_rows:
+        settings = replace(settings, claim_rows=True)
+    claims = row_claims(settings, since, owner=run_owner("ckptier-cli"))
+    return open_fanout(settings), claims
 
 
 def apply(*, job: str | None, dry_run: bool, config_path: str | None, catalog_url: str | None,
-          use_prefect: bool) -> dict[str, Any]:
+          use_prefect: bool, runner: str | None = None) -> dict[str, Any]:
     if not dry_run:  # deletes only under a [[policy]] someone wrote; a dry run may preview the default
         _check_policy_written(job, config_path, catalog_url)
     if use_prefect:
         from .tiering import tiering_flow
 
-        result = run_flow(tiering_flow, apply=not dry_run, job=job, config_path=config_path, catalog_url=catalog_url)
+        fanned = {"runner": runner} if runner else {}
+        result = run_flow(tiering_flow, apply=not dry_run, job=job, config_path=config_path, catalog_url=catalog_url,
+                          **fanned)
         return dict(result["apply"])
     from ckptier.tasks.config import load_config
     from ckptier.tasks.pipeline import run_apply, run_owner, utcnow
 
-    with _open(catalog_url) as cat:
-        return run_apply(cat, load_config(config_path), now=utcnow, owner=run_owner("ckptier-cli"), job=job,
-                         dry_run=dry_run)
+    fanout, _ = _fanout(config_path, runner)
+    try:
+        with _open(catalog_url) as cat:
+            return run_apply(cat, load_config(config_path), now=utcnow, owner=run_owner("ckptier-cli"), job=job,
+                             dry_run=dry_run, fanout=fanout)
+    finally:
+        if fanout is not None:
+            fanout.close()
 
 
 def _check_policy_written(job: str | None, config_path: str | None, catalog_url: str | None) -> None:

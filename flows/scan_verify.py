@@ -127,6 +127,8 @@ def scan_flow(
     urls: list[str],
     catalog_url: str | None = None,
     config_path: str | None = None,
+    inventory: str | None = None,
+    full: bool = False,
 ) -> list[dict[str, Any]]:
     """Catalog every checkpoint under each URL; publishes the ``catalog-summary`` table.
 
@@ -134,9 +136,11 @@ def scan_flow(
         urls: Where checkpoints are written: paths, file:///path or s3://bucket/prefix.
         catalog_url: Catalog SQLAlchemy URL (default: CKPTIER_CATALOG_URL, else the config's [catalog] url, else SQLite in the data dir).
         config_path: ckptier.toml path, read for its [catalog] url (default: CKPTIER_CONFIG or ./ckptier.toml).
+        inventory: S3 Inventory report read instead of listing (one s3:// URL only); else ckptier.toml's [[inventory]].
+        full: List every local directory, even those unchanged since the last scan.
     """
     catalog_url = resolve_catalog_url(catalog_url, config_path)
-    reports = [scan_task(url, catalog_url) for url in urls]
+    reports = [scan_task(url, catalog_url, inventory=inventory, full=full) for url in urls]
     publish_catalog_summary(catalog_url)
     publish_dashboard_links(j for r in reports for j in r["jobs"])
     return reports
@@ -150,6 +154,8 @@ def verify_flow(
     workers: int = 4,
     catalog_url: str | None = None,
     config_path: str | None = None,
+    runner: str | None = None,
+    sweep_since: str | None = None,
 ) -> dict[str, Any]:
     """Verify checkpoints; fails the run (and emits an event) when corruption is found.
 
@@ -163,9 +169,12 @@ def verify_flow(
         workers: Files read in parallel.
         catalog_url: Catalog SQLAlchemy URL (default: CKPTIER_CATALOG_URL, else the config's [catalog] url, else SQLite in the data dir).
         config_path: ckptier.toml path, read for its [catalog] url (default: CKPTIER_CONFIG or ./ckptier.toml).
+        runner: Where the checkpoints are read: threads or dask (default: the config's [runner] kind).
+        sweep_since: With [runner] claim_rows: the ISO 8601 start of the sweep this run shares with others (default: now).
     """
     catalog_url = resolve_catalog_url(catalog_url, config_path)
-    report = verify_task(catalog_url, job, deep, resolve_sample(sample, datetime.now(UTC)), workers)
+    report = verify_task(catalog_url, job, deep, resolve_sample(sample, datetime.now(UTC)), workers, config_path,
+                         runner, sweep_since)
     publish_verification(report)
     summary = publish_catalog_summary(catalog_url)
     publish_dashboard_links(_jobs(job, summary))
@@ -182,6 +191,8 @@ def scan_verify_flow(
     workers: int = 4,
     catalog_url: str | None = None,
     config_path: str | None = None,
+    runner: str | None = None,
+    sweep_since: str | None = None,
 ) -> dict[str, Any]:
     """Scan, then verify: the hourly (and, with ``sample``, nightly) catalog upkeep.
 
@@ -193,12 +204,15 @@ def scan_verify_flow(
         workers: Files read in parallel.
         catalog_url: Catalog SQLAlchemy URL (default: CKPTIER_CATALOG_URL, else the config's [catalog] url, else SQLite in the data dir).
         config_path: ckptier.toml path, read for its [catalog] url (default: CKPTIER_CONFIG or ./ckptier.toml).
+        runner: Where the checkpoints are read: threads or dask (default: the config's [runner] kind).
+        sweep_since: With [runner] claim_rows: the ISO 8601 start of the sweep this run shares with others (default: now).
     """
     catalog_url = resolve_catalog_url(catalog_url, config_path)
     scans = [scan_task(url, catalog_url) for url in urls]
     result: dict[str, Any] = {"scans": scans}
     if verify:
-        report = verify_task(catalog_url, None, deep, resolve_sample(sample, datetime.now(UTC)), workers)
+        report = verify_task(catalog_url, None, deep, resolve_sample(sample, datetime.now(UTC)), workers, config_path,
+                             runner, sweep_since)
         publish_verification(report, scans)
         result["verify"] = report
     elif corruption_in(NOTHING_VERIFIED, scans):

@@ -148,6 +148,7 @@ def tiering_flow(
     config_path: str | None = None,
     catalog_url: str | None = None,
     lease_minutes: int = 60,
+    runner: str | None = None,
 ) -> dict[str, Any]:
     """Plan retention and, with ``apply``, promote milestones and delete rolling checkpoints.
 
@@ -158,6 +159,7 @@ def tiering_flow(
         catalog_url: Catalog SQLAlchemy URL (default: CKPTIER_CATALOG_URL, else the config's [catalog] url, else SQLite).
         lease_minutes: How long this run waits for another tiering run of the same job to finish
             (checkpoint leases themselves are short and kept alive while the run lives).
+        runner: Where archive copies are made: threads or dask (default: the config's [runner] kind).
     """
     catalog_url = resolve_catalog_url(catalog_url, config_path)
     jobs = [job] if job else cataloged_jobs(catalog_url, config_path)
@@ -167,7 +169,7 @@ def tiering_flow(
     with hold_job_locks(locks, timeout_seconds=lease_minutes * 60.0):
         plan = plan_task(catalog_url, config_path, job)
         publish_plan(plan)
-        report = apply_task(catalog_url, config_path, job, not apply)
+        report = apply_task(catalog_url, config_path, job, not apply, runner)
     if apply:
         publish_outcome(report)
     summary = publish_catalog_summary(catalog_url)

@@ -1,6 +1,6 @@
 """Load checkpoint files without running code hidden in them.
 
-A checkpoint is untrusted input (DESIGN.md, principle 5). Everything here goes
+A checkpoint is untrusted input (docs/failure-scenarios.md, hostile pickles). Everything here goes
 through one of three safe paths and never falls back to full unpickling:
 
 * ``torch.load(weights_only=True)`` with an explicit, documented allowlist

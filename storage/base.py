@@ -20,7 +20,7 @@ Keys are ``/``-separated, relative to the store's root URL, never start with
 from __future__ import annotations
 
 import io
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -217,6 +217,71 @@ class ListingSkips(Protocol):
 
 
 @runtime_checkable
+class DirectoryStamps(Protocol):
+    """A store whose objects are files in a directory tree whose directories
+    change (mtime, link count, number of entries) whenever an entry below
+    them is added, removed or renamed (a POSIX directory), so that a rescan
+    can leave out a directory unchanged since it was last listed.
+
+    Contract (checked by ``tests/test_store_contract.py`` for every store that has it):
+
+    * ``take_stamp(key, relpaths, changed_before=)`` returns ``(stamp,
+      dirs)`` for the directory ``key`` holding the files ``relpaths``
+      (relative to it): an opaque string, and the subdirectories the stamp
+      covers, sorted (``""`` is ``key`` itself; every directory holding one
+      of the files is among them). ``None`` when the tree cannot be trusted:
+      a directory of it is missing, is not a directory, or was modified at
+      or after ``changed_before`` (seconds since the epoch).
+    * ``check_stamp(key, dirs)`` returns the stamp the tree has now: the one
+      taken as long as no entry was added, removed or renamed in any of
+      ``dirs`` (no subdirectory added either); another one, or ``None`` when
+      a directory is gone, once one was. A file rewritten in place changes
+      no directory and may keep the stamp.
+    * ``list_pruned(prefix, skip_dir, on_skip, on_link)`` yields what
+      ``list(prefix)`` yields, except below each directory for whose key (no
+      trailing ``/``) ``skip_dir`` returns True, which it does not enter. It
+      calls ``on_skip(key, reason)`` (one line) once for each entry under
+      ``prefix`` that it leaves out for what it is (a dangling symlink, a
+      symlink to a directory...), and ``on_link(key)`` once for each object
+      it yields that is a link to a file elsewhere, whose bytes can change
+      without its directory changing.
+    """
+
+    def take_stamp(self, key: str, relpaths: Iterable[str], *,
+                   changed_before: float) -> tuple[str, tuple[str, ...]] | None: ...
+
+    def check_stamp(self, key: str, dirs: Sequence[str]) -> str | None: ...
+
+    def list_pruned(self, prefix: str, skip_dir: Callable[[str], bool], on_skip: Callable[[str, str], None],
+                    on_link: Callable[[str], None]) -> Iterator[ObjectInfo]: ...
+
+
+@runtime_checkable
+class BucketLocation(Protocol):
+    """A store rooted at a key prefix of a bucket that can reach the other
+    buckets of its endpoint with the same connection (S3): what reading the
+    bucket's S3 Inventory reports, which S3 writes to another bucket, takes.
+
+    Contract (checked by ``tests/test_store_contract.py`` for every store that has it):
+
+    * ``bucket`` is the bucket's name and ``prefix`` the raw key prefix of
+      the store's root (``""``, or ending in ``/``): object ``k`` is the
+      bucket's key ``prefix + k``.
+    * ``in_bucket(bucket)`` is a store rooted at the top of ``bucket``, over
+      the same endpoint, credentials and settings, with the same wrappers
+      and capabilities. It sends no request.
+    """
+
+    @property
+    def bucket(self) -> str: ...
+
+    @property
+    def prefix(self) -> str: ...
+
+    def in_bucket(self, bucket: str) -> Store: ...
+
+
+@runtime_checkable
 class ResumableReads(Protocol):
     """A store whose reads can go on part-way through an object after the
     connection broke, as long as the object has not changed (S3: a ranged GET
@@ -313,8 +378,8 @@ class Taggable(Protocol):
 
 #: Every optional capability a store may have, beyond :class:`Store`.
 CAPABILITIES: tuple[type, ...] = (
-    Canary, MultipartUploads, TempFiles, LocalPaths, ListingSkips, ResumableReads, StorageClasses, Restorable,
-    Taggable,
+    Canary, MultipartUploads, TempFiles, LocalPaths, ListingSkips, DirectoryStamps, ResumableReads, StorageClasses,
+    Restorable, Taggable, BucketLocation,
 )
 
 

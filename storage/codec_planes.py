@@ -57,7 +57,7 @@ def plane_params() -> zstandard.ZstdCompressionParameters:
     Planes are nearly match-free; a long minimum match and a small window keep
     zstd from spending bits on accidental matches, which both speeds it up and
     leaves more to the (better) literal Huffman coder. Measured on the
-    PERF.md checkpoint's exponent planes: 2.67 -> 2.84 ratio for bf16.
+    reference checkpoint's exponent planes (bench/refdata.py): 2.67 -> 2.84 ratio for bf16.
     """
     return zstandard.ZstdCompressionParameters.from_level(
         1, min_match=7, hash_log=10, window_log=17, write_checksum=True, write_content_size=True
@@ -68,7 +68,7 @@ class Scratch:
     """Reusable work arrays for one thread: named, grown on demand, never shrunk.
 
     Fresh large arrays cost page faults on first touch (about 1.6 GB/s against
-    12 GB/s for a reused buffer on the PERF.md machine), so every hot step
+    12 GB/s for a reused buffer on the benchmark machine of docs/benchmarks.md), so every hot step
     takes its temporaries from here. A ``Scratch`` must not be shared by two
     threads, and an array it hands out is valid only until the same name is
     asked for again.

@@ -12,7 +12,7 @@ expected hashes): it runs at ~1.8 GB/s per core against ~24 GB/s for
 CRC64NVME. Both hashes release the GIL, so threads hash files in parallel.
 
 Reading reuses one caller-supplied buffer (``readinto``): a fresh allocation
-per chunk costs page faults and caps throughput (see PERF.md).
+per chunk costs page faults and caps throughput (see docs/benchmarks.md).
 """
 
 from __future__ import annotations

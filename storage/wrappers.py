@@ -20,15 +20,17 @@ import contextlib
 import io
 import random
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any, BinaryIO, ClassVar, Self, TypeVar, cast
 
 from .base import (
+    BucketLocation,
     Canary,
     DeleteResult,
+    DirectoryStamps,
     ListingSkips,
     LocalPaths,
     MultipartUploads,
@@ -141,9 +143,11 @@ class RetryingStore(_Wrapper):
     returned new bytes, a batch delete that had confirmed a batch.
 
     Capabilities of the wrapped store are retried like single calls (all of
-    them are idempotent), ``list_with_skips`` like ``list`` (each skipped
-    entry is told once), and ``in_class`` gives a ``RetryingStore`` with the
-    same settings; ``local_path`` does no I/O and is passed on.
+    them are idempotent), ``list_with_skips`` and ``list_pruned`` like
+    ``list`` (each skipped entry and each link is told once), and
+    ``in_class`` and ``in_bucket`` give a ``RetryingStore`` with the same
+    settings; ``local_path``, ``bucket`` and ``prefix`` do no I/O and are
+    passed on.
     """
 
     def __init__(
@@ -355,6 +359,36 @@ class _RetryingListingSkips(RetryingStore):
         return self._listing(lambda: inner.list_with_skips(prefix, once))
 
 
+class _RetryingDirectoryStamps(RetryingStore):
+    def take_stamp(self, key: str, relpaths: Iterable[str], *,
+                   changed_before: float) -> tuple[str, tuple[str, ...]] | None:
+        inner = cast(DirectoryStamps, self.inner)
+        paths = tuple(relpaths)  # read again by a retry
+        return self._run(lambda: inner.take_stamp(key, paths, changed_before=changed_before))
+
+    def check_stamp(self, key: str, dirs: Sequence[str]) -> str | None:
+        inner = cast(DirectoryStamps, self.inner)
+        return self._run(lambda: inner.check_stamp(key, dirs))
+
+    def list_pruned(self, prefix: str, skip_dir: Callable[[str], bool], on_skip: Callable[[str, str], None],
+                    on_link: Callable[[str], None]) -> Iterator[ObjectInfo]:
+        inner = cast(DirectoryStamps, self.inner)
+        told: set[str] = set()
+        linked: set[str] = set()
+
+        def skip_once(key: str, why: str) -> None:
+            if key not in told:
+                told.add(key)
+                on_skip(key, why)
+
+        def link_once(key: str) -> None:
+            if key not in linked:
+                linked.add(key)
+                on_link(key)
+
+        return self._listing(lambda: inner.list_pruned(prefix, skip_dir, skip_once, link_once))
+
+
 class _RetryingResumableReads(RetryingStore):
     def open_versioned(self, key: str) -> tuple[BinaryIO, str]:
         inner = cast(ResumableReads, self.inner)
@@ -390,16 +424,31 @@ class _RetryingTaggable(RetryingStore):
         return self._run(lambda: inner.get_object_tagging(key))
 
 
+class _RetryingBucketLocation(RetryingStore):
+    @property
+    def bucket(self) -> str:
+        return cast(BucketLocation, self.inner).bucket
+
+    @property
+    def prefix(self) -> str:
+        return cast(BucketLocation, self.inner).prefix
+
+    def in_bucket(self, bucket: str) -> Store:
+        return self.rewrap(cast(BucketLocation, self.inner).in_bucket(bucket))
+
+
 RetryingStore.FORWARDS = {
     Canary: _RetryingCanary,
     MultipartUploads: _RetryingMultipartUploads,
     TempFiles: _RetryingTempFiles,
     LocalPaths: _RetryingLocalPaths,
     ListingSkips: _RetryingListingSkips,
+    DirectoryStamps: _RetryingDirectoryStamps,
     ResumableReads: _RetryingResumableReads,
     StorageClasses: _RetryingStorageClasses,
     Restorable: _RetryingRestorable,
     Taggable: _RetryingTaggable,
+    BucketLocation: _RetryingBucketLocation,
 }
 
 
@@ -424,15 +473,16 @@ class DryRunStore(_Wrapper):
 
     Capabilities of the wrapped store: those that only read pass through
     (``list_multipart_uploads``, ``stale_temp_files``, ``local_path``,
-    ``list_with_skips``, ``open_versioned``, ``open_from``,
-    ``storage_class``, ``get_object_tagging``); those
+    ``list_with_skips``, ``take_stamp``, ``check_stamp``, ``list_pruned``,
+    ``open_versioned``, ``open_from``, ``storage_class``, ``bucket``,
+    ``prefix``, ``get_object_tagging``); those
     that would change something are recorded and not done:
     ``abort_multipart`` in ``intended_aborts``, ``remove_temp_file`` in
     ``intended_removals``, ``restore`` in ``intended_restores`` (answering
     ``"requested"``), ``put_object_tagging`` in ``intended_tags``; ``canary``
     does nothing (a dry run writes nothing it would have to prove);
-    ``in_class`` gives a dry run of the other class that records into the
-    same lists.
+    ``in_class`` and ``in_bucket`` give a dry run of the other class or
+    bucket that records into the same lists.
     """
 
     def __init__(self, inner: Store) -> None:
@@ -516,6 +566,19 @@ class _DryListingSkips(DryRunStore):
         return cast(ListingSkips, self.inner).list_with_skips(prefix, on_skip)
 
 
+class _DryDirectoryStamps(DryRunStore):
+    def take_stamp(self, key: str, relpaths: Iterable[str], *,
+                   changed_before: float) -> tuple[str, tuple[str, ...]] | None:
+        return cast(DirectoryStamps, self.inner).take_stamp(key, relpaths, changed_before=changed_before)
+
+    def check_stamp(self, key: str, dirs: Sequence[str]) -> str | None:
+        return cast(DirectoryStamps, self.inner).check_stamp(key, dirs)
+
+    def list_pruned(self, prefix: str, skip_dir: Callable[[str], bool], on_skip: Callable[[str, str], None],
+                    on_link: Callable[[str], None]) -> Iterator[ObjectInfo]:
+        return cast(DirectoryStamps, self.inner).list_pruned(prefix, skip_dir, on_skip, on_link)
+
+
 class _DryResumableReads(DryRunStore):
     def open_versioned(self, key: str) -> tuple[BinaryIO, str]:
         return cast(ResumableReads, self.inner).open_versioned(key)
@@ -548,16 +611,31 @@ class _DryTaggable(DryRunStore):
         return cast(Taggable, self.inner).get_object_tagging(key)
 
 
+class _DryBucketLocation(DryRunStore):
+    @property
+    def bucket(self) -> str:
+        return cast(BucketLocation, self.inner).bucket
+
+    @property
+    def prefix(self) -> str:
+        return cast(BucketLocation, self.inner).prefix
+
+    def in_bucket(self, bucket: str) -> Store:
+        return self.rewrap(cast(BucketLocation, self.inner).in_bucket(bucket))
+
+
 DryRunStore.FORWARDS = {
     Canary: _DryCanary,
     MultipartUploads: _DryMultipartUploads,
     TempFiles: _DryTempFiles,
     LocalPaths: _DryLocalPaths,
     ListingSkips: _DryListingSkips,
+    DirectoryStamps: _DryDirectoryStamps,
     ResumableReads: _DryResumableReads,
     StorageClasses: _DryStorageClasses,
     Restorable: _DryRestorable,
     Taggable: _DryTaggable,
+    BucketLocation: _DryBucketLocation,
 }
 
 

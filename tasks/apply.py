@@ -8,9 +8,10 @@ and deletes afterwards. The order of a run:
    start-up canary (put, get, compare, delete) or nothing is deleted from it.
 2. **Interrupted deletes.** A checkpoint with a pending delete intent (a run
    was killed between deleting files and recording it) is resolved first:
-   every file still present → the intent is dropped (nothing was deleted;
-   the plan decides again, with fresh proofs); some or all gone → the rest
-   are deleted and the tombstone recorded.
+   every file still present → the intent is dropped and the files' delete
+   tag turned to ``keep`` (nothing was deleted; the plan decides again,
+   with fresh proofs, and tags again what it still deletes); some or all
+   gone → the rest are tagged and deleted and the tombstone recorded.
 3. **Promote.** Each ``promote`` item: claim the catalog lease, re-read the
    record, copy it to the archive (``tasks/archive.py``: encode, upload, read
    back, commit marker), record the verified archive copy, release.
@@ -28,7 +29,11 @@ and deletes afterwards. The order of a run:
    milestone) first proves its archive copy again (decoded and compared with
    the manifest and the catalog, or the store's full-object checksums
    compared with the manifest); a copy that fails is marked ``degraded`` and
-   the hot copy kept. Then the delete intent is recorded (fenced), the files
+   the hot copy kept. Then the delete intent is recorded (fenced), each
+   file tagged ``ckptier:retention = delete`` on a store that can tag
+   (:class:`~ckptier.storage.base.Taggable`: S3), so that the bucket's
+   lifecycle rule from ``ckptier lifecycle`` expires what this run decided
+   to delete and nothing else should the run stop before deleting, then the files
    deleted in batches of at most 1,000 keys while the lease holds, and only
    what the store confirmed counts: all files gone → the tombstone (fenced
    by the lease's generation, clearing the intent); some failed → an event,
@@ -54,12 +59,12 @@ the proofs, which a real run makes before deleting).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
-from ckptier.storage.base import MAX_DELETE_BATCH, Canary, DeleteResult, Store
+from ckptier.storage.base import MAX_DELETE_BATCH, Canary, DeleteResult, Store, Taggable
 from ckptier.storage.catalog.api import DeleteIntent, FileCheck
 from ckptier.storage.errors import CkptierError, DeleteInterrupted, NotFound, StoreError, Unavailable
 from ckptier.storage.model import CheckpointRecord, CopyState, State, Tier
@@ -67,6 +72,7 @@ from ckptier.storage.wrappers import DryRunStore
 
 from .archive import ArchiveCheck, HotCopyMismatch, check_archive_copy, hot_file_key, promote
 from .leases import DEFAULT_TTL, Lease, LeaseKeeper, this_process
+from .lifecycle import DELETE_TAG, KEEP_TAG
 from .retention import KeepLast, Plan, PlanItem, Policy, hot_present, plan_retention, shrink_guard
 
 log = logging.getLogger(__name__)
@@ -78,6 +84,9 @@ DEFAULT_MAX_MISSING_FRACTION = 0.5
 
 #: Threads reading keepers' bytes during the proof.
 PROOF_WORKERS = 4
+
+#: Threads tagging a checkpoint's files before they are deleted (two requests per file on S3).
+TAG_WORKERS = 8
 
 
 class ApplyFailed(CkptierError):
@@ -352,8 +361,15 @@ def apply_plan(
     max_missing_fraction: float = DEFAULT_MAX_MISSING_FRACTION,
     policy_for: Callable[[str], Policy | None] | None = None,
     proven: set[int] | None = None,
+    promote_many: Callable[[Sequence[CheckpointRecord]], Iterable[Any]] | None = None,
 ) -> ApplyReport:
     """Carry out ``plan``: resume interrupted deletes, promote, prove, delete; return what happened.
+
+    ``promote_many(records)``, when given, makes the archive copies of
+    several checkpoints at once elsewhere (a thread pool, a Dask cluster:
+    :mod:`ckptier.tasks.fanout`), yielding for each, in order, its
+    :class:`~ckptier.tasks.archive.ArchiveCopy` or the exception that
+    stopped it; this run still claims, checks and records every one.
 
     ``catalog`` is a :class:`ckptier.storage.catalog.api.Catalog`.
     ``hot_for(record)`` gives the hot store and the checkpoint's key prefix
@@ -383,6 +399,7 @@ def apply_plan(
     run = _Run(plan, catalog=catalog, hot_for=hot_for, archive_for=archive_for, owner=owner, now=now,
                lease_ttl=lease_ttl, dry_run=dry_run, policy_for=policy_for,
                proven=proven if proven is not None else set())
+    run.promote_many = promote_many
     try:
         run.carry_out(policy=policy, max_missing_fraction=max_missing_fraction)
     finally:
@@ -413,6 +430,48 @@ def _canary(store: Store) -> str | None:
     except CkptierError as exc:
         return str(exc)
     return None
+
+
+def live_keys(store: Store, prefix: str, record: CheckpointRecord, keys: Sequence[str]) -> tuple[list[str], str | None]:
+    """Deletion trusts only a live listing: list the checkpoint's keys now and
+    return those of ``keys`` (the catalog's) that are listed, or why nothing
+    may be deleted: a file listed under the checkpoint that the catalog does
+    not know (it changed since it was scanned, or the catalog's files came
+    from an older S3 Inventory report), or nothing listed at all."""
+    from .verify import is_single_file
+
+    wanted = set(keys)
+    single = is_single_file(prefix, record)
+    listed = {i.key for i in store.list(prefix if single else prefix.rstrip("/") + "/") if not single or i.key == prefix}
+    unknown = sorted(listed - wanted)
+    if unknown:
+        return [], (f"{len(unknown)} file(s) listed now under {store.url}/{prefix} are not in the catalog "
+                    f"(first: {unknown[0]}): it changed since it was scanned; rescan it before deleting")
+    if not listed & wanted:
+        return [], f"none of its files is listed now under {store.url}/{prefix}; rescan it (nothing deleted)"
+    return [k for k in keys if k in listed], None
+
+
+def tag_keys(store: Store, keys: Sequence[str], tag: tuple[str, str]) -> dict[str, str]:
+    """Put ``tag`` on every object of ``keys`` when ``store`` can tag
+    (:class:`Taggable`); nothing on any other store. Returns the keys that
+    could not be tagged, with why (a key already gone is not a failure).
+    Idempotent; other tags of the objects stay."""
+    if not isinstance(store, Taggable) or not keys:
+        return {}
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(key: str) -> str | None:
+        try:
+            store.put_object_tagging(key, {tag[0]: tag[1]})
+        except NotFound:
+            return None
+        except CkptierError as exc:
+            return str(exc)
+        return None
+
+    with ThreadPoolExecutor(max_workers=min(TAG_WORKERS, len(keys))) as pool:
+        return {k: why for k, why in zip(keys, pool.map(one, keys), strict=True) if why is not None}
 
 
 def _present(store: Store, key: str) -> bool:
@@ -456,6 +515,8 @@ class _Run:
         self.canaried: dict[str, str | None] = {}
         #: Stores that answered ``Unavailable`` (after their retries) to a delete: url -> why.
         self.unavailable: dict[str, str] = {}
+        #: Makes several archive copies at once (see :func:`apply_plan`); None: one by one here.
+        self.promote_many: Callable[[Sequence[CheckpointRecord]], Iterable[Any]] | None = None
 
     # -- helpers
 
@@ -541,8 +602,8 @@ class _Run:
 
         # 3. Promotions.
         failed_jobs: dict[str, str] = {}
-        for item in promotes:
-            res = self.promote_one(item)
+        fanned = self.promote_many is not None and not self.dry_run and len(promotes) > 1
+        for item, res in zip(promotes, self.promote_fanned(promotes) if fanned else map(self.promote_one, promotes)):
             report.items.append(res)
             if res.outcome in ("failed", "fenced"):
                 failed_jobs.setdefault(item.job, f"promotion of step {item.step} failed")
@@ -628,6 +689,12 @@ class _Run:
         except CkptierError as exc:
             return _result(item, "failed", f"cannot look at the interrupted delete's files: {exc}"), True
         if intent_progress(intent, len(keys), len(present)) == "not-started":
+            untagged = tag_keys(store, present, KEEP_TAG)
+            if untagged:
+                key, why = next(iter(untagged.items()))
+                return _result(item, "failed", f"interrupted delete had not started, but {len(untagged)} file(s) still "
+                                               f"carry the delete tag (e.g. {key}: {why}); the intent stays, re-run "
+                                               f"apply"), True
             self.cat.clear_delete_intent(intent.checkpoint_id, owner=self.owner, generation=lease.generation,
                                          now=self.now(), why="every file still present: the delete had not started")
             return _result(item, "skipped", "interrupted delete had not started; intent dropped, the plan decides "
@@ -640,21 +707,11 @@ class _Run:
     # -- 3. promotions
 
     def promote_one(self, item: PlanItem) -> ItemResult:
-        cat = self.cat
-        archive = self.archive_of(item.job)
-        if archive is None:
-            return _result(item, "failed", f"job {item.job}: plan says promote but no archive store is configured")
-        lease = self.leases.claim(item.checkpoint_id)
-        if lease is None:
-            return self.held(item)
+        ready = self._promote_ready(item)
+        if isinstance(ready, ItemResult):
+            return ready
+        lease, record, archive = ready
         try:
-            record = cat.get_by_id(item.checkpoint_id)
-            if record is None or record.state == State.DELETED:
-                return _result(item, "skipped", "no longer in the catalog")
-            if record.has_verified_archive():
-                return _result(item, "skipped", "already has a verified archive copy")
-            if record.state != State.VERIFIED:
-                return _result(item, "skipped", f"state is now {record.state.value}; only verified checkpoints are promoted")
             if self.dry_run:
                 return _result(item, "would", f"would promote {record.bytes} bytes to {archive.url}")
             try:
@@ -670,32 +727,85 @@ class _Run:
                 self.event("promote.failed", f"job {item.job} step {item.step}: {why}", item)
                 return _result(item, "failed", why)
             except CkptierError as exc:
-                self.event("promote.failed", f"job {item.job} step {item.step}: {exc}", item)
-                return _result(item, "failed", str(exc))
-            cat.add_copy(
-                item.checkpoint_id,
-                tier=Tier.ARCHIVE,
-                url=copy.url,
-                state=CopyState.PRESENT,
-                stored_bytes=copy.stored_bytes,
-                codec=copy.codec,
-                manifest_key=copy.manifest_key,
-                verified_at=copy.verified_at,
-                now=self.now(),
-                storage_class=copy.storage_class,
-            )
-            what = "already archived" if copy.already_archived else "archived"
-            self.event(
-                "promote.done",
-                f"job {item.job} step {item.step}: {what} at {copy.url} ({copy.raw_bytes} → {copy.stored_bytes} bytes)",
-                item,
-                url=copy.url,
-                stored_bytes=copy.stored_bytes,
-                raw_bytes=copy.raw_bytes,
-            )
-            return _result(item, "done", f"{what} at {copy.url}")
+                return self._promote_done(item, exc)
+            return self._promote_done(item, copy)
         finally:
             self.leases.release(lease)
+
+    def promote_fanned(self, items: Sequence[PlanItem]) -> list[ItemResult]:
+        """Promote ``items`` at once through ``promote_many`` (the copies made elsewhere, in
+        parallel; this run claims, checks and records each, as :meth:`promote_one` does)."""
+        assert self.promote_many is not None
+        results: dict[int, ItemResult] = {}
+        ready: list[tuple[PlanItem, Lease, CheckpointRecord]] = []
+        for item in items:
+            got = self._promote_ready(item)
+            if isinstance(got, ItemResult):
+                results[item.checkpoint_id] = got
+            else:
+                ready.append((item, got[0], got[1]))
+        try:
+            outcomes = self.promote_many([r for _, _, r in ready])
+            for (item, lease, _), outcome in zip(ready, outcomes, strict=True):
+                if not self.leases.valid(lease):
+                    outcome = CkptierError(f"lease on step {item.step} was lost while it was being promoted; "
+                                           "re-run to resume")
+                results[item.checkpoint_id] = self._promote_done(item, outcome)
+        finally:
+            for _, lease, _ in ready:
+                self.leases.release(lease)
+        return [results[i.checkpoint_id] for i in items]
+
+    def _promote_ready(self, item: PlanItem) -> ItemResult | tuple[Lease, CheckpointRecord, Store]:
+        """Claim ``item`` and check it still needs promoting: the lease, the fresh record and the
+        archive store, or the result that ends it (held, skipped, failed; nothing claimed then)."""
+        archive = self.archive_of(item.job)
+        if archive is None:
+            return _result(item, "failed", f"job {item.job}: plan says promote but no archive store is configured")
+        lease = self.leases.claim(item.checkpoint_id)
+        if lease is None:
+            return self.held(item)
+        record = self.cat.get_by_id(item.checkpoint_id)
+        why = None
+        if record is None or record.state == State.DELETED:
+            why = "no longer in the catalog"
+        elif record.has_verified_archive():
+            why = "already has a verified archive copy"
+        elif record.state != State.VERIFIED:
+            why = f"state is now {record.state.value}; only verified checkpoints are promoted"
+        if why is not None or record is None:
+            self.leases.release(lease)
+            return _result(item, "skipped", why or "no longer in the catalog")
+        return lease, record, archive
+
+    def _promote_done(self, item: PlanItem, copy: Any) -> ItemResult:
+        """Record a promotion's outcome: the archive copy made, or the error that stopped it."""
+        cat = self.cat
+        if isinstance(copy, BaseException):
+            self.event("promote.failed", f"job {item.job} step {item.step}: {copy}", item)
+            return _result(item, "failed", str(copy))
+        cat.add_copy(
+            item.checkpoint_id,
+            tier=Tier.ARCHIVE,
+            url=copy.url,
+            state=CopyState.PRESENT,
+            stored_bytes=copy.stored_bytes,
+            codec=copy.codec,
+            manifest_key=copy.manifest_key,
+            verified_at=copy.verified_at,
+            now=self.now(),
+            storage_class=copy.storage_class,
+        )
+        what = "already archived" if copy.already_archived else "archived"
+        self.event(
+            "promote.done",
+            f"job {item.job} step {item.step}: {what} at {copy.url} ({copy.raw_bytes} → {copy.stored_bytes} bytes)",
+            item,
+            url=copy.url,
+            stored_bytes=copy.stored_bytes,
+            raw_bytes=copy.raw_bytes,
+        )
+        return _result(item, "done", f"{what} at {copy.url}")
 
     # -- 4. proofs
 
@@ -821,12 +931,17 @@ class _Run:
                     self.event("delete.refused", f"job {item.job} step {item.step}: {why}", item)
                 return _result(item, "skipped", why)
             assert record is not None
-            keys = [hot_file_key(prefix, record, f.relpath) for f in record.files]
+            sizes = {hot_file_key(prefix, record, f.relpath): f.size for f in record.files}
+            keys, why = live_keys(store, prefix, record, list(sizes))
+            if why is not None:
+                self.event("delete.refused", f"job {item.job} step {item.step}: {why}", item)
+                return _result(item, "skipped", why)
             if self.dry_run:
                 result = DeleteResult()
                 for batch in _batches(keys):
                     result.merge(store.delete_many(batch))
-                return _result(item, "would", f"would delete {len(result.deleted)} files ({item.scope})",
+                tagged = f", tagged {DELETE_TAG[0]}={DELETE_TAG[1]} first" if isinstance(store, Taggable) else ""
+                return _result(item, "would", f"would delete {len(result.deleted)} files ({item.scope}){tagged}",
                                freed=record.bytes)
             if item.scope == "hot-copy":
                 checked = self.check_archive(record)
@@ -849,7 +964,7 @@ class _Run:
             if item.scope == "hot-copy":
                 reasons.append(f"archive copy proven at {self.now().isoformat()}")
             return self.delete_keys(item, record, store, keys, lease, reasons,
-                                    freed_sizes={k: f.size for k, f in zip(keys, record.files)})
+                                    freed_sizes={k: sizes[k] for k in keys})
         finally:
             self.leases.release(lease)
 
@@ -864,10 +979,17 @@ class _Run:
         *,
         freed_sizes: dict[str, int],
     ) -> ItemResult:
-        """Delete ``keys`` in batches while the lease holds, then record the
-        tombstone (of the checkpoint, or of its hot copy for a ``hot-copy``
-        scope); the delete intent must already be recorded."""
+        """Tag ``keys`` with :data:`DELETE_TAG` (on a taggable store), delete
+        them in batches while the lease holds, then record the tombstone (of
+        the checkpoint, or of its hot copy for a ``hot-copy`` scope); the
+        delete intent must already be recorded."""
         cat = self.cat
+        untagged = tag_keys(store, keys, DELETE_TAG)
+        if untagged:  # the tag is the lifecycle rule's backstop; ckptier deletes the files itself now
+            key, why = next(iter(untagged.items()))
+            self.event("delete.untagged", f"job {item.job} step {item.step}: {len(untagged)} of {len(keys)} files "
+                                          f"could not be tagged {DELETE_TAG[0]}={DELETE_TAG[1]} (e.g. {key}: {why}); "
+                                          f"deleting them anyway", item, keys=sorted(untagged))
         result = DeleteResult()
         for batch in _batches(keys):
             if not self.leases.valid(lease):

@@ -45,6 +45,10 @@ Shape (every key optional unless said)::
     settle = "2m"                 # and/or: committed once no file changed for this long
                                   # (at least one of the two; with both, both must hold)
 
+    [[inventory]]                 # scans of url read this S3 Inventory report instead of listing
+    url = "s3://ckpts/runs"
+    report = "s3://inventory/ckpts/daily/"   # a manifest.json, or the configuration's folder (newest report)
+
     [[drill]]
     jobs = "*"
     model = "mypkg.models:build"  # "module:function" returning the model
@@ -53,6 +57,14 @@ Shape (every key optional unless said)::
     timeout = "15m"
     loss_tolerance = 0.05         # optional
     allow_globals = ["mypkg.config.TrainConfig"]  # classes the safe loader may unpickle
+
+    [runner]                      # where verify, promote and drill fetches fan out
+    kind = "threads"              # threads in this process (default), or "dask":
+    # workers = 4                 #   a local Dask cluster of N worker processes, or
+    # address = "tcp://scheduler:8786"   # an existing Dask cluster (one of the two)
+    claim_rows = false            # true: several ckptier processes share the catalog's work,
+                                  # each claiming rows under a lease (PostgreSQL: SKIP LOCKED)
+    lease = "2m"                  # how long a claim holds without a heartbeat
 
     [prices]                      # $ per GB-month (GB = 2^30 bytes) per storage class
     source = "our rates, 2026-10" # printed next to figures that use these prices
@@ -122,9 +134,13 @@ _POLICY_KEYS = frozenset(
 )
 _DRILL_KEYS = frozenset({"jobs", "model", "steps", "device", "timeout", "loss_tolerance", "allow_globals"})
 _CATALOG_KEYS = frozenset({"url"})
+_RUNNER_KEYS = frozenset({"kind", "workers", "address", "claim_rows", "lease"})
+#: The task runners ``[runner] kind`` (and ``--runner``) may name.
+RUNNER_KINDS = ("threads", "dask")
 _POLICY_KEYS |= {"archive_tiers"}  # parsed by _archive_tiers
 _PATTERN_KEYS = frozenset({"glob", "step_regex", "commit_marker", "settle"})
-_TOP_KEYS = frozenset({"policy", "drill", "catalog", "pattern", "prices"})
+_TOP_KEYS = frozenset({"policy", "drill", "catalog", "pattern", "prices", "inventory", "runner"})
+_INVENTORY_KEYS = frozenset({"url", "report"})
 _MODEL_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 _FILE_MODEL_RE = re.compile(r"^[^:]+\.py:[A-Za-z_]\w*$")
 
@@ -173,6 +189,25 @@ RULE_KEYS = frozenset({"keep_last", "milestones", "keep_within", "keep_daily", "
 
 
 @dataclass(frozen=True)
+class RunnerSettings:
+    """``[runner]``: where the per-checkpoint work (verify, promote, drill fetch) runs.
+
+    ``kind`` ``threads``: a thread pool in this process (the default).
+    ``dask``: a Dask cluster, either a local one of ``workers`` worker
+    processes started for the run, or the existing one at ``address``
+    (``tcp://host:8786``). ``claim_rows``: claim catalog rows under a lease
+    of ``lease`` (kept alive by a heartbeat) so that several ckptier
+    processes sharing one catalog each verify a disjoint part of it.
+    """
+
+    kind: str = "threads"
+    workers: int | None = None
+    address: str | None = None
+    claim_rows: bool = False
+    lease: timedelta = timedelta(minutes=2)
+
+
+@dataclass(frozen=True)
 class Config:
     """The parsed file. ``source`` is the file read, or None for built-in defaults.
     ``patterns``: the ``[[pattern]]`` rules every scan uses, in file order.
@@ -190,7 +225,11 @@ class Config:
     source: Path | None = None
     prices: Prices = DEFAULT_PRICES
     patterns: tuple[PatternRule, ...] = ()
+    #: ``[[inventory]]``: scanned s3:// URL (canonical) -> its S3 Inventory report
+    #: (a manifest.json URL or the inventory configuration's folder).
+    inventories: tuple[tuple[str, str], ...] = ()
     unwritten: frozenset[int] = frozenset()
+    runner: RunnerSettings = RunnerSettings()
 
     def policy_for(self, job: str) -> Policy | None:
         """The first ``[[policy]]`` (in file order) whose ``jobs`` glob matches ``job``.
@@ -544,11 +583,12 @@ def parse_config(text: str, *, where: str = DEFAULT_FILE) -> Config:
         if key not in _TOP_KEYS:
             raise ConfigError(
                 f"{where}: unknown top-level key {key!r} = {_show(doc[key])}: "
-                f"use [[policy]], [[drill]], [[pattern]], [catalog] or [prices]"
+                f"use [[policy]], [[drill]], [[pattern]], [catalog], [runner] or [prices]"
             )
     policies = tuple(_policy(where, i, d) for i, d in enumerate(_array_of_tables(where, doc, "policy")))
     drills = tuple(_drill(where, i, d) for i, d in enumerate(_array_of_tables(where, doc, "drill")))
     patterns = tuple(_pattern(where, i, d) for i, d in enumerate(_array_of_tables(where, doc, "pattern")))
+    inventories = tuple(_inventory(where, i, d) for i, d in enumerate(_array_of_tables(where, doc, "inventory")))
     catalog_url = None
     if "catalog" in doc:
         cat = doc["catalog"]
@@ -557,6 +597,7 @@ def parse_config(text: str, *, where: str = DEFAULT_FILE) -> Config:
         catalog_url = _Table(where, "catalog", cat, _CATALOG_KEYS).get_str(
             "url", None, example="sqlite:////var/lib/ckptier/catalog.db"
         )
+    runner = parse_runner(doc.get("runner"), where=where)
     tables = _array_of_tables(where, doc, "policy")
     unwritten = {i for i, d in enumerate(tables) if not RULE_KEYS & set(d)} if policies else {0}
     return Config(
@@ -565,8 +606,57 @@ def parse_config(text: str, *, where: str = DEFAULT_FILE) -> Config:
         catalog_url=catalog_url,
         prices=parse_prices(doc.get("prices"), where=where),
         patterns=patterns,
+        inventories=inventories,
         unwritten=frozenset(unwritten),
+        runner=runner,
     )
+
+
+def _inventory(where: str, index: int, data: Any) -> tuple[str, str]:
+    """One ``[[inventory]]`` table: scans of ``url`` read the S3 Inventory ``report``."""
+    name = f"inventory[{index}]"
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: {name} must be a table with url and report")
+    t = _Table(where, name, data, _INVENTORY_KEYS)
+    url = t.get_str("url", None, example="s3://ckpts/runs")
+    report = t.get_str("report", None, example="s3://inventory/ckpts/daily/")
+    if url is None or report is None:
+        t.fail("url" if url is None else "report", None,
+               "both url (the s3:// URL scanned) and report (its S3 Inventory manifest.json or the "
+               "inventory configuration's folder) are required")
+    assert url is not None and report is not None
+    for key, value in (("url", url), ("report", report)):
+        try:
+            parsed = parse_url(value)
+        except ConfigError as exc:
+            t.fail(key, value, str(exc))
+        if parsed.scheme != "s3":
+            t.fail(key, value, "must be an s3:// URL (only S3 buckets have inventory reports)")
+    return parse_url(url).url, report
+
+
+def parse_runner(data: Any, *, where: str = DEFAULT_FILE) -> RunnerSettings:
+    """The ``[runner]`` table (None: the defaults, threads in this process)."""
+    if data is None:
+        return RunnerSettings()
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: runner must be a table: write [runner] then kind = \"dask\"")
+    t = _Table(where, "runner", data, _RUNNER_KEYS)
+    kind = t.get_choice("kind", "threads", RUNNER_KINDS)
+    workers = t.get_int("workers", 1, minimum=1, example=4) if t.has("workers") else None
+    address = t.get_str("address", None, example="tcp://scheduler:8786")
+    if address is not None and not re.match(r"^(tcp|tls|inproc|ucx)://\S+$", address):
+        t.fail("address", address, "must be a Dask scheduler address, e.g. address = 'tcp://scheduler:8786'")
+    if kind == "threads" and address is not None:
+        t.fail("address", address, 'needs kind = "dask" (threads run in this process)')
+    if workers is not None and address is not None:
+        t.fail("workers", workers, "give workers (a local Dask cluster) or address (an existing one), not both")
+    lease = t.get_duration("lease", "2m", positive=True, example="2m")
+    assert lease is not None  # has a default
+    if lease < timedelta(seconds=1):
+        t.fail("lease", data.get("lease"), "must be at least 1s, e.g. lease = '2m'")
+    return RunnerSettings(kind=kind, workers=workers, address=address,
+                          claim_rows=t.get_bool("claim_rows", False), lease=lease)
 
 
 def location_overlap(archive: str, hot: str) -> str | None:

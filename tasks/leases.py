@@ -184,6 +184,26 @@ class LeaseKeeper:
                 self._thread.start()
         return lease
 
+    def claim_rows(self, ids: list[int], *, since: datetime, limit: int) -> list[Lease]:
+        """Leases on up to ``limit`` of ``ids`` that are free and not checked since ``since``
+        (``Catalog.claim_rows``), kept alive by the heartbeat like :meth:`claim`'s."""
+        t = self.now()
+        got = self.catalog.claim_rows(ids, self.owner, now=t, ttl=self.ttl, since=since, limit=limit,
+                                      process=self.process)
+        leases = [Lease(cid, gen, t + self.ttl) for cid, gen in got]
+        with self._lock:
+            for lease in leases:
+                self._held[lease.checkpoint_id] = lease
+            if leases and self._thread is None:
+                self._thread = threading.Thread(target=self._beat, name="ckptier-lease-heartbeat", daemon=True)
+                self._thread.start()
+        return leases
+
+    def settled(self, lease: Lease) -> None:
+        """Stop renewing ``lease``: the catalog released it itself (a fenced write that ends the claim)."""
+        with self._lock:
+            self._held.pop(lease.checkpoint_id, None)
+
     def holder(self, checkpoint_id: int) -> LeaseHolder | None:
         """Who holds ``checkpoint_id`` now (to say who a skipped item waits for)."""
         result: LeaseHolder | None = self.catalog.lease_holder(checkpoint_id, now=self.now())

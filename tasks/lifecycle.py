@@ -11,7 +11,8 @@ itself, and only that:
   under the job's hot prefix that carry the tag
   ``ckptier:retention = delete`` (:data:`DELETE_TAG`) expire. ckptier sets
   that tag only on the files of checkpoints its plan deletes
-  (:func:`deletion_targets`), so the store never expires a checkpoint the
+  (:func:`deletion_targets`; ``ckptier apply`` tags them once it has
+  decided, before it deletes them), so the store never expires a checkpoint the
   plan keeps: every expiring rule is scoped by prefix AND tag;
 * **housekeeping** under both prefixes: noncurrent versions expire (a
   versioned bucket otherwise keeps deleted checkpoints' bytes forever),
@@ -38,8 +39,12 @@ from ckptier.storage.url import parse_location, parse_url
 from .retention import Plan, Policy
 from .tiers import NEEDS_RESTORE, lifecycle_problem
 
-#: The tag ckptier puts on every hot file of a checkpoint its plan deletes.
+#: The tag ckptier puts on every hot file of a checkpoint its plan deletes
+#: (``ckptier apply``, after recording the delete intent, before deleting).
 DELETE_TAG: tuple[str, str] = ("ckptier:retention", "delete")
+#: What that tag becomes when a delete that had not started is dropped and
+#: the plan decides anew (no expiring rule matches it).
+KEEP_TAG: tuple[str, str] = ("ckptier:retention", "keep")
 #: Days after creation before S3 expires a tagged object (S3's minimum is 1;
 #: ckptier deletes them itself first, the rule is the backstop).
 EXPIRE_TAGGED_DAYS = 1

@@ -13,8 +13,8 @@ import posixpath
 import socket
 import sys
 import threading
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,7 @@ from ckptier.storage.catalog.api import Catalog
 from ckptier.storage.errors import CkptierError, ConfigError
 from ckptier.formats import PatternRule
 from ckptier.storage.model import CheckpointRecord, CopyState, State
-from ckptier.storage.url import open_store, parse_location
+from ckptier.storage.url import canonical_url, open_store, parse_location
 from ckptier.storage.wrappers import resuming
 
 from .config import Config, check_archive_locations
@@ -143,6 +143,14 @@ def scan_report_json(r: ScanReport) -> dict[str, Any]:
         "corrupt_found": [{"job": j, "step": step, "detail": why} for j, step, why in (s.corrupt_found if s else ())],
         "jobs": list(s.jobs) if s else [],
         "unrecognised": [{"key": u.key, "reason": u.reason} for u in r.unrecognised],
+        "listed": r.objects if r.listed is None else r.listed,
+        "unchanged_dirs": r.unchanged_dirs,
+        "inventory": None if r.inventory is None else {
+            "url": r.inventory,
+            "created_at": r.inventory_created_at.isoformat() if r.inventory_created_at else None,
+            "age_s": r.inventory_age_s,
+            "left_as_cataloged": r.left_as_cataloged,
+        },
     }
 
 
@@ -165,16 +173,28 @@ def run_scan(
     tick: Callable[[int], None] | None = None,
     patterns: Sequence[PatternRule] = (),
     config: Config | None = None,
+    inventories: Mapping[str, str] | Sequence[tuple[str, str]] = (),
+    full: bool = False,
 ) -> list[dict[str, Any]]:
     """Scan each URL in turn into ``catalog``; returns one report per URL.
 
     ``patterns`` are the ``[[pattern]]`` rules of ``ckptier.toml``
     (``Config.patterns``), tried on files no built-in format claims;
-    ``config`` gives each job's grace (default 2 h).
+    ``config`` gives each job's grace (default 2 h) and its
+    ``[[inventory]]`` tables. ``inventories`` maps more URLs (any spelling)
+    to the S3 Inventory report their scan reads instead of listing
+    (``--inventory``); ``full`` lists local directories even where their
+    stamps are unchanged.
     """
-    return [scan_report_json(scan_url(url, catalog, now=now(), tick=tick, patterns=patterns,
-                                      grace_for=policy_grace(config)))
-            for url in urls]
+    pairs = [*(config.inventories if config is not None else ()),
+             *(inventories.items() if isinstance(inventories, Mapping) else inventories)]
+    by_url = {canonical_url(u): r for u, r in pairs}
+    return [
+        scan_report_json(scan_url(url, catalog, now=now(), tick=tick, patterns=patterns,
+                                  grace_for=policy_grace(config), full=full,
+                                  inventory=by_url.get(canonical_url(url))))
+        for url in urls
+    ]
 
 
 # ------------------------------------------------------------------ verify
@@ -191,8 +211,20 @@ def run_verify(
     progress: Callable[[int, int], None] | None = None,
     stores: StoreCache | None = None,
     config: Config | None = None,
+    fanout: Any = None,
+    claims: RowClaims | None = None,
 ) -> dict[str, Any]:
     """Verify the checkpoints that need it and record the results.
+
+    ``fanout`` (a :class:`ckptier.tasks.fanout.Fanout`) reads the files
+    there, in batches of checkpoints, instead of ``workers`` threads here;
+    this process still records every result. With ``claims``, this run is
+    one of several sharing the catalog: it claims the candidates row by row
+    (:meth:`Catalog.claim_rows`, leases kept alive by a heartbeat) until none
+    is left unchecked since ``claims.since``, records each result only while
+    its lease holds (so each row is recorded by exactly one run), and reads
+    back the archive copies of the rows it claimed only; rows a dead run had
+    claimed are taken once its lease runs out.
 
     Candidates are committed, verified and corrupt checkpoints present in
     the hot tier (``job`` restricts them; ``sample=(k, n)`` keeps the k-th
@@ -226,10 +258,30 @@ def run_verify(
               "archive_checked": 0, "archive_degraded": 0}
     # Verify against the store's checksum unless a deep read was asked for.
     grace_for = policy_grace(config)
-    for record, outcome in verify_many(stores.for_record, records, deep=deep or sample is not None,
-                                       workers=workers, progress=progress):
-        state = catalog.record_verification(record.id, outcome.results, now=now(), grace=grace_for(record.job),
-                                            extra=outcome.extra)
+    deep_read = deep or sample is not None
+
+    def verified(batch: Sequence[CheckpointRecord], report: Callable[[int, int], None] | None = None
+                 ) -> Iterable[tuple[CheckpointRecord, Any]]:
+        if fanout is not None:
+            from .fanout import verify_fanned
+
+            return verify_fanned(fanout, batch, deep=deep_read, progress=report)
+        return verify_many(stores.for_record, batch, deep=deep_read, workers=workers, progress=report)
+
+    claimed: list[CheckpointRecord] = []
+    if claims is not None:
+        work = _claimed_verification(catalog, records, with_archive_copy(cataloged) if deep_read else [],
+                                     claims=claims, now=now, verified=verified, claimed=claimed)
+    else:
+        work = ((record, outcome, None) for record, outcome in verified(records, progress))
+    for record, outcome, lease in work:
+        if lease is None:
+            state = catalog.record_verification(record.id, outcome.results, now=now(), grace=grace_for(record.job),
+                                                extra=outcome.extra)
+        else:
+            state = _record_claimed(catalog, record, outcome, lease, claims, grace_for(record.job), now)
+            if state is None:
+                continue  # our lease ran out: the row's new holder records it
         errors = outcome.count("error")
         detail = "; ".join(
             [f"{r.relpath}: {r.detail}" for r in outcome.results if r.status != "ok" and r.detail][:3]
@@ -250,12 +302,113 @@ def run_verify(
         totals["bytes_read"] += outcome.bytes_read
         totals["bytes_skipped"] += outcome.bytes_skipped
     if deep or sample is not None:
-        for row in _verify_archive_copies(catalog, with_archive_copy(cataloged), stores=stores, now=now):
+        archived = with_archive_copy(claimed if claims is not None else cataloged)
+        for row in _verify_archive_copies(catalog, archived, stores=stores, now=now):
             rows.append(row)
             totals["archive_checked"] += 1
             totals["archive_degraded"] += row["state"] == CopyState.DEGRADED
             totals["bytes_read"] += row["bytes_read"]
     return {"checkpoints": rows, "totals": totals, "sample": f"{sample[0]}/{sample[1]}" if sample else None}
+
+
+@dataclass(frozen=True)
+class RowClaims:
+    """How a run shares the verification of one catalog with other runs (``[runner] claim_rows``).
+
+    ``owner`` names this run's leases (:func:`run_owner`); ``ttl`` is the
+    lease length (a heartbeat renews it every third); ``since`` is the start
+    of the sweep the runs share: a row whose verification finished at or
+    after it is done (runs of one sweep pass the same ``since``; each run's
+    own start is the default). ``batch`` rows are claimed at a time; a run
+    that finds every remaining row leased by others looks again every
+    ``poll`` seconds until they are checked or their leases run out.
+    """
+
+    owner: str
+    ttl: timedelta = DEFAULT_LEASE_TTL
+    since: datetime | None = None
+    batch: int = 16
+    poll: float = 0.5
+
+
+def _claimed_verification(
+    catalog: Catalog,
+    records: Sequence[CheckpointRecord],
+    archive_only: Sequence[CheckpointRecord],
+    *,
+    claims: RowClaims,
+    now: Clock,
+    verified: Callable[[Sequence[CheckpointRecord]], Iterable[tuple[CheckpointRecord, Any]]],
+    claimed: list[CheckpointRecord],
+) -> Iterator[tuple[CheckpointRecord, Any, Any]]:
+    """Claim ``records`` (and the ``archive_only`` ones: archive copies to read back)
+    batch by batch, verify each claimed hot copy and yield ``(record, outcome, lease)``.
+
+    Claimed records are appended to ``claimed``. A claimed row that no longer
+    needs this run (deleted, its hot copy gone, not in this run's selection)
+    is marked checked and released. Ends when no candidate is left unchecked
+    since ``claims.since``.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .leases import LeaseKeeper, this_process
+
+    since = claims.since or now()
+    hot_ids = {r.id for r in records}
+    pending = sorted(hot_ids | {r.id for r in archive_only if "hot" not in r.tiers})
+    stop = threading.Event()
+
+    def next_batch(keeper: LeaseKeeper) -> list[tuple[CheckpointRecord, Any, Any]] | None:
+        """Claim a batch (waiting while others hold the rest) and read it; None: the sweep is done."""
+        while True:
+            leases = keeper.claim_rows(pending, since=since, limit=claims.batch)
+            if leases:
+                break
+            if stop.is_set() or not catalog.unchecked(pending, since=since):
+                return None
+            stop.wait(claims.poll)
+        by_id = {lease.checkpoint_id: lease for lease in leases}
+        fresh = catalog.get_many(by_id)
+        to_read: list[CheckpointRecord] = []
+        for record in fresh:
+            if record.id in hot_ids and "hot" in record.tiers and record.state != State.DELETED:
+                to_read.append(record)
+                claimed.append(record)
+                continue
+            if record.state != State.DELETED and record.archive_copy() is not None:
+                claimed.append(record)  # archive copy only: read back by the caller
+            catalog.finish_claim(record.id, claims.owner, by_id[record.id].generation, now=now())
+            keeper.settled(by_id[record.id])
+        for gone in set(by_id) - {r.id for r in fresh}:
+            keeper.release(by_id[gone])
+            pending.remove(gone)
+        return [(record, outcome, by_id[record.id]) for record, outcome in verified(to_read)]
+
+    # The next batch is claimed and read while this one's results are recorded.
+    with LeaseKeeper(catalog, claims.owner, now=now, ttl=claims.ttl, process=this_process(), take_over=None) as keeper, \
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptier-claims") as ahead:
+        try:
+            batch = ahead.submit(next_batch, keeper)
+            while (got := batch.result()) is not None:
+                batch = ahead.submit(next_batch, keeper)
+                for record, outcome, lease in got:
+                    yield record, outcome, lease
+                    keeper.settled(lease)
+        finally:
+            stop.set()
+
+
+def _record_claimed(catalog: Catalog, record: CheckpointRecord, outcome: Any, lease: Any, claims: RowClaims | None,
+                    grace: timedelta, now: Clock) -> State | None:
+    """Record a claimed row's verification, fenced by its lease; None when the lease was lost."""
+    from ckptier.storage.catalog.api import LeaseLost
+
+    assert claims is not None
+    try:
+        return catalog.record_verification(record.id, outcome.results, now=now(), grace=grace, extra=outcome.extra,
+                                           claim=(claims.owner, lease.generation))
+    except LeaseLost:
+        return None
 
 
 def with_archive_copy(records: Iterable[CheckpointRecord]) -> list[CheckpointRecord]:
@@ -418,8 +571,13 @@ def run_apply(
     dry_run: bool = False,
     lease_ttl: timedelta = DEFAULT_LEASE_TTL,
     stores: StoreCache | None = None,
+    fanout: Any = None,
 ) -> dict[str, Any]:
     """Plan and carry out retention for every job (or ``job``): promote, prove, then delete.
+
+    ``fanout`` (a :class:`ckptier.tasks.fanout.Fanout`) makes the archive
+    copies of a pass's promotions there, several at once (compress, upload,
+    read back); this process claims, checks and records each.
 
     Each policy's plan goes through :func:`ckptier.tasks.apply.apply_plan`
     (canary, leases with a heartbeat, read-back, keepers proven again,
@@ -455,7 +613,7 @@ def run_apply(
             if n > 0 and not any(i.action == "delete" for i in plan.items):
                 continue
             report = _apply_one(catalog, config, policy, plan, stores=stores, now=now, owner=owner, dry_run=dry_run,
-                                lease_ttl=lease_ttl, lines=lines, items=items, proven=proven)
+                                lease_ttl=lease_ttl, lines=lines, items=items, proven=proven, fanout=fanout)
             proofs.extend(asdict(p) for p in report.proofs)
             promoted |= bool(report.promoted)
             failed |= not report.ok
@@ -474,15 +632,22 @@ def run_apply(
 
 def _apply_one(catalog: Catalog, config: Config, policy: Policy, plan: Plan, *, stores: StoreCache, now: Clock, owner: str,
                dry_run: bool, lease_ttl: timedelta, lines: list[str], items: list[dict[str, Any]],
-               proven: set[int]) -> Any:
+               proven: set[int], fanout: Any = None) -> Any:
     """Carry out one policy's plan, appending report lines and item rows."""
     from .apply import apply_plan
 
     archive_store = archive_store_for(stores, policy)
+    promote_many = None
+    if fanout is not None and policy.archive:
+        from .fanout import promoter
+
+        promote_many = promoter(fanout, archive_url=policy.archive, storage_class=policy.storage_class, now=now,
+                                owner=owner)
     report = apply_plan(
         plan, catalog=catalog, hot_for=stores.for_record, archive_for=lambda _job: archive_store,
         owner=owner, now=now, lease_ttl=lease_ttl, dry_run=dry_run, policy=str(policy),
         max_missing_fraction=policy.max_missing_fraction, policy_for=config.policy_for, proven=proven,
+        promote_many=promote_many,
     )
     for p in report.proofs:
         if not p.ok:

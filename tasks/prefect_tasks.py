@@ -9,6 +9,7 @@ Prefect.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -16,10 +17,12 @@ from prefect import task
 from prefect.logging import get_run_logger
 
 from ckptier.storage.catalog.api import Catalog
-from ckptier.storage.errors import is_transient
+from ckptier.storage.errors import ConfigError, is_transient
 
+from . import fanout as fanout_work
 from . import pipeline
-from .config import load_config
+from .config import RunnerSettings, load_config
+from .fanout import row_claims, runner_settings
 from .reports import verification_by_job
 from .retention import render_plan_table
 from .settings import catalog_url as resolve_catalog_url
@@ -36,13 +39,16 @@ def retry_if_transient(task: Any, task_run: Any, state: Any) -> bool:
 
 
 @task(name="scan", retries=2, retry_delay_seconds=10, retry_condition_fn=retry_if_transient)
-def scan_task(url: str, catalog_url: str | None, config_path: str | None = None) -> dict[str, Any]:
+def scan_task(url: str, catalog_url: str | None, config_path: str | None = None, inventory: str | None = None,
+              full: bool = False) -> dict[str, Any]:
     """List one URL and bring the catalog in line with it (creating the catalog on first use),
-    with the config's ``[[pattern]]`` rules and each job's grace."""
+    with the config's ``[[pattern]]`` rules and each job's grace; from an S3 Inventory report
+    instead (``inventory``, else the config's ``[[inventory]]``)."""
     log = get_run_logger()
     config = load_config(config_path)
     with Catalog.open(resolve_catalog_url(catalog_url, config_path, config=config)) as cat:
-        (report,) = pipeline.run_scan([url], cat, now=pipeline.utcnow, patterns=config.patterns, config=config)
+        (report,) = pipeline.run_scan([url], cat, now=pipeline.utcnow, patterns=config.patterns, config=config,
+                                      inventories=[(url, inventory)] if inventory else (), full=full)
     log.info("%s: %d objects, %d checkpoints, %d catalog rows written",
              report["url"], report["objects"], report["checkpoints"], report["rows_written"])
     return report
@@ -50,22 +56,103 @@ def scan_task(url: str, catalog_url: str | None, config_path: str | None = None)
 
 @task(name="verify", retries=1, retry_delay_seconds=30, retry_condition_fn=retry_if_transient)
 def verify_task(catalog_url: str | None, job: str | None, deep: bool, sample: tuple[int, int] | None,
-                workers: int, config_path: str | None = None) -> dict[str, Any]:
+                workers: int, config_path: str | None = None, runner: str | None = None,
+                sweep_since: str | None = None) -> dict[str, Any]:
     """Verify what needs it (or the sample) and record the results; ``by_job`` adds the totals per job.
 
-    The ``verify-progress`` artifact reaches 100% when the run ends, also
-    when there was nothing to verify."""
+    The checkpoints are read by ``verify-checkpoints`` task runs, a batch of
+    checkpoints each, on the task runner ``[runner]`` names (``runner``,
+    ``threads`` or ``dask``, overrides its kind); this task records every
+    result. With ``[runner] claim_rows`` the rows are claimed under leases,
+    shared with the other runs of the sweep that began at ``sweep_since``
+    (ISO 8601; default: this run's start). The ``verify-progress`` artifact
+    reaches 100% when the run ends, also when there was nothing to verify."""
     log = get_run_logger()
+    config = load_config(config_path)
+    settings = runner_settings(config.runner, runner)
     progress = ProgressArtifact("verify-progress", "bytes verified so far")
-    with Catalog.open(resolve_catalog_url(catalog_url, config_path), create=False) as cat:
-        report = pipeline.run_verify(cat, now=pipeline.utcnow, job=job, deep=deep, sample=sample, workers=workers,
-                                     progress=progress)
+    claims = row_claims(settings, sweep_since, owner=pipeline.run_owner())
+    fanout = PrefectFanout(settings, workers=workers)
+    try:
+        with Catalog.open(resolve_catalog_url(catalog_url, config_path, config=config), create=False) as cat:
+            report = pipeline.run_verify(cat, now=pipeline.utcnow, job=job, deep=deep, sample=sample, workers=workers,
+                                         progress=progress, config=config, fanout=fanout, claims=claims)
+    finally:
+        fanout.close()
     progress.finish()
     report["by_job"] = [asdict(j) for j in verification_by_job(report["checkpoints"])]
     t = report["totals"]
     log.info("%d checked: %d verified, %d corrupt, %d with errors; %d bytes read, %d skipped",
              t["checked"], t["verified"], t["corrupt"], t["errors"], t["bytes_read"], t["bytes_skipped"])
     return report
+
+
+#: The per-checkpoint work of :mod:`ckptier.tasks.fanout` as Prefect tasks; a failure retries only when transient.
+verify_work_task = task(name="verify-checkpoints", retries=2, retry_delay_seconds=5,
+                        retry_condition_fn=retry_if_transient)(fanout_work.verify_work)
+promote_work_task = task(name="promote-checkpoint", retries=2, retry_delay_seconds=10,
+                         retry_condition_fn=retry_if_transient)(fanout_work.promote_work)
+WORK_TASKS: dict[Callable[..., Any], Any] = {fanout_work.verify_work: verify_work_task,
+                                              fanout_work.promote_work: promote_work_task}
+
+
+class PrefectFanout:
+    """A :class:`ckptier.tasks.fanout.Fanout` whose items are Prefect task runs
+    (:data:`WORK_TASKS`) on a task runner: ``prefect_dask.DaskTaskRunner`` for
+    ``[runner] kind = "dask"`` (the cluster at ``address``, else a local one of
+    ``workers`` processes on 127.0.0.1), ``ThreadPoolTaskRunner`` of ``workers``
+    threads otherwise. Started on creation, stopped by :meth:`close`."""
+
+    def __init__(self, settings: RunnerSettings, *, workers: int = 4) -> None:
+        self._settings, self._workers = settings, workers
+        self._runner: Any = None
+        if settings.kind == "dask":
+            self.name = "prefect-dask"
+            self.parallelism = settings.workers or (4 if settings.address else fanout_work.default_workers())
+            try:
+                import prefect_dask  # noqa: F401 - checked before anything runs
+            except ImportError:
+                raise ConfigError("runner kind 'dask' needs prefect-dask: pip install 'ckptier[dask]' "
+                                  "(or use kind = \"threads\")") from None
+        else:
+            self.name, self.parallelism = "prefect-threads", workers
+
+    def _start(self) -> Any:
+        """The task runner, started on first use (a run with nothing to do starts no cluster)."""
+        from prefect.task_runners import ThreadPoolTaskRunner
+
+        if self._runner is not None:
+            return self._runner
+        settings, workers = self._settings, self._workers
+        runner: Any
+        if settings.kind == "dask":
+            try:
+                from prefect_dask import DaskTaskRunner
+            except ImportError:
+                raise ConfigError("runner kind 'dask' needs prefect-dask: pip install 'ckptier[dask]' "
+                                  "(or use kind = \"threads\")") from None
+            if settings.address is not None:
+                runner = DaskTaskRunner(address=settings.address)
+            else:
+                runner = DaskTaskRunner(cluster_kwargs={"n_workers": self.parallelism, "threads_per_worker": 1,
+                                                        "processes": True, "host": "127.0.0.1",
+                                                        "dashboard_address": None})
+        else:
+            runner = ThreadPoolTaskRunner(max_workers=workers)
+        self._runner = runner.__enter__()
+        return self._runner
+
+    def map(self, fn: Callable[[Any], Any], items: Sequence[Any], *, errors: bool = False) -> Iterator[Any]:
+        work = WORK_TASKS[fn]
+        runner = self._start()
+        futures = [runner.submit(work, {"work": item}) for item in items]
+        for f in futures:
+            yield fanout_work.settle(f.result, errors)
+
+    def close(self) -> None:
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            runner.__exit__(None, None, None)
 
 
 class ProgressArtifact:
@@ -119,14 +206,24 @@ def catalog_summary_task(catalog_url: str | None, config_path: str | None = None
 
 
 @task(name="apply-retention", retries=1, retry_delay_seconds=60, retry_condition_fn=retry_if_transient)
-def apply_task(catalog_url: str | None, config_path: str | None, job: str | None, dry_run: bool) -> dict[str, Any]:
-    """Promote milestones, then delete what the policy lets go (fenced, batched; short leases kept alive by a heartbeat)."""
+def apply_task(catalog_url: str | None, config_path: str | None, job: str | None, dry_run: bool,
+               runner: str | None = None) -> dict[str, Any]:
+    """Promote milestones, then delete what the policy lets go (fenced, batched; short leases kept alive by a heartbeat).
+
+    The archive copies are made by ``promote-checkpoint`` task runs, several
+    at once, on the task runner ``[runner]`` names (``runner`` overrides its
+    kind); this task claims, checks and records each."""
     log = get_run_logger()
     config = load_config(config_path)
-    with Catalog.open(resolve_catalog_url(catalog_url, config_path, config=config), create=False) as cat:
-        if not dry_run:
-            require_written_policy(config, [job] if job else cat.jobs(), config_path)
-        report = pipeline.run_apply(cat, config, now=pipeline.utcnow, owner=pipeline.run_owner(), job=job, dry_run=dry_run)
+    fanout = PrefectFanout(runner_settings(config.runner, runner))
+    try:
+        with Catalog.open(resolve_catalog_url(catalog_url, config_path, config=config), create=False) as cat:
+            if not dry_run:
+                require_written_policy(config, [job] if job else cat.jobs(), config_path)
+            report = pipeline.run_apply(cat, config, now=pipeline.utcnow, owner=pipeline.run_owner(), job=job,
+                                        dry_run=dry_run, fanout=fanout)
+    finally:
+        fanout.close()
     for line in report["lines"]:
         log.info(line)
     return report

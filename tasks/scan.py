@@ -3,11 +3,42 @@
 The decisions (which objects form which checkpoint, committed or not) are the
 pure :func:`ckptier.formats.recognise`; this module is the thin I/O
 around it. It never deletes anything, and a failed listing records nothing.
+
+**Unchanged local directories are not listed again.** After a local scan,
+each ``committed`` checkpoint directory that holds nothing but the
+checkpoint's files gets a *stamp* in the catalog
+(:meth:`~ckptier.storage.base.DirectoryStamps.take_stamp`): the mtime, link
+count and entry count of the directory, and the mtime and link count of
+every directory below it. A later scan does not enter a directory whose
+stamp is unchanged and whose checkpoint is still ``committed`` or
+``verified``, present and free of delete intents; the catalog's rows for it
+stand as they are (carried, not compared). What the skip trusts:
+
+* that files are added, removed or renamed, never rewritten in place: any
+  of the former changes the mtime of the directory holding the entry (and a
+  new subdirectory its parent's link count), which the stamp covers at every
+  level; a file rewritten in place (same name, new bytes) changes no
+  directory and goes unnoticed until that directory is listed again;
+* that nothing sets directory mtimes back (``touch -d``, ``rsync -t`` or
+  ``tar -x`` over an existing tree) while keeping every directory's link
+  count and the top directory's entry count;
+* that the filesystem's clock agrees with this host's within
+  :data:`STAMP_SETTLE_SECONDS`: a directory modified later than that before
+  the scan started gets no stamp.
+
+A full listing still runs: with ``full=True`` (``ckptier scan --full``); for
+every directory whose stamp is older than :data:`FULL_LISTING_EVERY` (so each
+checkpoint is listed completely at least that often, which catches files
+rewritten in place); for checkpoints not ``committed``/``verified`` (saves in
+flight), missing, or with a delete intent; and on S3, which has no
+directory mtimes. ``verify --deep`` reads every byte whatever the scan
+skipped.
 """
 
 from __future__ import annotations
 
 import posixpath
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -15,11 +46,19 @@ from datetime import datetime, timedelta
 from typing import Self
 from urllib.parse import urlparse
 
-from ckptier.storage.base import ListingSkips, ObjectInfo, Store, read_bytes
-from ckptier.storage.catalog.api import Catalog, ScanSummary
 from ckptier.formats import METADATA_NAMES, PatternRule, recognise
+from ckptier.storage.base import (
+    BucketLocation,
+    DirectoryStamps,
+    ListingSkips,
+    ObjectInfo,
+    Store,
+    read_bytes,
+)
+from ckptier.storage.catalog.api import Catalog, DirStampRecord, ScanSummary
 from ckptier.storage.errors import ConfigError
-from ckptier.storage.model import Recognition, Unrecognised
+from ckptier.storage.inventory import InventoryReport, open_report
+from ckptier.storage.model import Found, Recognition, State, Tier, Unrecognised
 from ckptier.storage.url import open_store, parse_url
 from ckptier.storage.wrappers import resuming
 
@@ -32,6 +71,14 @@ PREFETCH_WORKERS = 16
 #: Bytes of prefetched metadata held at once at most; beyond it, files are
 #: read when recognition asks for them, as without prefetching.
 PREFETCH_BYTES = 256 << 20
+#: A local directory stamp older than this is not trusted: the directory is
+#: listed again (and stamped anew), so every checkpoint is listed completely
+#: at least this often.
+FULL_LISTING_EVERY = timedelta(days=7)
+#: A directory modified less than this before a scan started gets no stamp
+#: (a coarse or slightly skewed filesystem clock could hide a change made
+#: while the scan listed it).
+STAMP_SETTLE_SECONDS = 2.0
 
 
 @dataclass
@@ -45,6 +92,18 @@ class ScanReport:
     incomplete: int
     unrecognised: list[Unrecognised] = field(default_factory=list)
     summary: ScanSummary | None = None
+    #: Checkpoint directories a local rescan did not enter (unchanged since
+    #: their stamp); their objects and checkpoints are counted above.
+    unchanged_dirs: int = 0
+    #: Objects actually listed (``objects`` less the files of unchanged directories).
+    listed: int | None = None
+    #: For a scan from an S3 Inventory report: the manifest's URL, when S3
+    #: took the report, its age at the scan, and how many checkpoints it
+    #: showed that were left as the catalog has them (see :func:`scan_inventory`).
+    inventory: str | None = None
+    inventory_created_at: datetime | None = None
+    inventory_age_s: float | None = None
+    left_as_cataloged: int = 0
 
     @property
     def rows_written(self) -> int:
@@ -59,7 +118,7 @@ def root_name(url: str) -> str:
     return name or parsed.netloc or "default"
 
 
-def counted(listing: Iterator[ObjectInfo], tick: Callable[[int], None] | None, every: int = 1000) -> Iterator[ObjectInfo]:
+def counted(listing: Iterable[ObjectInfo], tick: Callable[[int], None] | None, every: int = 1000) -> Iterator[ObjectInfo]:
     """Pass ``listing`` through, calling ``tick(n)`` every ``every`` objects and at the end."""
     n = 0
     for info in listing:
@@ -131,6 +190,9 @@ def recognise_store(
     patterns: Sequence[PatternRule] = (),
     tick: Callable[[int], None] | None = None,
     prefetch: int = PREFETCH_WORKERS,
+    skip_dir: Callable[[str], bool] | None = None,
+    on_link: Callable[[str], None] | None = None,
+    listing: Iterable[ObjectInfo] | None = None,
 ) -> Recognition:
     """List ``store`` completely and recognise its checkpoints.
 
@@ -141,10 +203,22 @@ def recognise_store(
     store in :mod:`ckptier.storage` does. The result does not depend on
     ``prefetch``. Entries a local listing skipped (symlink loops, dangling
     or directory symlinks) are reported as not recognised, with the reason.
+    ``skip_dir`` and ``on_link`` go to
+    :meth:`~ckptier.storage.base.DirectoryStamps.list_pruned` (ignored for
+    stores without it). ``listing`` replaces the store's own listing (an
+    inventory's objects); metadata files are still read from ``store``.
     """
     skipped: list[Unrecognised] = []
-    if isinstance(store, ListingSkips):
-        listing = store.list_with_skips("", lambda key, why: skipped.append(Unrecognised(key, why)))
+
+    def on_skip(key: str, why: str) -> None:
+        skipped.append(Unrecognised(key, why))
+
+    if listing is not None:
+        pass
+    elif isinstance(store, DirectoryStamps) and (skip_dir is not None or on_link is not None):
+        listing = store.list_pruned("", skip_dir or _enter, on_skip, on_link or _ignore)
+    elif isinstance(store, ListingSkips):
+        listing = store.list_with_skips("", on_skip)
     else:
         listing = store.list("")
     with Prefetcher(store, workers=prefetch, limit=METADATA_LIMIT) as fetcher:
@@ -158,6 +232,83 @@ def recognise_store(
     if not skipped:
         return found
     return replace(found, unrecognised=tuple(sorted(found.unrecognised + tuple(skipped), key=lambda u: u.key)))
+
+
+def _enter(key: str) -> bool:
+    """Skip no directory."""
+    return False
+
+
+def _ignore(key: str) -> None:
+    """Nothing to note about a link."""
+
+
+class _Skipper:
+    """Decides, directory by directory during a local listing, which
+    checkpoint directories are unchanged since their stamp (see the module
+    docstring), and remembers them."""
+
+    def __init__(self, store: DirectoryStamps, url: str, stamps: dict[str, DirStampRecord], now: datetime) -> None:
+        self.store = store
+        base = url.rstrip("/") + "/"
+        self.by_key = {
+            loc[len(base):]: rec for loc, rec in stamps.items()
+            if loc.startswith(base) and now - rec.taken_at < FULL_LISTING_EVERY
+        }
+        self.unchanged: dict[str, DirStampRecord] = {}
+
+    def __call__(self, key: str) -> bool:
+        rec = self.by_key.get(key)
+        if rec is None or self.store.check_stamp(key, rec.dirs) != rec.stamp:
+            return False
+        self.unchanged[rec.location] = rec
+        return True
+
+
+def _ancestors(key: str) -> Iterator[str]:
+    head = key.rpartition("/")[0]
+    while head:
+        yield head
+        head = head.rpartition("/")[0]
+
+
+def restamp(
+    store: DirectoryStamps,
+    url: str,
+    catalog: Catalog,
+    recognition: Recognition,
+    *,
+    links: Iterable[str],
+    listed_at: float,
+    now: datetime,
+) -> int:
+    """Stamp each listed ``committed`` checkpoint directory that holds nothing
+    else (no file left unrecognised, no other checkpoint, no symlink); forget
+    the stamps of the other listed checkpoints. ``url`` is the store's URL.
+    Returns the stamps taken."""
+    base = url.rstrip("/")
+    busy: set[str] = set()  # directories holding something besides one checkpoint's files
+    for u in recognition.unrecognised:
+        busy.update(_ancestors(u.key))
+    for key in links:
+        busy.update(_ancestors(key))
+    for f in recognition.checkpoints:
+        busy.update(_ancestors(f.prefix))
+    stamps: dict[str, tuple[str, Sequence[str]]] = {}
+    dropped: list[str] = []
+    for f in recognition.checkpoints:
+        location = f"{base}/{f.prefix}"
+        taken = None
+        if f.committed and f.prefix not in busy:
+            taken = store.take_stamp(f.prefix, (r.relpath for r in f.files),
+                                     changed_before=listed_at - STAMP_SETTLE_SECONDS)
+        if taken is None:
+            dropped.append(location)
+        else:
+            stamps[location] = taken
+    if dropped:
+        catalog.drop_dir_stamps(dropped)
+    return catalog.put_dir_stamps(stamps, now=now) if stamps else 0
 
 
 def _refuse_a_file(url: str) -> None:
@@ -180,6 +331,8 @@ def scan_url(
     store: Store | None = None,
     tick: Callable[[int], None] | None = None,
     grace_for: Callable[[str], timedelta] | None = None,
+    full: bool = False,
+    inventory: str | None = None,
 ) -> ScanReport:
     """Scan ``url`` (a path, ``file://`` or ``s3://`` URL) into ``catalog``.
 
@@ -189,20 +342,157 @@ def scan_url(
     catalog rows.
     Checkpoints of this URL that are no longer listed are marked missing,
     never dropped. ``grace_for(job)`` is how long a save whose manifest
-    lists absent files may still be in flight (default 2 h).
+    lists absent files may still be in flight (default 2 h). A local scan
+    does not enter checkpoint directories unchanged since their stamp unless
+    ``full`` (see the module docstring). With ``inventory`` (an S3 Inventory
+    manifest, see :func:`scan_inventory`) the report is read instead of
+    listing.
     """
     if store is None:
         _refuse_a_file(url)
     store = store if store is not None else resuming(open_store(url))
-    recognition = recognise_store(store, now=now.timestamp(), name=root_name(url), patterns=patterns, tick=tick)
-    summary = catalog.record_scan(store.url, recognition, now=now, grace_for=grace_for)
+    if inventory is not None:
+        return scan_inventory(url, inventory, catalog, now=now, patterns=patterns, store=store, tick=tick,
+                              grace_for=grace_for)
+    skipper: _Skipper | None = None
+    links: list[str] = []
+    listed_at = time.time()
+    stamps = store if isinstance(store, DirectoryStamps) else None
+    if stamps is not None and not full:
+        skipper = _Skipper(stamps, store.url, catalog.dir_stamps(store.url.rstrip("/") + "/"), now)
+    recognition = recognise_store(store, now=now.timestamp(), name=root_name(url), patterns=patterns, tick=tick,
+                                  skip_dir=skipper, on_link=links.append if stamps is not None else None)
+    unchanged = skipper.unchanged if skipper is not None else {}
+    summary = catalog.record_scan(store.url, recognition, now=now, unchanged=unchanged.keys(),
+                                 grace_for=grace_for)
+    if stamps is not None:
+        restamp(stamps, store.url, catalog, recognition, links=links, listed_at=listed_at, now=now)
     committed = sum(1 for c in recognition.checkpoints if c.committed)
+    carried = sum(r.files for r in unchanged.values())
     return ScanReport(
         url=store.url,
-        objects=recognition.objects,
-        checkpoints=len(recognition.checkpoints),
-        committed=committed,
+        objects=recognition.objects + carried,
+        checkpoints=len(recognition.checkpoints) + len(unchanged),
+        committed=committed + len(unchanged),
         incomplete=len(recognition.checkpoints) - committed,
         unrecognised=list(recognition.unrecognised),
         summary=summary,
+        unchanged_dirs=len(unchanged),
+        listed=recognition.objects,
     )
+
+
+def scan_inventory(
+    url: str,
+    inventory: str,
+    catalog: Catalog,
+    *,
+    now: datetime,
+    patterns: Sequence[PatternRule] = (),
+    store: Store | None = None,
+    tick: Callable[[int], None] | None = None,
+    report: InventoryReport | None = None,
+    grace_for: Callable[[str], timedelta] | None = None,
+) -> ScanReport:
+    """Scan the ``s3://`` ``url`` from the S3 Inventory report ``inventory``
+    (a ``manifest.json`` URL or the inventory configuration's folder, see
+    :func:`ckptier.storage.inventory.open_report`) instead of listing it.
+
+    The report is a past listing, as of its ``created_at``, so the scan
+    records only what it can vouch for:
+
+    * checkpoints the catalog does not know are added, and ones it knows are
+      brought up to date (e.g. ``incomplete`` -> ``committed``), but only
+      when nothing the catalog holds about them is newer than the report: a
+      row changed, verified or marked missing after the report was taken, a
+      tombstone, a hot copy ckptier deleted, a checkpoint whose cataloged
+      files the report lacks, or one the catalog holds complete that the
+      report's files no longer prove complete (a report never takes commit
+      evidence away), is left as it is (``left_as_cataloged``);
+    * nothing is ever marked missing (a checkpoint absent from the report
+      may have been written since) and no delete intent is settled: only a
+      live listing can show that files are gone;
+    * metadata files (``metadata.json``...) are read live from the bucket.
+
+    Nothing is deleted on the strength of a report: ``apply`` lists each
+    checkpoint's keys live before deleting them (see
+    :mod:`ckptier.tasks.apply`). The report's URL, creation time and age are
+    in the returned report and in a ``scan.inventory`` catalog event.
+    """
+    store = store if store is not None else resuming(open_store(url))
+    if not isinstance(store, BucketLocation):
+        raise ConfigError(f"--inventory {inventory}: only s3:// URLs have S3 Inventory reports, not {url!r}; "
+                          "scan it without --inventory")
+    bucket, prefix = store.bucket, store.prefix
+    if report is None:
+        located = store
+        report = open_report(inventory, open_store=lambda u: located.in_bucket(parse_url(u).bucket))
+    if report.manifest.source_bucket != bucket:
+        raise ConfigError(f"inventory {report.url} is a report of bucket {report.manifest.source_bucket!r}, "
+                          f"not {bucket!r}; give the inventory of s3://{bucket}")
+    recognition = recognise_store(store, now=now.timestamp(), name=root_name(url), patterns=patterns, tick=tick,
+                                  listing=report.objects(prefix))
+    kept, older = _newer_than_catalog(recognition, catalog, store.url, report.created_at)
+    recognition = replace(recognition, checkpoints=kept)
+    summary = catalog.record_scan(store.url, recognition, now=now, live=False, grace_for=grace_for)
+    age = (now - report.created_at).total_seconds()
+    catalog.log_event(
+        "scan.inventory",
+        f"scanned {store.url} from the S3 Inventory report {report.url} taken {report.created_at.isoformat()} "
+        f"({age / 3600:.1f} h old): {recognition.objects:,} objects, {len(kept)} checkpoints, "
+        f"{older} left as the catalog has them (it knew newer, or they would lose commit evidence)",
+        now=now,
+        data={"url": store.url, "inventory": report.url, "created_at": report.created_at.isoformat(),
+              "age_s": age, "objects": recognition.objects, "checkpoints": len(kept),
+              "left_as_cataloged": older, "rows_written": summary.rows_written},
+    )
+    committed = sum(1 for c in kept if c.committed)
+    return ScanReport(
+        url=store.url,
+        objects=recognition.objects,
+        checkpoints=len(kept),
+        committed=committed,
+        incomplete=len(kept) - committed,
+        unrecognised=list(recognition.unrecognised),
+        summary=summary,
+        listed=0,
+        inventory=report.url,
+        inventory_created_at=report.created_at,
+        inventory_age_s=age,
+        left_as_cataloged=older,
+    )
+
+
+def _newer_than_catalog(
+    recognition: Recognition, catalog: Catalog, store_url: str, created_at: datetime
+) -> tuple[tuple[Found, ...], int]:
+    """The checkpoints of ``recognition`` (from a report taken at ``created_at``)
+    the catalog knows nothing newer about, and how many others there were
+    (see :func:`scan_inventory`)."""
+    base = store_url.rstrip("/")
+    kept: list[Found] = []
+    older = 0
+    for job in sorted({f.job for f in recognition.checkpoints}):
+        known = {r.step: r for r in catalog.checkpoints(job=job, include_deleted=True)}
+        for f in recognition.checkpoints:
+            if f.job != job:
+                continue
+            row = known.get(f.step)
+            if row is None:
+                kept.append(f)
+                continue
+            hot = [c for c in row.copies if c.tier == Tier.HOT and c.url == row.location]
+            times = [t for t in (row.last_seen, row.verified_at, row.missing_since) if t is not None]
+            if (
+                row.state == State.DELETED
+                or row.location != f"{base}/{f.prefix}"
+                or any(c.state == "deleted" for c in hot)
+                or any(t > created_at for t in times)
+                or not {x.relpath for x in row.files} <= {x.relpath for x in f.files}
+                or (not f.committed and row.state != State.INCOMPLETE)
+            ):
+                older += 1
+            else:
+                kept.append(f)
+    kept.sort(key=lambda f: (f.job, f.step))
+    return tuple(kept), older

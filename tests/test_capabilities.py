@@ -9,7 +9,7 @@ one with every capability whose calls are counted and can be made to fail.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -17,8 +17,10 @@ from typing import Any, BinaryIO
 import pytest
 from ckptier.storage.base import (
     CAPABILITIES,
+    BucketLocation,
     Canary,
     DeleteResult,
+    DirectoryStamps,
     LocalPaths,
     MultipartUploads,
     ObjectInfo,
@@ -59,9 +61,11 @@ class Everything(Bare):
     """Every optional capability. ``calls`` counts each capability call;
     ``fail[name] = (n, error)`` makes the next ``n`` calls of ``name`` raise ``error``."""
 
-    def __init__(self, inner: LocalStore, storage_class: str | None = None) -> None:
+    def __init__(self, inner: LocalStore, storage_class: str | None = None, bucket: str = "b",
+                 prefix: str = "runs/") -> None:
         super().__init__(inner)
         self.storage_class = storage_class
+        self.bucket, self.prefix = bucket, prefix
         self.calls: dict[str, int] = {}
         self.fail: dict[str, tuple[int, Exception]] = {}
         self.tags: dict[str, dict[str, str]] = {}
@@ -99,6 +103,21 @@ class Everything(Bare):
         on_skip("dangling", "dangling symlink")
         return self.inner.list(prefix)
 
+    def take_stamp(self, key: str, relpaths: Iterable[str], *,
+                   changed_before: float) -> tuple[str, tuple[str, ...]] | None:
+        self._call("take_stamp")
+        return f"stamp of {key}: {sorted(relpaths)}", ("",)
+
+    def check_stamp(self, key: str, dirs: Sequence[str]) -> str | None:
+        self._call("check_stamp")
+        return f"stamp of {key}"
+
+    def list_pruned(self, prefix: str, skip_dir: Callable[[str], bool], on_skip: Callable[[str, str], None],
+                    on_link: Callable[[str], None]) -> Iterator[ObjectInfo]:
+        self._call("list_pruned")
+        on_skip("dangling", "dangling symlink")
+        return self.inner.list_pruned(prefix, skip_dir, on_skip, on_link)
+
     def open_versioned(self, key: str) -> tuple[BinaryIO, str]:
         self._call("open_versioned")
         return self.inner.open_read(key), "v1"
@@ -111,7 +130,13 @@ class Everything(Bare):
 
     def in_class(self, storage_class: str | None) -> Store:
         self._call("in_class")
-        other = Everything(self.inner, storage_class)
+        other = Everything(self.inner, storage_class, self.bucket, self.prefix)
+        other.calls, other.fail, other.tags = self.calls, self.fail, self.tags
+        return other
+
+    def in_bucket(self, bucket: str) -> Store:
+        self._call("in_bucket")
+        other = Everything(self.inner, self.storage_class, bucket, "")
         other.calls, other.fail, other.tags = self.calls, self.fail, self.tags
         return other
 
@@ -176,6 +201,11 @@ def test_a_wrapper_has_a_capability_exactly_when_the_wrapped_store_has_it(
         if isinstance(wrapped, StorageClasses):  # another class: the same capabilities
             other = wrapped.in_class("GLACIER")
             assert other.storage_class == "GLACIER" and isinstance(other, cap) == isinstance(inner, cap)
+        if isinstance(wrapped, BucketLocation):  # another bucket: the same capabilities
+            elsewhere = wrapped.in_bucket("inventories")
+            assert elsewhere.bucket == "inventories" and elsewhere.prefix == ""  # type: ignore[attr-defined]
+            assert isinstance(elsewhere, cap) == isinstance(inner, cap)
+            assert type(elsewhere) is type(wrapped)
 
 
 # -- RetryingStore: every capability retried like any call ---------------------------------
@@ -188,6 +218,9 @@ CALLS: list[tuple[str, Callable[[Any], Any]]] = [
     ("stale_temp_files", lambda s: s.stale_temp_files(0.0)),
     ("remove_temp_file", lambda s: s.remove_temp_file(".ckptier-tmp-x")),
     ("list_with_skips", lambda s: list(s.list_with_skips("", lambda k, why: None))),
+    ("take_stamp", lambda s: s.take_stamp("j/s", iter(["b", "a"]), changed_before=1.0)),
+    ("check_stamp", lambda s: s.check_stamp("j/s", [""])),
+    ("list_pruned", lambda s: list(s.list_pruned("", lambda d: False, lambda k, why: None, lambda k: None))),
     ("open_versioned", lambda s: s.open_versioned("f")[0].read()),
     ("open_from", lambda s: s.open_from("f", 2, "v1").read()),
     ("restore", lambda s: s.restore("k", days=2, tier="Bulk")),
@@ -228,6 +261,43 @@ def test_retrying_tells_each_skipped_entry_once_across_a_restarted_listing(local
     told: list[str] = []
     listed = [i.key for i in retrying(BreaksOnce(local)).list_with_skips("", lambda k, why: told.append(k))]
     assert sorted(listed) == ["a", "b", "c"] and told == ["dangling"]
+
+
+def test_retrying_list_pruned_restarts_and_tells_each_skip_and_link_once(local: LocalStore) -> None:
+    for key in ("a", "b", "c"):
+        local.write(key, b"x")
+
+    class BreaksOnce(Everything):
+        def list_pruned(self, prefix: str, skip_dir: Callable[[str], bool], on_skip: Callable[[str, str], None],
+                        on_link: Callable[[str], None]) -> Iterator[ObjectInfo]:
+            on_skip("dangling", "dangling symlink")
+            for n, info in enumerate(self.inner.list(prefix)):
+                on_link(info.key)
+                if n == 1 and self.calls.setdefault("broken", 0) == 0:
+                    self.calls["broken"] = 1
+                    raise Unavailable("EIO")
+                yield info
+
+    told: list[str] = []
+    links: list[str] = []
+    store = retrying(BreaksOnce(local))
+    assert isinstance(store, DirectoryStamps)
+    listed = [i.key for i in store.list_pruned("", lambda d: False, lambda k, why: told.append(k), links.append)]
+    assert sorted(listed) == ["a", "b", "c"] and told == ["dangling"] and sorted(links) == ["a", "b", "c"]
+
+
+def test_retrying_in_bucket_keeps_the_settings(local: LocalStore) -> None:
+    sleeps: list[float] = []
+    store = RetryingStore(Everything(local), attempts=2, base_delay=1.0, sleep=sleeps.append, rng=lambda: 0.5)
+    assert isinstance(store, BucketLocation) and (store.bucket, store.prefix) == ("b", "runs/")
+    other = store.in_bucket("inventories")
+    assert isinstance(other, RetryingStore) and isinstance(other, BucketLocation) and other.bucket == "inventories"
+    inner = other.inner
+    assert isinstance(inner, Everything)
+    inner.fail["restore"] = (5, Unavailable("SlowDown"))
+    with pytest.raises(Unavailable):
+        other.restore("k")  # type: ignore[attr-defined]
+    assert inner.calls["restore"] == 2 and sleeps == [0.5]
 
 
 def test_retrying_in_class_keeps_the_settings(local: LocalStore) -> None:
@@ -274,6 +344,16 @@ def test_dry_run_passes_reads_through_and_records_every_change(local: LocalStore
     assert dry.get_object_tagging("k") == {}  # nothing was tagged
     told: list[str] = []
     assert list(dry.list_with_skips("", lambda k, why: told.append(k))) == [] and told == ["dangling"]
+    assert dry.take_stamp("j", ["f"], changed_before=1.0) == ("stamp of j: ['f']", ("",))
+    assert dry.check_stamp("j", [""]) == "stamp of j"
+    told.clear()
+    assert list(dry.list_pruned("", lambda d: False, lambda k, why: told.append(k), lambda k: None)) == []
+    assert told == ["dangling"]
+    # Another bucket of the same dry run records into the same lists.
+    elsewhere = dry.in_bucket("inventories")
+    assert isinstance(elsewhere, DryRunStore) and elsewhere.bucket == "inventories"  # type: ignore[attr-defined]
+    elsewhere.delete_many(["x"])
+    assert dry.intended_deletes == ["x"]
     # Another class of the same dry run records into the same lists.
     cold = dry.in_class("GLACIER")
     assert isinstance(cold, DryRunStore) and cold.storage_class == "GLACIER"

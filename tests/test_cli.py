@@ -1,4 +1,4 @@
-"""The command line end to end on local directories: the DESIGN.md contract.
+"""The command line end to end on local directories: the contract README.md documents.
 
 Runs ``ckptier`` in-process through ``main()`` (and once as a real console
 script) against checkpoints a training loop writes with ``torch.save``.

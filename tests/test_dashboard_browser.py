@@ -384,6 +384,14 @@ def test_walkthrough_overview_job_checkpoint_downloads(browser: Browser, demo_da
     b.screenshot("overview")
     assert {"jobs.csv", "jobs.json"} <= set(_check_downloads(b, demo_dir, "overview"))
 
+    b.click(b.find("#costs-link"))  # every job's costs, then the job's own
+    assert b.url.endswith("/costs") and "Expected restore" in b.text(b.find("#t-costs"))
+    assert {"costs.csv", "costs.json", "cost_tiers.csv", "cost_tiers.json"} <= set(_check_downloads(b, demo_dir, "costs"))
+    b.click(b.find('#t-costs a[href="/jobs/demo-run"]'))
+    assert b.url.endswith("/jobs/demo-run") and b.find_all("#t-cost_tiers tbody tr")
+    costs = b.text(b.find("#costs"))
+    assert "Expected restore" in costs and "Saved / month" in costs and "prices: list-price assumption" in costs
+    b.open(demo_dashboard.url + "/")
     b.click(b.find('#t-jobs a[href="/jobs/demo-run"]'))
     assert b.url.endswith("/jobs/demo-run")
     assert b.text(b.find("#job-name")) == "demo-run"
@@ -394,7 +402,7 @@ def test_walkthrough_overview_job_checkpoint_downloads(browser: Browser, demo_da
     assert "recovery point 275" in text and "drill ok" in text
     b.screenshot("job", max_height=1800)
     got = set(_check_downloads(b, demo_dir, "job"))
-    assert {"checkpoints.csv", "plan.json", "drills.csv", "storage.json", "events.csv"} <= got
+    assert {"checkpoints.csv", "plan.json", "drills.csv", "storage.json", "events.csv", "costs.json", "cost_tiers.csv"} <= got
 
     b.click(b.find('#t-checkpoints a[href="/checkpoint?job=demo-run&step=275"]'))
     assert "step=275" in b.url

@@ -40,6 +40,7 @@ from ckptier.tasks.retention import KeepLast, Milestones, Policy, plan_retention
 from ckptier.tasks.tiers import ArchiveTier
 
 from tests.fixtures.s3 import S3Bucket
+from tests.test_apply_faults import s3_world  # noqa: F401 - the S3 world fixture
 
 D = timedelta(days=1)
 NOW = datetime(2026, 6, 1, tzinfo=UTC)
@@ -326,3 +327,123 @@ def test_cli_emits_the_document_for_a_scanned_job(s3_env: str, s3_bucket: S3Buck
     assert "put-bucket-lifecycle-configuration" in human and "# archive copies never expire" in human
     assert main(["lifecycle", "--job", "nope"]) == 2
     assert "job 'nope'" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ apply tags what it deletes
+
+
+class TagWitness:
+    """The hot S3 store as apply sees it (every method forwarded), which
+    records the tags each key carries at the moment it is deleted, and can
+    refuse every delete (a bucket policy denying DeleteObject): then the
+    tagged objects stay for the lifecycle rule to expire."""
+
+    def __init__(self, inner: S3Store, *, refuse_deletes: bool = False) -> None:
+        self.inner = inner
+        self.refuse_deletes = refuse_deletes
+        self.tags_at_delete: dict[str, dict[str, str]] = {}
+
+    @property
+    def url(self) -> str:
+        return self.inner.url
+
+    def list(self, prefix: str = "") -> Any:
+        return self.inner.list(prefix)
+
+    def stat(self, key: str) -> Any:
+        return self.inner.stat(key)
+
+    def open_read(self, key: str) -> Any:
+        return self.inner.open_read(key)
+
+    def write(self, key: str, data: Any, *, if_absent: bool = False) -> Any:
+        return self.inner.write(key, data, if_absent=if_absent)
+
+    def delete_many(self, keys: Any) -> Any:
+        from ckptier.storage.errors import StoreError
+
+        for key in keys:
+            self.tags_at_delete[key] = self.inner.get_object_tagging(key)
+        if self.refuse_deletes:
+            raise StoreError(f"{self.url}: AccessDenied on DeleteObjects (a bucket policy)")
+        return self.inner.delete_many(keys)
+
+    def put_object_tagging(self, key: str, tags: Any) -> None:
+        self.inner.put_object_tagging(key, tags)
+
+    def get_object_tagging(self, key: str) -> dict[str, str]:
+        return self.inner.get_object_tagging(key)
+
+
+def _bucket_tags(bucket: S3Bucket) -> dict[str, tuple[dict[str, str], int]]:
+    c, out = bucket.client, {}
+    for page in c.get_paginator("list_objects_v2").paginate(Bucket=bucket.name):
+        for o in page.get("Contents", ()):
+            tags = c.get_object_tagging(Bucket=bucket.name, Key=o["Key"])["TagSet"]
+            out[o["Key"]] = ({t["Key"]: t["Value"] for t in tags}, o["Size"])
+    return out
+
+
+def _tagged(objects: dict[str, tuple[dict[str, str], int]], tag: tuple[str, str] = DELETE_TAG) -> set[str]:
+    return {k for k, (tags, _) in objects.items() if tags.get(tag[0]) == tag[1]}
+
+
+def _plan_targets(world: Any, bucket: S3Bucket) -> set[str]:
+    records = world.catalog.checkpoints()
+    targets = deletion_targets(world.plan(), records)
+    return {u.removeprefix(f"s3://{bucket.name}/") for urls in targets.values() for u in urls}
+
+
+@pytest.mark.s3
+def test_apply_tags_exactly_what_it_deletes_before_deleting(request: pytest.FixtureRequest, s3_bucket: S3Bucket) -> None:
+    from tests.test_apply import DELETED_STEPS
+
+    w = request.getfixturevalue("s3_world")
+    targets = _plan_targets(w, s3_bucket)
+    assert {k.split("/")[2] for k in targets} == {f"step-{s:08d}" for s in DELETED_STEPS}
+    witness = TagWitness(w.hot)
+    report = w.apply(hot=witness)
+    assert report.ok, report.summary()
+    assert {"hot/" + k for k in witness.tags_at_delete} == targets  # deleted: exactly the plan's targets
+    assert all(t == dict([DELETE_TAG]) for t in witness.tags_at_delete.values())  # each tagged before it went
+    assert not _tagged(_bucket_tags(s3_bucket))  # nothing that stays carries the tag
+
+
+@pytest.mark.s3
+def test_a_run_stopped_before_deleting_leaves_the_lifecycle_rule_exactly_the_plans_deletions(
+        request: pytest.FixtureRequest, s3_bucket: S3Bucket) -> None:
+    w = request.getfixturevalue("s3_world")
+    targets = _plan_targets(w, s3_bucket)
+    report = w.apply(hot=TagWitness(w.hot, refuse_deletes=True))
+    assert not report.ok and not report.deleted
+    objects = _bucket_tags(s3_bucket)
+    assert _tagged(objects) == targets and targets < set(objects)
+
+    # the policy as lifecycle rules: accepted by the server, and S3 would expire exactly the tagged files
+    cfg = lifecycle_for_job("llm", hot_url=job_prefix_url(w.catalog.checkpoints()), policy=w.policy)
+    c = s3_bucket.client
+    c.put_bucket_lifecycle_configuration(Bucket=s3_bucket.name, LifecycleConfiguration=cfg.document())
+    rules = c.get_bucket_lifecycle_configuration(Bucket=s3_bucket.name)["Rules"]
+    assert rules == cfg.document()["Rules"]
+    assert matching_keys(rules, objects, expiring_only=True) == targets
+
+    # the next run keeps everything: the interrupted deletes had not started, their tags turn to keep
+    w.clock.advance(timedelta(hours=1))
+    w.policy = Policy((KeepLast(100),), archive=w.policy.archive)
+    again = w.apply(replan=True)
+    assert again.ok and not again.deleted, again.summary()
+    objects = _bucket_tags(s3_bucket)
+    assert set(objects) >= targets and not _tagged(objects)
+    assert _tagged(objects, ("ckptier:retention", "keep")) == targets
+    assert not matching_keys(rules, objects, expiring_only=True)
+
+
+@pytest.mark.s3
+def test_dry_run_says_it_would_tag_and_puts_no_tag(request: pytest.FixtureRequest, s3_bucket: S3Bucket) -> None:
+    from tests.test_apply import DELETED_STEPS
+
+    report = request.getfixturevalue("s3_world").apply(dry_run=True)
+    assert report.ok and [r.step for r in report.deleted] == DELETED_STEPS
+    assert all(r.detail.endswith(f"tagged {DELETE_TAG[0]}={DELETE_TAG[1]} first") for r in report.deleted)
+    assert not _tagged(_bucket_tags(s3_bucket))
+

@@ -187,7 +187,8 @@ def test_a_scan_whose_listing_fails_part_way_is_started_again(
     steps = (100, 200, 300)
     for step in steps:
         _guide_checkpoint(tmp_path / "ckpt", step)
-    store = S3Store(s3_bucket.name, "hot", client=client, list_page_size=2)
+    # A flat listing (one thread), so that every page after the first carries a continuation token.
+    store = S3Store(s3_bucket.name, "hot", client=client, list_page_size=2, list_workers=1)
     _upload(tmp_path / "ckpt", store)
     pages: list[bool] = []
 

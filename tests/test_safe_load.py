@@ -1,6 +1,6 @@
 """Loading untrusted checkpoints: nothing in a checkpoint may run code.
 
-RELIABILITY.md, Loading 1-3: a malicious pickle never runs (directly, via the
+docs/failure-scenarios.md, hostile pickles: a malicious pickle never runs (directly, via the
 DCP reader, or through the drill subprocess); an unknown global fails naming
 it; .pt2 is refused; a tensor that does not fit the model fails clearly; the
 numpy RNG state of Hugging Face's rng_state.pth loads.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any, BinaryIO, ClassVar
 
@@ -19,7 +20,9 @@ import pytest
 from ckptier.storage.base import (
     CAPABILITIES,
     MAX_DELETE_BATCH,
+    BucketLocation,
     Canary,
+    DirectoryStamps,
     ListingSkips,
     LocalPaths,
     MultipartUploads,
@@ -494,6 +497,80 @@ class ListingSkipsContract(CapabilityContract):
         assert "\n" not in told[0][1] and told[0][1]
 
 
+class DirectoryStampsContract(CapabilityContract):
+    capability = DirectoryStamps
+
+    def make_dangling_link(self, key: str) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def make_file_link(self, key: str, target: str) -> None:  # pragma: no cover - overridden
+        """Make ``key`` a link to the object ``target``."""
+        raise NotImplementedError
+
+    def test_a_stamp_holds_until_an_entry_is_added_removed_or_renamed(self, store: Any) -> None:
+        for key in ("j/s/a", "j/s/sub/b"):
+            store.write(key, b"x")
+
+        def stamp() -> tuple[str, tuple[str, ...]]:
+            taken = store.take_stamp("j/s", iter(["a", "sub/b"]), changed_before=time.time() + 60)
+            assert taken is not None
+            time.sleep(0.05)  # past the filesystem clock's tick: the next change gets a later mtime
+            return taken
+
+        first, dirs = stamp()
+        assert isinstance(first, str) and list(dirs) == sorted(dirs) and {"", "sub"} <= set(dirs)
+        assert store.check_stamp("j/s", dirs) == first  # nothing changed
+        assert store.take_stamp("j/s", ["a"], changed_before=time.time() - 3600) is None  # modified since
+        changes = [
+            lambda: store.write("j/s/sub/new", b"added"),
+            lambda: store.delete_many(["j/s/sub/new"]),
+            lambda: store.write("j/s/sub/deeper/e", b"in a new subdirectory"),
+        ]
+        for change in changes:
+            before, dirs = stamp()
+            change()
+            assert store.check_stamp("j/s", dirs) not in (before, None)
+        before, dirs = stamp()
+        store.delete_many(["j/s/sub/deeper/e", "j/s/sub/b"])  # sub/ is left empty and pruned: gone
+        assert store.check_stamp("j/s", dirs) is None
+        assert store.check_stamp("j/never", [""]) is None
+
+    def test_list_pruned_lists_the_same_except_what_it_is_told_to_skip(self, store: Any) -> None:
+        for key in ("j/1/a", "j/1/sub/b", "j/2/a", "k/x"):
+            store.write(key, b"x")
+        self.make_dangling_link("j/2/dangling")
+        self.make_file_link("j/2/link", "k/x")
+        told: list[str] = []
+        links: list[str] = []
+        everything = sorted(i.key for i in store.list_pruned("j/", lambda d: False, lambda k, why: told.append(k),
+                                                             links.append))
+        assert everything == sorted(i.key for i in store.list("j/")) == ["j/1/a", "j/1/sub/b", "j/2/a", "j/2/link"]
+        assert told == ["j/2/dangling"] and links == ["j/2/link"]
+        asked: list[str] = []
+
+        def skip(d: str) -> bool:
+            asked.append(d)
+            return d == "j/1"
+
+        pruned = sorted(i.key for i in store.list_pruned("", skip, lambda k, why: None, lambda k: None))
+        assert pruned == ["j/2/a", "j/2/link", "k/x"]
+        assert "j/1" in asked and "j/1/sub" not in asked  # not entered
+
+
+class BucketLocationContract(CapabilityContract):
+    capability = BucketLocation
+
+    def test_bucket_prefix_and_another_bucket_on_the_same_connection(self, store: Any) -> None:
+        assert store.bucket == self.bucket.name and store.prefix == self.prefix
+        store.write("inv/obj", b"1")
+        top = store.in_bucket(store.bucket)
+        assert top.url == f"s3://{store.bucket}" and top.prefix == "" and top.bucket == store.bucket
+        assert type(top) is type(store)  # same wrappers, same capabilities
+        assert read_bytes(top, store.prefix + "inv/obj") == b"1"
+        assert store.url.startswith(top.url)  # the store itself is unchanged
+        assert [i.key for i in store.list("inv/")] == ["inv/obj"]
+
+
 class ResumableReadsContract(CapabilityContract):
     capability = ResumableReads
 
@@ -556,7 +633,7 @@ class TaggableContract(CapabilityContract):
         assert store.get_object_tagging("t") == {"ckptier:retention": "delete"}
 
 
-class LocalCapabilities(TempFilesContract, LocalPathsContract, ListingSkipsContract):
+class LocalCapabilities(TempFilesContract, LocalPathsContract, ListingSkipsContract, DirectoryStampsContract):
     """What a local store can do; the test class sets ``self.root`` in its ``store`` fixture."""
 
     root: Path
@@ -572,9 +649,14 @@ class LocalCapabilities(TempFilesContract, LocalPathsContract, ListingSkipsContr
         path.parent.mkdir(parents=True, exist_ok=True)
         os.symlink("nowhere", path)
 
+    def make_file_link(self, key: str, target: str) -> None:
+        path = self.root / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        os.symlink(self.root / target, path)
+
 
 class S3Capabilities(CanaryContract, MultipartUploadsContract, ResumableReadsContract, StorageClassesContract,
-                     RestorableContract, TaggableContract):
+                     RestorableContract, TaggableContract, BucketLocationContract):
     """What an S3 store can do; the test class sets ``self.bucket`` and ``self.prefix`` in its ``store`` fixture."""
 
     bucket: S3Bucket

@@ -13,7 +13,7 @@ checkpoint see exactly one winner on SQLite and PostgreSQL alike.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Container, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -55,6 +55,7 @@ from . import db
 from .models import checkpoints as ck
 from .models import copies as cp
 from .models import decisions as dec
+from .models import dir_stamps as ds
 from .models import drills as dr
 from .models import events as ev
 from .models import files as fl
@@ -78,6 +79,11 @@ _COPY_STATES = {c.value: c for c in CopyState}
 
 class UnknownCheckpoint(CkptierError, LookupError):
     """A checkpoint id (or copy) that the catalog does not hold."""
+
+
+class LeaseLost(CkptierError):
+    """A claimed row's lease ran out or was taken over before its result was recorded:
+    nothing was written, and the row's new holder records it instead."""
 
 
 @dataclass(frozen=True)
@@ -145,6 +151,20 @@ class LeaseHolder:
         if self.expires is not None:
             parts.append(f"lease until {self.expires.isoformat(timespec='seconds')}")
         return self.owner + (f" ({', '.join(parts)})" if parts else "")
+
+
+@dataclass(frozen=True)
+class DirStampRecord:
+    """A checkpoint directory's stamp (see :meth:`Catalog.dir_stamps`): the
+    digest, the subdirectories it covers (relative; ``""`` is the directory
+    itself) and when it was taken."""
+
+    checkpoint_id: int
+    location: str
+    stamp: str
+    dirs: tuple[str, ...]
+    taken_at: datetime
+    files: int = 0
 
 
 @dataclass(frozen=True)
@@ -222,6 +242,16 @@ def _parent(prefix: str) -> str:
 def _join_url(base: str, key: str) -> str:
     key = key.strip("/")
     return f"{base}/{key}" if key else base
+
+
+class _Everywhere:
+    """The container of every location (what an inventory scan did not list is not vanished)."""
+
+    def __contains__(self, item: object) -> bool:
+        return True
+
+
+_EVERYWHERE = _Everywhere()
 
 
 @dataclass
@@ -323,10 +353,19 @@ class Catalog:
         *,
         now: datetime,
         scope_prefix: str = "",
+        unchanged: Collection[str] = (),
+        live: bool = True,
         grace_for: Callable[[str], timedelta] | None = None,
     ) -> ScanSummary:
         """Bring the catalog in line with one listing of ``store_url`` (under
         ``scope_prefix``, a raw key prefix as given to ``Store.list``).
+
+        ``unchanged`` holds hot locations the scan did not list because their
+        directory trees had not changed since the last scan (a local rescan's
+        skip): their rows are left exactly as they are, neither vanished nor
+        compared, and a job with nothing else to record is not read at all.
+        ``live=False`` records a past listing (an S3 Inventory report): what
+        it lacks is never marked missing and no delete intent is settled.
 
         * New checkpoints are inserted (``incomplete`` or ``committed`` as the
           recognition says) with their files and a ``hot`` copy at
@@ -360,6 +399,7 @@ class Catalog:
           ``rows_written``).
         """
         now = _aware(now)
+        unchanged = frozenset(unchanged)
         base = store_url.rstrip("/")
         scope = base + "/" + scope_prefix.lstrip("/")
         by_job: dict[str, dict[int, Found]] = {}
@@ -370,24 +410,26 @@ class Catalog:
                 steps[found.step] = found
 
         with self._read() as conn:
-            stale_jobs = conn.execute(
-                select(jb.c.name)
+            stale = conn.execute(
+                select(jb.c.name, ck.c.location)
                 .join(ck, ck.c.job_id == jb.c.id)
                 .where(
                     ck.c.location.startswith(scope, autoescape=True),
                     ck.c.state != State.DELETED.value,
                     ck.c.missing_since.is_(None),
                 )
-                .distinct()
-            ).scalars()
-            affected = sorted(set(by_job) | set(stale_jobs))
+            ) if live else ()
+            stale_jobs = {name for name, location in stale if location not in unchanged}
+            affected = sorted(set(by_job) | stale_jobs)
 
         tally = _Tally()
+        unlisted: Container[str] = unchanged if live else _EVERYWHERE
         for name in affected:
             grace = grace_for(name) if grace_for is not None else transitions.DEFAULT_GRACE
             with self._write() as conn:
-                self._scan_job(conn, name, by_job.get(name, {}), base, scope, now, tally, grace)
-                self._settle_delete_intents(conn, name, scope, now, tally)
+                self._scan_job(conn, name, by_job.get(name, {}), base, scope, now, tally, grace, unlisted=unlisted)
+                if live:
+                    self._settle_delete_intents(conn, name, scope, now, tally)
 
         summary = ScanSummary(
             store_url=store_url,
@@ -443,6 +485,8 @@ class Catalog:
         now: datetime,
         tally: _Tally,
         grace: timedelta,
+        *,
+        unlisted: Container[str] = (),
     ) -> None:
         if self.dialect == "postgresql":
             # Two scans of the same job queue here instead of racing on inserts;
@@ -631,6 +675,7 @@ class Catalog:
         for step, old in existing.items():
             if (
                 step in found_by_step
+                or old.location in unlisted  # not listed, and not vanished either
                 or old.state == State.DELETED.value
                 or old.missing_since is not None
                 or not old.location.startswith(scope)
@@ -865,8 +910,15 @@ class Catalog:
         now: datetime,
         grace: timedelta = transitions.DEFAULT_GRACE,
         extra: Sequence[str] = (),
+        claim: tuple[str, int] | None = None,
     ) -> State:
         """Record per-file read-back results and return the checkpoint's state.
+
+        ``checked_at`` is set to ``now`` whatever the results. With ``claim``
+        (``owner``, ``generation`` of a row claimed by :meth:`claim_rows`), the
+        results are recorded only while that lease holds, and the lease is
+        released in the same transaction; otherwise :class:`LeaseLost` is
+        raised and nothing changes (exactly one holder records a row).
 
         What the results mean is :func:`ckptier.storage.transitions.on_verification`:
         a file reported ``corrupt``/``missing``, or ``ok`` but contradicting
@@ -893,6 +945,12 @@ class Catalog:
             ).first()
             if head is None:
                 raise UnknownCheckpoint(f"checkpoint id {checkpoint_id} is not in the catalog; rescan first")
+            if claim is not None and conn.execute(
+                update(ck).where(self._held(checkpoint_id, claim[0], claim[1], now))
+                .values(lease_owner=None, lease_expires=None, lease_host=None, lease_pid=None, lease_started=None)
+            ).rowcount != 1:
+                raise LeaseLost(f"checkpoint id {checkpoint_id} (step {head.step}): the claim of {claim[0]} at "
+                                f"generation {claim[1]} ran out or was taken over; its new holder verifies it")
             rows = {
                 r.relpath: r
                 for r in conn.execute(
@@ -916,12 +974,10 @@ class Catalog:
                 _bulk_update(conn, fl, updates)
 
             t = v.transition
-            old = State(head.state)
-            values: dict[str, Any] = {"state": t.state.value, "state_reason": t.reason}
+            values: dict[str, Any] = {"state": t.state.value, "state_reason": t.reason, "checked_at": now}
             if t.state == State.VERIFIED:
                 values["verified_at"] = t.verified_at
-            if t.state != old or t.reason != head.state_reason or t.state == State.VERIFIED:
-                conn.execute(update(ck).where(ck.c.id == checkpoint_id).values(**values))
+            conn.execute(update(ck).where(ck.c.id == checkpoint_id).values(**values))
             if t.state == State.VERIFIED:
                 conn.execute(
                     update(cp)
@@ -1083,6 +1139,86 @@ class Catalog:
                 )
             )
             return int(row.generation)
+
+    def claim_rows(
+        self,
+        ids: Sequence[int],
+        owner: str,
+        *,
+        now: datetime,
+        ttl: timedelta,
+        since: datetime,
+        limit: int,
+        process: ProcessId | None = None,
+    ) -> list[tuple[int, int]]:
+        """Lease up to ``limit`` of the checkpoints ``ids`` that nobody holds and that
+        no verification finished at or after ``since`` (``checked_at``); returns
+        ``(id, generation)`` pairs in id order (empty: nothing free now).
+
+        The lease is the one :meth:`claim` takes (owner, expiry, process, a new
+        generation), so tiering and verification never hold one row at once,
+        a heartbeat (:meth:`renew`) keeps it, and a dead holder's rows come
+        free when it runs out. One statement: on PostgreSQL the candidates are
+        locked ``FOR UPDATE SKIP LOCKED`` (concurrent claimers take disjoint
+        rows without waiting); on SQLite the conditional ``UPDATE`` runs under
+        ``BEGIN IMMEDIATE``. Several processes claiming the same ``ids`` thus
+        each get different rows.
+        """
+        now, since = _aware(now), _aware(since, "since")
+        if ttl <= timedelta(0):
+            raise ValueError(f"lease ttl={ttl} must be positive")
+        if not owner:
+            raise ValueError("lease owner is empty; pass a unique run id")
+        if limit < 1 or not ids:
+            return []
+        free = or_(ck.c.lease_owner.is_(None), ck.c.lease_expires.is_(None), ck.c.lease_expires <= now)
+        unchecked = or_(ck.c.checked_at.is_(None), ck.c.checked_at < since)
+        pick = select(ck.c.id).where(ck.c.id.in_(list(ids)), free, unchecked).order_by(ck.c.id).limit(limit)
+        values = {
+            "lease_owner": owner, "lease_expires": now + ttl, "generation": ck.c.generation + 1,
+            "lease_host": process.host if process else None, "lease_pid": process.pid if process else None,
+            "lease_started": process.started if process else None,
+        }
+        if self.dialect == "postgresql":  # a CTE is evaluated once: never more than ``limit`` rows
+            picked = pick.with_for_update(skip_locked=True).cte("picked")
+            stmt = update(ck).where(ck.c.id == picked.c.id)
+        else:
+            stmt = update(ck).where(ck.c.id.in_(pick.scalar_subquery()))
+        with self._write() as conn:
+            rows = conn.execute(stmt.values(**values).returning(ck.c.id, ck.c.generation)).tuples().all()
+        return sorted((int(i), int(g)) for i, g in rows)
+
+    def finish_claim(self, checkpoint_id: int, owner: str, generation: int, *, now: datetime) -> bool:
+        """End a claim of :meth:`claim_rows` without recording a verification: set
+        ``checked_at = now`` and release the lease, only while ``owner`` holds it at
+        ``generation``; False (nothing changes) when the lease was lost."""
+        now = _aware(now)
+        with self._write() as conn:
+            return conn.execute(
+                update(ck).where(self._held(checkpoint_id, owner, generation, now))
+                .values(checked_at=now, lease_owner=None, lease_expires=None, lease_host=None, lease_pid=None,
+                        lease_started=None)
+            ).rowcount == 1
+
+    def unchecked(self, ids: Sequence[int], *, since: datetime) -> int:
+        """How many of the checkpoints ``ids`` no verification finished at or after ``since``
+        (free or leased): what a sweep sharing them still waits for."""
+        since = _aware(since, "since")
+        if not ids:
+            return 0
+        with self._read() as conn:
+            return int(conn.execute(
+                select(func.count()).select_from(ck)
+                .where(ck.c.id.in_(list(ids)), or_(ck.c.checked_at.is_(None), ck.c.checked_at < since))
+            ).scalar_one())
+
+    def get_many(self, ids: Iterable[int]) -> list[CheckpointRecord]:
+        """The checkpoints with these ids (any state, with files), ordered by job and step."""
+        wanted = list(ids)
+        if not wanted:
+            return []
+        with self._read() as conn:
+            return self._load(conn, [ck.c.id.in_(wanted)], with_files=True)
 
     def lease_holder(self, checkpoint_id: int, *, now: datetime) -> LeaseHolder | None:
         """Who holds an unexpired lease on the checkpoint at ``now``, or None."""
@@ -1427,6 +1563,64 @@ class Catalog:
                 )
                 for r in conn.execute(q)
             ]
+
+    # -- directory stamps (local rescans) ------------------------------------
+
+    def dir_stamps(self, scope: str) -> dict[str, DirStampRecord]:
+        """Stamps of the checkpoints whose hot location starts with ``scope``,
+        by location, for those a rescan may skip only: ``committed`` or
+        ``verified``, not missing, no delete intent pending, the hot copy
+        present at the location the stamp was taken of."""
+        with self._read() as conn:
+            rows = conn.execute(
+                select(ds.c.checkpoint_id, ds.c.location, ds.c.stamp, ds.c.dirs, ds.c.taken_at, ck.c.file_count)
+                .join(ck, ck.c.id == ds.c.checkpoint_id)
+                .join(cp, (cp.c.checkpoint_id == ck.c.id) & (cp.c.url == ck.c.location))
+                .where(
+                    ds.c.location.startswith(scope, autoescape=True),
+                    ds.c.location == ck.c.location,
+                    ck.c.state.in_([State.COMMITTED.value, State.VERIFIED.value]),
+                    ck.c.missing_since.is_(None),
+                    ck.c.delete_intent.is_(None),
+                    cp.c.tier == Tier.HOT.value,
+                    cp.c.state == "present",
+                )
+            ).all()
+        return {
+            r.location: DirStampRecord(int(r.checkpoint_id), r.location, r.stamp, tuple(r.dirs.split("\n")),
+                                       r.taken_at, int(r.file_count))
+            for r in rows
+        }
+
+    def put_dir_stamps(self, stamps: Mapping[str, tuple[str, Sequence[str]]], *, now: datetime) -> int:
+        """Record ``stamps`` (hot location -> (digest, subdirectories)), replacing
+        the stamps those checkpoints had; locations no checkpoint is at are
+        ignored. Bookkeeping: not counted as catalog rows written. Returns
+        how many stamps were recorded."""
+        now = _aware(now)
+        written = 0
+        items = sorted(stamps.items())
+        with self._write() as conn:
+            for start in range(0, len(items), 500):
+                chunk = dict(items[start : start + 500])
+                ids = dict(conn.execute(select(ck.c.location, ck.c.id).where(ck.c.location.in_(list(chunk)))).tuples().all())
+                if not ids:
+                    continue
+                conn.execute(delete(ds).where(ds.c.checkpoint_id.in_(list(ids.values()))))
+                conn.execute(insert(ds), [
+                    {"checkpoint_id": cid, "location": loc, "stamp": chunk[loc][0],
+                     "dirs": "\n".join(chunk[loc][1]), "taken_at": now}
+                    for loc, cid in ids.items()
+                ])
+                written += len(ids)
+        return written
+
+    def drop_dir_stamps(self, locations: Collection[str]) -> None:
+        """Forget the stamps taken of ``locations`` (their next scan lists them)."""
+        items = sorted(set(locations))
+        with self._write() as conn:
+            for start in range(0, len(items), 500):
+                conn.execute(delete(ds).where(ds.c.location.in_(items[start : start + 500])))
 
     def summary(self) -> list[dict[str, Any]]:
         """One row per (job, state), sorted: ``job``, ``state``, ``count``,

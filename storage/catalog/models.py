@@ -140,6 +140,9 @@ checkpoints = Table(
     _required("last_seen", UTCDateTime()),
     _optional("missing_since", UTCDateTime()),
     _optional("verified_at", UTCDateTime()),
+    # When a verification last finished, whatever it found (workers sharing the catalog skip rows
+    # checked since their sweep began).
+    _optional("checked_at", UTCDateTime()),
     _optional("recorded_loss", Float),
     Column("generation", BigInteger, nullable=False, default=0),
     _optional("lease_owner", String(256)),
@@ -254,4 +257,19 @@ scans = Table(
     _required("unrecognised", Integer),
     _required("rows_written", Integer),
     Index("ix_scans_url_started", "url", "started_at"),
+)
+
+#: What a local scan saw of a checkpoint directory's tree, so that an
+#: unchanged rescan can skip listing it (see :mod:`ckptier.tasks.scan`):
+#: ``stamp`` digests the directory's mtime, link count and entry count and
+#: every subdirectory's mtime and link count; ``dirs`` lists those
+#: subdirectories (relative, one per line), which the next scan stats;
+#: ``location`` is the checkpoint's hot location when the stamp was taken.
+dir_stamps = Table(
+    "dir_stamps", metadata,
+    Column("checkpoint_id", ForeignKey("checkpoints.id", ondelete="CASCADE"), primary_key=True),
+    _required("location", Text),
+    _required("stamp", String(64)),
+    _required("dirs", Text),
+    _required("taken_at", UTCDateTime()),
 )
