@@ -278,6 +278,8 @@ class Scan:
             return None, f"{label}: not valid UTF-8 text"
         except RecursionError:
             return None, f"{label}: JSON nested too deeply"
+        except ValueError as exc:  # an integer of more digits than Python converts (4,300)
+            return None, f"{label}: not valid JSON ({str(exc).split(':')[0].lower()})"
 
     def read_raw(self, info: ObjectInfo, label: str) -> tuple[bytes, str | None]:
         """A small file's bytes; return (bytes, None) or (b"", reason)."""

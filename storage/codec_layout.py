@@ -207,7 +207,7 @@ def _safetensors_regions(reader: PeekReader) -> Iterator[Region]:
             for k, v in header.items()
             if k != "__metadata__"
         )
-    except (ValueError, TypeError, KeyError, AttributeError, IndexError):
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError):
         yield 1, TRANSFORM_NONE, None
         return
     cursor = 0  # relative to the start of the data section

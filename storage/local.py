@@ -40,11 +40,22 @@ def _translate(exc: OSError, url: str, key: str | None) -> StoreError:
     where = f"{url}/{key}" if key else url
     if isinstance(exc, FileNotFoundError) or exc.errno == errno.ENOTDIR:
         return NotFound(f"{where}: no such file or directory", url=url, key=key)
+    if exc.errno == errno.ELOOP:
+        return NotFound(f"{where}: a symlink loop, not a file", url=url, key=key)
     if isinstance(exc, PermissionError):
         return AccessDenied(f"{where}: permission denied; check the file's owner and mode", url=url, key=key)
     if exc.errno in (errno.EIO, errno.ESTALE, errno.ETIMEDOUT, errno.EAGAIN):
         return Unavailable(f"{where}: {exc.strerror} (I/O error; retry or check the mount)", url=url, key=key)
     return StoreError(f"{where}: {exc.strerror or exc}", url=url, key=key)
+
+
+def _file_kind(mode: int) -> str:
+    """What a non-regular file is, in words."""
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a file"
 
 
 class _SourceFailed(Exception):
@@ -289,10 +300,30 @@ class LocalStore:
         return self._info(key, st)
 
     def open_read(self, key: str) -> BinaryIO:
+        """Open the regular file at ``key`` (or the file a symlink there leads to).
+
+        Anything else at the key (a FIFO, a device such as ``/dev/zero``, a
+        directory, a socket, a symlink loop) is :class:`NotFound`, as
+        :meth:`stat` and :meth:`list` see it, and opening never blocks: the
+        file is opened non-blocking (a FIFO would otherwise wait for a
+        writer) and its type checked on the open descriptor, so a file
+        swapped after the check cannot slip through.
+        """
+        path = self._path(key)
         try:
-            return open(self._path(key), "rb")  # noqa: SIM115 - caller closes
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as exc:
             raise _translate(exc, self.url, key) from exc
+        try:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                raise NotFound(f"{self.url}/{key}: not a regular file ({_file_kind(mode)}); ckptier reads only "
+                               f"files", url=self.url, key=key)
+            os.set_blocking(fd, True)
+            return os.fdopen(fd, "rb")
+        except BaseException:
+            os.close(fd)
+            raise
 
     def write(self, key: str, data: bytes | BinaryIO, *, if_absent: bool = False) -> ObjectInfo:
         path = self._path(key)

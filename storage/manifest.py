@@ -170,6 +170,8 @@ class Manifest:
             obj = json.loads(data.decode("utf-8"), object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
         except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as exc:
             raise ManifestError(f"{where}: not a manifest, invalid JSON ({exc}); was it truncated?") from exc
+        except RecursionError:
+            raise ManifestError(f"{where}: not a manifest, its JSON is nested too deeply") from None
         return cls.from_dict(obj, where=where)
 
     @classmethod

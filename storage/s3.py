@@ -30,6 +30,7 @@ import io
 import logging
 import os
 import queue
+import re
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -142,6 +143,10 @@ _UNAVAILABLE = {
     "RequestLimitExceeded",
 }
 _PRECONDITION = {"PreconditionFailed", "412", "ConditionalRequestConflict"}
+#: Characters a DeleteObjects request (XML 1.0) cannot carry as they are: those XML does not
+#: allow (most control characters, U+FFFE, U+FFFF) and the carriage return, which XML parsers
+#: turn into a newline. Keys holding one are deleted one by one (the key travels in the URL).
+_NOT_XML_SAFE = re.compile("[^\t\n\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
 
 
 def _error_code(exc: BaseException) -> tuple[str, int | None]:
@@ -782,22 +787,40 @@ class S3Store:
         its ``result`` the confirmed outcome of earlier batches; nothing of
         the failed batch or later ones is reported as deleted. Deletes are
         idempotent, so the caller may simply run the remaining keys again.
+        Keys an XML request cannot carry (control characters, a carriage
+        return) go in single DeleteObject requests after the batches.
         """
         result = DeleteResult()
         valid: list[str] = []
+        single: list[str] = []
         for key in keys:
             problem = key_problem(key)
             if problem is not None:
                 result.failed[key] = problem
             else:
-                valid.append(key)
-        for start in range(0, len(valid), MAX_DELETE_BATCH):
-            batch = valid[start : start + MAX_DELETE_BATCH]
-            try:
-                self._delete_batch(batch, result)
-            except StoreError as exc:
-                raise DeleteInterrupted(exc, result) from exc
+                (single if _NOT_XML_SAFE.search(key) else valid).append(key)
+        try:
+            for start in range(0, len(valid), MAX_DELETE_BATCH):
+                self._delete_batch(valid[start : start + MAX_DELETE_BATCH], result)
+            for key in single:
+                self._delete_one(key, result)
+        except StoreError as exc:
+            raise DeleteInterrupted(exc, result) from exc
         return result
+
+    def _delete_one(self, key: str, result: DeleteResult) -> None:
+        """DeleteObject for one key: a refusal of that key goes to ``result.failed``; a store
+        failing as a whole (unavailable) raises."""
+        try:
+            answer = self._call("delete_object", key, Bucket=self.bucket, Key=self._full_key(key))
+        except NotFound:
+            answer = {}  # some stores answer 404 for a key already gone: deleted all the same
+        except AccessDenied as exc:
+            result.failed[key] = str(exc)
+            return
+        result.deleted.append(key)
+        if answer.get("DeleteMarker"):
+            result.markers_only.append(key)
 
     def _delete_batch(self, batch: Sequence[str], result: DeleteResult) -> None:
         by_full = {self.prefix + k: k for k in batch}

@@ -305,6 +305,8 @@ def parse_json(data: bytes, label: str) -> Any:
         raise StructureError(f"{label}: not valid UTF-8 text") from None
     except RecursionError:
         raise StructureError(f"{label}: JSON nested too deeply") from None
+    except ValueError as exc:  # an integer of more digits than Python converts (4,300)
+        raise StructureError(f"{label}: not valid JSON ({str(exc).split(':')[0].lower()})") from None
 
 
 # -- safetensors ----------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,52 @@ def parse_url(url: str) -> StoreURL:
                 raise ConfigError(f"S3 URL {url!r} has an unsafe prefix: {problem}; use s3://bucket/dir/subdir")
         return StoreURL("s3", bucket=bucket, prefix=prefix)
     raise ConfigError(f"store URL {url!r} has unsupported scheme {scheme!r}; use a path, file:///path or s3://bucket/prefix")
+
+
+def parse_location(location: str, roots: Iterable[str] = ()) -> StoreURL:
+    """What a catalog location denotes: the directory or file as a :class:`StoreURL`.
+
+    A location is written as a store's canonical URL, ``/``, then a key as
+    the store lists it, *not* escaped: a key may hold ``%``, ``#``, ``?``,
+    tabs or newlines, which :func:`parse_url` would decode, refuse or drop.
+    So a location is split, never URL-decoded past its store's URL:
+
+    * ``s3://bucket/KEY``: the bucket, and everything after it as the raw key;
+    * ``file://...``: the longest of ``roots`` (store URLs, e.g. the ones
+      scans recorded; any that is not canonical is passed over) that the
+      location equals or lies below, then the raw key; with none, the text
+      after ``file://`` is the path itself when it holds no ``%`` (a
+      canonical file URL of a path of ordinary characters is that path), and
+      is decoded as a URL otherwise (ambiguous only for a key holding ``%``
+      below a root holding characters a URL escapes);
+    * anything else (a plain path) as :func:`parse_url` reads it.
+
+    Pure; raises :class:`ConfigError` for what is not a location.
+    """
+    if location.startswith("s3://"):
+        bucket, _, key = location[len("s3://"):].partition("/")
+        problem = bucket_problem(bucket)
+        if problem is not None:
+            raise ConfigError(f"S3 bucket name {bucket!r} in location {location!r} is invalid: it {problem}")
+        return StoreURL("s3", bucket=bucket, prefix=key.strip("/"))
+    if not location.startswith("file://"):
+        return parse_url(location)
+    for root in sorted(roots, key=len, reverse=True):
+        base = root.rstrip("/")
+        if not base.startswith("file://") or (location != base and not location.startswith(base + "/")):
+            continue
+        try:
+            parsed = parse_url(root)
+        except ConfigError:
+            continue
+        if parsed.url != base:
+            continue  # not a store's canonical URL: its own tail may be raw
+        rest = location[len(base):].strip("/")
+        return StoreURL("file", path=f"{parsed.path.rstrip('/')}/{rest}" if rest else parsed.path)
+    path = location[len("file://"):]
+    if "%" not in path and path.startswith("/"):
+        return StoreURL("file", path=path.rstrip("/") or "/")
+    return parse_url(location)
 
 
 def canonical_url(url: str) -> str:

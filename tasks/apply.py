@@ -70,7 +70,7 @@ from ckptier.storage.errors import CkptierError, DeleteInterrupted, NotFound, St
 from ckptier.storage.records import CheckpointRecord, CopyState, FileCheck, State, Tier
 from ckptier.storage.wrappers import DryRunStore
 
-from .archive import ArchiveCheck, check_archive_copy, promote
+from .archive import ArchiveCheck, HotCopyMismatch, check_archive_copy, promote
 from .leases import DEFAULT_TTL, Lease, LeaseCatalog, LeaseKeeper, this_process
 from .lifecycle import DELETE_TAG, KEEP_TAG
 from .verify import file_key as hot_file_key
@@ -764,6 +764,15 @@ class _Run:
             try:
                 hot, prefix = self.hot_for(record)
                 copy = promote(self.wrap(hot), prefix, record, archive, now=self.now(), owner=self.owner)
+            except HotCopyMismatch as exc:
+                # The bytes just read are the proof a verification would give: record it, so that
+                # the next plan passes the milestone on instead of failing here every run.
+                self.cat.record_verification(
+                    record.id, [FileCheck(exc.relpath, "corrupt", size=exc.size, crc64nvme=exc.crc64nvme,
+                                          detail=f"read for promotion: {exc}")], now=self.now())
+                why = f"{exc}; recorded corrupt (kept as evidence), the next apply plans without it"
+                self.event("promote.failed", f"job {item.job} step {item.step}: {why}", item)
+                return _result(item, "failed", why)
             except CkptierError as exc:
                 return self._promote_done(item, exc)
             return self._promote_done(item, copy)

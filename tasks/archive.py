@@ -89,6 +89,15 @@ class ArchiveConflict(CkptierError):
     """The archive already holds a committed copy of this step with different content."""
 
 
+class HotCopyMismatch(IntegrityError):
+    """A hot file read for promotion is not the file the catalog verified: ``relpath``,
+    and the ``size`` and ``crc64nvme`` of the bytes just read (the evidence)."""
+
+    def __init__(self, message: str, *, key: str, relpath: str, size: int, crc64nvme: str) -> None:
+        super().__init__(message, key=key)
+        self.relpath, self.size, self.crc64nvme = relpath, size, crc64nvme
+
+
 # ----------------------------------------------------------------------------- layout
 
 
@@ -145,6 +154,8 @@ class UploadMarker:
                        started_at=datetime.fromisoformat(doc["started_at"]), keys=tuple(keys))
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"{where}: unreadable upload marker ({exc})") from exc
+        except RecursionError:
+            raise ValueError(f"{where}: unreadable upload marker (JSON nested too deeply)") from None
 
 
 def prefix_from_location(store: Store, location: str) -> str:
@@ -250,17 +261,19 @@ class ArchiveCopy:
 
 
 def _check_hot_digest(record: CheckpointRecord, f: FileRecord, got: Digests, where: str) -> None:
+    """Raise :class:`HotCopyMismatch` unless the hot bytes just read are the verified ones."""
+    evidence = {"key": where, "relpath": f.relpath, "size": got.size, "crc64nvme": got.crc64nvme}
     if got.size != f.size:
-        raise IntegrityError(
+        raise HotCopyMismatch(
             f"{where}: hot file is {got.size} bytes but the catalog recorded {f.size} "
             f"(job {record.job} step {record.step}); rescan and verify before promoting",
-            key=where,
+            **evidence,
         )
     if f.crc64nvme is not None and got.crc64nvme != f.crc64nvme:
-        raise IntegrityError(
+        raise HotCopyMismatch(
             f"{where}: hot file CRC64NVME {got.crc64nvme} differs from the catalog's {f.crc64nvme} "
             f"(job {record.job} step {record.step}); run verify before promoting",
-            key=where,
+            **evidence,
         )
 
 
@@ -885,7 +898,13 @@ FETCH_STAGE_PREFIX = ".ckptier-fetch-"
 
 class UnfetchableLayout(CkptierError):
     """A checkpoint whose file names no filesystem can hold at once (a key that is
-    also the "directory" of other keys, as S3 allows)."""
+    also the "directory" of other keys, as S3 allows; a name longer than
+    :data:`NAME_MAX` bytes)."""
+
+
+#: Bytes a file or directory name may take on the filesystems fetch writes to (ext4, XFS,
+#: btrfs, tmpfs: 255); an S3 key's segments may be longer.
+NAME_MAX = 255
 
 
 def check_fetch_dest(dest: str | os.PathLike[str]) -> None:
@@ -934,7 +953,22 @@ def path_conflicts(relpaths: Collection[str]) -> list[tuple[str, str]]:
     return out
 
 
+def overlong_names(relpaths: Collection[str]) -> list[str]:
+    """The ``relpaths`` holding a name (a ``/``-separated segment) of more than
+    :data:`NAME_MAX` bytes in UTF-8, which no common filesystem can create.
+    Sorted; pure."""
+    return sorted(r for r in relpaths if any(len(part.encode("utf-8", "surrogateescape")) > NAME_MAX
+                                             for part in r.split("/")))
+
+
 def _check_layout(record: CheckpointRecord) -> None:
+    overlong = overlong_names([f.relpath for f in record.files])
+    if overlong:
+        more = f" (and {len(overlong) - 1} more)" if len(overlong) > 1 else ""
+        raise UnfetchableLayout(
+            f"job {record.job} step {record.step}: {overlong[0][:60]!r}... holds a name over {NAME_MAX} bytes{more}, "
+            "which no filesystem can hold; nothing was written. Rename the object in the store and rescan"
+        )
     conflicts = path_conflicts([f.relpath for f in record.files])
     if conflicts:
         head, other = conflicts[0]

@@ -102,7 +102,7 @@ from ckptier.storage.base import key_problem
 from ckptier.storage.errors import ConfigError
 from ckptier.formats.pattern import PatternRule
 from ckptier.storage.s3 import storage_class_problem
-from ckptier.storage.url import parse_url
+from ckptier.storage.url import parse_location, parse_url
 from ckptier.tasks.prices import DEFAULT_CLASS_PRICES, DEFAULT_PRICES, FIELDS, ClassPrice, Prices
 from ckptier.tasks.retention import (
     ARCHIVE_WHENS,
@@ -671,12 +671,13 @@ def parse_runner(data: Any, *, where: str = DEFAULT_FILE) -> RunnerSettings:
 def location_overlap(archive: str, hot: str) -> str | None:
     """How the archive location ``archive`` overlaps the hot location ``hot``:
     ``"equals"``, ``"contains"``, ``"lies inside"``, or None when they are
-    apart. Pure: the URLs are parsed (:func:`parse_url`), never opened;
+    apart. Pure: the URLs are parsed (:func:`parse_url`; ``hot`` may be a
+    catalog location, :func:`parse_location`), never opened;
     paths are compared component by component (``/a/b`` is not inside
     ``/a/bc``), S3 locations only within one bucket. Raises
     :class:`ConfigError` for a malformed URL.
     """
-    a, h = parse_url(archive), parse_url(hot)
+    a, h = parse_url(archive), parse_location(hot)
     if a.scheme != h.scheme or a.bucket != h.bucket:
         return None
     sep = "/"
@@ -707,7 +708,7 @@ def check_archive_locations(config: Config, hot_locations: Iterable[str]) -> Non
             continue
         archive = _resolved(policy.archive)
         for hot in hots:
-            how = location_overlap(archive, _resolved(hot))
+            how = location_overlap(archive, _resolved(hot, hots))
             if how is not None:
                 raise ConfigError(
                     f"{where}: policy[{index}].archive = {_show(policy.archive)} {how} the hot location {hot} "
@@ -716,9 +717,10 @@ def check_archive_locations(config: Config, hot_locations: Iterable[str]) -> Non
                 )
 
 
-def _resolved(url: str) -> str:
-    """``url`` with a local path's symlinks resolved (S3 URLs unchanged)."""
-    parsed = parse_url(url)
+def _resolved(url: str, roots: Iterable[str] = ()) -> str:
+    """``url`` with a local path's symlinks resolved (S3 URLs unchanged); a catalog location
+    below one of ``roots`` is split there, its key never URL-decoded (:func:`parse_location`)."""
+    parsed = parse_location(url, roots)
     return os.path.realpath(parsed.path) if parsed.scheme == "file" else url
 
 

@@ -34,7 +34,7 @@ from typing import Any
 
 from ckptier.storage.errors import ConfigError
 from ckptier.storage.records import CheckpointRecord
-from ckptier.storage.url import parse_url
+from ckptier.storage.url import parse_location, parse_url
 
 from .retention import Plan, Policy
 from .tiers import NEEDS_RESTORE, lifecycle_problem
@@ -184,7 +184,7 @@ def lifecycle_for_job(
                        ("abort_multipart_days", abort_multipart_days)):
         if days < 1:
             raise ConfigError(f"{name} = {days}: S3 lifecycle days must be ≥ 1")
-    hot = parse_url(hot_url) if hot_url else None
+    hot = parse_location(hot_url) if hot_url else None  # a location: its keys are raw
     arch = parse_url(policy.archive) if policy.archive else None
     places: dict[str, list[str]] = {}
     if hot is not None and hot.scheme == "s3":

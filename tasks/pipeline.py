@@ -24,7 +24,7 @@ from ckptier.storage.catalog.api import Catalog
 from ckptier.storage.errors import CkptierError, ConfigError
 from ckptier.formats import PatternRule
 from ckptier.storage.records import CheckpointRecord, CopyState, State
-from ckptier.storage.url import canonical_url, open_store, parse_url
+from ckptier.storage.url import canonical_url, open_store, parse_location
 from ckptier.storage.wrappers import resuming
 
 from .config import Config, DrillSettings, check_archive_locations
@@ -87,12 +87,28 @@ class StoreCache:
     ``opener`` gives is used through :func:`~ckptier.storage.wrappers.resuming`
     (a listing, a read or a batch delete that breaks off part-way goes on).
     Thread-safe.
+
+    A location is split by :func:`~ckptier.storage.url.parse_location`,
+    never URL-decoded past its store's URL (a key may hold ``%``, ``#``,
+    ``?``...); ``roots`` gives the store URLs it may lie below (the
+    catalog's :meth:`~ckptier.storage.catalog.api.Catalog.hot_locations`),
+    asked once, on the first local location.
     """
 
-    def __init__(self, opener: Callable[[str], Store] = open_store) -> None:
+    def __init__(self, opener: Callable[[str], Store] = open_store, *,
+                 roots: Callable[[], Iterable[str]] | None = None) -> None:
         self._opener = opener
         self._stores: dict[str, Store] = {}
         self._lock = threading.Lock()
+        self._roots_of = roots
+        self._roots: tuple[str, ...] | None = None
+
+    def roots(self) -> tuple[str, ...]:
+        """The store URLs locations may lie below (asked of ``roots`` once)."""
+        with self._lock:
+            if self._roots is None:
+                self._roots = tuple(self._roots_of()) if self._roots_of is not None else ()
+            return self._roots
 
     def store(self, url: str) -> Store:
         with self._lock:
@@ -101,11 +117,12 @@ class StoreCache:
             return self._stores[url]
 
     def locate(self, location: str) -> tuple[Store, str]:
-        parsed = parse_url(location)
-        if parsed.scheme == "s3":
+        if location.startswith("s3://"):
+            parsed = parse_location(location)
             return self.store(f"s3://{parsed.bucket}"), parsed.prefix
+        parsed = parse_location(location, self.roots())
         parent, name = posixpath.split(parsed.path.rstrip("/"))
-        return self.store(parent or "/"), name
+        return self.store(Path(parent or "/").as_uri()), name
 
     def for_record(self, record: CheckpointRecord) -> tuple[Store, str]:
         return self.locate(record.location)
@@ -228,7 +245,7 @@ def run_verify(
     """
     from .verify import select_sample, verify_many
 
-    stores = stores or StoreCache()
+    stores = stores or StoreCache(roots=catalog.hot_locations)
     states = (State.COMMITTED, State.VERIFIED, State.CORRUPT)
     cataloged = catalog.checkpoints(job=job, states=states)
     if job and not cataloged and not catalog.checkpoints(job=job):
@@ -581,7 +598,8 @@ def run_apply(
     empty in a dry run).
     """
     check_archive_locations(config, catalog.hot_locations())
-    run = Run(catalog=catalog, config=config, stores=stores or StoreCache(), now=now, owner=owner, dry_run=dry_run)
+    run = Run(catalog=catalog, config=config, stores=stores or StoreCache(roots=catalog.hot_locations), now=now,
+              owner=owner, dry_run=dry_run)
     lines: list[str] = []
     items: list[dict[str, Any]] = []
     failed = False
@@ -673,7 +691,7 @@ def run_fetch(
     record = catalog.get(job, step)
     if record is None:
         raise ConfigError(f"job {job!r} step {step}: not in the catalog; see 'ckptier ls --job {job}'")
-    return fetch_record(record, config, dest=dest, stores=stores or StoreCache())
+    return fetch_record(record, config, dest=dest, stores=stores or StoreCache(roots=catalog.hot_locations))
 
 
 def fetch_record(record: CheckpointRecord, config: Config, *, dest: Path, stores: StoreCache,
@@ -731,7 +749,7 @@ def run_janitor(catalog: Catalog, config: Config, *, now: datetime, older_than: 
     from .archive import archive_dir, janitor
 
     check_archive_locations(config, catalog.hot_locations())
-    stores = stores or StoreCache()
+    stores = stores or StoreCache(roots=catalog.hot_locations)
     lines: list[str] = []
     reports = {}
     records = catalog.checkpoints(include_deleted=True, with_files=False)
@@ -822,7 +840,7 @@ def run_drill(
         raise ConfigError(f"--world-size {world_size}: a drill runs on at least 1 rank; give e.g. --world-size 2")
     check_drill_inputs(model=model, device=device, steps=steps, timeout=timeout)  # before anything slow
 
-    stores = stores or StoreCache()
+    stores = stores or StoreCache(roots=catalog.hot_locations)
     cataloged = catalog.checkpoints(job=job)
     candidates = choose_candidates(cataloged, job=job, step=step)
     if not candidates:
@@ -1051,7 +1069,7 @@ def run_forget(
     from .archive import archive_dir, prefix_from_location
     from .forget import archive_places, forget_candidates, still_stored
 
-    stores = stores or StoreCache()
+    stores = stores or StoreCache(roots=catalog.hot_locations)
     records = catalog.checkpoints(job=job)
     if not records and not catalog.checkpoints(job=job, include_deleted=True):
         raise unknown_job(job)

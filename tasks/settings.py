@@ -165,5 +165,5 @@ def open_run(catalog_url: str | None, config_path: str | Path | None = None, *, 
     config = load_config(config_path)
     location = catalog_location(catalog_url, config_path, config=config)
     with Catalog.open(location.url, create=create) as catalog:
-        yield Run(catalog=catalog, config=config, stores=StoreCache(), now=now or utcnow, owner=run_owner(owner),
-                  dry_run=dry_run)
+        yield Run(catalog=catalog, config=config, stores=StoreCache(roots=catalog.hot_locations), now=now or utcnow,
+                  owner=run_owner(owner), dry_run=dry_run)

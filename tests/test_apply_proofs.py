@@ -151,6 +151,28 @@ def test_a_keeper_that_fails_its_proof_turns_corrupt_and_the_plan_is_made_anew(w
     assert proofs[(900, "hot")]["bytes_read"] == sum(len(d) for d in files_for(900).values())  # read, not assumed
 
 
+def test_a_milestone_whose_hot_bytes_rotted_turns_corrupt_and_the_next_apply_moves_on(
+    world: World, tmp_path: Path
+) -> None:
+    # The holder of milestone 500 rots before it is promoted; no scan can see it. The
+    # promotion reads the bytes and finds them unlike the catalog's: that is proof enough.
+    # Before, every apply failed the promotion ("run verify before promoting") and the
+    # job's deletions waited until someone ran verify by hand.
+    flip_byte(world.hot.root / f"{JOB}/step-00000500/rank-0000/model.pt")
+    policy = Policy(rules=(KeepLast(2), Milestones(steps=MILESTONES)), archive=str(tmp_path / "archive"))
+    first = apply(world, policy)
+    assert first["failed"]
+    assert world.state(500) == State.CORRUPT and world.on_disk(500)
+    assert all(world.state(s) == State.VERIFIED for s in (200, 300, 400))  # the job's deletions waited
+
+    second = apply(world, policy, owner="run-2")
+    assert not second["failed"], second["lines"]
+    assert world.state(500) == State.CORRUPT and world.on_disk(500)  # kept as evidence
+    holder = world.catalog.get(JOB, 600)  # milestone 500 passed on to the next save
+    assert holder is not None and holder.has_verified_archive()
+    assert all(world.state(s) == State.DELETED for s in (200, 300, 400, 700, 800))
+
+
 @pytest.mark.s3
 def test_a_keeper_on_s3_is_proven_by_the_stores_checksums(request: pytest.FixtureRequest, tmp_path: Path) -> None:
     w: S3World = request.getfixturevalue("s3_world")

@@ -399,6 +399,23 @@ def test_janitor_removes_only_old_uncommitted_step_dirs(setup: Any) -> None:
     assert again.removed_dirs == [] and again.young_dirs == ["llm/step-00000300"]
 
 
+@pytest.mark.parametrize("marker", [b"[" * 100_000, b'{"ckptier": "upload", "step": ' + b"9" * 5000 + b"}"],
+                         ids=["nested", "5000-digit-integer"])
+def test_janitor_leaves_a_dir_whose_upload_marker_is_hostile(setup: Any, marker: bytes) -> None:
+    # Deeply nested JSON raised RecursionError (a traceback, the janitor stopped) instead of
+    # "not a marker ckptier wrote".
+    _, _, _, archive, _ = setup
+    archive.write(upload_marker_key("llm", 200), marker)
+    archive.write("llm/step-00000200/model.pt.ckz", b"x")
+    for p in archive.root.rglob("*"):
+        if p.is_file():
+            _age(p, 3 * 86400)
+    rep = janitor(archive, now=NOW, older_than=timedelta(days=1))
+    assert rep.removed_keys == [] and "llm/step-00000200/model.pt.ckz" in rep.not_ours
+    with pytest.raises(ValueError, match="unreadable upload marker"):
+        UploadMarker.from_json(marker, where="m")
+
+
 def test_janitor_never_removes_a_file_ckptier_did_not_write(setup: Any) -> None:
     hot, prefix, record, archive, _ = setup
     promote(hot, prefix, record, archive, now=NOW, owner="run-1")

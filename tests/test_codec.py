@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import struct
 import tracemalloc
 import zipfile
 from pathlib import Path
@@ -118,6 +119,16 @@ def test_safetensors_round_trip(tmp_path: Path) -> None:
     _, stats = roundtrip(data)
     assert stats.payload == PAYLOAD_SAFETENSORS
     assert stats.segments.get("planes", 0) >= 2
+
+
+@pytest.mark.parametrize("header", [b'{"a":' * 30_000 + b"1" + b"}" * 30_000, b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+                                    b'{"w": {"dtype": "F32", "data_offsets": [0, ' + b"9" * 5000 + b"]}}"],
+                         ids=["nested-objects", "nested-arrays", "5000-digit-offset"])
+def test_a_safetensors_look_alike_with_a_hostile_header_is_coded_as_plain_bytes(header: bytes) -> None:
+    # A deeply nested header raised RecursionError out of encode: promote crashed with a traceback.
+    data = struct.pack("<Q", len(header)) + header + os.urandom(1000)
+    _, stats = roundtrip(data)
+    assert stats.payload == PAYLOAD_SAFETENSORS and stats.segments.get("planes", 0) == 0
 
 
 @pytest.mark.parametrize("data", [b"", b"x", b"PK\x03\x04", b"\x05" + bytes(8), os.urandom(100)])

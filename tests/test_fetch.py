@@ -20,7 +20,7 @@ import pytest
 
 from ckptier.flows.cli import main
 from ckptier.storage.errors import ConfigError
-from ckptier.tasks.archive import FETCH_STAGE_PREFIX, check_fetch_dest, path_conflicts
+from ckptier.tasks.archive import FETCH_STAGE_PREFIX, check_fetch_dest, overlong_names, path_conflicts
 from ckptier.tasks.demo import train_demo_run
 
 
@@ -49,6 +49,11 @@ def leftovers(parent: Path) -> list[str]:
 )
 def test_path_conflicts(names: list[str], expected: list[tuple[str, str]]) -> None:
     assert path_conflicts(names) == expected
+
+
+def test_overlong_names() -> None:
+    names = ["a" * 255, "b/" + "c" * 256 + "/d", "é" * 127, "é" * 128, "x/y"]
+    assert overlong_names(names) == ["b/" + "c" * 256 + "/d", "é" * 128]  # bytes, not characters
 
 
 def test_fetch_destination_must_be_new_or_empty(tmp_path: Path) -> None:
@@ -180,6 +185,23 @@ def test_s3_key_that_is_also_a_directory_is_refused_before_writing(
     code, out, err = run(capsys, "drill", "--job", "demo-run", "--json")
     reports = json.loads(out)
     assert [r["step"] for r in reports][-1] == 50 and reports[-1]["ok"], err
+
+
+@pytest.mark.s3
+def test_s3_key_with_a_name_no_filesystem_holds_is_refused_before_writing(
+    s3_job: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A key segment of 300 bytes (S3 allows 1,024 for the whole key): fetch crashed with
+    OSError ENAMETOOLONG, a traceback."""
+    key = "runs/demo-run/step-00000050/rank-0000/" + "y" * 300 + ".pt"
+    s3_job["client"].put_object(Bucket=s3_job["bucket"], Key=key, Body=b"extra", ChecksumAlgorithm="CRC64NVME")
+    assert run(capsys, "scan", s3_job["url"])[0] == 0
+    assert run(capsys, "verify")[0] == 0
+    dest = tmp_path / "dest"
+    code, out, err = run(capsys, "fetch", "--job", "demo-run", "--step", "50", str(dest))
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "holds a name over 255 bytes" in lines[0], err
+    assert not dest.exists() and leftovers(tmp_path) == []
 
 
 @pytest.mark.s3

@@ -71,6 +71,9 @@ def test_truncated_metadata_json_is_incomplete_with_position(guide_run: Checkpoi
         (b'{"step": 2, "loss": 1.0', "metadata.json: not valid JSON (line 1 col 24)"),
         (b"[1, 2]", "metadata.json: expected a JSON object, found list"),
         (b'{"step": 2}\xff', "metadata.json: not valid UTF-8 text"),
+        pytest.param(b'{"step": 2, "loss": ' + b"1" * 5000 + b"}",
+                     "metadata.json: not valid JSON (exceeds the limit (4300 digits) for integer string conversion)",
+                     id="5000-digit-integer"),
     ],
 )
 def test_malformed_metadata_never_crashes(content: bytes, reason: str) -> None:

@@ -261,7 +261,10 @@ def test_manifest_parsing_is_strict(mutate, message: str) -> None:
 
 @pytest.mark.parametrize(
     "data",
-    [b"", b"{", b"[]", b"\xff\xfe", b'{"ckptier_manifest": 1, "ckptier_manifest": 1}', b'{"ckptier_manifest": NaN}'],
+    [b"", b"{", b"[]", b"\xff\xfe", b'{"ckptier_manifest": 1, "ckptier_manifest": 1}', b'{"ckptier_manifest": NaN}',
+     pytest.param(b"[" * 100_000, id="nested-arrays"),
+     pytest.param(b'{"a":' * 50_000 + b"1" + b"}" * 50_000, id="nested-objects"),
+     pytest.param(b'{"ckptier_manifest": ' + b"1" * 5000 + b"}", id="5000-digit-integer")],
 )
 def test_manifest_rejects_non_manifests(data: bytes) -> None:
     with pytest.raises(ManifestError):

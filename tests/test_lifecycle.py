@@ -179,6 +179,14 @@ def test_rules_for_a_job_with_hot_and_archive_in_one_bucket() -> None:
     assert any("replaces every rule" in n for n in cfg.notes)
 
 
+@pytest.mark.parametrize("job", ["p%41x", "a#b", "q?r"])
+def test_a_job_prefix_is_the_raw_key_prefix(job: str) -> None:
+    # The job's directory URL was read as a URL: '%41' became 'A' (rules scoped to another
+    # prefix), '#' and '?' were refused.
+    cfg = lifecycle_for_job(job, hot_url=f"s3://bkt/runs/{job}/", policy=policy())
+    assert cfg.hot_prefix == f"runs/{job}/"
+
+
 def test_rules_for_separate_buckets_need_the_bucket() -> None:
     p = policy(archive="s3://cold-bkt/archive")
     with pytest.raises(ConfigError, match="pass --bucket bkt or --bucket cold-bkt"):

@@ -196,6 +196,8 @@ def test_guide_and_hf_manifests_name_what_they_require() -> None:
     assert got.needs == (Need("rank-0000/model.pt", "metadata.json", 10, True), Need("rank-0000/", "metadata.json"),
                          Need("rank-0001/", "metadata.json"))
     assert (check("metadata.json", b"[1]", fmt=Format.GUIDE).problem or "").startswith("metadata.json: expected a JSON object")
+    huge = check("metadata.json", b'{"world_size": ' + b"9" * 5000 + b"}", fmt=Format.GUIDE).problem or ""
+    assert huge.startswith("metadata.json: not valid JSON (exceeds the limit")  # verification stopped on a ValueError
     index = b'{"weight_map": {"a": "model-1.safetensors", "b": "model-2.safetensors", "c": "model-1.safetensors"}}'
     got = check("model.safetensors.index.json", index, fmt=Format.HF)
     assert [n.relpath for n in got.needs] == ["model-1.safetensors", "model-2.safetensors"]

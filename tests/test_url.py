@@ -14,6 +14,7 @@ from ckptier.storage.url import (
     bucket_problem,
     canonical_url,
     open_store,
+    parse_location,
     parse_url,
 )
 
@@ -136,3 +137,36 @@ def test_s3_store_rejects_bad_settings() -> None:
         S3Store("bkt-1", client=object(), checksum="MD5")
     with pytest.raises(ConfigError, match="unsafe"):
         S3Store("bkt-1", "a/../b", client=object())
+
+
+ROOT = "file:///data/run%201"  # the canonical URL of /data/run 1
+
+
+@pytest.mark.parametrize(
+    ("location", "roots", "expected"),
+    [
+        # keys are raw after the store's URL: '%', '#', '?', tab and newline are names, not URL syntax
+        ("file:///data/ckpt/a#b/step-1", (), StoreURL("file", path="/data/ckpt/a#b/step-1")),
+        ("file:///data/ckpt/q?r/step-1", (), StoreURL("file", path="/data/ckpt/q?r/step-1")),
+        ("file:///data/ckpt/t\tab/n\nl", (), StoreURL("file", path="/data/ckpt/t\tab/n\nl")),
+        ("file:///data/ckpt/p%41x/step-1", ("file:///data/ckpt",), StoreURL("file", path="/data/ckpt/p%41x/step-1")),
+        (f"{ROOT}/p%41x/step-1", (ROOT, "file:///data"), StoreURL("file", path="/data/run 1/p%41x/step-1")),
+        (ROOT, (ROOT,), StoreURL("file", path="/data/run 1")),
+        # a root that is not a store's canonical URL (a job's raw directory) is passed over
+        (f"{ROOT}/p%41x/step-1", (f"{ROOT}/p%41x", ROOT), StoreURL("file", path="/data/run 1/p%41x/step-1")),
+        # no root known: a location holding '%' is read as a URL, as before
+        (f"{ROOT}/llm/step-1", (), StoreURL("file", path="/data/run 1/llm/step-1")),
+        ("s3://bkt/runs/a#b/p%41x/t\tq?r", (), StoreURL("s3", bucket="bkt", prefix="runs/a#b/p%41x/t\tq?r")),
+        ("s3://bkt", (), StoreURL("s3", bucket="bkt")),
+        ("/data/ckpt", (), StoreURL("file", path="/data/ckpt")),
+    ],
+)
+def test_parse_location_never_decodes_a_key(location: str, roots: tuple[str, ...], expected: StoreURL) -> None:
+    # parse_url refused '#' and '?', dropped tabs and decoded '%41': verify found such checkpoints
+    # corrupt (files "not found"), and apply and the janitor stopped for every job.
+    assert parse_location(location, roots) == expected
+
+
+def test_parse_location_refuses_a_bad_bucket() -> None:
+    with pytest.raises(ConfigError, match="bucket name 'B_ad'"):
+        parse_location("s3://B_ad/x")
