@@ -1021,7 +1021,7 @@ def run(opts: Options, services: Services) -> Findings:
                 v, c, s = findings.totals
                 log(f"chaos: {kills} kills in {attempts} trials, {time.monotonic() - t0:.0f}s; "
                     f"violations {v}, crashes {c}, stuck {s}")
-        for i in range(opts.concurrent):
+        for _ in range(opts.concurrent):
             trials.concurrent("sqlite")
             if pg_ok:
                 trials.concurrent("pg")

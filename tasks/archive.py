@@ -262,18 +262,17 @@ class ArchiveCopy:
 
 def _check_hot_digest(record: CheckpointRecord, f: FileRecord, got: Digests, where: str) -> None:
     """Raise :class:`HotCopyMismatch` unless the hot bytes just read are the verified ones."""
-    evidence = {"key": where, "relpath": f.relpath, "size": got.size, "crc64nvme": got.crc64nvme}
     if got.size != f.size:
         raise HotCopyMismatch(
             f"{where}: hot file is {got.size} bytes but the catalog recorded {f.size} "
             f"(job {record.job} step {record.step}); rescan and verify before promoting",
-            **evidence,
+            key=where, relpath=f.relpath, size=got.size, crc64nvme=got.crc64nvme,
         )
     if f.crc64nvme is not None and got.crc64nvme != f.crc64nvme:
         raise HotCopyMismatch(
             f"{where}: hot file CRC64NVME {got.crc64nvme} differs from the catalog's {f.crc64nvme} "
             f"(job {record.job} step {record.step}); run verify before promoting",
-            **evidence,
+            key=where, relpath=f.relpath, size=got.size, crc64nvme=got.crc64nvme,
         )
 
 
