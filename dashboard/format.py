@@ -19,19 +19,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from ckptier.tasks.units import human_bytes
+
 from .alerts import format_age
 
-
-def human_bytes(n: int | float | None) -> str:
-    """``1234567`` → ``'1.2 MB'`` (decimal units); ``'-'`` for None."""
-    if n is None:
-        return "-"
-    value = float(n)
-    for unit in ("B", "kB", "MB", "GB", "TB", "PB"):
-        if abs(value) < 1000 or unit == "PB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1000
-    return f"{n} B"  # pragma: no cover - the loop always returns
 
 
 def missing(v: Any) -> bool:

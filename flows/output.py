@@ -14,18 +14,8 @@ from typing import Any, TextIO
 
 from ckptier.storage.records import CheckpointRecord
 from ckptier.storage.transitions import proof_of
+from ckptier.tasks.units import human_bytes
 
-
-def human_bytes(n: int | None) -> str:
-    """``1234567`` → ``'1.2 MB'`` (decimal units, as storage bills)."""
-    if n is None:
-        return "-"
-    value = float(n)
-    for unit in ("B", "kB", "MB", "GB", "TB", "PB"):
-        if abs(value) < 1000 or unit == "PB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1000
-    return f"{n} B"  # pragma: no cover - loop always returns
 
 
 def iso(t: datetime | None) -> str | None:
