@@ -86,8 +86,12 @@ class Browser:
     def find_all(self, css: str) -> list[str]:
         return [e[W3C_ELEMENT] for e in self.cmd("POST", "/elements", {"using": "css selector", "value": css})]
 
-    def find(self, css: str) -> str:
-        found = self.find_all(css)
+    def find(self, css: str, wait: float = 10.0) -> str:
+        """The first element matching ``css``, waiting up to ``wait`` seconds for
+        it (a click that submits a form returns before the next page is there)."""
+        deadline = time.monotonic() + wait
+        while not (found := self.find_all(css)) and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert found, f"no element matches {css!r} on {self.url}: {self.page_text()[:800]}"
         return found[0]
 
@@ -287,6 +291,7 @@ def deployed(prefect_server: PrefectServer, demo_dir: Path) -> Iterator[dict[str
     """
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import VariableCreate
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from ckptier.deployments import serve as dep
@@ -309,7 +314,9 @@ def deployed(prefect_server: PrefectServer, demo_dir: Path) -> Iterator[dict[str
             runs: list[str] = []
             yield {"server": prefect_server, "deployment_id": str(deployment.id), "runs": runs}
             with get_client(sync_client=True) as client:
-                for run in runs:
+                # Every run the dashboard started, also one a failed test did not get to record.
+                started = client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=["ckptier-dashboard"])))
+                for run in {*runs, *(str(r.id) for r in started)}:
                     client.delete_flow_run(UUID(run))
                 for name in created:
                     client.delete_variable_by_name(name)
