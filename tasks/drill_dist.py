@@ -304,7 +304,10 @@ def _completion(results: Sequence[RankResult]) -> Check:
         return Check("completed", False, f"timeout: {_ranks_text([r.rank for r in timed])} {killed}{where}; "
                                          "raise the drill timeout or lower the steps")
     own = [r for r in failed if not r.stopped]
-    first = min(own or failed, key=lambda r: (r.exit_order if r.exit_order is not None else 1 << 30, r.rank))
+    # A rank that died without a result (killed, os._exit, a segfault) explains the errors its peers then
+    # report from a collective (a closed connection), whichever exit the drill happened to see first.
+    crashed = [r for r in own if r.error_stage == "crash"]
+    first = min(crashed or own or failed, key=lambda r: (r.exit_order if r.exit_order is not None else 1 << 30, r.rank))
     detail = f"rank {first.rank}: {first.error_stage or 'crash'}: {first.error or 'stopped'}"
     stopped = sorted(r.rank for r in failed if r.stopped)
     also = sorted(r.rank for r in own if r is not first)

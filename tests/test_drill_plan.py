@@ -343,6 +343,11 @@ def _rank(rank: int, **changes: object) -> RankResult:
         ({"stopped": True, "error": "stopped by the drill after another rank failed", "exit_order": 1},
          {"error": "exited with code 3 without a result (last stage: build): boom", "error_stage": "crash", "exit_order": 0},
          ["completed"], "rank 1: crash: exited with code 3 without a result (last stage: build): boom; rank 0 stopped by the drill"),
+        # The peer's collective error was seen first, but the rank that died without a result is the cause.
+        ({"error": "training step failed: RuntimeError: gloo: Connection closed by peer", "error_stage": "train",
+          "exit_order": 0},
+         {"error": "exited with code 3 without a result (last stage: build)", "error_stage": "crash", "exit_order": 1},
+         ["completed"], "rank 1: crash: exited with code 3 without a result (last stage: build) (then rank 0 failed too)"),
         ({"error": "rank 1: Connection closed by peer", "error_stage": "load", "exit_order": 1},
          {"error": "refused to load: it calls os.system", "error_stage": "load", "unsafe": True, "exit_order": 0},
          ["completed"], "rank 1: load: refused to load: it calls os.system (then rank 0 failed too)"),
