@@ -32,6 +32,7 @@ import os
 import queue
 import re
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -70,6 +71,9 @@ MIN_PART_SIZE = 5 << 20
 MAX_PARTS = 10_000
 #: Key prefix (below the store's prefix) used by :meth:`S3Store.canary`.
 CANARY_PREFIX = ".ckptier-canary/"
+#: A canary object this old was left by a run killed mid-canary (a canary lives for
+#: seconds): the next successful canary deletes it. Only canaries write that prefix.
+STALE_CANARY_AGE_S = 3600.0
 #: Environment variable choosing the checksum behaviour per endpoint.
 CHECKSUMS_ENV = "CKPTIER_S3_CHECKSUMS"
 #: The storage classes S3 accepts on a write (``OUTPOSTS`` and ``SNOW`` need their own hardware).
@@ -969,11 +973,14 @@ class S3Store:
         answer = self._call("get_bucket_versioning", None, Bucket=self.bucket)
         return answer.get("Status") in ("Enabled", "Suspended")
 
-    def canary(self) -> None:
+    def canary(self, *, stale_after_s: float = STALE_CANARY_AGE_S) -> None:
         """Prove the endpoint stores and returns bytes unchanged; raise if not.
 
         Writes a small object under ``.ckptier-canary/``, reads it back,
-        compares, and deletes it. Must pass before anything is deleted.
+        compares, and deletes it. Must pass before anything is deleted. After
+        it passed, canary objects older than ``stale_after_s`` (left by runs
+        killed mid-canary; nothing else writes that prefix) are deleted too,
+        best effort; a live run's canary is seconds old and stays.
         Raises :class:`StoreError` (``AccessDenied``/``NotFound``/
         ``Unavailable`` as usual for those causes) naming
         ``CKPTIER_S3_CHECKSUMS=when_required`` when the store rejects checksum
@@ -1007,3 +1014,15 @@ class S3Store:
                 self.client.delete_object(Bucket=self.bucket, Key=self.prefix + key)
             except Exception as exc:  # the original error matters more
                 log.warning("%s: could not delete canary object %s: %s", self.url, key, exc)
+        self._sweep_stale_canaries(stale_after_s)
+
+    def _sweep_stale_canaries(self, stale_after_s: float) -> None:
+        """Delete canary objects older than ``stale_after_s`` (best effort: a warning, never an error)."""
+        try:
+            cutoff = time.time() - stale_after_s
+            stale = [i.key for i in self.list(CANARY_PREFIX) if i.mtime is not None and i.mtime <= cutoff]
+            if stale:
+                self.delete_many(stale)
+                log.info("%s: deleted %d canary object(s) left by killed runs", self.url, len(stale))
+        except StoreError as exc:
+            log.warning("%s: could not delete old canary objects: %s", self.url, exc)

@@ -511,6 +511,16 @@ def test_canary_passes_and_cleans_up(store: S3Store) -> None:
     assert list(store.list(CANARY_PREFIX)) == []
 
 
+def test_canary_deletes_canaries_left_by_killed_runs_but_not_a_live_one(store: S3Store) -> None:
+    store.write(CANARY_PREFIX + "left-by-a-killed-run", b"ckptier canary\n")
+    store.canary()  # the default age keeps a canary seconds old: it may be another run's, live
+    assert [i.key for i in store.list(CANARY_PREFIX)] == [CANARY_PREFIX + "left-by-a-killed-run"]
+    store.write("data/keep", b"not a canary")
+    store.canary(stale_after_s=0)  # as if an hour had passed
+    assert list(store.list(CANARY_PREFIX)) == []
+    assert store.stat("data/keep").size == len(b"not a canary")
+
+
 def test_canary_catches_mangled_bytes(store: S3Store, client: Any) -> None:
     def mangled(request: Any, **_: Any) -> Any:
         return fake_response(request, 200, b"aws-chunked framing garbage", {"Content-Type": "binary/octet-stream"})
