@@ -32,7 +32,6 @@ work directory where the kernel offers Landlock, killed with its parent.
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import hashlib
 import json
@@ -58,7 +57,9 @@ from ckptier.tasks.drill_worker import (
     _optimizer_steps,
     _peak_memory,
     _seed,
+    read_request,
     restore,
+    write_result,
 )
 from ckptier.tasks.drill_models import DrillSpec, build_spec, resolve_factory, train_step
 
@@ -429,20 +430,13 @@ def run_rank(request: RankRequest) -> RankResult:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ckptier.tasks.drill_dist_worker", description=__doc__.splitlines()[0])
-    parser.add_argument("--request", required=True, type=Path, help="request JSON written by launch_ranks")
-    args = parser.parse_args(argv)
-    try:
-        request = RankRequest.from_dict(json.loads(args.request.read_text()))
-    except (OSError, ValueError, TypeError) as exc:
-        print(f"drill worker: cannot read request {args.request}: {exc}", file=sys.stderr)
+    request = read_request(argv, "ckptier.tasks.drill_dist_worker", __doc__ or "", "launch_ranks",
+                           RankRequest.from_dict)
+    if request is None:
         return 2
     _die_with_parent(request.parent_pid)
     result = run_rank(request)
-    out = Path(request.result_path)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(result.to_dict()))
-    os.replace(tmp, out)
+    write_result(request.result_path, json.dumps(result.to_dict()))
     sys.stdout.flush()
     sys.stderr.flush()
     if result.error is None:

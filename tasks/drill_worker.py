@@ -25,7 +25,7 @@ import time
 import traceback
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -44,6 +44,9 @@ class DrillFailure(CkptierError):
         super().__init__(message)
         self.stage = stage
         self.unsafe = unsafe
+
+
+R = TypeVar("R")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -354,21 +357,36 @@ def run_request(request: DrillRequest) -> WorkerResult:
         return WorkerResult(**base, error=f"unexpected error: {last}", error_stage="crash")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ckptier.tasks.drill_worker", description=__doc__.splitlines()[0])
-    parser.add_argument("--request", required=True, type=Path, help="request JSON written by run_drill_subprocess")
+def read_request(argv: list[str] | None, prog: str, doc: str, written_by: str,
+                 load: Callable[[dict[str, Any]], R]) -> R | None:
+    """The request named by ``--request`` in ``argv``, built by ``load``; None
+    (after one line on stderr) when it cannot be read."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc.splitlines()[0])
+    parser.add_argument("--request", required=True, type=Path, help=f"request JSON written by {written_by}")
     args = parser.parse_args(argv)
     try:
-        request = DrillRequest.from_dict(json.loads(args.request.read_text()))
+        return load(json.loads(args.request.read_text()))
     except (OSError, ValueError, TypeError) as exc:
         print(f"drill worker: cannot read request {args.request}: {exc}", file=sys.stderr)
-        return 2
-    result = run_request(request)
-    text = json.dumps(result.to_dict())
-    out = Path(request.result_path)
+        return None
+
+
+def write_result(result_path: str, text: str) -> None:
+    """Write ``text`` to ``result_path`` all at once (a temporary file renamed into place)."""
+    out = Path(result_path)
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    request = read_request(argv, "ckptier.tasks.drill_worker", __doc__ or "", "run_drill_subprocess",
+                           DrillRequest.from_dict)
+    if request is None:
+        return 2
+    result = run_request(request)
+    text = json.dumps(result.to_dict())
+    write_result(request.result_path, text)
     print(text)
     return 0
 
