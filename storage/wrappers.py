@@ -111,6 +111,24 @@ def _combined(cls: type[_Wrapper], forwards: tuple[type[_Wrapper], ...]) -> type
     return made
 
 
+class _ForwardBucketLocation(_Wrapper):
+    """:class:`BucketLocation` through any wrapper: read-only facts of the
+    inner store, and ``in_bucket`` wrapped again with the same settings.
+    Placed after the wrapper class in a forwarding class's bases, so that the
+    wrapper's own :meth:`rewrap` is the one called."""
+
+    @property
+    def bucket(self) -> str:
+        return cast(BucketLocation, self.inner).bucket
+
+    @property
+    def prefix(self) -> str:
+        return cast(BucketLocation, self.inner).prefix
+
+    def in_bucket(self, bucket: str) -> Store:
+        return cast(Store, self.rewrap(cast(BucketLocation, self.inner).in_bucket(bucket)))  # a wrapper is a Store
+
+
 class RetryingStore(_Wrapper):
     """Retries calls that fail with a transient error (:func:`is_transient`)
     and resumes work that a transient error cut off part-way.
@@ -424,17 +442,8 @@ class _RetryingTaggable(RetryingStore):
         return self._run(lambda: inner.get_object_tagging(key))
 
 
-class _RetryingBucketLocation(RetryingStore):
-    @property
-    def bucket(self) -> str:
-        return cast(BucketLocation, self.inner).bucket
-
-    @property
-    def prefix(self) -> str:
-        return cast(BucketLocation, self.inner).prefix
-
-    def in_bucket(self, bucket: str) -> Store:
-        return self.rewrap(cast(BucketLocation, self.inner).in_bucket(bucket))
+class _RetryingBucketLocation(RetryingStore, _ForwardBucketLocation):
+    pass
 
 
 RetryingStore.FORWARDS = {
@@ -611,17 +620,8 @@ class _DryTaggable(DryRunStore):
         return cast(Taggable, self.inner).get_object_tagging(key)
 
 
-class _DryBucketLocation(DryRunStore):
-    @property
-    def bucket(self) -> str:
-        return cast(BucketLocation, self.inner).bucket
-
-    @property
-    def prefix(self) -> str:
-        return cast(BucketLocation, self.inner).prefix
-
-    def in_bucket(self, bucket: str) -> Store:
-        return self.rewrap(cast(BucketLocation, self.inner).in_bucket(bucket))
+class _DryBucketLocation(DryRunStore, _ForwardBucketLocation):
+    pass
 
 
 DryRunStore.FORWARDS = {
