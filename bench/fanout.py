@@ -56,7 +56,7 @@ sys.stdin.readline()
 t0 = time.time()
 report = run_verify(cat, now=lambda: datetime.now(UTC), deep=True,
                     claims=RowClaims(owner=owner, since=datetime.fromisoformat(since), poll=0.05))
-print(json.dumps({"start": t0, "end": time.time(), "checked": report["totals"]["checked"]}), flush=True)
+print(json.dumps({"start": t0, "end": time.time(), "checked": report.totals.checked}), flush=True)
 """
 
 
@@ -135,7 +135,7 @@ def timed_threads(url: str, n: int) -> float:
         t = time.perf_counter()
         report = run_verify(cat, now=lambda: datetime.now(UTC), deep=True, workers=4)
         elapsed = time.perf_counter() - t
-    assert report["totals"]["verified"] == n, report["totals"]
+    assert report.totals.verified == n, report.totals
     return elapsed
 
 
@@ -147,7 +147,7 @@ def timed_dask(url: str, n: int, fanout: object) -> float:
         t = time.perf_counter()
         report = run_verify(cat, now=lambda: datetime.now(UTC), deep=True, fanout=fanout)
         elapsed = time.perf_counter() - t
-    assert report["totals"]["verified"] == n, report["totals"]
+    assert report.totals.verified == n, report.totals
     return elapsed
 
 

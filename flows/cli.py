@@ -197,22 +197,23 @@ def cmd_scan(args: argparse.Namespace) -> int:
     reports = runner.scan(args.urls, catalog_url=location.url, use_prefect=_use_prefect(args), progress=not args.json,
                           config_path=args.config, inventory=args.inventory, full=args.full)
     if args.json:
-        print_json(reports)
+        print_json([r.to_json() for r in reports])
         return 0
     for r in reports:
-        print(f"{r['url']}: {r['objects']:,} objects, {r['checkpoints']} checkpoints "
-              f"({r['committed']} committed, {r['incomplete']} incomplete), {r['rows_written']} catalog rows written")
-        if r.get("unchanged_dirs"):
-            print(f"  {r['unchanged_dirs']:,} checkpoint directories unchanged since the last scan were not listed "
+        print(f"{r.url}: {r.objects:,} objects, {r.checkpoints} checkpoints "
+              f"({r.committed} committed, {r.incomplete} incomplete), {r.rows_written} catalog rows written")
+        if r.unchanged_dirs:
+            print(f"  {r.unchanged_dirs:,} checkpoint directories unchanged since the last scan were not listed "
                   "(--full lists everything)")
-        if inv := r.get("inventory"):
-            print(f"  from the S3 Inventory report {inv['url']} taken {inv['created_at']} "
-                  f"({inv['age_s'] / 3600:.1f} h ago); {inv['left_as_cataloged']} checkpoints left as the catalog "
+        if r.inventory is not None:
+            taken = r.inventory_created_at.isoformat() if r.inventory_created_at else None
+            print(f"  from the S3 Inventory report {r.inventory} taken {taken} "
+                  f"({(r.inventory_age_s or 0) / 3600:.1f} h ago); {r.left_as_cataloged} checkpoints left as the catalog "
                   "has them; nothing marked missing")
-        for u in r["unrecognised"][:20]:
-            print(f"  not recognised: {u['key']}: {u['reason']}")
-        if len(r["unrecognised"]) > 20:
-            print(f"  … and {len(r['unrecognised']) - 20} more not recognised (see --json)")
+        for u in r.unrecognised[:20]:
+            print(f"  not recognised: {u.key}: {u.reason}")
+        if len(r.unrecognised) > 20:
+            print(f"  … and {len(r.unrecognised) - 20} more not recognised (see --json)")
     return 0
 
 
@@ -226,19 +227,18 @@ def cmd_verify(args: argparse.Namespace) -> int:
                            catalog_url=location.url, use_prefect=_use_prefect(args), progress=not args.json,
                            config_path=args.config, runner=args.runner, claim_rows=args.claim_rows, since=args.since)
     if args.json:
-        print_json(report)
-    elif not report["checkpoints"]:
+        print_json(report.to_json())
+    elif not report.checkpoints:
         print(f"nothing to verify: {runner.why_nothing_to_verify(location.url, job=args.job, deep=args.deep, sample=sample)}")
     else:
-        table([(r["job"], r["step"], r.get("tier", "hot"), r["state"], human_bytes(r["bytes_read"]),
-                human_bytes(r["bytes_skipped"]), r["detail"] or "")
-               for r in report["checkpoints"]], ("JOB", "STEP", "TIER", "STATE", "READ", "SKIPPED", "DETAIL"))
-        t = report["totals"]
-        archived = (f"; {t.get('archive_checked', 0)} archive copies read back, {t.get('archive_degraded', 0)} degraded"
-                    if t.get("archive_checked") else "")
-        print(f"\n{t['verified']} verified, {t['corrupt']} corrupt, {t['errors']} with errors{archived}; "
-              f"read {human_bytes(t['bytes_read'])}, skipped {human_bytes(t['bytes_skipped'])} (native checksums)")
-    return 1 if report["totals"]["corrupt"] or report["totals"].get("archive_degraded") else 0
+        table([(r.job, r.step, r.tier, r.state, human_bytes(r.bytes_read), human_bytes(r.bytes_skipped), r.detail or "")
+               for r in report.checkpoints], ("JOB", "STEP", "TIER", "STATE", "READ", "SKIPPED", "DETAIL"))
+        t = report.totals
+        archived = (f"; {t.archive_checked} archive copies read back, {t.archive_degraded} degraded"
+                    if t.archive_checked else "")
+        print(f"\n{t.verified} verified, {t.corrupt} corrupt, {t.errors} with errors{archived}; "
+              f"read {human_bytes(t.bytes_read)}, skipped {human_bytes(t.bytes_skipped)} (native checksums)")
+    return 1 if report.totals.found_damage else 0
 
 
 def cmd_apply(args: argparse.Namespace) -> int:

@@ -181,11 +181,11 @@ def run_demo(base: Path | None, *, steps: int = 300, use_prefect: bool = True) -
     result = (_pipeline_prefect if use_prefect else _pipeline_direct)(hot, catalog_url, config_path)
 
     scan = result["scan"][0]
-    print(f"2. scanned: {scan['objects']} objects, {scan['checkpoints']} checkpoints "
-          f"({scan['committed']} committed, {scan['incomplete']} incomplete)")
+    print(f"2. scanned: {scan.objects} objects, {scan.checkpoints} checkpoints "
+          f"({scan.committed} committed, {scan.incomplete} incomplete)")
     print_checkpoints(result["listing"])
-    t = result["verify"]["totals"]
-    print(f"3. verified {t['verified']} checkpoints ({t['corrupt']} corrupt), read {human_bytes(t['bytes_read'])}")
+    t = result["verify"].totals
+    print(f"3. verified {t.verified} checkpoints ({t.corrupt} corrupt), read {human_bytes(t.bytes_read)}")
     actions: dict[str, int] = {}
     for row in result["plan"]:
         actions[row["action"]] = actions.get(row["action"], 0) + 1

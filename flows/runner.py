@@ -15,12 +15,16 @@ import importlib
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ckptier.storage.errors import CkptierError, ConfigError
 from ckptier.tasks.prefect_api import check_prefect_api
 
 from .output import Progress
+
+if TYPE_CHECKING:
+    from ckptier.tasks.reports import VerifyReport
+    from ckptier.tasks.scan import ScanReport
 
 R = TypeVar("R")
 
@@ -117,12 +121,13 @@ def why_nothing_to_verify(catalog_url: str, *, job: str | None, deep: bool, samp
 
 
 def scan(urls: list[str], *, catalog_url: str | None, use_prefect: bool, progress: bool = True,
-         config_path: str | None = None, inventory: str | None = None, full: bool = False) -> list[dict[str, Any]]:
+         config_path: str | None = None, inventory: str | None = None, full: bool = False) -> list[ScanReport]:
+    """Scan each URL (``pipeline.run_scan``); one :class:`ScanReport` per URL on both paths."""
     if inventory is not None and len(urls) != 1:
         raise ConfigError(f"--inventory {inventory} names the report of one bucket; scan one s3:// URL with it, "
                           f"not {len(urls)}")
 
-    def direct() -> list[dict[str, Any]]:
+    def direct() -> list[ScanReport]:
         from ckptier.tasks.pipeline import run_scan
         from ckptier.tasks.settings import open_run
 
@@ -134,15 +139,17 @@ def scan(urls: list[str], *, catalog_url: str | None, use_prefect: bool, progres
         finally:
             bar.close()
 
-    return dispatch(use_prefect, direct, flow="scan_verify:scan_flow", unwrap=list,
+    return dispatch(use_prefect, direct, flow="scan_verify:scan_flow",
                     params={"urls": urls, "catalog_url": catalog_url, "config_path": config_path,
                             "inventory": inventory, "full": full or None})
 
 
 def verify(*, job: str | None, deep: bool, sample: tuple[int, int] | None, workers: int,
            catalog_url: str | None, use_prefect: bool, progress: bool = True, config_path: str | None = None,
-           runner: str | None = None, claim_rows: bool = False, since: str | None = None) -> dict[str, Any]:
-    def direct() -> dict[str, Any]:
+           runner: str | None = None, claim_rows: bool = False, since: str | None = None) -> VerifyReport:
+    """Verify (``pipeline.run_verify``); the :class:`VerifyReport` on both paths (a flow run
+    that found corruption hands back its report, ``by_job`` filled in)."""
+    def direct() -> VerifyReport:
         from ckptier.tasks.pipeline import run_verify, utcnow
 
         fanout, claims = _fanout(config_path, runner, claim_rows, since)
@@ -156,7 +163,7 @@ def verify(*, job: str | None, deep: bool, sample: tuple[int, int] | None, worke
             if fanout is not None:
                 fanout.close()
 
-    return dispatch(use_prefect, direct, flow="scan_verify:verify_flow", unwrap=dict,
+    return dispatch(use_prefect, direct, flow="scan_verify:verify_flow",
                     params={"job": job, "deep": deep, "sample": f"{sample[0]}/{sample[1]}" if sample else None,
                             "workers": workers, "catalog_url": catalog_url, "config_path": config_path,
                             "runner": runner, "sweep_since": since})

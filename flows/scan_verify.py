@@ -8,6 +8,7 @@ alert.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -15,6 +16,8 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
 from ckptier.tasks.prefect_tasks import scan_task, verify_task
+from ckptier.tasks.reports import FileProblem, VerifyReport, VerifyRow, VerifyTotals
+from ckptier.tasks.scan import ScanReport
 from ckptier.tasks.settings import catalog_url as resolve_catalog_url
 
 from .artifacts import publish_catalog_summary, publish_dashboard_links
@@ -35,94 +38,122 @@ def _cell(value: Any) -> str:
     return " ".join(str(value).split()).replace("|", "\\|")
 
 
-def _expected_actual(f: dict[str, Any], side: str) -> str:
-    parts = [f"{f[side + '_size']:,} bytes" if f[side + "_size"] is not None else None,
-             f"sha256 `{f[side + '_sha256']}`" if f[side + "_sha256"] else None,
-             f"crc64nvme `{f[side + '_crc64nvme']}`" if f[side + "_crc64nvme"] else None]
+def _expected_actual(f: FileProblem, side: str) -> str:
+    size, sha256, crc = (f.expected_size, f.expected_sha256, f.expected_crc64nvme) if side == "expected" else \
+        (f.actual_size, f.actual_sha256, f.actual_crc64nvme)
+    parts = [f"{size:,} bytes" if size is not None else None,
+             f"sha256 `{sha256}`" if sha256 else None,
+             f"crc64nvme `{crc}`" if crc else None]
     return "<br>".join(p for p in parts if p) or "-"
 
 
-def render_verification(report: dict[str, Any], scans: Sequence[dict[str, Any]] = ()) -> str:
+@dataclass(frozen=True)
+class Damage:
+    """A corrupt checkpoint or degraded archive copy to alert on: a verify row
+    (``row``), or a checkpoint a scan found corrupt (``row`` None: files its
+    manifest lists were missing past the grace; ``detail`` says which)."""
+
+    job: str
+    step: int
+    tier: str
+    detail: str | None
+    row: VerifyRow | None = None
+
+    @property
+    def state(self) -> str:
+        return self.row.state if self.row is not None else "corrupt"
+
+
+def render_verification(report: VerifyReport, scans: Sequence[ScanReport] = ()) -> str:
     """The ``verification`` artifact: totals per job, then every corrupt checkpoint and degraded
     archive copy with each bad file's expected and actual size and hashes (and the checkpoints
     ``scans`` found corrupt: files their manifest lists missing past the grace)."""
-    t = report["totals"]
-    sample = f" (slice {report['sample']})" if report.get("sample") else ""
-    archived = (f"; {t['archive_checked']} archive copies read back, {t['archive_degraded']} degraded"
-                if t.get("archive_checked") else "")
+    t = report.totals
+    sample = f" (slice {report.sample[0]}/{report.sample[1]})" if report.sample else ""
+    archived = (f"; {t.archive_checked} archive copies read back, {t.archive_degraded} degraded"
+                if t.archive_checked else "")
     lines = ["# Verification", "",
-             f"{t['checked']} checked{sample}: {t['verified']} verified, {t['corrupt']} corrupt, "
-             f"{t['errors']} with read errors{archived}; read {human_bytes(t['bytes_read'])}, "
-             f"skipped {human_bytes(t['bytes_skipped'])} (proven by the store's own checksums)", ""]
-    if report.get("by_job"):
+             f"{t.checked} checked{sample}: {t.verified} verified, {t.corrupt} corrupt, "
+             f"{t.errors} with read errors{archived}; read {human_bytes(t.bytes_read)}, "
+             f"skipped {human_bytes(t.bytes_skipped)} (proven by the store's own checksums)", ""]
+    if report.by_job:
         lines += ["| job | checked | verified | corrupt | degraded archive copies | read errors | read | skipped |",
                   "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-        lines += [f"| {_cell(j['job'])} | {j['checked']} | {j['verified']} | {j['corrupt']} | {j['degraded']} | "
-                  f"{j['errors']} | {human_bytes(j['bytes_read'])} | {human_bytes(j['bytes_skipped'])} |"
-                  for j in report["by_job"]]
+        lines += [f"| {_cell(j.job)} | {j.checked} | {j.verified} | {j.corrupt} | {j.degraded} | "
+                  f"{j.errors} | {human_bytes(j.bytes_read)} | {human_bytes(j.bytes_skipped)} |"
+                  for j in report.by_job]
         lines.append("")
     bad = corruption_in(report, scans)
     if not bad:
-        lines.append("Nothing corrupt or degraded." if t["checked"] or t.get("archive_checked") else "Nothing to verify.")
+        lines.append("Nothing corrupt or degraded." if t.checked or t.archive_checked else "Nothing to verify.")
         return "\n".join(lines) + "\n"
     lines += [f"## Corrupt or degraded: {len(bad)}", ""]
-    for r in bad:
-        what = "archive copy" if r.get("tier") == "archive" else "hot copy"
-        found = "" if "state" in r else ", found by the scan"
-        lines += [f"### {_cell(r['job'])} step {r['step']}: {r.get('state', 'corrupt')} ({what}{found})", ""]
-        if r.get("detail"):
-            lines += [_cell(r["detail"]), ""]
-        if r.get("files"):
+    for d in bad:
+        what = "archive copy" if d.tier == "archive" else "hot copy"
+        found = "" if d.row is not None else ", found by the scan"
+        lines += [f"### {_cell(d.job)} step {d.step}: {d.state} ({what}{found})", ""]
+        if d.detail:
+            lines += [_cell(d.detail), ""]
+        r = d.row
+        if r is None:
+            continue
+        if r.files:
             lines += ["| file | status | expected | actual | detail |", "| --- | --- | --- | --- | --- |"]
-            lines += [f"| `{_cell(f['relpath'])}` | {f['status']} | {_expected_actual(f, 'expected')} | "
-                      f"{_expected_actual(f, 'actual')} | {_cell(f['detail'])} |" for f in r["files"]]
+            lines += [f"| `{_cell(f.relpath)}` | {f.status} | {_expected_actual(f, 'expected')} | "
+                      f"{_expected_actual(f, 'actual')} | {_cell(f.detail)} |" for f in r.files]
             lines.append("")
-        for p in r.get("problems") or ():
+        for p in r.problems or ():
             lines.append(f"- {_cell(p)}")
-        if r.get("problems"):
+        if r.problems:
             lines.append("")
-        if r.get("extra"):
-            lines += ["Files the catalog does not know: " + ", ".join(f"`{_cell(x)}`" for x in r["extra"]), ""]
+        if r.extra:
+            lines += ["Files the catalog does not know: " + ", ".join(f"`{_cell(x)}`" for x in r.extra), ""]
     return "\n".join(lines) + "\n"
 
 
 #: The report of a run that verified nothing (``scan-verify`` with ``verify=False``).
-NOTHING_VERIFIED: dict[str, Any] = {"checkpoints": [], "sample": None, "by_job": [], "totals": {
-    "checked": 0, "verified": 0, "corrupt": 0, "errors": 0, "bytes_read": 0, "bytes_skipped": 0}}
+NOTHING_VERIFIED = VerifyReport(checkpoints=(), totals=VerifyTotals(), by_job=())
 
 
-def publish_verification(report: dict[str, Any], scans: Sequence[dict[str, Any]] = ()) -> None:
+def publish_verification(report: VerifyReport, scans: Sequence[ScanReport] = ()) -> None:
     """Markdown artifact ``verification`` (:func:`render_verification`)."""
-    t = report["totals"]
+    t = report.totals
     create_markdown_artifact(render_verification(report, scans), key="verification",
-                             description=f"Verification: {t['verified']} verified, {t['corrupt']} corrupt, "
-                                         f"{t.get('archive_degraded', 0)} archive copies degraded")
+                             description=f"Verification: {t.verified} verified, {t.corrupt} corrupt, "
+                                         f"{t.archive_degraded} archive copies degraded")
 
 
-def corruption_in(report: dict[str, Any], scans: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+def corruption_in(report: VerifyReport, scans: Sequence[ScanReport] = ()) -> list[Damage]:
     """The corrupt checkpoints (and degraded copies) a verify report holds, plus
     those scans found corrupt (files their manifest lists missing past the grace)."""
-    corrupt = [r for r in report["checkpoints"] if r["state"] in ("corrupt", "degraded")]
-    return corrupt + [{**c, "tier": "hot"} for scan in scans for c in scan.get("corrupt_found", ())]
+    corrupt = [Damage(r.job, r.step, r.tier, r.detail, r) for r in report.checkpoints
+               if r.state in ("corrupt", "degraded")]
+    return corrupt + [Damage(job, step, "hot", why) for scan in scans if scan.summary is not None
+                      for job, step, why in scan.summary.corrupt_found]
 
 
-def raise_on_corruption(report: dict[str, Any], scans: Sequence[dict[str, Any]] = (), *,
+def raise_on_corruption(report: VerifyReport, scans: Sequence[ScanReport] = (), *,
                         result: Any = None) -> None:
     """Emit an event per corrupt checkpoint (:func:`corruption_in`) and fail the run
     with :class:`CorruptionFound` carrying ``result`` (default: ``report``)."""
     corrupt = corruption_in(report, scans)
     if not corrupt:
         return
-    for r in corrupt:
-        emit_checkpoint_event(CORRUPTION_FOUND, r["job"], r["step"], tier=r.get("tier", "hot"), detail=r["detail"],
-                              files=[f["relpath"] for f in r.get("files") or ()][:20])
-    names = ", ".join(f"{r['job']} step {r['step']}" for r in corrupt[:5])
+    for d in corrupt:
+        emit_checkpoint_event(CORRUPTION_FOUND, d.job, d.step, tier=d.tier, detail=d.detail,
+                              files=[f.relpath for f in (d.row.files if d.row is not None else ())][:20])
+    names = ", ".join(f"{d.job} step {d.step}" for d in corrupt[:5])
     raise CorruptionFound(f"{len(corrupt)} corrupt checkpoint(s): {names}; see the 'verification' artifact",
                           report=report if result is None else result)
 
 
 def _jobs(job: str | None, summary: list[dict[str, Any]]) -> list[str]:
     return [job] if job else [j["job"] for j in summary]
+
+
+def _scanned_jobs(reports: Sequence[ScanReport]) -> list[str]:
+    """The jobs the scans saw, in order (a job once per scan that saw it)."""
+    return [j for r in reports if r.summary is not None for j in r.summary.jobs]
 
 
 @flow(name="scan")
@@ -132,8 +163,9 @@ def scan_flow(
     config_path: str | None = None,
     inventory: str | None = None,
     full: bool = False,
-) -> list[dict[str, Any]]:
-    """Catalog every checkpoint under each URL; publishes the ``catalog-summary`` table.
+) -> list[ScanReport]:
+    """Catalog every checkpoint under each URL (one :class:`ScanReport` each, in order);
+    publishes the ``catalog-summary`` table.
 
     Args:
         urls: Where checkpoints are written: paths, file:///path or s3://bucket/prefix.
@@ -145,7 +177,7 @@ def scan_flow(
     catalog_url = resolve_catalog_url(catalog_url, config_path)
     reports = [scan_task(url, catalog_url, inventory=inventory, full=full) for url in urls]
     publish_catalog_summary(catalog_url)
-    publish_dashboard_links(j for r in reports for j in r["jobs"])
+    publish_dashboard_links(_scanned_jobs(reports))
     return reports
 
 
@@ -159,8 +191,9 @@ def verify_flow(
     config_path: str | None = None,
     runner: str | None = None,
     sweep_since: str | None = None,
-) -> dict[str, Any]:
-    """Verify checkpoints; fails the run (and emits an event) when corruption is found.
+) -> VerifyReport:
+    """Verify checkpoints (the report with ``by_job``); fails the run (and emits an event)
+    when corruption is found, with the report (:class:`CorruptionFound`).
 
     Publishes ``verification`` (every bad file with expected and actual
     hashes), ``verify-progress`` and ``catalog-summary``.
@@ -199,6 +232,9 @@ def scan_verify_flow(
 ) -> dict[str, Any]:
     """Scan, then verify: the hourly (and, with ``sample``, nightly) catalog upkeep.
 
+    Returns ``{"scans": [ScanReport, ...], "verify": VerifyReport}`` (``verify``
+    only when it verified).
+
     Args:
         urls: Where checkpoints are written: paths, file:///path or s3://bucket/prefix.
         verify: Verify new and changed checkpoints after scanning.
@@ -222,6 +258,6 @@ def scan_verify_flow(
         publish_verification(NOTHING_VERIFIED, scans)
     # One summary per run, after verification has settled the states.
     publish_catalog_summary(catalog_url)
-    publish_dashboard_links(j for r in scans for j in r["jobs"])
+    publish_dashboard_links(_scanned_jobs(scans))
     raise_on_corruption(result.get("verify", NOTHING_VERIFIED), scans, result=result)
     return result

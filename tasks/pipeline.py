@@ -33,6 +33,9 @@ from .reports import (
     NOTHING_FREED,
     FreedForecast,
     JobSummary,
+    VerifyReport,
+    VerifyRow,
+    VerifyTotals,
     archive_file_problems,
     file_problems,
     forecast_freed,
@@ -131,33 +134,6 @@ class StoreCache:
 # -------------------------------------------------------------------- scan
 
 
-def scan_report_json(r: ScanReport) -> dict[str, Any]:
-    s = r.summary
-    return {
-        "url": r.url,
-        "objects": r.objects,
-        "checkpoints": r.checkpoints,
-        "committed": r.committed,
-        "incomplete": r.incomplete,
-        "rows_written": r.rows_written,
-        "new": s.new if s else 0,
-        "changed": s.changed if s else 0,
-        "vanished": s.vanished if s else 0,
-        "corrupt": s.corrupt if s else 0,
-        "corrupt_found": [{"job": j, "step": step, "detail": why} for j, step, why in (s.corrupt_found if s else ())],
-        "jobs": list(s.jobs) if s else [],
-        "unrecognised": [{"key": u.key, "reason": u.reason} for u in r.unrecognised],
-        "listed": r.objects if r.listed is None else r.listed,
-        "unchanged_dirs": r.unchanged_dirs,
-        "inventory": None if r.inventory is None else {
-            "url": r.inventory,
-            "created_at": r.inventory_created_at.isoformat() if r.inventory_created_at else None,
-            "age_s": r.inventory_age_s,
-            "left_as_cataloged": r.left_as_cataloged,
-        },
-    }
-
-
 def policy_grace(config: Config | None) -> Callable[[str], timedelta]:
     """A job's ``grace`` (how long a save may be in flight): its ``[[policy]]``'s, else 2 h."""
     from ckptier.storage.transitions import DEFAULT_GRACE
@@ -179,8 +155,9 @@ def run_scan(
     config: Config | None = None,
     inventories: Mapping[str, str] | Sequence[tuple[str, str]] = (),
     full: bool = False,
-) -> list[dict[str, Any]]:
-    """Scan each URL in turn into ``catalog``; returns one report per URL.
+) -> list[ScanReport]:
+    """Scan each URL in turn into ``catalog``; returns one :class:`ScanReport` per URL, in order
+    (:meth:`ScanReport.to_json` is what ``scan --json`` prints).
 
     ``patterns`` are the ``[[pattern]]`` rules of ``ckptier.toml``
     (``Config.patterns``), tried on files no built-in format claims;
@@ -194,9 +171,8 @@ def run_scan(
              *(inventories.items() if isinstance(inventories, Mapping) else inventories)]
     by_url = {canonical_url(u): r for u, r in pairs}
     return [
-        scan_report_json(scan_url(url, catalog, now=now(), tick=tick, patterns=patterns,
-                                  grace_for=policy_grace(config), full=full,
-                                  inventory=by_url.get(canonical_url(url))))
+        scan_url(url, catalog, now=now(), tick=tick, patterns=patterns, grace_for=policy_grace(config), full=full,
+                 inventory=by_url.get(canonical_url(url)))
         for url in urls
     ]
 
@@ -217,7 +193,7 @@ def run_verify(
     config: Config | None = None,
     fanout: Any = None,
     claims: RowClaims | None = None,
-) -> dict[str, Any]:
+) -> VerifyReport:
     """Verify the checkpoints that need it and record the results.
 
     ``fanout`` (a :class:`ckptier.tasks.fanout.Fanout`) reads the files
@@ -234,14 +210,17 @@ def run_verify(
     the hot tier (``job`` restricts them; ``sample=(k, n)`` keeps the k-th
     of n disjoint slices). A checkpoint already verified is re-read only
     with ``deep`` or a sample (a periodic deep read), or when its files
-    changed since (a rescan put it back to ``committed``). Returns a report
-    with one row per checkpoint and totals; ``totals['corrupt']`` > 0 means
-    corruption was found. ``config`` gives each job's grace (default 2 h):
-    a checkpoint whose manifest requires absent files is ``incomplete``
-    within it, ``corrupt`` after. A row's ``files`` lists every file found
-    bad, with the expected and the actual size and hashes
-    (:class:`~ckptier.tasks.reports.FileProblem`); an archive copy's row
-    also has ``problems``, one line per damaged file of the copy.
+    changed since (a rescan put it back to ``committed``). Returns a
+    :class:`~ckptier.tasks.reports.VerifyReport`: one
+    :class:`~ckptier.tasks.reports.VerifyRow` per hot copy checked, then one
+    per archive copy read back, their totals (``totals.corrupt`` > 0 means
+    corruption was found) and the sample; ``by_job`` is left None.
+    ``config`` gives each job's grace (default 2 h): a checkpoint whose
+    manifest requires absent files is ``incomplete`` within it, ``corrupt``
+    after. A row's ``files`` lists every file found bad, with the expected
+    and the actual size and hashes (:class:`~ckptier.tasks.reports.FileProblem`);
+    an archive copy's row also has ``problems``, one line per damaged file
+    of the copy.
     """
     from .verify import select_sample, verify_many
 
@@ -257,9 +236,7 @@ def run_verify(
     records = [c for c in cataloged if "hot" in c.tiers]
     if sample is None and not deep:
         records = [c for c in records if c.state == State.COMMITTED]
-    rows: list[dict[str, Any]] = []
-    totals = {"checked": 0, "verified": 0, "corrupt": 0, "incomplete": 0, "errors": 0, "bytes_read": 0, "bytes_skipped": 0,
-              "archive_checked": 0, "archive_degraded": 0}
+    rows: list[VerifyRow] = []
     # Verify against the store's checksum unless a deep read was asked for.
     grace_for = policy_grace(config)
     deep_read = deep or sample is not None
@@ -293,27 +270,16 @@ def run_verify(
             + [f"extra file {x}" for x in outcome.extra[:3]]
             + outcome.notes
         )
-        rows.append({
-            "job": record.job, "step": record.step, "tier": "hot", "state": state.value,
-            "bytes_read": outcome.bytes_read, "bytes_skipped": outcome.bytes_skipped,
-            "errors": errors, "extra": outcome.extra, "detail": detail or None,
-            "files": [asdict(f) for f in file_problems(record.files, outcome.results)],
-        })
-        totals["checked"] += 1
-        totals["verified"] += state == State.VERIFIED
-        totals["corrupt"] += state == State.CORRUPT
-        totals["incomplete"] += state == State.INCOMPLETE
-        totals["errors"] += errors > 0
-        totals["bytes_read"] += outcome.bytes_read
-        totals["bytes_skipped"] += outcome.bytes_skipped
+        rows.append(VerifyRow(
+            job=record.job, step=record.step, tier="hot", state=state.value,
+            bytes_read=outcome.bytes_read, bytes_skipped=outcome.bytes_skipped,
+            errors=errors, extra=tuple(outcome.extra), detail=detail or None,
+            files=tuple(file_problems(record.files, outcome.results)),
+        ))
     if deep or sample is not None:
         archived = with_archive_copy(claimed if claims is not None else cataloged)
-        for row in _verify_archive_copies(catalog, archived, stores=stores, now=now):
-            rows.append(row)
-            totals["archive_checked"] += 1
-            totals["archive_degraded"] += row["state"] == CopyState.DEGRADED
-            totals["bytes_read"] += row["bytes_read"]
-    return {"checkpoints": rows, "totals": totals, "sample": f"{sample[0]}/{sample[1]}" if sample else None}
+        rows.extend(_verify_archive_copies(catalog, archived, stores=stores, now=now))
+    return VerifyReport(tuple(rows), VerifyTotals.of(rows), sample)
 
 
 @dataclass(frozen=True)
@@ -423,8 +389,9 @@ def with_archive_copy(records: Iterable[CheckpointRecord]) -> list[CheckpointRec
 
 
 def _verify_archive_copies(catalog: Catalog, records: Sequence[CheckpointRecord], *, stores: StoreCache,
-                           now: Clock) -> Iterable[dict[str, Any]]:
+                           now: Clock) -> Iterator[VerifyRow]:
     """Deep-read each record's archive copy; mark it ``degraded`` (with an event) when its bytes are bad.
+    Yields one archive :class:`~ckptier.tasks.reports.VerifyRow` per record, in order.
 
     A degraded copy of a checkpoint that no longer has a hot copy is the
     only copy at risk: its event says so.
@@ -451,11 +418,12 @@ def _verify_archive_copies(catalog: Catalog, records: Sequence[CheckpointRecord]
                 now=now(), job=record.job, checkpoint_id=record.id,
                 data={"only_copy": only, "problems": list(check.problems)},
             )
-        yield {"job": record.job, "step": record.step, "tier": "archive", "state": "verified" if check.ok else CopyState.DEGRADED.value,
-               "bytes_read": check.bytes_read, "bytes_skipped": 0, "errors": 0, "extra": [],
-               "detail": (("only copy at risk: " if only else "") + detail) if detail else None,
-               "files": [asdict(f) for f in archive_file_problems(record.files, check.bad_files)],
-               "problems": list(check.problems)}
+        yield VerifyRow(job=record.job, step=record.step, tier=Tier.ARCHIVE.value,
+                        state=State.VERIFIED.value if check.ok else CopyState.DEGRADED.value,
+                        bytes_read=check.bytes_read, bytes_skipped=0, errors=0, extra=(),
+                        detail=(("only copy at risk: " if only else "") + detail) if detail else None,
+                        files=tuple(archive_file_problems(record.files, check.bad_files)),
+                        problems=tuple(check.problems))
 
 
 # -------------------------------------------------------------------- plan

@@ -10,7 +10,7 @@ Prefect.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from prefect import task
@@ -23,8 +23,9 @@ from . import fanout as fanout_work
 from . import pipeline
 from .config import RunnerSettings, load_config
 from .fanout import row_claims, runner_settings
-from .reports import verification_by_job
+from .reports import VerifyReport, verification_by_job
 from .retention import render_plan_table
+from .scan import ScanReport
 from .settings import catalog_url as resolve_catalog_url
 from .settings import require_written_policy
 
@@ -40,25 +41,26 @@ def retry_if_transient(task: Any, task_run: Any, state: Any) -> bool:
 
 @task(name="scan", retries=2, retry_delay_seconds=10, retry_condition_fn=retry_if_transient)
 def scan_task(url: str, catalog_url: str | None, config_path: str | None = None, inventory: str | None = None,
-              full: bool = False) -> dict[str, Any]:
+              full: bool = False) -> ScanReport:
     """List one URL and bring the catalog in line with it (creating the catalog on first use),
     with the config's ``[[pattern]]`` rules and each job's grace; from an S3 Inventory report
-    instead (``inventory``, else the config's ``[[inventory]]``)."""
+    instead (``inventory``, else the config's ``[[inventory]]``). Returns the URL's :class:`ScanReport`."""
     log = get_run_logger()
     config = load_config(config_path)
     with Catalog.open(resolve_catalog_url(catalog_url, config_path, config=config)) as cat:
         (report,) = pipeline.run_scan([url], cat, now=pipeline.utcnow, patterns=config.patterns, config=config,
                                       inventories=[(url, inventory)] if inventory else (), full=full)
     log.info("%s: %d objects, %d checkpoints, %d catalog rows written",
-             report["url"], report["objects"], report["checkpoints"], report["rows_written"])
+             report.url, report.objects, report.checkpoints, report.rows_written)
     return report
 
 
 @task(name="verify", retries=1, retry_delay_seconds=30, retry_condition_fn=retry_if_transient)
 def verify_task(catalog_url: str | None, job: str | None, deep: bool, sample: tuple[int, int] | None,
                 workers: int, config_path: str | None = None, runner: str | None = None,
-                sweep_since: str | None = None) -> dict[str, Any]:
-    """Verify what needs it (or the sample) and record the results; ``by_job`` adds the totals per job.
+                sweep_since: str | None = None) -> VerifyReport:
+    """Verify what needs it (or the sample) and record the results; the :class:`VerifyReport`
+    of ``pipeline.run_verify`` with ``by_job``, the totals per job, filled in.
 
     The checkpoints are read by ``verify-checkpoints`` task runs, a batch of
     checkpoints each, on the task runner ``[runner]`` names (``runner``,
@@ -80,10 +82,10 @@ def verify_task(catalog_url: str | None, job: str | None, deep: bool, sample: tu
     finally:
         fanout.close()
     progress.finish()
-    report["by_job"] = [asdict(j) for j in verification_by_job(report["checkpoints"])]
-    t = report["totals"]
+    report = replace(report, by_job=tuple(verification_by_job(report.checkpoints)))
+    t = report.totals
     log.info("%d checked: %d verified, %d corrupt, %d with errors; %d bytes read, %d skipped",
-             t["checked"], t["verified"], t["corrupt"], t["errors"], t["bytes_read"], t["bytes_skipped"])
+             t.checked, t.verified, t.corrupt, t.errors, t.bytes_read, t.bytes_skipped)
     return report
 
 

@@ -13,7 +13,8 @@ reports, so the command line, the flows and the tests agree on one number.
   class: copies written, hot copies deleted, bytes actually freed.
 * :func:`file_problems` / :func:`verification_by_job`: every file a
   verification found bad, with the expected and the actual size and hashes,
-  and the totals per job.
+  and the totals per job; :class:`VerifyReport`: what ``run_verify``
+  returns (:class:`VerifyRow` rows, :class:`VerifyTotals`).
 * :func:`dashboard_job_url`: the dashboard page of a job.
 """
 
@@ -328,20 +329,136 @@ class JobVerification:
     bytes_skipped: int
 
 
-def verification_by_job(rows: Iterable[Mapping[str, Any]]) -> list[JobVerification]:
+def verification_by_job(rows: Iterable[VerifyRow]) -> list[JobVerification]:
     """Totals per job of ``run_verify``'s rows (hot checkpoints and archive copies), sorted by job."""
     acc: dict[str, dict[str, int]] = {}
     for r in rows:
-        j = acc.setdefault(r["job"], dict.fromkeys(("checked", "verified", "corrupt", "degraded", "errors",
-                                                     "bytes_read", "bytes_skipped"), 0))
+        j = acc.setdefault(r.job, dict.fromkeys(("checked", "verified", "corrupt", "degraded", "errors",
+                                                  "bytes_read", "bytes_skipped"), 0))
         j["checked"] += 1
-        j["verified"] += r["state"] == "verified"
-        j["corrupt"] += r["state"] == "corrupt"
-        j["degraded"] += r["state"] == "degraded"
-        j["errors"] += r["errors"] > 0
-        j["bytes_read"] += r["bytes_read"]
-        j["bytes_skipped"] += r["bytes_skipped"]
+        j["verified"] += r.state == "verified"
+        j["corrupt"] += r.state == "corrupt"
+        j["degraded"] += r.state == "degraded"
+        j["errors"] += r.errors > 0
+        j["bytes_read"] += r.bytes_read
+        j["bytes_skipped"] += r.bytes_skipped
     return [JobVerification(job, **acc[job]) for job in sorted(acc)]
+
+
+@dataclass(frozen=True)
+class VerifyRow:
+    """One row of a verification run: a checkpoint's hot copy (``tier`` ``"hot"``)
+    or its archive copy read back (``"archive"``).
+
+    ``state``: for a hot copy, the checkpoint's state the check recorded
+    (``verified``, ``corrupt``, ``incomplete``...); for an archive copy,
+    ``verified`` or ``degraded``. ``bytes_read``: bytes read; ``bytes_skipped``:
+    bytes proven by the store's own checksum instead (0 for an archive copy).
+    ``errors``: files that could not be read; ``extra``: files the catalog
+    does not know (hot copies only). ``detail``: the first problems in one
+    line, None when there are none. ``files``: every file found bad, with the
+    expected and the actual size and hashes. ``problems``: an archive copy's
+    damaged files, one line each; None for a hot copy (and left out of its JSON).
+    """
+
+    job: str
+    step: int
+    tier: str
+    state: str
+    bytes_read: int
+    bytes_skipped: int
+    errors: int
+    extra: tuple[str, ...]
+    detail: str | None
+    files: tuple[FileProblem, ...]
+    problems: tuple[str, ...] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The row as ``verify --json`` prints it (``problems`` only for an archive copy)."""
+        out: dict[str, Any] = {
+            "job": self.job, "step": self.step, "tier": self.tier, "state": self.state,
+            "bytes_read": self.bytes_read, "bytes_skipped": self.bytes_skipped, "errors": self.errors,
+            "extra": list(self.extra), "detail": self.detail, "files": [dataclasses.asdict(f) for f in self.files],
+        }
+        if self.problems is not None:
+            out["problems"] = list(self.problems)
+        return out
+
+
+@dataclass(frozen=True)
+class VerifyTotals:
+    """The totals of a verification run (:meth:`of` its rows).
+
+    Hot copies: ``checked``, and of those ``verified``, ``corrupt``,
+    ``incomplete`` (the states the check recorded) and ``errors`` (with at
+    least one file that could not be read). Archive copies:
+    ``archive_checked`` read back, ``archive_degraded`` found damaged.
+    ``bytes_read``: bytes read from both tiers; ``bytes_skipped``: hot bytes
+    proven by the store's own checksum instead of read.
+    """
+
+    checked: int = 0
+    verified: int = 0
+    corrupt: int = 0
+    incomplete: int = 0
+    errors: int = 0
+    bytes_read: int = 0
+    bytes_skipped: int = 0
+    archive_checked: int = 0
+    archive_degraded: int = 0
+
+    @classmethod
+    def of(cls, rows: Iterable[VerifyRow]) -> VerifyTotals:
+        """The totals of ``rows`` (hot and archive rows, in any order)."""
+        every = list(rows)
+        hot_rows = [r for r in every if r.tier != Tier.ARCHIVE.value]
+        archive_rows = [r for r in every if r.tier == Tier.ARCHIVE.value]
+        return cls(
+            checked=len(hot_rows),
+            verified=sum(r.state == State.VERIFIED.value for r in hot_rows),
+            corrupt=sum(r.state == State.CORRUPT.value for r in hot_rows),
+            incomplete=sum(r.state == State.INCOMPLETE.value for r in hot_rows),
+            errors=sum(r.errors > 0 for r in hot_rows),
+            bytes_read=sum(r.bytes_read for r in every),
+            bytes_skipped=sum(r.bytes_skipped for r in hot_rows),
+            archive_checked=len(archive_rows),
+            archive_degraded=sum(r.state == CopyState.DEGRADED.value for r in archive_rows),
+        )
+
+    @property
+    def found_damage(self) -> bool:
+        """Whether the run found a corrupt checkpoint or a degraded archive copy."""
+        return bool(self.corrupt or self.archive_degraded)
+
+    def to_json(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """What a verification run (``pipeline.run_verify``) checked and found.
+
+    ``checkpoints``: one row per hot copy checked, in the order they were
+    recorded, then one per archive copy read back; ``totals`` their totals;
+    ``sample``: the ``(k, n)`` slice verified, None for a whole run;
+    ``by_job``: the totals per job (:func:`verification_by_job`), filled in
+    by the Prefect verify task (None: not computed, and left out of the JSON).
+    """
+
+    checkpoints: tuple[VerifyRow, ...]
+    totals: VerifyTotals
+    sample: tuple[int, int] | None = None
+    by_job: tuple[JobVerification, ...] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as ``verify --json`` prints it and the verify flow returned it."""
+        out: dict[str, Any] = {
+            "checkpoints": [r.to_json() for r in self.checkpoints], "totals": self.totals.to_json(),
+            "sample": f"{self.sample[0]}/{self.sample[1]}" if self.sample else None,
+        }
+        if self.by_job is not None:
+            out["by_job"] = [dataclasses.asdict(j) for j in self.by_job]
+        return out
 
 
 # ------------------------------------------------------------------ links

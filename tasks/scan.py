@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
-from typing import Self
+from typing import Any, Self
 from urllib.parse import urlparse
 
 from ckptier.formats import METADATA_NAMES, PatternRule, recognise
@@ -108,6 +108,35 @@ class ScanReport:
     @property
     def rows_written(self) -> int:
         return self.summary.rows_written if self.summary is not None else 0
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as ``scan --json`` prints it: the counts above, the scan's changes
+        (``new``, ``changed``, ``vanished``, ``corrupt`` and each ``corrupt_found``),
+        the ``jobs`` seen, and the inventory the scan read (None: it listed)."""
+        s = self.summary
+        return {
+            "url": self.url,
+            "objects": self.objects,
+            "checkpoints": self.checkpoints,
+            "committed": self.committed,
+            "incomplete": self.incomplete,
+            "rows_written": self.rows_written,
+            "new": s.new if s else 0,
+            "changed": s.changed if s else 0,
+            "vanished": s.vanished if s else 0,
+            "corrupt": s.corrupt if s else 0,
+            "corrupt_found": [{"job": j, "step": step, "detail": why} for j, step, why in (s.corrupt_found if s else ())],
+            "jobs": list(s.jobs) if s else [],
+            "unrecognised": [{"key": u.key, "reason": u.reason} for u in self.unrecognised],
+            "listed": self.objects if self.listed is None else self.listed,
+            "unchanged_dirs": self.unchanged_dirs,
+            "inventory": None if self.inventory is None else {
+                "url": self.inventory,
+                "created_at": self.inventory_created_at.isoformat() if self.inventory_created_at else None,
+                "age_s": self.inventory_age_s,
+                "left_as_cataloged": self.left_as_cataloged,
+            },
+        }
 
 
 def root_name(url: str) -> str:
