@@ -96,6 +96,35 @@ def test_latest_falls_back_past_corrupt_and_incomplete(env: dict[str, Path], cap
     assert code == 0 and json.loads(out)["step"] == 150
 
 
+def test_scan_and_verify_json_is_the_reports_to_json(env: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    """``--json`` prints the typed reports' ``to_json()``: a rerun of the same deep read in this
+    process gives the same keys and values (rows, totals, sample) as the command printed."""
+    from datetime import UTC, datetime
+
+    from ckptier.storage.catalog.api import Catalog
+    from ckptier.tasks.pipeline import run_scan, run_verify
+
+    victim = env["job_dir"] / "step-00000175" / "rank-0000" / "model.pt"
+    code, out, _ = run(capsys, "scan", str(env["hot"]), "--json")
+    with Catalog.open(f"sqlite:///{env['catalog']}") as cat:
+        (again,) = run_scan([str(env["hot"])], cat, now=lambda: datetime.now(UTC), full=True)
+    (printed,) = json.loads(out)
+    assert code == 0 and printed.keys() == again.to_json().keys()
+    assert {**printed, "rows_written": 0, "new": 0} == {**again.to_json(), "new": 0}  # a full rescan writes nothing
+
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    assert run(capsys, "scan", str(env["hot"]))[0] == 0
+    code, out, _ = run(capsys, "verify", "--deep", "--sample", "1/1", "--json")
+    printed = json.loads(out)
+    with Catalog.open(f"sqlite:///{env['catalog']}") as cat:
+        report = run_verify(cat, now=lambda: datetime.now(UTC), deep=True, sample=(1, 1))
+    assert code == 1 and report.totals.corrupt == 1 and report.totals.found_damage
+    assert printed == report.to_json() and list(printed) == ["checkpoints", "totals", "sample"]
+    assert printed["sample"] == "1/1" and [r["step"] for r in printed["checkpoints"] if r["state"] == "corrupt"] == [175]
+
+
 def test_plan_apply_fetch_rescan_drill(env: dict[str, Path], capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert run(capsys, "scan", str(env["hot"]))[0] == 0
     assert run(capsys, "verify")[0] == 0

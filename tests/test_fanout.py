@@ -159,7 +159,7 @@ def test_several_claiming_runs_verify_each_row_once(tmp_path: Path) -> None:
                            claims=RowClaims(owner="w1", since=since, batch=5))
         second = run_verify(cat, now=lambda: datetime.now(UTC), deep=True,
                             claims=RowClaims(owner="w2", since=since, batch=5))
-        assert first["totals"]["verified"] == 12 and second["totals"]["checked"] == 0
+        assert first.totals.verified == 12 and second.totals.checked == 0
         assert all(c.state == State.VERIFIED for c in cat.checkpoints())
 
 
@@ -184,7 +184,7 @@ def test_verify_on_a_local_dask_cluster_matches_threads(dask_cluster: Any, tmp_p
     url = f"sqlite:///{tmp_path / 'catalog.db'}"
     with scanned(hot, url) as cat:
         threads = run_verify(cat, now=lambda: datetime.now(UTC), deep=True)
-        assert threads["totals"]["verified"] == 20
+        assert threads.totals.verified == 20
         bad = hot / "fan" / "step-00000007" / "rank-0000" / "model.pt"
         data = bytearray(bad.read_bytes())
         data[10] ^= 0xFF
@@ -193,10 +193,10 @@ def test_verify_on_a_local_dask_cluster_matches_threads(dask_cluster: Any, tmp_p
         dask = run_verify(cat, now=lambda: datetime.now(UTC), deep=True, fanout=dask_cluster,
                           progress=lambda done, total: seen.append((done, total)))
     assert dask_cluster.parallelism == 2
-    assert [(r["step"], r["state"]) for r in dask["checkpoints"]] == \
+    assert [(r.step, r.state) for r in dask.checkpoints] == \
         [(s, "corrupt" if s == 7 else "verified") for s in range(1, 21)]
-    assert dask["totals"]["bytes_read"] == threads["totals"]["bytes_read"]
-    assert "rank-0000/model.pt" in dask["checkpoints"][6]["detail"]
+    assert dask.totals.bytes_read == threads.totals.bytes_read
+    assert "rank-0000/model.pt" in (dask.checkpoints[6].detail or "")
     assert seen[-1][0] == seen[-1][1] > 0
 
 
@@ -205,7 +205,7 @@ def test_dask_claims_and_threads_agree_on_the_same_catalog(dask_cluster: Any, tm
     with scanned(make_tree(tmp_path / "hot", 10), f"sqlite:///{tmp_path / 'catalog.db'}") as cat:
         report = run_verify(cat, now=lambda: datetime.now(UTC), fanout=dask_cluster,
                             claims=RowClaims(owner="dask-worker", batch=3))
-        assert report["totals"]["verified"] == 10
+        assert report.totals.verified == 10
         assert all(cat.lease_holder(c.id, now=datetime.now(UTC)) is None for c in cat.checkpoints())
 
 
@@ -234,7 +234,7 @@ def test_the_verify_flow_fans_out_as_prefect_tasks_on_dask(dask_cluster: Any, pr
     config.write_text(f'[runner]\nkind = "dask"\naddress = "{dask_cluster.address}"\n')
     state = verify_flow(deep=True, catalog_url=url, config_path=str(config), runner="dask", return_state=True)
     assert state.is_completed(), state
-    assert state.result()["totals"]["verified"] == 8
+    assert state.result().totals.verified == 8
     with get_client(sync_client=True) as client:
         runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
     fanned = [r for r in runs if r.name.startswith("verify-checkpoints")]

@@ -49,7 +49,7 @@ with Catalog.open(url, create=False) as cat:
                         claims=RowClaims(owner=owner, since=datetime.fromisoformat(since),
                                          ttl=timedelta(seconds=float(lease_s)), batch=10, poll=0.2))
 with open(out, "w") as fh:
-    json.dump([[r["job"], r["step"], r["state"]] for r in report["checkpoints"]], fh)
+    json.dump([[r.job, r.step, r.state] for r in report.checkpoints], fh)
 """
 
 

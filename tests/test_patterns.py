@@ -85,11 +85,11 @@ def test_the_prefect_scan_task_uses_the_config_patterns(
     url = f"sqlite:///{tmp_path / 'catalog.db'}"
     with disable_run_logger():
         report = scan_task.fn(str(tree), url, str(config))
-        assert report["committed"] == 1
+        assert report.committed == 1
         # the flows pass no config path: the default lookup ($CKPTIER_CONFIG, ./ckptier.toml) applies
         monkeypatch.setenv("CKPTIER_CONFIG", str(config))
         write_iteration(tree, "gpt", 3000, committed=True)
-        assert scan_task.fn(str(tree), url)["committed"] == 2
+        assert scan_task.fn(str(tree), url).committed == 2
 
 
 def _info(key: str, mtime: float, size: int = 10) -> ObjectInfo:

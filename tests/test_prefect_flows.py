@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+from ckptier.tasks.reports import VerifyReport
+
 
 @pytest.fixture(scope="session")
 def harness() -> Iterator[None]:
@@ -51,7 +53,7 @@ def test_scan_verify_publishes_summary_and_verification(harness: None, tree: dic
     state = scan_verify_flow(urls=[str(tree["hot"])], catalog_url=tree["catalog_url"], return_state=True)
     assert state.is_completed(), state
     result = state.result()
-    assert result["verify"]["totals"]["verified"] == 2 and result["verify"]["totals"]["corrupt"] == 0
+    assert result["verify"].totals.verified == 2 and result["verify"].totals.corrupt == 0
     arts = _artifacts(state.state_details.flow_run_id)
     row = _summary(arts)["demo-run"]
     assert (row["checkpoints"], row["verified"], row["incomplete"]) == (3, 2, 1)  # published once, after verify
@@ -205,7 +207,7 @@ def test_verify_progress_reaches_100_percent_with_nothing_to_verify(harness: Non
 
     scan_verify_flow(urls=[str(tree["hot"])], catalog_url=tree["catalog_url"])  # verifies everything there is
     state = verify_flow(catalog_url=tree["catalog_url"], return_state=True)
-    assert state.is_completed() and state.result()["totals"]["checked"] == 0
+    assert state.is_completed() and state.result().totals.checked == 0
     arts = _artifacts(state.state_details.flow_run_id)
     assert float(arts["verify-progress"].data) == 100.0
     assert "Nothing to verify" in arts["verification"].data
@@ -370,8 +372,8 @@ def test_flows_take_the_catalog_by_the_command_lines_precedence(
     config = Path(tree["config"])
     config.write_text(f'[catalog]\nurl = "sqlite:///{from_file}"\n' + config.read_text())
     result = scan_verify_flow(urls=[str(tree["hot"])], config_path=str(config))
-    assert from_file.exists() and result["verify"]["totals"]["verified"] == 2
-    assert scan_flow(urls=[str(tree["hot"])], config_path=str(config))[0]["rows_written"] == 0
+    assert from_file.exists() and result["verify"].totals.verified == 2
+    assert scan_flow(urls=[str(tree["hot"])], config_path=str(config))[0].rows_written == 0
     assert tiering_flow(config_path=str(config))["plan"]
     (drill,) = restore_drill_flow(config_path=str(config), steps=2, model="ckptier.tasks.drill_models:demo_model")
     assert drill["ok"]
@@ -385,7 +387,7 @@ def test_flows_take_the_catalog_by_the_command_lines_precedence(
             state.result()
     assert not (tmp_path / "from-env.db").exists()
     explicit = scan_flow(urls=[str(tree["hot"])], catalog_url=tree["catalog_url"], config_path=str(config))
-    assert explicit[0]["rows_written"] > 0 and Path(tree["catalog_url"].removeprefix("sqlite:///")).exists()
+    assert explicit[0].rows_written > 0 and Path(tree["catalog_url"].removeprefix("sqlite:///")).exists()
 
 
 def test_runner_reports_corruption_from_a_flow_run_as_the_direct_path_does(
@@ -411,11 +413,11 @@ def test_runner_reports_corruption_from_a_flow_run_as_the_direct_path_does(
     reports = {how: runner.verify(job=None, deep=False, sample=None, workers=2, catalog_url=url,
                                   use_prefect=how == "flow", progress=False) for how, url in catalogs.items()}
 
-    def shape(report: dict[str, Any]) -> tuple[Any, ...]:
-        rows = sorted((r["job"], r["step"], r["state"], r["bytes_read"], r["errors"]) for r in report["checkpoints"])
-        return report["totals"], rows, report["sample"]
+    def shape(report: VerifyReport) -> tuple[Any, ...]:
+        rows = sorted((r.job, r.step, r.state, r.bytes_read, r.errors) for r in report.checkpoints)
+        return report.totals, rows, report.sample
 
     assert shape(reports["flow"]) == shape(reports["direct"])
     totals = shape(reports["flow"])[0]
-    assert totals["corrupt"] == 1 and totals["verified"] == 1 and totals["bytes_read"] > 0
+    assert totals.corrupt == 1 and totals.verified == 1 and totals.bytes_read > 0
     assert "archive_checked" in totals

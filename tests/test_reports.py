@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from datetime import datetime, timedelta, UTC
 
 import pytest
@@ -11,7 +12,11 @@ from ckptier.storage.errors import ConfigError
 from ckptier.storage.records import CheckpointRecord, CopyRecord, FileCheck, FileRecord, Format, State, Tier
 from ckptier.tasks.pipeline import nothing_to_drill
 from ckptier.tasks.reports import (
+    FileProblem,
     FreedForecast,
+    VerifyReport,
+    VerifyRow,
+    VerifyTotals,
     dashboard_job_url,
     file_problems,
     forecast_freed,
@@ -195,16 +200,58 @@ def test_file_problems_pair_expected_and_actual_hashes() -> None:
     assert (c.relpath, c.status, c.expected_size, c.actual_size, c.detail) == ("c.pt", "missing", 30, None, "not found")
 
 
+def vrow(job: str, state: str, *, errors: int = 0, read: int = 0, skipped: int = 0, tier: str = "hot",
+         step: int = 1) -> VerifyRow:
+    """A verification row; an archive copy's (``tier="archive"``) carries its problem lines."""
+    return VerifyRow(job, step, tier, state, read, skipped, errors, (), None, (),
+                     problems=() if tier == "archive" else None)
+
+
 def test_verification_totals_per_job() -> None:
     rows = [
-        {"job": "b", "state": "verified", "errors": 0, "bytes_read": 5, "bytes_skipped": 0},
-        {"job": "a", "state": "corrupt", "errors": 0, "bytes_read": 7, "bytes_skipped": 1},
-        {"job": "a", "state": "verified", "errors": 2, "bytes_read": 0, "bytes_skipped": 9},
-        {"job": "a", "state": "degraded", "errors": 0, "bytes_read": 3, "bytes_skipped": 0},
+        vrow("b", "verified", read=5),
+        vrow("a", "corrupt", read=7, skipped=1),
+        vrow("a", "verified", errors=2, skipped=9),
+        vrow("a", "degraded", read=3, tier="archive"),
     ]
     a, b = verification_by_job(rows)
     assert dataclasses.astuple(a) == ("a", 3, 1, 1, 1, 1, 10, 10)
     assert dataclasses.astuple(b) == ("b", 1, 1, 0, 0, 0, 5, 0)
+
+
+@pytest.mark.parametrize(("rows", "totals"), [
+    ([], VerifyTotals()),
+    # Hot rows count by the state the check recorded; a row with read errors counts once however many.
+    ([vrow("a", "verified", read=5, skipped=2), vrow("a", "corrupt", read=3), vrow("a", "incomplete", errors=2)],
+     VerifyTotals(checked=3, verified=1, corrupt=1, incomplete=1, errors=1, bytes_read=8, bytes_skipped=2)),
+    # Archive copies read back are counted apart: their bytes read add up, their states are not hot states.
+    ([vrow("a", "verified", read=5), vrow("a", "verified", read=4, tier="archive"),
+      vrow("b", "degraded", read=6, tier="archive")],
+     VerifyTotals(checked=1, verified=1, bytes_read=15, archive_checked=2, archive_degraded=1)),
+])
+def test_verification_totals_of_rows(rows: list[VerifyRow], totals: VerifyTotals) -> None:
+    assert VerifyTotals.of(rows) == totals
+    assert totals.found_damage == bool(totals.corrupt or totals.archive_degraded)
+
+
+def test_a_verify_report_is_json_as_verify_printed_it() -> None:
+    """Hot rows have no ``problems`` key, archive rows do; ``by_job`` only once it is computed."""
+    bad = FileProblem("a.pt", "corrupt", 10, 10, "aa", "bb", None, None, "sha256 differs")
+    hot = VerifyRow("a", 1, "hot", "corrupt", 10, 0, 0, ("x.tmp",), "a.pt: sha256 differs", (bad,))
+    archived = VerifyRow("a", 1, "archive", "degraded", 4, 0, 0, (), "a.pt: bad frame", (), problems=("a.pt: bad frame",))
+    report = VerifyReport((hot, archived), VerifyTotals.of((hot, archived)), (2, 7))
+    out = report.to_json()
+    assert list(out) == ["checkpoints", "totals", "sample"] and out["sample"] == "2/7"
+    assert out["checkpoints"][0] == {"job": "a", "step": 1, "tier": "hot", "state": "corrupt", "bytes_read": 10,
+                                     "bytes_skipped": 0, "errors": 0, "extra": ["x.tmp"],
+                                     "detail": "a.pt: sha256 differs", "files": [dataclasses.asdict(bad)]}
+    assert out["checkpoints"][1]["problems"] == ["a.pt: bad frame"] and "problems" not in out["checkpoints"][0]
+    assert out["totals"] == {"checked": 1, "verified": 0, "corrupt": 1, "incomplete": 0, "errors": 0,
+                             "bytes_read": 14, "bytes_skipped": 0, "archive_checked": 1, "archive_degraded": 1}
+    by_job = dataclasses.replace(report, by_job=tuple(verification_by_job(report.checkpoints))).to_json()["by_job"]
+    assert by_job == [{"job": "a", "checked": 2, "verified": 0, "corrupt": 1, "degraded": 1, "errors": 0,
+                       "bytes_read": 14, "bytes_skipped": 0}]
+    assert json.loads(json.dumps(out)) == out
 
 
 # ------------------------------------------------------------------ links

@@ -169,8 +169,8 @@ def test_a_deep_verify_through_the_run_stores_survives_broken_reads(
         assert all(o.count("error") == 1 for o in plain.values()), plain  # model.pt broke; metadata.json is small
         net.broken.clear()
         report = run_verify(cat, now=lambda: now, deep=True, stores=StoreCache(opener=lambda url: store))
-        assert report["totals"]["verified"] == 2 and report["totals"]["errors"] == 0, report
-        assert report["totals"]["bytes_read"] == sum(r.bytes for r in records)
+        assert report.totals.verified == 2 and report.totals.errors == 0, report
+        assert report.totals.bytes_read == sum(r.bytes for r in records)
         assert all(cat.get("llm", s).state == State.VERIFIED for s in (100, 200))  # type: ignore[union-attr]
         assert sum(1 for _, rng, _ in net.gets if rng) == 2  # each model.pt resumed once
 

@@ -185,8 +185,8 @@ def test_apply_ls_verify_and_fetch_with_a_glacier_archive(
 
     # the nightly deep read cannot GET it: HEAD against the manifest, never "degraded"
     report = run_verify(catalog, now=utcnow, deep=True, stores=StoreCache())
-    (row,) = [r for r in report["checkpoints"] if r["tier"] == "archive"]
-    assert row["state"] == "verified" and report["totals"]["archive_degraded"] == 0
+    (row,) = [r for r in report.checkpoints if r.tier == "archive"]
+    assert row.state == "verified" and report.totals.archive_degraded == 0
 
     dest = tmp_path / "restored"
     code = main(["fetch", *base, "--job", "run", "--step", "100", str(dest)])

@@ -606,7 +606,7 @@ def test_listed_but_absent_file_is_corrupt_not_verified_latest_kept_or_drilled(
     config = load_config(tmp_path / "ckptier.toml")
     with _catalog(tmp_path) as cat:
         (scanned,) = run_scan([str(run.root)], cat, now=lambda: now, config=config)
-        assert scanned["corrupt"] == 1  # found at the scan already: the listing lacks what metadata.json lists
+        assert scanned.summary is not None and scanned.summary.corrupt == 1  # found at the scan already: the listing lacks what metadata.json lists
         run_verify(cat, now=lambda: now, config=config)
         rec = cat.get(run.job, newest)
         assert rec is not None and rec.state == State.CORRUPT
@@ -669,7 +669,7 @@ def test_truncated_lightning_checkpoint_is_corrupt_and_never_latest(lightning_ru
         rec = cat.get(run.job, newest)
         assert rec is not None and rec.state == State.CORRUPT
         assert (rec.state_reason or "").startswith(f"{rec.files[0].relpath}: torch zip: truncated: the file ends")
-        assert report["totals"]["corrupt"] == 1 and report["totals"]["verified"] == len(run.steps) - 1
+        assert report.totals.corrupt == 1 and report.totals.verified == len(run.steps) - 1
         assert cat.latest(run.job).step == max(s for s in run.steps if s != newest)  # type: ignore[union-attr]
 
 
@@ -693,19 +693,31 @@ def test_truncated_lightning_checkpoint_on_s3_is_read_once_and_corrupt(
         first = run_verify(cat, now=lambda: now, stores=stores)
         rec = cat.get(run.job, newest)
         assert rec is not None and rec.state == State.CORRUPT and "torch zip: truncated" in (rec.state_reason or "")
-        assert first["totals"]["bytes_read"] == sum(c.bytes for c in cat.checkpoints(job=run.job))
+        assert first.totals.bytes_read == sum(c.bytes for c in cat.checkpoints(job=run.job))
         assert cat.latest(run.job).step == max(s for s in run.steps if s != newest)  # type: ignore[union-attr]
         # Once structure and baseline are recorded, a deep-less re-verification reads nothing.
         again = run_verify(cat, now=lambda: now, stores=stores, sample=(1, 1))
-        assert again["totals"]["bytes_read"] > 0  # a sample is a deep read
-        assert run_verify(cat, now=lambda: now, stores=stores)["totals"]["bytes_read"] == 0
+        assert again.totals.bytes_read > 0  # a sample is a deep read
+        assert run_verify(cat, now=lambda: now, stores=stores).totals.bytes_read == 0
 
 
 def test_the_scan_verify_flow_alerts_on_corruption_a_scan_found() -> None:
     """A checkpoint found corrupt by the scan (files missing past the grace) alerts like one found by verification."""
-    from ckptier.flows.scan_verify import corruption_in
+    from ckptier.flows.scan_verify import Damage, corruption_in
+    from ckptier.storage.catalog.api import ScanSummary
+    from ckptier.tasks.reports import VerifyReport, VerifyRow, VerifyTotals
+    from ckptier.tasks.scan import ScanReport
 
-    found = {"job": "j", "step": 3, "detail": "incomplete: ..."}
-    verified = {"job": "j", "step": 1, "state": "corrupt", "detail": "x"}
-    assert corruption_in({"checkpoints": []}, [{"url": "file:///x", "corrupt_found": []}]) == []
-    assert corruption_in({"checkpoints": [verified]}, [{"corrupt_found": [found]}]) == [verified, {**found, "tier": "hot"}]
+    def scanned(*found: tuple[str, int, str]) -> ScanReport:
+        summary = ScanSummary("file:///x", "", 1, 1, 0, ("j",), 1, corrupt=len(found), corrupt_found=found)
+        return ScanReport("file:///x", 1, 1, 0, 0, summary=summary)
+
+    def report(*rows: VerifyRow) -> VerifyReport:
+        return VerifyReport(rows, VerifyTotals.of(rows))
+
+    verified = VerifyRow("j", 1, "hot", "corrupt", 0, 0, 0, (), "x", ())
+    intact = VerifyRow("j", 2, "hot", "verified", 0, 0, 0, (), None, ())
+    assert corruption_in(report(), [scanned()]) == []
+    assert corruption_in(report(verified, intact), [scanned(("j", 3, "incomplete: ..."))]) == [
+        Damage("j", 1, "hot", "x", verified), Damage("j", 3, "hot", "incomplete: ...")]
+    assert [d.state for d in corruption_in(report(verified), [scanned(("j", 3, "incomplete: ..."))])] == ["corrupt"] * 2
