@@ -273,8 +273,8 @@ def test_tiering_reports_what_it_did_and_the_plan_frees_what_apply_frees(harness
     arts = _artifacts(state.state_details.flow_run_id)
     # Freed: 25, 75 and 100 deleted; 50 promoted, then its hot copy deleted in the same run.
     freed = size[25] + size[75] + size[100] + size[50]
-    assert result["apply"]["bytes_freed"] == freed == result["forecast"]["freed_bytes"]
-    assert result["forecast"]["hot_bytes"] == hot_before
+    assert result.apply.bytes_freed == freed == result.forecast["freed_bytes"]
+    assert result.forecast["hot_bytes"] == hot_before
     plan = arts["retention-plan"]
     assert plan.description.startswith(f"Retention plan: {human_bytes(freed)} of {human_bytes(hot_before)} hot bytes")
     done = arts["tiering-result"]
@@ -372,7 +372,7 @@ def test_flows_take_the_catalog_by_the_command_lines_precedence(
     result = scan_verify_flow(urls=[str(tree["hot"])], config_path=str(config))
     assert from_file.exists() and result["verify"]["totals"]["verified"] == 2
     assert scan_flow(urls=[str(tree["hot"])], config_path=str(config))[0]["rows_written"] == 0
-    assert tiering_flow(config_path=str(config))["plan"]
+    assert tiering_flow(config_path=str(config)).plan
     (drill,) = restore_drill_flow(config_path=str(config), steps=2, model="ckptier.tasks.drill_models:demo_model")
     assert drill["ok"]
 
