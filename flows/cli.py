@@ -250,14 +250,14 @@ def cmd_apply(args: argparse.Namespace) -> int:
     report = runner.apply(job=args.job, dry_run=args.dry_run, config_path=args.config,
                           catalog_url=location.url, use_prefect=_use_prefect(args), runner=args.runner)
     if args.json:
-        print_json(report)
+        print_json(report.to_json())
     else:
-        for line in report["lines"]:
+        for line in report.lines:
             print(line)
-    if report.get("failed"):
+    if report.failed:
         return 1
-    if report.get("held"):
-        print(f"ckptier: {len(report['held'])} item(s) skipped, held by another live run: {report['held'][0]}",
+    if report.held:
+        print(f"ckptier: {len(report.held)} item(s) skipped, held by another live run: {report.held[0]}",
               file=sys.stderr)
         return EXIT_BUSY
     return 0
@@ -338,9 +338,9 @@ def cmd_janitor(args: argparse.Namespace) -> int:
     _announce(args, location)
     report = runner.janitor(config_path=args.config, older_than=older_than, catalog_url=location.url)
     if args.json:
-        print_json(report)
+        print_json(report.to_json())
     else:
-        for line in report["lines"]:
+        for line in report.lines:
             print(line)
     return 0
 
@@ -355,8 +355,8 @@ def cmd_forget(args: argparse.Namespace) -> int:
     config = _config(args)
     with _open_existing(args, config) as cat:
         report = run_forget(cat, config, job=args.job, now=utcnow, older_than=older, dry_run=args.dry_run)
-    print_json(report) if args.json else [print(line) for line in report["lines"]]
-    return 1 if report["unchecked"] else 0
+    print_json(report.to_json()) if args.json else [print(line) for line in report.lines]
+    return 1 if report.unchecked else 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -152,7 +152,7 @@ def _pipeline_prefect(hot: Path, catalog_url: str, config_path: Path) -> dict[st
         verify = verify_flow(catalog_url=catalog_url)
         tiering = tiering_flow(apply=True, config_path=str(config_path), catalog_url=catalog_url)
         drill = restore_drill_flow(config_path=str(config_path), catalog_url=catalog_url)
-        return {"scan": scan, "listing": listing, "verify": verify, "plan": tiering["plan"], "apply": tiering["apply"],
+        return {"scan": scan, "listing": listing, "verify": verify, "plan": tiering.plan, "apply": tiering.apply,
                 "drill": drill}
 
     return demo_flow()
@@ -190,7 +190,7 @@ def run_demo(base: Path | None, *, steps: int = 300, use_prefect: bool = True) -
     for row in result["plan"]:
         actions[row["action"]] = actions.get(row["action"], 0) + 1
     print("4. retention plan: " + ", ".join(f"{n} {a}" for a, n in sorted(actions.items())))
-    for line in result["apply"]["lines"]:
+    for line in result["apply"].lines:
         print(f"   {line}")
     hot_after, archive_after = tree_bytes(hot), tree_bytes(archive)
     print(f"5. bytes before: {human_bytes(hot_before)} hot; after: {human_bytes(hot_after)} hot + "
@@ -201,4 +201,4 @@ def run_demo(base: Path | None, *, steps: int = 300, use_prefect: bool = True) -
         print(f"6. restore drill: {d['summary']}")
         ok = ok and d["ok"]
     print(f"\ncatalog: {catalog_url}\nlook around: ckptier ls --catalog {catalog_url}")
-    return 0 if ok and not result["apply"]["failed"] else 1
+    return 0 if ok and not result["apply"].failed else 1

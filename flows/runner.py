@@ -23,7 +23,7 @@ from ckptier.tasks.prefect_api import check_prefect_api
 from .output import Progress
 
 if TYPE_CHECKING:
-    from ckptier.tasks.reports import VerifyReport
+    from ckptier.tasks.reports import ApplyRunReport, JanitorRunReport, VerifyReport
     from ckptier.tasks.scan import ScanReport
 
 R = TypeVar("R")
@@ -186,11 +186,13 @@ def _fanout(config_path: str | None, runner: str | None, claim_rows: bool = Fals
 
 
 def apply(*, job: str | None, dry_run: bool, config_path: str | None, catalog_url: str | None,
-          use_prefect: bool, runner: str | None = None) -> dict[str, Any]:
+          use_prefect: bool, runner: str | None = None) -> ApplyRunReport:
+    """Retention carried out (``pipeline.run_apply``), or previewed with ``dry_run``; the Prefect
+    path runs the tiering flow and hands back its apply report (failed items included)."""
     if not dry_run:  # deletes only under a [[policy]] someone wrote; a dry run may preview the default
         _check_policy_written(job, config_path, catalog_url)
 
-    def direct() -> dict[str, Any]:
+    def direct() -> ApplyRunReport:
         from ckptier.tasks.pipeline import run_apply
         from ckptier.tasks.settings import open_run
 
@@ -203,7 +205,7 @@ def apply(*, job: str | None, dry_run: bool, config_path: str | None, catalog_ur
             if fanout is not None:
                 fanout.close()
 
-    return dispatch(use_prefect, direct, flow="tiering:tiering_flow", unwrap=lambda result: dict(result["apply"]),
+    return dispatch(use_prefect, direct, flow="tiering:tiering_flow", unwrap=lambda result: result.apply,
                     params={"apply": not dry_run, "job": job, "config_path": config_path, "catalog_url": catalog_url,
                             "runner": runner})
 
@@ -226,7 +228,7 @@ def fetch(*, job: str, step: int, dest: Path, catalog_url: str | None, config_pa
         return run_fetch(run.catalog, run.config, job=job, step=step, dest=dest, stores=run.stores)
 
 
-def janitor(*, config_path: str | None, older_than: timedelta, catalog_url: str | None) -> dict[str, Any]:
+def janitor(*, config_path: str | None, older_than: timedelta, catalog_url: str | None) -> JanitorRunReport:
     from ckptier.tasks.pipeline import run_janitor
     from ckptier.tasks.settings import open_run
 

@@ -15,6 +15,7 @@ import hashlib
 import re
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from prefect import flow
@@ -23,11 +24,13 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from ckptier.storage.catalog.api import Catalog
 from ckptier.tasks.config import load_config
 from ckptier.tasks.prefect_tasks import apply_task, plan_task
+from ckptier.tasks.reports import ApplyRunReport
 from ckptier.tasks.settings import catalog_url as resolve_catalog_url
 from ckptier.tasks.settings import require_written_policy
 
 from .artifacts import publish_catalog_summary, publish_dashboard_links
 from .output import human_bytes
+from .runner import FailedWithReport
 
 
 
@@ -98,47 +101,67 @@ def publish_plan(plan: dict[str, Any]) -> None:
                           key="retention-plan", description=description)
 
 
-def render_outcome(report: dict[str, Any]) -> str:
+def render_outcome(report: ApplyRunReport) -> str:
     """The ``tiering-result`` artifact: what the run did per tier and storage class, then per checkpoint."""
-    o = report["outcome"]
+    o = report.outcome
     lines = ["# Tiering: what was done", "",
-             f"Promoted {len(o['promoted'])} checkpoint(s), deleted {len(o['deleted'])} hot copies or checkpoints; "
-             f"hot bytes freed: {human_bytes(o['hot_freed_bytes'])}.", ""]
-    if o["tiers"]:
+             f"Promoted {len(o.promoted)} checkpoint(s), deleted {len(o.deleted)} hot copies or checkpoints; "
+             f"hot bytes freed: {human_bytes(o.hot_freed_bytes)}.", ""]
+    if o.tiers:
         lines += ["| tier | storage class | copies written | written (stored) | logical | copies deleted | freed |",
                   "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
-        lines += [f"| {t['tier']} | {t['storage_class']} | {t['written']} | {human_bytes(t['written_bytes'])} | "
-                  f"{human_bytes(t['logical_bytes'])} | {t['deleted']} | {human_bytes(t['freed_bytes'])} |"
-                  for t in o["tiers"]]
+        lines += [f"| {t.tier} | {t.storage_class} | {t.written} | {human_bytes(t.written_bytes)} | "
+                  f"{human_bytes(t.logical_bytes)} | {t.deleted} | {human_bytes(t.freed_bytes)} |"
+                  for t in o.tiers]
         lines.append("")
-    if o["promoted"]:
+    if o.promoted:
         lines += ["## Promoted", "", "| job | step | size | stored | storage class | archive copy |",
                   "| --- | ---: | ---: | ---: | --- | --- |"]
-        lines += [f"| {p['job']} | {p['step']} | {human_bytes(p['bytes'])} | {human_bytes(p['stored_bytes'])} | "
-                  f"{p['storage_class']} | `{p['url']}` |" for p in o["promoted"]]
+        lines += [f"| {p.job} | {p.step} | {human_bytes(p.bytes)} | {human_bytes(p.stored_bytes)} | "
+                  f"{p.storage_class} | `{p.url}` |" for p in o.promoted]
         lines.append("")
-    if o["deleted"]:
+    if o.deleted:
         lines += ["## Deleted", "", "| job | step | what | size | freed | storage class |",
                   "| --- | ---: | --- | ---: | ---: | --- |"]
-        lines += [f"| {d['job']} | {d['step']} | {'hot copy' if d['scope'] == 'hot-copy' else 'checkpoint'} | "
-                  f"{human_bytes(d['bytes'])} | {human_bytes(d['freed_bytes'])} | {d['storage_class']} |"
-                  for d in o["deleted"]]
+        lines += [f"| {d.job} | {d.step} | {'hot copy' if d.scope == 'hot-copy' else 'checkpoint'} | "
+                  f"{human_bytes(d.bytes)} | {human_bytes(d.freed_bytes)} | {d.storage_class} |"
+                  for d in o.deleted]
         lines.append("")
-    undone = [i for i in report["items"] if i["outcome"] in ("held", "deferred", "failed", "partial", "fenced")]
+    undone = [i for i in report.items if i.outcome in ("held", "deferred", "failed", "partial", "fenced")]
     if undone:
         lines += ["## Not done (a later run resumes)", "", "| job | step | action | outcome | detail |",
                   "| --- | ---: | --- | --- | --- |"]
-        lines += [f"| {i['job']} | {i['step']} | {i['action']} | {i['outcome']} | {i['detail']} |" for i in undone]
+        lines += [f"| {i.job} | {i.step} | {i.action} | {i.outcome} | {i.detail} |" for i in undone]
         lines.append("")
     return "\n".join(lines)
 
 
-def publish_outcome(report: dict[str, Any]) -> None:
+def publish_outcome(report: ApplyRunReport) -> None:
     """Markdown artifact ``tiering-result`` (:func:`render_outcome`); published by runs with ``apply`` only."""
-    o = report["outcome"]
+    o = report.outcome
     create_markdown_artifact(render_outcome(report), key="tiering-result",
-                             description=f"Tiering done: {len(o['promoted'])} promoted, {len(o['deleted'])} deleted, "
-                                         f"{human_bytes(o['hot_freed_bytes'])} of hot storage freed")
+                             description=f"Tiering done: {len(o.promoted)} promoted, {len(o.deleted)} deleted, "
+                                         f"{human_bytes(o.hot_freed_bytes)} of hot storage freed")
+
+
+@dataclass(frozen=True)
+class TieringRun:
+    """What a ``tiering`` flow run returns: the retention ``plan`` (its table rows),
+    the ``forecast`` of hot bytes carrying it out frees, and the ``apply`` report
+    (a dry run's when the flow ran without ``apply``)."""
+
+    plan: list[dict[str, Any]]
+    forecast: dict[str, Any]
+    apply: ApplyRunReport
+
+    def to_json(self) -> dict[str, Any]:
+        """The run as JSON-ready values (what the flow returned as a dict before)."""
+        return {"plan": self.plan, "forecast": self.forecast, "apply": self.apply.to_json()}
+
+
+class TieringFailed(FailedWithReport):
+    """Some items of a tiering run failed (the flow run fails with this);
+    ``report`` is the :class:`TieringRun` it would have returned."""
 
 
 @flow(name="tiering")
@@ -149,8 +172,11 @@ def tiering_flow(
     catalog_url: str | None = None,
     lease_minutes: int = 60,
     runner: str | None = None,
-) -> dict[str, Any]:
+) -> TieringRun:
     """Plan retention and, with ``apply``, promote milestones and delete rolling checkpoints.
+
+    Returns a :class:`TieringRun`; a run where some items failed fails with
+    :class:`TieringFailed`, which carries it (re-running resumes).
 
     Args:
         apply: Carry out the plan. Off (the default) is a dry run that only publishes the plan.
@@ -174,6 +200,8 @@ def tiering_flow(
         publish_outcome(report)
     summary = publish_catalog_summary(catalog_url)
     publish_dashboard_links([job] if job else [j["job"] for j in summary])
-    if report["failed"]:
-        raise RuntimeError("tiering: some items failed; re-run to resume: " + "; ".join(report["lines"][-3:]))
-    return {"plan": plan["rows"], "forecast": plan["forecast"], "apply": report}
+    result = TieringRun(plan=plan["rows"], forecast=plan["forecast"], apply=report)
+    if report.failed:
+        raise TieringFailed("tiering: some items failed; re-run to resume: " + "; ".join(report.lines[-3:]),
+                            report=result)
+    return result

@@ -394,47 +394,59 @@ class _ReadOnlyCatalog:
 # --------------------------------------------------------------------------- apply
 
 
-def apply_plan(
-    plan: Plan,
-    *,
-    catalog: ApplyCatalog,
-    hot_for: Callable[[CheckpointRecord], tuple[Store, str]],
-    archive_for: Callable[[str], Store | None],
-    owner: str,
-    now: Callable[[], datetime],
-    lease_ttl: timedelta = DEFAULT_TTL,
-    dry_run: bool = False,
-    policy: str = "",
-    max_missing_fraction: float = DEFAULT_MAX_MISSING_FRACTION,
-    policy_for: Callable[[str], Policy | None] | None = None,
-    proven: set[int] | None = None,
-    promote_many: Callable[[Sequence[CheckpointRecord]], Iterable[Any]] | None = None,
-) -> ApplyReport:
-    """Carry out ``plan``: resume interrupted deletes, promote, prove, delete; return what happened.
+@dataclass(frozen=True)
+class ApplyContext:
+    """What an :func:`apply_plan` run works with, apart from the plan.
 
+    ``catalog`` is a :class:`ckptier.storage.catalog.api.Catalog`
+    (:class:`ApplyCatalog`). ``hot_for(record)`` gives the hot store and the
+    checkpoint's key prefix in it; ``archive_for(job)`` the job's archive
+    store (``None``: no archive tier); an archive copy outside that store
+    cannot be proven, so its hot copy is kept. ``owner`` names the run in
+    leases and events; ``now()`` is the clock (called at each step, aware
+    UTC); ``lease_ttl`` how long a claim holds between heartbeats (a run
+    whose lease was lost is fenced out). ``dry_run``: decide over
+    :class:`DryRunStore`-wrapped stores and a catalog that is only read.
+    ``policy_for(job)``, when given, re-plans each job on the current
+    catalog after its keepers were proven (see :func:`apply_plan`).
     ``promote_many(records)``, when given, makes the archive copies of
     several checkpoints at once elsewhere (a thread pool, a Dask cluster:
     :mod:`ckptier.tasks.fanout`), yielding for each, in order, its
     :class:`~ckptier.tasks.archive.ArchiveCopy` or the exception that
-    stopped it; this run still claims, checks and records every one.
+    stopped it; the run still claims, checks and records every one.
+    """
 
-    ``catalog`` is a :class:`ckptier.storage.catalog.api.Catalog` (:class:`ApplyCatalog`).
-    ``hot_for(record)`` gives the hot store and the checkpoint's key prefix
-    in it; ``archive_for(job)`` the job's archive store (``None``: no archive
-    tier); an archive copy outside that store cannot be proven, so its hot
-    copy is kept. ``owner`` names this run in leases and events; ``now()``
-    is the clock (called at each step, aware UTC); ``lease_ttl`` how long a
-    claim holds between heartbeats — a run whose lease was lost is fenced
-    out. ``policy`` is recorded with the decisions. ``policy_for(job)``,
-    when given, re-plans each job on the current catalog after its keepers
-    were proven (and again whenever one failed): an item is deleted only if
-    the fresh plan still deletes it with the same scope; its
-    ``max_missing_fraction`` then drives the shrink re-check. Without it, a
-    keeper that fails defers the job's deletions. ``proven`` holds the ids
-    of checkpoints already proven earlier in the same run (not proven again)
-    and gains those proven now. Items are handled in
-    (job, step) order; an item another live run holds is ``held``, not
-    waited for.
+    catalog: ApplyCatalog
+    hot_for: Callable[[CheckpointRecord], tuple[Store, str]]
+    archive_for: Callable[[str], Store | None]
+    owner: str
+    now: Callable[[], datetime]
+    lease_ttl: timedelta = DEFAULT_TTL
+    dry_run: bool = False
+    policy_for: Callable[[str], Policy | None] | None = None
+    promote_many: Callable[[Sequence[CheckpointRecord]], Iterable[Any]] | None = None
+
+
+def apply_plan(
+    plan: Plan,
+    context: ApplyContext,
+    *,
+    policy: str = "",
+    max_missing_fraction: float = DEFAULT_MAX_MISSING_FRACTION,
+    proven: set[int] | None = None,
+) -> ApplyReport:
+    """Carry out ``plan`` in ``context``: resume interrupted deletes, promote, prove, delete; return what happened.
+
+    ``policy`` (the plan's policy, in words) is recorded with the decisions.
+    With ``context.policy_for``, each job is planned again on the current
+    catalog after its keepers were proven (and again whenever one failed):
+    an item is deleted only if the fresh plan still deletes it with the same
+    scope; its ``max_missing_fraction`` then drives the shrink re-check
+    (``max_missing_fraction`` here otherwise). Without it, a keeper that
+    fails defers the job's deletions. ``proven`` holds the ids of
+    checkpoints already proven earlier in the same run (not proven again)
+    and gains those proven now. Items are handled in (job, step) order; an
+    item another live run holds is ``held``, not waited for.
 
     Errors of one item are recorded on it and the run goes on with the next
     (the store raising ``Unavailable`` after its retries stops deletions from
@@ -443,10 +455,7 @@ def apply_plan(
     into an exception. Idempotent: re-running the same plan after a crash
     finishes the remaining work and repeats nothing that was recorded.
     """
-    run = _Run(plan, catalog=catalog, hot_for=hot_for, archive_for=archive_for, owner=owner, now=now,
-               lease_ttl=lease_ttl, dry_run=dry_run, policy_for=policy_for,
-               proven=proven if proven is not None else set())
-    run.promote_many = promote_many
+    run = _Run(plan, context, proven=proven if proven is not None else set())
     try:
         run.carry_out(policy=policy, max_missing_fraction=max_missing_fraction)
     finally:
@@ -532,38 +541,26 @@ def _present(store: Store, key: str) -> bool:
 class _Run:
     """One :func:`apply_plan` run: its stores, leases, report and the steps in order."""
 
-    def __init__(
-        self,
-        plan: Plan,
-        *,
-        catalog: ApplyCatalog,
-        hot_for: Callable[[CheckpointRecord], tuple[Store, str]],
-        archive_for: Callable[[str], Store | None],
-        owner: str,
-        now: Callable[[], datetime],
-        lease_ttl: timedelta,
-        dry_run: bool,
-        policy_for: Callable[[str], Policy | None] | None,
-        proven: set[int],
-    ) -> None:
+    def __init__(self, plan: Plan, context: ApplyContext, *, proven: set[int]) -> None:
         self.plan = plan
-        self.cat: ApplyCatalog = _ReadOnlyCatalog(catalog) if dry_run else catalog
-        self.hot_for = hot_for
-        self._archive_for = archive_for
-        self.owner = owner
-        self.now = now
-        self.dry_run = dry_run
-        self.policy_for = policy_for
+        self.cat: ApplyCatalog = _ReadOnlyCatalog(context.catalog) if context.dry_run else context.catalog
+        self.hot_for = context.hot_for
+        self._archive_for = context.archive_for
+        self.owner = context.owner
+        self.now = context.now
+        self.dry_run = context.dry_run
+        self.policy_for = context.policy_for
         self.proven = proven
-        self.report = ApplyReport(dry_run=dry_run, refused=plan.refused)
-        self.leases = LeaseKeeper(self.cat, owner, now=now, ttl=lease_ttl, process=this_process())
+        self.report = ApplyReport(dry_run=context.dry_run, refused=plan.refused)
+        self.leases = LeaseKeeper(self.cat, context.owner, now=context.now, ttl=context.lease_ttl,
+                                  process=this_process())
         self._wrapped: dict[str, Store] = {}
         self._archives: dict[str, Store | None] = {}
         self.canaried: dict[str, str | None] = {}
         #: Stores that answered ``Unavailable`` (after their retries) to a delete: url -> why.
         self.unavailable: dict[str, str] = {}
-        #: Makes several archive copies at once (see :func:`apply_plan`); None: one by one here.
-        self.promote_many: Callable[[Sequence[CheckpointRecord]], Iterable[Any]] | None = None
+        #: Makes several archive copies at once (see :class:`ApplyContext`); None: one by one here.
+        self.promote_many = context.promote_many
 
     # -- helpers
 

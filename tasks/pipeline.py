@@ -31,7 +31,12 @@ from .config import Config, DrillSettings, check_archive_locations
 from .leases import DEFAULT_TTL as DEFAULT_LEASE_TTL
 from .reports import (
     NOTHING_FREED,
+    ApplyRunReport,
+    ForgetOutcome,
+    ForgetReport,
+    ForgetRow,
     FreedForecast,
+    JanitorRunReport,
     JobSummary,
     VerifyReport,
     VerifyRow,
@@ -48,7 +53,7 @@ from .scan import ScanReport, scan_url
 from .settings import Run
 
 if TYPE_CHECKING:
-    from .apply import ApplyReport
+    from .apply import ApplyReport, ItemResult, Proof
 
 Clock = Callable[[], datetime]
 
@@ -545,7 +550,7 @@ def run_apply(
     lease_ttl: timedelta = DEFAULT_LEASE_TTL,
     stores: StoreCache | None = None,
     fanout: Any = None,
-) -> dict[str, Any]:
+) -> ApplyRunReport:
     """Plan and carry out retention for every job (or ``job``): promote, prove, then delete.
 
     ``fanout`` (a :class:`ckptier.tasks.fanout.Fanout`) makes the archive
@@ -556,24 +561,24 @@ def run_apply(
     (canary, leases with a heartbeat, read-back, keepers proven again,
     fenced deletes). Refuses (:class:`ConfigError`) a policy whose archive
     equals, contains or lies inside a hot location the catalog knows.
-    Returns a JSON-ready report with ``items``, per-policy ``summary``
-    lines, ``bytes_freed``, ``failed`` (True when any item failed:
-    re-running resumes), ``held`` (lines naming the other live runs that
-    hold checkpoints this run skipped), ``proofs`` (every copy proven
-    again before a deletion: job, step, tier, ok, detail, bytes read and
-    bytes proven by the store's checksum) and ``outcome`` (what was carried
-    out, per tier and storage class: :class:`ckptier.tasks.reports.TieringOutcome`;
-    empty in a dry run).
+    Returns an :class:`~ckptier.tasks.reports.ApplyRunReport`: ``items``
+    (:class:`~ckptier.tasks.apply.ItemResult`), ``lines`` (per item, then
+    each policy's summary), ``bytes_freed``, ``failed`` (True when any item
+    failed: re-running resumes), ``held`` (lines naming the other live runs
+    that hold checkpoints this run skipped), ``proofs`` (every copy proven
+    again before a deletion: :class:`~ckptier.tasks.apply.Proof`) and
+    ``outcome`` (what was carried out, per tier and storage class:
+    :class:`~ckptier.tasks.reports.TieringOutcome`; empty in a dry run).
     """
     check_archive_locations(config, catalog.hot_locations())
     run = Run(catalog=catalog, config=config, stores=stores or StoreCache(roots=catalog.hot_locations), now=now,
               owner=owner, dry_run=dry_run)
     lines: list[str] = []
-    items: list[dict[str, Any]] = []
+    items: list[ItemResult] = []
     failed = False
     freed = 0
     proven: set[int] = set()  # keepers proven in this run, by either pass
-    proofs: list[dict[str, Any]] = []
+    proofs: list[Proof] = []
     # A second pass lets hot copies of milestones promoted in the first one go
     # in the same run (the plan is made anew from the catalog each pass).
     passes = 1 if dry_run else 2
@@ -587,26 +592,26 @@ def run_apply(
             if n > 0 and not any(i.action == "delete" for i in plan.items):
                 continue
             report = _apply_one(run, policy, plan, lease_ttl=lease_ttl, lines=lines, items=items, proven=proven, fanout=fanout)
-            proofs.extend(asdict(p) for p in report.proofs)
+            proofs.extend(report.proofs)
             promoted |= bool(report.promoted)
             failed |= not report.ok
             freed += report.bytes_freed
         if not promoted or failed:
             break
-    held = [f"{i['job']} step {i['step']}: {i['action']} {i['detail']}" for i in items if i["outcome"] == "held"]
-    promoted_ids = {i["checkpoint_id"] for i in items if i["action"] == "promote" and i["outcome"] == "done"}
-    touched = {i["checkpoint_id"]: catalog.get_by_id(i["checkpoint_id"]) for i in items
-               if i["checkpoint_id"] in promoted_ids or (i["action"] == "delete" and i.get("freed"))}
+    held = tuple(f"{i.job} step {i.step}: {i.action} {i.detail}" for i in items if i.outcome == "held")
+    promoted_ids = {i.checkpoint_id for i in items if i.action == "promote" and i.outcome == "done"}
+    touched = {i.checkpoint_id: catalog.get_by_id(i.checkpoint_id) for i in items
+               if i.checkpoint_id in promoted_ids or (i.action == "delete" and i.freed)}
     outcome = tiering_outcome(items, {k: v for k, v in touched.items() if v is not None})
-    return {"dry_run": dry_run, "items": items, "lines": lines, "bytes_freed": freed, "failed": failed,
-            "held": held, "proofs": proofs,
-            "outcome": {**asdict(outcome), "hot_freed_bytes": outcome.hot_freed_bytes}}
+    return ApplyRunReport(dry_run=dry_run, items=tuple(items), lines=tuple(lines), bytes_freed=freed, failed=failed,
+                          held=held, proofs=tuple(proofs), outcome=outcome)
 
 
 def _apply_one(run: Run, policy: Policy, plan: Plan, *, lease_ttl: timedelta, lines: list[str],
-               items: list[dict[str, Any]], proven: set[int], fanout: Any = None) -> ApplyReport:
-    """Carry out one policy's plan in ``run``, appending report lines and item rows."""
-    from .apply import apply_plan
+               items: list[ItemResult], proven: set[int], fanout: Any = None) -> ApplyReport:
+    """Carry out one policy's plan in ``run`` (its :class:`~ckptier.tasks.apply.ApplyContext`
+    made here from the run and the policy), appending report lines and item results."""
+    from .apply import ApplyContext, apply_plan
 
     archive_store = archive_store_for(run.stores, policy)
     promote_many = None
@@ -615,19 +620,20 @@ def _apply_one(run: Run, policy: Policy, plan: Plan, *, lease_ttl: timedelta, li
 
         promote_many = promoter(fanout, archive_url=policy.archive, storage_class=policy.storage_class, now=run.now,
                                 owner=run.owner)
-    report = apply_plan(
-        plan, catalog=run.catalog, hot_for=run.stores.for_record, archive_for=lambda _job: archive_store,
-        owner=run.owner, now=run.now, lease_ttl=lease_ttl, dry_run=run.dry_run, policy=str(policy),
-        max_missing_fraction=policy.max_missing_fraction, policy_for=run.config.policy_for, proven=proven,
+    context = ApplyContext(
+        catalog=run.catalog, hot_for=run.stores.for_record, archive_for=lambda _job: archive_store, owner=run.owner,
+        now=run.now, lease_ttl=lease_ttl, dry_run=run.dry_run, policy_for=run.config.policy_for,
         promote_many=promote_many,
     )
+    report = apply_plan(plan, context, policy=str(policy), max_missing_fraction=policy.max_missing_fraction,
+                        proven=proven)
     for p in report.proofs:
         if not p.ok:
             lines.append(f"{p.job} step {p.step}: keeper failed its proof ({p.tier} copy): {p.detail}")
     for r in report.items:
         if r.action == "keep" and r.outcome == "skipped":
             continue
-        items.append(asdict(r))
+        items.append(r)
         lines.append(f"{r.job} step {r.step}: {r.action}{' hot copy' if r.scope == 'hot-copy' else ''} "
                      f"{r.outcome}: {r.detail}")
     for store_url, why in report.canary_failures.items():
@@ -703,7 +709,7 @@ def archive_root(copy_url: str, record: CheckpointRecord) -> str:
 
 
 def run_janitor(catalog: Catalog, config: Config, *, now: datetime, older_than: timedelta,
-                stores: StoreCache | None = None) -> dict[str, Any]:
+                stores: StoreCache | None = None) -> JanitorRunReport:
     """Clean every archive tier named by a policy of what interrupted promotions left.
 
     Only ckptier's own objects go (those an upload marker names, and local
@@ -711,15 +717,17 @@ def run_janitor(catalog: Catalog, config: Config, *, now: datetime, older_than: 
     catalog holds as present are never removed, even when their manifest is
     gone: that is reported as damage instead. Refuses (:class:`ConfigError`)
     an archive that equals, contains or lies inside a hot location the
-    catalog knows, before touching anything.
+    catalog knows, before touching anything. Returns a
+    :class:`~ckptier.tasks.reports.JanitorRunReport`: per archive URL its
+    :class:`~ckptier.tasks.archive.JanitorReport`, and the run in ``lines``.
     """
 
-    from .archive import archive_dir, janitor
+    from .archive import JanitorReport, archive_dir, janitor
 
     check_archive_locations(config, catalog.hot_locations())
     stores = stores or StoreCache(roots=catalog.hot_locations)
     lines: list[str] = []
-    reports = {}
+    reports: dict[str, JanitorReport] = {}
     records = catalog.checkpoints(include_deleted=True, with_files=False)
     for url in sorted({p.archive for p in config.policies if p.archive}):
         store = stores.store(url)
@@ -729,7 +737,7 @@ def run_janitor(catalog: Catalog, config: Config, *, now: datetime, older_than: 
             if (cp := c.archive_copy()) is not None and archive_root(cp.url, c) == store.url
         }
         r = janitor(store, now=now, older_than=older_than, cataloged=cataloged)
-        reports[url] = asdict(r)
+        reports[url] = r
         lines.append(f"{url}: aborted {len(r.aborted_uploads)} uploads, removed {len(r.removed_dirs)} copies without "
                      f"manifest ({len(r.removed_keys)} objects) and {len(r.removed_temp_files)} stale temporary files, "
                      f"left {len(r.young_dirs)} young ones and {len(r.not_ours)} objects ckptier did not write, "
@@ -740,7 +748,7 @@ def run_janitor(catalog: Catalog, config: Config, *, now: datetime, older_than: 
                      for d in r.unexpected)
     if not reports:
         lines.append("no [[policy]] names an archive tier: nothing to clean")
-    return {"archives": reports, "lines": lines}
+    return JanitorRunReport(archives=reports, lines=tuple(lines))
 
 
 # ------------------------------------------------------------------- drill
@@ -1021,7 +1029,7 @@ def run_forget(
     older_than: timedelta | None = None,
     dry_run: bool = False,
     stores: StoreCache | None = None,
-) -> dict[str, Any]:
+) -> ForgetReport:
     """Tombstone ``job``'s rows that a scan found missing and storage confirms gone from every tier.
 
     Candidates: live rows with ``missing_since`` set (saved more than
@@ -1031,8 +1039,10 @@ def run_forget(
     (:meth:`Catalog.forget`, which a concurrent rescan or lease wins
     against). Rows still present somewhere, or whose tiers could not be
     checked, are kept and reported. ``dry_run`` looks but writes nothing.
-    Idempotent. Returns ``rows`` (job, step, outcome, detail), ``lines``,
-    and counts ``forgotten``, ``kept``, ``unchecked``.
+    Idempotent. Returns a :class:`~ckptier.tasks.reports.ForgetReport`:
+    ``rows`` (:class:`~ckptier.tasks.reports.ForgetRow`: job, step,
+    outcome, detail), ``lines``, and counts ``forgotten``, ``kept``,
+    ``unchecked``.
     """
     from .archive import archive_dir, prefix_from_location
     from .forget import archive_places, forget_candidates, still_stored
@@ -1042,7 +1052,7 @@ def run_forget(
     if not records and not catalog.checkpoints(job=job, include_deleted=True):
         raise unknown_job(job)
     policy = config.policy_for(job)
-    rows: list[dict[str, Any]] = []
+    rows: list[ForgetRow] = []
     for c in forget_candidates(records, now=now(), older_than=older_than):
         archives = []
         for url in archive_places(c):
@@ -1054,6 +1064,7 @@ def run_forget(
                 archives.append((store, archive_dir(c.job, c.step)))
         found = still_stored(c, hot=stores.for_record, archives=archives)
         assert c.missing_since is not None  # forget_candidates chose these
+        outcome: ForgetOutcome
         if found.present:
             outcome, detail = "kept", "still stored at " + ", ".join(found.present) + "; rescan it"
         elif found.unknown:
@@ -1066,13 +1077,13 @@ def run_forget(
             done = catalog.forget(c.id, missing_since=c.missing_since, now=now(), reason=reason)
             outcome, detail = ("forgotten", "gone from every tier") if done else (
                 "kept", "changed meanwhile (a scan saw it again, or a run holds it); run forget again")
-        rows.append({"job": c.job, "step": c.step, "outcome": outcome, "detail": detail})
-    counts = {k: sum(r["outcome"] == k for r in rows) for k in ("forgotten", "would forget", "kept", "unchecked")}
-    lines = [f"{r['job']} step {r['step']}: {r['outcome']}: {r['detail']}" for r in rows]
+        rows.append(ForgetRow(job=c.job, step=c.step, outcome=outcome, detail=detail))
+    counts = {k: sum(r.outcome == k for r in rows) for k in ("forgotten", "would forget", "kept", "unchecked")}
+    lines = [f"{r.job} step {r.step}: {r.outcome}: {r.detail}" for r in rows]
     lines.append(
         f"job {job}: {counts['would forget'] if dry_run else counts['forgotten']} "
         f"{'would be ' if dry_run else ''}forgotten, {counts['kept']} still stored, {counts['unchecked']} not checked"
         + ("" if rows else " (no checkpoint is missing from hot storage)")
     )
-    return {"job": job, "dry_run": dry_run, "rows": rows, "lines": lines,
-            "forgotten": counts["forgotten"], "kept": counts["kept"], "unchecked": counts["unchecked"]}
+    return ForgetReport(job=job, dry_run=dry_run, rows=tuple(rows), lines=tuple(lines), forgotten=counts["forgotten"],
+                        kept=counts["kept"], unchecked=counts["unchecked"])

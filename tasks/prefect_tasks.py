@@ -23,7 +23,7 @@ from . import fanout as fanout_work
 from . import pipeline
 from .config import RunnerSettings, load_config
 from .fanout import row_claims, runner_settings
-from .reports import VerifyReport, verification_by_job
+from .reports import ApplyRunReport, VerifyReport, verification_by_job
 from .retention import render_plan_table
 from .scan import ScanReport
 from .settings import catalog_url as resolve_catalog_url
@@ -212,7 +212,7 @@ def catalog_summary_task(catalog_url: str | None, config_path: str | None = None
 
 @task(name="apply-retention", retries=1, retry_delay_seconds=60, retry_condition_fn=retry_if_transient)
 def apply_task(catalog_url: str | None, config_path: str | None, job: str | None, dry_run: bool,
-               runner: str | None = None) -> dict[str, Any]:
+               runner: str | None = None) -> ApplyRunReport:
     """Promote milestones, then delete what the policy lets go (fenced, batched; short leases kept alive by a heartbeat).
 
     The archive copies are made by ``promote-checkpoint`` task runs, several
@@ -229,7 +229,7 @@ def apply_task(catalog_url: str | None, config_path: str | None, job: str | None
                                         dry_run=dry_run, fanout=fanout)
     finally:
         fanout.close()
-    for line in report["lines"]:
+    for line in report.lines:
         log.info(line)
     return report
 

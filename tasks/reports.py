@@ -24,7 +24,7 @@ import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import quote
 
 from ckptier.storage.records import CheckpointRecord, CopyRecord, CopyState, FileCheck, FileRecord, State, Tier
@@ -32,6 +32,10 @@ from ckptier.storage.records import CheckpointRecord, CopyRecord, CopyState, Fil
 from .costs import hot_class_of
 from .retention import Plan, hot_present
 from .tiers import HOT
+
+if TYPE_CHECKING:
+    from .apply import ItemResult, Proof
+    from .archive import JanitorReport
 
 #: The environment variable naming the dashboard's base URL (``ckptier dashboard``).
 DASHBOARD_URL_ENV = "CKPTIER_DASHBOARD_URL"
@@ -231,8 +235,8 @@ class TieringOutcome:
         return sum(t.freed_bytes for t in self.tiers if t.tier == Tier.HOT.value)
 
 
-def tiering_outcome(items: Iterable[Mapping[str, Any]], records: Mapping[int, CheckpointRecord]) -> TieringOutcome:
-    """Summarise ``ckptier apply``'s item rows (``ItemResult`` as dicts) that were carried out.
+def tiering_outcome(items: Iterable[ItemResult], records: Mapping[int, CheckpointRecord]) -> TieringOutcome:
+    """Summarise ``ckptier apply``'s item results that were carried out.
 
     ``records`` maps checkpoint ids to their catalog records read after the
     run (their archive copies say where a promotion went). Items that were
@@ -242,16 +246,15 @@ def tiering_outcome(items: Iterable[Mapping[str, Any]], records: Mapping[int, Ch
     promoted: list[Promoted] = []
     deleted: list[Deleted] = []
     for item in items:
-        record = records.get(int(item["checkpoint_id"]))
-        if item["action"] == "promote" and item["outcome"] == "done" and record is not None:
+        record = records.get(item.checkpoint_id)
+        if item.action == "promote" and item.outcome == "done" and record is not None:
             copy = record.archive_copy()
             if copy is not None:
-                promoted.append(Promoted(item["job"], item["step"], record.bytes, copy.stored_bytes, copy_class(copy),
+                promoted.append(Promoted(item.job, item.step, record.bytes, copy.stored_bytes, copy_class(copy),
                                          copy.url))
-        elif item["action"] == "delete" and item["outcome"] in ("done", "partial", "fenced") and item.get("freed"):
+        elif item.action == "delete" and item.outcome in ("done", "partial", "fenced") and item.freed:
             where = hot_class_of(record) if record is not None else HOT
-            deleted.append(Deleted(item["job"], item["step"], item["scope"], int(item["bytes"]), int(item["freed"]),
-                                   where))
+            deleted.append(Deleted(item.job, item.step, item.scope, item.bytes, item.freed, where))
     changes: dict[tuple[str, str], TierChange] = {}
     for p in promoted:
         key = (Tier.ARCHIVE.value, p.storage_class)
@@ -263,6 +266,98 @@ def tiering_outcome(items: Iterable[Mapping[str, Any]], records: Mapping[int, Ch
         t = changes.get(key, TierChange(*key))
         changes[key] = dataclasses.replace(t, deleted=t.deleted + 1, freed_bytes=t.freed_bytes + d.freed_bytes)
     return TieringOutcome(tuple(changes[k] for k in sorted(changes)), tuple(promoted), tuple(deleted))
+
+
+# ------------------------------------------------------------------ what apply, janitor and forget did
+
+
+@dataclass(frozen=True)
+class ApplyRunReport:
+    """What ``ckptier apply`` (:func:`ckptier.tasks.pipeline.run_apply`) did or, in a dry run, would do.
+
+    ``items``: one result per plan item acted on, in the order they were
+    handled (``keep`` items skipped are left out); ``lines``: the run in
+    words (per item, per policy, canary failures, keepers that failed their
+    proof); ``bytes_freed``: hot bytes actually deleted; ``failed``: True
+    when any item failed (re-running resumes); ``held``: one line per item
+    another live run holds, naming it; ``proofs``: every copy proven again
+    before a deletion; ``outcome``: what was carried out, per tier and
+    storage class (empty in a dry run).
+    """
+
+    dry_run: bool
+    items: tuple[ItemResult, ...]
+    lines: tuple[str, ...]
+    bytes_freed: int
+    failed: bool
+    held: tuple[str, ...]
+    proofs: tuple[Proof, ...]
+    outcome: TieringOutcome
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as JSON-ready values (``apply --json``, artifacts); ``outcome`` adds ``hot_freed_bytes``."""
+        return {"dry_run": self.dry_run, "items": [dataclasses.asdict(i) for i in self.items], "lines": list(self.lines),
+                "bytes_freed": self.bytes_freed, "failed": self.failed, "held": list(self.held),
+                "proofs": [dataclasses.asdict(p) for p in self.proofs],
+                "outcome": {**dataclasses.asdict(self.outcome), "hot_freed_bytes": self.outcome.hot_freed_bytes}}
+
+
+@dataclass(frozen=True)
+class JanitorRunReport:
+    """What ``ckptier janitor`` (:func:`ckptier.tasks.pipeline.run_janitor`) did.
+
+    ``archives``: each archive tier a policy names (its URL, sorted) and
+    what was cleaned there (:class:`ckptier.tasks.archive.JanitorReport`);
+    ``lines``: the run in words.
+    """
+
+    archives: Mapping[str, JanitorReport]
+    lines: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as JSON-ready values (``janitor --json``)."""
+        return {"archives": {url: dataclasses.asdict(r) for url, r in self.archives.items()}, "lines": list(self.lines)}
+
+
+ForgetOutcome = Literal["forgotten", "would forget", "kept", "unchecked"]
+
+
+@dataclass(frozen=True)
+class ForgetRow:
+    """One row ``ckptier forget`` looked at: ``forgotten`` (tombstoned), ``would forget``
+    (dry run), ``kept`` (still stored somewhere, or changed meanwhile) or ``unchecked``
+    (a tier could not be checked); ``detail`` says why."""
+
+    job: str
+    step: int
+    outcome: ForgetOutcome
+    detail: str
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class ForgetReport:
+    """What ``ckptier forget`` (:func:`ckptier.tasks.pipeline.run_forget`) did for ``job``.
+
+    ``rows``: every candidate in catalog order; ``lines``: the run in words,
+    the last one the counts; ``forgotten``, ``kept``, ``unchecked``: rows
+    per outcome (a dry run's ``would forget`` rows are in ``rows`` only).
+    """
+
+    job: str
+    dry_run: bool
+    rows: tuple[ForgetRow, ...]
+    lines: tuple[str, ...]
+    forgotten: int
+    kept: int
+    unchecked: int
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as JSON-ready values (``forget --json``)."""
+        return {"job": self.job, "dry_run": self.dry_run, "rows": [r.to_json() for r in self.rows],
+                "lines": list(self.lines), "forgotten": self.forgotten, "kept": self.kept, "unchecked": self.unchecked}
 
 
 # ------------------------------------------------------------------ verification

@@ -21,7 +21,7 @@ from ckptier.storage.catalog.api import Catalog, FileCheck
 from ckptier.storage.hashing import hash_bytes
 from ckptier.storage.local import LocalStore
 from ckptier.storage.records import CheckpointRecord, FileRef, Format, Found, Recognition, State
-from ckptier.tasks.apply import ApplyFailed, apply_plan, delete_refusal
+from ckptier.tasks.apply import ApplyContext, ApplyFailed, apply_plan, delete_refusal
 from ckptier.tasks.archive import manifest_key, prefix_from_location
 from ckptier.tasks.retention import KeepLast, Milestones, Plan, PlanItem, Policy, plan_retention
 
@@ -87,8 +87,7 @@ class World:
     def apply(self, plan: Plan | None = None, *, owner: str = "run-1", dry_run: bool = False,
               catalog: Catalog | None = None, hot: Store | None = None, archive: Store | None = None,
               ttl: timedelta = timedelta(minutes=30), replan: bool = False) -> Any:
-        return apply_plan(
-            plan if plan is not None else self.plan(),
+        context = ApplyContext(
             catalog=catalog or self.catalog,
             hot_for=(lambda r: (hot, prefix_from_location(self.hot, r.location))) if hot else self.hot_for,
             archive_for=(lambda job: archive) if archive else self.archive_for,
@@ -96,9 +95,9 @@ class World:
             now=self.clock,
             lease_ttl=ttl,
             dry_run=dry_run,
-            policy=str(self.policy),
             policy_for=(lambda job: self.policy) if replan else None,
         )
+        return apply_plan(plan if plan is not None else self.plan(), context, policy=str(self.policy))
 
     def state(self, step: int) -> State:
         rec = self.catalog.get(JOB, step)

@@ -26,7 +26,7 @@ from ckptier.storage.base import DeleteResult
 from ckptier.storage.catalog.api import DeleteIntent, LeaseHolder, ProcessId
 from ckptier.storage.local import LocalStore
 from ckptier.storage.records import State
-from ckptier.tasks.apply import apply_plan, intent_progress
+from ckptier.tasks.apply import ApplyContext, apply_plan, intent_progress
 from ckptier.tasks.archive import prefix_from_location
 from ckptier.tasks.leases import holder_gone, process_start, this_process
 from ckptier.tasks.retention import Plan
@@ -197,9 +197,9 @@ def test_a_live_runs_lease_is_kept_alive_by_its_heartbeat(world: World) -> None:
 
     slow = SlowHot(world.hot.root)
     only_200 = Plan(items=[i for i in world.plan().items if i.step == 200])
-    report = apply_plan(only_200, catalog=world.catalog, archive_for=world.archive_for, owner="slow-run",
-                        hot_for=lambda r: (slow, prefix_from_location(world.hot, r.location)),
-                        now=lambda: datetime.now(UTC), lease_ttl=ttl)
+    report = apply_plan(only_200, ApplyContext(catalog=world.catalog, archive_for=world.archive_for, owner="slow-run",
+                                              hot_for=lambda r: (slow, prefix_from_location(world.hot, r.location)),
+                                              now=lambda: datetime.now(UTC), lease_ttl=ttl))
     assert rival == [None]  # the lease was still ours when the rival tried
     [item] = [i for i in report.items if i.step == 200]
     assert item.outcome == "done", item

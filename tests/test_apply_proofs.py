@@ -26,6 +26,7 @@ from ckptier.storage.s3 import S3Store
 from ckptier.tasks.apply import keepers
 from ckptier.tasks.config import Config
 from ckptier.tasks.pipeline import run_apply, run_fetch
+from ckptier.tasks.reports import ApplyRunReport
 from ckptier.tasks.retention import KeepLast, Milestones, Policy, plan_retention
 from tests.test_apply import JOB, STEPS, World, build_world, files_for, recognition
 from tests.test_apply_faults import S3World, s3_world  # noqa: F401 - the fixture
@@ -33,7 +34,7 @@ from tests.test_apply_faults import S3World, s3_world  # noqa: F401 - the fixtur
 MILESTONES = (100, 500)
 
 
-def apply(world: World, policy: Policy, owner: str = "run-1") -> dict[str, Any]:
+def apply(world: World, policy: Policy, owner: str = "run-1") -> ApplyRunReport:
     world.clock.advance(timedelta(hours=1))
     return run_apply(world.catalog, Config(policies=(policy,)), now=world.clock, owner=owner)
 
@@ -65,12 +66,12 @@ def world(tmp_path: Path) -> Iterator[World]:
 # --------------------------------------------------------------- the archive copy, before a hot copy goes
 
 
-def _keep_then_delete_hot(world: World, archive_url: str, flip: Any) -> dict[str, Any]:
+def _keep_then_delete_hot(world: World, archive_url: str, flip: Any) -> ApplyRunReport:
     """The reproduction: apply with hot_after_archive = "keep"; damage the archive's
     model.pt.ckz of milestone 100; switch to "delete"; apply again."""
     keep = Policy(rules=(KeepLast(2), Milestones(steps=MILESTONES)), archive=archive_url, hot_after_archive="keep")
     first = apply(world, keep)
-    assert not first["failed"], first["lines"]
+    assert not first.failed, first.lines
     for step in MILESTONES:
         rec = world.catalog.get(JOB, step)
         assert rec is not None and rec.has_verified_archive() and world.on_disk(step)
@@ -78,11 +79,11 @@ def _keep_then_delete_hot(world: World, archive_url: str, flip: Any) -> dict[str
     return apply(world, replace(keep, hot_after_archive="delete"), owner="run-2")
 
 
-def _assert_hot_copy_kept(world: World, report: dict[str, Any], tmp_path: Path) -> None:
-    by_step = {i["step"]: i for i in report["items"] if i["action"] == "delete"}
+def _assert_hot_copy_kept(world: World, report: ApplyRunReport, tmp_path: Path) -> None:
+    by_step = {i.step: i for i in report.items if i.action == "delete"}
     assert world.on_disk(100), "the hot copy was deleted on the strength of an old archive proof"
-    assert by_step[100]["outcome"] == "failed" and "archive copy failed its proof" in by_step[100]["detail"]
-    assert not world.on_disk(500) and by_step[500]["outcome"] == "done"  # an intact archive copy still lets it go
+    assert by_step[100].outcome == "failed" and "archive copy failed its proof" in by_step[100].detail
+    assert not world.on_disk(500) and by_step[500].outcome == "done"  # an intact archive copy still lets it go
     rec = world.catalog.get(JOB, 100)
     assert rec is not None and rec.archive_copy() is not None
     assert rec.archive_copy().state == "degraded"  # type: ignore[union-attr]
@@ -100,8 +101,8 @@ def test_hot_copy_stays_when_the_archive_copy_fails_a_fresh_proof(world: World, 
     _assert_hot_copy_kept(world, report, tmp_path)
     # The next run does not re-record the damaged copy as good: the promotion fails, the hot copy stays.
     again = apply(world, Policy(rules=(KeepLast(2), Milestones(steps=MILESTONES)), archive=str(archive)), owner="run-3")
-    assert again["failed"] and world.on_disk(100)
-    assert any("damaged" in i["detail"] for i in again["items"] if i["step"] == 100)
+    assert again.failed and world.on_disk(100)
+    assert any("damaged" in i.detail for i in again.items if i.step == 100)
 
 
 @pytest.mark.s3
@@ -112,8 +113,8 @@ def test_hot_copy_stays_when_the_s3_archive_copy_fails_a_fresh_proof(
     report = _keep_then_delete_hot(world, f"s3://{s3_bucket.name}/archive", lambda key: flip_s3_byte(archive, key))
     _assert_hot_copy_kept(world, report, tmp_path)
     # Milestone 500's archive copy was proven by S3's own full-object checksums, without a download.
-    [p500] = [p for p in report["proofs"] if p["step"] == 500]
-    assert p500["ok"] and p500["tier"] == "archive" and p500["bytes_read"] == 0 and p500["bytes_skipped"] > 0
+    [p500] = [p for p in report.proofs if p.step == 500]
+    assert p500.ok and p500.tier == "archive" and p500.bytes_read == 0 and p500.bytes_skipped > 0
 
 
 # ------------------------------------------------------------------- keepers, before anything they justify
@@ -123,19 +124,19 @@ def _keep_last_1(archive: str) -> Policy:
     return Policy(rules=(KeepLast(1), Milestones(steps=MILESTONES)), archive=archive, min_verified=1)
 
 
-def _assert_fell_back_to_900(world: World, report: dict[str, Any]) -> None:
+def _assert_fell_back_to_900(world: World, report: ApplyRunReport) -> None:
     assert world.state(1000) == State.CORRUPT  # the keeper failed its proof: kept as evidence
     assert world.on_disk(1000)
     assert world.on_disk(900), "the only good checkpoint after the corrupt newest one was deleted"
     latest = world.catalog.latest(JOB)
     assert latest is not None and latest.step == 900 and "hot" in latest.tiers
-    deleted = sorted(i["step"] for i in report["items"] if i["action"] == "delete" and i["outcome"] == "done")
+    deleted = sorted(i.step for i in report.items if i.action == "delete" and i.outcome == "done")
     assert deleted == [100, 200, 300, 400, 500, 600, 700, 800]  # milestones: hot copies only
     for step in MILESTONES:
         rec = world.catalog.get(JOB, step)
         assert rec is not None and rec.state == State.VERIFIED and rec.tiers == ("archive",)
     assert any(e.kind == "apply.keeper_failed" for e in world.catalog.events(job=JOB, limit=1000))
-    assert not report["failed"], report["lines"]
+    assert not report.failed, report.lines
 
 
 def test_a_keeper_that_fails_its_proof_turns_corrupt_and_the_plan_is_made_anew(world: World, tmp_path: Path) -> None:
@@ -146,9 +147,9 @@ def test_a_keeper_that_fails_its_proof_turns_corrupt_and_the_plan_is_made_anew(w
 
     report = apply(world, _keep_last_1(str(tmp_path / "archive")))
     _assert_fell_back_to_900(world, report)
-    proofs = {(p["step"], p["tier"]): p for p in report["proofs"]}
-    assert not proofs[(1000, "hot")]["ok"] and proofs[(900, "hot")]["ok"]
-    assert proofs[(900, "hot")]["bytes_read"] == sum(len(d) for d in files_for(900).values())  # read, not assumed
+    proofs = {(p.step, p.tier): p for p in report.proofs}
+    assert not proofs[(1000, "hot")].ok and proofs[(900, "hot")].ok
+    assert proofs[(900, "hot")].bytes_read == sum(len(d) for d in files_for(900).values())  # read, not assumed
 
 
 def test_a_milestone_whose_hot_bytes_rotted_turns_corrupt_and_the_next_apply_moves_on(
@@ -161,12 +162,12 @@ def test_a_milestone_whose_hot_bytes_rotted_turns_corrupt_and_the_next_apply_mov
     flip_byte(world.hot.root / f"{JOB}/step-00000500/rank-0000/model.pt")
     policy = Policy(rules=(KeepLast(2), Milestones(steps=MILESTONES)), archive=str(tmp_path / "archive"))
     first = apply(world, policy)
-    assert first["failed"]
+    assert first.failed
     assert world.state(500) == State.CORRUPT and world.on_disk(500)
     assert all(world.state(s) == State.VERIFIED for s in (200, 300, 400))  # the job's deletions waited
 
     second = apply(world, policy, owner="run-2")
-    assert not second["failed"], second["lines"]
+    assert not second.failed, second.lines
     assert world.state(500) == State.CORRUPT and world.on_disk(500)  # kept as evidence
     holder = world.catalog.get(JOB, 600)  # milestone 500 passed on to the next save
     assert holder is not None and holder.has_verified_archive()
@@ -180,17 +181,17 @@ def test_a_keeper_on_s3_is_proven_by_the_stores_checksums(request: pytest.Fixtur
 
     report = apply(w, _keep_last_1(str(tmp_path / "archive")))
     _assert_fell_back_to_900(w, report)
-    proofs = {(p["step"], p["tier"]): p for p in report["proofs"]}
+    proofs = {(p.step, p.tier): p for p in report.proofs}
     # Both proven by S3's full-object CRC64NVME: nothing downloaded.
-    assert proofs[(1000, "hot")]["bytes_read"] == 0 and proofs[(900, "hot")]["bytes_read"] == 0
-    assert proofs[(900, "hot")]["bytes_skipped"] == sum(len(d) for d in files_for(900).values())
+    assert proofs[(1000, "hot")].bytes_read == 0 and proofs[(900, "hot")].bytes_read == 0
+    assert proofs[(900, "hot")].bytes_skipped == sum(len(d) for d in files_for(900).values())
 
 
 def test_a_keeper_held_only_in_the_archive_is_proven_from_the_archive(world: World, tmp_path: Path) -> None:
     archive = tmp_path / "archive"
     # Milestone 1000 is archived (its hot copy kept), then its hot copy is lost by hand.
     first = apply(world, Policy(rules=(KeepLast(10), Milestones(steps=(1000,))), archive=str(archive)))
-    assert not first["failed"] and world.catalog.get(JOB, 1000).has_verified_archive()  # type: ignore[union-attr]
+    assert not first.failed and world.catalog.get(JOB, 1000).has_verified_archive()  # type: ignore[union-attr]
     for p in sorted((world.hot.root / f"{JOB}/step-00001000").rglob("*"), reverse=True):
         p.unlink() if p.is_file() else p.rmdir()
     (world.hot.root / f"{JOB}/step-00001000").rmdir()
@@ -207,8 +208,8 @@ def test_a_keeper_held_only_in_the_archive_is_proven_from_the_archive(world: Wor
     assert rec is not None and rec.archive_copy() is not None and rec.archive_copy().state == "degraded"  # type: ignore[union-attr]
     assert world.on_disk(900) and world.on_disk(800), "keep_last 2 now rests on 900 and 800"
     assert not world.on_disk(700) and world.state(700) == State.DELETED
-    assert {(p["step"], p["tier"], p["ok"]) for p in report["proofs"]} >= {(1000, "archive", False), (800, "hot", True)}
-    assert not report["failed"], report["lines"]
+    assert {(p.step, p.tier, p.ok) for p in report.proofs} >= {(1000, "archive", False), (800, "hot", True)}
+    assert not report.failed, report.lines
 
 
 class _Unreachable(LocalStore):
@@ -226,7 +227,7 @@ def test_a_keeper_whose_archive_copy_cannot_be_read_defers_the_deletions_and_lea
 ) -> None:
     archive = tmp_path / "archive"
     policy = Policy(rules=(KeepLast(10), Milestones(steps=(1000,))), archive=str(archive))
-    assert not apply(world, policy)["failed"]
+    assert not apply(world, policy).failed
     for p in sorted((world.hot.root / f"{JOB}/step-00001000").rglob("*"), reverse=True):
         p.unlink() if p.is_file() else p.rmdir()
     world.catalog.record_scan(world.hot.url, recognition(world.hot.root, STEPS[:-1]), now=world.clock())
@@ -267,5 +268,5 @@ def test_dry_run_proves_nothing_and_changes_nothing(world: World, tmp_path: Path
     flip_byte(world.hot.root / f"{JOB}/step-00001000/rank-0000/model.pt")
     policy = _keep_last_1(str(tmp_path / "archive"))
     report = run_apply(world.catalog, Config(policies=(policy,)), now=world.clock, owner="dry", dry_run=True)
-    assert report["proofs"] == [] and world.state(1000) == State.VERIFIED
+    assert report.proofs == () and world.state(1000) == State.VERIFIED
     assert all(world.on_disk(s) for s in STEPS)

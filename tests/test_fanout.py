@@ -253,12 +253,12 @@ def test_promotions_fan_out_on_dask_and_the_run_records_them(dask_cluster: Any, 
     with scanned(hot, f"sqlite:///{tmp_path / 'catalog.db'}") as cat:
         run_verify(cat, now=lambda: datetime.now(UTC))
         report = run_apply(cat, config, now=lambda: datetime.now(UTC), owner="fan-test", fanout=dask_cluster)
-        promoted = sorted(i["step"] for i in report["items"] if i["action"] == "promote" and i["outcome"] == "done")
-        assert promoted == [2, 4, 5], report["lines"]
+        promoted = sorted(i.step for i in report.items if i.action == "promote" and i.outcome == "done")
+        assert promoted == [2, 4, 5], report.lines
         for step in promoted:
             rec = cat.get("fan", step)
             assert rec is not None and rec.has_verified_archive()
         assert sum(e.kind == "promote.done" for e in cat.events(job="fan")) == 3
         # A second run finds them archived: nothing is copied twice.
         again = run_apply(cat, config, now=lambda: datetime.now(UTC), owner="fan-test-2", fanout=dask_cluster)
-        assert not [i for i in again["items"] if i["action"] == "promote" and i["outcome"] == "done"]
+        assert not [i for i in again.items if i.action == "promote" and i.outcome == "done"]

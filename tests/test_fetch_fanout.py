@@ -63,7 +63,7 @@ def archived(tmp_path: Path) -> Iterator[tuple[Catalog, Config, Path, Path]]:
         run_scan([str(hot)], cat, now=now)
         run_verify(cat, now=now)
         report = run_apply(cat, config, now=now, owner="fetch-fanout-test")
-        assert [i["step"] for i in report["items"] if i["action"] == "promote" and i["outcome"] == "done"] == [50]
+        assert [i.step for i in report.items if i.action == "promote" and i.outcome == "done"] == [50]
         yield cat, config, hot, archive
 
 

@@ -275,8 +275,8 @@ def test_tiering_reports_what_it_did_and_the_plan_frees_what_apply_frees(harness
     arts = _artifacts(state.state_details.flow_run_id)
     # Freed: 25, 75 and 100 deleted; 50 promoted, then its hot copy deleted in the same run.
     freed = size[25] + size[75] + size[100] + size[50]
-    assert result["apply"]["bytes_freed"] == freed == result["forecast"]["freed_bytes"]
-    assert result["forecast"]["hot_bytes"] == hot_before
+    assert result.apply.bytes_freed == freed == result.forecast["freed_bytes"]
+    assert result.forecast["hot_bytes"] == hot_before
     plan = arts["retention-plan"]
     assert plan.description.startswith(f"Retention plan: {human_bytes(freed)} of {human_bytes(hot_before)} hot bytes")
     done = arts["tiering-result"]
@@ -291,6 +291,48 @@ def test_tiering_reports_what_it_did_and_the_plan_frees_what_apply_frees(harness
     # A dry run publishes the plan only, never a "what was done".
     state = tiering_flow(apply=False, catalog_url=url, config_path=str(config), return_state=True)
     assert "tiering-result" not in _artifacts(state.state_details.flow_run_id)
+
+
+def test_runner_hands_back_a_failed_applys_report_from_a_flow_run_as_the_direct_path_does(
+        harness: None, tree: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tiering run whose promotion fails fails the flow run, and runner.apply still returns
+    that run's own apply report: the same items and outcomes as the direct path."""
+    import os
+    import shutil
+
+    from prefect.settings import PREFECT_API_URL
+
+    from ckptier.flows import runner
+    from ckptier.tasks.reports import ApplyRunReport
+
+    monkeypatch.setenv("PREFECT_API_URL", str(PREFECT_API_URL.value()))
+    twin = tmp_path / "twin"
+    shutil.copytree(tree["hot"], twin)
+    reports: dict[str, ApplyRunReport] = {}
+    for how, hot in (("flow", tree["hot"]), ("direct", twin)):
+        url = f"sqlite:///{tmp_path / f'{how}.db'}"
+        config = tmp_path / f"{how}.toml"
+        config.write_text(f'[[policy]]\njobs = "*"\nkeep_last = 1\nmilestones = [25]\narchive = "{tmp_path / how}"\n')
+        runner.scan([str(hot)], catalog_url=url, use_prefect=False, progress=False, config_path=str(config))
+        runner.verify(job=None, deep=False, sample=None, workers=2, catalog_url=url, use_prefect=False,
+                      progress=False, config_path=str(config))
+        # Milestone 25 rots after it was verified (same size and mtime): its promotion finds out and fails.
+        victim = next(p for p in sorted(hot.rglob("model.pt")) if "00000025" in str(p))
+        st = victim.stat()
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        victim.write_bytes(bytes(data))
+        os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+        reports[how] = runner.apply(job=None, dry_run=False, config_path=str(config), catalog_url=url,
+                                    use_prefect=how == "flow")
+
+    def shape(report: ApplyRunReport) -> tuple[Any, ...]:
+        return [(i.step, i.action, i.scope, i.outcome) for i in report.items], report.failed, report.bytes_freed
+
+    assert all(isinstance(r, ApplyRunReport) for r in reports.values())
+    assert shape(reports["flow"]) == shape(reports["direct"])
+    assert reports["flow"].failed and any(i.step == 25 and i.action == "promote" and i.outcome == "failed"
+                                          for i in reports["flow"].items)
 
 
 @pytest.mark.parametrize("case", ["unknown job", "nothing drillable", "corrupt step", "bad model"])
@@ -374,7 +416,7 @@ def test_flows_take_the_catalog_by_the_command_lines_precedence(
     result = scan_verify_flow(urls=[str(tree["hot"])], config_path=str(config))
     assert from_file.exists() and result["verify"].totals.verified == 2
     assert scan_flow(urls=[str(tree["hot"])], config_path=str(config))[0].rows_written == 0
-    assert tiering_flow(config_path=str(config))["plan"]
+    assert tiering_flow(config_path=str(config)).plan
     (drill,) = restore_drill_flow(config_path=str(config), steps=2, model="ckptier.tasks.drill_models:demo_model")
     assert drill["ok"]
 

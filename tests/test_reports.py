@@ -10,6 +10,7 @@ import pytest
 
 from ckptier.storage.errors import ConfigError
 from ckptier.storage.records import CheckpointRecord, CopyRecord, FileCheck, FileRecord, Format, State, Tier
+from ckptier.tasks.apply import ItemResult, Outcome
 from ckptier.tasks.pipeline import nothing_to_drill
 from ckptier.tasks.reports import (
     FileProblem,
@@ -140,10 +141,10 @@ def test_forecasts_add_up() -> None:
 # ------------------------------------------------------------------ what tiering did
 
 
-def _item(cid: int, step: int, action: str, outcome: str, *, scope: str = "checkpoint", size: int = 1_000,
-          freed: int = 0) -> dict[str, object]:
-    return {"job": "llama", "step": step, "checkpoint_id": cid, "action": action, "scope": scope, "outcome": outcome,
-            "detail": "", "bytes": size, "freed": freed}
+def _item(cid: int, step: int, action: str, outcome: Outcome, *, scope: str = "checkpoint", size: int = 1_000,
+          freed: int = 0) -> ItemResult:
+    return ItemResult(job="llama", step=step, checkpoint_id=cid, action=action, scope=scope, outcome=outcome,
+                      detail="", bytes=size, freed=freed)
 
 
 def test_tiering_outcome_counts_only_what_was_done_per_tier_and_class() -> None:

@@ -178,9 +178,9 @@ def test_forget_keeps_rows_with_an_archive_copy_and_honours_older_than(
     from ckptier.tasks.pipeline import run_forget
 
     young = run_forget(catalog, config, job="run", now=utcnow, older_than=timedelta(days=1))
-    assert young["rows"] == [] and "no checkpoint is missing" in young["lines"][-1]
+    assert young.rows == () and "no checkpoint is missing" in young.lines[-1]
     report = run_forget(catalog, config, job="run", now=utcnow)
-    outcome = {r["step"]: (r["outcome"], r["detail"]) for r in report["rows"]}
+    outcome = {r.step: (r.outcome, r.detail) for r in report.rows}
     assert outcome[100][0] == "forgotten" and outcome[400][0] == "forgotten"
     assert outcome[200][0] == "kept" and "archive/run/step-00000200" in outcome[200][1]
     assert outcome[300][0] == "kept" and "archive/run/step-00000300" in outcome[300][1]
@@ -219,4 +219,4 @@ def test_forget_on_s3_checks_the_bucket_itself(s3_bucket: Any, s3_env: str, tmp_
     # a file of 200 is back (a late copy, a restore): storage is asked, not the catalog's flag
     client.put_object(Bucket=bucket, Key="ck/run/step-00000200/rank-0000/model.pt", Body=b"late")
     report = run_forget(catalog, parse_config("[[policy]]\nkeep_last = 1\n"), job="run", now=utcnow)
-    assert {r["step"]: r["outcome"] for r in report["rows"]} == {100: "forgotten", 200: "kept"}
+    assert {r.step: r.outcome for r in report.rows} == {100: "forgotten", 200: "kept"}
