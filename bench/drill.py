@@ -201,16 +201,18 @@ def make_catalog(root: Path) -> str:
 def ours(url: str, factory: Path, work: Path) -> tuple[float, dict[str, float], str]:
     from ckptier.storage.catalog.api import Catalog
     from ckptier.tasks.config import Config
-    from ckptier.tasks.pipeline import run_drill, utcnow
+    from ckptier.tasks.pipeline import DrillOptions, StoreCache, run_drill, utcnow
+    from ckptier.tasks.settings import Run
 
     with Catalog.open(url, create=False) as cat:
         start = time.time()
-        (report,) = run_drill(cat, Config(), now=utcnow, job="job", steps=1, device="cpu",
-                              model=f"{factory}:build", timeout=900, scratch_root=work)
-    if not report["ok"]:
-        raise SystemExit(f"drill failed: {report['summary']}")
-    done = max(r["first_step_done_at"] for r in report["ranks"])
-    return done - start, report["timings"], report["summary"]
+        run = Run(catalog=cat, config=Config(), stores=StoreCache(roots=cat.hot_locations), now=utcnow, owner="bench")
+        (report,) = run_drill(run, DrillOptions(job="job", steps=1, device="cpu", model=f"{factory}:build", timeout=900,
+                                                scratch_root=work))
+    if not report.ok:
+        raise SystemExit(f"drill failed: {report.summary}")
+    done = max(r.first_step_done_at for r in report.ranks if r.first_step_done_at is not None)
+    return done - start, dict(report.timings), report.summary
 
 
 def baseline(step_dir: Path, factory: Path, work: Path) -> tuple[float, float]:

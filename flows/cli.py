@@ -275,10 +275,10 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     report = runner.fetch(job=args.job, step=args.step, dest=dest, catalog_url=location.url,
                           config_path=args.config)
     if args.json:
-        print_json(report)
+        print_json(report.to_json())
     else:
-        print(f"{report['job']} step {report['step']}: {report['files']} files, {human_bytes(report['bytes'])} "
-              f"from the {report['tier']} tier into {report['dest']} (hashes verified)")
+        print(f"{report.job} step {report.step}: {report.files} files, {human_bytes(report.bytes)} "
+              f"from the {report.tier} tier into {report.dest} (hashes verified)")
     return 0
 
 
@@ -298,14 +298,14 @@ def cmd_drill(args: argparse.Namespace) -> int:
                            use_prefect=_use_prefect(args), allow_globals=args.allow_global or [],
                            world_size=args.world_size, runner=args.runner)
     if args.json:
-        print_json(reports)
+        print_json([r.to_json() for r in reports])
     else:
         for r in reports:
-            print(r["summary"])
-            for c in r.get("checks", []):
-                if c["ok"] or c["detail"] not in r["summary"]:
-                    print(f"  [{'ok' if c['ok'] else 'FAIL'}] {c['name']}: {c['detail']}")
-    return 0 if reports and all(r["ok"] for r in reports) else 1
+            print(r.summary)
+            for c in r.checks:
+                if c.ok or c.detail not in r.summary:
+                    print(f"  [{'ok' if c.ok else 'FAIL'}] {c.name}: {c.detail}")
+    return 0 if reports and all(r.ok for r in reports) else 1
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -70,6 +70,7 @@ def _pipeline_direct(hot: Path, catalog_url: str, config_path: Path) -> dict[str
     from ckptier.storage.catalog.api import Catalog
     from ckptier.tasks import pipeline
     from ckptier.tasks.config import load_config
+    from ckptier.tasks.settings import Run
 
     config = load_config(config_path)
     with Catalog.open(catalog_url) as cat:
@@ -80,7 +81,9 @@ def _pipeline_direct(hot: Path, catalog_url: str, config_path: Path) -> dict[str
         from ckptier.tasks.retention import render_plan_table
 
         apply = pipeline.run_apply(cat, config, now=pipeline.utcnow, owner="ckptier-demo")
-        drill = pipeline.run_drill(cat, config, now=pipeline.utcnow)
+        drill = pipeline.run_drill(Run(catalog=cat, config=config, stores=pipeline.StoreCache(roots=cat.hot_locations),
+                                       now=pipeline.utcnow, owner=pipeline.run_owner("ckptier-demo")),
+                                   pipeline.DrillOptions())
     return {"scan": scan, "listing": listing, "verify": verify, "plan": render_plan_table(plan), "apply": apply,
             "drill": drill}
 
@@ -198,7 +201,7 @@ def run_demo(base: Path | None, *, steps: int = 300, use_prefect: bool = True) -
           f"({(hot_after + archive_after) / hot_before:.0%} of before)")
     ok = True
     for d in result["drill"]:
-        print(f"6. restore drill: {d['summary']}")
-        ok = ok and d["ok"]
+        print(f"6. restore drill: {d.summary}")
+        ok = ok and d.ok
     print(f"\ncatalog: {catalog_url}\nlook around: ckptier ls --catalog {catalog_url}")
     return 0 if ok and not result["apply"].failed else 1

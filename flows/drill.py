@@ -9,13 +9,15 @@ and nothing is recorded against a checkpoint.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import Literal
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
 from ckptier.storage.errors import CkptierError
 from ckptier.tasks.prefect_tasks import drill_task
+from ckptier.tasks.reports import DrillReport
 
 from .artifacts import publish_catalog_summary, publish_dashboard_links
 from .events import DRILL_FAILED, emit_ckptier_event
@@ -38,41 +40,40 @@ def render_not_started(job: str | None, step: int | None, why: str) -> str:
                       "Nothing was restored and nothing is recorded against any checkpoint.", ""])
 
 
-def render_report(reports: list[dict[str, Any]]) -> str:
+def render_report(reports: Sequence[DrillReport]) -> str:
     """The drill report as markdown: one section per drill, a table of checks and timings."""
     lines = ["# Restore drill", ""]
     for r in reports:
-        mark = "PASSED" if r["ok"] else "NOT STARTED" if r.get("stage") == "not-started" else "FAILED"
-        lines += [f"## {r['job']} step {r['step']}: {mark}", "", r["summary"], "",
-                  f"device `{r.get('device') or '-'}`, tier `{r.get('tier') or '-'}`, "
-                  f"peak memory {r.get('peak_memory_bytes') or 0:,} bytes", "",
-                  *([r["confinement"], ""] if r.get("confinement") else []),
+        mark = "PASSED" if r.ok else "NOT STARTED" if not r.started else "FAILED"
+        lines += [f"## {r.job} step {r.step}: {mark}", "", r.summary, "",
+                  f"device `{r.device or '-'}`, tier `{r.tier or '-'}`, "
+                  f"peak memory {r.peak_memory_bytes or 0:,} bytes", "",
+                  *([r.confinement, ""] if r.confinement else []),
                   "| check | result | detail |", "| --- | --- | --- |"]
-        lines += [f"| {c['name']} | {'ok' if c['ok'] else '**FAIL**'} | {c['detail']} |" for c in r["checks"]]
+        lines += [f"| {c.name} | {'ok' if c.ok else '**FAIL**'} | {c.detail} |" for c in r.checks]
         lines += _ranks_section(r)
-        if r.get("timings"):
+        if r.timings:
             lines += ["", "| phase | seconds |", "| --- | ---: |"]
-            lines += [f"| {k} | {v:.3f} |" for k, v in r["timings"].items() if not k.endswith("_at")]
+            lines += [f"| {k} | {v:.3f} |" for k, v in r.timings.items() if not k.endswith("_at")]
         lines.append("")
     return "\n".join(lines)
 
 
-def _ranks_section(report: dict[str, Any]) -> list[str]:
+def _ranks_section(report: DrillReport) -> list[str]:
     """Markdown lines for a multi-rank drill: the resharding outcome and one
     row per rank (its files, the bytes its scratch held, its first loss);
     none for a single-rank drill."""
-    ranks = report.get("ranks")
-    if not ranks:
+    if not report.ranks:
         return []
     lines = [""]
-    if reshard := report.get("reshard"):
-        lines += [f"Resharding {reshard['from']} -> {reshard['to']} ranks: "
-                  f"{'resumes' if reshard['resumes'] else '**does not resume**'} ({reshard.get('detail') or '-'})", ""]
+    if (reshard := report.reshard) is not None:
+        lines += [f"Resharding {reshard.from_world} -> {reshard.to_world} ranks: "
+                  f"{'resumes' if reshard.resumes else '**does not resume**'} ({reshard.detail or '-'})", ""]
     lines += ["| rank | result | files | scratch bytes | first loss |", "| ---: | --- | ---: | ---: | ---: |"]
-    for rank in ranks:
-        loss = rank["losses"][0] if rank.get("losses") else None
-        result = "ok" if rank["ok"] else f"**FAIL** ({rank.get('stage') or '-'}: {rank.get('error') or '-'})"
-        lines.append(f"| {rank['rank']} | {result} | {len(rank.get('files') or [])} | {rank.get('held_bytes') or 0:,} | "
+    for rank in report.ranks:
+        loss = rank.losses[0] if rank.losses else None
+        result = "ok" if rank.ok else f"**FAIL** ({rank.stage or '-'}: {rank.error or '-'})"
+        lines.append(f"| {rank.rank} | {result} | {len(rank.files)} | {rank.held_bytes or 0:,} | "
                      f"{'-' if loss is None else f'{loss:.6g}'} |")
     return lines
 
@@ -90,8 +91,8 @@ def restore_drill_flow(
     allow_globals: list[str] | None = None,
     world_size: int | None = None,
     runner: str | None = None,
-) -> list[dict[str, Any]]:
-    """Restore a checkpoint, train a few steps and record whether recovery works.
+) -> list[DrillReport]:
+    """Restore a checkpoint, train a few steps and record whether recovery works; one report per drill.
 
     Args:
         job: Drill only this job (default: the newest verified checkpoint of every job).
@@ -116,14 +117,13 @@ def restore_drill_flow(
         publish_dashboard_links([job] if job else [])
         raise DrillNotStarted(str(exc)) from None
     create_markdown_artifact(render_report(reports), key="drill-report", description="Restore drill report")
-    failed = [r for r in reports if not r["ok"]]
+    failed = [r for r in reports if not r.ok]
     for r in failed:
-        emit_ckptier_event(DRILL_FAILED, r["job"], r["step"], summary=r["summary"],
-                           started=r.get("stage") != "not-started")
+        emit_ckptier_event(DRILL_FAILED, r.job, r.step, summary=r.summary, started=r.started)
     summary = publish_catalog_summary(catalog_url, config_path)
     publish_dashboard_links([job] if job else [j["job"] for j in summary])
     # Any failed attempt fails the run, even when an older checkpoint then passed:
     # the newest ones not restoring (a serialization change, say) is what to hear about.
     if failed:
-        raise DrillFailed("; ".join(r["summary"] for r in failed), report=reports)
+        raise DrillFailed("; ".join(r.summary for r in failed), report=reports)
     return reports

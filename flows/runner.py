@@ -23,7 +23,7 @@ from ckptier.tasks.prefect_api import check_prefect_api
 from .output import Progress
 
 if TYPE_CHECKING:
-    from ckptier.tasks.reports import ApplyRunReport, JanitorRunReport, VerifyReport
+    from ckptier.tasks.reports import ApplyRunReport, DrillReport, FetchReport, JanitorRunReport, VerifyReport
     from ckptier.tasks.scan import ScanReport
 
 R = TypeVar("R")
@@ -220,7 +220,8 @@ def _check_policy_written(job: str | None, config_path: str | None, catalog_url:
         require_written_policy(config, [job] if job else cat.jobs(), config_path)
 
 
-def fetch(*, job: str, step: int, dest: Path, catalog_url: str | None, config_path: str | None) -> dict[str, Any]:
+def fetch(*, job: str, step: int, dest: Path, catalog_url: str | None, config_path: str | None) -> FetchReport:
+    """Restore a checkpoint's files into ``dest`` (``pipeline.run_fetch``), always in this process."""
     from ckptier.tasks.pipeline import run_fetch
     from ckptier.tasks.settings import open_run
 
@@ -239,22 +240,22 @@ def janitor(*, config_path: str | None, older_than: timedelta, catalog_url: str 
 def drill(*, job: str | None, step: int | None, steps: int | None, device: str | None, model: str | None,
           timeout: float | None, config_path: str | None, catalog_url: str | None, use_prefect: bool,
           allow_globals: list[str] | None = None, world_size: int | None = None,
-          runner: str | None = None) -> list[dict[str, Any]]:
-    """Restore drills (``pipeline.run_drill``); ``allow_globals`` are extra
+          runner: str | None = None) -> list[DrillReport]:
+    """Restore drills (``pipeline.run_drill``), one report per drill; ``allow_globals`` are extra
     ``module.Name`` classes the safe loader may unpickle; ``world_size``
     restores into that many ranks; ``runner`` (threads or dask) where the
     files are fetched (default: ``[runner]``). Failed drills are reports
     (``ok`` false) on both paths; a drill that cannot start raises."""
-    def direct() -> list[dict[str, Any]]:
-        from ckptier.tasks.pipeline import run_drill
+    def direct() -> list[DrillReport]:
+        from ckptier.tasks.pipeline import DrillOptions, run_drill
         from ckptier.tasks.settings import open_run
 
+        options = DrillOptions(job=job, step=step, steps=steps, device=device, model=model, timeout=timeout,
+                               allow_globals=tuple(allow_globals or ()), world_size=world_size)
         fanout, _ = _fanout(config_path, runner)
         try:
             with open_run(catalog_url, config_path) as run:
-                return run_drill(run.catalog, run.config, now=run.now, job=job, step=step, steps=steps, device=device,
-                                 model=model, timeout=timeout, allow_globals=allow_globals or (), stores=run.stores,
-                                 world_size=world_size, fanout=fanout)
+                return run_drill(run, options, fanout=fanout)
         finally:
             if fanout is not None:
                 fanout.close()

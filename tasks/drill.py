@@ -207,9 +207,15 @@ class DrillRequest:
 
 @dataclass(frozen=True)
 class Check:
+    """One check of a drill's verdict: its ``name``, whether it passed, and why in words."""
+
     name: str
     ok: bool
     detail: str
+
+    def to_json(self) -> dict[str, Any]:
+        """``{"name", "ok", "detail"}``, as drill reports and the catalog's verdicts hold it."""
+        return asdict(self)
 
 
 @dataclass(frozen=True)

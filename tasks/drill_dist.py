@@ -37,6 +37,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,7 @@ from ckptier.tasks.drill import (
     _tail,
     worker_env,
 )
+from ckptier.tasks.reports import DrillRank, DrillReport, Reshard
 
 DEFAULT_RESHARD_RTOL = 1e-4
 """Relative tolerance between the losses of a resharded restore (M ranks)
@@ -792,16 +794,20 @@ class RankedDrill:
     def world(self) -> int:
         return self.run.world
 
-    def report(self) -> dict[str, Any]:
-        """JSON-ready fields of the drill report (besides job, step, times)."""
+    def report(self, *, job: str, step: int, device: str, started_at: datetime, finished_at: datetime) -> DrillReport:
+        """The drill report of checkpoint ``job`` step ``step`` (``device``: the
+        device asked for, named when the ranks did not say theirs). Its
+        ``stage`` is ``factory`` when the model factory did not load in the
+        workers (the caller says so instead: nothing about the checkpoint)."""
         run = self.run
         ranks = []
         for scratch, result in zip(run.scratches, run.results, strict=True):
-            ranks.append({"rank": result.rank, "ok": not result.failed, "error": result.error, "stage": result.error_stage,
-                          "losses": [_finite_or_none(v) for v in result.losses], "files": scratch.files,
-                          "held_bytes": scratch.held_bytes, "needed_bytes": scratch.needed_bytes,
-                          "first_step_done_at": result.timings.get("first_step_done_at"),
-                          "peak_memory_bytes": result.peak_memory_bytes, "confined": result.confined})
+            ranks.append(DrillRank(
+                rank=result.rank, ok=not result.failed, error=result.error, stage=result.error_stage,
+                losses=tuple(_finite_or_none(v) for v in result.losses), files=tuple(scratch.files),
+                held_bytes=scratch.held_bytes, needed_bytes=scratch.needed_bytes,
+                first_step_done_at=result.timings.get("first_step_done_at"),
+                peak_memory_bytes=result.peak_memory_bytes, confined=result.confined))
         done = [r.timings["first_step_done_at"] for r in run.results if "first_step_done_at" in r.timings]
         timings: dict[str, float] = {
             "fetch_s": sum(f.seconds for f in run.fetches),
@@ -811,29 +817,36 @@ class RankedDrill:
         if len(done) == len(run.results):
             timings["time_to_first_step_s"] = max(done) - run.started_at
         zero = min(run.results, key=lambda r: r.rank)
-        report: dict[str, Any] = {
-            "world_size": run.world, "saved_world_size": self.saved_world, "layout": self.layout,
-            "parallel": zero.parallel, "backend": run.backend, "device": zero.device or run.device,
-            "ranks": ranks, "timings": timings, "losses": [_finite_or_none(v) for v in zero.losses],
-            "peak_memory_bytes": max((r.peak_memory_bytes or 0 for r in run.results), default=0) or None,
-            "confined": all(r.confined for r in run.results),
-            "confinement": next((r.confinement for r in run.results if not r.confined), zero.confinement),
-            "tier": ",".join(sorted({f.tier for f in run.fetches})) or None,
-        }
         failed = next((c for c in self.verdict.checks if not c.ok), None)
         if failed is not None and failed.name == "completed":
             first = min((r for r in run.results if r.failed), key=lambda r: (r.stopped, r.exit_order or 0))
-            report.update(error=first.error, stage=first.error_stage)
+            error, stage = first.error, first.error_stage
         else:
-            report.update(error=None if failed is None else failed.detail, stage=None if failed is None else "judge")
+            error, stage = (None, None) if failed is None else (failed.detail, "judge")
+        reshard = None
         if self.reference is not None:
             resumes = next((c for c in self.verdict.checks if c.name == "resumes"), None)
-            report["reshard"] = {
-                "from": self.saved_world, "to": run.world, "resumes": bool(resumes and resumes.ok),
-                "detail": resumes.detail if resumes else None,
-                "reference_losses": [_finite_or_none(v) for v in min(self.reference.results, key=lambda r: r.rank).losses],
-            }
-        return report
+            reshard = Reshard(
+                from_world=self.saved_world, to_world=run.world, resumes=bool(resumes and resumes.ok),
+                detail=resumes.detail if resumes else None,
+                reference_losses=tuple(_finite_or_none(v)
+                                       for v in min(self.reference.results, key=lambda r: r.rank).losses))
+        tier = ",".join(sorted({f.tier for f in run.fetches})) or None
+        ran_on = zero.device or run.device
+        confined = all(r.confined for r in run.results)
+        confinement = next((r.confinement for r in run.results if not r.confined), zero.confinement)
+        where = (f"{tier} tier, {run.world} rank{'s' if run.world > 1 else ''} on {ran_on or device}/{run.backend}"
+                 + (f", saved by {self.saved_world}" if reshard is not None else ""))
+        unconfined = "" if confined else f"; {confinement}"
+        return DrillReport(
+            job=job, step=step, ok=self.verdict.ok,
+            summary=f"{job} step {step} ({where}): {self.verdict.summary}{unconfined}",
+            checks=tuple(self.verdict.checks), world_size=run.world, saved_world_size=self.saved_world,
+            layout=self.layout, parallel=zero.parallel, backend=run.backend, device=ran_on, ranks=tuple(ranks),
+            timings=timings, losses=tuple(_finite_or_none(v) for v in zero.losses),
+            peak_memory_bytes=max((r.peak_memory_bytes or 0 for r in run.results), default=0) or None,
+            confined=confined, confinement=confinement, tier=tier, error=error, stage=stage, reshard=reshard,
+            started_at=started_at, finished_at=finished_at)
 
 
 def run_ranked_drill(

@@ -48,6 +48,7 @@ from .reports import (
     summarize_jobs,
     tiering_outcome,
 )
+from .reports import DrillReport, FetchReport
 from .retention import Plan, PlanItem, Policy, drill_passed, plan_retention
 from .scan import ScanReport, scan_url
 from .settings import Run
@@ -660,8 +661,9 @@ def archive_store_for(stores: StoreCache, policy: Policy) -> Store | None:
 
 def run_fetch(
     catalog: Catalog, config: Config, *, job: str, step: int, dest: Path, stores: StoreCache | None = None
-) -> dict[str, Any]:
-    """Restore job/step's original files into ``dest`` from the hot or archive tier, verified."""
+) -> FetchReport:
+    """Restore job/step's original files into ``dest`` from the hot or archive tier, verified;
+    the report says from which tier and source, how many files and bytes, and how long it took."""
     record = catalog.get(job, step)
     if record is None:
         raise ConfigError(f"job {job!r} step {step}: not in the catalog; see 'ckptier ls --job {job}'")
@@ -669,17 +671,17 @@ def run_fetch(
 
 
 def fetch_record(record: CheckpointRecord, config: Config, *, dest: Path, stores: StoreCache,
-                 fanout: Any = None) -> dict[str, Any]:
+                 fanout: Any = None) -> FetchReport:
     """Restore ``record``'s original files into ``dest`` (see :func:`ckptier.tasks.archive.fetch`;
-    ``fanout``: where the files are read, default here)."""
+    ``fanout``: where the files are read, default here), as a :class:`FetchReport`."""
     from .archive import fetch
 
     hot, prefix = _hot_store(stores, record)
     archive = _archive_store(stores, config, record)
     result = fetch(record, hot=hot, archive=archive, dest=dest, hot_prefix=prefix, fanout=fanout)
-    return {"job": record.job, "step": record.step, "tier": result.tier, "source": result.source, "dest": str(result.dest),
-            "files": len(result.paths), "bytes": result.bytes, "seconds": round(result.seconds, 3),
-            "notes": list(result.notes)}
+    return FetchReport(job=record.job, step=record.step, tier=result.tier, source=result.source, dest=str(result.dest),
+                       files=len(result.paths), bytes=result.bytes, seconds=round(result.seconds, 3),
+                       notes=tuple(result.notes))
 
 
 def _hot_store(stores: StoreCache, record: CheckpointRecord) -> tuple[Store | None, str | None]:
@@ -757,24 +759,38 @@ def run_janitor(catalog: Catalog, config: Config, *, now: datetime, older_than: 
 LOAD_STAGES = frozenset({"load", "restore", "fetch"})
 
 
-def run_drill(
-    catalog: Catalog,
-    config: Config,
-    *,
-    now: Clock,
-    job: str | None = None,
-    step: int | None = None,
-    steps: int | None = None,
-    device: str | None = None,
-    model: str | None = None,
-    timeout: float | None = None,
-    stores: StoreCache | None = None,
-    scratch_root: Path | None = None,
-    allow_globals: Sequence[str] = (),
-    world_size: int | None = None,
-    fanout: Any = None,
-) -> list[dict[str, Any]]:
-    """Restore-drill the newest verified checkpoint of each job (or of ``job``).
+@dataclass(frozen=True)
+class DrillOptions:
+    """What to drill and how, as ``ckptier drill`` and the restore-drill flow are asked.
+
+    ``job`` (None: every job) and ``step`` (None: the newest verified one);
+    ``steps`` training steps, ``device``, ``model`` factory (``module:function``
+    or ``path.py:function``) and ``timeout`` (seconds): None takes the job's
+    ``[[drill]]`` setting, else :class:`ckptier.tasks.config.DrillSettings`'
+    default. ``allow_globals``: extra classes the safe loader may unpickle
+    (``--allow-global``), besides the job's ``[[drill]] allow_globals``.
+    ``world_size``: restore into that many ranks (None: as many as saved the
+    checkpoint). ``scratch_root``: where the scratch directories go (None:
+    the system's temporary directory).
+    """
+
+    job: str | None = None
+    step: int | None = None
+    steps: int | None = None
+    device: str | None = None
+    model: str | None = None
+    timeout: float | None = None
+    allow_globals: tuple[str, ...] = ()
+    world_size: int | None = None
+    scratch_root: Path | None = None
+
+
+def run_drill(run: Run, options: DrillOptions, *, fanout: Any = None) -> list[DrillReport]:
+    """Restore-drill the newest verified checkpoint of each job (or of ``options.job``).
+
+    ``run`` gives the catalog, the config (each job's ``[[drill]]``), the
+    stores and the clock; ``options`` what to drill and how
+    (:class:`DrillOptions`).
 
     A checkpoint saved by N ranks is drilled by N workers, each fetching only
     its own rank's files (:mod:`ckptier.tasks.drill_dist`); with
@@ -793,8 +809,9 @@ def run_drill(
     error, not the checkpoint's), nothing is recorded: the job's report says
     why (``stage`` ``not-started``, ``recorded`` False) and its other
     candidates are not tried.
-    Returns one report per drill attempted (JSON-ready: job, step, ok,
-    summary, checks, timings, ...). Raises ``ConfigError`` when there is
+    Returns one :class:`~ckptier.tasks.reports.DrillReport` per drill
+    attempted, in order (job, step, ok, summary, checks, timings, ...;
+    ``to_json()`` for JSON). Raises ``ConfigError`` when there is
     nothing to drill (:func:`nothing_to_drill` says why), or when an ``allow_globals`` entry is malformed or
     unsafe (checked before anything is fetched). The safe loader may unpickle
     the job's ``[[drill]] allow_globals`` plus ``allow_globals`` (the command
@@ -809,6 +826,9 @@ def run_drill(
     from .drill import DEFAULT_LOSS_TOLERANCE, choose_candidates, drill_path, judge, run_drill_subprocess
     from .drill_inputs import check_drill_inputs
 
+    catalog, config, stores, now = run.catalog, run.config, run.stores, run.now
+    job, step, steps, device, model = options.job, options.step, options.steps, options.device, options.model
+    timeout, allow_globals, world_size = options.timeout, options.allow_globals, options.world_size
     for name in allow_globals:
         if (problem := allow_global_problem(name)) is not None:
             raise ConfigError(f"--allow-global {name!r}: {problem}")
@@ -816,7 +836,6 @@ def run_drill(
         raise ConfigError(f"--world-size {world_size}: a drill runs on at least 1 rank; give e.g. --world-size 2")
     check_drill_inputs(model=model, device=device, steps=steps, timeout=timeout)  # before anything slow
 
-    stores = stores or StoreCache(roots=catalog.hot_locations)
     cataloged = catalog.checkpoints(job=job)
     candidates = choose_candidates(cataloged, job=job, step=step)
     if not candidates:
@@ -827,8 +846,8 @@ def run_drill(
         by_job.setdefault(c.job, []).append(c)
     for job_name in by_job:  # each job's [[drill]] model and device, before any fetch
         check_drill_inputs(config.drill_for(job_name), model=model, device=device)
-    _check_allowed_classes(config, by_job, allow_globals, scratch_root)
-    reports: list[dict[str, Any]] = []
+    _check_allowed_classes(config, by_job, allow_globals, options.scratch_root)
+    reports: list[DrillReport] = []
     for job_name, records in by_job.items():
         settings = config.drill_for(job_name) or DrillSettings()  # no [[drill]]: the defaults
         factory = model or settings.model or None
@@ -839,20 +858,20 @@ def run_drill(
         allowed = tuple(dict.fromkeys([*settings.allow_globals, *allow_globals]))
         for record in records:
             started = now()
-            scratch = Path(tempfile.mkdtemp(prefix="ckptier-drill-", dir=scratch_root))
+            scratch = Path(tempfile.mkdtemp(prefix="ckptier-drill-", dir=options.scratch_root))
             timings: dict[str, float] = {}
             tier: str | None = None
-            fetched: dict[str, Any] | None = None
+            fetched: FetchReport | None = None
             try:
                 relpaths = [f.relpath for f in record.files]
                 if _ranked(record, relpaths, world_size):
                     report = _ranked_drill(record, config, stores, scratch, started=started, now=now, factory=factory,
                                            steps=k, device=dev, timeout=limit, tolerance=tolerance,
                                            allow_globals=allowed, world_size=world_size, fanout=fanout)
-                    if report["stage"] in ("unsupported", "not-started"):  # said in the report, not recorded as a failed drill
+                    if report.stage in ("unsupported", "not-started"):  # said in the report, not recorded as a failed drill
                         reports.append(report)
                         break
-                    tier = report.get("tier")
+                    tier = report.tier
                 else:
                     try:
                         fetched = fetch_record(record, config, dest=scratch / "checkpoint", stores=stores,
@@ -860,8 +879,8 @@ def run_drill(
                     except CkptierError as exc:  # a fetch failure is this candidate's verdict
                         report = _drill_failure(record, started, now(), stage="fetch", error=str(exc))
                 if fetched is not None:
-                    tier = fetched["tier"]
-                    timings["fetch_s"] = fetched["seconds"]
+                    tier = fetched.tier
+                    timings["fetch_s"] = fetched.seconds
                     path = drill_path(record, scratch / "checkpoint")
                     result = run_drill_subprocess(path, record.format, factory=factory, scratch=scratch / "work",
                                                   steps=k, timeout=limit, device=dev, allow_globals=allowed)
@@ -873,20 +892,20 @@ def run_drill(
                     verdict = judge(result, loss_tolerance=tolerance)
                     timings.update({key: float(v) for key, v in result.timings.items()})
                     unconfined = "" if result.confined else f"; {result.confinement}"
-                    report = {
-                        "job": record.job, "step": record.step, "ok": verdict.ok, "summary":
+                    report = DrillReport(
+                        job=record.job, step=record.step, ok=verdict.ok, summary=
                             f"{record.job} step {record.step} ({tier} tier, {result.device or dev}): {verdict.summary}{unconfined}",
-                        "checks": [asdict(c) for c in verdict.checks], "device": result.device, "tier": tier,
-                        "timings": timings, "peak_memory_bytes": result.peak_memory_bytes,
-                        "losses": list(result.losses), "error": result.error, "stage": result.error_stage,
-                        "confined": result.confined, "confinement": result.confinement,
-                        "started_at": started.isoformat(), "finished_at": now().isoformat(),
-                    }
+                        checks=tuple(verdict.checks), device=result.device, tier=tier,
+                        timings=timings, peak_memory_bytes=result.peak_memory_bytes,
+                        losses=tuple(result.losses), error=result.error, stage=result.error_stage,
+                        confined=result.confined, confinement=result.confinement,
+                        started_at=started, finished_at=now(),
+                    )
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
             _record_drill(catalog, record, report, started=started, finished=now(), tier=tier)
             reports.append(report)
-            if report["ok"] or report.get("stage") not in LOAD_STAGES:
+            if report.ok or report.stage not in LOAD_STAGES:
                 break
     return reports
 
@@ -902,19 +921,20 @@ def _ranked(record: CheckpointRecord, relpaths: Sequence[str], world_size: int |
 
 def _ranked_drill(record: CheckpointRecord, config: Config, stores: StoreCache, scratch: Path, *, started: datetime,
                   now: Clock, factory: str | None, steps: int, device: str, timeout: float, tolerance: float,
-                  allow_globals: Sequence[str], world_size: int | None, fanout: Any = None) -> dict[str, Any]:
+                  allow_globals: Sequence[str], world_size: int | None, fanout: Any = None) -> DrillReport:
     """A multi-rank drill of ``record``, as a report (``stage`` ``unsupported``
     when its ranks cannot be drilled yet, ``not-started`` when the model
     factory does not load in the workers)."""
     from dataclasses import replace
 
+    from .drill import Check
     from .drill_dist import Fetched, UnsupportedDrill, run_ranked_drill
 
     def fetch(relpaths: Sequence[str], dest: Path) -> Fetched:
         wanted = set(relpaths)
         part = replace(record, files=tuple(f for f in record.files if f.relpath in wanted))
         got = fetch_record(part, config, dest=dest, stores=stores, fanout=fanout)
-        return Fetched(got["tier"], float(got["seconds"]), int(got["bytes"]))
+        return Fetched(got.tier, float(got.seconds), int(got.bytes))
 
     relpaths = [f.relpath for f in record.files]
     single = len(relpaths) == 1 and record.location.rstrip("/").rsplit("/", 1)[-1] == relpaths[0]
@@ -924,26 +944,18 @@ def _ranked_drill(record: CheckpointRecord, config: Config, stores: StoreCache, 
                                  world_size=world_size, allow_globals=allow_globals, loss_tolerance=tolerance,
                                  single=single)
     except UnsupportedDrill as exc:
-        report = _drill_failure(record, started, now(), stage="unsupported", error=str(exc))
-        report.update(summary=f"{record.job} step {record.step}: not drilled: {exc}",
-                      checks=[{"name": "supported", "ok": False, "detail": str(exc)}])
-        return report
+        return replace(_drill_failure(record, started, now(), stage="unsupported", error=str(exc)),
+                       summary=f"{record.job} step {record.step}: not drilled: {exc}",
+                       checks=(Check("supported", False, str(exc)),))
     except ConfigError:
         raise
     except CkptierError as exc:  # a fetch failure is this candidate's verdict
         return _drill_failure(record, started, now(), stage="fetch", error=str(exc))
-    fields = drill.report()
-    if fields.get("stage") == "factory":  # the operator's factory does not load: says nothing about this checkpoint
-        return _not_started(record, f"drill model {factory!r} does not load: {fields['error']}", started, now())
-    ranks = f"{drill.world} rank{'s' if drill.world > 1 else ''}"
-    where = f"{fields['tier']} tier, {ranks} on {fields['device'] or device}/{fields['backend']}"
-    if fields.get("reshard"):
-        where += f", saved by {drill.saved_world}"
-    unconfined = "" if fields["confined"] else f"; {fields['confinement']}"
-    return {"job": record.job, "step": record.step, "ok": drill.verdict.ok,
-            "summary": f"{record.job} step {record.step} ({where}): {drill.verdict.summary}{unconfined}",
-            "checks": [asdict(c) for c in drill.verdict.checks], **fields,
-            "started_at": started.isoformat(), "finished_at": now().isoformat()}
+    finished = now()
+    report = drill.report(job=record.job, step=record.step, device=device, started_at=started, finished_at=finished)
+    if report.stage == "factory":  # the operator's factory does not load: says nothing about this checkpoint
+        return _not_started(record, f"drill model {factory!r} does not load: {report.error}", started, finished)
+    return report
 
 
 def _check_allowed_classes(config: Config, jobs: Iterable[str], cli: Sequence[str], workdir: Path | None) -> None:
@@ -984,36 +996,35 @@ def nothing_to_drill(records: Sequence[CheckpointRecord], *, job: str | None, st
     return ConfigError(f"no verified or committed checkpoint of {what} to drill; run 'ckptier scan' and 'ckptier verify' first")
 
 
-def _not_started(record: CheckpointRecord, why: str, started: datetime, finished: datetime) -> dict[str, Any]:
+def _not_started(record: CheckpointRecord, why: str, started: datetime, finished: datetime) -> DrillReport:
     """The report of a drill that did not start for a reason that is not the checkpoint's (never recorded)."""
-    return {"job": record.job, "step": record.step, "ok": False, "stage": "not-started", "error": why,
-            "summary": f"{record.job} step {record.step}: drill not started: {why}", "recorded": False,
-            "checks": [{"name": "started", "ok": False, "detail": why}], "timings": {}, "device": None, "tier": None,
-            "peak_memory_bytes": None, "losses": [], "started_at": started.isoformat(), "finished_at": finished.isoformat()}
+    from .drill import Check
+
+    return DrillReport(job=record.job, step=record.step, ok=False, stage="not-started", error=why,
+                       summary=f"{record.job} step {record.step}: drill not started: {why}", recorded=False,
+                       checks=(Check("started", False, why),), started_at=started, finished_at=finished)
 
 
-def _drill_failure(record: CheckpointRecord, started: datetime, finished: datetime, *, stage: str, error: str) -> dict[str, Any]:
-    return {"job": record.job, "step": record.step, "ok": False, "stage": stage, "error": error,
-            "summary": f"{record.job} step {record.step}: drill failed at {stage}: {error}",
-            "checks": [{"name": "completed", "ok": False, "detail": f"{stage}: {error}"}], "timings": {},
-            "device": None, "tier": None, "peak_memory_bytes": None, "losses": [],
-            "started_at": started.isoformat(), "finished_at": finished.isoformat()}
+def _drill_failure(record: CheckpointRecord, started: datetime, finished: datetime, *, stage: str, error: str) -> DrillReport:
+    """The report of a drill that failed at ``stage`` before any worker ran (a fetch, say)."""
+    from .drill import Check
+
+    return DrillReport(job=record.job, step=record.step, ok=False, stage=stage, error=error,
+                       summary=f"{record.job} step {record.step}: drill failed at {stage}: {error}",
+                       checks=(Check("completed", False, f"{stage}: {error}"),), started_at=started,
+                       finished_at=finished)
 
 
-def _record_drill(catalog: Catalog, record: CheckpointRecord, report: dict[str, Any], *, started: datetime,
+def _record_drill(catalog: Catalog, record: CheckpointRecord, report: DrillReport, *, started: datetime,
                   finished: datetime, tier: str | None) -> None:
     from ckptier.storage.catalog.api import DrillRecord
 
     catalog.record_drill(DrillRecord(
         job=record.job, step=record.step, checkpoint_id=record.id, started_at=started, finished_at=finished,
-        ok=bool(report["ok"]), device=report.get("device"), source_tier=tier,
-        verdict={"summary": report["summary"], "checks": report["checks"], "losses": report.get("losses", []),
-                 "confinement": report.get("confinement"),
-                 **{k: report[k] for k in ("world_size", "saved_world_size", "layout", "parallel", "backend", "reshard")
-                    if k in report}},
-        timings=report.get("timings", {}), peak_memory_bytes=report.get("peak_memory_bytes"), error=report.get("error"),
+        ok=report.ok, device=report.device, source_tier=tier, verdict=report.verdict_json(),
+        timings=dict(report.timings), peak_memory_bytes=report.peak_memory_bytes, error=report.error,
     ))
-    catalog.log_event("drill.ok" if report["ok"] else "drill.failed", report["summary"], now=finished,
+    catalog.log_event("drill.ok" if report.ok else "drill.failed", report.summary, now=finished,
                       job=record.job, checkpoint_id=record.id)
 
 

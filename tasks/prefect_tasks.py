@@ -28,6 +28,8 @@ from .retention import render_plan_table
 from .scan import ScanReport
 from .settings import catalog_url as resolve_catalog_url
 from .settings import require_written_policy
+from .reports import DrillReport
+from .settings import open_run
 
 
 def retry_if_transient(task: Any, task_run: Any, state: Any) -> bool:
@@ -238,22 +240,21 @@ def apply_task(catalog_url: str | None, config_path: str | None, job: str | None
 def drill_task(catalog_url: str | None, config_path: str | None, job: str | None, step: int | None,
                steps: int | None, device: str | None, model: str | None, timeout_seconds: float | None,
                allow_globals: list[str] | None = None, world_size: int | None = None,
-               runner: str | None = None) -> list[dict[str, Any]]:
-    """Fetch, safely load, train K steps, judge and record (see ``pipeline.run_drill``).
+               runner: str | None = None) -> list[DrillReport]:
+    """Fetch, safely load, train K steps, judge and record (see ``pipeline.run_drill``); one report per drill.
 
     The checkpoint's files are fetched by ``fetch-files`` task runs, a batch
     of files each, on the task runner ``[runner]`` names (``runner``
     overrides its kind); this task stages, renames and drills them."""
     log = get_run_logger()
-    config = load_config(config_path)
-    fanout = PrefectFanout(runner_settings(config.runner, runner))
-    try:
-        with Catalog.open(resolve_catalog_url(catalog_url, config_path, config=config), create=False) as cat:
-            reports = pipeline.run_drill(cat, config, now=pipeline.utcnow, job=job, step=step, steps=steps,
-                                         device=device, model=model, timeout=timeout_seconds,
-                                         allow_globals=allow_globals or (), world_size=world_size, fanout=fanout)
-    finally:
-        fanout.close()
+    options = pipeline.DrillOptions(job=job, step=step, steps=steps, device=device, model=model, timeout=timeout_seconds,
+                                    allow_globals=tuple(allow_globals or ()), world_size=world_size)
+    with open_run(catalog_url, config_path) as run:
+        fanout = PrefectFanout(runner_settings(run.config.runner, runner))
+        try:
+            reports = pipeline.run_drill(run, options, fanout=fanout)
+        finally:
+            fanout.close()
     for r in reports:
-        (log.info if r["ok"] else log.error)(r["summary"])
+        (log.info if r.ok else log.error)(r.summary)
     return reports

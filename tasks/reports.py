@@ -16,6 +16,8 @@ reports, so the command line, the flows and the tests agree on one number.
   and the totals per job; :class:`VerifyReport`: what ``run_verify``
   returns (:class:`VerifyRow` rows, :class:`VerifyTotals`).
 * :func:`dashboard_job_url`: the dashboard page of a job.
+* :class:`FetchReport`, :class:`DrillReport`: what ``fetch`` and a restore
+  drill did (``to_json()``: what ``--json`` prints).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from urllib.parse import quote
 from ckptier.storage.records import CheckpointRecord, CopyRecord, CopyState, FileCheck, FileRecord, State, Tier
 
 from .costs import hot_class_of
+from .drill import Check
 from .retention import Plan, hot_present
 from .tiers import HOT
 
@@ -569,3 +572,188 @@ def dashboard_job_url(job: str, environ: Mapping[str, str]) -> str | None:
     """``{CKPTIER_DASHBOARD_URL}/jobs/{job}`` (the job name URL-quoted), or None when the variable is unset."""
     base = dashboard_url(environ)
     return None if base is None else base + "jobs/" + quote(job, safe="")
+
+
+# ------------------------------------------------------------------ fetch and drill
+
+
+@dataclass(frozen=True)
+class FetchReport:
+    """What ``ckptier fetch`` restored: ``job`` step ``step``'s original files,
+    read from ``tier`` (``hot`` or ``archive``) at ``source`` and written,
+    hashes verified, under ``dest``: ``files`` of them, ``bytes`` in all, in
+    ``seconds`` (wall clock, rounded to the millisecond). ``notes``: why a
+    preferred tier was skipped (the hot copy failed its hash check, say)."""
+
+    job: str
+    step: int
+    tier: str
+    source: str
+    dest: str
+    files: int
+    bytes: int
+    seconds: float
+    notes: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as ``fetch --json`` prints it (notes as a list)."""
+        return {"job": self.job, "step": self.step, "tier": self.tier, "source": self.source, "dest": self.dest,
+                "files": self.files, "bytes": self.bytes, "seconds": self.seconds, "notes": list(self.notes)}
+
+
+@dataclass(frozen=True)
+class DrillRank:
+    """One rank of a multi-rank drill: whether it finished (``ok``; else its
+    ``error`` and the ``stage`` it failed at), its ``losses`` (None for a
+    non-finite one), the ``files`` its scratch held (``held_bytes`` on disk,
+    ``needed_bytes`` the byte ranges it reads), when it finished its first
+    training step (``first_step_done_at``, seconds since the epoch), its
+    ``peak_memory_bytes`` and whether its writes were ``confined``."""
+
+    rank: int
+    ok: bool
+    error: str | None
+    stage: str | None
+    losses: tuple[float | None, ...]
+    files: tuple[str, ...]
+    held_bytes: int
+    needed_bytes: int
+    first_step_done_at: float | None
+    peak_memory_bytes: int | None
+    confined: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "ok": self.ok, "error": self.error, "stage": self.stage, "losses": list(self.losses),
+                "files": list(self.files), "held_bytes": self.held_bytes, "needed_bytes": self.needed_bytes,
+                "first_step_done_at": self.first_step_done_at, "peak_memory_bytes": self.peak_memory_bytes,
+                "confined": self.confined}
+
+
+@dataclass(frozen=True)
+class Reshard:
+    """A resharding drill: restored from ``from_world`` saved ranks into
+    ``to_world``; whether the run ``resumes`` there (``detail`` says why),
+    and the losses of the same-size restore it was compared with
+    (``reference_losses``, rank 0's)."""
+
+    from_world: int
+    to_world: int
+    resumes: bool
+    detail: str | None
+    reference_losses: tuple[float | None, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"from": self.from_world, "to": self.to_world, "resumes": self.resumes, "detail": self.detail,
+                "reference_losses": list(self.reference_losses)}
+
+
+#: The keys of a drill report's JSON, in order, for each kind of report (see :meth:`DrillReport.to_json`).
+_DRILL_KEYS = {
+    "worker": ("job", "step", "ok", "summary", "checks", "device", "tier", "timings", "peak_memory_bytes", "losses",
+               "error", "stage", "confined", "confinement", "started_at", "finished_at"),
+    "failure": ("job", "step", "ok", "stage", "error", "summary", "checks", "timings", "device", "tier",
+                "peak_memory_bytes", "losses", "started_at", "finished_at"),
+    "not-started": ("job", "step", "ok", "stage", "error", "summary", "recorded", "checks", "timings", "device", "tier",
+                    "peak_memory_bytes", "losses", "started_at", "finished_at"),
+    "ranked": ("job", "step", "ok", "summary", "checks", "world_size", "saved_world_size", "layout", "parallel",
+               "backend", "device", "ranks", "timings", "losses", "peak_memory_bytes", "confined", "confinement", "tier",
+               "error", "stage", "reshard", "started_at", "finished_at"),
+}
+
+
+@dataclass(frozen=True)
+class DrillReport:
+    """One restore drill of ``job`` step ``step``, whatever its outcome.
+
+    ``ok`` only when every check of the verdict passed; ``summary`` is one
+    line, ``checks`` the verdict's checks in order. ``stage``: where it
+    failed (``fetch``, ``load``, ``restore``, ``train``, ``judge``...; None
+    when it passed), ``unsupported`` for ranks that cannot be drilled yet,
+    ``not-started`` when the model factory did not load (the operator's
+    error: then ``recorded`` is False, nothing was recorded against the
+    checkpoint and no other candidate was tried); ``error`` its message.
+    ``device``/``tier``: where it ran and the tier the files came from (None
+    when nothing ran); ``timings`` in seconds per phase; ``losses`` the
+    training losses from the restored state (None for a non-finite one);
+    ``peak_memory_bytes``. ``confined``: whether the worker's writes were
+    confined (``confinement`` says how or why not); None when no worker ran.
+    ``started_at``/``finished_at``: aware UTC.
+
+    A multi-rank drill also has ``world_size`` (the ranks it restored into),
+    ``saved_world_size``, ``layout`` (``replicated``, ``sharded``),
+    ``parallel`` (``ddp``, ``fsdp2``, ``none``), ``backend``, one
+    :class:`DrillRank` per rank, and ``reshard`` when it restored into
+    another number of ranks than saved the checkpoint; a single-rank drill
+    has None there.
+    """
+
+    job: str
+    step: int
+    ok: bool
+    summary: str
+    checks: tuple[Check, ...]
+    started_at: datetime
+    finished_at: datetime
+    stage: str | None = None
+    error: str | None = None
+    device: str | None = None
+    tier: str | None = None
+    timings: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    peak_memory_bytes: int | None = None
+    losses: tuple[float | None, ...] = ()
+    confined: bool | None = None
+    confinement: str | None = None
+    recorded: bool = True
+    world_size: int | None = None
+    saved_world_size: int | None = None
+    layout: str | None = None
+    parallel: str | None = None
+    backend: str | None = None
+    ranks: tuple[DrillRank, ...] = ()
+    reshard: Reshard | None = None
+
+    @property
+    def started(self) -> bool:
+        """Whether the drill started (False: ``not-started``, the reason is not the checkpoint's)."""
+        return self.stage != "not-started"
+
+    @property
+    def multi_rank(self) -> bool:
+        """Whether several workers drilled it (its multi-rank fields are set)."""
+        return self.world_size is not None
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as ``drill --json`` prints it (times as ISO 8601 strings).
+
+        Its keys depend on what happened, as they always have: a drill whose
+        worker ran has ``confined`` and ``confinement``; one that failed
+        before (a fetch, unsupported ranks) has neither; a drill that did not
+        start has ``recorded`` (False); a multi-rank one has its multi-rank
+        fields, ``reshard`` only when it resharded.
+        """
+        kind = ("ranked" if self.multi_rank else "not-started" if not self.recorded
+                else "failure" if self.confined is None else "worker")
+        values: dict[str, Any] = {
+            "job": self.job, "step": self.step, "ok": self.ok, "summary": self.summary,
+            "checks": [c.to_json() for c in self.checks], "device": self.device, "tier": self.tier,
+            "timings": dict(self.timings), "peak_memory_bytes": self.peak_memory_bytes, "losses": list(self.losses),
+            "error": self.error, "stage": self.stage, "confined": self.confined, "confinement": self.confinement,
+            "recorded": self.recorded, "world_size": self.world_size, "saved_world_size": self.saved_world_size,
+            "layout": self.layout, "parallel": self.parallel, "backend": self.backend,
+            "ranks": [r.to_json() for r in self.ranks],
+            "reshard": self.reshard.to_json() if self.reshard is not None else None,
+            "started_at": self.started_at.isoformat(), "finished_at": self.finished_at.isoformat(),
+        }
+        return {k: values[k] for k in _DRILL_KEYS[kind] if k != "reshard" or self.reshard is not None}
+
+    def verdict_json(self) -> dict[str, Any]:
+        """What the catalog keeps of the verdict (``DrillRecord.verdict``): summary, checks, losses,
+        confinement and, for a multi-rank drill, its multi-rank fields but the ranks."""
+        out: dict[str, Any] = {"summary": self.summary, "checks": [c.to_json() for c in self.checks],
+                               "losses": list(self.losses), "confinement": self.confinement}
+        if self.multi_rank:
+            out.update(world_size=self.world_size, saved_world_size=self.saved_world_size, layout=self.layout,
+                       parallel=self.parallel, backend=self.backend)
+            if self.reshard is not None:
+                out["reshard"] = self.reshard.to_json()
+        return out

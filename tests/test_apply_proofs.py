@@ -90,7 +90,7 @@ def _assert_hot_copy_kept(world: World, report: ApplyRunReport, tmp_path: Path) 
     assert any(e.kind == "archive.degraded" for e in world.catalog.events(job=JOB, limit=1000))
     # The checkpoint is not lost: fetch restores it, bit-exact, from the hot copy.
     out = run_fetch(world.catalog, Config(policies=()), job=JOB, step=100, dest=tmp_path / "restored")
-    assert out["tier"] == "hot"
+    assert out.tier == "hot"
     for rel, data in files_for(100).items():
         assert (tmp_path / "restored" / rel).read_bytes() == data
 

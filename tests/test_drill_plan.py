@@ -407,13 +407,25 @@ def test_rank_result_round_trips_through_json() -> None:
 
 
 def test_the_drill_report_artifact_has_a_row_per_rank_and_the_resharding_outcome() -> None:
-    from ckptier.flows.drill import render_report
+    from dataclasses import replace
+    from datetime import UTC, datetime
 
-    base = {"job": "j", "step": 6, "ok": False, "summary": "j step 6: drill failed: resumes: ...", "checks": [],
-            "device": "cpu", "tier": "hot", "peak_memory_bytes": 1, "timings": {}}
-    ranks = [{"rank": 0, "ok": True, "losses": [0.5, 0.4], "files": ["a", "b"], "held_bytes": 2048, "stage": None, "error": None},
-             {"rank": 1, "ok": False, "losses": [], "files": ["c"], "held_bytes": 0, "stage": "load", "error": "boom"}]
-    text = render_report([{**base, "ranks": ranks, "reshard": {"from": 4, "to": 2, "resumes": False, "detail": "off by 3%"}}])
+    from ckptier.flows.drill import render_report
+    from ckptier.tasks.reports import DrillRank, DrillReport, Reshard
+
+    at = datetime(2025, 1, 1, tzinfo=UTC)
+    base = DrillReport(job="j", step=6, ok=False, summary="j step 6: drill failed: resumes: ...", checks=(),
+                       device="cpu", tier="hot", peak_memory_bytes=1, timings={}, started_at=at, finished_at=at)
+
+    def rank(n: int, ok: bool, losses: tuple[float, ...], files: tuple[str, ...], held: int, stage: str | None,
+             error: str | None) -> DrillRank:
+        return DrillRank(rank=n, ok=ok, error=error, stage=stage, losses=losses, files=files, held_bytes=held,
+                         needed_bytes=held, first_step_done_at=None, peak_memory_bytes=None, confined=True)
+
+    ranks = (rank(0, True, (0.5, 0.4), ("a", "b"), 2048, None, None), rank(1, False, (), ("c",), 0, "load", "boom"))
+    text = render_report([replace(base, world_size=2, saved_world_size=4, ranks=ranks,
+                                  reshard=Reshard(from_world=4, to_world=2, resumes=False, detail="off by 3%",
+                                                  reference_losses=()))])
     assert "Resharding 4 -> 2 ranks: **does not resume** (off by 3%)" in text
     assert "| 0 | ok | 2 | 2,048 | 0.5 |" in text and "| 1 | **FAIL** (load: boom) | 1 | 0 | - |" in text
     assert "| rank |" not in render_report([base])  # a single-rank drill: no rank table

@@ -24,6 +24,7 @@ from ckptier.tasks.archive import FETCH_STAGE_PREFIX, archive_dir, fetch
 from ckptier.tasks.config import Config, parse_config
 from ckptier.tasks.demo import train_demo_run
 from ckptier.tasks.pipeline import (
+    DrillOptions,
     StoreCache,
     fetch_record,
     run_apply,
@@ -31,6 +32,8 @@ from ckptier.tasks.pipeline import (
     run_scan,
     run_verify,
 )
+from ckptier.tasks.reports import DrillReport
+from ckptier.tasks.settings import Run
 
 from .test_fanout import dask_cluster  # noqa: F401 - the module's real local Dask cluster
 
@@ -74,9 +77,9 @@ def test_fanned_fetch_is_bit_exact_from_either_tier(dask_cluster: Any, archived:
     original = files_of(hot / JOB / "step-00000050")
     here = fetch_record(record, config, dest=tmp_path / "here", stores=StoreCache())
     there = fetch_record(record, config, dest=tmp_path / "there", stores=StoreCache(), fanout=dask_cluster)
-    assert there["tier"] == "hot" and files_of(tmp_path / "there") == original == files_of(tmp_path / "here")
-    assert {k: v for k, v in there.items() if k not in ("dest", "seconds")} == \
-        {k: v for k, v in here.items() if k not in ("dest", "seconds")}
+    assert there.tier == "hot" and files_of(tmp_path / "there") == original == files_of(tmp_path / "here")
+    assert {k: v for k, v in there.to_json().items() if k not in ("dest", "seconds")} == \
+        {k: v for k, v in here.to_json().items() if k not in ("dest", "seconds")}
     # The archive copy, decoded by the workers.
     got = fetch(record, hot=None, archive=open_store(str(archive)), dest=tmp_path / "decoded", fanout=dask_cluster)
     assert got.tier == "archive" and files_of(tmp_path / "decoded") == original
@@ -105,13 +108,14 @@ def test_a_corrupt_archived_file_fails_the_fanned_fetch_the_same_way(dask_cluste
 
 def test_a_drill_fetched_on_dask_reports_what_a_drill_here_does(dask_cluster: Any, archived: Any) -> None:  # noqa: F811
     cat, config, _, _ = archived
-    (here,) = run_drill(cat, config, now=now, job=JOB, step=50)
-    (there,) = run_drill(cat, config, now=now, job=JOB, step=50, fanout=dask_cluster)
+    run = Run(catalog=cat, config=config, stores=StoreCache(roots=cat.hot_locations), now=now, owner="test")
+    (here,) = run_drill(run, DrillOptions(job=JOB, step=50))
+    (there,) = run_drill(run, DrillOptions(job=JOB, step=50), fanout=dask_cluster)
 
-    def same(r: dict[str, Any]) -> Any:
-        return (r["ok"], r["tier"], r["stage"], r["losses"], [(c["name"], c["ok"]) for c in r["checks"]])
+    def same(r: DrillReport) -> Any:
+        return (r.ok, r.tier, r.stage, r.losses, [(c.name, c.ok) for c in r.checks])
 
-    assert there["ok"] and same(there) == same(here)
+    assert there.ok and same(there) == same(here)
     assert [d.ok for d in cat.drills(job=JOB)][:2] == [True, True]
 
 

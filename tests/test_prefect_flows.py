@@ -140,7 +140,7 @@ def test_restore_drill_reports_and_a_failed_drill_fails_the_run_with_its_event(
                                model="ckptier.tasks.drill_models:demo_model", return_state=True)
     assert state.is_completed(), state
     (report,) = state.result()
-    assert report["ok"] and report["step"] == 50 and report["device"] == "cpu"
+    assert report.ok and report.step == 50 and report.device == "cpu"
     md = _artifacts(state.state_details.flow_run_id)["drill-report"].data
     assert "demo-run step 50: PASSED" in md and "| deterministic | ok |" in md
 
@@ -418,7 +418,7 @@ def test_flows_take_the_catalog_by_the_command_lines_precedence(
     assert scan_flow(urls=[str(tree["hot"])], config_path=str(config))[0].rows_written == 0
     assert tiering_flow(config_path=str(config)).plan
     (drill,) = restore_drill_flow(config_path=str(config), steps=2, model="ckptier.tasks.drill_models:demo_model")
-    assert drill["ok"]
+    assert drill.ok
 
     env_url = f"sqlite:///{tmp_path / 'from-env.db'}"  # does not exist: the flows must look there and say so
     monkeypatch.setenv("CKPTIER_CATALOG_URL", env_url)
