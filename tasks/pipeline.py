@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptier.storage.base import StorageClasses, Store
-from ckptier.storage.catalog.api import Catalog
+from ckptier.storage.catalog.api import Catalog, LeaseLost, Verification
 from ckptier.storage.errors import CkptierError, ConfigError
 from ckptier.formats import PatternRule
 from ckptier.storage.records import CheckpointRecord, CopyState, State
@@ -256,36 +256,59 @@ def run_verify(
         return verify_many(stores.for_record, batch, deep=deep_read, workers=workers, progress=report)
 
     claimed: list[CheckpointRecord] = []
+    chunks: Iterable[list[tuple[CheckpointRecord, Any, Any]]]
     if claims is not None:
-        work = _claimed_verification(catalog, records, with_archive_copy(cataloged) if deep_read else [],
-                                     claims=claims, now=now, verified=verified, claimed=claimed)
+        chunks = _claimed_verification(catalog, records, with_archive_copy(cataloged) if deep_read else [],
+                                       claims=claims, now=now, verified=verified, claimed=claimed)
     else:
-        work = ((record, outcome, None) for record, outcome in verified(records, progress))
-    for record, outcome, lease in work:
-        state: State | None
-        if lease is None:
-            state = catalog.record_verification(record.id, outcome.results, now=now(), grace=grace_for(record.job),
-                                                extra=outcome.extra)
-        else:
-            state = _record_claimed(catalog, record, outcome, lease, claims, grace_for(record.job), now)
-            if state is None:
+        chunks = recording_batches((record, outcome, None) for record, outcome in verified(records, progress))
+    for chunk in chunks:
+        recorded = catalog.record_verifications(
+            [Verification(record.id, tuple(outcome.results), grace=grace_for(record.job), extra=tuple(outcome.extra),
+                          claim=None if lease is None or claims is None else (claims.owner, lease.generation))
+             for record, outcome, lease in chunk], now=now())
+        for (record, outcome, _), state in zip(chunk, recorded, strict=True):
+            if isinstance(state, LeaseLost):
                 continue  # our lease ran out: the row's new holder records it
-        errors = outcome.count("error")
-        detail = "; ".join(
-            [f"{r.relpath}: {r.detail}" for r in outcome.results if r.status != "ok" and r.detail][:3]
-            + [f"extra file {x}" for x in outcome.extra[:3]]
-            + outcome.notes
-        )
-        rows.append(VerifyRow(
-            job=record.job, step=record.step, tier="hot", state=state.value,
-            bytes_read=outcome.bytes_read, bytes_skipped=outcome.bytes_skipped,
-            errors=errors, extra=tuple(outcome.extra), detail=detail or None,
-            files=tuple(file_problems(record.files, outcome.results)),
-        ))
+            errors = outcome.count("error")
+            detail = "; ".join(
+                [f"{r.relpath}: {r.detail}" for r in outcome.results if r.status != "ok" and r.detail][:3]
+                + [f"extra file {x}" for x in outcome.extra[:3]]
+                + outcome.notes
+            )
+            rows.append(VerifyRow(
+                job=record.job, step=record.step, tier="hot", state=state.value,
+                bytes_read=outcome.bytes_read, bytes_skipped=outcome.bytes_skipped,
+                errors=errors, extra=tuple(outcome.extra), detail=detail or None,
+                files=tuple(file_problems(record.files, outcome.results)),
+            ))
     if deep or sample is not None:
         archived = with_archive_copy(claimed if claims is not None else cataloged)
         rows.extend(_verify_archive_copies(catalog, archived, stores=stores, now=now))
     return VerifyReport(tuple(rows), VerifyTotals.of(rows), sample)
+
+
+#: Most checkpoints recorded in one catalog transaction, and the bytes read
+#: after which a batch is recorded anyway (big checkpoints: one by one).
+RECORD_BATCH = 16
+RECORD_BATCH_BYTES = 256 << 20
+
+
+def recording_batches(results: Iterable[tuple[CheckpointRecord, Any, Any]], *, most: int = RECORD_BATCH,
+                      max_bytes: int = RECORD_BATCH_BYTES) -> Iterator[list[tuple[CheckpointRecord, Any, Any]]]:
+    """``results`` (record, outcome, lease) in order, cut into the batches a run records at
+    once: a batch ends at ``most`` checkpoints or once its checkpoints hold ``max_bytes``,
+    so a run killed mid-way loses little read work and the catalog writes cost little per checkpoint."""
+    batch: list[tuple[CheckpointRecord, Any, Any]] = []
+    size = 0
+    for item in results:
+        batch.append(item)
+        size += sum(f.size for f in item[0].files)
+        if len(batch) >= most or size >= max_bytes:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
 
 
 @dataclass(frozen=True)
@@ -317,9 +340,11 @@ def _claimed_verification(
     now: Clock,
     verified: Callable[[Sequence[CheckpointRecord]], Iterable[tuple[CheckpointRecord, Any]]],
     claimed: list[CheckpointRecord],
-) -> Iterator[tuple[CheckpointRecord, Any, Any]]:
+) -> Iterator[list[tuple[CheckpointRecord, Any, Any]]]:
     """Claim ``records`` (and the ``archive_only`` ones: archive copies to read back)
-    batch by batch, verify each claimed hot copy and yield ``(record, outcome, lease)``.
+    batch by batch, verify each claimed hot copy and yield each batch's ``(record, outcome,
+    lease)`` triples at once, to be recorded together (their leases are kept alive until
+    the caller asks for the next batch).
 
     Claimed records are appended to ``claimed``. A claimed row that no longer
     needs this run (deleted, its hot copy gone, not in this run's selection)
@@ -368,24 +393,12 @@ def _claimed_verification(
             batch = ahead.submit(next_batch, keeper)
             while (got := batch.result()) is not None:
                 batch = ahead.submit(next_batch, keeper)
-                for record, outcome, lease in got:
-                    yield record, outcome, lease
+                if got:
+                    yield got
+                for _, _, lease in got:
                     keeper.settled(lease)
         finally:
             stop.set()
-
-
-def _record_claimed(catalog: Catalog, record: CheckpointRecord, outcome: Any, lease: Any, claims: RowClaims | None,
-                    grace: timedelta, now: Clock) -> State | None:
-    """Record a claimed row's verification, fenced by its lease; None when the lease was lost."""
-    from ckptier.storage.catalog.api import LeaseLost
-
-    assert claims is not None
-    try:
-        return catalog.record_verification(record.id, outcome.results, now=now(), grace=grace, extra=outcome.extra,
-                                           claim=(claims.owner, lease.generation))
-    except LeaseLost:
-        return None
 
 
 def with_archive_copy(records: Iterable[CheckpointRecord]) -> list[CheckpointRecord]:

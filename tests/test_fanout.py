@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ckptier.storage.catalog.api import Catalog, LeaseLost
+from ckptier.storage.catalog.api import Catalog, LeaseLost, UnknownCheckpoint, Verification
 from ckptier.storage.errors import ConfigError, Unavailable
 from ckptier.storage.records import FileCheck, State
 from ckptier.tasks.config import RunnerSettings, parse_config
@@ -25,7 +25,7 @@ from ckptier.tasks.fanout import (
     row_claims,
     runner_settings,
 )
-from ckptier.tasks.pipeline import RowClaims, run_scan, run_verify
+from ckptier.tasks.pipeline import RowClaims, recording_batches, run_scan, run_verify
 
 T0 = datetime(2026, 3, 1, tzinfo=UTC)
 
@@ -149,6 +149,46 @@ def test_row_claims_are_disjoint_and_leased_like_any_lease(catalog_url: str, tmp
         # A new sweep (a later ``since``) claims the checked row again.
         assert [i for i, _ in cat.claim_rows([held], "d", now=later, ttl=timedelta(seconds=30),
                                              since=later, limit=1)] == [held]
+
+
+def test_a_batch_of_verifications_is_recorded_together_and_fenced_item_by_item(catalog_url: str,
+                                                                               tmp_path: Path) -> None:
+    with scanned(make_tree(tmp_path / "hot", 5), catalog_url) as cat:
+        recs = cat.checkpoints()
+        ids = [c.id for c in recs]
+        ok = {c.id: tuple(FileCheck(f.relpath, "ok", f.size, None, None, None) for f in c.files) for c in recs}
+        bad = tuple(FileCheck(f.relpath, "corrupt", f.size, None, None, "sha256 mismatch") for f in recs[2].files)
+        claimed = dict(cat.claim_rows(ids[:2], "a", now=T0, ttl=timedelta(seconds=30), since=T0, limit=2))
+        stale = claimed[ids[1]] - 1  # a generation the row no longer has: that holder was fenced out
+        got = cat.record_verifications([
+            Verification(ids[0], ok[ids[0]], claim=("a", claimed[ids[0]])),
+            Verification(ids[1], ok[ids[1]], claim=("a", stale)),
+            Verification(ids[2], bad),
+            Verification(ids[3], ok[ids[3]]),
+        ], now=T0)
+        assert got[0] == State.VERIFIED and got[2] == State.CORRUPT and got[3] == State.VERIFIED
+        assert isinstance(got[1], LeaseLost) and "ran out or was taken over" in str(got[1])
+        states = {c.id: c.state for c in cat.checkpoints()}
+        assert [states[i] for i in ids] == [State.VERIFIED, State.COMMITTED, State.CORRUPT, State.VERIFIED,
+                                             State.COMMITTED]
+        assert cat.lease_holder(ids[0], now=T0) is None  # released with its result
+        assert cat.lease_holder(ids[1], now=T0).owner == "a"  # type: ignore[union-attr]  # untouched
+        assert cat.unchecked(ids, since=T0) == 2
+        # A batch naming an unknown checkpoint records none of it.
+        with pytest.raises(UnknownCheckpoint):
+            cat.record_verifications([Verification(ids[4], ok[ids[4]]), Verification(10**9, ())], now=T0)
+        assert cat.get_by_id(ids[4]).state == State.COMMITTED  # type: ignore[union-attr]
+
+
+def test_results_are_recorded_in_batches_cut_by_count_and_by_bytes(tmp_path: Path) -> None:
+    with scanned(make_tree(tmp_path / "hot", 7, size=1000), f"sqlite:///{tmp_path / 'c.db'}") as cat:
+        recs = cat.checkpoints()
+    size = sum(f.size for f in recs[0].files)
+    triples = [(r, None, None) for r in recs]
+    assert [len(b) for b in recording_batches(triples, most=3, max_bytes=10**9)] == [3, 3, 1]
+    assert [len(b) for b in recording_batches(triples, most=16, max_bytes=2 * size)] == [2, 2, 2, 1]
+    assert [b[0][0].step for b in recording_batches(triples, most=1, max_bytes=10**9)] == [1, 2, 3, 4, 5, 6, 7]
+    assert list(recording_batches([], most=3)) == []
 
 
 def test_several_claiming_runs_verify_each_row_once(tmp_path: Path) -> None:

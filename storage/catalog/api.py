@@ -32,6 +32,7 @@ from sqlalchemy import (
     select,
     text,
     true,
+    tuple_,
     update,
 )
 
@@ -84,6 +85,19 @@ class UnknownCheckpoint(CkptierError, LookupError):
 class LeaseLost(CkptierError):
     """A claimed row's lease ran out or was taken over before its result was recorded:
     nothing was written, and the row's new holder records it instead."""
+
+
+@dataclass(frozen=True)
+class Verification:
+    """One checkpoint's read-back results, to record with :meth:`Catalog.record_verifications`:
+    ``results`` per file, the job's ``grace``, ``extra`` files found beside the
+    cataloged ones, and the ``claim`` (owner, generation) it is recorded under, if any."""
+
+    checkpoint_id: int
+    results: tuple[FileCheck, ...]
+    grace: timedelta = transitions.DEFAULT_GRACE
+    extra: tuple[str, ...] = ()
+    claim: tuple[str, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -936,62 +950,119 @@ class Catalog:
         change. Raises :class:`UnknownCheckpoint` for an unknown id and
         ``ValueError`` for a result naming a file the catalog does not list.
         """
+        (outcome,) = self.record_verifications(
+            [Verification(checkpoint_id, tuple(results), grace=grace, extra=tuple(extra), claim=claim)], now=now)
+        if isinstance(outcome, LeaseLost):
+            raise outcome
+        return outcome
+
+    def record_verifications(self, items: Sequence[Verification], *, now: datetime) -> list[State | LeaseLost]:
+        """Record several checkpoints' read-backs in one transaction, each as
+        :meth:`record_verification` does; returns, in order, each one's state,
+        or the :class:`LeaseLost` (not raised) of an item whose ``claim`` no
+        longer holds (that item changes nothing; the others are recorded).
+
+        The statements are per batch, not per checkpoint (the rows are read
+        with one query each and written with one executemany each), so a
+        verification run records its results at a small fixed cost per
+        batch. Raises :class:`UnknownCheckpoint` for an unknown id and
+        ``ValueError`` for a result naming a file the catalog does not
+        list; then nothing of the batch is recorded.
+        """
         now = _aware(now)
+        if not items:
+            return []
+        ids = list(dict.fromkeys(i.checkpoint_id for i in items))
+        if len(ids) != len(items):
+            raise ValueError("record_verifications: a checkpoint id appears twice in one batch; record it once")
         with self._write() as conn:
-            head = conn.execute(
-                select(ck.c.id, ck.c.job_id, ck.c.step, ck.c.state, ck.c.state_reason, ck.c.location,
-                       ck.c.first_seen, ck.c.saved_at, ck.c.verified_at, ck.c.missing_since)
-                .where(ck.c.id == checkpoint_id)
-            ).first()
-            if head is None:
-                raise UnknownCheckpoint(f"checkpoint id {checkpoint_id} is not in the catalog; rescan first")
-            if claim is not None and conn.execute(
-                update(ck).where(self._held(checkpoint_id, claim[0], claim[1], now))
-                .values(lease_owner=None, lease_expires=None, lease_host=None, lease_pid=None, lease_started=None)
-            ).rowcount != 1:
-                raise LeaseLost(f"checkpoint id {checkpoint_id} (step {head.step}): the claim of {claim[0]} at "
-                                f"generation {claim[1]} ran out or was taken over; its new holder verifies it")
-            rows = {
-                r.relpath: r
-                for r in conn.execute(
-                    select(fl.c.id, fl.c.relpath, fl.c.size, fl.c.crc64nvme, fl.c.sha256,
-                           fl.c.sha256_expected, fl.c.status)
-                    .where(fl.c.checkpoint_id == checkpoint_id)
+            heads = {
+                r.id: r for r in conn.execute(
+                    select(ck.c.id, ck.c.job_id, ck.c.step, ck.c.state, ck.c.state_reason, ck.c.location,
+                           ck.c.first_seen, ck.c.saved_at, ck.c.verified_at, ck.c.missing_since)
+                    .where(ck.c.id.in_(ids))
                 )
             }
-            files = [FileRecord(r.relpath, r.size, None, None, r.crc64nvme, r.sha256_expected, r.status, None)
-                     for r in rows.values()]
-            v = transitions.on_verification(
-                _row(head), files, results, label=f"checkpoint {checkpoint_id} (step {head.step})", now=now,
-                grace=grace, extra=extra,
-            )
-            updates = [
-                {"_id": rows[f.relpath].id, "status": f.status, "detail": f.detail, "verified_at": now,
-                 "crc64nvme": f.crc64nvme, "sha256": f.sha256 if f.sha256 else rows[f.relpath].sha256}
-                for f in v.files
-            ]
-            if updates:
-                _bulk_update(conn, fl, updates)
-
-            t = v.transition
-            values: dict[str, Any] = {"state": t.state.value, "state_reason": t.reason, "checked_at": now}
-            if t.state == State.VERIFIED:
-                values["verified_at"] = t.verified_at
-            conn.execute(update(ck).where(ck.c.id == checkpoint_id).values(**values))
-            if t.state == State.VERIFIED:
+            for cid in ids:
+                if cid not in heads:
+                    raise UnknownCheckpoint(f"checkpoint id {cid} is not in the catalog; rescan first")
+            outcomes: list[State | LeaseLost] = []
+            files_by_ck: dict[int, dict[str, Any]] = {cid: {} for cid in ids}
+            for r in conn.execute(
+                select(fl.c.id, fl.c.checkpoint_id, fl.c.relpath, fl.c.size, fl.c.crc64nvme, fl.c.sha256,
+                       fl.c.sha256_expected, fl.c.status)
+                .where(fl.c.checkpoint_id.in_(ids))
+            ):
+                files_by_ck[r.checkpoint_id][r.relpath] = r
+            file_updates: list[dict[str, Any]] = []
+            states: dict[bool, list[dict[str, Any]]] = {True: [], False: []}
+            hot_verified: list[dict[str, Any]] = []
+            events: list[dict[str, Any]] = []
+            released = self._release_claims(conn, [i for i in items if i.claim is not None], now=now)
+            for item in items:
+                head = heads[item.checkpoint_id]
+                if item.claim is not None and item.checkpoint_id not in released:
+                    outcomes.append(LeaseLost(
+                        f"checkpoint id {item.checkpoint_id} (step {head.step}): the claim of {item.claim[0]} at "
+                        f"generation {item.claim[1]} ran out or was taken over; its new holder verifies it"))
+                    continue
+                rows = files_by_ck[item.checkpoint_id]
+                files = [FileRecord(r.relpath, r.size, None, None, r.crc64nvme, r.sha256_expected, r.status, None)
+                         for r in rows.values()]
+                v = transitions.on_verification(
+                    _row(head), files, item.results, label=f"checkpoint {item.checkpoint_id} (step {head.step})",
+                    now=now, grace=item.grace, extra=item.extra,
+                )
+                file_updates.extend(
+                    {"_id": rows[f.relpath].id, "status": f.status, "detail": f.detail, "verified_at": now,
+                     "crc64nvme": f.crc64nvme, "sha256": f.sha256 if f.sha256 else rows[f.relpath].sha256}
+                    for f in v.files
+                )
+                t = v.transition
+                verified = t.state == State.VERIFIED
+                values: dict[str, Any] = {"_id": item.checkpoint_id, "state": t.state.value,
+                                          "state_reason": t.reason, "checked_at": now}
+                if verified:
+                    values["verified_at"] = t.verified_at
+                    hot_verified.append({"b_ck": item.checkpoint_id, "b_url": head.location})
+                states[verified].append(values)
+                events.extend({"at": now, "kind": e.kind, "job_id": head.job_id, "checkpoint_id": item.checkpoint_id,
+                               "message": e.message, "data": dict(e.data) if e.data else None} for e in t.events)
+                outcomes.append(t.state)
+            if file_updates:
+                _bulk_update(conn, fl, file_updates)
+            for group in states.values():
+                if group:
+                    _bulk_update(conn, ck, group)
+            if hot_verified:
                 conn.execute(
                     update(cp)
-                    .where(cp.c.checkpoint_id == checkpoint_id, cp.c.tier == Tier.HOT.value,
-                           cp.c.url == head.location, cp.c.state == CopyState.PRESENT.value)
-                    .values(verified_at=now)
+                    .where(cp.c.checkpoint_id == bindparam("b_ck"), cp.c.tier == Tier.HOT.value,
+                           cp.c.url == bindparam("b_url"), cp.c.state == CopyState.PRESENT.value)
+                    .values(verified_at=now),
+                    hot_verified,
                 )
-            for e in t.events:
-                conn.execute(
-                    insert(ev).values(at=now, kind=e.kind, job_id=head.job_id, checkpoint_id=checkpoint_id,
-                                      message=e.message,
-                                      data=dict(e.data) if e.data else None)
-                )
-            return t.state
+            if events:
+                conn.execute(insert(ev), events)
+            return outcomes
+
+    @staticmethod
+    def _release_claims(conn: Connection, items: Sequence[Verification], *, now: datetime) -> set[int]:
+        """Release the leases ``items`` were claimed under, each only while its holder
+        still holds it at its generation; the ids released (one statement per owner)."""
+        released: set[int] = set()
+        by_owner: dict[str, list[tuple[int, int]]] = {}
+        for i in items:
+            assert i.claim is not None
+            by_owner.setdefault(i.claim[0], []).append((i.checkpoint_id, i.claim[1]))
+        for owner, pairs in by_owner.items():
+            released.update(conn.execute(
+                update(ck)
+                .where(tuple_(ck.c.id, ck.c.generation).in_(pairs), ck.c.lease_owner == owner, ck.c.lease_expires > now)
+                .values(lease_owner=None, lease_expires=None, lease_host=None, lease_pid=None, lease_started=None)
+                .returning(ck.c.id)
+            ).scalars())
+        return released
 
     # -- copies --------------------------------------------------------------------
 
