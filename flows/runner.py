@@ -150,14 +150,16 @@ def verify(*, job: str | None, deep: bool, sample: tuple[int, int] | None, worke
     """Verify (``pipeline.run_verify``); the :class:`VerifyReport` on both paths (a flow run
     that found corruption hands back its report, ``by_job`` filled in)."""
     def direct() -> VerifyReport:
-        from ckptier.tasks.pipeline import run_verify, utcnow
+        from ckptier.tasks.pipeline import run_verify
+        from ckptier.tasks.settings import open_run
 
         fanout, claims = _fanout(config_path, runner, claim_rows, since)
         bar = Progress("verifying", unit="bytes", enabled=None if progress else False)
         try:
-            with _open(catalog_url) as cat:
-                return run_verify(cat, now=utcnow, job=job, deep=deep, sample=sample, workers=workers,
-                                  progress=lambda done, total: bar.update(done, total), fanout=fanout, claims=claims)
+            with open_run(catalog_url, config_path) as run:  # each job's grace comes from its [[policy]]
+                return run_verify(run.catalog, now=run.now, job=job, deep=deep, sample=sample, workers=workers,
+                                  progress=lambda done, total: bar.update(done, total), stores=run.stores,
+                                  config=run.config, fanout=fanout, claims=claims)
         finally:
             bar.close()
             if fanout is not None:

@@ -155,7 +155,7 @@ class TieringRun:
     apply: ApplyRunReport
 
     def to_json(self) -> dict[str, Any]:
-        """The run as JSON-ready values (what the flow returned as a dict before)."""
+        """The run as JSON-ready values: the plan rows, the forecast and the apply report."""
         return {"plan": self.plan, "forecast": self.forecast, "apply": self.apply.to_json()}
 
 

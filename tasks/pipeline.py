@@ -3,7 +3,10 @@ the Prefect tasks wrap.
 
 Each function takes an open :class:`Catalog`, a clock (``now`` or a
 callable) and plain settings, does its I/O through stores, records the
-outcome in the catalog, and returns a JSON-ready report. No Prefect here.
+outcome in the catalog, and returns a typed report (a dataclass of
+:mod:`ckptier.tasks.reports` or :mod:`ckptier.tasks.scan`) whose
+``to_json()`` is made only at the edges (``--json``, artifacts, events).
+No Prefect here.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Thin Prefect tasks over :mod:`ckptier.tasks.pipeline`.
 
-Each task logs, opens the catalog, makes one call and returns a JSON-ready
-report. Retries happen only for transient storage errors
+Each task logs, opens the catalog, makes one call and returns the
+operation's typed report (the flows make artifacts from it). Retries happen only for transient storage errors
 (:func:`ckptier.storage.errors.is_transient`); everything else fails at once.
 Kept apart from the pure cores so that read-only commands never import
 Prefect.
