@@ -709,10 +709,12 @@ class Catalog:
                 for e in found_events:
                     event(e, cid)
                 hashes = found.expected_sha256
-                file_inserts.extend(
-                    self._file_row(cid, r.relpath, r.size, r.mtime, r.etag, hashes.get(r.relpath))
-                    for r in found.files
-                )
+                # The rows of _file_row, built inline: a first scan makes one per listed file.
+                if hashes:
+                    file_inserts.extend([(cid, r.relpath, r.size, r.mtime, r.etag, hashes.get(r.relpath))
+                                         for r in found.files])
+                else:
+                    file_inserts.extend([(cid, r.relpath, r.size, r.mtime, r.etag, None) for r in found.files])
                 copy_inserts.append(self._hot_copy_row(cid, _join_url(base, found.prefix), found.bytes, now))
             tally.new += len(new_ck)
             tally.rows_written += len(new_ck)
