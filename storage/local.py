@@ -8,6 +8,7 @@ import hashlib
 import logging
 import os
 import marshal
+import selectors
 import stat
 import struct
 import subprocess
@@ -15,7 +16,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from . import walker
 from .base import DeleteResult, ObjectInfo, as_stream, validate_key
@@ -36,6 +37,10 @@ TEMP_PREFIX = ".ckptier-tmp-"
 #: Files :meth:`LocalStore.list` lists itself before a helper process walks the
 #: rest (starting one costs ~20 ms, as much as listing ~3,000 files here).
 HANDOFF_FILES = 5_000
+#: Helper processes a big tree is shared among (round robin over the
+#: directories left when the walk is handed off): two, one per core here, as
+#: the listing process itself mostly waits for them while they walk.
+HELPERS = 2
 
 
 def file_mode() -> int:
@@ -91,6 +96,19 @@ def _copy(src: BinaryIO, out: BinaryIO, chunk_size: int = 8 << 20) -> None:
         out.write(chunk)
 
 
+def _frames(buf: bytearray) -> tuple[builtins.list[Any], int]:
+    """The complete frames at the start of ``buf`` (see :mod:`.walker`) and the bytes they took."""
+    frames: builtins.list[Any] = []
+    at = 0
+    while len(buf) - at >= 4:
+        (size,) = struct.unpack_from("<I", buf, at)
+        if len(buf) - at - 4 < size:
+            break
+        frames.append(marshal.loads(bytes(buf[at + 4 : at + 4 + size])))
+        at += 4 + size
+    return frames, at
+
+
 class LocalStore:
     """Objects are files below ``root``; keys are their relative paths.
 
@@ -141,20 +159,21 @@ class LocalStore:
         (else it is logged). A directory for whose key (no trailing ``/``)
         ``skip_dir`` returns True is not entered: nothing below it is listed.
 
-        A big tree is walked by a helper process (:mod:`.walker`): after
+        A big tree is walked by helper processes (:mod:`.walker`): after
         :attr:`handoff_files` files listed here, the directories still to
-        read go to ``python -I -S walker.py``, whose ``stat`` calls then run
-        on another core while the caller works on what it has received
-        (a local first scan: recognition). Same entries, same order, same
-        errors as walking here. Only when ``skip_dir`` is None or carries a
-        ``candidates`` attribute (a container of the only keys it may return
-        True for): the helper hands those directories back unentered, and
-        ``skip_dir`` is asked here. Where no helper can start, the walk goes
-        on here.
+        read are shared among :data:`HELPERS` runs of ``python -I -S
+        walker.py``, whose ``stat`` calls then run on the other core while
+        this process works on what it has received (a first scan:
+        recognition). The same entries (in no particular order), skipped
+        symlinks, links and errors as walking here. Only when ``skip_dir`` is
+        None or carries a ``candidates`` attribute (a collection of the only
+        keys it may return True for): the helpers hand those directories back
+        unentered, and ``skip_dir`` is asked here. Where no helper can start,
+        the walk goes on here.
 
-        One walker on purpose: walking subtrees in 4 threads took twice as
-        long here (1M files, 2 cores: 15 s against 7.5 s), the stat calls
-        contending in the kernel rather than overlapping.
+        Processes, not threads: walking subtrees in 4 threads took twice as
+        long here (1M files, 2 cores: 15 s against 7.5 s), their Python
+        taking turns for the GIL between the stat calls.
         """
         if not self.root.is_dir():
             raise NotFound(f"{self.url}: directory does not exist; check the path", url=self.url)
@@ -248,52 +267,93 @@ class LocalStore:
     def _start_helper(
         self, stack: builtins.list[tuple[str, str]], prefix: str, deferred: Iterable[str]
     ) -> Iterator[tuple[str, builtins.list[Record]]] | None:
-        """The batches of a helper process walking ``stack`` (see :meth:`list`),
-        or None when it cannot start. The process is ended when the iterator is."""
+        """The batches of :data:`HELPERS` helper processes walking ``stack``
+        between them (see :meth:`list`), in the order they arrive, or None
+        when none can start. The processes are ended when the iterator is."""
         script = walker.__file__
         if not sys.executable or not script or not os.path.isfile(script):
             return None
+        shares = [stack[i::HELPERS] for i in range(min(HELPERS, len(stack)))]
+        procs: builtins.list[subprocess.Popen[bytes]] = []
         try:
-            proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-B", script],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, close_fds=True,
-            )
+            for _ in shares:
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-I", "-S", "-B", script],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, close_fds=True,
+                ))
         except OSError as exc:
+            for proc in procs:
+                proc.kill()
+                proc.communicate()
             log.info("%s: walking here, the helper process did not start (%s)", self.url, exc)
             return None
-        return self._helper_batches(proc, marshal.dumps((stack, prefix, TEMP_PREFIX, sorted(deferred))))
+        wanted = sorted(deferred)
+        requests = [marshal.dumps((share, prefix, TEMP_PREFIX, wanted)) for share in shares]
+        return self._helper_batches(procs, requests)
 
     def _helper_batches(
-        self, proc: subprocess.Popen[bytes], request: bytes
+        self, procs: builtins.list[subprocess.Popen[bytes]], requests: builtins.list[bytes]
     ) -> Iterator[tuple[str, builtins.list[Record]]]:
-        assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
-        done = False
+        """Frames from the helpers ``procs`` as they come (each a pipe read
+        whenever it has data); raises what a helper reports, or
+        :class:`StoreError` for one that ends without its ``end`` frame."""
+        running: dict[int, tuple[subprocess.Popen[bytes], bytearray]] = {}
+        ended: set[int] = set()  # pids of the helpers that sent their end frame
+        broken: subprocess.Popen[bytes] | None = None
+        failed: tuple[int | None, str] | None = None
         try:
-            proc.stdin.write(request)
-            proc.stdin.close()
-            read = proc.stdout.read
-            while True:
-                head = read(4)
-                if len(head) < 4:
-                    break
-                frame = marshal.loads(read(struct.unpack("<I", head)[0]))
-                if isinstance(frame, tuple):
-                    if frame[0] == "end":
-                        done = True
+            with selectors.DefaultSelector() as sel:
+                for proc, request in zip(procs, requests, strict=True):
+                    assert proc.stdin is not None and proc.stdout is not None
+                    try:
+                        proc.stdin.write(request)
+                        proc.stdin.close()
+                    except BrokenPipeError:
+                        broken = proc
                         break
-                    _, code, message, rel = frame
-                    raise WalkError(rel, OSError(code, message))
-                yield from frame
-        except BrokenPipeError:
-            pass  # the helper died: reported below
+                    fd = proc.stdout.fileno()
+                    running[fd] = (proc, bytearray())
+                    sel.register(fd, selectors.EVENT_READ)
+                while running and broken is None:
+                    for sk, _ in sel.select():
+                        fd = int(sk.fd)
+                        proc, buf = running[fd]
+                        chunk = os.read(fd, 1 << 20)
+                        buf += chunk
+                        frames, used = _frames(buf)
+                        del buf[:used]
+                        for frame in frames:
+                            if isinstance(frame, tuple):
+                                if frame[0] == "end":
+                                    ended.add(proc.pid)
+                                    sel.unregister(fd)
+                                    del running[fd]
+                                    break
+                                _, code, message, rel = frame
+                                raise WalkError(rel, OSError(code, message))
+                            yield from frame
+                        else:
+                            if not chunk:  # the pipe ended without an end frame
+                                broken = proc
+                                break
         finally:
-            if not done:
-                proc.kill()
-            proc.stdout.close()
-            error = proc.stderr.read().decode("utf-8", "replace").strip()
-            proc.stderr.close()
-            code = proc.wait()
-        if not done:
+            for proc in procs:
+                assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+                if proc.pid not in ended:
+                    proc.kill()
+                if not proc.stdin.closed:
+                    try:
+                        proc.stdin.close()
+                    except BrokenPipeError:
+                        pass
+                proc.stdout.close()
+                error = proc.stderr.read().decode("utf-8", "replace").strip()
+                proc.stderr.close()
+                code = proc.wait()
+                if proc is broken:
+                    failed = (code, error)
+        if failed is not None:
+            code, error = failed
             raise StoreError(f"{self.url}: the listing's helper process ({sys.executable} {walker.__file__}) "
                              f"exited {code} before the end of the walk: {error.splitlines()[-1:] or 'no message'}; "
                              "run the scan again", url=self.url)

@@ -28,7 +28,7 @@ import os
 import stat
 import struct
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from typing import Any
 
 #: Record kinds in a directory's batch (see :func:`walk_dirs`).
@@ -75,7 +75,7 @@ def walk_dirs(
     prefix: str,
     temp_prefix: str,
     enter: Callable[[str], bool | None],
-) -> Iterator[tuple[str, list[Record]]]:
+) -> Generator[tuple[str, list[Record]], None, None]:
     """Walk depth-first from ``stack`` (``(path, rel)`` pairs, ``rel`` the
     directory's key with a trailing ``/`` or ``""``; popped from the end,
     subdirectories pushed as found), yielding ``(rel, records)`` for each
@@ -143,7 +143,7 @@ def walk_dirs(
         yield rel, records
 
 
-def _write_frame(out: Any, obj: object) -> None:
+def _write_frame(out: Any, obj: Any) -> None:
     data = marshal.dumps(obj)
     out.write(struct.pack("<I", len(data)))
     out.write(data)
