@@ -208,7 +208,11 @@ class LocalStore:
             return
         try:
             for rel, records in helper:
-                yield from self._listed(rel, records, prefix, on_skip, skip_dir, on_link)
+                if all(record[0] == FILE for record in records):  # the common case, without a call per entry
+                    for _, name, size, mtime in records:
+                        yield ObjectInfo(rel + name, size, mtime)
+                else:
+                    yield from self._listed(rel, records, prefix, on_skip, skip_dir, on_link)
         except WalkError as failed:
             raise _translate(failed.error, self.url, failed.rel.rstrip("/") or None) from failed.error
 

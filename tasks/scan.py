@@ -119,15 +119,21 @@ def root_name(url: str) -> str:
 
 
 def counted(listing: Iterable[ObjectInfo], tick: Callable[[int], None] | None, every: int = 1000) -> Iterator[ObjectInfo]:
-    """Pass ``listing`` through, calling ``tick(n)`` every ``every`` objects and at the end."""
+    """Pass ``listing`` through, calling ``tick(n)`` every ``every`` objects and at the end
+    (``listing`` itself without ``tick``: no step per object)."""
+    if tick is None:
+        return iter(listing)
+    return _counting(listing, tick, every)
+
+
+def _counting(listing: Iterable[ObjectInfo], tick: Callable[[int], None], every: int) -> Iterator[ObjectInfo]:
     n = 0
     for info in listing:
         n += 1
-        if tick is not None and n % every == 0:
+        if n % every == 0:
             tick(n)
         yield info
-    if tick is not None:
-        tick(n)
+    tick(n)
 
 
 class Prefetcher:
@@ -161,17 +167,19 @@ class Prefetcher:
     def watch(self, listing: Iterable[ObjectInfo]) -> Iterator[ObjectInfo]:
         """Pass ``listing`` through, starting a read of each metadata file in it."""
         pool = self._pool
+        if pool is None:
+            yield from listing
+            return
         for info in listing:
-            if pool is not None:
-                key = info.key
-                if (
-                    key[key.rfind("/") + 1 :] in METADATA_NAMES
-                    and 0 < info.size <= self.limit
-                    and info.size <= self.budget
-                    and key not in self._pending
-                ):
-                    self.budget -= info.size
-                    self._pending[key] = pool.submit(read_bytes, self.store, key, limit=self.limit)
+            key = info.key
+            if (
+                key[key.rfind("/") + 1 :] in METADATA_NAMES
+                and 0 < info.size <= self.limit
+                and info.size <= self.budget
+                and key not in self._pending
+            ):
+                self.budget -= info.size
+                self._pending[key] = pool.submit(read_bytes, self.store, key, limit=self.limit)
             yield info
 
     def read(self, key: str) -> bytes:
