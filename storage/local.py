@@ -396,31 +396,42 @@ class LocalStore:
         limit = int(changed_before * 1_000_000_000)
         stats: dict[str, os.stat_result] = {}
         pending = sorted(dirs)
-        while pending:
-            d = pending.pop()
-            try:
-                st = os.lstat(f"{base}/{d}" if d else base)
-            except OSError:
-                return None
-            if not stat.S_ISDIR(st.st_mode) or st.st_mtime_ns >= limit:
-                return None
-            stats[d] = st
-            if st.st_nlink != 2 + children.get(d, 0):
-                try:
-                    with os.scandir(f"{base}/{d}" if d else base) as it:
-                        for entry in it:
-                            sub = f"{d}/{entry.name}" if d else entry.name
-                            if sub not in dirs and entry.is_dir(follow_symlinks=False):
-                                dirs.add(sub)
-                                children[d] = children.get(d, 0) + 1
-                                pending.append(sub)
-                except OSError:
-                    return None
-        covered = tuple(sorted(dirs))
+        # Each lstat relative to the open top directory (one path component for
+        # the kernel to resolve, not the whole path): a first scan stamps every
+        # directory of every checkpoint.
         try:
-            entries = len(os.listdir(base))
+            fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         except OSError:
             return None
+        try:
+            lstat = os.lstat
+            while pending:
+                d = pending.pop()
+                try:
+                    st = lstat(d or ".", dir_fd=fd)
+                except OSError:
+                    return None
+                if not stat.S_ISDIR(st.st_mode) or st.st_mtime_ns >= limit:
+                    return None
+                stats[d] = st
+                if st.st_nlink != 2 + children.get(d, 0):
+                    try:
+                        with os.scandir(f"{base}/{d}" if d else base) as it:
+                            for entry in it:
+                                sub = f"{d}/{entry.name}" if d else entry.name
+                                if sub not in dirs and entry.is_dir(follow_symlinks=False):
+                                    dirs.add(sub)
+                                    children[d] = children.get(d, 0) + 1
+                                    pending.append(sub)
+                    except OSError:
+                        return None
+            covered = tuple(sorted(dirs))
+            try:
+                entries = len(os.listdir(fd))
+            except OSError:
+                return None
+        finally:
+            os.close(fd)
         digest = self._digest(entries, covered, stats)
         return None if digest is None else (digest, covered)
 
