@@ -41,6 +41,10 @@ HANDOFF_FILES = 5_000
 #: directories left when the walk is handed off): two, one per core here, as
 #: the listing process itself mostly waits for them while they walk.
 HELPERS = 2
+#: Directories per helper :meth:`LocalStore.list` wants left to share before it
+#: hands off (it reads the shallowest ones itself until there are, listing at
+#: most 4 x :data:`HANDOFF_FILES` files here).
+SPREAD = 64
 
 
 def file_mode() -> int:
@@ -195,7 +199,12 @@ class LocalStore:
                 yield from self._listed(rel, records, prefix, on_skip, skip_dir, on_link)
                 listed += len(records)
                 if listed >= self.handoff_files and stack and candidates is not None:
-                    break
+                    if len(stack) >= SPREAD * HELPERS or listed >= 4 * self.handoff_files:
+                        break
+                    # Too few directories left to share evenly: read the shallowest
+                    # next (walk_dirs pops from the end), so that the helpers get
+                    # many directories of similar size rather than a few big ones.
+                    stack.sort(key=lambda entry: -entry[1].count("/"))
             else:
                 return
         except WalkError as failed:
@@ -277,6 +286,9 @@ class LocalStore:
         script = walker.__file__
         if not sys.executable or not script or not os.path.isfile(script):
             return None
+        # Dealt round robin, shallowest first: each helper gets as many directories
+        # of each depth as the next (give or take one).
+        stack = sorted(stack, key=lambda entry: entry[1].count("/"))
         shares = [stack[i::HELPERS] for i in range(min(HELPERS, len(stack)))]
         procs: builtins.list[subprocess.Popen[bytes]] = []
         try:
