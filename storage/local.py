@@ -217,11 +217,11 @@ class LocalStore:
             return
         try:
             for rel, records in helper:
-                if all(record[0] == FILE for record in records):  # the common case, without a call per entry
-                    for _, name, size, mtime in records:
-                        yield ObjectInfo(rel + name, size, mtime)
-                else:
-                    yield from self._listed(rel, records, prefix, on_skip, skip_dir, on_link)
+                for record in records:
+                    if record[0] == FILE:  # the common case, without a call per entry
+                        yield ObjectInfo(rel + record[1], record[2], record[3])
+                    else:
+                        yield from self._listed(rel, [record], prefix, on_skip, skip_dir, on_link)
         except WalkError as failed:
             raise _translate(failed.error, self.url, failed.rel.rstrip("/") or None) from failed.error
 

@@ -164,13 +164,20 @@ class Prefetcher:
             self._pool.shutdown(wait=True, cancel_futures=True)
         self._pending.clear()
 
-    def watch(self, listing: Iterable[ObjectInfo]) -> Iterator[ObjectInfo]:
-        """Pass ``listing`` through, starting a read of each metadata file in it."""
+    def watch(self, listing: Iterable[ObjectInfo], tick: Callable[[int], None] | None = None,
+              every: int = 1000) -> Iterator[ObjectInfo]:
+        """Pass ``listing`` through, starting a read of each metadata file in it
+        and calling ``tick(n)`` every ``every`` objects and at the end (as
+        :func:`counted`, in the same step: a first scan passes a million)."""
         pool = self._pool
         if pool is None:
-            yield from listing
+            yield from counted(listing, tick, every)
             return
+        n = 0
         for info in listing:
+            n += 1
+            if tick is not None and n % every == 0:
+                tick(n)
             key = info.key
             if (
                 key[key.rfind("/") + 1 :] in METADATA_NAMES
@@ -181,6 +188,8 @@ class Prefetcher:
                 self.budget -= info.size
                 self._pending[key] = pool.submit(read_bytes, self.store, key, limit=self.limit)
             yield info
+        if tick is not None:
+            tick(n)
 
     def read(self, key: str) -> bytes:
         """The whole object ``key`` (at most ``limit`` bytes); each prefetch is used once."""
@@ -231,7 +240,7 @@ def recognise_store(
         listing = store.list("")
     with Prefetcher(store, workers=prefetch, limit=METADATA_LIMIT) as fetcher:
         found = recognise(
-            fetcher.watch(counted(listing, tick)),
+            fetcher.watch(listing, tick),
             fetcher.read,
             root_name=name,
             now=now,

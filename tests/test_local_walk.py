@@ -19,7 +19,7 @@ from ckptier.storage.base import ObjectInfo
 from ckptier.storage.catalog.api import Catalog
 from ckptier.storage.errors import NotFound, StoreError
 from ckptier.storage.local import TEMP_PREFIX, LocalStore
-from ckptier.tasks.scan import scan_url
+from ckptier.tasks.scan import recognise_store, scan_url
 
 HERE = 10**9  # handoff_files that keeps every walk in the listing process
 
@@ -221,3 +221,15 @@ def test_a_scan_through_the_helper_writes_the_same_catalog(tree: Path, tmp_path:
     assert helped[0] == here[0] and helped[1] == here[1]
     assert here[0]["checkpoints"] == 4 and here[0]["rows_written"] > 0
     assert helped[2]() == here[2]()
+
+
+@pytest.mark.parametrize("prefetch", [0, 4])
+def test_a_scan_ticks_its_progress_as_objects_are_listed(tmp_path: Path, prefetch: int) -> None:
+    root = tmp_path / "many"
+    (root / "loose").mkdir(parents=True)
+    for i in range(2500):
+        (root / "loose" / f"f{i:05d}.bin").write_bytes(b"x")
+    ticks: list[int] = []
+    found = recognise_store(LocalStore(root), now=0.0, name="many", tick=ticks.append, prefetch=prefetch)
+    assert found.objects == 2500
+    assert ticks == [1000, 2000, 2500]
