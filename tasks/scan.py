@@ -148,15 +148,21 @@ def root_name(url: str) -> str:
 
 
 def counted(listing: Iterable[ObjectInfo], tick: Callable[[int], None] | None, every: int = 1000) -> Iterator[ObjectInfo]:
-    """Pass ``listing`` through, calling ``tick(n)`` every ``every`` objects and at the end."""
+    """Pass ``listing`` through, calling ``tick(n)`` every ``every`` objects and at the end
+    (``listing`` itself without ``tick``: no step per object)."""
+    if tick is None:
+        return iter(listing)
+    return _counting(listing, tick, every)
+
+
+def _counting(listing: Iterable[ObjectInfo], tick: Callable[[int], None], every: int) -> Iterator[ObjectInfo]:
     n = 0
     for info in listing:
         n += 1
-        if tick is not None and n % every == 0:
+        if n % every == 0:
             tick(n)
         yield info
-    if tick is not None:
-        tick(n)
+    tick(n)
 
 
 class Prefetcher:
@@ -187,21 +193,32 @@ class Prefetcher:
             self._pool.shutdown(wait=True, cancel_futures=True)
         self._pending.clear()
 
-    def watch(self, listing: Iterable[ObjectInfo]) -> Iterator[ObjectInfo]:
-        """Pass ``listing`` through, starting a read of each metadata file in it."""
+    def watch(self, listing: Iterable[ObjectInfo], tick: Callable[[int], None] | None = None,
+              every: int = 1000) -> Iterator[ObjectInfo]:
+        """Pass ``listing`` through, starting a read of each metadata file in it
+        and calling ``tick(n)`` every ``every`` objects and at the end (as
+        :func:`counted`, in the same step: a first scan passes a million)."""
         pool = self._pool
+        if pool is None:
+            yield from counted(listing, tick, every)
+            return
+        n = 0
         for info in listing:
-            if pool is not None:
-                key = info.key
-                if (
-                    key[key.rfind("/") + 1 :] in METADATA_NAMES
-                    and 0 < info.size <= self.limit
-                    and info.size <= self.budget
-                    and key not in self._pending
-                ):
-                    self.budget -= info.size
-                    self._pending[key] = pool.submit(read_bytes, self.store, key, limit=self.limit)
+            n += 1
+            if tick is not None and n % every == 0:
+                tick(n)
+            key = info.key
+            if (
+                key[key.rfind("/") + 1 :] in METADATA_NAMES
+                and 0 < info.size <= self.limit
+                and info.size <= self.budget
+                and key not in self._pending
+            ):
+                self.budget -= info.size
+                self._pending[key] = pool.submit(read_bytes, self.store, key, limit=self.limit)
             yield info
+        if tick is not None:
+            tick(n)
 
     def read(self, key: str) -> bytes:
         """The whole object ``key`` (at most ``limit`` bytes); each prefetch is used once."""
@@ -252,7 +269,7 @@ def recognise_store(
         listing = store.list("")
     with Prefetcher(store, workers=prefetch, limit=METADATA_LIMIT) as fetcher:
         found = recognise(
-            fetcher.watch(counted(listing, tick)),
+            fetcher.watch(listing, tick),
             fetcher.read,
             root_name=name,
             now=now,
@@ -263,9 +280,17 @@ def recognise_store(
     return replace(found, unrecognised=tuple(sorted(found.unrecognised + tuple(skipped), key=lambda u: u.key)))
 
 
-def _enter(key: str) -> bool:
-    """Skip no directory."""
-    return False
+class _EnterAll:
+    """Skip no directory (and say so: ``candidates`` is empty, which lets a
+    local listing hand a big tree to its helper process)."""
+
+    candidates: frozenset[str] = frozenset()
+
+    def __call__(self, key: str) -> bool:
+        return False
+
+
+_enter = _EnterAll()
 
 
 def _ignore(key: str) -> None:
@@ -285,6 +310,8 @@ class _Skipper:
             if loc.startswith(base) and now - rec.taken_at < FULL_LISTING_EVERY
         }
         self.unchanged: dict[str, DirStampRecord] = {}
+        #: The only directories this may skip (see :meth:`LocalStore.list`).
+        self.candidates = self.by_key.keys()
 
     def __call__(self, key: str) -> bool:
         rec = self.by_key.get(key)
@@ -315,6 +342,20 @@ def restamp(
     else (no file left unrecognised, no other checkpoint, no symlink); forget
     the stamps of the other listed checkpoints. ``url`` is the store's URL.
     Returns the stamps taken."""
+    return save_stamps(catalog, *take_stamps(store, url, recognition, links=links, listed_at=listed_at), now=now)
+
+
+def take_stamps(
+    store: DirectoryStamps,
+    url: str,
+    recognition: Recognition,
+    *,
+    links: Iterable[str],
+    listed_at: float,
+) -> tuple[dict[str, tuple[str, Sequence[str]]], list[str]]:
+    """The filesystem half of :func:`restamp` (no catalog access, so it may
+    run beside the catalog's writes): the stamps taken by location, and the
+    locations whose stamps are to be forgotten."""
     base = url.rstrip("/")
     busy: set[str] = set()  # directories holding something besides one checkpoint's files
     for u in recognition.unrecognised:
@@ -335,6 +376,12 @@ def restamp(
             dropped.append(location)
         else:
             stamps[location] = taken
+    return stamps, dropped
+
+
+def save_stamps(catalog: Catalog, stamps: dict[str, tuple[str, Sequence[str]]], dropped: Sequence[str], *,
+                now: datetime) -> int:
+    """The catalog half of :func:`restamp`: forget ``dropped``, store ``stamps``; returns the stamps stored."""
     if dropped:
         catalog.drop_dir_stamps(dropped)
     return catalog.put_dir_stamps(stamps, now=now) if stamps else 0
@@ -392,10 +439,16 @@ def scan_url(
     recognition = recognise_store(store, now=now.timestamp(), name=root_name(url), patterns=patterns, tick=tick,
                                   skip_dir=skipper, on_link=links.append if stamps is not None else None)
     unchanged = skipper.unchanged if skipper is not None else {}
-    summary = catalog.record_scan(store.url, recognition, now=now, unchanged=unchanged.keys(),
-                                 grace_for=grace_for)
-    if stamps is not None:
-        restamp(stamps, store.url, catalog, recognition, links=links, listed_at=listed_at, now=now)
+    taking: Future[tuple[dict[str, tuple[str, Sequence[str]]], list[str]]] | None = None
+    with ThreadPoolExecutor(1, thread_name_prefix="ckptier-stamps") as pool:
+        if stamps is not None:
+            # The stamps' lstat calls (one per directory) release the GIL, as the
+            # catalog's SQLite writes do: taken beside those writes, not after them.
+            taking = pool.submit(take_stamps, stamps, store.url, recognition, links=links, listed_at=listed_at)
+        summary = catalog.record_scan(store.url, recognition, now=now, unchanged=unchanged.keys(),
+                                     grace_for=grace_for)
+        if taking is not None:
+            save_stamps(catalog, *taking.result(), now=now)
     committed = sum(1 for c in recognition.checkpoints if c.committed)
     carried = sum(r.files for r in unchanged.values())
     return ScanReport(

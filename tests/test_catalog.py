@@ -16,6 +16,7 @@ import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 
+from ckptier.storage.catalog import api as catalog_api
 from ckptier.storage.catalog.api import Catalog, DrillRecord, FileCheck, UnknownCheckpoint
 from ckptier.storage.catalog.db import (
     default_catalog_url,
@@ -301,15 +302,14 @@ def test_deleted_checkpoint_reappearing_is_revived_with_an_event(cat: Catalog) -
 def test_failure_mid_job_leaves_that_job_untouched_and_earlier_jobs_written(
     cat: Catalog, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = Catalog._file_row
+    real = catalog_api._insert_files
 
-    def failing(*args: Any) -> dict[str, Any]:
-        row = real(*args)
-        if args[1] == "boom.pt":
+    def failing(conn: Any, rows: list[tuple[Any, ...]]) -> int:
+        if any(row[1] == "boom.pt" for row in rows):
             raise RuntimeError("injected failure")
-        return row
+        return real(conn, rows)
 
-    monkeypatch.setattr(Catalog, "_file_row", staticmethod(failing))
+    monkeypatch.setattr(catalog_api, "_insert_files", failing)
     listing = recog(found("a", 1), found("b", 1, files={"ok.pt": 1, "boom.pt": 2}), found("c", 1))
     with pytest.raises(RuntimeError, match="injected"):
         cat.record_scan(STORE, listing, now=T0)

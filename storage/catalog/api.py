@@ -12,6 +12,7 @@ checkpoint see exactly one winner on SQLite and PostgreSQL alike.
 
 from __future__ import annotations
 
+import gc
 import threading
 from collections.abc import Callable, Collection, Container, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -438,12 +439,22 @@ class Catalog:
 
         tally = _Tally()
         unlisted: Container[str] = unchanged if live else _EVERYWHERE
-        for name in affected:
-            grace = grace_for(name) if grace_for is not None else transitions.DEFAULT_GRACE
-            with self._write() as conn:
-                self._scan_job(conn, name, by_job.get(name, {}), base, scope, now, tally, grace, unlisted=unlisted)
-                if live:
-                    self._settle_delete_intents(conn, name, scope, now, tally)
+        # No cyclic garbage collection while the rows are built: a first scan makes
+        # a tuple per listed file and no cycles, and each full collection walks the
+        # whole listing still held (~0.3 s per collection for 1,000,000 files).
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            for name in affected:
+                grace = grace_for(name) if grace_for is not None else transitions.DEFAULT_GRACE
+                with self._write() as conn:
+                    self._scan_job(conn, name, by_job.get(name, {}), base, scope, now, tally, grace,
+                                   unlisted=unlisted)
+                    if live:
+                        self._settle_delete_intents(conn, name, scope, now, tally)
+        finally:
+            if was_enabled:
+                gc.enable()
 
         summary = ScanSummary(
             store_url=store_url,
@@ -723,10 +734,12 @@ class Catalog:
                 for e in found_events:
                     event(e, cid)
                 hashes = found.expected_sha256
-                file_inserts.extend(
-                    self._file_row(cid, r.relpath, r.size, r.mtime, r.etag, hashes.get(r.relpath))
-                    for r in found.files
-                )
+                # The rows of _file_row, built inline: a first scan makes one per listed file.
+                if hashes:
+                    file_inserts.extend([(cid, r.relpath, r.size, r.mtime, r.etag, hashes.get(r.relpath))
+                                         for r in found.files])
+                else:
+                    file_inserts.extend([(cid, r.relpath, r.size, r.mtime, r.etag, None) for r in found.files])
                 copy_inserts.append(self._hot_copy_row(cid, _join_url(base, found.prefix), found.bytes, now))
             tally.new += len(new_ck)
             tally.rows_written += len(new_ck)
