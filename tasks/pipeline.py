@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptier.storage.base import StorageClasses, Store
-from ckptier.storage.catalog.api import Catalog, LeaseLost, Verification
+from ckptier.storage.catalog.api import Catalog, LeaseLost, ReadBack
 from ckptier.storage.errors import CkptierError, ConfigError
 from ckptier.formats import PatternRule
 from ckptier.storage.records import CheckpointRecord, CopyState, State
@@ -267,8 +267,8 @@ def run_verify(
         chunks = recording_batches((record, outcome, None) for record, outcome in verified(records, progress))
     for chunk in chunks:
         recorded = catalog.record_verifications(
-            [Verification(record.id, tuple(outcome.results), grace=grace_for(record.job), extra=tuple(outcome.extra),
-                          claim=None if lease is None or claims is None else (claims.owner, lease.generation))
+            [ReadBack(record.id, tuple(outcome.results), grace=grace_for(record.job), extra=tuple(outcome.extra),
+                      claim=None if lease is None or claims is None else (claims.owner, lease.generation))
              for record, outcome, lease in chunk], now=now())
         for (record, outcome, _), state in zip(chunk, recorded, strict=True):
             if isinstance(state, LeaseLost):

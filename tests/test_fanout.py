@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ckptier.storage.catalog.api import Catalog, LeaseLost, UnknownCheckpoint, Verification
+from ckptier.storage.catalog.api import Catalog, LeaseLost, UnknownCheckpoint, ReadBack
 from ckptier.storage.errors import ConfigError, Unavailable
 from ckptier.storage.records import FileCheck, State
 from ckptier.tasks.config import RunnerSettings, parse_config
@@ -161,10 +161,10 @@ def test_a_batch_of_verifications_is_recorded_together_and_fenced_item_by_item(c
         claimed = dict(cat.claim_rows(ids[:2], "a", now=T0, ttl=timedelta(seconds=30), since=T0, limit=2))
         stale = claimed[ids[1]] - 1  # a generation the row no longer has: that holder was fenced out
         got = cat.record_verifications([
-            Verification(ids[0], ok[ids[0]], claim=("a", claimed[ids[0]])),
-            Verification(ids[1], ok[ids[1]], claim=("a", stale)),
-            Verification(ids[2], bad),
-            Verification(ids[3], ok[ids[3]]),
+            ReadBack(ids[0], ok[ids[0]], claim=("a", claimed[ids[0]])),
+            ReadBack(ids[1], ok[ids[1]], claim=("a", stale)),
+            ReadBack(ids[2], bad),
+            ReadBack(ids[3], ok[ids[3]]),
         ], now=T0)
         assert got[0] == State.VERIFIED and got[2] == State.CORRUPT and got[3] == State.VERIFIED
         assert isinstance(got[1], LeaseLost) and "ran out or was taken over" in str(got[1])
@@ -176,7 +176,7 @@ def test_a_batch_of_verifications_is_recorded_together_and_fenced_item_by_item(c
         assert cat.unchecked(ids, since=T0) == 2
         # A batch naming an unknown checkpoint records none of it.
         with pytest.raises(UnknownCheckpoint):
-            cat.record_verifications([Verification(ids[4], ok[ids[4]]), Verification(10**9, ())], now=T0)
+            cat.record_verifications([ReadBack(ids[4], ok[ids[4]]), ReadBack(10**9, ())], now=T0)
         assert cat.get_by_id(ids[4]).state == State.COMMITTED  # type: ignore[union-attr]
 
 

@@ -89,7 +89,7 @@ class LeaseLost(CkptierError):
 
 
 @dataclass(frozen=True)
-class Verification:
+class ReadBack:
     """One checkpoint's read-back results, to record with :meth:`Catalog.record_verifications`:
     ``results`` per file, the job's ``grace``, ``extra`` files found beside the
     cataloged ones, and the ``claim`` (owner, generation) it is recorded under, if any."""
@@ -964,12 +964,12 @@ class Catalog:
         ``ValueError`` for a result naming a file the catalog does not list.
         """
         (outcome,) = self.record_verifications(
-            [Verification(checkpoint_id, tuple(results), grace=grace, extra=tuple(extra), claim=claim)], now=now)
+            [ReadBack(checkpoint_id, tuple(results), grace=grace, extra=tuple(extra), claim=claim)], now=now)
         if isinstance(outcome, LeaseLost):
             raise outcome
         return outcome
 
-    def record_verifications(self, items: Sequence[Verification], *, now: datetime) -> list[State | LeaseLost]:
+    def record_verifications(self, items: Sequence[ReadBack], *, now: datetime) -> list[State | LeaseLost]:
         """Record several checkpoints' read-backs in one transaction, each as
         :meth:`record_verification` does; returns, in order, each one's state,
         or the :class:`LeaseLost` (not raised) of an item whose ``claim`` no
@@ -1060,7 +1060,7 @@ class Catalog:
             return outcomes
 
     @staticmethod
-    def _release_claims(conn: Connection, items: Sequence[Verification], *, now: datetime) -> set[int]:
+    def _release_claims(conn: Connection, items: Sequence[ReadBack], *, now: datetime) -> set[int]:
         """Release the leases ``items`` were claimed under, each only while its holder
         still holds it at its generation; the ids released (one statement per owner)."""
         released: set[int] = set()
