@@ -347,14 +347,16 @@ def _claimed_verification(
     """Claim ``records`` (and the ``archive_only`` ones: archive copies to read back)
     batch by batch, verify each claimed hot copy and yield each batch's ``(record, outcome,
     lease)`` triples at once, to be recorded together (their leases are kept alive until
-    the caller asks for the next batch).
+    the caller asks for the next batch). At most three batches are held at once: one
+    being recorded, one read, one claimed.
 
     Claimed records are appended to ``claimed``. A claimed row that no longer
     needs this run (deleted, its hot copy gone, not in this run's selection)
     is marked checked and released. Ends when no candidate is left unchecked
     since ``claims.since``.
     """
-    from concurrent.futures import ThreadPoolExecutor
+    from collections import deque
+    from concurrent.futures import Future, ThreadPoolExecutor
 
     from .leases import LeaseKeeper, this_process
 
@@ -363,21 +365,25 @@ def _claimed_verification(
     pending = sorted(hot_ids | {r.id for r in archive_only if "hot" not in r.tiers})
     stop = threading.Event()
 
-    def next_batch(keeper: LeaseKeeper) -> list[tuple[CheckpointRecord, Any, Any]] | None:
-        """Claim a batch (waiting while others hold the rest) and read it; None: the sweep is done."""
+    def claim_next(keeper: LeaseKeeper, wait: bool) -> list[tuple[CheckpointRecord, Any]] | None:
+        """Claim a batch: the claimed hot copies to read, with their leases. None: the
+        sweep is done; an empty list: nothing is free now (only with ``wait`` False;
+        with ``wait``, looks again every ``claims.poll`` seconds while others hold the rest)."""
         while True:
             leases = keeper.claim_rows(pending, since=since, limit=claims.batch)
             if leases:
                 break
             if stop.is_set() or not catalog.unchecked(pending, since=since):
                 return None
+            if not wait:
+                return []
             stop.wait(claims.poll)
         by_id = {lease.checkpoint_id: lease for lease in leases}
         fresh = catalog.get_many(by_id)
-        to_read: list[CheckpointRecord] = []
+        to_read: list[tuple[CheckpointRecord, Any]] = []
         for record in fresh:
             if record.id in hot_ids and "hot" in record.tiers and record.state != State.DELETED:
-                to_read.append(record)
+                to_read.append((record, by_id[record.id]))
                 claimed.append(record)
                 continue
             if record.state != State.DELETED and record.archive_copy() is not None:
@@ -387,21 +393,43 @@ def _claimed_verification(
         for gone in set(by_id) - {r.id for r in fresh}:
             keeper.release(by_id[gone])
             pending.remove(gone)
-        return [(record, outcome, by_id[record.id]) for record, outcome in verified(to_read)]
+        return to_read
 
-    # The next batch is claimed and read while this one's results are recorded.
+    def read(batch: list[tuple[CheckpointRecord, Any]]) -> list[tuple[CheckpointRecord, Any, Any]]:
+        leases = {record.id: lease for record, lease in batch}
+        return [(record, outcome, leases[record.id]) for record, outcome in verified([r for r, _ in batch])]
+
+    # A pipeline on two threads: batch k+1 is claimed (and its rows loaded) and
+    # batch k read while the caller records batch k-1. A claim never waits on
+    # rows this run holds itself: with batches in flight it says "nothing free
+    # now", and the oldest batch is recorded first.
     with LeaseKeeper(catalog, claims.owner, now=now, ttl=claims.ttl, process=this_process(), take_over=None) as keeper, \
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptier-claims") as ahead:
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptier-claims") as claimer, \
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptier-reads") as reader:
+        in_flight: deque[Future[list[tuple[CheckpointRecord, Any, Any]]]] = deque()
         try:
-            batch = ahead.submit(next_batch, keeper)
-            while (got := batch.result()) is not None:
-                batch = ahead.submit(next_batch, keeper)
+            claiming = claimer.submit(claim_next, keeper, False)
+            while (got := claiming.result()) is not None:
                 if got:
-                    yield got
-                for _, _, lease in got:
-                    keeper.settled(lease)
+                    in_flight.append(reader.submit(read, got))
+                elif in_flight:  # nothing free now: record what this run holds, then look again
+                    yield from _recorded_then_settled(in_flight.popleft().result(), keeper)
+                claiming = claimer.submit(claim_next, keeper, not in_flight)
+                if len(in_flight) > 1:
+                    yield from _recorded_then_settled(in_flight.popleft().result(), keeper)
+            while in_flight:
+                yield from _recorded_then_settled(in_flight.popleft().result(), keeper)
         finally:
             stop.set()
+
+
+def _recorded_then_settled(batch: list[tuple[CheckpointRecord, Any, Any]], keeper: Any
+                           ) -> Iterator[list[tuple[CheckpointRecord, Any, Any]]]:
+    """Yield ``batch`` (when not empty) to be recorded, then stop keeping its leases alive."""
+    if batch:
+        yield batch
+    for _, _, lease in batch:
+        keeper.settled(lease)
 
 
 def with_archive_copy(records: Iterable[CheckpointRecord]) -> list[CheckpointRecord]:
