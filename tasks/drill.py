@@ -26,12 +26,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Self, cast
 
 from ckptier.formats.registry import DRILLABLE_FORMATS as DRILLABLE
 from ckptier.formats.registry import plugin
 from ckptier.storage.errors import ConfigError
 from ckptier.storage.records import CheckpointRecord, Format, State
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
 from ckptier.tasks.config import DEFAULT_DRILL_STEPS, DEFAULT_DRILL_TIMEOUT, parse_factory_spec
 
 DEFAULT_LOSS_TOLERANCE = 0.5
@@ -106,14 +109,23 @@ def _finite_or_none(value: Any) -> float | None:
     return number if math.isfinite(number) else None
 
 
-def _known_fields(cls: type, data: Mapping[str, Any]) -> dict[str, Any]:
-    """The keys of ``data`` that are fields of dataclass ``cls``, JSON lists as tuples."""
-    names = {f.name for f in fields(cls)}
-    return {k: (tuple(v) if isinstance(v, list) else v) for k, v in data.items() if k in names}
+class JsonRecord:
+    """Base of the frozen dataclasses that cross a process boundary as JSON
+    (a worker's request and result): :meth:`to_dict` gives its fields,
+    :meth:`from_dict` builds one back, ignoring unknown keys (a newer
+    peer's) and turning JSON lists into tuples."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(cast("DataclassInstance", self))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Self:
+        names = {f.name for f in fields(cast("type[DataclassInstance]", cls))}
+        return cls(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in data.items() if k in names})
 
 
 @dataclass(frozen=True)
-class WorkerResult:
+class WorkerResult(JsonRecord):
     """What the drill worker measured (JSON-serialisable; times in seconds,
     memory in bytes).
 
@@ -164,20 +176,15 @@ class WorkerResult:
     confinement: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
+        data = super().to_dict()
         data["losses"] = [_finite_or_none(v) for v in self.losses]
         data["losses_repeat"] = [_finite_or_none(v) for v in self.losses_repeat]
         data["timings"] = dict(self.timings)
         return data
 
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> WorkerResult:
-        """Build from JSON; unknown keys are ignored, lists become tuples."""
-        return cls(**_known_fields(cls, data))
-
 
 @dataclass(frozen=True)
-class DrillRequest:
+class DrillRequest(JsonRecord):
     """What the parent asks the worker to do (written as JSON to scratch).
 
     ``factory`` is a ``module:function`` spec (see ckptier.tasks.drill_models) or
@@ -193,13 +200,6 @@ class DrillRequest:
     result_path: str
     seed: int = 0
     allow_globals: tuple[str, ...] = ()
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> DrillRequest:
-        return cls(**_known_fields(cls, data))
 
 
 # --- the verdict ------------------------------------------------------------

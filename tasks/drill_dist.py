@@ -36,7 +36,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -51,7 +51,7 @@ from ckptier.tasks.drill import (
     Verdict,
     _finite_or_none,
     _fmt,
-    _known_fields,
+    JsonRecord,
     _last_line,
     _read_confinement,
     _tail,
@@ -172,7 +172,7 @@ def cuda_device_count() -> int:
 
 
 @dataclass(frozen=True)
-class RankRequest:
+class RankRequest(JsonRecord):
     """What the parent asks worker ``rank`` of ``world_size`` (JSON in its scratch).
 
     ``checkpoint`` is the rank's own copy (only the files it reads);
@@ -205,16 +205,9 @@ class RankRequest:
     seed: int = 0
     allow_globals: tuple[str, ...] = ()
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> RankRequest:
-        return cls(**_known_fields(cls, data))
-
 
 @dataclass(frozen=True)
-class RankResult:
+class RankResult(JsonRecord):
     """What one rank measured (JSON; seconds, bytes), plus what the parent saw.
 
     As :class:`~ckptier.tasks.drill.WorkerResult`, per rank. ``parallel`` is
@@ -268,14 +261,10 @@ class RankResult:
         return self.timed_out or self.stopped or self.error is not None
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
+        data = super().to_dict()
         data["losses"] = [_finite_or_none(v) for v in self.losses]
         data["timings"] = dict(self.timings)
         return data
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> RankResult:
-        return cls(**_known_fields(cls, data))
 
 
 # --- the verdict ----------------------------------------------------------------
