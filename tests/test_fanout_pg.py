@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from collections import Counter
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -24,6 +23,7 @@ import pytest
 from ckptier.storage.catalog.api import Catalog
 from ckptier.storage.records import State
 
+from tests.fixtures.pg import fresh_database
 from tests.test_fanout import make_tree, scanned
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
@@ -55,12 +55,8 @@ with open(out, "w") as fh:
 
 @pytest.fixture
 def pg_url(pg_server: Any) -> Iterator[str]:
-    name = f"ckptier_fanout_{uuid.uuid4().hex[:12]}"
-    url = pg_server.create_database(name)
-    try:
+    with fresh_database(pg_server, "ckptier_fanout") as url:
         yield url
-    finally:
-        pg_server.drop_database(name)
 
 
 def start(url: str, since: datetime, owner: str, out: Path, *, lease_s: float, slow: bool = False) -> subprocess.Popen[bytes]:
