@@ -41,7 +41,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -217,22 +216,10 @@ def serve_moto(port: int, bucket: str, prefix: str, checkpoints: int, files: int
 def moto(env: dict[str, str], bucket: str, prefix: str, checkpoints: int, files: int, jobs: int,
          latency_ms: float, render: bool) -> Iterator[str]:
     port = scanbench.free_port()
-    cmd = [sys.executable, __file__, "--serve-moto", str(port), bucket, prefix, str(checkpoints), str(files),
-           str(jobs), str(latency_ms), "fast" if render else "moto"]
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            start_new_session=True)
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline().strip()
-        if not line.startswith("ready "):
-            sys.exit(f"bench/scale: the moto server on port {port} did not start (said {line!r})")
-        print(f"  moto server on port {port} holds {int(line.split()[1]):,} objects "
-              f"(filled in {time.perf_counter() - t0:.0f} s)", flush=True)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        os.killpg(proc.pid, 15)
-        proc.wait(timeout=30)
+    with scanbench.serving([sys.executable, __file__, "--serve-moto", str(port), bucket, prefix, str(checkpoints),
+                            str(files), str(jobs), str(latency_ms), "fast" if render else "moto"],
+                           port, env, "bench/scale") as url:
+        yield url
 
 
 def cpu_of_children() -> float:

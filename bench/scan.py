@@ -284,8 +284,15 @@ def moto(env: dict[str, str], bucket: str, prefix: str, checkpoints: int, files:
          fast: bool) -> Iterator[str]:
     """A fresh, filled moto server on a free port of 127.0.0.1; its endpoint URL."""
     port = free_port()
-    cmd = [sys.executable, __file__, "--serve-moto", str(port), bucket, prefix, str(checkpoints), str(files), str(jobs),
-           "fast" if fast else "as-is"]
+    with serving([sys.executable, __file__, "--serve-moto", str(port), bucket, prefix, str(checkpoints), str(files),
+                  str(jobs), "fast" if fast else "as-is"], port, env, "bench/scan") as url:
+        yield url
+
+
+@contextmanager
+def serving(cmd: list[str], port: int, env: dict[str, str], name: str) -> Iterator[str]:
+    """Run ``cmd``, a filled moto server on ``port`` that prints ``ready N`` once it
+    holds N objects; yield its endpoint URL, then stop it and its children."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             start_new_session=True)
@@ -293,13 +300,13 @@ def moto(env: dict[str, str], bucket: str, prefix: str, checkpoints: int, files:
         assert proc.stdout is not None
         line = proc.stdout.readline().strip()
         if not line.startswith("ready "):
-            sys.exit(f"bench/scan: the moto server on port {port} did not start (said {line!r})")
+            sys.exit(f"{name}: the moto server on port {port} did not start (said {line!r})")
         print(f"  moto server on port {port} holds {int(line.split()[1]):,} objects "
               f"(filled in {time.perf_counter() - t0:.0f} s)", flush=True)
         yield f"http://127.0.0.1:{port}"
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=10)
+        proc.wait(timeout=30)
 
 
 def run_s3(args: argparse.Namespace) -> dict[str, Any]:
