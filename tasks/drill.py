@@ -26,15 +26,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Self, cast
+from typing import Any, Self, cast
 
 from ckptier.formats.registry import DRILLABLE_FORMATS as DRILLABLE
 from ckptier.formats.registry import plugin
 from ckptier.storage.errors import ConfigError
 from ckptier.storage.records import CheckpointRecord, Format, State
-if TYPE_CHECKING:
-    from _typeshed import DataclassInstance
-
 from ckptier.tasks.config import DEFAULT_DRILL_STEPS, DEFAULT_DRILL_TIMEOUT, parse_factory_spec
 
 DEFAULT_LOSS_TOLERANCE = 0.5
@@ -116,11 +113,11 @@ class JsonRecord:
     peer's) and turning JSON lists into tuples."""
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(cast("DataclassInstance", self))
+        return asdict(cast(Any, self))  # every subclass is a dataclass
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Self:
-        names = {f.name for f in fields(cast("type[DataclassInstance]", cls))}
+        names = {f.name for f in fields(cast(Any, cls))}
         return cls(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in data.items() if k in names})
 
 
