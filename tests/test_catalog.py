@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 import subprocess
 import sys
 import threading
@@ -304,10 +305,10 @@ def test_failure_mid_job_leaves_that_job_untouched_and_earlier_jobs_written(
 ) -> None:
     real = catalog_api._insert_files
 
-    def failing(conn: Any, rows: list[tuple[Any, ...]]) -> int:
+    def failing(conn: Any, columns: tuple[str, ...], rows: list[tuple[Any, ...]]) -> int:
         if any(row[1] == "boom.pt" for row in rows):
             raise RuntimeError("injected failure")
-        return real(conn, rows)
+        return real(conn, columns, rows)
 
     monkeypatch.setattr(catalog_api, "_insert_files", failing)
     listing = recog(found("a", 1), found("b", 1, files={"ok.pt": 1, "boom.pt": 2}), found("c", 1))
@@ -741,3 +742,35 @@ def test_head_revision_constant_matches_alembic() -> None:
     from ckptier.storage.catalog import db
 
     assert db._heads() == frozenset({db.HEAD_REVISION})
+
+
+def test_new_file_rows_leave_out_only_columns_that_are_empty_for_every_file(cat: Catalog) -> None:
+    """A first scan writes each checkpoint's files with only the columns some
+    file fills; what comes back is exactly what was listed, NULLs included."""
+    def ck(step: int, refs: list[tuple[str, float | None, str | None]], hashes: dict[str, str]) -> Found:
+        prefix = f"shapes/step-{step:08d}"
+        return replace(
+            found("shapes", step),
+            files=tuple(FileRef(key=f"{prefix}/{rel}", relpath=rel, size=7, mtime=mtime, etag=etag)
+                        for rel, mtime, etag in refs),
+            expected_sha256=hashes,
+        )
+
+    cases = {
+        1: ([("a.pt", 1.5, None), ("b.pt", 2.5, None)], {}),  # a local listing: no etags, no hashes
+        2: ([("a.pt", 1.5, "e1"), ("b.pt", 2.5, "e2")], {}),  # S3: every etag
+        3: ([("a.pt", None, None), ("b.pt", 2.5, "e2")], {"b.pt": "ab" * 32}),  # mixed
+        4: ([("a.pt", None, None)], {"a.pt": "cd" * 32}),  # one column of NULLs, one filled
+        5: ([("metadata.json", 3.0, "")], {}),  # an empty etag is a value, not NULL
+    }
+    cat.record_scan(STORE, recog(*(ck(step, refs, hashes) for step, (refs, hashes) in cases.items())), now=T0)
+    for step, (refs, hashes) in cases.items():
+        rec = cat.get("shapes", step)
+        assert rec is not None
+        got = [(f.relpath, f.size, f.mtime, f.etag, f.sha256_expected) for f in rec.files]
+        assert got == [(rel, 7, mtime, etag, hashes.get(rel)) for rel, mtime, etag in refs], step
+
+
+def test_new_file_rows_refuse_a_column_that_new_rows_do_not_have(cat: Catalog) -> None:
+    with cat._engine.begin() as conn, pytest.raises(ValueError, match=r"\['crc64nvme'\].*use some of checkpoint_id"):
+        catalog_api._insert_files(conn, ("checkpoint_id", "relpath", "size", "crc64nvme"), [(1, "a", 1, "x")])
