@@ -12,7 +12,6 @@ checkpoint see exactly one winner on SQLite and PostgreSQL alike.
 
 from __future__ import annotations
 
-import gc
 import threading
 from itertools import repeat
 from operator import attrgetter
@@ -56,6 +55,7 @@ from ..records import (
     State,
     Tier,
 )
+from ..gc_pause import paused_gc
 from . import db
 from .tables import checkpoints as ck
 from .tables import copies as cp
@@ -445,9 +445,7 @@ class Catalog:
         # No cyclic garbage collection while the rows are built: a first scan makes
         # a tuple per listed file and no cycles, and each full collection walks the
         # whole listing still held (~0.3 s per collection for 1,000,000 files).
-        was_enabled = gc.isenabled()
-        gc.disable()
-        try:
+        with paused_gc():
             for name in affected:
                 grace = grace_for(name) if grace_for is not None else transitions.DEFAULT_GRACE
                 with self._write() as conn:
@@ -455,9 +453,6 @@ class Catalog:
                                    unlisted=unlisted)
                     if live:
                         self._settle_delete_intents(conn, name, scope, now, tally)
-        finally:
-            if was_enabled:
-                gc.enable()
 
         summary = ScanSummary(
             store_url=store_url,
