@@ -216,6 +216,47 @@ class ListingSkips(Protocol):
     def list_with_skips(self, prefix: str, on_skip: Callable[[str, str], None]) -> Iterator[ObjectInfo]: ...
 
 
+class WalkedDirs(dict[str, tuple[int, int, int, list[str]]]):
+    """What a listing saw of each directory it read, read as it listed it:
+    ``walked[rel] = (mtime_ns, nlink, entries, subdirectory names)``, ``rel``
+    the directory's key and a trailing ``/`` (``""`` for the root).
+
+    Filled by :meth:`DirectoryStamps.list_pruned` (``walked=``) and read by
+    :meth:`DirectoryStamps.take_stamp` (``walked=``), so that stamping the
+    checkpoints a first scan found needs no second pass over their
+    directories. Only facts of this scan's own listing belong here: each was
+    taken after the scan started, which is what lets ``take_stamp`` compare
+    it with ``changed_before``. A plain ``dict`` underneath: the listing
+    stores one entry per directory, half a million in a first scan of a
+    million files, without a call for each.
+    """
+
+    __slots__ = ()
+
+    def tree(self, key: str) -> tuple[int, dict[str, tuple[int, int]]] | None:
+        """The number of entries of the directory ``key`` (no trailing ``/``;
+        ``""`` for the root) and ``{dir: (mtime_ns, nlink)}`` for it (``""``)
+        and every directory below it (paths relative to ``key``, no trailing
+        ``/``); None unless the listing read every one of them."""
+        top = key + "/" if key else ""
+        facts = self.get(top)
+        if facts is None:
+            return None
+        cut = len(top)
+        tree: dict[str, tuple[int, int]] = {}
+        pending = [(top, facts)]
+        while pending:
+            rel, (mtime_ns, nlink, _, subdirs) = pending.pop()
+            tree[rel[cut:-1]] = (mtime_ns, nlink)
+            for name in subdirs:
+                sub = f"{rel}{name}/"
+                below = self.get(sub)
+                if below is None:
+                    return None  # not entered (pruned, outside the prefix) or gone
+                pending.append((sub, below))
+        return facts[2], tree
+
+
 @runtime_checkable
 class DirectoryStamps(Protocol):
     """A store whose objects are files in a directory tree whose directories
@@ -225,35 +266,40 @@ class DirectoryStamps(Protocol):
 
     Contract (checked by ``tests/test_store_contract.py`` for every store that has it):
 
-    * ``take_stamp(key, relpaths, changed_before=)`` returns ``(stamp,
-      dirs)`` for the directory ``key`` holding the files ``relpaths``
-      (relative to it): an opaque string, and the subdirectories the stamp
-      covers, sorted (``""`` is ``key`` itself; every directory holding one
-      of the files is among them). ``None`` when the tree cannot be trusted:
-      a directory of it is missing, is not a directory, or was modified at
-      or after ``changed_before`` (seconds since the epoch).
+    * ``take_stamp(key, relpaths, changed_before=, walked=None)`` returns
+      ``(stamp, dirs)`` for the directory ``key`` holding the files
+      ``relpaths`` (relative to it): an opaque string, and the
+      subdirectories the stamp covers, sorted (``""`` is ``key`` itself;
+      every directory holding one of the files is among them). ``None`` when
+      the tree cannot be trusted: a directory of it is missing, is not a
+      directory, or was modified at or after ``changed_before`` (seconds
+      since the epoch). With ``walked`` (filled by this scan's
+      ``list_pruned``) and every directory of the tree in it, the stamp is
+      made of those facts, the same stamp as reading the tree again would
+      give while it is unchanged.
     * ``check_stamp(key, dirs)`` returns the stamp the tree has now: the one
       taken as long as no entry was added, removed or renamed in any of
       ``dirs`` (no subdirectory added either); another one, or ``None`` when
       a directory is gone, once one was. A file rewritten in place changes
       no directory and may keep the stamp.
-    * ``list_pruned(prefix, skip_dir, on_skip, on_link)`` yields what
-      ``list(prefix)`` yields, except below each directory for whose key (no
-      trailing ``/``) ``skip_dir`` returns True, which it does not enter. It
-      calls ``on_skip(key, reason)`` (one line) once for each entry under
-      ``prefix`` that it leaves out for what it is (a dangling symlink, a
-      symlink to a directory...), and ``on_link(key)`` once for each object
-      it yields that is a link to a file elsewhere, whose bytes can change
-      without its directory changing.
+    * ``list_pruned(prefix, skip_dir, on_skip, on_link, walked=None)``
+      yields what ``list(prefix)`` yields, except below each directory for
+      whose key (no trailing ``/``) ``skip_dir`` returns True, which it does
+      not enter. It calls ``on_skip(key, reason)`` (one line) once for each
+      entry under ``prefix`` that it leaves out for what it is (a dangling
+      symlink, a symlink to a directory...), and ``on_link(key)`` once for
+      each object it yields that is a link to a file elsewhere, whose bytes
+      can change without its directory changing. It notes in ``walked``
+      each directory it reads (:class:`WalkedDirs`).
     """
 
-    def take_stamp(self, key: str, relpaths: Iterable[str], *,
-                   changed_before: float) -> tuple[str, tuple[str, ...]] | None: ...
+    def take_stamp(self, key: str, relpaths: Iterable[str], *, changed_before: float,
+                   walked: WalkedDirs | None = None) -> tuple[str, tuple[str, ...]] | None: ...
 
     def check_stamp(self, key: str, dirs: Sequence[str]) -> str | None: ...
 
     def list_pruned(self, prefix: str, skip_dir: Callable[[str], bool], on_skip: Callable[[str, str], None],
-                    on_link: Callable[[str], None]) -> Iterator[ObjectInfo]: ...
+                    on_link: Callable[[str], None], walked: WalkedDirs | None = None) -> Iterator[ObjectInfo]: ...
 
 
 @runtime_checkable

@@ -14,12 +14,12 @@ import struct
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from . import walker
-from .base import DeleteResult, ObjectInfo, as_stream, validate_key
+from .base import DeleteResult, ObjectInfo, WalkedDirs, as_stream, validate_key
 from .errors import (
     AccessDenied,
     AlreadyExists,
@@ -28,7 +28,7 @@ from .errors import (
     StoreError,
     Unavailable,
 )
-from .walker import FILE, LINK, SKIPPED, Record, WalkError, walk_dirs
+from .walker import FILE, LINK, SKIPPED, DirFacts, Record, WalkError, walk_dirs
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +150,7 @@ class LocalStore:
         on_skip: Callable[[str, str], None] | None = None,
         skip_dir: Callable[[str], bool] | None = None,
         on_link: Callable[[str], None] | None = None,
+        walked: WalkedDirs | None = None,
     ) -> Iterator[ObjectInfo]:
         """Walk the tree below ``prefix`` (see the :class:`Store` contract),
         depth first, one directory at a time. Files and directories that
@@ -162,6 +163,8 @@ class LocalStore:
         not a file) is skipped, and ``on_skip(key, reason)`` is told about it
         (else it is logged). A directory for whose key (no trailing ``/``)
         ``skip_dir`` returns True is not entered: nothing below it is listed.
+        Each directory read is noted in ``walked`` (see
+        :class:`~.base.WalkedDirs`).
 
         A big tree is walked by helper processes (:mod:`.walker`): after
         :attr:`handoff_files` files listed here, the directories still to
@@ -197,8 +200,10 @@ class LocalStore:
         listed = 0
         walk = walk_dirs(stack, prefix, TEMP_PREFIX, enter)
         try:
-            for rel, records in walk:
-                yield from self._listed(rel, records, prefix, on_skip, skip_dir, on_link)
+            for rel, records, facts in walk:
+                if walked is not None:
+                    walked[rel] = facts
+                yield from self._listed(rel, records, prefix, on_skip, skip_dir, on_link, walked)
                 listed += len(records)
                 if listed >= self.handoff_files and stack and candidates is not None:
                     if len(stack) >= SPREAD * HELPERS or listed >= 4 * self.handoff_files:
@@ -215,15 +220,18 @@ class LocalStore:
             walk.close()
         helper = self._start_helper(stack, prefix, candidates or ())
         if helper is None:  # no helper process: go on here
-            yield from self.list_stack(stack, prefix, on_skip=on_skip, skip_dir=skip_dir, on_link=on_link)
+            yield from self.list_stack(stack, prefix, on_skip=on_skip, skip_dir=skip_dir, on_link=on_link,
+                                       walked=walked)
             return
         try:
-            for rel, records in helper:
+            for rel, records, facts in helper:
+                if walked is not None:
+                    walked[rel] = facts
                 for record in records:
                     if record[0] == FILE:  # the common case, without a call per entry
                         yield ObjectInfo(rel + record[1], record[2], record[3])
                     else:
-                        yield from self._listed(rel, [record], prefix, on_skip, skip_dir, on_link)
+                        yield from self._listed(rel, [record], prefix, on_skip, skip_dir, on_link, walked)
         except WalkError as failed:
             raise _translate(failed.error, self.url, failed.rel.rstrip("/") or None) from failed.error
 
@@ -235,6 +243,7 @@ class LocalStore:
         on_skip: Callable[[str, str], None] | None = None,
         skip_dir: Callable[[str], bool] | None = None,
         on_link: Callable[[str], None] | None = None,
+        walked: WalkedDirs | None = None,
     ) -> Iterator[ObjectInfo]:
         """:meth:`list` of the directories ``stack`` (``(path, key + "/")``
         pairs), walked here, no helper."""
@@ -243,8 +252,10 @@ class LocalStore:
             return skip_dir is None or not skip_dir(key)
 
         try:
-            for rel, records in walk_dirs(stack, prefix, TEMP_PREFIX, enter):
-                yield from self._listed(rel, records, prefix, on_skip, skip_dir, on_link)
+            for rel, records, facts in walk_dirs(stack, prefix, TEMP_PREFIX, enter):
+                if walked is not None:
+                    walked[rel] = facts
+                yield from self._listed(rel, records, prefix, on_skip, skip_dir, on_link, walked)
         except WalkError as failed:
             raise _translate(failed.error, self.url, failed.rel.rstrip("/") or None) from failed.error
 
@@ -256,6 +267,7 @@ class LocalStore:
         on_skip: Callable[[str, str], None] | None,
         skip_dir: Callable[[str], bool] | None,
         on_link: Callable[[str], None] | None,
+        walked: WalkedDirs | None,
     ) -> Iterator[ObjectInfo]:
         """The objects of one directory's batch from :func:`.walker.walk_dirs`,
         telling ``on_skip`` and ``on_link``; a deferred subdirectory is
@@ -277,11 +289,11 @@ class LocalStore:
                     log.warning("%s/%s: %s", self.url, key, record[2])
             elif skip_dir is None or not skip_dir(key):  # DEFER
                 yield from self.list_stack([(record[2], key + "/")], prefix, on_skip=on_skip, skip_dir=skip_dir,
-                                           on_link=on_link)
+                                           on_link=on_link, walked=walked)
 
     def _start_helper(
         self, stack: builtins.list[tuple[str, str]], prefix: str, deferred: Iterable[str]
-    ) -> Iterator[tuple[str, builtins.list[Record]]] | None:
+    ) -> Iterator[tuple[str, builtins.list[Record], DirFacts]] | None:
         """The batches of :data:`HELPERS` helper processes walking ``stack``
         between them (see :meth:`list`), in the order they arrive, or None
         when none can start. The processes are ended when the iterator is."""
@@ -311,7 +323,7 @@ class LocalStore:
 
     def _helper_batches(
         self, procs: builtins.list[subprocess.Popen[bytes]], requests: builtins.list[bytes]
-    ) -> Iterator[tuple[str, builtins.list[Record]]]:
+    ) -> Iterator[tuple[str, builtins.list[Record], DirFacts]]:
         """Frames from the helpers ``procs`` as they come (each a pipe read
         whenever it has data); raises what a helper reports, or
         :class:`StoreError` for one that ends without its ``end`` frame."""
@@ -378,7 +390,8 @@ class LocalStore:
 
     # -- directory stamps: what an unchanged rescan may skip -------------------
 
-    def take_stamp(self, key: str, relpaths: Iterable[str], *, changed_before: float) -> tuple[str, tuple[str, ...]] | None:
+    def take_stamp(self, key: str, relpaths: Iterable[str], *, changed_before: float,
+                   walked: WalkedDirs | None = None) -> tuple[str, tuple[str, ...]] | None:
         """The stamp of the directory ``key`` holding the files ``relpaths``
         (relative to it), and the subdirectories it covers (``""`` is the
         directory itself); None when it cannot be trusted.
@@ -394,7 +407,23 @@ class LocalStore:
         directories was modified at or after ``changed_before`` (epoch
         seconds: a change made while the scan ran, or too close to its start
         for a coarse filesystem clock to order), or is not a directory.
+
+        With ``walked`` holding every directory of the tree (this scan's
+        listing read them all), the stamp is made of what the listing saw
+        and no directory is read again: the listing took those facts after
+        the scan started, so a change since then either shows as a
+        modification at or after ``changed_before`` or changes what
+        :meth:`check_stamp` will find. Otherwise ``relpaths`` says where to
+        look, and the directories are read here.
         """
+        seen = walked.tree(key) if walked is not None else None
+        if seen is not None:
+            entries, facts = seen
+            limit = int(changed_before * 1_000_000_000)
+            if any(mtime_ns >= limit for mtime_ns, _ in facts.values()):
+                return None
+            covered = tuple(sorted(facts))
+            return self._digest(entries, covered, facts), covered
         base = os.path.join(self.root, key) if key else str(self.root)
         dirs: set[str] = {""}
         for rel in relpaths:
@@ -446,8 +475,7 @@ class LocalStore:
                 return None
         finally:
             os.close(fd)
-        digest = self._digest(entries, covered, stats)
-        return None if digest is None else (digest, covered)
+        return self._digest(entries, covered, {d: (st.st_mtime_ns, st.st_nlink) for d, st in stats.items()}), covered
 
     def check_stamp(self, key: str, dirs: Sequence[str]) -> str | None:
         """The stamp the directory ``key`` and its subdirectories ``dirs`` have now
@@ -468,16 +496,18 @@ class LocalStore:
             return None
         finally:
             os.close(fd)
-        return self._digest(entries, dirs, stats)
+        if not all(stat.S_ISDIR(st.st_mode) for st in stats.values()):
+            return None
+        return self._digest(entries, dirs, {d: (st.st_mtime_ns, st.st_nlink) for d, st in stats.items()})
 
     @staticmethod
-    def _digest(entries: int, dirs: Sequence[str], stats: dict[str, os.stat_result]) -> str | None:
+    def _digest(entries: int, dirs: Sequence[str], facts: Mapping[str, tuple[int, int]]) -> str:
+        """The stamp of a tree: the top directory's number of entries, and the
+        path, mtime (ns) and link count of each directory of ``dirs``."""
         parts = [str(entries)]
         for d in dirs:
-            st = stats[d]
-            if not stat.S_ISDIR(st.st_mode):
-                return None
-            parts.append(f"{d}\0{st.st_mtime_ns}\0{st.st_nlink}")
+            mtime_ns, nlink = facts[d]
+            parts.append(f"{d}\0{mtime_ns}\0{nlink}")
         return hashlib.sha1("\0".join(parts).encode("utf-8", "surrogateescape"), usedforsecurity=False).hexdigest()
 
     def stat(self, key: str) -> ObjectInfo:
@@ -572,10 +602,11 @@ class LocalStore:
         return self.list(prefix, on_skip=on_skip)
 
     def list_pruned(self, prefix: str, skip_dir: Callable[[str], bool], on_skip: Callable[[str, str], None],
-                    on_link: Callable[[str], None]) -> Iterator[ObjectInfo]:
-        """:meth:`list`, not entering the directories ``skip_dir`` names and telling
-        ``on_skip`` and ``on_link`` (:class:`~.base.DirectoryStamps`)."""
-        return self.list(prefix, on_skip=on_skip, skip_dir=skip_dir, on_link=on_link)
+                    on_link: Callable[[str], None], walked: WalkedDirs | None = None) -> Iterator[ObjectInfo]:
+        """:meth:`list`, not entering the directories ``skip_dir`` names, telling
+        ``on_skip`` and ``on_link`` and noting in ``walked`` each directory it
+        reads (:class:`~.base.DirectoryStamps`)."""
+        return self.list(prefix, on_skip=on_skip, skip_dir=skip_dir, on_link=on_link, walked=walked)
 
     def stale_temp_files(self, older_than: float) -> builtins.list[str]:
         """This store's own temporary files (``.ckptier-tmp-*``, left by an

@@ -13,8 +13,8 @@ has already received.
 The helper reads one request from stdin (``marshal``: the directories still
 to walk, the key prefix, the temporary-file prefix, the directory keys it
 must not enter but hand back) and writes frames to stdout: a 4-byte
-little-endian length, then a ``marshal``-ed list of ``(rel, records)``
-batches as :func:`walk_dirs` yields them, an ``("error", errno, strerror,
+little-endian length, then a ``marshal``-ed list of ``(rel, records,
+facts)`` batches as :func:`walk_dirs` yields them, an ``("error", errno, strerror,
 rel)`` tuple for a directory that cannot be read, or ``("end",)``.
 ``marshal`` is used only between two processes of this package, over a
 private pipe.
@@ -35,12 +35,21 @@ from typing import Any
 #: Record kinds in a directory's batch (see :func:`walk_dirs`).
 FILE, LINK, SKIPPED, DEFER = 0, 1, 2, 3
 
+#: How a directory is opened to be read (its entries are then read relative to it).
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
+
 #: Frames are flushed to the pipe once they hold this many records.
 FRAME_RECORDS = 4096
 
 #: A record: ``(FILE|LINK, name, size, mtime)``, ``(SKIPPED, name, reason)``
 #: or ``(DEFER, name, path)``.
 Record = tuple[Any, ...]
+
+#: What the walk saw of a directory it read: ``(mtime_ns, nlink, entries,
+#: subdirs)``, its ``stat`` taken just before reading it, the number of its
+#: entries (every one, as ``os.listdir`` counts them) and the names of its
+#: subdirectories (not symlinks to directories), entered or not.
+DirFacts = tuple[int, int, int, list[str]]
 
 
 class WalkError(Exception):
@@ -76,11 +85,12 @@ def walk_dirs(
     prefix: str,
     temp_prefix: str,
     enter: Callable[[str], bool | None],
-) -> Generator[tuple[str, list[Record]], None, None]:
+) -> Generator[tuple[str, list[Record], DirFacts], None, None]:
     """Walk depth-first from ``stack`` (``(path, rel)`` pairs, ``rel`` the
     directory's key with a trailing ``/`` or ``""``; popped from the end,
-    subdirectories pushed as found), yielding ``(rel, records)`` for each
-    directory read, its entries in ``scandir`` order:
+    subdirectories pushed as found), yielding ``(rel, records, facts)`` for
+    each directory read (``facts``: :data:`DirFacts`), its entries in
+    ``scandir`` order:
 
     * ``(FILE, name, size, mtime)``: a regular file (``lstat``);
     * ``(LINK, name, size, mtime)``: a symlink to a regular file (its target's ``stat``);
@@ -100,48 +110,83 @@ def walk_dirs(
     while stack:
         path, rel = stack.pop()
         try:
-            entries = os.scandir(path)
+            fd = os.open(path, _DIR_FLAGS)
         except FileNotFoundError:
             continue
         except OSError as exc:
             raise WalkError(rel, exc) from exc
-        records: list[Record] = []
-        with entries:
-            for entry in entries:
-                name = entry.name
-                if name.startswith(temp_prefix):
-                    continue
-                key = rel + name
-                if entry.is_dir(follow_symlinks=False):
-                    if key.startswith(prefix) or prefix.startswith(key + "/"):
-                        go = enter(key)
-                        if go:
-                            stack.append((entry.path, key + "/"))
-                        elif go is None:
-                            records.append((DEFER, name, entry.path))
-                elif not key.startswith(prefix):
-                    continue
-                elif entry.is_symlink():
-                    why = symlink_problem(entry.path)
-                    if why is None:
-                        try:
-                            st = entry.stat()
-                        except FileNotFoundError:
-                            continue  # deleted while listing
-                        except OSError as exc:
-                            raise WalkError(key, exc) from exc
-                        records.append((LINK, name, st.st_size, st.st_mtime))
-                    else:
-                        records.append((SKIPPED, name, why))
-                elif entry.is_file(follow_symlinks=False):
+        try:
+            read = _read_dir(fd, path, rel, stack, prefix, temp_prefix, enter)
+        finally:
+            os.close(fd)
+        yield read
+
+
+def _read_dir(
+    fd: int,
+    path: str,
+    rel: str,
+    stack: list[tuple[str, str]],
+    prefix: str,
+    temp_prefix: str,
+    enter: Callable[[str], bool | None],
+) -> tuple[str, list[Record], DirFacts]:
+    """One directory of :func:`walk_dirs`, open as ``fd``: its batch, its
+    subdirectories to enter pushed on ``stack``.
+
+    Read through the descriptor: the directory whose entries are read is the
+    one whose status is taken, and each entry's ``lstat`` is relative to it
+    (``scandir`` keeps using ``fd``, which must stay open until this returns).
+    The status is taken before the entries are read: an entry added while
+    they are read moves the mtime past it, so a stamp made of these facts no
+    longer matches the directory.
+    """
+    try:
+        st = os.fstat(fd)
+        entries = os.scandir(fd)
+    except OSError as exc:
+        raise WalkError(rel, exc) from exc
+    records: list[Record] = []
+    subdirs: list[str] = []
+    count = 0
+    with entries:
+        for entry in entries:
+            count += 1
+            name = entry.name
+            if name.startswith(temp_prefix):
+                continue
+            key = rel + name
+            if entry.is_dir(follow_symlinks=False):
+                subdirs.append(name)
+                if key.startswith(prefix) or prefix.startswith(key + "/"):
+                    go = enter(key)
+                    if go:
+                        stack.append((f"{path}/{name}", key + "/"))
+                    elif go is None:
+                        records.append((DEFER, name, f"{path}/{name}"))
+            elif not key.startswith(prefix):
+                continue
+            elif entry.is_symlink():
+                why = symlink_problem(f"{path}/{name}")
+                if why is None:
                     try:
-                        st = entry.stat(follow_symlinks=False)
+                        fst = entry.stat()
                     except FileNotFoundError:
                         continue  # deleted while listing
                     except OSError as exc:
                         raise WalkError(key, exc) from exc
-                    records.append((FILE, name, st.st_size, st.st_mtime))
-        yield rel, records
+                    records.append((LINK, name, fst.st_size, fst.st_mtime))
+                else:
+                    records.append((SKIPPED, name, why))
+            elif entry.is_file(follow_symlinks=False):
+                try:
+                    fst = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue  # deleted while listing
+                except OSError as exc:
+                    raise WalkError(key, exc) from exc
+                records.append((FILE, name, fst.st_size, fst.st_mtime))
+    return rel, records, (st.st_mtime_ns, st.st_nlink, count, subdirs)
 
 
 def _write_frame(out: Any, obj: Any) -> None:
@@ -166,12 +211,12 @@ def main() -> int:
     def enter(key: str) -> bool | None:
         return None if key in deferred else True
 
-    batch: list[tuple[str, list[Record]]] = []
+    batch: list[tuple[str, list[Record], DirFacts]] = []
     pending = 0
     try:
-        for rel, records in walk_dirs(stack, prefix, temp_prefix, enter):
-            batch.append((rel, records))
-            pending += len(records) + 1
+        for batched in walk_dirs(stack, prefix, temp_prefix, enter):
+            batch.append(batched)
+            pending += len(batched[1]) + 1
             if pending >= FRAME_RECORDS:
                 _write_frame(out, batch)
                 out.flush()

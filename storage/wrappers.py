@@ -43,6 +43,7 @@ from .base import (
     Store,
     Taggable,
     TempFiles,
+    WalkedDirs,
     key_problem,
     validate_key,
 )
@@ -378,18 +379,18 @@ class _RetryingListingSkips(RetryingStore):
 
 
 class _RetryingDirectoryStamps(RetryingStore):
-    def take_stamp(self, key: str, relpaths: Iterable[str], *,
-                   changed_before: float) -> tuple[str, tuple[str, ...]] | None:
+    def take_stamp(self, key: str, relpaths: Iterable[str], *, changed_before: float,
+                   walked: WalkedDirs | None = None) -> tuple[str, tuple[str, ...]] | None:
         inner = cast(DirectoryStamps, self.inner)
         paths = tuple(relpaths)  # read again by a retry
-        return self._run(lambda: inner.take_stamp(key, paths, changed_before=changed_before))
+        return self._run(lambda: inner.take_stamp(key, paths, changed_before=changed_before, walked=walked))
 
     def check_stamp(self, key: str, dirs: Sequence[str]) -> str | None:
         inner = cast(DirectoryStamps, self.inner)
         return self._run(lambda: inner.check_stamp(key, dirs))
 
     def list_pruned(self, prefix: str, skip_dir: Callable[[str], bool], on_skip: Callable[[str, str], None],
-                    on_link: Callable[[str], None]) -> Iterator[ObjectInfo]:
+                    on_link: Callable[[str], None], walked: WalkedDirs | None = None) -> Iterator[ObjectInfo]:
         inner = cast(DirectoryStamps, self.inner)
         told: set[str] = set()
         linked: set[str] = set()
@@ -404,7 +405,8 @@ class _RetryingDirectoryStamps(RetryingStore):
                 linked.add(key)
                 on_link(key)
 
-        return self._listing(lambda: inner.list_pruned(prefix, skip_dir, skip_once, link_once))
+        # A listing started again notes each directory again, over the facts of the first try.
+        return self._listing(lambda: inner.list_pruned(prefix, skip_dir, skip_once, link_once, walked))
 
 
 class _RetryingResumableReads(RetryingStore):
@@ -576,16 +578,17 @@ class _DryListingSkips(DryRunStore):
 
 
 class _DryDirectoryStamps(DryRunStore):
-    def take_stamp(self, key: str, relpaths: Iterable[str], *,
-                   changed_before: float) -> tuple[str, tuple[str, ...]] | None:
-        return cast(DirectoryStamps, self.inner).take_stamp(key, relpaths, changed_before=changed_before)
+    def take_stamp(self, key: str, relpaths: Iterable[str], *, changed_before: float,
+                   walked: WalkedDirs | None = None) -> tuple[str, tuple[str, ...]] | None:
+        return cast(DirectoryStamps, self.inner).take_stamp(key, relpaths, changed_before=changed_before,
+                                                            walked=walked)
 
     def check_stamp(self, key: str, dirs: Sequence[str]) -> str | None:
         return cast(DirectoryStamps, self.inner).check_stamp(key, dirs)
 
     def list_pruned(self, prefix: str, skip_dir: Callable[[str], bool], on_skip: Callable[[str, str], None],
-                    on_link: Callable[[str], None]) -> Iterator[ObjectInfo]:
-        return cast(DirectoryStamps, self.inner).list_pruned(prefix, skip_dir, on_skip, on_link)
+                    on_link: Callable[[str], None], walked: WalkedDirs | None = None) -> Iterator[ObjectInfo]:
+        return cast(DirectoryStamps, self.inner).list_pruned(prefix, skip_dir, on_skip, on_link, walked)
 
 
 class _DryResumableReads(DryRunStore):

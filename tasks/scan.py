@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import posixpath
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
@@ -53,10 +53,12 @@ from ckptier.storage.base import (
     ListingSkips,
     ObjectInfo,
     Store,
+    WalkedDirs,
     read_bytes,
 )
 from ckptier.storage.catalog.api import Catalog, DirStampRecord, ScanSummary
 from ckptier.storage.errors import ConfigError
+from ckptier.storage.gc_pause import paused_gc
 from ckptier.storage.inventory import InventoryReport, open_report
 from ckptier.storage.records import Found, Recognition, State, Tier, Unrecognised
 from ckptier.storage.url import open_store, parse_url
@@ -239,6 +241,7 @@ def recognise_store(
     skip_dir: Callable[[str], bool] | None = None,
     on_link: Callable[[str], None] | None = None,
     listing: Iterable[ObjectInfo] | None = None,
+    walked: WalkedDirs | None = None,
 ) -> Recognition:
     """List ``store`` completely and recognise its checkpoints.
 
@@ -251,7 +254,8 @@ def recognise_store(
     or directory symlinks) are reported as not recognised, with the reason.
     ``skip_dir`` and ``on_link`` go to
     :meth:`~ckptier.storage.base.DirectoryStamps.list_pruned` (ignored for
-    stores without it). ``listing`` replaces the store's own listing (an
+    stores without it), and so does ``walked``, where the listing notes each
+    directory it reads. ``listing`` replaces the store's own listing (an
     inventory's objects); metadata files are still read from ``store``.
     """
     skipped: list[Unrecognised] = []
@@ -261,8 +265,8 @@ def recognise_store(
 
     if listing is not None:
         pass
-    elif isinstance(store, DirectoryStamps) and (skip_dir is not None or on_link is not None):
-        listing = store.list_pruned("", skip_dir or _enter, on_skip, on_link or _ignore)
+    elif isinstance(store, DirectoryStamps) and (skip_dir is not None or on_link is not None or walked is not None):
+        listing = store.list_pruned("", skip_dir or _enter, on_skip, on_link or _ignore, walked)
     elif isinstance(store, ListingSkips):
         listing = store.list_with_skips("", on_skip)
     else:
@@ -337,12 +341,15 @@ def restamp(
     links: Iterable[str],
     listed_at: float,
     now: datetime,
+    walked: WalkedDirs | None = None,
 ) -> int:
     """Stamp each listed ``committed`` checkpoint directory that holds nothing
     else (no file left unrecognised, no other checkpoint, no symlink); forget
-    the stamps of the other listed checkpoints. ``url`` is the store's URL.
-    Returns the stamps taken."""
-    return save_stamps(catalog, *take_stamps(store, url, recognition, links=links, listed_at=listed_at), now=now)
+    the stamps of the other listed checkpoints. ``url`` is the store's URL;
+    ``walked``, what the listing behind ``recognition`` saw of the
+    directories. Returns the stamps taken."""
+    return save_stamps(catalog, *take_stamps(store, url, recognition, links=links, listed_at=listed_at,
+                                             walked=walked), now=now)
 
 
 def take_stamps(
@@ -352,6 +359,7 @@ def take_stamps(
     *,
     links: Iterable[str],
     listed_at: float,
+    walked: WalkedDirs | None = None,
 ) -> tuple[dict[str, tuple[str, Sequence[str]]], list[str]]:
     """The filesystem half of :func:`restamp` (no catalog access, so it may
     run beside the catalog's writes): the stamps taken by location, and the
@@ -371,7 +379,7 @@ def take_stamps(
         taken = None
         if f.committed and f.prefix not in busy:
             taken = store.take_stamp(f.prefix, (r.relpath for r in f.files),
-                                     changed_before=listed_at - STAMP_SETTLE_SECONDS)
+                                     changed_before=listed_at - STAMP_SETTLE_SECONDS, walked=walked)
         if taken is None:
             dropped.append(location)
         else:
@@ -434,34 +442,62 @@ def scan_url(
     links: list[str] = []
     listed_at = time.time()
     stamps = store if isinstance(store, DirectoryStamps) else None
+    walked = WalkedDirs() if stamps is not None else None
     if stamps is not None and not full:
         skipper = _Skipper(stamps, store.url, catalog.dir_stamps(store.url.rstrip("/") + "/"), now)
-    recognition = recognise_store(store, now=now.timestamp(), name=root_name(url), patterns=patterns, tick=tick,
-                                  skip_dir=skipper, on_link=links.append if stamps is not None else None)
-    unchanged = skipper.unchanged if skipper is not None else {}
-    taking: Future[tuple[dict[str, tuple[str, Sequence[str]]], list[str]]] | None = None
+    # One pause of the cyclic collector from the listing to the last write: the
+    # listing, the recognition and the rows are millions of objects and no cycles.
+    # They are let go before the collector comes back, else its first pass walks
+    # every one of them (0.6 s at a million files).
+    with paused_gc():
+        recognition = recognise_store(store, now=now.timestamp(), name=root_name(url), patterns=patterns,
+                                      tick=tick, skip_dir=skipper,
+                                      on_link=links.append if stamps is not None else None, walked=walked)
+        unchanged = skipper.unchanged if skipper is not None else {}
+        summary = _record(catalog, store, recognition, unchanged, links, walked, listed_at, now, grace_for)
+        committed = sum(1 for c in recognition.checkpoints if c.committed)
+        carried = sum(r.files for r in unchanged.values())
+        report = ScanReport(
+            url=store.url,
+            objects=recognition.objects + carried,
+            checkpoints=len(recognition.checkpoints) + len(unchanged),
+            committed=committed + len(unchanged),
+            incomplete=len(recognition.checkpoints) - committed,
+            unrecognised=list(recognition.unrecognised),
+            summary=summary,
+            unchanged_dirs=len(unchanged),
+            listed=recognition.objects,
+        )
+        del recognition, walked
+    return report
+
+
+def _record(
+    catalog: Catalog,
+    store: Store,
+    recognition: Recognition,
+    unchanged: Mapping[str, DirStampRecord],
+    links: Iterable[str],
+    walked: WalkedDirs | None,
+    listed_at: float,
+    now: datetime,
+    grace_for: Callable[[str], timedelta] | None,
+) -> ScanSummary:
+    """Record ``recognition`` in ``catalog`` and, for a store with directory
+    stamps (``walked`` is then not None), stamp its checkpoints beside those
+    writes."""
+    if walked is None or not isinstance(store, DirectoryStamps):
+        return catalog.record_scan(store.url, recognition, now=now, unchanged=unchanged.keys(), grace_for=grace_for)
     with ThreadPoolExecutor(1, thread_name_prefix="ckptier-stamps") as pool:
-        if stamps is not None:
-            # The stamps' lstat calls (one per directory) release the GIL, as the
-            # catalog's SQLite writes do: taken beside those writes, not after them.
-            taking = pool.submit(take_stamps, stamps, store.url, recognition, links=links, listed_at=listed_at)
+        # Made of what the listing saw of each directory (any it did not read is
+        # read again, and those lstat calls release the GIL, as the catalog's
+        # SQLite writes do): taken beside those writes, not after them.
+        taking = pool.submit(take_stamps, store, store.url, recognition, links=links, listed_at=listed_at,
+                             walked=walked)
         summary = catalog.record_scan(store.url, recognition, now=now, unchanged=unchanged.keys(),
-                                     grace_for=grace_for)
-        if taking is not None:
-            save_stamps(catalog, *taking.result(), now=now)
-    committed = sum(1 for c in recognition.checkpoints if c.committed)
-    carried = sum(r.files for r in unchanged.values())
-    return ScanReport(
-        url=store.url,
-        objects=recognition.objects + carried,
-        checkpoints=len(recognition.checkpoints) + len(unchanged),
-        committed=committed + len(unchanged),
-        incomplete=len(recognition.checkpoints) - committed,
-        unrecognised=list(recognition.unrecognised),
-        summary=summary,
-        unchanged_dirs=len(unchanged),
-        listed=recognition.objects,
-    )
+                                      grace_for=grace_for)
+        save_stamps(catalog, *taking.result(), now=now)
+    return summary
 
 
 def scan_inventory(

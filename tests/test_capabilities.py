@@ -28,6 +28,7 @@ from ckptier.storage.base import (
     StorageClasses,
     Store,
     TempFiles,
+    WalkedDirs,
 )
 from ckptier.storage.errors import NotFound, StoreError, Unavailable
 from ckptier.storage.local import LocalStore
@@ -103,8 +104,8 @@ class Everything(Bare):
         on_skip("dangling", "dangling symlink")
         return self.inner.list(prefix)
 
-    def take_stamp(self, key: str, relpaths: Iterable[str], *,
-                   changed_before: float) -> tuple[str, tuple[str, ...]] | None:
+    def take_stamp(self, key: str, relpaths: Iterable[str], *, changed_before: float,
+                   walked: WalkedDirs | None = None) -> tuple[str, tuple[str, ...]] | None:
         self._call("take_stamp")
         return f"stamp of {key}: {sorted(relpaths)}", ("",)
 
@@ -113,10 +114,10 @@ class Everything(Bare):
         return f"stamp of {key}"
 
     def list_pruned(self, prefix: str, skip_dir: Callable[[str], bool], on_skip: Callable[[str, str], None],
-                    on_link: Callable[[str], None]) -> Iterator[ObjectInfo]:
+                    on_link: Callable[[str], None], walked: WalkedDirs | None = None) -> Iterator[ObjectInfo]:
         self._call("list_pruned")
         on_skip("dangling", "dangling symlink")
-        return self.inner.list_pruned(prefix, skip_dir, on_skip, on_link)
+        return self.inner.list_pruned(prefix, skip_dir, on_skip, on_link, walked)
 
     def open_versioned(self, key: str) -> tuple[BinaryIO, str]:
         self._call("open_versioned")
@@ -269,7 +270,7 @@ def test_retrying_list_pruned_restarts_and_tells_each_skip_and_link_once(local: 
 
     class BreaksOnce(Everything):
         def list_pruned(self, prefix: str, skip_dir: Callable[[str], bool], on_skip: Callable[[str, str], None],
-                        on_link: Callable[[str], None]) -> Iterator[ObjectInfo]:
+                        on_link: Callable[[str], None], walked: WalkedDirs | None = None) -> Iterator[ObjectInfo]:
             on_skip("dangling", "dangling symlink")
             for n, info in enumerate(self.inner.list(prefix)):
                 on_link(info.key)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ckptier.storage.base import ObjectInfo
+from ckptier.storage.base import ObjectInfo, WalkedDirs
 from ckptier.storage.catalog.api import Catalog
 from ckptier.storage.errors import NotFound, StoreError
 from ckptier.storage.local import TEMP_PREFIX, LocalStore
@@ -233,3 +233,94 @@ def test_a_scan_ticks_its_progress_as_objects_are_listed(tmp_path: Path, prefetc
     found = recognise_store(LocalStore(root), now=0.0, name="many", tick=ticks.append, prefetch=prefetch)
     assert found.objects == 2500
     assert ticks == [1000, 2000, 2500]
+
+
+# -- what the walk saw of each directory: the stamps of a first scan ------------------------------
+
+
+def walked_by(store: LocalStore, **kw: Any) -> WalkedDirs:
+    walked = WalkedDirs()
+    listing(store, walked=walked, **kw)
+    return walked
+
+
+def test_the_helper_notes_each_directory_as_the_listing_process_does(tree: Path) -> None:
+    here = walked_by(store_at(tree, HERE))
+    assert walked_by(store_at(tree, 0)) == here
+    assert walked_by(store_at(tree, 5)) == here
+    rel = "job-a/step-00000100/"
+    st = os.stat(tree / rel)
+    assert here[rel][:3] == (st.st_mtime_ns, st.st_nlink, 4)  # 3 ranks and metadata.json
+    assert sorted(here[rel][3]) == ["rank-0000", "rank-0001", "rank-0002"]
+    # job-a holds two steps, an empty directory, a temporary file and three symlinks: every entry is counted,
+    # and only real directories are subdirectories.
+    assert here["job-a/"][2] == len(os.listdir(tree / "job-a")) == 7
+    assert sorted(here["job-a/"][3]) == ["empty", "step-00000100", "step-00000200"]
+    assert "job-a/empty/" in here and "job-a/to-dir/" not in here
+    assert len(here) == 1 + 2 + 1 + 4 * 4  # root, jobs, empty, 4 steps of 1 + 3 directories
+
+
+def test_a_stamp_made_of_the_walk_is_the_stamp_read_from_the_tree(tree: Path) -> None:
+    (tree / "job-b" / "step-00000100" / "rank-0001" / "empty-sub").mkdir()  # found by its link count only
+    store = store_at(tree, 0)
+    walked = walked_by(store)
+    later = datetime.now(UTC).timestamp() + 60
+    for key in ("job-a/step-00000100", "job-b/step-00000100", "job-b", ""):
+        relpaths = [o.key[len(key) + 1 if key else 0:] for o in listing(store, key + "/" if key else "")[0]]
+        read = store.take_stamp(key, relpaths, changed_before=later)
+        made = store.take_stamp(key, relpaths, changed_before=later, walked=walked)
+        assert made == read is not None, key
+        assert store.check_stamp(key, made[1]) == made[0]
+    assert "rank-0001/empty-sub" in store.take_stamp("job-b/step-00000100", [], changed_before=later,
+                                                     walked=walked)[1]  # type: ignore[index]
+    assert store.take_stamp("job-a/step-00000100", [], changed_before=0.0, walked=walked) is None  # modified since
+
+
+def test_a_stamp_is_read_from_the_tree_where_the_walk_did_not_enter(tree: Path) -> None:
+    store = store_at(tree, HERE)
+    walked = walked_by(store, skip_dir=lambda key: key == "job-a/step-00000100/rank-0001")
+    key = "job-a/step-00000100"
+    assert walked.tree(key) is None and walked.tree("job-a/step-00000200") is not None
+    later = datetime.now(UTC).timestamp() + 60
+    relpaths = ["metadata.json", *(f"rank-{r:04d}/{n}" for r in range(3) for n in ("model.pt", "optimizer.pt"))]
+    assert store.take_stamp(key, relpaths, changed_before=later, walked=walked) == store.take_stamp(
+        key, relpaths, changed_before=later)
+
+
+def test_a_stamp_made_of_a_walk_before_a_change_does_not_match_the_changed_tree(tree: Path) -> None:
+    store = store_at(tree, 0)
+    walked = walked_by(store)
+    key = "job-a/step-00000200"
+    old = os.stat(tree / key / "rank-0002").st_mtime_ns
+    (tree / key / "rank-0002" / "late.pt").write_bytes(b"written after the walk")
+    os.utime(tree / key / "rank-0002", ns=(old + 10**9, old + 10**9))  # a clock tick later, however coarse
+    made = store.take_stamp(key, [], changed_before=datetime.now(UTC).timestamp() + 60, walked=walked)
+    assert made is not None
+    assert store.check_stamp(key, made[1]) not in (made[0], None)
+
+
+def test_a_first_scan_stamps_from_the_walk_and_a_rescan_skips_what_it_stamped(
+    tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    read_again: list[str] = []
+    real = os.lstat
+
+    def counting(path: Any, *a: Any, **kw: Any) -> Any:
+        if kw.get("dir_fd") is not None:
+            read_again.append(str(path))
+        return real(path, *a, **kw)
+
+    when = datetime.now(UTC).timestamp() - 60  # a tree written a minute ago
+    for dirpath, _dirs, files in os.walk(tree):
+        for name in (*files, ""):
+            os.utime(os.path.join(dirpath, name), (when, when), follow_symlinks=False)
+    store = store_at(tree, 0)
+    with Catalog.open(f"sqlite:///{tmp_path / 'c.db'}") as cat:
+        monkeypatch.setattr(os, "lstat", counting)
+        scan_url(str(tree), cat, now=datetime.now(UTC), store=store)
+        assert read_again == []  # every stamp made of what the walk saw
+        monkeypatch.undo()
+        stamped = cat.dir_stamps(store.url + "/")
+        assert len(stamped) == 4
+        again = scan_url(str(tree), cat, now=datetime.now(UTC), store=store)
+    assert again.unchanged_dirs == 4 and again.summary.rows_written == 0

@@ -33,6 +33,7 @@ from ckptier.storage.base import (
     Store,
     Taggable,
     TempFiles,
+    WalkedDirs,
     read_bytes,
 )
 from ckptier.storage.errors import AlreadyExists, InvalidKey, NotFound
@@ -534,6 +535,21 @@ class DirectoryStampsContract(CapabilityContract):
         store.delete_many(["j/s/sub/deeper/e", "j/s/sub/b"])  # sub/ is left empty and pruned: gone
         assert store.check_stamp("j/s", dirs) is None
         assert store.check_stamp("j/never", [""]) is None
+
+    def test_a_stamp_made_of_what_the_listing_saw_is_the_stamp_read_again(self, store: Any) -> None:
+        for key in ("j/s/a", "j/s/sub/b", "j/s/sub/deeper/c", "k/x"):
+            store.write(key, b"x")
+        walked = WalkedDirs()
+        listed = sorted(i.key for i in store.list_pruned("", lambda d: False, lambda k, why: None, lambda k: None,
+                                                         walked))
+        assert listed == ["j/s/a", "j/s/sub/b", "j/s/sub/deeper/c", "k/x"]
+        assert walked.tree("j/s") is not None
+        later = time.time() + 60
+        made = store.take_stamp("j/s", ["a", "sub/b", "sub/deeper/c"], changed_before=later, walked=walked)
+        assert made is not None and made == store.take_stamp("j/s", ["a", "sub/b", "sub/deeper/c"],
+                                                               changed_before=later)
+        assert {"", "sub", "sub/deeper"} <= set(made[1]) and store.check_stamp("j/s", made[1]) == made[0]
+        assert store.take_stamp("j/s", ["a"], changed_before=time.time() - 3600, walked=walked) is None
 
     def test_list_pruned_lists_the_same_except_what_it_is_told_to_skip(self, store: Any) -> None:
         for key in ("j/1/a", "j/1/sub/b", "j/2/a", "k/x"):
