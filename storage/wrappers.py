@@ -220,20 +220,35 @@ class RetryingStore(_Wrapper):
         return self._listing(lambda: self.inner.list(prefix))
 
     def _listing(self, start: Callable[[], Iterator[ObjectInfo]]) -> Iterator[ObjectInfo]:
-        """The listing ``start()`` begins, started again after a transient failure, each key yielded once."""
-        seen: set[str] = set()
+        """The listing ``start()`` begins, started again after a transient failure, each key yielded once.
+
+        The first try only appends each key to a list (a first scan passes a
+        million through here); the set that filters a restarted listing is
+        made from that list once a try has failed.
+        """
+        given: list[str] = []  # the keys yielded by the first try
+        seen: set[str] | None = None  # every key yielded, once a try has failed
         failures = 0
         while True:
             progressed = False
             try:
-                for info in start():
-                    if info.key not in seen:
-                        seen.add(info.key)
-                        progressed = True
+                if seen is None:
+                    for info in start():
+                        given.append(info.key)
                         yield info
+                else:
+                    for info in start():
+                        if info.key not in seen:
+                            seen.add(info.key)
+                            progressed = True
+                            yield info
                 return
             except Exception as exc:
                 failures += 1
+                if seen is None:
+                    progressed = bool(given)
+                    seen = set(given)
+                    given = []
                 if not self.again(exc, failures, progressed=progressed):
                     raise
 

@@ -19,12 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ckptier.storage.base import MAX_DELETE_BATCH, read_bytes
+from ckptier.storage.base import MAX_DELETE_BATCH, ObjectInfo, read_bytes
 from ckptier.storage.catalog.api import Catalog
 from ckptier.storage.errors import DeleteInterrupted, ObjectChanged, Unavailable
 from ckptier.storage.records import State
 from ckptier.storage.s3 import S3Store
-from ckptier.storage.wrappers import resuming
+from ckptier.storage.wrappers import RetryingStore, resuming
 
 from tests.fixtures.s3 import S3Bucket, make_client
 from tests.test_s3_faults import error_xml, fake_response, keys_in
@@ -257,3 +257,47 @@ def test_a_batch_delete_resends_only_after_progress(s3_bucket: S3Bucket, client:
         store.delete_many(keys)
     assert len(batches) == 3 and info.value.result.deleted == []
 
+
+
+class _ListsInTries:
+    """A store whose listing is scripted try by try: each try yields its keys,
+    then raises a transient error unless it is the last."""
+
+    def __init__(self, tries: list[list[str]]) -> None:
+        self.tries = tries
+        self.started = 0
+
+    def list(self, prefix: str = "") -> Any:
+        keys = self.tries[self.started]
+        self.started += 1
+        for key in keys:
+            yield ObjectInfo(key, 1)
+        if self.started < len(self.tries):
+            raise Unavailable(f"listing cut off after {keys[-1:] or 'nothing'}")
+
+
+@pytest.mark.parametrize(
+    ("tries", "want", "started"),
+    [
+        pytest.param([["a", "b"], ["a", "b", "c"], ["a", "b", "c", "d", "e"]], ["a", "b", "c", "d", "e"], 3,
+                     id="each try gets further"),
+        pytest.param([["b", "a"], ["c", "a", "d", "b"], ["e", "d", "c", "b", "a"]], ["b", "a", "c", "d", "e"], 3,
+                     id="in another order each time"),
+        pytest.param([["a", "b"], ["b", "a"], ["a", "b", "c"]], None, 2, id="a try with nothing new stops"),
+        pytest.param([[], ["a"]], None, 1, id="a first try with nothing stops"),
+    ],
+)
+def test_a_restarted_listing_yields_each_key_once_and_goes_on_only_after_progress(
+    tries: list[list[str]], want: list[str] | None, started: int
+) -> None:
+    inner = _ListsInTries(tries)
+    store = RetryingStore(inner, resume_only=True, sleep=lambda s: None)  # type: ignore[arg-type]
+    got: list[str] = []
+    if want is None:
+        with pytest.raises(Unavailable):
+            got.extend(info.key for info in store.list())
+        assert len(got) == len(set(got))
+    else:
+        got.extend(info.key for info in store.list())
+        assert got == want
+    assert inner.started == started
