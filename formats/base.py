@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptier.storage.base import ObjectInfo
 from ckptier.storage.errors import StoreError, is_transient
-from ckptier.storage.records import FileRef, Format, Found, Shortfall, Unrecognised
+from ckptier.storage.records import FileRef, Format, Found, Shortfall, Unrecognised, file_ref
 from ckptier.storage.structure import Checker
 
 if TYPE_CHECKING:  # torch-free at import time: loading types are for annotations only
@@ -334,10 +334,10 @@ class Scan:
             return
         files.sort(key=_by_key)  # one common prefix: key order is relpath order
         if single:
-            refs = [FileRef(f.key, f.key[f.key.rfind("/") + 1 :], f.size, f.mtime, f.etag, f.checksum) for f in files]
+            refs = [file_ref(f.key, f.key[f.key.rfind("/") + 1 :], f.size, f.mtime, f.etag, f.checksum) for f in files]
         else:
             cut = len(prefix) + 1
-            refs = [FileRef(f.key, f.key[cut:], f.size, f.mtime, f.etag, f.checksum) for f in files]
+            refs = [file_ref(f.key, f.key[cut:], f.size, f.mtime, f.etag, f.checksum) for f in files]
         if committed:
             empty = _empty_data_file(refs)
             if empty is not None:

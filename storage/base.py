@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Literal, Protocol, runtime_checkable
 
 from .errors import InvalidKey
+from .records import slot_setters
 
 #: S3's limit on keys in one DeleteObjects call; stores batch to this size.
 MAX_DELETE_BATCH = 1000
@@ -51,6 +52,25 @@ class ObjectInfo:
     etag: str | None = None
     checksum: str | None = None
     storage_class: str | None = None
+
+
+_INFO_KEY, _INFO_SIZE, _INFO_MTIME, _INFO_ETAG, _INFO_CHECKSUM, _INFO_CLASS = slot_setters(
+    ObjectInfo, ("key", "size", "mtime", "etag", "checksum", "storage_class"))
+_new = object.__new__
+
+
+def listed_file(key: str, size: int, mtime: float) -> ObjectInfo:
+    """``ObjectInfo(key, size, mtime)``, built without the dataclass
+    ``__init__`` (:func:`~.records.slot_setters`): a local listing makes one
+    per file."""
+    info = _new(ObjectInfo)
+    _INFO_KEY(info, key)
+    _INFO_SIZE(info, size)
+    _INFO_MTIME(info, mtime)
+    _INFO_ETAG(info, None)
+    _INFO_CHECKSUM(info, None)
+    _INFO_CLASS(info, None)
+    return info
 
 
 @dataclass(slots=True)

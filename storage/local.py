@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from . import walker
-from .base import DeleteResult, ObjectInfo, WalkedDirs, as_stream, validate_key
+from .base import DeleteResult, ObjectInfo, WalkedDirs, as_stream, listed_file, validate_key
 from .errors import (
     AccessDenied,
     AlreadyExists,
@@ -229,7 +229,7 @@ class LocalStore:
                     walked[rel] = facts
                 for record in records:
                     if record[0] == FILE:  # the common case, without a call per entry
-                        yield ObjectInfo(rel + record[1], record[2], record[3])
+                        yield listed_file(rel + record[1], record[2], record[3])
                     else:
                         yield from self._listed(rel, [record], prefix, on_skip, skip_dir, on_link, walked)
         except WalkError as failed:
@@ -275,7 +275,7 @@ class LocalStore:
         for record in records:
             kind = record[0]
             if kind == FILE:
-                yield ObjectInfo(rel + record[1], record[2], record[3])
+                yield listed_file(rel + record[1], record[2], record[3])
                 continue
             key = rel + record[1]
             if kind == LINK:
