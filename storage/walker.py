@@ -149,23 +149,33 @@ def _read_dir(
     records: list[Record] = []
     subdirs: list[str] = []
     count = 0
+    everything = not prefix  # every key starts with "": no key to build for a file
     with entries:
         for entry in entries:
             count += 1
             name = entry.name
             if name.startswith(temp_prefix):
                 continue
-            key = rel + name
             if entry.is_dir(follow_symlinks=False):
                 subdirs.append(name)
-                if key.startswith(prefix) or prefix.startswith(key + "/"):
+                key = rel + name
+                if everything or key.startswith(prefix) or prefix.startswith(key + "/"):
                     go = enter(key)
                     if go:
                         stack.append((f"{path}/{name}", key + "/"))
                     elif go is None:
                         records.append((DEFER, name, f"{path}/{name}"))
-            elif not key.startswith(prefix):
                 continue
+            if not everything and not (rel + name).startswith(prefix):
+                continue
+            if entry.is_file(follow_symlinks=False):  # the common case first: a regular file
+                try:
+                    fst = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue  # deleted while listing
+                except OSError as exc:
+                    raise WalkError(rel + name, exc) from exc
+                records.append((FILE, name, fst.st_size, fst.st_mtime))
             elif entry.is_symlink():
                 why = symlink_problem(f"{path}/{name}")
                 if why is None:
@@ -174,18 +184,10 @@ def _read_dir(
                     except FileNotFoundError:
                         continue  # deleted while listing
                     except OSError as exc:
-                        raise WalkError(key, exc) from exc
+                        raise WalkError(rel + name, exc) from exc
                     records.append((LINK, name, fst.st_size, fst.st_mtime))
                 else:
                     records.append((SKIPPED, name, why))
-            elif entry.is_file(follow_symlinks=False):
-                try:
-                    fst = entry.stat(follow_symlinks=False)
-                except FileNotFoundError:
-                    continue  # deleted while listing
-                except OSError as exc:
-                    raise WalkError(key, exc) from exc
-                records.append((FILE, name, fst.st_size, fst.st_mtime))
     return rel, records, (st.st_mtime_ns, st.st_nlink, count, subdirs)
 
 
