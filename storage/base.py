@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, BinaryIO, Literal, Protocol, runtime_checkable
+from typing import Any, BinaryIO, Literal, NamedTuple, Protocol, runtime_checkable
 
 from .errors import InvalidKey
 from .records import slot_setters
@@ -236,10 +236,25 @@ class ListingSkips(Protocol):
     def list_with_skips(self, prefix: str, on_skip: Callable[[str, str], None]) -> Iterator[ObjectInfo]: ...
 
 
-class WalkedDirs(dict[str, tuple[int, int, int, list[str]]]):
+class WalkedTree(NamedTuple):
+    """A directory and every directory below it, as a listing saw them
+    (:meth:`WalkedDirs.tree`)."""
+
+    #: Entries of the top directory (every one, as ``os.listdir`` counts them).
+    entries: int
+    #: The latest mtime among the directories, in nanoseconds.
+    newest_ns: int
+    #: The directories, relative to the top one (``""``), no trailing ``/``; sorted.
+    dirs: tuple[str, ...]
+    #: Each directory's stamp token (see ``storage/walker.py``), in no particular order.
+    tokens: tuple[str, ...]
+
+
+class WalkedDirs(dict[str, tuple[int, int, list[str], str]]):
     """What a listing saw of each directory it read, read as it listed it:
-    ``walked[rel] = (mtime_ns, nlink, entries, subdirectory names)``, ``rel``
-    the directory's key and a trailing ``/`` (``""`` for the root).
+    ``walked[rel] = (mtime_ns, entries, subdirectory names, token)``, ``rel``
+    the directory's key and a trailing ``/`` (``""`` for the root), ``token``
+    its part of a stamp (its key, mtime and link count).
 
     Filled by :meth:`DirectoryStamps.list_pruned` (``walked=``) and read by
     :meth:`DirectoryStamps.take_stamp` (``walked=``), so that stamping the
@@ -253,28 +268,33 @@ class WalkedDirs(dict[str, tuple[int, int, int, list[str]]]):
 
     __slots__ = ()
 
-    def tree(self, key: str) -> tuple[int, dict[str, tuple[int, int]]] | None:
-        """The number of entries of the directory ``key`` (no trailing ``/``;
-        ``""`` for the root) and ``{dir: (mtime_ns, nlink)}`` for it (``""``)
-        and every directory below it (paths relative to ``key``, no trailing
-        ``/``); None unless the listing read every one of them."""
+    def tree(self, key: str) -> WalkedTree | None:
+        """The directory ``key`` (no trailing ``/``; ``""`` for the root) and
+        every directory below it, or None unless the listing read every one
+        of them."""
         top = key + "/" if key else ""
-        facts = self.get(top)
+        get = self.get
+        facts = get(top)
         if facts is None:
             return None
         cut = len(top)
-        tree: dict[str, tuple[int, int]] = {}
-        pending = [(top, facts)]
+        dirs: list[str] = []
+        tokens: list[str] = []
+        newest = 0
+        pending = [top]
         while pending:
-            rel, (mtime_ns, nlink, _, subdirs) = pending.pop()
-            tree[rel[cut:-1]] = (mtime_ns, nlink)
-            for name in subdirs:
-                sub = f"{rel}{name}/"
-                below = self.get(sub)
-                if below is None:
-                    return None  # not entered (pruned, outside the prefix) or gone
-                pending.append((sub, below))
-        return facts[2], tree
+            rel = pending.pop()
+            facts = get(rel)
+            if facts is None:
+                return None  # not entered (pruned, outside the prefix) or gone
+            if facts[0] > newest:
+                newest = facts[0]
+            dirs.append(rel[cut:-1])
+            tokens.append(facts[3])
+            for name in facts[2]:
+                pending.append(f"{rel}{name}/")
+        dirs.sort()
+        return WalkedTree(get(top)[1], newest, tuple(dirs), tuple(tokens))  # type: ignore[index]
 
 
 @runtime_checkable

@@ -28,7 +28,7 @@ from .errors import (
     StoreError,
     Unavailable,
 )
-from .walker import FILE, LINK, SKIPPED, DirFacts, Record, WalkError, walk_dirs
+from .walker import FILE, LINK, SKIPPED, DirFacts, Record, WalkError, dir_token, walk_dirs
 
 log = logging.getLogger(__name__)
 
@@ -418,12 +418,9 @@ class LocalStore:
         """
         seen = walked.tree(key) if walked is not None else None
         if seen is not None:
-            entries, facts = seen
-            limit = int(changed_before * 1_000_000_000)
-            if any(mtime_ns >= limit for mtime_ns, _ in facts.values()):
+            if seen.newest_ns >= int(changed_before * 1_000_000_000):
                 return None
-            covered = tuple(sorted(facts))
-            return self._digest(entries, covered, facts), covered
+            return self._digest(seen.entries, seen.tokens), seen.dirs
         base = os.path.join(self.root, key) if key else str(self.root)
         dirs: set[str] = {""}
         for rel in relpaths:
@@ -475,7 +472,7 @@ class LocalStore:
                 return None
         finally:
             os.close(fd)
-        return self._digest(entries, covered, {d: (st.st_mtime_ns, st.st_nlink) for d, st in stats.items()}), covered
+        return self._digest(entries, self._tokens(key, covered, stats)), covered
 
     def check_stamp(self, key: str, dirs: Sequence[str]) -> str | None:
         """The stamp the directory ``key`` and its subdirectories ``dirs`` have now
@@ -498,17 +495,22 @@ class LocalStore:
             os.close(fd)
         if not all(stat.S_ISDIR(st.st_mode) for st in stats.values()):
             return None
-        return self._digest(entries, dirs, {d: (st.st_mtime_ns, st.st_nlink) for d, st in stats.items()})
+        return self._digest(entries, self._tokens(key, dirs, stats))
 
     @staticmethod
-    def _digest(entries: int, dirs: Sequence[str], facts: Mapping[str, tuple[int, int]]) -> str:
-        """The stamp of a tree: the top directory's number of entries, and the
-        path, mtime (ns) and link count of each directory of ``dirs``."""
-        parts = [str(entries)]
-        for d in dirs:
-            mtime_ns, nlink = facts[d]
-            parts.append(f"{d}\0{mtime_ns}\0{nlink}")
-        return hashlib.sha1("\0".join(parts).encode("utf-8", "surrogateescape"), usedforsecurity=False).hexdigest()
+    def _tokens(key: str, dirs: Sequence[str], stats: Mapping[str, os.stat_result]) -> builtins.list[str]:
+        """The :func:`.walker.dir_token` of each directory of ``dirs`` (relative
+        to ``key``), from its ``lstat``."""
+        top = key + "/" if key else ""
+        return [dir_token(f"{top}{d}/" if d else top, stats[d].st_mtime_ns, stats[d].st_nlink) for d in dirs]
+
+    @staticmethod
+    def _digest(entries: int, tokens: Iterable[str]) -> str:
+        """The stamp of a tree: the top directory's number of entries, then the
+        token (key, mtime in ns, link count) of each of its directories,
+        sorted (whatever order they come in)."""
+        text = "\0".join([str(entries), *sorted(tokens)])
+        return hashlib.sha1(text.encode("utf-8", "surrogateescape"), usedforsecurity=False).hexdigest()
 
     def stat(self, key: str) -> ObjectInfo:
         path = self._path(key)

@@ -45,11 +45,20 @@ FRAME_RECORDS = 4096
 #: or ``(DEFER, name, path)``.
 Record = tuple[Any, ...]
 
-#: What the walk saw of a directory it read: ``(mtime_ns, nlink, entries,
-#: subdirs)``, its ``stat`` taken just before reading it, the number of its
-#: entries (every one, as ``os.listdir`` counts them) and the names of its
-#: subdirectories (not symlinks to directories), entered or not.
-DirFacts = tuple[int, int, int, list[str]]
+#: What the walk saw of a directory it read: ``(mtime_ns, entries, subdirs,
+#: token)``: its mtime, from a ``stat`` taken just before reading it; the
+#: number of its entries (every one, as ``os.listdir`` counts them); the
+#: names of its subdirectories (not symlinks to directories), entered or not;
+#: and its :func:`dir_token`.
+DirFacts = tuple[int, int, list[str], str]
+
+
+def dir_token(rel: str, mtime_ns: int, nlink: int) -> str:
+    """The part of a directory stamp that one directory contributes: its key
+    (``rel``, with a trailing ``/``; ``""`` for the root), mtime and link
+    count. Made here by the walk (in the helper processes, for a big tree)
+    and by a stamp read from the tree, which must agree to the byte."""
+    return f"{rel}\0{mtime_ns}\0{nlink}"
 
 
 class WalkError(Exception):
@@ -188,7 +197,8 @@ def _read_dir(
                     records.append((LINK, name, fst.st_size, fst.st_mtime))
                 else:
                     records.append((SKIPPED, name, why))
-    return rel, records, (st.st_mtime_ns, st.st_nlink, count, subdirs)
+    mtime_ns = st.st_mtime_ns
+    return rel, records, (mtime_ns, count, subdirs, dir_token(rel, mtime_ns, st.st_nlink))
 
 
 def _write_frame(out: Any, obj: Any) -> None:

@@ -250,18 +250,22 @@ def test_the_helper_notes_each_directory_as_the_listing_process_does(tree: Path)
     assert walked_by(store_at(tree, 5)) == here
     rel = "job-a/step-00000100/"
     st = os.stat(tree / rel)
-    assert here[rel][:3] == (st.st_mtime_ns, st.st_nlink, 4)  # 3 ranks and metadata.json
-    assert sorted(here[rel][3]) == ["rank-0000", "rank-0001", "rank-0002"]
+    assert here[rel][:2] == (st.st_mtime_ns, 4)  # 3 ranks and metadata.json
+    assert here[rel][3] == f"{rel}\0{st.st_mtime_ns}\0{st.st_nlink}"
+    assert sorted(here[rel][2]) == ["rank-0000", "rank-0001", "rank-0002"]
     # job-a holds two steps, an empty directory, a temporary file and three symlinks: every entry is counted,
     # and only real directories are subdirectories.
-    assert here["job-a/"][2] == len(os.listdir(tree / "job-a")) == 7
-    assert sorted(here["job-a/"][3]) == ["empty", "step-00000100", "step-00000200"]
+    assert here["job-a/"][1] == len(os.listdir(tree / "job-a")) == 7
+    assert sorted(here["job-a/"][2]) == ["empty", "step-00000100", "step-00000200"]
     assert "job-a/empty/" in here and "job-a/to-dir/" not in here
     assert len(here) == 1 + 2 + 1 + 4 * 4  # root, jobs, empty, 4 steps of 1 + 3 directories
 
 
 def test_a_stamp_made_of_the_walk_is_the_stamp_read_from_the_tree(tree: Path) -> None:
     (tree / "job-b" / "step-00000100" / "rank-0001" / "empty-sub").mkdir()  # found by its link count only
+    # Names that sort one way as directories ("a" < "a-b" < "a/b") and another with a "/" after each.
+    (tree / "job-b" / "step-00000100" / "rank-0001-b").mkdir()
+    (tree / "job-b" / "step-00000100" / "rank-0001-b" / "extra.pt").write_bytes(b"e")
     store = store_at(tree, 0)
     walked = walked_by(store)
     later = datetime.now(UTC).timestamp() + 60
