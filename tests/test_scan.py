@@ -10,7 +10,7 @@ from typing import Any, BinaryIO
 
 import pytest
 
-from ckptier.storage.base import DeleteResult, ObjectInfo, Store
+from ckptier.storage.base import DeleteResult, LocalPaths, ObjectInfo, Store
 from ckptier.storage.errors import AccessDenied, Unavailable
 from ckptier.storage.local import LocalStore
 from ckptier.tasks.scan import Prefetcher, recognise_store
@@ -75,6 +75,23 @@ def test_prefetching_gives_the_same_recognition(run_name: str, request: pytest.F
     # Each step's manifest (metadata.json, trainer_state.json, DCP's .metadata) is read by the prefetch threads.
     assert any(t.startswith("ckptier-prefetch") for t in metered.threads)
     assert reads == len(run.steps)
+
+
+def test_by_default_local_files_are_read_on_demand_and_remote_ones_ahead(guide_run: CheckpointRun) -> None:
+    class ThreadsOfLocalReads(LocalStore):
+        threads: set[str] = set()
+
+        def open_read(self, key: str) -> BinaryIO:
+            self.threads.add(threading.current_thread().name)
+            return super().open_read(key)
+
+    local = ThreadsOfLocalReads(guide_run.root)
+    assert isinstance(local, LocalPaths)
+    remote = FailingReads(LocalStore(guide_run.root), "", None)  # no local paths: as S3
+    assert not isinstance(remote, LocalPaths)
+    assert recognise_store(local, now=NOW, name="root") == recognise_store(remote, now=NOW, name="root")
+    assert local.threads == {threading.current_thread().name}
+    assert remote.threads and all(t.startswith("ckptier-prefetch") for t in remote.threads)
 
 
 @pytest.mark.parametrize("prefetch", [0, 16])
