@@ -160,6 +160,12 @@ class FormatPlugin:
     metadata_names: frozenset[str] = frozenset()
     #: Job-level files the format owns (trackers, tags, helper scripts): never stray.
     sidecar_names: frozenset[str] = frozenset()
+    #: File names, and name endings, that :meth:`anchor` may claim by the name
+    #: itself. For every other file the anchor's verdict must depend on the
+    #: file's directory alone (the same for every such file in it): a scan
+    #: anchors the first of them and reuses the verdict for its siblings.
+    anchor_names: frozenset[str] = frozenset()
+    anchor_suffixes: tuple[str, ...] = ()
     #: Unclaimed files in subdirectories of a checkpoint join it (not only those beside it).
     adopts_subdirs: bool = False
     #: Whether restore drills can load it at all.

@@ -25,7 +25,7 @@ from typing import Any
 
 from ckptier.formats.base import Group, Scan, Tally
 from ckptier.formats.pattern import PatternRule, recognise_patterns
-from ckptier.formats.registry import ANCHORING, SIDECAR_NAMES, SIDECAR_OWNERS, plugin
+from ckptier.formats.registry import ANCHOR_NAMES, ANCHOR_SUFFIXES, ANCHORING, SIDECAR_NAMES, SIDECAR_OWNERS, plugin
 from ckptier.storage.base import ObjectInfo, key_problem
 from ckptier.storage.local import TEMP_PREFIX
 from ckptier.storage.records import Found, Recognition, Unrecognised
@@ -146,6 +146,7 @@ def recognise(
     patterns: Sequence[PatternRule] = (),
     metadata_limit: int = DEFAULT_METADATA_LIMIT,
     lightning_settle_seconds: float = DEFAULT_LIGHTNING_SETTLE_SECONDS,
+    by_directory: bool = True,
 ) -> Recognition:
     """Find every checkpoint in ``listing`` (see the module docstring).
 
@@ -159,6 +160,11 @@ def recognise(
     ``objects`` counts every object in the listing, skipped ones included.
     Raises only what ``read_small`` raises for transient errors.
 
+    Anchors run once per directory for its ordinary files (names no plug-in
+    declares in ``anchor_names``/``anchor_suffixes``): the others in a row
+    of the same directory take the first one's verdict. ``by_directory=False``
+    anchors every file, as a reference for tests; the result is the same.
+
     Python's cyclic garbage collector is paused while the listing is
     consumed: the pass allocates a few objects per listed key and no cycles,
     and in a process with a large heap (torch, Prefect) the collections it
@@ -170,7 +176,8 @@ def recognise(
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _recognise(listing, read_small, root_name, now, patterns, metadata_limit, lightning_settle_seconds)
+        return _recognise(listing, read_small, root_name, now, patterns, metadata_limit, lightning_settle_seconds,
+                          by_directory)
     finally:
         if was_enabled:
             gc.enable()
@@ -184,6 +191,7 @@ def _recognise(
     patterns: Sequence[PatternRule],
     metadata_limit: int,
     lightning_settle_seconds: float,
+    by_directory: bool,
 ) -> Recognition:
     leftovers = _Leftovers(patterns)
     scan = Scan(read_small, root_name, now, metadata_limit, lightning_settle_seconds, leftovers)
@@ -193,6 +201,13 @@ def _recognise(
     anchors = ANCHORING
     sidecar_names = SIDECAR_NAMES
     objects = 0
+    anchor_names = ANCHOR_NAMES
+    anchor_suffixes = ANCHOR_SUFFIXES
+    # Where the last anchored ordinary file (see FormatPlugin.anchor_names) of
+    # the directory key[:last_len] went: its siblings go there without
+    # anchoring (listings yield a directory's files together).
+    last_dir, last_len, last_group = "", -1, None
+    group: Group | None
     for info in listing:
         objects += 1
         key = info.key
@@ -205,6 +220,15 @@ def _recognise(
             if problem is not None:
                 scan.refuse(_printable(key), problem)
                 continue
+        ordinary = by_directory and slash > 0 and name not in anchor_names and not name.endswith(anchor_suffixes)
+        if ordinary and slash == last_len and key.startswith(last_dir):
+            if last_group is not None:
+                last_group.files.append(info)
+            elif name in sidecar_names:
+                scan.sidecars[key] = info
+            else:
+                loose.append(info)
+            continue
         up = key.rfind("/", 0, slash) if slash > 0 else -1
         for fmt, anchor in anchors:
             prefix = anchor(key, slash, up)
@@ -212,17 +236,20 @@ def _recognise(
                 continue
             group = get_group(prefix)
             if group is None:
-                groups[prefix] = Group(prefix, [info], [fmt], prefix == key)
+                group = groups[prefix] = Group(prefix, [info], [fmt], prefix == key)
             else:
                 group.files.append(info)
                 if fmt not in group.claimants:
                     group.claimants.append(fmt)
             break
         else:
+            group = None
             if name in sidecar_names:
                 scan.sidecars[key] = info
             else:
                 loose.append(info)
+        if ordinary:
+            last_dir, last_len, last_group = key[:slash], slash, group
 
     _nest(groups)
     for info in loose:
