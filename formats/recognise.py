@@ -203,9 +203,14 @@ def _recognise(
     objects = 0
     anchor_names = ANCHOR_NAMES
     anchor_suffixes = ANCHOR_SUFFIXES
-    # Where the last anchored ordinary file (see FormatPlugin.anchor_names) of
-    # the directory key[:last_len] went: its siblings go there without
-    # anchoring (listings yield a directory's files together).
+    odd_starts = (TEMP_PREFIX, ".")
+    odd_ends = (MANIFEST_SUFFIX, *ANCHOR_SUFFIXES)
+    # Where the last anchored ordinary file (see FormatPlugin.anchor_names)
+    # with a plainly safe key went, and its directory key[:last_len]: a
+    # sibling with a name that is plainly safe, not ckptier's own and not
+    # claimed by name goes there with no further checks (a key is plainly
+    # safe when its directory and name are; listings yield a directory's
+    # files together).
     last_dir, last_len, last_group = "", -1, None
     group: Group | None
     for info in listing:
@@ -213,15 +218,16 @@ def _recognise(
         key = info.key
         slash = key.rfind("/")
         name = key[slash + 1 :]
-        if name.startswith(TEMP_PREFIX) or name.endswith(MANIFEST_SUFFIX) or OWN_DIR in key and is_own_file(key):
-            continue
-        if not _plainly_safe(key):
-            problem = key_problem(key)
-            if problem is not None:
-                scan.refuse(_printable(key), problem)
-                continue
-        ordinary = by_directory and slash > 0 and name not in anchor_names and not name.endswith(anchor_suffixes)
-        if ordinary and slash == last_len and key.startswith(last_dir):
+        if (
+            slash == last_len
+            and key.startswith(last_dir)
+            and name.isascii()
+            and not name.startswith(odd_starts)
+            and not name.endswith(odd_ends)
+            and name not in anchor_names
+            and "\\" not in name
+            and "\x00" not in name
+        ):
             if last_group is not None:
                 last_group.files.append(info)
             elif name in sidecar_names:
@@ -229,6 +235,14 @@ def _recognise(
             else:
                 loose.append(info)
             continue
+        if name.startswith(TEMP_PREFIX) or name.endswith(MANIFEST_SUFFIX) or OWN_DIR in key and is_own_file(key):
+            continue
+        safe = _plainly_safe(key)
+        if not safe:
+            problem = key_problem(key)
+            if problem is not None:
+                scan.refuse(_printable(key), problem)
+                continue
         up = key.rfind("/", 0, slash) if slash > 0 else -1
         for fmt, anchor in anchors:
             prefix = anchor(key, slash, up)
@@ -248,7 +262,7 @@ def _recognise(
                 scan.sidecars[key] = info
             else:
                 loose.append(info)
-        if ordinary:
+        if by_directory and safe and slash > 0 and name not in anchor_names and not name.endswith(anchor_suffixes):
             last_dir, last_len, last_group = key[:slash], slash, group
 
     _nest(groups)
