@@ -204,37 +204,36 @@ def _recognise(
     anchor_names = ANCHOR_NAMES
     anchor_suffixes = ANCHOR_SUFFIXES
     odd_starts = (TEMP_PREFIX, ".")
-    odd_ends = (MANIFEST_SUFFIX, *ANCHOR_SUFFIXES)
+    odd_ends = (MANIFEST_SUFFIX, *ANCHOR_SUFFIXES, *sorted("/" + n for n in ANCHOR_NAMES))
     # Where the last anchored ordinary file (see FormatPlugin.anchor_names)
     # with a plainly safe key went, and its directory key[:last_len]: a
     # sibling with a name that is plainly safe, not ckptier's own and not
     # claimed by name goes there with no further checks (a key is plainly
-    # safe when its directory and name are; listings yield a directory's
-    # files together).
+    # safe when its directory and name are, and the directory has neither
+    # a backslash nor a NUL; listings yield a directory's files together).
     last_dir, last_len, last_group = "", -1, None
     group: Group | None
     for info in listing:
         objects += 1
         key = info.key
         slash = key.rfind("/")
-        name = key[slash + 1 :]
         if (
             slash == last_len
             and key.startswith(last_dir)
-            and name.isascii()
-            and not name.startswith(odd_starts)
-            and not name.endswith(odd_ends)
-            and name not in anchor_names
-            and "\\" not in name
-            and "\x00" not in name
+            and key.isascii()
+            and not key.startswith(odd_starts, slash + 1)
+            and not key.endswith(odd_ends)
+            and "\\" not in key
+            and "\x00" not in key
         ):
             if last_group is not None:
                 last_group.files.append(info)
-            elif name in sidecar_names:
+            elif key[slash + 1 :] in sidecar_names:
                 scan.sidecars[key] = info
             else:
                 loose.append(info)
             continue
+        name = key[slash + 1 :]
         if name.startswith(TEMP_PREFIX) or name.endswith(MANIFEST_SUFFIX) or OWN_DIR in key and is_own_file(key):
             continue
         safe = _plainly_safe(key)
