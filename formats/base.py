@@ -5,7 +5,9 @@ A plug-in (:class:`FormatPlugin`, one instance per format module, named
 
 * :meth:`~FormatPlugin.anchor`: which checkpoint directory (or single file) a
   listed key belongs to, from the key alone (plain string tests: it runs for
-  every key of a listing);
+  every directory of a listing, and for every file whose name it declares
+  in :attr:`~FormatPlugin.anchor_names` or ``anchor_suffixes``; for other
+  names its verdict must be the directory's);
 * :meth:`~FormatPlugin.recognise`: given every file of one such directory,
   the checkpoint it is (job, step, commit evidence, what its own manifests
   require), through the :class:`Scan` it is handed;
