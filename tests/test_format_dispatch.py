@@ -88,9 +88,8 @@ def _read(key: str) -> bytes:
 
 
 def _both(keys: list[str]) -> None:
-    kwargs = {"root_name": "root", "now": 10_000.0}
-    fast = recognise(_listing(keys), _read, **kwargs)  # type: ignore[arg-type]
-    slow = recognise(_listing(keys), _read, by_directory=False, **kwargs)  # type: ignore[arg-type]
+    fast = recognise(_listing(keys), _read, root_name="root", now=10_000.0)
+    slow = recognise(_listing(keys), _read, root_name="root", now=10_000.0, by_directory=False)
     assert fast == slow
 
 
