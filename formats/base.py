@@ -5,7 +5,9 @@ A plug-in (:class:`FormatPlugin`, one instance per format module, named
 
 * :meth:`~FormatPlugin.anchor`: which checkpoint directory (or single file) a
   listed key belongs to, from the key alone (plain string tests: it runs for
-  every key of a listing);
+  every directory of a listing, and for every file whose name it declares
+  in :attr:`~FormatPlugin.anchor_names` or ``anchor_suffixes``; for other
+  names its verdict must be the directory's);
 * :meth:`~FormatPlugin.recognise`: given every file of one such directory,
   the checkpoint it is (job, step, commit evidence, what its own manifests
   require), through the :class:`Scan` it is handed;
@@ -160,6 +162,12 @@ class FormatPlugin:
     metadata_names: frozenset[str] = frozenset()
     #: Job-level files the format owns (trackers, tags, helper scripts): never stray.
     sidecar_names: frozenset[str] = frozenset()
+    #: File names, and name endings, that :meth:`anchor` may claim by the name
+    #: itself. For every other file the anchor's verdict must depend on the
+    #: file's directory alone (the same for every such file in it): a scan
+    #: anchors the first of them and reuses the verdict for its siblings.
+    anchor_names: frozenset[str] = frozenset()
+    anchor_suffixes: tuple[str, ...] = ()
     #: Unclaimed files in subdirectories of a checkpoint join it (not only those beside it).
     adopts_subdirs: bool = False
     #: Whether restore drills can load it at all.

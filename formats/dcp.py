@@ -86,6 +86,8 @@ def _count(value: Any) -> bool:
 class DcpFormat(FormatPlugin):
     format = Format.DCP
     metadata_names = frozenset({_DCP_META, _GUIDE_META})
+    anchor_names = frozenset({_DCP_META})
+    anchor_suffixes = (".distcp",)
     why_factory = "a DCP checkpoint holds tensors only and the model's code is needed"
 
     def anchor(self, key: str, slash: int, up: int) -> str | None:

@@ -52,6 +52,8 @@ def _is_shard(name: str) -> bool:
 class HfWeightsFormat(FormatPlugin):
     format = Format.HF_WEIGHTS
     metadata_names = frozenset(HF_INDEXES)
+    anchor_names = frozenset(HF_INDEXES)
+    anchor_suffixes = (".safetensors", ".bin")
     why_factory = "the saved model directory has no config.json to build the model from"
 
     def anchor(self, key: str, slash: int, up: int) -> str | None:

@@ -33,6 +33,7 @@ _LIGHTNING_STEP = re.compile(r"(?:^|[^0-9A-Za-z])step=([^-_.=]*)")
 
 class LightningFormat(FormatPlugin):
     format = Format.LIGHTNING
+    anchor_suffixes = (".ckpt",)
     why_factory = "a Lightning .ckpt holds tensors only and the LightningModule's code is needed"
 
     def anchor(self, key: str, slash: int, up: int) -> str | None:

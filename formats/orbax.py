@@ -55,6 +55,7 @@ def orbax_step(dirname: str) -> int | None:
 class OrbaxFormat(FormatPlugin):
     format = Format.ORBAX
     metadata_names = frozenset({_META, "metrics"})
+    anchor_names = frozenset({_META, _SUCCESS})
     adopts_subdirs = True
     why_factory = "an Orbax checkpoint holds arrays only; give a torch model whose state dict keys are its tree paths"
 

@@ -44,6 +44,12 @@ ANCHORING: tuple[tuple[Format, Callable[[str, int, int], str | None]], ...] = tu
 )
 """``(format, anchor)`` of the formats that claim keys themselves, in order."""
 
+ANCHOR_NAMES: frozenset[str] = frozenset().union(*(p.anchor_names for p in PLUGINS))
+ANCHOR_SUFFIXES: tuple[str, ...] = tuple(sorted({s for p in PLUGINS for s in p.anchor_suffixes}))
+"""File names and name endings some anchor may claim by the name itself; for
+every other file the anchors' verdict is its directory's (see
+:attr:`~ckptier.formats.base.FormatPlugin.anchor_names`)."""
+
 METADATA_NAMES: frozenset[str] = frozenset().union(*(p.metadata_names for p in PLUGINS))
 """File names recognition may read, so a scan can fetch them ahead of time."""
 
