@@ -774,3 +774,33 @@ def test_new_file_rows_leave_out_only_columns_that_are_empty_for_every_file(cat:
 def test_new_file_rows_refuse_a_column_that_new_rows_do_not_have(cat: Catalog) -> None:
     with cat._engine.begin() as conn, pytest.raises(ValueError, match=r"\['crc64nvme'\].*use some of checkpoint_id"):
         catalog_api._insert_files(conn, ("checkpoint_id", "relpath", "size", "crc64nvme"), [(1, "a", 1, "x")])
+
+
+@pytest.mark.parametrize("per", [1, 3, 500])
+def test_new_file_rows_go_many_to_a_statement_and_each_lands_once(
+    cat: Catalog, statements: Statements, monkeypatch: pytest.MonkeyPatch, per: int
+) -> None:
+    monkeypatch.setattr(catalog_api, "FILE_ROWS_PER_INSERT", per)
+    files = {f"rank-{r:04d}/model.pt": 1000 + r for r in range(7)}
+    cat.record_scan(STORE, recog(found("many", 1, files=files), found("many", 2, files=files)), now=T0)
+    inserts = [s for s in statements.writes() if s.upper().startswith("INSERT INTO FILES")]
+    assert len(inserts) == -(-14 // per)  # 14 rows, ``per`` to a statement, the rest in the last
+    for step in (1, 2):
+        rec = cat.get("many", step)
+        assert rec is not None
+        assert {f.relpath: f.size for f in rec.files} == files
+        assert all(f.mtime == 1_700_000_000.0 and f.etag == f"e{f.size}" for f in rec.files)
+
+
+def test_new_file_rows_stay_within_the_drivers_parameter_limit(
+    cat: Catalog, statements: Statements, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with cat._engine.connect() as conn:
+        assert catalog_api._parameter_limit(conn) >= (999 if conn.dialect.name == "sqlite" else 65_535)
+    monkeypatch.setattr(catalog_api, "_parameter_limit", lambda conn: 10)  # two rows of 5 columns at most
+    files = {f"f{i}.pt": i + 1 for i in range(5)}
+    cat.record_scan(STORE, recog(found("tight", 1, files=files)), now=T0)
+    inserts = [s for s in statements.writes() if s.upper().startswith("INSERT INTO FILES")]
+    assert [s.count("?") + s.count("%s") for s in inserts] == [10, 10, 5]
+    rec = cat.get("tight", 1)
+    assert rec is not None and {f.relpath: f.size for f in rec.files} == files

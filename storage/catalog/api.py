@@ -12,8 +12,9 @@ checkpoint see exactly one winner on SQLite and PostgreSQL alike.
 
 from __future__ import annotations
 
+import sqlite3
 import threading
-from itertools import repeat
+from itertools import chain, repeat
 from operator import attrgetter
 from collections.abc import Callable, Collection, Container, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -1785,24 +1786,54 @@ def _new_file_rows(
     return ("checkpoint_id", *columns), list(zip(repeat(cid, len(files)), *columns.values(), strict=True))
 
 
+#: Rows one INSERT of new file rows carries at most (see :func:`_insert_files`).
+FILE_ROWS_PER_INSERT = 500
+
+
 def _insert_files(conn: Connection, columns: tuple[str, ...], rows: list[tuple[Any, ...]]) -> int:
     """INSERT file rows (tuples of ``columns``, names from
-    :data:`_FILE_INSERT_COLUMNS`; the others are NULL) with one DBAPI
-    ``executemany``; returns the number of rows.
+    :data:`_FILE_INSERT_COLUMNS`; the others are NULL); returns the number of
+    rows.
 
-    Goes around SQLAlchemy's per-row parameter processing, which costs ~8 s
-    per million rows here against ~1.5 s for the driver alone (a first scan
-    of a million-file tree); the columns hold plain ints, floats and strings
-    that need no type processing.
+    Many rows per statement (``INSERT ... VALUES (...), (...), ...``, at most
+    :data:`FILE_ROWS_PER_INSERT` and the driver's limit on parameters), so
+    that a first scan of a million files is two thousand statements, not a
+    million steps of one. Measured on SQLite: 0.8 s per million rows, against
+    1.6 s for ``executemany`` of one row at a time. Every statement but the
+    last has the same text, which the driver prepares once. Goes around
+    SQLAlchemy's per-row parameter processing, which costs ~8 s per million
+    rows here: the columns hold plain ints, floats and strings that need no
+    type processing.
     """
     unknown = set(columns) - set(_FILE_INSERT_COLUMNS)
     if unknown:
         raise ValueError(f"file rows name columns {sorted(unknown)} that new file rows do not have; "
                          f"use some of {', '.join(_FILE_INSERT_COLUMNS)}")
     mark = "?" if conn.dialect.paramstyle == "qmark" else "%s"
-    sql = f"INSERT INTO {fl.name} ({', '.join(columns)}) VALUES ({', '.join([mark] * len(columns))})"
-    conn.exec_driver_sql(sql, rows)
+    row = f"({', '.join([mark] * len(columns))})"
+    head = f"INSERT INTO {fl.name} ({', '.join(columns)}) VALUES "
+    per = max(1, min(FILE_ROWS_PER_INSERT, _parameter_limit(conn) // len(columns)))
+    flat = chain.from_iterable
+    full = head + ", ".join([row] * per)
+    whole = len(rows) - len(rows) % per
+    for start in range(0, whole, per):
+        conn.exec_driver_sql(full, tuple(flat(rows[start : start + per])))
+    if whole < len(rows):
+        conn.exec_driver_sql(head + ", ".join([row] * (len(rows) - whole)), tuple(flat(rows[whole:])))
     return len(rows)
+
+
+def _parameter_limit(conn: Connection) -> int:
+    """How many parameters one statement may bind: SQLite's compiled-in limit
+    as the connection reports it (999 before SQLite 3.32, 32,766 since),
+    PostgreSQL's 65,535."""
+    if conn.dialect.name != "sqlite":
+        return 65_535
+    driver = conn.connection.driver_connection
+    getlimit = getattr(driver, "getlimit", None)
+    if getlimit is None:
+        return 999
+    return int(getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER))
 
 
 def _bulk_update(conn: Connection, table: Any, rows: list[dict[str, Any]]) -> int:
