@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -25,7 +27,7 @@ from ckptier.tasks.fanout import (
     row_claims,
     runner_settings,
 )
-from ckptier.tasks.pipeline import RowClaims, recording_batches, run_scan, run_verify
+from ckptier.tasks.pipeline import CLAIM_SHARE, MIN_CLAIM, RowClaims, recording_batches, run_scan, run_verify
 
 T0 = datetime(2026, 3, 1, tzinfo=UTC)
 
@@ -201,6 +203,56 @@ def test_several_claiming_runs_verify_each_row_once(tmp_path: Path) -> None:
                             claims=RowClaims(owner="w2", since=since, batch=5))
         assert first.totals.verified == 12 and second.totals.checked == 0
         assert all(c.state == State.VERIFIED for c in cat.checkpoints())
+
+
+def test_a_claiming_run_takes_a_quarter_of_what_is_left_within_its_bounds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with scanned(make_tree(tmp_path / "hot", 40), f"sqlite:///{tmp_path / 'catalog.db'}") as cat:
+        asked: list[tuple[int, int]] = []  # (rows still unchecked, limit of the claim that followed)
+        real_unchecked, real_claim = cat.unchecked, cat.claim_rows
+        left: list[int] = []
+
+        def unchecked(ids: Any, *, since: datetime) -> int:
+            left.append(real_unchecked(ids, since=since))
+            return left[-1]
+
+        def claim_rows(ids: Any, owner: str, **kw: Any) -> Any:
+            asked.append((left[-1], kw["limit"]))
+            return real_claim(ids, owner, **kw)
+
+        monkeypatch.setattr(cat, "unchecked", unchecked)
+        monkeypatch.setattr(cat, "claim_rows", claim_rows)
+        report = run_verify(cat, now=lambda: datetime.now(UTC), deep=True,
+                            claims=RowClaims(owner="w1", since=datetime.now(UTC), batch=8))
+        assert report.totals.verified == 40
+    assert asked[0] == (40, 8)  # a quarter of 40 is 10: held to ``batch``
+    for rows, limit in asked:
+        assert limit == min(8, max(MIN_CLAIM, -(-rows // CLAIM_SHARE))), (rows, limit)
+    assert any(limit < 8 for _, limit in asked)  # smaller batches towards the end
+
+
+def test_a_run_waiting_on_rows_others_hold_ends_soon_after_they_are_done(tmp_path: Path) -> None:
+    with scanned(make_tree(tmp_path / "hot", 3), f"sqlite:///{tmp_path / 'catalog.db'}") as cat:
+        since = datetime.now(UTC)
+        ids = [c.id for c in cat.checkpoints()]
+        (held,) = cat.claim_rows(ids[:1], "other", now=datetime.now(UTC), ttl=timedelta(minutes=5), since=since,
+                                 limit=1)
+        ended: list[float] = []
+
+        def other_finishes() -> None:
+            time.sleep(0.3)
+            assert cat.finish_claim(held[0], "other", held[1], now=datetime.now(UTC))
+            ended.append(time.monotonic())
+
+        helper = threading.Thread(target=other_finishes)
+        helper.start()
+        report = run_verify(cat, now=lambda: datetime.now(UTC), deep=True,
+                            claims=RowClaims(owner="me", since=since, poll=30.0))
+        done = time.monotonic()
+        helper.join()
+    assert report.totals.verified == 2  # the third was the other run's
+    assert done - ended[0] < 5.0  # looked again within a few growing intervals, not after ``poll``
 
 
 # --------------------------------------------------------------- Dask
