@@ -277,6 +277,7 @@ class WalkedDirs(dict[str, tuple[int, int, list[str], str]]):
         facts = get(top)
         if facts is None:
             return None
+        entries = facts[1]
         cut = len(top)
         dirs: list[str] = []
         tokens: list[str] = []
@@ -294,7 +295,7 @@ class WalkedDirs(dict[str, tuple[int, int, list[str], str]]):
             for name in facts[2]:
                 pending.append(f"{rel}{name}/")
         dirs.sort()
-        return WalkedTree(get(top)[1], newest, tuple(dirs), tuple(tokens))  # type: ignore[index]
+        return WalkedTree(entries, newest, tuple(dirs), tuple(tokens))
 
 
 @runtime_checkable
