@@ -194,7 +194,8 @@ def test_missing_bucket_is_not_found(moto_endpoint: str) -> None:
 
 
 @pytest.mark.parametrize("text", ["2026-11-30T15:03:29.000Z", "2026-11-30T15:03:29Z", "2026-11-30T15:03:29.123456Z",
-                                  "Mon, 30 Nov 2026 15:03:29 GMT", "1796051009"])
+                                  "Mon, 30 Nov 2026 15:03:29 GMT", "Sun, 01 Feb 2026 00:00:00 GMT",
+                                  "Wed, 29 Feb 2028 23:59:59 GMT", "Mon, 30 Nov 2026 15:03:29 +0000", "1796051009"])
 def test_the_fast_timestamp_parser_agrees_with_botocores(text: str) -> None:
     from botocore.utils import parse_timestamp
     from ckptier.storage.s3 import fast_timestamp
