@@ -339,26 +339,6 @@ def _ancestors(key: str) -> Iterator[str]:
         head = head.rpartition("/")[0]
 
 
-def restamp(
-    store: DirectoryStamps,
-    url: str,
-    catalog: Catalog,
-    recognition: Recognition,
-    *,
-    links: Iterable[str],
-    listed_at: float,
-    now: datetime,
-    walked: WalkedDirs | None = None,
-) -> int:
-    """Stamp each listed ``committed`` checkpoint directory that holds nothing
-    else (no file left unrecognised, no other checkpoint, no symlink); forget
-    the stamps of the other listed checkpoints. ``url`` is the store's URL;
-    ``walked``, what the listing behind ``recognition`` saw of the
-    directories. Returns the stamps taken."""
-    return save_stamps(catalog, *take_stamps(store, url, recognition, links=links, listed_at=listed_at,
-                                             walked=walked), now=now)
-
-
 def take_stamps(
     store: DirectoryStamps,
     url: str,
@@ -368,9 +348,14 @@ def take_stamps(
     listed_at: float,
     walked: WalkedDirs | None = None,
 ) -> tuple[dict[str, tuple[str, Sequence[str]]], list[str]]:
-    """The filesystem half of :func:`restamp` (no catalog access, so it may
-    run beside the catalog's writes): the stamps taken by location, and the
-    locations whose stamps are to be forgotten."""
+    """Stamp each listed ``committed`` checkpoint directory that holds nothing
+    else (no file left unrecognised, no other checkpoint, no symlink); forget
+    the stamps of the other listed checkpoints. ``url`` is the store's URL;
+    ``walked``, what the listing behind ``recognition`` saw of the
+    directories. The filesystem half only (no catalog access, so it may run
+    beside the catalog's writes): the stamps taken by location, and the
+    locations whose stamps are to be forgotten; :func:`save_stamps` records
+    them."""
     base = url.rstrip("/")
     busy: set[str] = set()  # directories holding something besides one checkpoint's files
     for u in recognition.unrecognised:
@@ -396,7 +381,7 @@ def take_stamps(
 
 def save_stamps(catalog: Catalog, stamps: dict[str, tuple[str, Sequence[str]]], dropped: Sequence[str], *,
                 now: datetime) -> int:
-    """The catalog half of :func:`restamp`: forget ``dropped``, store ``stamps``; returns the stamps stored."""
+    """The catalog half of :func:`take_stamps`: forget ``dropped``, store ``stamps``; returns the stamps stored."""
     if dropped:
         catalog.drop_dir_stamps(dropped)
     return catalog.put_dir_stamps(stamps, now=now) if stamps else 0
