@@ -1769,8 +1769,9 @@ def _new_file_rows(
     of :data:`_FILE_INSERT_COLUMNS`, in its order) and one tuple per file
     in that order.
 
-    ``checkpoint_id``, ``relpath`` and ``size`` are always there. A column that is None for every file is left out (the database fills in
-    NULL): binding a None costs the driver an adaptation lookup per value,
+    ``checkpoint_id``, ``relpath`` and ``size`` are always there. A column
+    that is None for every file is left out (the database fills in NULL):
+    binding a None costs the driver an adaptation lookup per value,
     about 0.4 s per million, and a local listing has no etags and most
     formats no hashes. The columns are gathered with ``map`` and joined with
     ``zip``, no Python step per file (a first scan makes one row per listed
