@@ -188,7 +188,8 @@ def make_checkpoint(root: Path, factory: Path) -> Path:
 
 def make_catalog(root: Path) -> str:
     from ckptier.storage.catalog.api import Catalog
-    from ckptier.tasks.pipeline import run_scan, run_verify, utcnow
+    from ckptier.tasks.pipeline import run_scan, run_verify
+    from ckptier.tasks.run import utcnow
 
     url = f"sqlite:///{root / 'catalog.db'}"
     if not (root / "catalog.db").is_file():
@@ -201,8 +202,9 @@ def make_catalog(root: Path) -> str:
 def ours(url: str, factory: Path, work: Path) -> tuple[float, dict[str, float], str]:
     from ckptier.storage.catalog.api import Catalog
     from ckptier.tasks.config import Config
-    from ckptier.tasks.pipeline import DrillOptions, StoreCache, run_drill, utcnow
-    from ckptier.tasks.settings import Run
+    from ckptier.tasks.pipeline import DrillOptions, run_drill
+    from ckptier.tasks.run import StoreCache, utcnow
+    from ckptier.tasks.run import Run
 
     with Catalog.open(url, create=False) as cat:
         start = time.time()

@@ -48,7 +48,8 @@ WORKER = """
 import json, sys, time
 from datetime import UTC, datetime
 from ckptier.storage.catalog.api import Catalog
-from ckptier.tasks.pipeline import RowClaims, run_verify
+from ckptier.tasks.pipeline import run_verify
+from ckptier.tasks.run import RowClaims
 url, since, owner = sys.argv[1:4]
 cat = Catalog.open(url, create=False)
 print("ready", flush=True)

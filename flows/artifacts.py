@@ -11,6 +11,8 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from prefect.artifacts import create_link_artifact, create_table_artifact
+
 from ckptier.tasks.prefect_tasks import catalog_summary_task
 from ckptier.tasks.reports import dashboard_job_url, dashboard_url
 
@@ -45,8 +47,6 @@ def publish_catalog_summary(catalog_url: str | None, config_path: str | None = N
     Every flow that changes the catalog publishes it at its end, so the
     latest one is the catalog as it is now (``catalog_url`` and ``config_path``
     resolved as the flows resolve them). Returns the jobs' summaries."""
-    from prefect.artifacts import create_table_artifact
-
     jobs = catalog_summary_task(catalog_url, config_path)
     create_table_artifact(summary_rows(jobs) or [{"job": "-", "checkpoints": 0}], key="catalog-summary",
                           description="Checkpoints per job: counts by state; hot bytes, and archive bytes as stored "
@@ -57,8 +57,6 @@ def publish_catalog_summary(catalog_url: str | None, config_path: str | None = N
 def publish_dashboard_links(jobs: Iterable[str]) -> list[str]:
     """A link artifact to each job's dashboard page (at most :data:`MAX_DASHBOARD_LINKS`, then
     one to the overview), when ``CKPTIER_DASHBOARD_URL`` is set; returns the URLs linked."""
-    from prefect.artifacts import create_link_artifact
-
     names = sorted(set(jobs))
     urls = [(job, url) for job in names[:MAX_DASHBOARD_LINKS] if (url := dashboard_job_url(job, os.environ))]
     if not urls:

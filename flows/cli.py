@@ -26,6 +26,7 @@ from typing import Any, NoReturn
 from ckptier import __version__
 from ckptier.storage.errors import CkptierError, ConfigError
 
+from .command import announce, open_existing
 from .output import checkpoint_json, current_location, human_bytes, iso, print_checkpoints, print_json, table
 
 EXIT_USER_ERROR = 2
@@ -59,9 +60,7 @@ def _location(args: argparse.Namespace, config: Any = None) -> Any:
 
 
 def _announce(args: argparse.Namespace, location: Any) -> None:
-    """The first line of human output: which catalog (password masked) and why."""
-    if not getattr(args, "json", False):
-        print(f"catalog: {location}", flush=True)
+    announce(args, location)
 
 
 def _open_read_only(args: argparse.Namespace, location: Any) -> Any:
@@ -72,9 +71,9 @@ def _open_read_only(args: argparse.Namespace, location: Any) -> Any:
 
 def _open_existing(args: argparse.Namespace, config: Any = None) -> Any:
     """The existing catalog this command uses, named first in human output (never created)."""
-    location = _location(args, config)
-    _announce(args, location)
-    return _open_read_only(args, location)
+    from ckptier.tasks.settings import Settings
+
+    return open_existing(args, Settings(args.catalog, args.config, config=config))
 
 
 def _use_prefect(args: argparse.Namespace) -> bool:
@@ -97,7 +96,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         records = cat.checkpoints(job=args.job, include_deleted=args.all, with_files=False)
         counts = cat.file_counts(job=args.job) if records else {}
     if args.job and not records:
-        from ckptier.tasks.pipeline import unknown_job
+        from ckptier.tasks.run import unknown_job
 
         raise unknown_job(args.job)
     if args.json:
@@ -147,7 +146,8 @@ def cmd_latest(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from ckptier.tasks.pipeline import merge_plans, plans_by_policy, utcnow
+    from ckptier.tasks.pipeline import merge_plans, plans_by_policy
+    from ckptier.tasks.run import utcnow
     from ckptier.tasks.retention import render_plan_table
     from ckptier.tasks.settings import policy_origin, unwritten_policy_problem
 
@@ -346,7 +346,8 @@ def cmd_janitor(args: argparse.Namespace) -> int:
 
 
 def cmd_forget(args: argparse.Namespace) -> int:
-    from ckptier.tasks.pipeline import run_forget, utcnow
+    from ckptier.tasks.pipeline import run_forget
+    from ckptier.tasks.run import utcnow
     from ckptier.tasks.retention import parse_duration
 
     if not args.missing:

@@ -70,19 +70,19 @@ def _pipeline_direct(hot: Path, catalog_url: str, config_path: Path) -> dict[str
     from ckptier.storage.catalog.api import Catalog
     from ckptier.tasks import pipeline
     from ckptier.tasks.config import load_config
-    from ckptier.tasks.settings import Run
+    from ckptier.tasks.run import Run, StoreCache, run_owner, utcnow
 
     config = load_config(config_path)
     with Catalog.open(catalog_url) as cat:
-        scan = pipeline.run_scan([str(hot)], cat, now=pipeline.utcnow)
+        scan = pipeline.run_scan([str(hot)], cat, now=utcnow)
         listing = cat.checkpoints()
-        verify = pipeline.run_verify(cat, now=pipeline.utcnow)
-        plan = pipeline.make_plan(cat, config, job=None, now=pipeline.utcnow())
+        verify = pipeline.run_verify(cat, now=utcnow)
+        plan = pipeline.make_plan(cat, config, job=None, now=utcnow())
         from ckptier.tasks.retention import render_plan_table
 
-        apply = pipeline.run_apply(cat, config, now=pipeline.utcnow, owner="ckptier-demo")
-        drill = pipeline.run_drill(Run(catalog=cat, config=config, stores=pipeline.StoreCache(roots=cat.hot_locations),
-                                       now=pipeline.utcnow, owner=pipeline.run_owner("ckptier-demo")),
+        apply = pipeline.run_apply(cat, config, now=utcnow, owner="ckptier-demo")
+        drill = pipeline.run_drill(Run(catalog=cat, config=config, stores=StoreCache(roots=cat.hot_locations),
+                                       now=utcnow, owner=run_owner("ckptier-demo")),
                                    pipeline.DrillOptions())
     return {"scan": scan, "listing": listing, "verify": verify, "plan": render_plan_table(plan), "apply": apply,
             "drill": drill}

@@ -129,11 +129,12 @@ def scan(urls: list[str], *, catalog_url: str | None, use_prefect: bool, progres
 
     def direct() -> list[ScanReport]:
         from ckptier.tasks.pipeline import run_scan
-        from ckptier.tasks.settings import open_run
+        from ckptier.tasks.run import open_run
+        from ckptier.tasks.settings import Settings
 
         bar = Progress("listing", unit="objects", enabled=None if progress else False)
         try:
-            with open_run(catalog_url, config_path, create=True) as run:
+            with open_run(Settings(catalog_url, config_path), create=True) as run:
                 return run_scan(urls, run.catalog, now=run.now, tick=bar.update, patterns=run.config.patterns,
                                 config=run.config, inventories=[(urls[0], inventory)] if inventory else (), full=full)
         finally:
@@ -151,12 +152,13 @@ def verify(*, job: str | None, deep: bool, sample: tuple[int, int] | None, worke
     that found corruption hands back its report, ``by_job`` filled in)."""
     def direct() -> VerifyReport:
         from ckptier.tasks.pipeline import run_verify
-        from ckptier.tasks.settings import open_run
+        from ckptier.tasks.run import open_run
+        from ckptier.tasks.settings import Settings
 
         fanout, claims = _fanout(config_path, runner, claim_rows, since)
         bar = Progress("verifying", unit="bytes", enabled=None if progress else False)
         try:
-            with open_run(catalog_url, config_path) as run:  # each job's grace comes from its [[policy]]
+            with open_run(Settings(catalog_url, config_path)) as run:  # each job's grace comes from its [[policy]]
                 return run_verify(run.catalog, now=run.now, job=job, deep=deep, sample=sample, workers=workers,
                                   progress=lambda done, total: bar.update(done, total), stores=run.stores,
                                   config=run.config, fanout=fanout, claims=claims)
@@ -177,8 +179,8 @@ def _fanout(config_path: str | None, runner: str | None, claim_rows: bool = Fals
     from dataclasses import replace
 
     from ckptier.tasks.config import load_config
-    from ckptier.tasks.fanout import open_fanout, row_claims, runner_settings
-    from ckptier.tasks.pipeline import run_owner
+    from ckptier.tasks.fanout import open_fanout, runner_settings
+    from ckptier.tasks.run import row_claims, run_owner
 
     settings = runner_settings(load_config(config_path).runner, runner)
     if claim_rows:
@@ -196,11 +198,12 @@ def apply(*, job: str | None, dry_run: bool, config_path: str | None, catalog_ur
 
     def direct() -> ApplyRunReport:
         from ckptier.tasks.pipeline import run_apply
-        from ckptier.tasks.settings import open_run
+        from ckptier.tasks.run import open_run
+        from ckptier.tasks.settings import Settings
 
         fanout, _ = _fanout(config_path, runner)
         try:
-            with open_run(catalog_url, config_path, owner="ckptier-cli", dry_run=dry_run) as run:
+            with open_run(Settings(catalog_url, config_path), owner="ckptier-cli", dry_run=dry_run) as run:
                 return run_apply(run.catalog, run.config, now=run.now, owner=run.owner, job=job, dry_run=run.dry_run,
                                  stores=run.stores, fanout=fanout)
         finally:
@@ -225,17 +228,19 @@ def _check_policy_written(job: str | None, config_path: str | None, catalog_url:
 def fetch(*, job: str, step: int, dest: Path, catalog_url: str | None, config_path: str | None) -> FetchReport:
     """Restore a checkpoint's files into ``dest`` (``pipeline.run_fetch``), always in this process."""
     from ckptier.tasks.pipeline import run_fetch
-    from ckptier.tasks.settings import open_run
+    from ckptier.tasks.run import open_run
+    from ckptier.tasks.settings import Settings
 
-    with open_run(catalog_url, config_path) as run:
+    with open_run(Settings(catalog_url, config_path)) as run:
         return run_fetch(run.catalog, run.config, job=job, step=step, dest=dest, stores=run.stores)
 
 
 def janitor(*, config_path: str | None, older_than: timedelta, catalog_url: str | None) -> JanitorRunReport:
     from ckptier.tasks.pipeline import run_janitor
-    from ckptier.tasks.settings import open_run
+    from ckptier.tasks.run import open_run
+    from ckptier.tasks.settings import Settings
 
-    with open_run(catalog_url, config_path) as run:
+    with open_run(Settings(catalog_url, config_path)) as run:
         return run_janitor(run.catalog, run.config, now=run.now(), older_than=older_than, stores=run.stores)
 
 
@@ -250,13 +255,14 @@ def drill(*, job: str | None, step: int | None, steps: int | None, device: str |
     (``ok`` false) on both paths; a drill that cannot start raises."""
     def direct() -> list[DrillReport]:
         from ckptier.tasks.pipeline import DrillOptions, run_drill
-        from ckptier.tasks.settings import open_run
+        from ckptier.tasks.run import open_run
+        from ckptier.tasks.settings import Settings
 
         options = DrillOptions(job=job, step=step, steps=steps, device=device, model=model, timeout=timeout,
                                allow_globals=tuple(allow_globals or ()), world_size=world_size)
         fanout, _ = _fanout(config_path, runner)
         try:
-            with open_run(catalog_url, config_path) as run:
+            with open_run(Settings(catalog_url, config_path)) as run:
                 return run_drill(run, options, fanout=fanout)
         finally:
             if fanout is not None:

@@ -20,6 +20,10 @@ from typing import Any
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+from prefect.concurrency.sync import concurrency
+from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError
 
 from ckptier.storage.catalog.api import Catalog
 from ckptier.tasks.config import load_config
@@ -56,11 +60,6 @@ def hold_job_locks(names: list[str], timeout_seconds: float) -> Iterator[None]:
     if not names:
         yield
         return
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
-    from prefect.concurrency.sync import concurrency
-    from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError
-
     with get_client(sync_client=True) as client:
         for name in names:
             try:

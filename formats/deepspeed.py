@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptier.formats.base import PARTITIONED, FormatPlugin, Group, RankFiles, Scan, names, replicated
+from ckptier.formats.stubs import stub_allowlist
 from ckptier.storage.records import Format, Shortfall
 
 if TYPE_CHECKING:
@@ -168,16 +169,15 @@ def rank_shortfalls(top: Mapping[str, Any]) -> list[Shortfall]:
 
 
 def _load(path: Path, allow: Sequence[Any]) -> LoadedCheckpoint:
-    import torch
+    import torch  # lazy: torch, for drills only
 
-    from ckptier.formats.safe_load import (
+    from ckptier.formats.safe_load import (  # lazy: torch, for drills only
         CheckpointLoadError,
         LoadedCheckpoint,
         float_or_none,
         safe_torch_load,
         unwrap_state,
     )
-    from ckptier.formats.stubs import stub_allowlist
 
     ranks = sorted(p.name for p in path.iterdir() if _MODEL.match(p.name))
     if not ranks:

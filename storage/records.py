@@ -320,3 +320,24 @@ class FileCheck:
     sha256: str | None = None
     detail: str | None = None
     shortfall: Shortfall | None = None
+
+
+@dataclass(slots=True)
+class DeleteResult:
+    """Outcome of :meth:`ckptier.storage.base.Store.delete_many`.
+
+    ``deleted`` holds only keys whose deletion the store confirmed (a key that
+    was already absent counts as deleted: deletes are idempotent). ``failed``
+    maps each key the store refused to its reason. ``markers_only`` lists
+    deleted keys for which a versioned bucket only added a delete marker, so
+    no space was freed.
+    """
+
+    deleted: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+    markers_only: list[str] = field(default_factory=list)
+
+    def merge(self, other: DeleteResult) -> None:
+        self.deleted.extend(other.deleted)
+        self.failed.update(other.failed)
+        self.markers_only.extend(other.markers_only)

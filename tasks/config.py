@@ -92,6 +92,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, NoReturn, TypeVar
 
+from ckptier.formats.allowlist import allow_global_check, is_library_global
 from ckptier.formats.names import (  # noqa: F401 - re-exported: the rule lives with the safe loader
     UNSAFE_GLOBAL_MODULES,
     allow_global_problem,
@@ -520,8 +521,6 @@ def _drill(where: str, index: int, data: Any) -> DrillSettings:
         t.fail("allow_globals", allow, "must be a list of module.Name strings, e.g. allow_globals = [\"mypkg.config.TrainConfig\"]")
     for entry in allow:
         if (problem := allow_global_problem(entry)) is None and isinstance(entry, str):
-            from ckptier.formats.allowlist import allow_global_check, is_library_global
-
             # Standard-library, numpy and torch classes are judged now; the user's own
             # modules are imported only by the drill, in its isolated processes.
             problem = allow_global_check(entry) if is_library_global(entry) else None

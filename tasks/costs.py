@@ -39,7 +39,7 @@ from ckptier.storage.records import CheckpointRecord, State
 from .config import Config
 from .prices import Prices
 from .retention import Policy, hot_present
-from .tiers import HOT, class_at, class_rank
+from .tiers import HOT, class_at, class_rank, hot_class_of
 
 
 class DrillLike(Protocol):
@@ -118,11 +118,6 @@ class JobCosts:
 
 def _saved(c: CheckpointRecord) -> datetime:
     return c.saved_at if c.saved_at is not None else c.first_seen
-
-
-def hot_class_of(record: CheckpointRecord) -> str:
-    """``STANDARD`` for a checkpoint on S3, ``hot`` for a local one."""
-    return "STANDARD" if record.location.startswith("s3://") else HOT
 
 
 def archive_class_of(url: str, verified_at: datetime | None, policy: Policy | None, now: datetime) -> str:

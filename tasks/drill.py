@@ -33,6 +33,7 @@ from ckptier.formats.registry import plugin
 from ckptier.storage.errors import ConfigError
 from ckptier.storage.records import CheckpointRecord, Format, State
 from ckptier.tasks.config import DEFAULT_DRILL_STEPS, DEFAULT_DRILL_TIMEOUT, parse_factory_spec
+from ckptier.tasks.reports import Check
 
 DEFAULT_LOSS_TOLERANCE = 0.5
 """Relative distance allowed between the first restored loss and the loss the
@@ -200,19 +201,6 @@ class DrillRequest(JsonRecord):
 
 
 # --- the verdict ------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Check:
-    """One check of a drill's verdict: its ``name``, whether it passed, and why in words."""
-
-    name: str
-    ok: bool
-    detail: str
-
-    def to_json(self) -> dict[str, Any]:
-        """``{"name", "ok", "detail"}``, as drill reports and the catalog's verdicts hold it."""
-        return asdict(self)
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,6 @@ from ckptier.storage.errors import ConfigError
 from ckptier.tasks.drill import (
     DEFAULT_CUDA_RTOL,
     DEFAULT_LOSS_TOLERANCE,
-    Check,
     Verdict,
     _finite_or_none,
     _fmt,
@@ -57,7 +56,7 @@ from ckptier.tasks.drill import (
     _tail,
     worker_env,
 )
-from ckptier.tasks.reports import DrillRank, DrillReport, Reshard
+from ckptier.tasks.reports import Check, DrillRank, DrillReport, Reshard
 
 DEFAULT_RESHARD_RTOL = 1e-4
 """Relative tolerance between the losses of a resharded restore (M ranks)

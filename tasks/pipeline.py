@@ -11,36 +11,44 @@ No Prefect here.
 
 from __future__ import annotations
 
-import os
-import posixpath
-import socket
-import sys
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ckptier.storage.base import StorageClasses, Store
 from ckptier.storage.catalog.api import Catalog, LeaseLost, ReadBack
-from ckptier.storage.errors import CkptierError, ConfigError
 from ckptier.formats import PatternRule
-from ckptier.storage.records import CheckpointRecord, CopyState, State
-from ckptier.storage.url import canonical_url, open_store, parse_location
-from ckptier.storage.wrappers import resuming
+from ckptier.storage.errors import CkptierError, ConfigError
+from ckptier.storage.records import CheckpointRecord, CopyState, State, Tier
+from ckptier.storage.transitions import DEFAULT_GRACE
+from ckptier.storage.url import canonical_url
 
+from .apply import ApplyContext, ApplyReport, apply_plan
+from .archive import archive_dir, check_archive_copy, fetch, janitor, prefix_from_location, promoter
 from .config import Config, DrillSettings, check_archive_locations
+from .forget import archive_places, forget_candidates, still_stored
 from .leases import DEFAULT_TTL as DEFAULT_LEASE_TTL
+from .leases import LeaseKeeper, this_process
 from .reports import (
     NOTHING_FREED,
     ApplyRunReport,
+    Check,
+    DrillReport,
+    FetchReport,
     ForgetOutcome,
     ForgetReport,
     ForgetRow,
     FreedForecast,
+    ItemResult,
+    JanitorReport,
     JanitorRunReport,
     JobSummary,
+    Proof,
     VerifyReport,
     VerifyRow,
     VerifyTotals,
@@ -51,102 +59,16 @@ from .reports import (
     summarize_jobs,
     tiering_outcome,
 )
-from .reports import DrillReport, FetchReport
 from .retention import Plan, PlanItem, Policy, drill_passed, plan_retention
+from .run import CLAIM_SHARE, FIRST_POLL, MIN_CLAIM, Clock, RowClaims, Run, StoreCache, unknown_job
 from .scan import ScanReport, scan_url
-from .settings import Run
-
-if TYPE_CHECKING:
-    from .apply import ApplyReport, ItemResult, Proof
-
-Clock = Callable[[], datetime]
-
-
-def utcnow() -> datetime:
-    """The clock the operations are given: aware UTC (pure cores never read it themselves)."""
-    return datetime.now(UTC)
-
-
-def run_owner(prefix: str = "ckptier") -> str:
-    """A lease owner name unique to this process: host, pid and, inside a Prefect flow run, its id.
-
-    Prefect is consulted only when it is already loaded, so the direct
-    command-line path never pays for importing it.
-    """
-    run_id = ""
-    if "prefect" in sys.modules:
-        try:
-            from prefect.runtime import flow_run
-
-            run_id = str(flow_run.id or "")
-        except Exception:  # noqa: BLE001 - outside a flow run
-            run_id = ""
-    return f"{prefix}:{socket.gethostname()}:{os.getpid()}:{run_id}"[:200]
-
-
-def unknown_job(job: str) -> ConfigError:
-    """The one-line error for a job the catalog has never seen."""
-    return ConfigError(f"job {job!r}: no checkpoints in the catalog; run 'ckptier scan URL' first or check the name")
-
-
-class StoreCache:
-    """Opens each store once and maps a catalog location URL to ``(store, prefix)``.
-
-    S3 locations share one store per bucket (``prefix`` is the key within
-    the bucket); a local location is served by a store rooted at its parent
-    directory (``prefix`` is the last path component), which works for
-    checkpoint directories and single-file checkpoints alike. Every store
-    ``opener`` gives is used through :func:`~ckptier.storage.wrappers.resuming`
-    (a listing, a read or a batch delete that breaks off part-way goes on).
-    Thread-safe.
-
-    A location is split by :func:`~ckptier.storage.url.parse_location`,
-    never URL-decoded past its store's URL (a key may hold ``%``, ``#``,
-    ``?``...); ``roots`` gives the store URLs it may lie below (the
-    catalog's :meth:`~ckptier.storage.catalog.api.Catalog.hot_locations`),
-    asked once, on the first local location.
-    """
-
-    def __init__(self, opener: Callable[[str], Store] = open_store, *,
-                 roots: Callable[[], Iterable[str]] | None = None) -> None:
-        self._opener = opener
-        self._stores: dict[str, Store] = {}
-        self._lock = threading.Lock()
-        self._roots_of = roots
-        self._roots: tuple[str, ...] | None = None
-
-    def roots(self) -> tuple[str, ...]:
-        """The store URLs locations may lie below (asked of ``roots`` once)."""
-        with self._lock:
-            if self._roots is None:
-                self._roots = tuple(self._roots_of()) if self._roots_of is not None else ()
-            return self._roots
-
-    def store(self, url: str) -> Store:
-        with self._lock:
-            if url not in self._stores:
-                self._stores[url] = resuming(self._opener(url))
-            return self._stores[url]
-
-    def locate(self, location: str) -> tuple[Store, str]:
-        if location.startswith("s3://"):
-            parsed = parse_location(location)
-            return self.store(f"s3://{parsed.bucket}"), parsed.prefix
-        parsed = parse_location(location, self.roots())
-        parent, name = posixpath.split(parsed.path.rstrip("/"))
-        return self.store(Path(parent or "/").as_uri()), name
-
-    def for_record(self, record: CheckpointRecord) -> tuple[Store, str]:
-        return self.locate(record.location)
-
+from .verify import select_sample, verify_fanned, verify_many
 
 # -------------------------------------------------------------------- scan
 
 
 def policy_grace(config: Config | None) -> Callable[[str], timedelta]:
     """A job's ``grace`` (how long a save may be in flight): its ``[[policy]]``'s, else 2 h."""
-    from ckptier.storage.transitions import DEFAULT_GRACE
-
     def grace_for(job: str) -> timedelta:
         policy = config.policy_for(job) if config is not None else None
         return policy.grace if policy is not None else DEFAULT_GRACE
@@ -231,8 +153,6 @@ def run_verify(
     an archive copy's row also has ``problems``, one line per damaged file
     of the copy.
     """
-    from .verify import select_sample, verify_many
-
     stores = stores or StoreCache(roots=catalog.hot_locations)
     states = (State.COMMITTED, State.VERIFIED, State.CORRUPT)
     cataloged = catalog.checkpoints(job=job, states=states)
@@ -253,8 +173,6 @@ def run_verify(
     def verified(batch: Sequence[CheckpointRecord], report: Callable[[int, int], None] | None = None
                  ) -> Iterable[tuple[CheckpointRecord, Any]]:
         if fanout is not None:
-            from .fanout import verify_fanned
-
             return verify_fanned(fanout, batch, deep=deep_read, progress=report)
         return verify_many(stores.for_record, batch, deep=deep_read, workers=workers, progress=report)
 
@@ -314,44 +232,6 @@ def recording_batches(results: Iterable[tuple[CheckpointRecord, Any, Any]], *, m
         yield batch
 
 
-#: A claiming run that finds every remaining row held by others looks again
-#: this soon first (see :class:`RowClaims`).
-FIRST_POLL = 0.005
-#: A claim takes about this share of the rows still unchecked (a quarter:
-#: measured best of 2, 4 and 8 for two runs sharing a sweep)...
-CLAIM_SHARE = 4
-#: ... and at least this many rows.
-MIN_CLAIM = 4
-
-
-@dataclass(frozen=True)
-class RowClaims:
-    """How a run shares the verification of one catalog with other runs (``[runner] claim_rows``).
-
-    ``owner`` names this run's leases (:func:`run_owner`); ``ttl`` is the
-    lease length (a heartbeat renews it every third); ``since`` is the start
-    of the sweep the runs share: a row whose verification finished at or
-    after it is done (runs of one sweep pass the same ``since``; each run's
-    own start is the default). Each claim takes about a
-    :data:`CLAIM_SHARE`-th of the rows still unchecked, at least
-    :data:`MIN_CLAIM` and at most ``batch`` (guided self-scheduling: big
-    batches while much is left, each costing a few statements, and small
-    ones at the end, so that no run is left reading a big last batch while
-    the others have finished); a run
-    that finds every remaining row leased by others looks again until they
-    are checked or their leases run out: after :data:`FIRST_POLL` seconds,
-    then twice as long each time, at most ``poll`` seconds apart (the last
-    rows of a sweep are usually recorded within milliseconds; a run that
-    died holds its rows for the lease's length).
-    """
-
-    owner: str
-    ttl: timedelta = DEFAULT_LEASE_TTL
-    since: datetime | None = None
-    batch: int = 64
-    poll: float = 0.5
-
-
 def _claimed_verification(
     catalog: Catalog,
     records: Sequence[CheckpointRecord],
@@ -373,11 +253,6 @@ def _claimed_verification(
     is marked checked and released. Ends when no candidate is left unchecked
     since ``claims.since``.
     """
-    from collections import deque
-    from concurrent.futures import Future, ThreadPoolExecutor
-
-    from .leases import LeaseKeeper, this_process
-
     since = claims.since or now()
     hot_ids = {r.id for r in records}
     pending = sorted(hot_ids | {r.id for r in archive_only if "hot" not in r.tiers})
@@ -468,10 +343,6 @@ def _verify_archive_copies(catalog: Catalog, records: Sequence[CheckpointRecord]
     A degraded copy of a checkpoint that no longer has a hot copy is the
     only copy at risk: its event says so.
     """
-    from ckptier.storage.records import Tier
-
-    from .archive import check_archive_copy
-
     for record in records:
         copy = record.archive_copy()
         assert copy is not None  # with_archive_copy() chose these records
@@ -678,13 +549,9 @@ def _apply_one(run: Run, policy: Policy, plan: Plan, *, lease_ttl: timedelta, li
                items: list[ItemResult], proven: set[int], fanout: Any = None) -> ApplyReport:
     """Carry out one policy's plan in ``run`` (its :class:`~ckptier.tasks.apply.ApplyContext`
     made here from the run and the policy), appending report lines and item results."""
-    from .apply import ApplyContext, apply_plan
-
     archive_store = archive_store_for(run.stores, policy)
     promote_many = None
     if fanout is not None and policy.archive:
-        from .fanout import promoter
-
         promote_many = promoter(fanout, archive_url=policy.archive, storage_class=policy.storage_class, now=run.now,
                                 owner=run.owner)
     context = ApplyContext(
@@ -740,8 +607,6 @@ def fetch_record(record: CheckpointRecord, config: Config, *, dest: Path, stores
                  fanout: Any = None) -> FetchReport:
     """Restore ``record``'s original files into ``dest`` (see :func:`ckptier.tasks.archive.fetch`;
     ``fanout``: where the files are read, default here), as a :class:`FetchReport`."""
-    from .archive import fetch
-
     hot, prefix = _hot_store(stores, record)
     archive = _archive_store(stores, config, record)
     result = fetch(record, hot=hot, archive=archive, dest=dest, hot_prefix=prefix, fanout=fanout)
@@ -769,8 +634,6 @@ def _archive_store(stores: StoreCache, config: Config, record: CheckpointRecord)
 
 def archive_root(copy_url: str, record: CheckpointRecord) -> str:
     """The archive store URL from a copy URL ending in ``{job}/step-{step:08d}[/...]``."""
-    from .archive import archive_dir
-
     marker = "/" + archive_dir(record.job, record.step)
     head, sep, _ = copy_url.partition(marker)
     return head if sep else copy_url
@@ -789,9 +652,6 @@ def run_janitor(catalog: Catalog, config: Config, *, now: datetime, older_than: 
     :class:`~ckptier.tasks.reports.JanitorRunReport`: per archive URL its
     :class:`~ckptier.tasks.archive.JanitorReport`, and the run in ``lines``.
     """
-
-    from .archive import JanitorReport, archive_dir, janitor
-
     check_archive_locations(config, catalog.hot_locations())
     stores = stores or StoreCache(roots=catalog.hot_locations)
     lines: list[str] = []
@@ -992,8 +852,6 @@ def _ranked_drill(record: CheckpointRecord, config: Config, stores: StoreCache, 
     when its ranks cannot be drilled yet, ``not-started`` when the model
     factory does not load in the workers)."""
     from dataclasses import replace
-
-    from .drill import Check
     from .drill_dist import Fetched, UnsupportedDrill, run_ranked_drill
 
     def fetch(relpaths: Sequence[str], dest: Path) -> Fetched:
@@ -1064,8 +922,6 @@ def nothing_to_drill(records: Sequence[CheckpointRecord], *, job: str | None, st
 
 def _not_started(record: CheckpointRecord, why: str, started: datetime, finished: datetime) -> DrillReport:
     """The report of a drill that did not start for a reason that is not the checkpoint's (never recorded)."""
-    from .drill import Check
-
     return DrillReport(job=record.job, step=record.step, ok=False, stage="not-started", error=why,
                        summary=f"{record.job} step {record.step}: drill not started: {why}", recorded=False,
                        checks=(Check("started", False, why),), started_at=started, finished_at=finished)
@@ -1073,8 +929,6 @@ def _not_started(record: CheckpointRecord, why: str, started: datetime, finished
 
 def _drill_failure(record: CheckpointRecord, started: datetime, finished: datetime, *, stage: str, error: str) -> DrillReport:
     """The report of a drill that failed at ``stage`` before any worker ran (a fetch, say)."""
-    from .drill import Check
-
     return DrillReport(job=record.job, step=record.step, ok=False, stage=stage, error=error,
                        summary=f"{record.job} step {record.step}: drill failed at {stage}: {error}",
                        checks=(Check("completed", False, f"{stage}: {error}"),), started_at=started,
@@ -1121,9 +975,6 @@ def run_forget(
     outcome, detail), ``lines``, and counts ``forgotten``, ``kept``,
     ``unchecked``.
     """
-    from .archive import archive_dir, prefix_from_location
-    from .forget import archive_places, forget_candidates, still_stored
-
     stores = stores or StoreCache(roots=catalog.hot_locations)
     records = catalog.checkpoints(job=job)
     if not records and not catalog.checkpoints(job=job, include_deleted=True):

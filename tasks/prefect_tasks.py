@@ -14,22 +14,24 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from prefect import task
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.logging import get_run_logger
+from prefect.task_runners import ThreadPoolTaskRunner
 
 from ckptier.storage.catalog.api import Catalog
 from ckptier.storage.errors import ConfigError, is_transient
 
-from . import fanout as fanout_work
 from . import pipeline
+from .archive import fetch_work, promote_work
 from .config import RunnerSettings, load_config
-from .fanout import row_claims, runner_settings
-from .reports import ApplyRunReport, VerifyReport, verification_by_job
+from .fanout import default_workers, runner_settings, settle
+from .reports import ApplyRunReport, DrillReport, VerifyReport, verification_by_job
 from .retention import render_plan_table
+from .run import open_run, row_claims, run_owner, utcnow
 from .scan import ScanReport
+from .settings import Settings, require_written_policy
 from .settings import catalog_url as resolve_catalog_url
-from .settings import require_written_policy
-from .reports import DrillReport
-from .settings import open_run
+from .verify import verify_work
 
 
 def retry_if_transient(task: Any, task_run: Any, state: Any) -> bool:
@@ -50,7 +52,7 @@ def scan_task(url: str, catalog_url: str | None, config_path: str | None = None,
     log = get_run_logger()
     config = load_config(config_path)
     with Catalog.open(resolve_catalog_url(catalog_url, config_path, config=config)) as cat:
-        (report,) = pipeline.run_scan([url], cat, now=pipeline.utcnow, patterns=config.patterns, config=config,
+        (report,) = pipeline.run_scan([url], cat, now=utcnow, patterns=config.patterns, config=config,
                                       inventories=[(url, inventory)] if inventory else (), full=full)
     log.info("%s: %d objects, %d checkpoints, %d catalog rows written",
              report.url, report.objects, report.checkpoints, report.rows_written)
@@ -75,11 +77,11 @@ def verify_task(catalog_url: str | None, job: str | None, deep: bool, sample: tu
     config = load_config(config_path)
     settings = runner_settings(config.runner, runner)
     progress = ProgressArtifact("verify-progress", "bytes verified so far")
-    claims = row_claims(settings, sweep_since, owner=pipeline.run_owner())
+    claims = row_claims(settings, sweep_since, owner=run_owner())
     fanout = PrefectFanout(settings, workers=workers)
     try:
         with Catalog.open(resolve_catalog_url(catalog_url, config_path, config=config), create=False) as cat:
-            report = pipeline.run_verify(cat, now=pipeline.utcnow, job=job, deep=deep, sample=sample, workers=workers,
+            report = pipeline.run_verify(cat, now=utcnow, job=job, deep=deep, sample=sample, workers=workers,
                                          progress=progress, config=config, fanout=fanout, claims=claims)
     finally:
         fanout.close()
@@ -91,16 +93,15 @@ def verify_task(catalog_url: str | None, job: str | None, deep: bool, sample: tu
     return report
 
 
-#: The per-checkpoint work of :mod:`ckptier.tasks.fanout` as Prefect tasks; a failure retries only when transient.
+#: The operations' fan-out work functions as Prefect tasks; a failure retries only when transient.
 verify_work_task = task(name="verify-checkpoints", retries=2, retry_delay_seconds=5,
-                        retry_condition_fn=retry_if_transient)(fanout_work.verify_work)
+                        retry_condition_fn=retry_if_transient)(verify_work)
 promote_work_task = task(name="promote-checkpoint", retries=2, retry_delay_seconds=10,
-                         retry_condition_fn=retry_if_transient)(fanout_work.promote_work)
+                         retry_condition_fn=retry_if_transient)(promote_work)
 fetch_work_task = task(name="fetch-files", retries=2, retry_delay_seconds=5,
-                       retry_condition_fn=retry_if_transient)(fanout_work.fetch_work)
-WORK_TASKS: dict[Callable[..., Any], Any] = {fanout_work.verify_work: verify_work_task,
-                                              fanout_work.promote_work: promote_work_task,
-                                              fanout_work.fetch_work: fetch_work_task}
+                       retry_condition_fn=retry_if_transient)(fetch_work)
+WORK_TASKS: dict[Callable[..., Any], Any] = {verify_work: verify_work_task, promote_work: promote_work_task,
+                                              fetch_work: fetch_work_task}
 
 
 class PrefectFanout:
@@ -115,9 +116,9 @@ class PrefectFanout:
         self._runner: Any = None
         if settings.kind == "dask":
             self.name = "prefect-dask"
-            self.parallelism = settings.workers or (4 if settings.address else fanout_work.default_workers())
+            self.parallelism = settings.workers or (4 if settings.address else default_workers())
             try:
-                import prefect_dask  # noqa: F401 - checked before anything runs
+                import prefect_dask  # noqa: F401 - optional (ckptier[dask]): checked before anything runs
             except ImportError:
                 raise ConfigError("runner kind 'dask' needs prefect-dask: pip install 'ckptier[dask]' "
                                   "(or use kind = \"threads\")") from None
@@ -126,15 +127,13 @@ class PrefectFanout:
 
     def _start(self) -> Any:
         """The task runner, started on first use (a run with nothing to do starts no cluster)."""
-        from prefect.task_runners import ThreadPoolTaskRunner
-
         if self._runner is not None:
             return self._runner
         settings, workers = self._settings, self._workers
         runner: Any
         if settings.kind == "dask":
             try:
-                from prefect_dask.task_runners import DaskTaskRunner
+                from prefect_dask.task_runners import DaskTaskRunner  # optional: ckptier[dask]
             except ImportError:
                 raise ConfigError("runner kind 'dask' needs prefect-dask: pip install 'ckptier[dask]' "
                                   "(or use kind = \"threads\")") from None
@@ -154,7 +153,7 @@ class PrefectFanout:
         runner = self._start()
         futures = [runner.submit(work, {"work": item}) for item in items]
         for f in futures:
-            yield fanout_work.settle(f.result, errors)
+            yield settle(f.result, errors)
 
     def close(self) -> None:
         runner, self._runner = self._runner, None
@@ -172,8 +171,6 @@ class ProgressArtifact:
     """
 
     def __init__(self, key: str, description: str) -> None:
-        from prefect.artifacts import create_progress_artifact
-
         # Called from a sync task: the id itself, never the coroutine of the async variant.
         self.artifact_id: Any = create_progress_artifact(0.0, key=key, description=description)
         self.last = 0.0
@@ -188,8 +185,6 @@ class ProgressArtifact:
             self._set(100.0)
 
     def _set(self, pct: float) -> None:
-        from prefect.artifacts import update_progress_artifact
-
         update_progress_artifact(self.artifact_id, pct)
         self.last = pct
 
@@ -199,7 +194,7 @@ def plan_task(catalog_url: str | None, config_path: str | None, job: str | None)
     """The retention plan: ``rows`` (job, step, action, scope, reasons, bytes) and ``forecast``,
     the hot bytes carrying it out frees (:class:`ckptier.tasks.reports.FreedForecast`)."""
     config = load_config(config_path)
-    now = pipeline.utcnow()
+    now = utcnow()
     with Catalog.open(resolve_catalog_url(catalog_url, config_path, config=config), create=False) as cat:
         plan, forecast = pipeline.plan_with_forecast(cat, config, job=job, now=now)
     return {"rows": render_plan_table(plan), "forecast": {**asdict(forecast), "freed_bytes": forecast.freed_bytes}}
@@ -227,7 +222,7 @@ def apply_task(catalog_url: str | None, config_path: str | None, job: str | None
         with Catalog.open(resolve_catalog_url(catalog_url, config_path, config=config), create=False) as cat:
             if not dry_run:
                 require_written_policy(config, [job] if job else cat.jobs(), config_path)
-            report = pipeline.run_apply(cat, config, now=pipeline.utcnow, owner=pipeline.run_owner(), job=job,
+            report = pipeline.run_apply(cat, config, now=utcnow, owner=run_owner(), job=job,
                                         dry_run=dry_run, fanout=fanout)
     finally:
         fanout.close()
@@ -249,7 +244,7 @@ def drill_task(catalog_url: str | None, config_path: str | None, job: str | None
     log = get_run_logger()
     options = pipeline.DrillOptions(job=job, step=step, steps=steps, device=device, model=model, timeout=timeout_seconds,
                                     allow_globals=tuple(allow_globals or ()), world_size=world_size)
-    with open_run(catalog_url, config_path) as run:
+    with open_run(Settings(catalog_url, config_path)) as run:
         fanout = PrefectFanout(runner_settings(run.config.runner, runner))
         try:
             reports = pipeline.run_drill(run, options, fanout=fanout)

@@ -18,27 +18,115 @@ reports, so the command line, the flows and the tests agree on one number.
 * :func:`dashboard_job_url`: the dashboard page of a job.
 * :class:`FetchReport`, :class:`DrillReport`: what ``fetch`` and a restore
   drill did (``to_json()``: what ``--json`` prints).
+* The operations' own results, kept here so that every module may hold
+  them without importing the operation: :class:`ItemResult` and
+  :class:`Proof` (:mod:`ckptier.tasks.apply`), :class:`Check` (a drill's
+  verdict), :class:`JanitorReport` (:mod:`ckptier.tasks.archive`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 from urllib.parse import quote
 
 from ckptier.storage.records import CheckpointRecord, CopyRecord, CopyState, FileCheck, FileRecord, State, Tier
 
-from .costs import hot_class_of
-from .drill import Check
 from .retention import Plan, hot_present
-from .tiers import HOT
+from .tiers import HOT, hot_class_of
 
-if TYPE_CHECKING:
-    from .apply import ItemResult, Proof
-    from .archive import JanitorReport
+# ------------------------------------------------------------------ results of the operations
+
+#: What happened to a plan item (:class:`ItemResult`).
+Outcome = Literal["done", "would", "skipped", "held", "failed", "partial", "fenced", "deferred"]
+
+
+@dataclass(frozen=True)
+class ItemResult:
+    """What happened to one plan item.
+
+    ``outcome``: ``done`` (carried out), ``would`` (dry run: would be carried
+    out), ``skipped`` (nothing to do or no longer right: already done,
+    precondition no longer true), ``held`` (another live run holds the
+    checkpoint's lease; ``detail`` names it), ``deferred`` (waits for a later
+    run: a promotion of the job failed, the canary failed, a keeper could not
+    be proven), ``failed`` (an error), ``partial`` (some files deleted, the
+    rest failed), ``fenced`` (the lease was lost: the catalog row was not
+    changed). ``bytes`` is the checkpoint's size; ``freed`` the hot bytes
+    actually deleted (0 on a versioned bucket that only got delete markers).
+    """
+
+    job: str
+    step: int
+    checkpoint_id: int
+    action: str
+    scope: str
+    outcome: Outcome
+    detail: str
+    bytes: int = 0
+    freed: int = 0
+
+
+@dataclass(frozen=True)
+class Proof:
+    """One keeper proven again before deletions: which copy (``tier``),
+    whether it held, and what it cost (bytes read; bytes proven by the
+    store's own full-object checksum without reading)."""
+
+    job: str
+    step: int
+    checkpoint_id: int
+    tier: str
+    ok: bool
+    detail: str
+    bytes_read: int = 0
+    bytes_skipped: int = 0
+
+
+@dataclass(frozen=True)
+class Check:
+    """One check of a drill's verdict: its ``name``, whether it passed, and why in words."""
+
+    name: str
+    ok: bool
+    detail: str
+
+    def to_json(self) -> dict[str, Any]:
+        """``{"name", "ok", "detail"}``, as drill reports and the catalog's verdicts hold it."""
+        return asdict(self)
+
+
+@dataclass
+class JanitorReport:
+    """What :func:`ckptier.tasks.archive.janitor` did to one archive tier.
+
+    ``aborted_uploads``: (key, upload id) of multipart uploads aborted;
+    ``removed_dirs``: uncommitted step directories whose every object was
+    ckptier's own (named by their upload marker) and was removed;
+    ``removed_keys``: the objects removed; ``young_dirs``: uncommitted
+    directories left alone because they are newer than the threshold (a
+    promotion may be running); ``failed``: key → reason for objects that
+    could not be removed; ``unexpected``: directories the catalog records as
+    archive copies that have lost their manifest (left alone: damage to look
+    at, not debris); ``not_ours``: objects without a commit marker that no
+    upload marker names — ckptier did not write them, so they are left
+    where they are; ``removed_temp_files``: a local store's own
+    ``.ckptier-tmp-*`` files left by interrupted writes.
+    """
+
+    aborted_uploads: list[tuple[str, str]] = field(default_factory=list)
+    removed_dirs: list[str] = field(default_factory=list)
+    removed_keys: list[str] = field(default_factory=list)
+    young_dirs: list[str] = field(default_factory=list)
+    committed_dirs: int = 0
+    failed: dict[str, str] = field(default_factory=dict)
+    unexpected: list[str] = field(default_factory=list)
+    removed_temp_files: list[str] = field(default_factory=list)
+    not_ours: list[str] = field(default_factory=list)
+
 
 #: The environment variable naming the dashboard's base URL (``ckptier dashboard``).
 DASHBOARD_URL_ENV = "CKPTIER_DASHBOARD_URL"

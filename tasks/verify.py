@@ -40,6 +40,8 @@ from ckptier.storage.records import CheckpointRecord, FileCheck, FileRecord, Fil
 from ckptier.formats import checker_for
 from ckptier.storage.structure import Need, shortfalls
 
+from .fanout import Fanout, batches, worker_stores
+
 
 #: mtimes closer than this (seconds) count as equal: catalogs round-trip them
 #: through datetimes and databases that keep microseconds at best.
@@ -50,6 +52,9 @@ _INTEGRITY_ATTEMPTS = 2
 
 #: Most file problems spelled out in one reason; the rest are counted.
 _REASON_EXAMPLES = 3
+
+#: Threads each verify work item of a fan-out reads files with.
+BATCH_THREADS = 2
 
 
 @dataclass
@@ -586,3 +591,38 @@ def verify_many(
             yield head.record, outcome
     finally:
         ex.shutdown(wait=True, cancel_futures=True)
+
+
+# ------------------------------------------------------------------ fanned out
+
+
+@dataclass(frozen=True)
+class VerifyWork:
+    """Verify these checkpoints' hot copies (``deep``: read every byte): one work item of a fan-out."""
+
+    records: tuple[CheckpointRecord, ...]
+    deep: bool
+    threads: int = BATCH_THREADS
+
+
+def verify_work(work: VerifyWork) -> list[VerifyOutcome]:
+    """One outcome per record of ``work``, in order; reads storage only (see
+    :func:`verify_many`), through the worker's own stores."""
+    stores = worker_stores()
+    return [outcome for _, outcome in verify_many(stores.for_record, work.records, deep=work.deep,
+                                                  workers=work.threads)]
+
+
+def verify_fanned(fanout: Fanout, records: Sequence[CheckpointRecord], *, deep: bool,
+                  progress: Callable[[int, int], None] | None = None
+                  ) -> Iterator[tuple[CheckpointRecord, VerifyOutcome]]:
+    """:func:`verify_many` on ``fanout`` (:class:`ckptier.tasks.fanout.Fanout`): yields each record
+    with its outcome, in input order; ``progress(done_bytes, total_bytes)`` after each batch."""
+    work = [VerifyWork(b, deep) for b in batches(records, fanout.parallelism)]
+    total = sum(f.size for r in records for f in r.files)
+    done = 0
+    for w, outcomes in zip(work, fanout.map(verify_work, work), strict=True):
+        yield from zip(w.records, outcomes, strict=True)
+        done += sum(f.size for r in w.records for f in r.files)
+        if progress is not None:
+            progress(done, total)

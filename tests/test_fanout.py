@@ -24,10 +24,10 @@ from ckptier.tasks.fanout import (
     ThreadFanout,
     batches,
     retrying,
-    row_claims,
     runner_settings,
 )
-from ckptier.tasks.pipeline import CLAIM_SHARE, MIN_CLAIM, RowClaims, recording_batches, run_scan, run_verify
+from ckptier.tasks.pipeline import recording_batches, run_scan, run_verify
+from ckptier.tasks.run import CLAIM_SHARE, MIN_CLAIM, RowClaims, row_claims
 
 T0 = datetime(2026, 3, 1, tzinfo=UTC)
 

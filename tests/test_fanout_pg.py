@@ -33,7 +33,8 @@ WORKER = """
 import json, sys, time
 from datetime import UTC, datetime, timedelta
 from ckptier.storage.catalog.api import Catalog
-from ckptier.tasks.pipeline import RowClaims, StoreCache, run_verify
+from ckptier.tasks.pipeline import run_verify
+from ckptier.tasks.run import RowClaims, StoreCache
 
 url, since, owner, out, lease_s, slow = sys.argv[1:7]
 

@@ -25,7 +25,6 @@ from ckptier.tasks.config import Config, parse_config
 from ckptier.tasks.demo import train_demo_run
 from ckptier.tasks.pipeline import (
     DrillOptions,
-    StoreCache,
     fetch_record,
     run_apply,
     run_drill,
@@ -33,7 +32,7 @@ from ckptier.tasks.pipeline import (
     run_verify,
 )
 from ckptier.tasks.reports import DrillReport
-from ckptier.tasks.settings import Run
+from ckptier.tasks.run import Run, StoreCache
 
 from .test_fanout import dask_cluster  # noqa: F401 - the module's real local Dask cluster
 

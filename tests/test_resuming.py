@@ -150,7 +150,8 @@ def test_a_deep_verify_through_the_run_stores_survives_broken_reads(
     s3_bucket: S3Bucket, client: Any, tmp_path: Path
 ) -> None:
     from ckptier.tasks.archive import prefix_from_location
-    from ckptier.tasks.pipeline import StoreCache, run_verify
+    from ckptier.tasks.pipeline import run_verify
+    from ckptier.tasks.run import StoreCache
     from ckptier.tasks.scan import scan_url
     from ckptier.tasks.verify import verify_many
 

@@ -22,7 +22,8 @@ from ckptier.flows.cli import main
 from ckptier.storage.catalog.api import Catalog, DrillRecord
 from ckptier.storage.records import State
 from ckptier.tasks.config import parse_config
-from ckptier.tasks.pipeline import make_plan, run_scan, run_verify, utcnow
+from ckptier.tasks.pipeline import make_plan, run_scan, run_verify
+from ckptier.tasks.run import utcnow
 
 
 def write_step(root: Path, job: str, step: int, size: int = 256) -> Path:

@@ -27,7 +27,8 @@ from ckptier.storage.errors import ConfigError, IntegrityError, NeedsRestore
 from ckptier.storage.records import Tier
 from ckptier.storage.s3 import S3Store
 from ckptier.tasks.archive import manifest_key, promote
-from ckptier.tasks.pipeline import StoreCache, run_scan, run_verify, utcnow
+from ckptier.tasks.pipeline import run_scan, run_verify
+from ckptier.tasks.run import StoreCache, utcnow
 from tests.fixtures.s3 import make_client
 
 NOW = datetime(2026, 11, 30, 12, tzinfo=UTC)

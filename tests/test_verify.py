@@ -25,7 +25,8 @@ from ckptier.storage.records import CheckpointRecord, FileRecord, Format, State
 from ckptier.storage.transitions import Row, Verification, on_verification
 from ckptier.tasks.config import load_config
 from ckptier.tasks.drill import choose_candidates
-from ckptier.tasks.pipeline import StoreCache, make_plan, run_scan, run_verify
+from ckptier.tasks.pipeline import make_plan, run_scan, run_verify
+from ckptier.tasks.run import StoreCache
 from ckptier.tasks.scan import scan_url
 from ckptier.tasks.verify import (
     BufferPool,
