@@ -198,10 +198,11 @@ class Snapshot:
     def plan(self) -> Any:
         """The job's retention plan now (``ckptier plan --job J``), or None when it has no live checkpoint."""
         from ckptier.tasks.pipeline import merge_plans, plans_by_policy
+        from ckptier.tasks.run import Run
 
         try:
-            return merge_plans([p for _, p in plans_by_policy(self.catalog, self.source.config, job=self.job,
-                                                               now=self.now)])
+            run = Run.of(self.catalog, config=self.source.config, now=lambda: self.now)
+            return merge_plans([p for _, p in plans_by_policy(run, job=self.job)])
         except ConfigError:
             return None
 

@@ -19,11 +19,16 @@ if TYPE_CHECKING:
     from ckptier.tasks.settings import Settings
 
 
-def settings_of(args: argparse.Namespace) -> Settings:
-    """The settings of this command: ``--catalog`` and ``--config`` (neither read yet)."""
+def settings_of(args: argparse.Namespace, *, config: bool = False) -> Settings:
+    """The settings of this command: ``--catalog`` and ``--config``; ``ckptier.toml`` is read
+    on first use, or now with ``config`` (a command that needs it reports a broken file
+    before anything else, the catalog's name included)."""
     from ckptier.tasks.settings import Settings  # lazy: --version and --help answer without the catalog's imports
 
-    return Settings(args.catalog, args.config)
+    settings = Settings(args.catalog, args.config)
+    if config:
+        settings.config  # noqa: B018 - read now, for the error's sake
+    return settings
 
 
 def announce(args: argparse.Namespace, location: CatalogLocation) -> None:

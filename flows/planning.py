@@ -21,7 +21,7 @@ from ckptier.tasks.advise import DTYPE_BYTES, OPTIMIZER_STATES, Request, advise,
 from ckptier.tasks.retention import parse_duration
 from ckptier.tasks.tiers import ALL_CLASSES
 
-from .command import open_existing
+from .command import open_existing, settings_of
 from .output import human_bytes, print_json
 
 _SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
@@ -106,14 +106,15 @@ def count(n: float) -> str:
 
 def cmd_advise(args: argparse.Namespace) -> int:
     from ckptier.tasks.config import default_policy, load_config  # lazy: --version and --help stay light
-    from ckptier.tasks.settings import Settings  # lazy: likewise
 
     config = load_config(args.policy or args.config)
     observed = None
     if args.job:
         from ckptier.tasks.run import unknown_job  # lazy: --version and --help stay light
+        from ckptier.tasks.settings import Settings  # lazy: likewise
 
-        with open_existing(args, Settings(args.catalog, args.config)) as cat:
+        settings = Settings(args.catalog, args.config, config=None if args.policy else config)
+        with open_existing(args, settings) as cat:
             records = cat.checkpoints(job=args.job, include_deleted=True, with_files=True)
         if not records:
             raise unknown_job(args.job)
@@ -215,13 +216,12 @@ def _seconds(a: Any) -> float:
 
 
 def cmd_lifecycle(args: argparse.Namespace) -> int:
-    from ckptier.tasks.config import load_config  # lazy: --version and --help stay light
-    from ckptier.tasks.lifecycle import job_prefix_url, lifecycle_for_job  # lazy: likewise
+    from ckptier.tasks.lifecycle import job_prefix_url, lifecycle_for_job  # lazy: --version and --help stay light
     from ckptier.tasks.run import unknown_job  # lazy: likewise
-    from ckptier.tasks.settings import Settings  # lazy: likewise
 
-    config = load_config(args.config)
-    with open_existing(args, Settings(args.catalog, args.config, config=config)) as cat:
+    settings = settings_of(args, config=True)
+    config = settings.config
+    with open_existing(args, settings) as cat:
         records = cat.checkpoints(job=args.job, include_deleted=True, with_files=False)
     if not records:
         raise unknown_job(args.job)

@@ -41,9 +41,8 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ckptier.storage.errors import ConfigError, is_transient
 
-from .config import RunnerSettings
-
 if TYPE_CHECKING:
+    from .config import RunnerSettings
     from .run import StoreCache
 
 T = TypeVar("T")

@@ -628,13 +628,16 @@ class VerifyReport:
     recorded, then one per archive copy read back; ``totals`` their totals;
     ``sample``: the ``(k, n)`` slice verified, None for a whole run;
     ``by_job``: the totals per job (:func:`verification_by_job`), filled in
-    by the Prefect verify task (None: not computed, and left out of the JSON).
+    by the Prefect verify task (None: not computed, and left out of the JSON);
+    ``nothing_checked``: why the run read no copy at all, in words (None when
+    it read one; what ``verify`` prints instead of a table, not in the JSON).
     """
 
     checkpoints: tuple[VerifyRow, ...]
     totals: VerifyTotals
     sample: tuple[int, int] | None = None
     by_job: tuple[JobVerification, ...] | None = None
+    nothing_checked: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The report as ``verify --json`` prints it and the verify flow returned it."""

@@ -152,7 +152,7 @@ def test_fetch_and_drill_json_on_the_command_line_is_to_json(env: dict[str, Path
     assert code == 0, err
     printed = json.loads(out)
     with open_run() as r:
-        direct = run_fetch(r.catalog, r.config, job="demo-run", step=50, dest=tmp_path / "direct", stores=r.stores)
+        direct = run_fetch(r, job="demo-run", step=50, dest=tmp_path / "direct")
     assert isinstance(direct, FetchReport) and list(printed) == list(direct.to_json())
     assert _without(printed, "dest", "seconds") == _without(direct.to_json(), "dest", "seconds")
     assert printed["dest"] == str(tmp_path / "cli") and printed["tier"] == "hot" and printed["files"] == 3
