@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import NoReturn
 
 from ckptier.storage.base import Store
 from ckptier.storage.catalog.api import Catalog
@@ -185,20 +186,43 @@ def row_claims(settings: RunnerSettings, sweep_since: str | None, *, owner: str)
 # ------------------------------------------------------------------ the run
 
 
-@dataclass(frozen=True)
 class Run:
     """What one run of an operation works with, put together once by
     :func:`open_run` (or :meth:`Run.of`) and handed down: the open
     ``catalog``, the ``config``, ``stores`` (each store opened once per
     run), the clock ``now`` (aware UTC), the ``owner`` named in leases and
-    events, and ``dry_run`` (nothing written)."""
+    events, and ``dry_run`` (nothing written). Immutable.
+
+    A run holds an open catalog and stays in its process: pickled (Prefect
+    pickles a task's parameters with the context of the task runs it fans
+    out to Dask), it becomes a :class:`DetachedRun`, which says so when
+    anything uses it. Deliberately not a dataclass: Prefect (through
+    pydantic) would copy a dataclass field by field into such a context.
+    """
+
+    __slots__ = ("catalog", "config", "stores", "now", "owner", "dry_run")
 
     catalog: Catalog
     config: Config
     stores: StoreCache
     now: Clock
     owner: str
-    dry_run: bool = False
+    dry_run: bool
+
+    def __init__(self, *, catalog: Catalog, config: Config, stores: StoreCache, now: Clock, owner: str,
+                 dry_run: bool = False) -> None:
+        for name, value in (("catalog", catalog), ("config", config), ("stores", stores), ("now", now),
+                            ("owner", owner), ("dry_run", dry_run)):
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value: object) -> NoReturn:
+        raise AttributeError(f"a Run is immutable ({name})")
+
+    def __repr__(self) -> str:
+        return f"Run(owner={self.owner!r}, catalog={self.catalog.url!r}, dry_run={self.dry_run})"
+
+    def __reduce__(self) -> tuple[type[DetachedRun], tuple[str]]:
+        return DetachedRun, (self.owner,)
 
     @classmethod
     def of(cls, catalog: Catalog, *, config: Config | None = None, now: Clock = utcnow, owner: str = "ckptier",
@@ -209,6 +233,27 @@ class Run:
         return cls(catalog=catalog, config=config if config is not None else default_config(),
                    stores=stores if stores is not None else StoreCache(roots=catalog.hot_locations), now=now,
                    owner=owner, dry_run=dry_run)
+
+
+class DetachedRun:
+    """What a pickled :class:`Run` becomes in another process: it names the run's
+    owner and refuses every use (a run's catalog, stores and clock do not travel)."""
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+
+    def __getattr__(self, name: str) -> NoReturn:
+        # An AttributeError: hasattr() and the introspection of pickle and pydantic
+        # must see a plain object with nothing of a run's.
+        owner = self.__dict__.get("owner", "?")
+        raise AttributeError(f"the run of {owner} was opened in another process and cannot be used here "
+                             f"(its {name}); open a run where the work is done (open_run)")
+
+    def __reduce__(self) -> tuple[type[DetachedRun], tuple[str]]:
+        return DetachedRun, (self.owner,)
+
+    def __repr__(self) -> str:
+        return f"DetachedRun({self.owner!r})"
 
 
 @contextmanager

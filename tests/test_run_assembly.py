@@ -127,6 +127,27 @@ def test_read_only_commands_given_the_catalog_never_read_the_config(
     assert counter.take("latest") == (0, 1)
 
 
+def test_a_run_stays_in_its_process(tmp_path: Path) -> None:
+    """Prefect pickles a task's parameters (the flow's Run among them) with the context of
+    the task runs it fans out to Dask: a pickled Run becomes a DetachedRun that refuses use."""
+    import pickle
+
+    from ckptier.storage.catalog.api import Catalog
+    from ckptier.tasks.run import DetachedRun, Run
+
+    with Catalog.open(f"sqlite:///{tmp_path / 'catalog.db'}") as cat:
+        run = Run.of(cat, owner="flow-run-7")
+        with pytest.raises(AttributeError, match="immutable"):
+            run.owner = "another"  # type: ignore[misc]
+        there = pickle.loads(pickle.dumps(run))
+    assert isinstance(there, DetachedRun) and there.owner == "flow-run-7"
+    assert not hasattr(there, "catalog")
+    with pytest.raises(AttributeError, match="the run of flow-run-7 was opened in another process"):
+        there.catalog.checkpoints()
+    again = pickle.loads(pickle.dumps(there))  # through a Dask scheduler and on to a worker
+    assert isinstance(again, DetachedRun) and again.owner == "flow-run-7"
+
+
 # ------------------------------------------------------------------ flow runs
 
 
