@@ -35,6 +35,7 @@ import pandas as pd
 from ckptier.storage.catalog.api import DrillRecord
 from ckptier.storage.errors import ConfigError
 from ckptier.storage.records import CheckpointRecord
+from ckptier.storage.transitions import latest_drills
 from ckptier.tasks.costs import JobCosts
 
 from . import alerts as al
@@ -156,13 +157,8 @@ class Snapshot:
 
     @cached_property
     def latest_drill(self) -> dict[int, DrillRecord]:
-        """The most recent drill of each drilled checkpoint (by id)."""
-        out: dict[int, DrillRecord] = {}
-        for records in self.drills.values():
-            for d in records:
-                if d.checkpoint_id is not None and d.checkpoint_id not in out:
-                    out[d.checkpoint_id] = d
-        return out
+        """The most recent drill of each drilled checkpoint (by id; :func:`ckptier.storage.transitions.latest_drill`)."""
+        return latest_drills(d for records in self.drills.values() for d in records)
 
     @cached_property
     def drill_passed(self) -> pd.DataFrame:

@@ -35,6 +35,7 @@ from datetime import datetime, timedelta
 from typing import Protocol
 
 from ckptier.storage.records import CheckpointRecord, State
+from ckptier.storage.transitions import latest_drills
 
 from .config import Config
 from .prices import Prices
@@ -151,14 +152,9 @@ def fetch_throughputs(
 
 def recovery_point(records: Sequence[CheckpointRecord], drills: Iterable[DrillLike], now: datetime) -> RecoveryPoint | None:
     """The newest checkpoint of ``records`` (one job) whose most recent drill
-    passed and that still has a present copy, or None."""
-    latest: dict[int, DrillLike] = {}
-    for d in drills:
-        if d.checkpoint_id is None:
-            continue
-        seen = latest.get(d.checkpoint_id)
-        if seen is None or d.started_at > seen.started_at:
-            latest[d.checkpoint_id] = d
+    passed (:func:`ckptier.storage.transitions.latest_drill`) and that still has a
+    present copy, or None."""
+    latest = latest_drills(drills)
     held = [
         c for c in records
         if c.state != State.DELETED and c.id in latest and latest[c.id].ok and (hot_present(c) or c.archive_copy() is not None)

@@ -42,6 +42,7 @@ from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 from ckptier.storage.errors import ConfigError
 from ckptier.storage.records import CheckpointRecord, CopyState, State, Tier
+from ckptier.storage.transitions import latest_drills
 from ckptier.tasks.tiers import ArchiveTier
 
 Action = Literal["keep", "promote", "delete"]
@@ -877,20 +878,9 @@ class DrillOutcome(Protocol):
 
 def drill_passed(drills: Iterable[DrillOutcome]) -> dict[int, datetime]:
     """Checkpoint id -> when its most recent drill passed, for checkpoints whose most
-    recent drill (by start time, then finish time) passed. Pure; order-independent."""
-    latest: dict[int, DrillOutcome] = {}
-    for d in drills:
-        if d.checkpoint_id is None:
-            continue
-        seen = latest.get(d.checkpoint_id)
-        if seen is None or _drill_order(d) > _drill_order(seen):
-            latest[d.checkpoint_id] = d
-    return {cid: d.finished_at or d.started_at for cid, d in latest.items() if d.ok}
-
-
-def _drill_order(d: DrillOutcome) -> tuple[datetime, datetime, bool]:
-    # A failure outranks a pass at the very same instant: never trust the tie.
-    return (d.started_at, d.finished_at or d.started_at, not d.ok)
+    recent drill (:func:`ckptier.storage.transitions.latest_drill`, the catalog's own
+    definition) passed. Pure; order-independent."""
+    return {cid: d.finished_at or d.started_at for cid, d in latest_drills(drills).items() if d.ok}
 
 
 def render_plan_table(plan: Plan) -> list[dict[str, Any]]:
