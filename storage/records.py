@@ -167,6 +167,9 @@ class Found:
     ``shortfalls`` lists the files the checkpoint's own manifest requires
     that the listing does not satisfy (absent, or fewer bytes than it
     says); a committed checkpoint with shortfalls is not complete.
+    ``metrics``: what the run recorded about this checkpoint (name -> finite
+    number: ``eval_loss``, ``val_acc``...), from its own files or the job's
+    ``metrics.jsonl``, for ``keep_best``.
     """
 
     job: str
@@ -179,6 +182,7 @@ class Found:
     expected_sha256: Mapping[str, str] = field(default_factory=dict)
     recorded_loss: float | None = None
     shortfalls: tuple[Shortfall, ...] = ()
+    metrics: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def bytes(self) -> int:
@@ -255,7 +259,9 @@ class CheckpointRecord:
     Times are timezone-aware UTC. ``saved_at`` is when the save finished as
     far as storage tells (newest file mtime); ``missing_since`` is set when a
     scan no longer found it in the hot store. ``last_drill`` is its most
-    recent restore drill, if any.
+    recent restore drill, if any. ``metrics``: the numbers the run recorded
+    about it (``(name, value)`` pairs sorted by name, finite values only;
+    see :meth:`metric`), read at scan time.
     """
 
     id: int
@@ -276,6 +282,14 @@ class CheckpointRecord:
     files: tuple[FileRecord, ...] = ()
     copies: tuple[CopyRecord, ...] = ()
     last_drill: DrillOutcome | None = None
+    metrics: tuple[tuple[str, float], ...] = ()
+
+    def metric(self, name: str) -> float | None:
+        """The recorded value of the metric ``name``, or None when the run recorded none."""
+        for key, value in self.metrics:
+            if key == name:
+                return value
+        return None
 
     @property
     def tiers(self) -> tuple[str, ...]:
