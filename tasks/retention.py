@@ -35,6 +35,7 @@ Checkpoints in state ``deleted`` (tombstones) are excluded from the plan.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -246,8 +247,13 @@ class Milestones:
             first = (max(lo, 0) // n + 1) * n
             last = hi // n * n
             return (first, last, (last - first) // n + 1) if first <= last else None
-        found = [m for m in (_log_series(hi) if self.log else sorted(set(self.steps))) if lo < m <= hi]
-        return (found[0], found[-1], len(found)) if found else None
+        series = _LOG_SERIES if self.log else self._sorted_steps()
+        # the milestones M with lo < M <= hi, by bisection: planning calls this once per save
+        first, end = bisect.bisect_right(series, lo), bisect.bisect_right(series, hi)
+        return (series[first], series[end - 1], end - first) if first < end else None
+
+    def _sorted_steps(self) -> tuple[int, ...]:
+        return _sorted_unique(self.steps)
 
     def keeps(self, checkpoints: Sequence[CheckpointRecord], now: datetime) -> dict[int, str]:
         """As :class:`Rule`; ``checkpoints`` may also hold the job's tombstones, which
@@ -404,6 +410,15 @@ def _log_series(upto: int) -> list[int]:
         out.extend(m for m in (scale, 2 * scale, 5 * scale) if m <= upto)
         scale *= 10
     return out
+
+
+#: The whole 1-2-5 series a catalog's steps (signed 64-bit) can reach.
+_LOG_SERIES = tuple(_log_series(2**63 - 1))
+
+
+@functools.lru_cache(maxsize=256)
+def _sorted_unique(steps: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(sorted(set(steps)))
 
 
 @dataclass(frozen=True)
