@@ -172,3 +172,35 @@ def test_plan_day_buckets_follow_the_timezone_key() -> None:
     _, utc = _policy("keep_daily = 2\nmin_verified = 0\n")
     plan = plan_retention(cs, utc, now=t + D)
     assert [(i.step, i.action) for i in plan.items] == [(100, "keep"), (200, "delete"), (300, "keep")]
+
+
+def test_plan_prints_the_floors_and_no_hidden_rule(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """'One per day' plans as one per day: the policy line has no keep_last, and the floors are printed."""
+    import json
+    import os
+    import time
+
+    hot = tmp_path / "hot"
+    for step in (100, 200, 300):
+        d = hot / "job" / f"step-{step:08d}"
+        (d / "rank-0000").mkdir(parents=True)
+        (d / "rank-0000" / "model.pt").write_bytes(b"w")
+        (d / "metadata.json").write_text(json.dumps({"step": step}))
+    t = time.time() - 3600
+    for dirpath, _dirs, files in os.walk(hot):
+        for name in files:
+            os.utime(os.path.join(dirpath, name), (t, t))
+    config = tmp_path / "ckptier.toml"
+    config.write_text('[[policy]]\nkeep_daily = 1\ntimezone = "Asia/Tokyo"\nmin_verified = 0\n')
+    url = f"sqlite:///{tmp_path / 'catalog.db'}"
+    assert main(["scan", "--catalog", url, str(hot)]) == 0
+    assert main(["verify", "--catalog", url, "--no-prefect"]) == 0
+    capsys.readouterr()
+    assert main(["plan", "--catalog", url, "--config", str(config)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == f"policy: policy[0] (jobs = '*') in {config}: keep_daily 1, timezone Asia/Tokyo, grace 2h, min_verified 0"
+    assert out[2].startswith("  floors: the newest verified checkpoint is never deleted; incomplete saves in flight")
+    assert "min_verified 0: at least 0 verified checkpoints keep a hot copy" in out[2]
+    rows = [line for line in out if line.startswith("job ")]
+    assert [r.split()[1] for r in rows if " delete " in r] == ["100", "200"]
+    assert any("keep_daily 1: newest of " in r and "(Asia/Tokyo)" in r for r in rows)
