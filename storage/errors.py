@@ -40,6 +40,13 @@ class NotFound(StoreError):
     """The object, bucket or directory does not exist."""
 
 
+class NotFollowed(NotFound):
+    """A symlink (or a file) stands where a directory on the way to the key
+    should be: nothing is followed through it, so the object cannot be told
+    apart from absent. Not evidence that the bytes are gone (a directory may
+    have been moved and linked back): it proves nothing either way."""
+
+
 class AlreadyExists(StoreError):
     """A conditional create found the object already there (HTTP 412)."""
 

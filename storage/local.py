@@ -36,6 +36,7 @@ from .base import DeleteResult, ObjectInfo, WalkedDirs, as_stream, key_problem, 
 from .errors import (
     AlreadyExists,
     InvalidKey,
+    NotFollowed,
     NotFound,
     StoreError,
     Unavailable,
@@ -91,11 +92,9 @@ def _translate(exc: OSError, url: str, key: str | None, *, doing: str = "") -> S
     where = f"{url}/{key}" if key else url
     if isinstance(exc, FileNotFoundError) and not doing:
         return NotFound(f"{where}: no such file or directory", url=url, key=key)
-    if exc.errno == errno.ENOTDIR:
-        return NotFound(f"{where}: no such file or directory (a file or a symlink on the way: not followed)",
-                        url=url, key=key)
-    if exc.errno == errno.ELOOP:
-        return NotFound(f"{where}: a symlink on the way (or a symlink loop): not followed", url=url, key=key)
+    if exc.errno in (errno.ENOTDIR, errno.ELOOP):
+        return NotFollowed(f"{where}: a symlink (or a file) on the way, where a directory should be: not "
+                           "followed", url=url, key=key)
     if exc.errno in (errno.ESTALE, errno.ETIMEDOUT, errno.EAGAIN):
         return Unavailable(f"{where}: {exc.strerror} (I/O error; retry or check the mount)", url=url, key=key)
     fault = environment_fault(exc, _local(url, key), doing=doing)

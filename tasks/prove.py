@@ -28,7 +28,7 @@ from datetime import datetime
 from typing import Literal, Protocol
 
 from ckptier.storage.base import LocalPaths, ObjectInfo, Store
-from ckptier.storage.errors import CkptierError, NotFound, StoreError
+from ckptier.storage.errors import CkptierError, NotFollowed, NotFound, StoreError
 from ckptier.storage.records import CheckpointRecord, CopyState, State, Tier
 from ckptier.storage.transitions import Change, Latest, file_change
 
@@ -108,6 +108,8 @@ def prove_now(store: Store, prefix: str, record: CheckpointRecord) -> ProvenNow:
         key = file_key(prefix, record, rel)
         try:
             return key, store.stat(key)
+        except NotFollowed:
+            raise  # a directory on the way is a link: nothing can be told
         except NotFound:
             return key, None
 

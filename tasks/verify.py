@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from datetime import date
 
 from ckptier.storage.base import ObjectInfo, Store, join_key
-from ckptier.storage.errors import CkptierError, ConfigError, IntegrityError, NotFound, StoreError
+from ckptier.storage.errors import CkptierError, ConfigError, IntegrityError, NotFollowed, NotFound, StoreError
 from ckptier.storage.hashing import DEFAULT_CHUNK, Digests, hash_stream, store_crc64nvme
 from ckptier.storage.records import CheckpointRecord, FileCheck, FileRecord, FileStatus, Format, State
 from ckptier.formats import checker_for
@@ -291,6 +291,8 @@ def _check_file(
     where = f"{store.url}/{key}"
     try:
         info = store.stat(key)
+    except NotFollowed as exc:  # a directory on the way is a link now: proves nothing either way
+        return _check(f, "error", f"cannot reach it: {_one_line(exc)}"), 0, 0, ()
     except NotFound:
         return _check(f, "missing", f"not found at {where}"), 0, 0, ()
     except (StoreError, OSError) as exc:

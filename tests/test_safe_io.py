@@ -129,7 +129,7 @@ def states(capsys: pytest.CaptureFixture[str]) -> dict[int, str]:
 # --------------------------------------------------------------------------- 1. a symlinked step directory
 
 
-@pytest.mark.parametrize("where", ["newest", "outside"])
+@pytest.mark.parametrize("where", ["newest", "outside", "job-dir"])
 def test_a_step_directory_swapped_for_a_symlink_deletes_nothing_through_it(
         env: dict[str, Path], capsys: pytest.CaptureFixture[str], where: str) -> None:
     for step in (100, 200, 300):
@@ -139,16 +139,23 @@ def test_a_step_directory_swapped_for_a_symlink_deletes_nothing_through_it(
 
     # After scan and verify: rm -rf job/step-00000100 && ln -s <target> job/step-00000100
     victim = step_dir(env["hot"], 100)
-    shutil.rmtree(victim)
     if where == "newest":
+        shutil.rmtree(victim)
         target = step_dir(env["hot"], 300)
         os.symlink(target.name, victim)
-    else:  # a tree the attacker cannot touch, laid out like a checkpoint, with a subdirectory of its own
+    elif where == "outside":  # a tree the attacker cannot touch, laid out like a checkpoint, with a subdirectory
+        shutil.rmtree(victim)
         target = env["tmp"] / "outside"
         write_guide(target.parent / "outside-root", 100, ckpt_files(100))
         shutil.copytree(step_dir(target.parent / "outside-root", 100), target)
         (target / "rank-0000" / "keep-me").mkdir()
         os.symlink(target, victim)
+    else:  # the job directory itself, above every step: a copy of it elsewhere takes its place
+        target = env["tmp"] / "outside-job"
+        shutil.copytree(env["hot"] / JOB, target)
+        shutil.rmtree(env["hot"] / JOB)
+        os.symlink(target, env["hot"] / JOB)
+        victim = env["hot"] / JOB
     before = snapshot(target)
 
     code, out, err = run(capsys, "apply")
@@ -156,14 +163,67 @@ def test_a_step_directory_swapped_for_a_symlink_deletes_nothing_through_it(
     assert "step 100: delete done" not in out + err
     assert victim.is_symlink()  # the link itself is not ours to judge: a rescan finds it
     after = states(capsys)
-    assert after[300] == "verified" and after[200] == "deleted"
-    assert after[100] == "verified"  # skipped, not tombstoned: nothing of it was deleted
+    assert after[300] == "verified" and after[100] == "verified"  # skipped, not tombstoned: nothing was deleted
+    assert after[200] == ("verified" if where == "job-dir" else "deleted")
+    if where == "job-dir":  # every keeper is out of reach below the link: the job's deletes wait
+        assert "could not be proven" in out + err and "not followed" in out + err
+        return
     assert "rescan" in out + err
+
     fetched = env["tmp"] / "fetched"
     code, out, err = run(capsys, "fetch", "--job", JOB, "--step", "300", str(fetched))
     assert code == 0, out + err
     assert {p.relative_to(fetched).as_posix(): p.read_bytes() for p in fetched.rglob("*") if p.is_file()} == {
         **ckpt_files(300), "metadata.json": (step_dir(env["hot"], 300) / "metadata.json").read_bytes()}
+
+
+def test_a_file_replaced_after_verify_or_between_its_proof_and_its_delete_is_left_alone(
+        env: dict[str, Path], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptier.storage.local import LocalStore
+
+    for step in (100, 200, 300):
+        write_guide(env["hot"], step, ckpt_files(step))
+    scan_verify(env, capsys)
+    # Step 100's model.pt rewritten in place after verify (same size, new bytes): its delete waits for a verify.
+    model = step_dir(env["hot"], 100) / "rank-0000" / "model.pt"
+    model.write_bytes(payload(100, "other", 6000))
+    # Step 200's optimizer.pt is replaced while apply runs, after its proof and before its delete.
+    swapped = step_dir(env["hot"], 200) / "rank-0000" / "optimizer.pt"
+    theirs = b"written by someone else, between the proof and the delete"
+    real = LocalStore.delete_proven
+
+    def racing(self: LocalStore, proven: list) -> object:  # type: ignore[type-arg]
+        if any(i.key.endswith("step-00000200/rank-0000/optimizer.pt") for i in proven) and not swapped.read_bytes() == theirs:
+            swapped.unlink()
+            swapped.write_bytes(theirs)
+        return real(self, proven)
+
+    monkeypatch.setattr(LocalStore, "delete_proven", racing)
+    code, out, err = run(capsys, "apply")
+    assert code == 1, out + err  # step 200's delete is partial: the replaced file stays
+    assert "changed since its verdict" in out + err and "partial" in out + err
+    assert model.read_bytes() == payload(100, "other", 6000) and swapped.read_bytes() == theirs
+    assert states(capsys) == {100: "committed", 200: "verified", 300: "verified"}
+    code, out, err = run(capsys, "apply")  # the next run finishes the interrupted delete, leaving their file
+    assert code == 0, out + err
+    assert swapped.read_bytes() == theirs and not (swapped.parent / "model.pt").exists()
+    code, out, err = run(capsys, "ls", "--json", "--all")
+    [row] = [r for r in json.loads(out) if r["step"] == 200]
+    assert row["state"] == "deleted" and "left in place, replaced since they were proven" in row["reason"]
+
+
+def test_a_hard_linked_file_frees_nothing_in_the_figure(env: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    for step in (100, 200):
+        write_guide(env["hot"], step, ckpt_files(step))
+    elsewhere = env["tmp"] / "elsewhere.bin"
+    os.link(step_dir(env["hot"], 100) / "rank-0000" / "model.pt", elsewhere)  # a second name, outside the root
+    meta = len((step_dir(env["hot"], 100) / "metadata.json").read_bytes())
+    scan_verify(env, capsys)
+    code, out, err = run(capsys, "apply")
+    assert code == 0, out + err
+    assert states(capsys)[100] == "deleted" and elsewhere.read_bytes() == ckpt_files(100)["rank-0000/model.pt"]
+    freed = len(ckpt_files(100)["rank-0000/optimizer.pt"]) + meta  # model.pt's bytes live on under its other name
+    assert f"delete 1 ({freed} bytes freed)" in out, out
 
 
 # --------------------------------------------------------------------------- 2. a keeper's file linked into a rolling one
