@@ -310,6 +310,34 @@ def test_a_file_truncated_in_place_after_verify_is_never_answered_by_latest(
     assert states(capsys)[200] == "corrupt"
 
 
+@pytest.mark.parametrize("command", ["plan", "fetch", "drill"])
+def test_plan_fetch_and_drill_never_trust_a_verdict_about_bytes_that_changed(
+        env: dict[str, Path], capsys: pytest.CaptureFixture[str], command: str) -> None:
+    for step in (100, 200):
+        write_guide(env["hot"], step, ckpt_files(step))
+    age(env["hot"], 3 * 3600)
+    scan_verify(env, capsys)
+    model = step_dir(env["hot"], 200) / "rank-0000" / "model.pt"
+    with open(model, "r+b") as fh:  # torn in place: no directory changes, no rescan sees it
+        fh.truncate(1000)
+    if command == "plan":  # the newest verified checkpoint the deletions rest on is no longer trusted
+        code, out, err = run(capsys, "plan", "--json")
+        assert code == 0, err
+        rows = {r["step"]: r for r in json.loads(out)}
+        assert rows[200]["state"] == "committed" and rows[100]["action"] == "keep", rows
+    elif command == "fetch":  # the hot copy is not what was verified: nothing torn is restored
+        code, out, err = run(capsys, "fetch", "--job", JOB, "--step", "200", str(env["tmp"] / "restored"))
+        assert code != 0 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+        assert not (env["tmp"] / "restored").exists()
+    else:  # the drill passes over it without blaming it, and drills the next one
+        code, out, err = run(capsys, "drill", "--job", JOB, "--step", "200", "--steps", "1", "--json")
+        assert code != 0
+        assert "changed since its verdict" in out + err and "verify it again" in out + err
+        code, out, err = run(capsys, "ls", "--json", "--all")
+        assert not any(r.get("last_drill") for r in json.loads(out))  # nothing recorded against it
+    assert states(capsys)[200] == "committed"
+
+
 def _lightning_file(path: Path, n: int = 200_000) -> bytes:
     """A torch-style zip (stored members, a central directory) like Lightning's .ckpt."""
     import io

@@ -907,6 +907,20 @@ class TestS3Store(StoreContract, S3Capabilities):
     def missing_store(self, s3_bucket: S3Bucket) -> Store:
         return S3Store("ckptier-no-such-bucket-here", client=s3_bucket.client)
 
+    def test_a_versioned_bucket_binds_a_delete_to_the_version_proven(self, store: S3Store,
+                                                                      s3_bucket: S3Bucket) -> None:
+        """The same bytes written again are another object: same ETag, another version."""
+        s3_bucket.client.put_bucket_versioning(Bucket=s3_bucket.name, VersioningConfiguration={"Status": "Enabled"})
+        store.write("v/obj", b"same bytes")
+        proven = store.stat("v/obj")
+        store.write("v/obj", b"same bytes")
+        now = store.stat("v/obj")
+        assert now.etag == proven.etag and now.identity != proven.identity
+        result = store.delete_proven([proven])
+        assert result.changed.keys() == {"v/obj"} and not result.deleted
+        assert read_bytes(store, "v/obj") == b"same bytes"
+        assert store.delete_proven([now]).deleted == ["v/obj"]
+
     def test_url(self, s3_bucket: S3Bucket) -> None:
         assert s3_store(s3_bucket).url == f"s3://{s3_bucket.name}"
         assert s3_store(s3_bucket, "/runs/a/").url == f"s3://{s3_bucket.name}/runs/a"
