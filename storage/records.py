@@ -201,11 +201,15 @@ class Unrecognised:
 
 @dataclass(frozen=True)
 class Recognition:
-    """Everything format recognition made of one listing."""
+    """Everything format recognition made of one listing. ``archive_objects``
+    counts the archive copies' data objects (``*.ckz``) it saw and never
+    claimed, ``archive_example`` names one: the listing is of an archive."""
 
     checkpoints: tuple[Found, ...]
     unrecognised: tuple[Unrecognised, ...]
     objects: int
+    archive_objects: int = 0
+    archive_example: str | None = None
 
 
 @dataclass(frozen=True)
