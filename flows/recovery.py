@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+from ckptier.storage.errors import ConfigError
+
 from .output import print_json
 
 
@@ -24,13 +26,15 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
     from ckptier.tasks.rebuild import rebuild
     from ckptier.tasks.settings import catalog_location, open_run
 
+    if args.workers is not None and args.workers < 1:
+        raise ConfigError(f"rebuild --workers {args.workers}: must be at least 1, e.g. --workers 8")
     config = load_config(args.config)
     location = catalog_location(args.catalog, args.config, config=config)
     if not args.json:
         print(f"catalog: {location}", flush=True)
     with open_run(location.url, args.config, owner="ckptier-rebuild", create=True) as run:
         report = rebuild(run.catalog, run.config, store=run.stores.store, now=run.now, hot_urls=args.urls,
-                         archive_urls=args.archive or (), workers=args.workers)
+                         archive_urls=args.archive or (), **({"workers": args.workers} if args.workers else {}))
     if args.json:
         print_json(report.to_json())
     else:
@@ -64,17 +68,15 @@ def cmd_catalog(args: argparse.Namespace) -> int:
 
 
 def add_commands(add: Callable[..., argparse.ArgumentParser]) -> None:
-    """Register ``rebuild`` and ``catalog`` with the CLI's ``add`` helper."""
-    from ckptier.tasks.rebuild import WORKERS
-
+    """Register ``rebuild`` and ``catalog`` with the CLI's ``add`` helper (importing nothing
+    more: every command builds this parser)."""
     sp = add("rebuild", cmd_rebuild, "rebuild a lost catalog from storage: the catalog backups and manifests in the "
              "archive, and the hot checkpoints (into an empty catalog; never deletes anything)")
     sp.add_argument("urls", nargs="*", metavar="HOT_URL",
                     help="hot locations to scan (default: those the backups record, else the manifests' sources)")
     sp.add_argument("--archive", action="append", metavar="URL",
                     help="archive location to read (repeatable; default: every [[policy]] archive)")
-    sp.add_argument("--workers", type=int, default=WORKERS, help=f"manifests read and copies proven at once "
-                    f"(default {WORKERS})")
+    sp.add_argument("--workers", type=int, default=None, help="manifests read and copies proven at once (default 8)")
     sp.add_argument("--json", action="store_true")
 
     sp = add("catalog", cmd_catalog, "catalog maintenance: 'backup' writes each job's catalog backup to its archive "

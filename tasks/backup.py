@@ -193,7 +193,10 @@ def backup_job(catalog: Catalog, job: str, store: Store, *, now: datetime,
     data = encode_backup(job, now, body)
     mine = decode_header(data, where="new backup")
     prefix = job_prefix(job)
-    keys = by_job_dir(i.key for i in store.list(prefix)).get(prefix, [])
+    try:
+        keys = by_job_dir(i.key for i in store.list(prefix)).get(prefix, [])
+    except NotFound:  # the archive's root does not exist yet: nothing promoted, nothing backed up
+        keys = []
     current, corrupt = newest_good(store, keys)
     if current is not None and current.header.sha256 == mine.sha256 and current.header.job == job:
         return BackupWritten(job, current.url, current.header, written=False,

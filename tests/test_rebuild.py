@@ -206,3 +206,128 @@ def test_rebuild_brings_back_every_checkpoint_copy_tombstone_and_drill(
     again = json.loads(ok(capsys, "rebuild", "--catalog", world.catalog_url, "--json"))
     assert again["changed"] == 0
     assert snapshot(world, capsys) == before
+
+
+def backup_keys(world: World) -> list[str]:
+    return sorted(k for k in world.archive_keys() if k.startswith(".ckptier/catalog/"))
+
+
+def test_without_a_backup_the_archive_and_the_hot_tree_still_bring_every_checkpoint_back(
+        world: World, trained: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tier_it(world, capsys)
+    before = snapshot(world, capsys)
+    for key in backup_keys(world):
+        world.delete_archive(key)
+    lose_catalog(world)
+
+    code, out, err = run(capsys, "rebuild", "--catalog", world.catalog_url, "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["backups"] == [] and report["hot"][0]["origin"] == "manifest"
+    (archive,) = report["archives"]
+    assert (archive["copies"], archive["present"], archive["new"]) == (3, 3, 3)
+    assert any("no catalog backup" in line and "tombstones" in line for line in report["not_recovered"])
+    rows = {r["step"]: r for r in json.loads(ok(capsys, "ls", "--catalog", world.catalog_url, "--all", "--json"))}
+    # Archived milestones: verified, their only copy proven now; the hot ones wait for verify.
+    assert {s: (r["state"], r["tiers"]) for s, r in rows.items()} == {
+        25: ("verified", ["archive"]), 50: ("verified", ["archive"]), 100: ("verified", ["archive"]),
+        150: ("committed", ["hot"]), 175: ("committed", ["hot"]), 200: ("incomplete", ["hot"])}
+    for s in (25, 50, 100):
+        assert rows[s]["hot_location"] == before["ls"][s]["hot_location"]
+        assert rows[s]["bytes"] == before["ls"][s]["bytes"] and rows[s]["files"] == before["ls"][s]["files"]
+        (copy,) = [c for c in rows[s]["copies"] if c["tier"] == "archive"]
+        assert copy["state"] == "present" and copy["verified_at"] is not None
+    ok(capsys, "verify", "--catalog", world.catalog_url)
+    after = snapshot(world, capsys)
+    assert after["latest"]["step"] == before["latest"]["step"] == 175
+    assert after["plan"] == {s: p for s, p in before["plan"].items() if s not in (75, 125)}
+    hot_before = sorted(p.name for p in (world.hot / JOB).iterdir())
+    ok(capsys, "apply", "--catalog", world.catalog_url)
+    assert sorted(p.name for p in (world.hot / JOB).iterdir()) == hot_before  # nothing the old catalog kept
+    assert backup_keys(world)  # and the catalog is backed up again
+    for step in (25, 100):
+        dest = world.tmp / f"fetched-{step}"
+        ok(capsys, "fetch", "--catalog", world.catalog_url, "--job", JOB, "--step", str(step), str(dest))
+        original = trained / JOB / f"step-{step:08d}"
+        for p in original.rglob("*"):
+            if p.is_file():
+                assert (dest / p.relative_to(original)).read_bytes() == p.read_bytes()
+
+
+def test_a_corrupt_newest_backup_is_detected_and_the_one_before_restored(
+        world: World, capsys: pytest.CaptureFixture[str]) -> None:
+    from ckptier.storage.catalog.api import Catalog
+
+    tier_it(world, capsys)
+    before = snapshot(world, capsys)
+    (first,) = backup_keys(world)
+    with Catalog.open(world.catalog_url) as cat:
+        cat.log_event("note", "a change after the apply's backup", now=datetime.now(UTC), job=JOB)
+    out = ok(capsys, "catalog", "backup", "--catalog", world.catalog_url, "--json")
+    assert [b["written"] for b in json.loads(out)["backups"]] == [True]
+    newest = [k for k in backup_keys(world) if k != first][0]
+    data = bytearray(world.read_archive(newest))
+    data[-20] ^= 0x01
+    world.write_archive(newest, bytes(data))
+    lose_catalog(world)
+
+    code, out, err = run(capsys, "rebuild", "--catalog", world.catalog_url, "--json")
+    assert code == 0, err
+    (used,) = json.loads(out)["backups"]
+    assert used["url"].endswith(first) and [s["url"].rsplit("/", 1)[-1] for s in used["skipped"]] == [
+        newest.rsplit("/", 1)[-1]]
+    assert "sha256" in used["skipped"][0]["detail"]
+    assert snapshot(world, capsys) == before
+
+
+@pytest.mark.parametrize("damage", ["manifest", "missing-object", "flipped-object"])
+def test_a_corrupt_manifest_or_a_missing_archive_object_never_yields_a_present_copy(
+        world: World, damage: str, capsys: pytest.CaptureFixture[str]) -> None:
+    tier_it(world, capsys)
+    adir = f"{JOB}/step-00000050"
+    if damage == "manifest":
+        key = f"{adir}/ckptier-manifest.json"
+        world.write_archive(key, world.read_archive(key)[:-40])  # torn
+    elif damage == "missing-object":
+        world.delete_archive(f"{adir}/rank-0000/model.pt.ckz")
+    else:
+        key = f"{adir}/rank-0000/model.pt.ckz"
+        data = bytearray(world.read_archive(key))
+        data[len(data) // 2] ^= 0x40
+        world.write_archive(key, bytes(data))
+    keys = backup_keys(world)
+    for with_backup in (True, False):
+        lose_catalog(world)
+        if not with_backup:
+            for key in keys:
+                world.delete_archive(key)
+        code, out, _ = run(capsys, "rebuild", "--catalog", world.catalog_url, "--json")
+        report = json.loads(out)
+        assert code == 1 and report["problems"] and not report["ok"]
+        assert any("step 50" in p for p in report["problems"])
+        rows = {r["step"]: r for r in json.loads(ok(capsys, "ls", "--catalog", world.catalog_url, "--all", "--json"))}
+        for step in (25, 100):
+            assert [c["state"] for c in rows[step]["copies"] if c["tier"] == "archive"] == ["present"]
+        fifty = rows.get(50)
+        if fifty is None:  # only a manifest that does not read back, and no backup: nothing of it is trusted
+            assert damage == "manifest" and not with_backup
+            assert any("step 50" in n and "cannot be read back" in n for n in report["not_recovered"])
+            continue
+        assert "present" not in [c["state"] for c in fifty["copies"]]
+        if not with_backup:
+            assert fifty["state"] == "corrupt" and "only copy" in fifty["reason"]
+        code, _, err = run(capsys, "fetch", "--catalog", world.catalog_url, "--job", JOB, "--step", "50",
+                           str(world.tmp / f"out-{with_backup}"))
+        assert code == 2 and not (world.tmp / f"out-{with_backup}").exists()
+        code, out, _ = run(capsys, "latest", "--catalog", world.catalog_url, "--job", JOB, "--json")
+        assert json.loads(out)["step"] == (175 if with_backup else 100)  # never 50; without a backup, none hot is verified
+
+
+def test_rebuild_refuses_a_catalog_it_did_not_fill_and_an_archive_given_as_hot(
+        world: World, capsys: pytest.CaptureFixture[str]) -> None:
+    tier_it(world, capsys)
+    code, _, err = run(capsys, "rebuild", "--catalog", world.catalog_url)
+    assert code == 2 and "already holds" in err and "empty catalog" in err and "\n" not in err.strip()
+    lose_catalog(world)
+    code, _, err = run(capsys, "rebuild", "--catalog", world.catalog_url, world.archive_url + "/demo-run")
+    assert code == 2 and "never scanned as hot" in err
