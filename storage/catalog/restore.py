@@ -263,7 +263,8 @@ def record_rebuilt_copies(catalog: Catalog, job: str, found: Sequence[RebuiltCop
     checkpoint is inserted with its files, a hot copy at its location in the
     state ``new`` says, and the archive copy. Others are inserted or updated
     on (checkpoint, tier, url); the proof time is kept when the state is
-    unchanged and nothing was proven now. ``gone`` maps archive copy URLs the
+    unchanged and nothing was proven now, the storage class the promotion
+    recorded always. ``gone`` maps archive copy URLs the
     catalog records, which storage no longer shows as a copy, to their new
     state (``missing``: nothing there; ``degraded``: objects without a
     manifest). Every state change logs a ``copy-<state>`` event, every new
@@ -302,6 +303,8 @@ def record_rebuilt_copies(catalog: Catalog, job: str, found: Sequence[RebuiltCop
             copy_id, was, verified = old
             if was == c.state and (c.verified_at is None or c.state != CopyState.PRESENT):
                 continue
+            # The class the promotion confirmed stays as recorded; the listing's is for new rows only.
+            values.pop("storage_class")
             conn.execute(update(cp).where(cp.c.id == copy_id).values(
                 verified_at=c.verified_at if c.verified_at is not None else verified, **values))
             if was != c.state:
