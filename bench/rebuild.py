@@ -7,9 +7,9 @@ usage: python bench/rebuild.py [--checkpoints 100000] [--jobs 10] [--archive-eve
 Builds its own world under ``--workdir`` (default: a new temporary directory):
 
 * a hot tree of ``--checkpoints`` guide-layout checkpoints in ``--jobs`` jobs
-  (``job-JJ/step-SSSSSSSS/rank-0000/{model,optimizer}.pt`` of a few hundred
-  bytes of ``torch.save``-like noise, and ``metadata.json`` last, listing each
-  file's size and sha256);
+  (``job-JJ/step-SSSSSSSS/rank-0000/{model,optimizer}.pt``, small real
+  ``torch.save`` files, and ``metadata.json`` last, listing each file's size
+  and sha256);
 * the catalog of a tiered run: the tree scanned (**timed: the first scan**, as
   a real ``ckptier scan`` process into an empty SQLite catalog) and verified;
   every ``--archive-every``-th checkpoint of a job archived with the real
@@ -52,19 +52,36 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
+def torch_files(rnd: random.Random, n: int) -> list[bytes]:
+    """``n`` distinct small ``torch.save`` files (a few dozen floats each): real torch zips, which
+    verification checks member by member."""
+    import io
+
+    import torch
+
+    out = []
+    for _ in range(n):
+        buf = io.BytesIO()
+        torch.save({"w": torch.tensor([rnd.random() for _ in range(rnd.randrange(16, 96))])}, buf)
+        out.append(buf.getvalue())
+    return out
+
+
 def build_tree(hot: Path, checkpoints: int, jobs: int, seed: int) -> None:
-    """The hot tree: guide checkpoints with real-looking small files and a metadata.json each."""
+    """The hot tree: guide checkpoints of small real torch files and a metadata.json each."""
     rnd = random.Random(seed)
+    pool = torch_files(rnd, 64)
+    digests = {id(b): hashlib.sha256(b).hexdigest() for b in pool}
     per_job = -(-checkpoints // jobs)
     for c in range(checkpoints):
         job, step = f"job-{c // per_job:02d}", (c % per_job + 1) * 100
         d = hot / job / f"step-{step:08d}"
         (d / "rank-0000").mkdir(parents=True)
         listed = {}
-        for rel, n in (("rank-0000/model.pt", rnd.randrange(300, 600)), ("rank-0000/optimizer.pt", rnd.randrange(300, 900))):
-            data = b"PK\x03\x04" + rnd.randbytes(n)  # any bytes: the guide's .pt files are checked by sha256 here
+        for rel in ("rank-0000/model.pt", "rank-0000/optimizer.pt"):
+            data = rnd.choice(pool)
             (d / rel).write_bytes(data)
-            listed[rel] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            listed[rel] = {"size": len(data), "sha256": digests[id(data)]}
         (d / "metadata.json").write_text(json.dumps({"step": step, "loss": 1.0 / step, "files": listed}))
 
 

@@ -556,11 +556,13 @@ def _reconcile_archive(catalog: Catalog, a: _Archive, *, now: Callable[[], datet
     listing = a.listing
     base = a.store.url.rstrip("/")
     verdicts = [judge_copy(d, a.manifests[d], listing.objects) for d in listing.copies]
-    jobs = sorted({v.job for v in verdicts} | set(catalog.jobs()))
-    records: dict[tuple[str, int], CheckpointRecord] = {}
-    for job in jobs:
-        for r in catalog.checkpoints(job=job, include_deleted=True):
-            records[(job, r.step)] = r
+    records: dict[tuple[str, int], CheckpointRecord] = {
+        (r.job, r.step): r for r in catalog.checkpoints(include_deleted=True, with_files=False)}
+    # The files only of the checkpoints a copy is proven against (a proof compares them with the manifest).
+    wanted = [r.id for v in verdicts if v.intact and (r := records.get((v.job, v.step))) is not None]
+    for start in range(0, len(wanted), 5000):
+        for r in catalog.get_many(wanted[start:start + 5000]):
+            records[(r.job, r.step)] = r
 
     def prove(v: CopyVerdict) -> ArchiveCheck | str | None:
         if not v.intact:
@@ -599,6 +601,18 @@ def _reconcile_archive(catalog: Catalog, a: _Archive, *, now: Callable[[], datet
             linked += 1
     # Cataloged archive copies in this location that storage no longer shows.
     committed = {f"{base}/{d}" for d in listing.copies}
+    listed_dirs: set[str] = set()
+
+    def dirs_listed() -> set[str]:
+        """Every directory holding a listed object (made once, when a cataloged copy is gone)."""
+        if not listed_dirs:
+            for key in listing.objects:
+                head = key.rpartition("/")[0]
+                while head and head not in listed_dirs:
+                    listed_dirs.add(head)
+                    head = head.rpartition("/")[0]
+        return listed_dirs
+
     gone: dict[str, dict[str, CopyState]] = {}
     for (job, _step), rec in records.items():
         for c in rec.copies:
@@ -606,8 +620,7 @@ def _reconcile_archive(catalog: Catalog, a: _Archive, *, now: Callable[[], datet
                 continue
             if not c.url.startswith(base + "/") or c.url in committed:
                 continue
-            prefix = c.url[len(base) + 1:] + "/"
-            left = any(k.startswith(prefix) for k in listing.objects)
+            left = c.url[len(base) + 1:] in dirs_listed()
             state = CopyState.DEGRADED if left else CopyState.MISSING
             if state != c.state:
                 gone.setdefault(job, {})[c.url] = state
