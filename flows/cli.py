@@ -148,7 +148,7 @@ def cmd_latest(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from ckptier.tasks.pipeline import merge_plans, plans_by_policy, utcnow
-    from ckptier.tasks.retention import render_plan_table
+    from ckptier.tasks.retention import floors, render_plan_table
     from ckptier.tasks.settings import policy_origin, unwritten_policy_problem
 
     config = _config(args)
@@ -167,6 +167,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if policy is not None:
             index = next(i for i, p in enumerate(config.policies) if p is policy)
             print(f"policy: {policy_origin(config, index, args.config)}")
+            print(f"  floors: {'; '.join(str(f) for f in floors(policy))}")
     if not rows:
         print("no checkpoints cataloged yet; run 'ckptier scan URL' first")
         return 0
@@ -324,12 +325,12 @@ def cmd_janitor(args: argparse.Namespace) -> int:
     from datetime import timedelta
 
     from ckptier.flows import runner
-    from ckptier.tasks.retention import parse_duration
+    from ckptier.tasks.durations import parse_duration
 
     try:
-        older_than = parse_duration(args.older_than)
+        older_than = parse_duration(args.older_than, what=f"--older-than {args.older_than!r}")
     except CkptierError as exc:
-        raise _usage(f"--older-than {args.older_than!r}: {exc}") from None
+        raise _usage(str(exc)) from None
     if older_than <= timedelta(0):
         raise _usage(f"--older-than {args.older_than!r}: must be longer than zero, or uploads still being written "
                      "would be removed; e.g. --older-than 24h")
@@ -347,11 +348,11 @@ def cmd_janitor(args: argparse.Namespace) -> int:
 
 def cmd_forget(args: argparse.Namespace) -> int:
     from ckptier.tasks.pipeline import run_forget, utcnow
-    from ckptier.tasks.retention import parse_duration
+    from ckptier.tasks.durations import parse_duration
 
     if not args.missing:
         raise ConfigError("forget: say what to forget: --missing (rows whose files are gone from every tier)")
-    older = parse_duration(args.older_than) if args.older_than else None
+    older = parse_duration(args.older_than, what=f"--older-than {args.older_than!r}") if args.older_than else None
     config = _config(args)
     with _open_existing(args, config) as cat:
         report = run_forget(cat, config, job=args.job, now=utcnow, older_than=older, dry_run=args.dry_run)

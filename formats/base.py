@@ -333,6 +333,7 @@ class Scan:
         loss: float | None = None,
         single: bool = False,
         short: Sequence[Shortfall] = (),
+        metrics: Mapping[str, float] | None = None,
     ) -> None:
         if step > MAX_STEP:
             self.refuse(
@@ -363,6 +364,7 @@ class Scan:
                 expected_sha256=dict(expected or {}),
                 recorded_loss=loss,
                 shortfalls=tuple(short),
+                metrics=dict(metrics or {}),
             )
         )
 

@@ -74,7 +74,8 @@ from .archive import ArchiveCheck, HotCopyMismatch, check_archive_copy, promote
 from .leases import DEFAULT_TTL, Lease, LeaseCatalog, LeaseKeeper, this_process
 from .lifecycle import DELETE_TAG, KEEP_TAG
 from .verify import file_key as hot_file_key
-from .retention import DEFAULT_MAX_MISSING_FRACTION, KeepLast, Plan, PlanItem, Policy, hot_present, plan_retention, shrink_guard
+from .retention import (DEFAULT_MAX_MISSING_FRACTION, KeepLast, Plan, PlanItem, Policy, best_ranked, hot_present,
+                        plan_retention, shrink_guard)
 
 log = logging.getLogger(__name__)
 
@@ -267,9 +268,9 @@ def keepers(
     """The checkpoints of one job whose soundness the plan's deletions rest on, newest first. Pure.
 
     With a ``policy``: the newest verified checkpoint, the ``keep_last``
-    newest verified ones, and the ``min_verified`` newest verified ones
-    that keep a hot copy (the floor) — every checkpoint a deletion is
-    justified by. Without one: every verified checkpoint the plan (``items``)
+    newest verified ones, the ``keep_best`` best-ranked ones, and the
+    ``min_verified`` newest verified ones that keep a hot copy (the floor)
+    — every checkpoint a deletion is justified by. Without one: every verified checkpoint the plan (``items``)
     does not delete. ``records`` are the job's current records; tombstones
     and checkpoints in other states never count.
     """
@@ -280,7 +281,8 @@ def keepers(
     else:
         last = max([1] + [r.n for r in policy.rules if isinstance(r, KeepLast)])
         floor = [c for c in verified if hot_present(c) and c.id not in deleting][: policy.min_verified]
-        chosen = verified[:last] + floor
+        best = best_ranked(policy, records)
+        chosen = verified[:last] + [c for c in verified if c.id in best] + floor
     unique: dict[int, CheckpointRecord] = {}
     for c in chosen:
         unique.setdefault(c.id, c)

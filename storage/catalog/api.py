@@ -55,6 +55,8 @@ from ..records import (
     Recognition,
     State,
     Tier,
+    metrics_from_json,
+    metrics_to_json,
 )
 from ..gc_pause import paused_gc
 from . import db
@@ -440,6 +442,8 @@ class Catalog:
             ) if live else ()
             stale_jobs = {name for name, location in stale if location not in unchanged}
             affected = sorted(set(by_job) | stale_jobs)
+            # Jobs whose metrics.jsonl the scan read but none of whose checkpoints it listed again.
+            metrics_only = sorted(set(recognition.job_metrics) - set(affected))
 
         tally = _Tally()
         unlisted: Container[str] = unchanged if live else _EVERYWHERE
@@ -451,9 +455,12 @@ class Catalog:
                 grace = grace_for(name) if grace_for is not None else transitions.DEFAULT_GRACE
                 with self._write() as conn:
                     self._scan_job(conn, name, by_job.get(name, {}), base, scope, now, tally, grace,
-                                   unlisted=unlisted)
+                                   unlisted=unlisted, job_metrics=recognition.job_metrics.get(name, {}))
                     if live:
                         self._settle_delete_intents(conn, name, scope, now, tally)
+            for name in metrics_only:
+                with self._write() as conn:
+                    self._scan_metrics(conn, name, recognition.job_metrics[name], tally)
 
         summary = ScanSummary(
             store_url=store_url,
@@ -478,6 +485,24 @@ class Catalog:
                     )
                 )
         return summary
+
+    def _scan_metrics(
+        self, conn: Connection, name: str, job_metrics: Mapping[int, Mapping[str, float]], tally: _Tally
+    ) -> None:
+        """Apply a job's ``metrics.jsonl`` to its cataloged checkpoints when the scan
+        listed none of them again: reads only their ids, steps and metrics."""
+        rows = conn.execute(
+            select(ck.c.id, ck.c.step, ck.c.metrics)
+            .join(jb, jb.c.id == ck.c.job_id)
+            .where(jb.c.name == name, ck.c.state != State.DELETED.value, ck.c.step.in_(sorted(job_metrics)))
+        ).tuples().all()
+        updates = [
+            {"_id": int(cid), "metrics": merged}
+            for cid, step, text in rows
+            if (merged := _merged_metrics(text, job_metrics[int(step)])) != text
+        ]
+        if updates:
+            tally.rows_written += _bulk_update(conn, ck, updates)
 
     def _ensure_job(self, conn: Connection, name: str, hot_url: str | None, now: datetime) -> tuple[int, bool]:
         """(job id, whether it was inserted now). Safe against a concurrent insert."""
@@ -511,7 +536,9 @@ class Catalog:
         grace: timedelta,
         *,
         unlisted: Container[str] = (),
+        job_metrics: Mapping[int, Mapping[str, float]] | None = None,
     ) -> None:
+        job_metrics = job_metrics or {}
         if self.dialect == "postgresql":
             # Two scans of the same job queue here instead of racing on inserts;
             # SQLite's BEGIN IMMEDIATE already serialises writers.
@@ -544,6 +571,7 @@ class Catalog:
                     ck.c.missing_since,
                     ck.c.verified_at,
                     ck.c.recorded_loss,
+                    ck.c.metrics,
                 ).where(ck.c.job_id == job_id)
             )
         }
@@ -615,6 +643,7 @@ class Catalog:
                         "missing_since": None,
                         "verified_at": None,
                         "recorded_loss": found.recorded_loss,
+                        "metrics": metrics_to_json(found.metrics),
                         "generation": 0,
                     }
                 )
@@ -686,6 +715,7 @@ class Catalog:
                 "missing_since": t.missing_since,
                 "verified_at": t.verified_at,
                 "recorded_loss": found.recorded_loss,
+                "metrics": metrics_to_json(found.metrics),
             }
             if any(getattr(old, k) != v for k, v in values.items()):
                 ck_updates.append({"_id": cid, "last_seen": now, **values})
@@ -714,7 +744,7 @@ class Catalog:
             ck_updates.append(
                 {"_id": cid, "last_seen": old.last_seen,
                  **{k: getattr(old, k) for k in (
-                     "format", "location", "bytes", "file_count", "saved_at", "recorded_loss")},
+                     "format", "location", "bytes", "file_count", "saved_at", "recorded_loss", "metrics")},
                  "state": t.state.value, "state_reason": t.reason, "verified_at": t.verified_at,
                  "missing_since": t.missing_since}
             )
@@ -725,7 +755,18 @@ class Catalog:
             for e in t.events:
                 event(e, cid)
 
+        # Metrics the job's metrics.jsonl gives checkpoints this listing did not show again
+        # (an unchanged directory a local rescan skipped, or one gone missing).
+        metric_updates = [
+            {"_id": int(old.id), "metrics": merged}
+            for step, old in existing.items()
+            if step not in found_by_step and step in job_metrics and old.state != State.DELETED.value
+            and (merged := _merged_metrics(old.metrics, job_metrics[step])) != old.metrics
+        ]
+
         # Write.
+        if metric_updates:
+            tally.rows_written += _bulk_update(conn, ck, metric_updates)
         if new_ck:
             ids = conn.execute(
                 insert(ck).returning(ck.c.id, sort_by_parameter_order=True), new_ck
@@ -863,7 +904,7 @@ class Catalog:
         rows = conn.execute(
             select(ck.c.id, jb.c.name, ck.c.step, ck.c.format, ck.c.state, ck.c.location, ck.c.bytes,
                    ck.c.saved_at, ck.c.first_seen, ck.c.last_seen, ck.c.missing_since, ck.c.verified_at,
-                   ck.c.state_reason, ck.c.recorded_loss, ck.c.generation)
+                   ck.c.state_reason, ck.c.recorded_loss, ck.c.generation, ck.c.metrics)
             .join(jb, jb.c.id == ck.c.job_id)
             .where(where)
             .order_by(jb.c.name, ck.c.step)
@@ -913,10 +954,10 @@ class Catalog:
                 last_seen=last_seen, missing_since=missing_since, verified_at=verified_at,
                 state_reason=reason, recorded_loss=loss, generation=generation,
                 files=tuple(files.get(cid, ())), copies=tuple(copies.get(cid, ())),
-                last_drill=last_drill.get(cid),
+                last_drill=last_drill.get(cid), metrics=metrics_from_json(metrics),
             )
             for (cid, job, step, fmt, state, location, size, saved_at, first_seen, last_seen, missing_since,
-                 verified_at, reason, loss, generation) in rows
+                 verified_at, reason, loss, generation, metrics) in rows
         ]
 
     # -- verification --------------------------------------------------------------
@@ -1835,6 +1876,13 @@ def _parameter_limit(conn: Connection) -> int:
     if getlimit is None:
         return 999
     return int(getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER))
+
+
+def _merged_metrics(text: str | None, from_jsonl: Mapping[str, float]) -> str | None:
+    """A cataloged checkpoint's metrics (``text``) with the names ``metrics.jsonl``
+    adds; a name the row already has keeps its value (the checkpoint's own files
+    win, and a directory not listed again cannot say which were its own)."""
+    return metrics_to_json({**from_jsonl, **dict(metrics_from_json(text))})
 
 
 def _bulk_update(conn: Connection, table: Any, rows: list[dict[str, Any]]) -> int:

@@ -41,7 +41,8 @@ from .tables import scans as sc
 
 #: Columns of each exported table, in order (``step`` names the checkpoint a row belongs to).
 CHECKPOINT_COLUMNS = ("step", "format", "location", "state", "state_reason", "bytes", "file_count", "saved_at",
-                      "first_seen", "last_seen", "missing_since", "verified_at", "checked_at", "recorded_loss")
+                      "first_seen", "last_seen", "missing_since", "verified_at", "checked_at", "recorded_loss",
+                      "metrics")
 FILE_COLUMNS = ("step", "relpath", "size", "mtime", "etag", "crc64nvme", "sha256", "sha256_expected", "status",
                 "detail", "verified_at")
 COPY_COLUMNS = ("step", "tier", "url", "state", "stored_bytes", "codec", "manifest_key", "created_at", "verified_at",

@@ -145,6 +145,8 @@ checkpoints = Table(
     # checked since their sweep began).
     _optional("checked_at", UTCDateTime()),
     _optional("recorded_loss", Float),
+    # What the run recorded about the checkpoint: JSON {name: number}, sorted by name (keep_best).
+    _optional("metrics", Text),
     Column("generation", BigInteger, nullable=False, default=0),
     _optional("lease_owner", String(256)),
     _optional("lease_expires", UTCDateTime()),
