@@ -29,6 +29,9 @@ real stores' and catalog's methods, installed here only:
 ``mid-delete``  half-way through a delete batch (the first half of its keys deleted)
 ``deleted``     after a batch was deleted, before the tombstone
 ``tombstone``   right after the tombstone was recorded
+``restored``    (rebuild) right after a job's catalog backup was restored
+``scanned``     (rebuild) right after a hot location was scanned
+``rebuilt``     (rebuild) right after a job's archive copies were recorded
 ==============  ================================================================
 
 ``swap`` (optional) is what an attacker, or a careless operator, does to the
@@ -55,7 +58,7 @@ from collections.abc import Callable
 from typing import Any
 
 POINTS = ("canary", "lease", "upload", "part", "manifest", "committed", "recorded", "proof", "intent", "mid-delete",
-          "deleted", "tombstone")
+          "deleted", "tombstone", "restored", "scanned", "rebuilt")
 #: Points a swap may happen at besides the kill points.
 SWAP_POINTS = (*POINTS, "list", "stat")
 SMALL_PART = 5 << 20
@@ -185,13 +188,30 @@ def install() -> None:
     _after(Catalog, "record_delete_intent", "intent", lambda ok, *a, **k: bool(ok))
     _after(Catalog, "mark_deleted", "tombstone", lambda ok, *a, **k: bool(ok))
     _after(Catalog, "mark_hot_copy_deleted", "tombstone", lambda ok, *a, **k: bool(ok))
+    from ckptier.tasks import rebuild, scan
+
+    for module, name, point in ((rebuild, "import_job", "restored"), (scan, "scan_url", "scanned"),
+                                (rebuild, "record_rebuilt_copies", "rebuilt")):
+        _after_function(module, name, point)
+
+
+def _after_function(module: Any, name: str, point: str) -> None:
+    """Wrap a module's function (looked up by name where it is called) with a crash point after it."""
+    real = getattr(module, name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        result = real(*args, **kwargs)
+        reached(point)
+        return result
+
+    setattr(module, name, wrapper)
 
 
 def main() -> int:
     global _target, _swap
     from ckptier.flows.cli import main as ckptier
     from ckptier.storage import s3  # noqa: F401 - imported before "ready", as apply would
-    from ckptier.tasks import apply, archive, pipeline, verify  # noqa: F401
+    from ckptier.tasks import apply, archive, pipeline, rebuild, verify  # noqa: F401
 
     if os.environ.get("CHAOS_SMALL_PARTS") == "1":
         small_parts()

@@ -551,8 +551,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add("serve", cmd_serve, "serve every deployment with its schedule from this process (single host)")
     from .planning import add_commands
+    from .recovery import add_commands as add_recovery_commands
 
     add_commands(add)
+    add_recovery_commands(add)
     sp = add("deploy", cmd_deploy, "register every deployment to its work pool")
     sp.add_argument("--work-pool", default="ckptier-process")
     sp.add_argument("--gpu-pool", default="ckptier-gpu")

@@ -35,6 +35,7 @@ from ckptier.storage.records import Found, Recognition, Unrecognised
 __all__ = [
     "DEFAULT_LIGHTNING_SETTLE_SECONDS",
     "DEFAULT_METADATA_LIMIT",
+    "ARCHIVE_SUFFIX",
     "MANIFEST_SUFFIX",
     "OWN_DIR",
     "is_own_file",
@@ -49,6 +50,8 @@ DEFAULT_METADATA_LIMIT = 16 << 20
 MANIFEST_SUFFIX = "ckptier-manifest.json"
 #: A directory segment reserved for ckptier's own bookkeeping.
 OWN_DIR = ".ckptier"
+#: Archived (encoded) data objects end with this; they are never a checkpoint's files.
+ARCHIVE_SUFFIX = ".ckz"
 
 
 def is_own_file(key: str) -> bool:
@@ -197,10 +200,11 @@ def _recognise(
     anchors = ANCHORING
     sidecar_names = SIDECAR_NAMES | {JOB_METRICS}
     objects = 0
+    archived, archived_example = 0, None
     anchor_names = ANCHOR_NAMES
     anchor_suffixes = ANCHOR_SUFFIXES
     odd_starts = (TEMP_PREFIX, ".")
-    odd_ends = (MANIFEST_SUFFIX, *ANCHOR_SUFFIXES, *sorted("/" + n for n in ANCHOR_NAMES))
+    odd_ends = (MANIFEST_SUFFIX, ARCHIVE_SUFFIX, *ANCHOR_SUFFIXES, *sorted("/" + n for n in ANCHOR_NAMES))
     # Where the last anchored ordinary file (see FormatPlugin.anchor_names)
     # with a plainly safe key went, and its directory key[:last_len]: a
     # sibling with a name that is plainly safe, not ckptier's own and not
@@ -231,6 +235,10 @@ def _recognise(
             continue
         name = key[slash + 1 :]
         if name.startswith(TEMP_PREFIX) or name.endswith(MANIFEST_SUFFIX) or OWN_DIR in key and is_own_file(key):
+            continue
+        if name.endswith(ARCHIVE_SUFFIX):  # an archive copy's object: never claimed, counted for the caller
+            archived += 1
+            archived_example = archived_example or key
             continue
         safe = _plainly_safe(key)
         if not safe:
@@ -289,6 +297,8 @@ def _recognise(
         unrecognised=tuple(sorted(scan.unrecognised, key=lambda u: (u.key, u.reason))),
         objects=objects,
         job_metrics=job_metrics,
+        archive_objects=archived,
+        archive_example=archived_example,
     )
 
 

@@ -254,12 +254,17 @@ class Recognition:
     ``job_metrics``: job -> step -> metrics, from each job's ``metrics.jsonl``
     (already merged into the found checkpoints' ``metrics``); the catalog also
     applies them to cataloged checkpoints the scan did not list again.
+    ``archive_objects`` counts the archive copies' data objects (``*.ckz``) it
+    saw and never claimed, ``archive_example`` names one: the listing is of an
+    archive.
     """
 
     checkpoints: tuple[Found, ...]
     unrecognised: tuple[Unrecognised, ...]
     objects: int
     job_metrics: Mapping[str, Mapping[int, Mapping[str, float]]] = field(default_factory=dict)
+    archive_objects: int = 0
+    archive_example: str | None = None
 
 
 @dataclass(frozen=True)

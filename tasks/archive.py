@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ckptier.storage import codec as _codec
+from ckptier.storage.archive_copies import BACKUP_PREFIX
 from ckptier.storage.base import (
     MultipartUploads,
     ObjectInfo,
@@ -1339,7 +1340,8 @@ def janitor(archive: Store, *, now: datetime, older_than: timedelta,
       (written by :func:`promote` before its first upload) names, the marker
       itself, and a local store's own temporary files (``.ckptier-tmp-*``).
       Everything else without a commit marker is listed in ``not_ours`` and
-      left alone, however old.
+      left alone, however old; catalog backups (``.ckptier/catalog/``,
+      :mod:`ckptier.tasks.backup`) are ckptier's own and never touched.
     * Multipart uploads started more than ``older_than`` before ``now`` are
       aborted when an upload marker names their key (only on stores that
       have ``list_multipart_uploads``); a local store's own temporary files
@@ -1363,7 +1365,7 @@ def janitor(archive: Store, *, now: datetime, older_than: timedelta,
     report = JanitorReport()
     cutoff = now - older_than
     groups, loose = _group_step_dirs(archive)
-    report.not_ours.extend(loose)
+    report.not_ours.extend(k for k in loose if not k.startswith(BACKUP_PREFIX))  # catalog backups are ckptier's own
     ours = {d: _our_keys(archive, d) for d, _ in groups}
 
     if isinstance(archive, MultipartUploads):

@@ -672,6 +672,10 @@ def run_apply(
             freed += report.bytes_freed
         if not promoted or failed:
             break
+    if not dry_run:  # what storage cannot tell goes to the archive tier too (ckptier rebuild reads it)
+        from .backup import backup_after_apply
+
+        lines.extend(backup_after_apply(catalog, config, run.stores.store, now=now(), job=job))
     held = tuple(f"{i.job} step {i.step}: {i.action} {i.detail}" for i in items if i.outcome == "held")
     promoted_ids = {i.checkpoint_id for i in items if i.action == "promote" and i.outcome == "done"}
     touched = {i.checkpoint_id: catalog.get_by_id(i.checkpoint_id) for i in items
