@@ -22,6 +22,7 @@ T threads); and the ``zstd -1 -T2`` command line (``zstd -d``).
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import resource
 import shutil
@@ -90,6 +91,18 @@ def _dominant_float(path: Path) -> str:
 _ZIPNN_WIDTH = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
+class _Discard:
+    """A sink that counts and drops what is written (decoding in memory, without a file's write cost)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def write(self, data: bytes | memoryview) -> int:
+        n = memoryview(data).nbytes
+        self.n += n
+        return n
+
+
 def _zipnn_schemes(src: Path, work: Path, t: int) -> tuple[Callable[[], object], Callable[[], object], Path, str]:
     """ZipNN's file round trip, as its own scripts do it (whole file in memory, streaming chunks).
 
@@ -125,6 +138,19 @@ def _zipnn_schemes(src: Path, work: Path, t: int) -> tuple[Callable[[], object],
     return enc, dec, out, dtype
 
 
+def _in_memory(name: str, archive: bytes, t: int, dtype: str) -> Callable[[], object]:
+    """Decoding only: from the archive's bytes in memory to a discarding sink (ZipNN: to its output buffer)."""
+    if name == OURS:
+        return lambda: codec.decode(io.BytesIO(archive), _Discard(), threads=t)  # type: ignore[arg-type]
+    if name == ZIPNN:
+        from zipnn import ZipNN
+
+        (n,) = struct.unpack_from("<Q", archive)
+        body = memoryview(archive)[8 : 8 + n]
+        return lambda: ZipNN(bytearray_dtype=dtype, threads=t, is_streaming=True).decompress(body)
+    return lambda: zstandard.ZstdDecompressor().copy_stream(io.BytesIO(archive), _Discard())
+
+
 def bench_one(label: str, src: Path, reps: int, t: int) -> None:
     raw = src.stat().st_size
     original = src.read_bytes()  # also brings the input into the page cache
@@ -154,7 +180,7 @@ def bench_one(label: str, src: Path, reps: int, t: int) -> None:
     schemes: dict[str, tuple[Callable[[], object], Callable[[], object], Path, Path]] = {
         OURS: (enc_ours, dec_ours, ours, back),
     }
-    note = ""
+    note, dtype = "", ""
     try:
         enc_z, dec_z, zout, dtype = _zipnn_schemes(src, work, t)
         schemes[ZIPNN] = (enc_z, dec_z, zout, work / "zipnn.out")
@@ -170,6 +196,7 @@ def bench_one(label: str, src: Path, reps: int, t: int) -> None:
             cback,
         )
     timings = {name: (Best(), Best()) for name in schemes}
+    memory = {name: Best() for name in schemes if name != cli_name}
     try:
         for _ in range(reps):
             for name, (enc, dec, _, _) in schemes.items():
@@ -178,6 +205,10 @@ def bench_one(label: str, src: Path, reps: int, t: int) -> None:
         for name, (_, _, _, restored) in schemes.items():
             assert restored.read_bytes() == original, f"{name}: round trip is not exact"
         sizes = {name: out.stat().st_size for name, (_, _, out, _) in schemes.items()}
+        in_memory = {name: _in_memory(name, schemes[name][2].read_bytes(), t, dtype) for name in memory}
+        for _ in range(reps):
+            for name, fn in in_memory.items():
+                memory[name].run(fn)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -191,6 +222,13 @@ def bench_one(label: str, src: Path, reps: int, t: int) -> None:
     print(f"  {'scheme':<24}{'ratio':>8}{'comp MB/s':>11}{'decomp MB/s':>13}{'comp CPU s/GB':>15}{'decomp CPU s/GB':>17}")
     for name, (ratio, c, d, cc, dc) in rows.items():
         print(f"  {name:<24}{ratio:>8.4f}{c:>11.0f}{d:>13.0f}{cc:>15.2f}{dc:>17.2f}")
+    print(f"  decoding in memory (archive bytes to a discarding sink), best of {reps}:")
+    for name, b in memory.items():
+        print(f"  {name:<24}{'':>8}{'':>11}{raw / b.wall / 1e6:>13.0f}{'':>15}{b.cpu / raw * 1e9:>17.2f}")
+    if ZIPNN in memory:
+        o_m, z_m = memory[OURS], memory[ZIPNN]
+        print(f"  ours vs {ZIPNN} in memory: decompress speed x{z_m.wall / o_m.wall:.2f}, "
+              f"decompress CPU x{o_m.cpu / z_m.cpu:.2f}")
     o = rows[OURS]
     for base in (ZIPNN, cli_name):
         if base in rows:

@@ -62,6 +62,11 @@ MIN_TENSOR_BYTES = 4096
 #: the decoder refuses segments claiming more raw bytes than this.
 MAX_SEGMENT = 64 << 20
 MAX_HEADER = 1 << 20
+#: largest zstd window the decoder allocates for a frame it decodes in chunks. Plane
+#: frames have 128 KiB windows (``codec_planes.plane_params``); every other frame is
+#: decoded in one pass into its output, which needs no window buffer. So a damaged
+#: frame header cannot make the decoder allocate more than this per stream.
+MAX_WINDOW = 1 << 20
 
 KIND_GENERIC = 0
 KIND_PLANES = 1
@@ -131,11 +136,14 @@ class _Workers:
             cctx = self._local.plane = zstandard.ZstdCompressor(compression_params=planes.plane_params())
         return cctx
 
-    def decompressor(self) -> zstandard.ZstdDecompressor:
-        dctx = getattr(self._local, "dctx", None)
-        if dctx is None:
-            dctx = self._local.dctx = zstandard.ZstdDecompressor()
-        return dctx
+    def decompressors(self, n: int) -> list[zstandard.ZstdDecompressor]:
+        """At least ``n`` decompression contexts: the planes of a block are decoded as parallel streams."""
+        dctxs: list[zstandard.ZstdDecompressor] | None = getattr(self._local, "dctxs", None)
+        if dctxs is None:
+            dctxs = self._local.dctxs = []
+        while len(dctxs) < n:
+            dctxs.append(zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW))
+        return dctxs
 
     def scratch(self) -> planes.Scratch:
         scratch = getattr(self._local, "scratch", None)
@@ -585,10 +593,11 @@ def _decode_segment(
     raw_crc: int, modes: list[int], payloads: list[memoryview], inbuf: np.ndarray,
 ) -> _Decoded:
     """Decode and verify one segment; return its bytes and the pooled buffers that hold them."""
-    dctx = workers.decompressor()
+    dctxs = workers.decompressors(len(modes))
     scratch = workers.scratch()
     used = [inbuf]
     in_place = kind == KIND_GENERIC and modes[0] == planes.PLANE_RAW
+    crc: int | None = None  # computed while decoding, when the decoder does
     try:
         if in_place:
             if len(payloads[0]) != raw_len:
@@ -599,20 +608,16 @@ def _decode_segment(
             used.append(outbuf)
             target = outbuf[:raw_len]
             if kind == KIND_GENERIC and modes[0] == planes.PLANE_ZSTD:
-                planes._decompress_into(dctx, payloads[0], target)
+                planes._decompress_into(dctxs[0], payloads[0], target)
             elif kind == KIND_GENERIC:
-                np.copyto(target, planes.decode_plane(modes[0], payloads[0], raw_len, dctx, scratch))
+                np.copyto(target, planes.decode_plane(modes[0], payloads[0], raw_len, dctxs[0], scratch))
             else:
-                size = raw_len // width
-                decoded = [
-                    planes.decode_plane(modes[k], payloads[k], size, dctx, scratch, f"plane{k}") for k in range(width)
-                ]
-                planes.merge_planes(decoded, width, transform, target, scratch)
+                crc = planes.decode_planes(modes, payloads, width, transform, target, dctxs, scratch)
             out = target.data
     except ValueError as exc:
         buffers.give(*used)
         raise IntegrityError(f"{label}: {exc}; the archive is damaged, restore from another copy", key=label) from exc
-    if checksums.crc64nvme(out) != raw_crc:
+    if (checksums.crc64nvme(out) if crc is None else crc) != raw_crc:
         buffers.give(*used)
         raise IntegrityError(
             f"{label}: segment checksum mismatch; the archive is damaged, restore from another copy", key=label

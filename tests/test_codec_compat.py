@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 from pathlib import Path
 
 import pytest
 
-from ckptier.storage import codec
+from ckptier.storage import codec, codec_planes
+from tests.fixtures.codec_damage import fixture_archives
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "codec"
-MANIFEST = json.loads((FIXTURES / "v2-fixtures.json").read_text())
+ARCHIVES = fixture_archives()
+MANIFEST = {name: meta for name, (_, meta) in ARCHIVES.items()}
 
 
 def _segment_kinds(archive: bytes) -> set[tuple[int, int, int, tuple[int, ...]]]:
@@ -41,7 +41,7 @@ def _segment_kinds(archive: bytes) -> set[tuple[int, int, int, tuple[int, ...]]]
 
 
 def test_the_fixtures_cover_every_segment_and_plane_kind() -> None:
-    kinds = set().union(*(_segment_kinds((FIXTURES / name).read_bytes()) for name in MANIFEST))
+    kinds = set().union(*(_segment_kinds(archive) for archive, _ in ARCHIVES.values()))
     assert {(k, w, t) for k, w, t, _ in kinds} >= {
         (codec.KIND_GENERIC, 1, 0), (codec.KIND_PLANES, 2, 0), (codec.KIND_PLANES, 2, 1),
         (codec.KIND_PLANES, 4, 0), (codec.KIND_PLANES, 4, 1), (codec.KIND_PLANES, 8, 0), (codec.KIND_PLANES, 8, 1),
@@ -55,11 +55,15 @@ def test_the_fixtures_cover_every_segment_and_plane_kind() -> None:
 
 
 @pytest.mark.parametrize("name", sorted(MANIFEST))
-@pytest.mark.parametrize("threads", [1, 2, 3])
-def test_format_2_archives_decode_to_their_original_bytes(name: str, threads: int) -> None:
+@pytest.mark.parametrize(("threads", "chunk"), [(1, 512 << 10), (2, 512 << 10), (3, 512 << 10), (2, 2), (1, 998)])
+def test_format_2_archives_decode_to_their_original_bytes(
+    name: str, threads: int, chunk: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # small decoding chunks: every chunk loop runs many times and ends on a partial chunk
+    monkeypatch.setattr(codec_planes, "_DECODE_CHUNK_BYTES", chunk)
     expected = MANIFEST[name]
     out = io.BytesIO()
-    stats = codec.decode(io.BytesIO((FIXTURES / name).read_bytes()), out, threads=threads)
+    stats = codec.decode(io.BytesIO(ARCHIVES[name][0]), out, threads=threads)
     data = out.getvalue()
     assert len(data) == expected["size"] == stats.raw_bytes
     assert hashlib.sha256(data).hexdigest() == expected["sha256"]
@@ -83,5 +87,5 @@ def test_format_2_archives_decode_from_a_file_without_readinto(name: str, tmp_pa
 
     out = tmp_path / "out"
     with open(out, "wb") as dst:
-        codec.decode(ReadOnly((FIXTURES / name).read_bytes()), dst)  # type: ignore[arg-type]
+        codec.decode(ReadOnly(ARCHIVES[name][0]), dst)  # type: ignore[arg-type]
     assert hashlib.sha256(out.read_bytes()).hexdigest() == MANIFEST[name]["sha256"]
