@@ -49,9 +49,9 @@ TRAINED_NAME = "trained.pt"
 TRAINED_WIDTH, TRAINED_BLOCKS, TRAINED_STEPS, TRAINED_BATCH = 1024, 8, 300, 128
 
 
-def _layers(rng: np.random.Generator) -> list[tuple[str, tuple[int, ...], float | None]]:
+def _layers(rng: np.random.Generator, width: int = WIDTH) -> list[tuple[str, tuple[int, ...], float | None]]:
     """(name, shape, weight std or None for a norm weight), in save order."""
-    d, ff = WIDTH, FFN
+    d, ff = width, FFN * width // WIDTH
     out: list[tuple[str, tuple[int, ...], float | None]] = [("embed.weight", (VOCAB, d), 0.02)]
     for i in range(BLOCKS):
         p = f"layers.{i}."
@@ -86,14 +86,18 @@ def _per_row(rng: np.random.Generator, shape: tuple[int, ...], sigma: float) -> 
     return np.exp(rng.normal(0.0, sigma, size=(shape[0], 1))).astype(np.float32)
 
 
-def write(path: Path) -> Path:
-    """Generate the reference checkpoint at ``path`` (overwrites); returns ``path``."""
+def write(path: Path, *, seed: int = SEED, width: int = WIDTH) -> Path:
+    """Generate the reference checkpoint at ``path`` (overwrites); returns ``path``.
+
+    Other ``seed``s give other checkpoints of the same kind (the ranks of a
+    sharded save); ``width`` scales the model (512: 25.2 M parameters, 252
+    MB; about ``16,384 w + 64 w**2`` parameters of 10 bytes each)."""
     import torch
 
-    rng = np.random.default_rng(SEED)
+    rng = np.random.default_rng(seed)
     model: dict[str, torch.Tensor] = {}
     state: dict[int, dict[str, torch.Tensor]] = {}
-    layers = _layers(rng)
+    layers = _layers(rng, width)
     for index, (name, shape, std) in enumerate(layers):
         if std is None:
             w = 1.0 + rng.normal(0.0, 0.05, size=shape).astype(np.float32)
