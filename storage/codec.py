@@ -55,8 +55,10 @@ CODEC_VERSION = 2
 MAGIC = b"\x89CKZ\r\n\x1a\n"
 END_MAGIC = b"CKZ1-END"
 
-#: largest raw block per segment (bytes); also the unit of parallel work.
-BLOCK_SIZE = 8 << 20
+#: largest raw block per segment (bytes); also the unit of parallel work. 2 MiB keeps a
+#: block and its planes in a core's cache while it is coded, and memory small; on the
+#: reference checkpoint 8 MiB blocks compress 0.01% better and code no faster.
+BLOCK_SIZE = 2 << 20
 #: tensor regions shorter than this are folded into generic segments.
 MIN_TENSOR_BYTES = 4096
 #: the decoder refuses segments claiming more raw bytes than this.
@@ -161,7 +163,7 @@ class _Workers:
 
 #: bytes of block buffers kept between calls: a fresh buffer costs page faults on
 #: first touch (~0.5 ms per MB here), on every file of a multi-file checkpoint.
-SPARE_BYTES = 160 << 20
+SPARE_BYTES = 32 << 20
 _SPARE_SCRATCH = 4
 
 

@@ -170,13 +170,13 @@ def _decode_step(width: int) -> int:
 def _merge_chunk(planes: Sequence[np.ndarray], width: int, transform: int, out: np.ndarray, scratch: Scratch) -> None:
     """Interleave one chunk of ``width`` planes into ``out`` (``len(planes[0]) * width`` bytes).
 
-    Numpy's fastest passes here are widening copies, multiplications and
-    same-type ors (each near the cache's bandwidth), while a shift of 16-bit
-    lanes runs at half their speed and a byte-strided scatter at a fifth: so
-    bytes are paired into 16-bit lanes by a widening copy, a multiplication
-    by 256 and an or, pairs into 32-bit ones the same way, and the rotation
-    back (right by one bit) is a multiplication (the bit that wraps), a shift
-    and an or on whole elements.
+    Numpy's fastest passes here are multiplications and ors that widen as
+    they go (each near the cache's bandwidth), while a shift of 16-bit lanes
+    runs at half their speed and a byte-strided scatter at a fifth: so bytes
+    are paired into 16-bit lanes by a multiplication by 256 and an or, pairs
+    into 32-bit ones the same way, and the rotation back (right by one bit)
+    is a multiplication (the bit that wraps), a shift and an or on whole
+    elements.
     """
     n = out.size // width
     if n == 0:
@@ -194,8 +194,8 @@ def _assemble(planes: Sequence[np.ndarray], out: np.ndarray, scratch: Scratch) -
     """``out`` = the little-endian unsigned integers whose bytes are ``planes`` (2, 4 or 8 uint8 arrays).
 
     Two bytes make a 16-bit lane, two lanes a lane twice as wide, and so on:
-    ``out = high << bits | low``, as a widening copy of ``high``, a
-    multiplication by ``2**bits``, a widening copy of ``low`` and an or.
+    ``out = high << bits | low``, as a multiplication of ``high`` by
+    ``2**bits`` and an or with ``low``, both widening as they go.
     """
     n = out.size
     k = len(planes)
@@ -206,11 +206,10 @@ def _assemble(planes: Sequence[np.ndarray], out: np.ndarray, scratch: Scratch) -
         high = scratch.get(f"merge.hi{k}", n, UINT_DTYPES[k // 2])
         _assemble(planes[: k // 2], low, scratch)
         _assemble(planes[k // 2 :], high, scratch)
-    wide = scratch.get(f"merge.w{k}", n, out.dtype)
-    np.copyto(out, high, casting="unsafe")
-    np.multiply(out, out.dtype.type(1 << (4 * k)), out=out)
-    np.copyto(wide, low, casting="unsafe")
-    np.bitwise_or(out, wide, out=out)
+    # widening inside the ufunc (numpy casts cache-sized pieces in its buffers): half the calls, and one
+    # pass less over ``out``, than a widening copy first
+    np.multiply(high, out.dtype.type(1 << (4 * k)), out=out, dtype=out.dtype, casting="unsafe")
+    np.bitwise_or(out, low, out=out, dtype=out.dtype, casting="unsafe")
 
 
 def _probe(plane: np.ndarray) -> tuple[float, np.ndarray]:
@@ -417,8 +416,7 @@ class _NibblePlane(_PlaneReader):
         # bits 12-15, so shifted right by 4 it is the little-endian pair (even, odd), and adding the
         # base to both bytes cannot carry (codes <= 15, base <= 240)
         pairs = self._pairs[:half]
-        np.copyto(pairs, packed, casting="unsafe")
-        np.multiply(pairs, np.uint16(0x1001), out=pairs)
+        np.multiply(packed, np.uint16(0x1001), out=pairs, dtype=np.uint16, casting="unsafe")
         np.right_shift(pairs, 4, out=pairs)
         np.add(pairs, np.uint16(self._base * 0x0101), out=pairs)
         out = pairs.view(np.uint8)[:n]
