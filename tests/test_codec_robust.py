@@ -49,6 +49,8 @@ def tensors(draw: st.DrawFn) -> torch.Tensor:
     kind = draw(st.sampled_from(_KINDS))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     width = torch.tensor([], dtype=dtype).element_size()
+    if n == 0:
+        return torch.empty(dims, dtype=dtype)
     if kind == "noise":  # any bit pattern, NaN payloads included
         flat = torch.from_numpy(rng.integers(0, 256, n * width, dtype=np.uint8)).view(dtype)
     elif dtype == torch.bool:
