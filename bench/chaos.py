@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Chaos: SIGKILLed and concurrent applies, and generated hostile input, checked after every trial.
 
-usage: python bench/chaos.py [--trials 210] [--concurrent 12] [--fuzz 10000] [--seed N]
+usage: python bench/chaos.py [--trials 210] [--concurrent 12] [--swaps 60] [--fuzz 10000] [--rebuild 12] [--seed N]
                              [--workdir DIR] [--no-pg] [--keep]
 
 Starts its own ``moto_server`` and PostgreSQL (as tests/fixtures do) on
@@ -22,6 +22,22 @@ speed puts them):
   before the apply.
 * **concurrent trials** (``--concurrent`` per catalog): two applies at once
   on PostgreSQL and on SQLite, each killed at a random delay or not.
+* **swap trials** (``--swaps``): a local world, scanned and verified, whose
+  hot tree is changed under ``ckptier apply`` at a random point between the
+  scan and the delete (before the apply; or, in the child, right after a
+  lease, a live listing, a stat, a keeper's proof or the delete intent): a
+  rolling checkpoint's step directory, its rank directory or the job
+  directory swapped for a symlink to the newest checkpoint or to a tree
+  outside the root laid out like it, a file swapped for a symlink to a
+  root-only file outside or to a keeper's file. Then: nothing outside the
+  root changed (a snapshot of it, bytes, directories and links), every kept
+  checkpoint's files are intact, no traceback; the swap is undone, and a
+  rescan, a verify and the after-trial checks below pass.
+* **rebuild trials** (``--rebuild``, :func:`rebuild_trial`): a tiered world's catalog is lost
+  (its backup kept, removed, or the newest corrupted) and ``ckptier rebuild`` children are
+  SIGKILLed one to three times (at a crash point: a backup restored, a hot location scanned, a
+  job's archive copies recorded; or after a random delay), then run to the end: the catalog must
+  be identical to an uninterrupted rebuild's, agree with storage and fetch bit-exactly.
 * **fuzz** (``--fuzz`` cases, ``bench/chaos_fuzz.py``): generated trees,
   archive manifests and S3 keys (hostile names, broken metadata.json, steps
   at the edges, empty files, duplicate steps, odd unicode, symlinks, FIFOs,
@@ -44,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import hashlib
 import io
 import json
@@ -75,6 +92,11 @@ sys.path.insert(0, str(REPO))
 import chaos_child  # noqa: E402
 
 KINDS = ("local", "s3-archive", "s3-hot")
+#: What a swap trial puts a symlink in place of, and to what (see the module docstring).
+SWAPS = ("step-to-newest", "step-to-outside", "rank-to-outside", "job-to-outside", "file-to-outside",
+         "file-to-keeper")
+#: When: before the apply, or at a point of the child apply (``bench/chaos_child.py``).
+SWAP_AT = ("before", "lease", "list", "stat", "proof", "intent")
 BUCKET = "chaos"
 KILL_POINTS = tuple(p for p in chaos_child.POINTS)
 #: Exit status of a run that skipped work another live run holds.
@@ -705,7 +727,9 @@ def agreement(world: World, bad: Callable[[str, str], None], s3: Any) -> None:
             if r.step in expected_hot_gone and "hot" in r.tiers:
                 bad("violation", f"{where}: the policy deletes its hot copy, still there after the re-runs")
     # The archive: committed copies complete and cataloged, nothing else but marked debris.
-    objects = _keys(archive, "")
+    from ckptier.storage.archive_copies import BACKUP_PREFIX
+
+    objects = {k: v for k, v in _keys(archive, "").items() if not k.startswith(BACKUP_PREFIX)}  # catalog backups
     dirs: dict[str, dict[str, int]] = {}
     for key, size in objects.items():
         head, sep, _ = key.partition("/step-")
@@ -970,6 +994,335 @@ class KillTrials:
             self.dispose(world, before)
 
 
+def tree_snapshot(root: Path) -> dict[str, bytes | str]:
+    """Every entry below ``root``, not following links: a file's bytes, a link's text, a directory."""
+    out: dict[str, bytes | str] = {}
+    if not root.exists():
+        return out
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            rel = p.relative_to(root).as_posix()
+            if p.is_symlink():
+                out[rel] = "-> " + os.readlink(p)
+            elif p.is_dir():
+                out[rel] = "dir"
+            else:
+                out[rel] = p.read_bytes()
+    return out
+
+
+class SwapTrials:
+    """Symlink swaps in the hot tree at random points between scan and delete (module docstring)."""
+
+    def __init__(self, kills: KillTrials) -> None:
+        self.k = kills
+        self.rnd = kills.rnd
+
+    def trial(self) -> None:
+        k, rnd, findings = self.k, self.rnd, self.k.findings
+        kind = "swap"
+        t = findings.tally(kind)
+        t.trials += 1
+        world = k.worlds.build("local", rnd)
+        world.kind = kind
+        how, at = rnd.choice(SWAPS), rnd.choice(SWAP_AT)
+        before = len(findings.problems)
+        try:
+            if not k.worlds.prepare(world, rnd, findings, corrupt=False):
+                return
+            kept, hot_gone = world.expected()
+            rolling = [s for s in world.steps if s not in kept and s not in hot_gone] or world.steps[:-1]
+            victim, newest = rnd.choice(rolling), world.steps[-1]
+            label = f"{world.root.name} ({how} of step {victim} at {at})"
+            job = Path(world.hot_url) / world.job
+            outside, aside = world.root / "outside", world.root / "aside"
+            aside.mkdir()
+            shutil.copytree(job / f"step-{victim:08d}", outside / "step")  # looks like the victim, is not ours
+            (outside / "step" / "rank-0000" / "keep-me").mkdir()
+            shutil.copytree(job, outside / "job")
+            (outside / "secret").write_bytes(b"root only: never read, archived or fetched\n")
+            (outside / "secret").chmod(0o600)
+            vdir = job / f"step-{victim:08d}"
+            moves = {
+                "step-to-newest": [[str(vdir), str(aside / "step"), f"step-{newest:08d}"]],
+                "step-to-outside": [[str(vdir), str(aside / "step"), str(outside / "step")]],
+                "rank-to-outside": [[str(vdir / "rank-0000"), str(aside / "rank"), str(outside / "step" / "rank-0000")]],
+                "job-to-outside": [[str(job), str(aside / "job"), str(outside / "job")]],
+                "file-to-outside": [[str(vdir / "rank-0000" / "model.pt"), str(aside / "model.pt"),
+                                     str(outside / "secret")]],
+                "file-to-keeper": [[str(vdir / "rank-0000" / "model.pt"), str(aside / "model.pt"),
+                                    str(job / f"step-{newest:08d}" / "rank-0000" / "model.pt")]],
+            }[how]
+            untouched = tree_snapshot(outside)
+            child = k.pool.take(world, "none", 0)
+            if at == "before":
+                chaos_child.swap(moves)
+            else:
+                seen = k.hits.get("local", Counter())
+                child.orders["swap"] = {"point": at, "n": rnd.randint(1, max(1, seen.get(at, 1))), "moves": moves}
+            if not child.wait_ready():
+                child.finish()
+                findings.add(kind, "crash", f"{label}: child did not start: {child.err[-1500:]}")
+                return
+            child.go()
+            rc = child.finish()
+            t.finished += 1
+            k.child_outcome(world, child, rc, label=label, ok=(0, 1))
+            if tree_snapshot(outside) != untouched:
+                findings.add(kind, "violation", f"{label}: something outside the root was changed through the link")
+            for step in sorted(kept | {newest}):
+                if step == victim:
+                    continue
+                for rel, data in world.files[step].items():
+                    p = job / f"step-{step:08d}" / rel
+                    if (aside / "job" / f"step-{step:08d}" / rel).exists() and how == "job-to-outside":
+                        p = aside / "job" / f"step-{step:08d}" / rel
+                    if not p.is_file() or p.read_bytes() != data:
+                        findings.add(kind, "violation", f"{label}: kept step {step}'s {rel} was lost or changed")
+            for path, put_aside, _ in reversed(moves):  # undo: the tree as it was, less what apply deleted
+                if os.path.islink(path):
+                    os.unlink(path)
+                if os.path.lexists(put_aside):
+                    os.rename(put_aside, path)
+            for argv in (world.args("scan", "--no-prefect", world.hot_url), world.args("verify", "--no-prefect")):
+                run = cli(*argv)
+                if traceback_in(run) or run.rc not in (0, 1):
+                    findings.add(kind, "crash" if traceback_in(run) else "violation", f"{label}: {run.line()}")
+            # What the interrupted or refused delete left is finished by the checks' re-runs.
+            check(world, findings, label, s3=k.worlds.s3, since=time.monotonic())
+        finally:
+            k.dispose(world, before)
+
+# ------------------------------------------------------------------------------ rebuild trials
+
+#: Catalog columns a comparison of two rebuilds leaves out: ids (each catalog numbers its own rows) and
+#: leases, which no rebuild takes. ``scans`` rows are statistics of the scans that wrote something (a
+#: killed rebuild's rescan may write nothing), not catalog content.
+_UNCOMPARED = {"id", "job_id", "checkpoint_id", "lease_owner", "lease_expires", "lease_host", "lease_pid",
+               "lease_started", "generation"}
+_ISO = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?(?:\+00:00|Z)?")
+
+
+def catalog_fingerprint(url: str, since: datetime) -> dict[str, list[tuple[Any, ...]]]:
+    """Everything a catalog holds, ids replaced by natural keys (job, step), every time at or after
+    ``since`` (what a rebuild wrote itself: proof times, first sightings) replaced by ``T``, in text too;
+    the rebuild's own bookkeeping events (``rebuild.*``) left out. Two rebuilds of the same storage
+    from ``since`` on give the same fingerprint."""
+    from sqlalchemy import select
+
+    from ckptier.storage.catalog import tables as t
+    from ckptier.storage.catalog.api import Catalog
+
+    def norm(v: Any) -> Any:
+        if isinstance(v, datetime):
+            return "T" if v >= since else v.isoformat()
+        if isinstance(v, str):
+            return _ISO.sub(lambda m: "T" if _parsed(m.group(0)) >= since else m.group(0), v)
+        if isinstance(v, dict):
+            return json.dumps({k: norm(x) for k, x in v.items()}, sort_keys=True, default=str)
+        if isinstance(v, list):
+            return json.dumps([norm(x) for x in v], default=str)
+        return v
+
+    out: dict[str, list[tuple[Any, ...]]] = {}
+    with Catalog.open(url, create=False) as cat, cat._engine.connect() as conn:  # noqa: SLF001 - a bench's look
+        jobs = {r.id: r.name for r in conn.execute(select(t.jobs.c.id, t.jobs.c.name))}
+        steps = {r.id: (jobs[r.job_id], int(r.step)) for r in conn.execute(
+            select(t.checkpoints.c.id, t.checkpoints.c.job_id, t.checkpoints.c.step))}
+        for table in (t.jobs, t.checkpoints, t.files, t.copies, t.drills, t.events):
+            rows = []
+            for r in conn.execute(select(table)).mappings():
+                if table is t.events and str(r["kind"]).startswith("rebuild."):
+                    continue
+                key = (steps.get(r["checkpoint_id"]) if "checkpoint_id" in r else None,
+                       jobs.get(r["job_id"]) if "job_id" in r else None)
+                rows.append((key, *(norm(v) for c, v in sorted(r.items()) if c not in _UNCOMPARED)))
+            out[table.name] = sorted(rows, key=repr)
+    return out
+
+
+def _parsed(text: str) -> datetime:
+    try:
+        moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        return datetime.min.replace(tzinfo=UTC)
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+
+
+def first_difference(a: dict[str, list[tuple[Any, ...]]], b: dict[str, list[tuple[Any, ...]]]) -> str | None:
+    """Where two fingerprints first differ, in one line, or None."""
+    for table in sorted(set(a) | set(b)):
+        ra, rb = a.get(table, []), b.get(table, [])
+        if ra != rb:
+            only_a = [r for r in ra if r not in rb][:1]
+            only_b = [r for r in rb if r not in ra][:1]
+            return f"{table}: {len(ra)} vs {len(rb)} rows; only uninterrupted: {only_a}; only killed: {only_b}"
+    return None
+
+
+def rebuild_trial(worlds: Worlds, findings: Findings, rnd: random.Random, pool: ChildPool, *, pg: bool,
+                  hits: Counter[str], durations: list[float]) -> int:
+    """A rebuild killed at random points and re-run ends identical to an uninterrupted one.
+
+    One world is tiered by an uninterrupted ``apply`` (so its archive holds milestones and a catalog
+    backup), then its storage is left as a lost catalog would leave it: with its backup, without any
+    (``ckptier rebuild`` works from the manifests and the hot tree alone), or with the newest backup
+    corrupt (the one before is restored). It is rebuilt twice into new catalogs: once uninterrupted,
+    once by ``ckptier rebuild`` children SIGKILLed one to three times (at a crash point one
+    uninterrupted rebuild reaches, or after a random delay) and then run to the end. The two must be
+    identical (:func:`catalog_fingerprint`); the killed-and-resumed one must then agree with storage
+    and fetch every kept checkpoint bit-exactly, as after any trial. Returns the kills."""
+    base = rnd.choice(["local", "s3-archive"])
+    kind = f"rebuild-{base}"
+    t = findings.tally(kind)
+    t.trials += 1
+    world = worlds.build(base, rnd, pg=pg)
+    world.kind = kind
+    variant = rnd.choice(["backup", "backup", "no-backup", "corrupt-backup"])
+    label = f"{world.root.name} ({variant}, {'pg' if pg else 'sqlite'})"
+    before = len(findings.problems)
+    kills = 0
+    extra: list[Callable[[], None]] = []
+
+    def command(world_: World, *argv: str) -> Run | None:
+        run = cli(*world_.args(*argv))
+        if traceback_in(run) or run.rc not in (0,):
+            findings.add(kind, "crash" if traceback_in(run) else "violation",
+                         f"{label}: {run.line()}\n{(run.err or run.out)[-2000:]}")
+            return None
+        return run
+
+    try:
+        if not worlds.prepare(world, rnd, findings, corrupt=False) or command(world, "apply", "--no-prefect") is None:
+            return 0
+        archive = open_bench_store(world.archive_url, worlds.s3)
+        from ckptier.storage.archive_copies import BACKUP_PREFIX
+
+        if variant == "corrupt-backup":
+            from ckptier.storage.catalog.api import Catalog
+
+            with Catalog.open(world.catalog_url) as cat:
+                cat.log_event("note", "a change after the last apply's backup", now=datetime.now(UTC), job=world.job)
+            if command(world, "catalog", "backup") is None:
+                return 0
+        backups = sorted(k for k in _keys(archive, BACKUP_PREFIX))
+        if variant == "no-backup":
+            archive.delete_many(backups)
+        elif variant == "corrupt-backup" and backups:
+            with archive.open_read(backups[-1]) as fh:
+                data = bytearray(fh.read())
+            data[rnd.randrange(len(data) // 2, len(data))] ^= 0xFF
+            archive.write(backups[-1], bytes(data))
+
+        def fresh(name: str) -> World:
+            url, drop = (worlds.catalog(rnd, name, world.root, pg=True) if pg else
+                         (f"sqlite:///{world.root / (name + '.db')}", lambda: None))
+            extra.append(drop)
+            return dataclasses.replace(world, catalog_url=url)
+
+        since = datetime.now(UTC)
+        reference, killed = fresh("uninterrupted"), fresh("killed")
+        if command(reference, "rebuild") is None:
+            return 0
+        if not durations:  # the first trial learns how long a rebuild runs and which points it reaches
+            calibration = fresh("calibration")
+            child = pool.take(calibration, "none", 0)
+            child.orders["argv"] = calibration.args("rebuild")
+            if child.wait_ready():
+                child.go()
+                child.finish()
+                rep = child.report()
+                if rep is not None:
+                    durations.append(rep[0])
+                    for p, c in rep[1].items():
+                        hits[p] = max(hits[p], c)
+        rounds = rnd.choices([1, 2, 3], weights=[3, 4, 3])[0]
+        for i in range(rounds):
+            points = [p for p in ("restored", "scanned", "rebuilt") if hits[p] > 0]
+            if points and rnd.random() < 0.6:
+                point = rnd.choice(points)
+                n, delay = rnd.randint(1, hits[point]), None
+            else:
+                point, n = "none", 0
+                delay = rnd.uniform(0.0, statistics.median(durations[-20:] or [1.0]))
+            child = pool.take(killed, point, n)
+            child.orders["argv"] = killed.args("rebuild")
+            if not child.wait_ready():
+                child.finish()
+                findings.add(kind, "crash", f"{label}: child did not start: {child.err[-1500:]}")
+                return kills
+            child.go()
+            if delay is not None:
+                child.kill_after(delay)
+            rc = child.finish()
+            what = f"{point}#{n}" if delay is None else f"delay {delay:.2f}s"
+            if rc == -signal.SIGKILL:
+                kills += 1
+                t.kills += 1
+                t.points[point if delay is None else "delay"] += 1
+                if delay is None:
+                    t.hook_kills += 1
+                else:
+                    t.delay_kills += 1
+            else:
+                t.finished += 1
+                rep = child.report()
+                if rep is not None:
+                    durations.append(rep[0])
+                    for p, c in rep[1].items():
+                        hits[p] = max(hits[p], c)
+                if rc != 0 or "Traceback (most recent call last)" in child.out + child.err:
+                    findings.add(kind, "violation" if rc > 0 else "crash",
+                                 f"{label} round {i + 1} ({what}): child rebuild exited {rc}\n{child.err[-1500:]}")
+        if command(killed, "rebuild") is None:
+            return kills
+        diff = first_difference(catalog_fingerprint(reference.catalog_url, since),
+                                catalog_fingerprint(killed.catalog_url, since))
+        if diff is not None:
+            findings.add(kind, "violation", f"{label}: a killed and resumed rebuild differs from an uninterrupted "
+                                            f"one: {diff[:1500]}")
+        if variant == "no-backup" and command(killed, "verify", "--no-prefect") is None:
+            return kills
+
+        def bad(what: str, line: str) -> None:
+            findings.add(kind, what, f"{label}: {line}")
+
+        agreement(killed, bad, worlds.s3)
+        plan = command(killed, "plan", "--json")
+        if plan is not None:
+            fetches(killed, bad, json.loads(plan.out) if plan.out.strip() else [])
+    finally:
+        for drop in extra:
+            with contextlib.suppress(Exception):
+                drop()
+        if len(findings.problems) == before:
+            world.drop()
+            shutil.rmtree(world.root, ignore_errors=True)
+        else:
+            findings.problems.append(f"[{kind}] kept for a post-mortem: {world.root}")
+    return kills
+
+
+def rebuild_trials(worlds: Worlds, findings: Findings, rnd: random.Random, env: dict[str, str], trials: int, *,
+                   pg: bool, log: Callable[[str], None]) -> None:
+    """``trials`` of :func:`rebuild_trial` (a quarter on PostgreSQL when ``pg``), learning from the
+    uninterrupted child rebuilds which crash points a rebuild reaches and how long it takes."""
+    pool = ChildPool(env, size=1)
+    hits: Counter[str] = Counter()
+    durations: list[float] = []
+    try:
+        for i in range(trials):
+            rebuild_trial(worlds, findings, rnd, pool, pg=pg and rnd.random() < 0.25, hits=hits, durations=durations)
+            if (i + 1) % 5 == 0:
+                v, c, s = findings.totals
+                log(f"chaos: {i + 1} rebuild trials; violations {v}, crashes {c}, stuck {s}")
+    finally:
+        pool.close()
+    log("chaos: crash points one uninterrupted rebuild reaches (most seen): "
+        + ", ".join(f"{p} {n}" for p, n in sorted(hits.items())))
+
+
 # ------------------------------------------------------------------------------ the run
 
 
@@ -977,6 +1330,7 @@ class KillTrials:
 class Options:
     trials: int = 210
     concurrent: int = 12
+    swaps: int = 60
     fuzz: int = 10_000
     seed: int = 0
     workdir: Path | None = None
@@ -984,6 +1338,7 @@ class Options:
     keep: bool = False
     quiet: bool = False
     skip_open: bool = False
+    rebuild: int = 0  # the command line's default is 12
 
 
 def run(opts: Options, services: Services) -> Findings:
@@ -1009,7 +1364,7 @@ def run(opts: Options, services: Services) -> Findings:
     t0 = time.monotonic()
     try:
         pg_ok = opts.pg and services.pg is not None
-        for kind in KINDS if opts.trials or opts.concurrent else ():
+        for kind in KINDS if opts.trials or opts.concurrent or opts.swaps else ():
             trials.calibrate(kind, pg=False)
         kills = 0
         attempts = 0
@@ -1026,6 +1381,13 @@ def run(opts: Options, services: Services) -> Findings:
             if pg_ok:
                 trials.concurrent("pg")
         log(f"chaos: concurrent trials done, {time.monotonic() - t0:.0f}s")
+        swaps = SwapTrials(trials)
+        for i in range(opts.swaps):
+            swaps.trial()
+            if (i + 1) % 10 == 0:
+                v, c, s = findings.totals
+                log(f"chaos: {i + 1} swap trials, {time.monotonic() - t0:.0f}s; violations {v}, crashes {c}, stuck {s}")
+        rebuild_trials(worlds, findings, rnd, env, opts.rebuild, pg=pg_ok, log=log)
         findings.fuzz["canary_debris"] = canary_debris(worlds.s3)
         if opts.fuzz:
             import chaos_fuzz
@@ -1118,20 +1480,24 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trials", type=int, default=210, help="SIGKILLed applies at least (default 210)")
     ap.add_argument("--concurrent", type=int, default=12, help="trials of two concurrent applies per catalog")
+    ap.add_argument("--swaps", type=int, default=60, help="trials of symlink swaps under an apply (default 60)")
     ap.add_argument("--fuzz", type=int, default=10_000, help="generated cases (trees, manifests, S3 key sets)")
     ap.add_argument("--seed", type=int, default=None, help="replay a run (default: a new random seed)")
     ap.add_argument("--workdir", type=Path, default=None, help="where worlds are built (default: $TMPDIR)")
     ap.add_argument("--no-pg", action="store_true", help="without PostgreSQL (no concurrent-pg trials)")
+    ap.add_argument("--rebuild", type=int, default=12, help="trials of a rebuild killed and re-run (default 12)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     ap.add_argument("--skip-open", action="store_true",
                     help="do not generate the inputs of defects known and reported but not fixed yet "
                          "(bench/chaos_fuzz.py OPEN_DEFECTS)")
     a = ap.parse_args()
     seed = a.seed if a.seed is not None else random.SystemRandom().randrange(2**32)
-    opts = Options(trials=a.trials, concurrent=a.concurrent, fuzz=a.fuzz, seed=seed, workdir=a.workdir,
-                   pg=not a.no_pg, keep=a.keep, skip_open=a.skip_open)
+    opts = Options(trials=a.trials, concurrent=a.concurrent, swaps=a.swaps, fuzz=a.fuzz, seed=seed,
+                   workdir=a.workdir, pg=not a.no_pg, keep=a.keep, skip_open=a.skip_open, rebuild=a.rebuild)
     print(f"ckptier chaos: seed {seed} (replay: python bench/chaos.py --trials {a.trials} --concurrent "
-          f"{a.concurrent} --fuzz {a.fuzz} --seed {seed}{' --skip-open' if a.skip_open else ''})", flush=True)
+          f"{a.concurrent} --swaps {a.swaps} --fuzz {a.fuzz} --rebuild {a.rebuild} --seed {seed}"
+          f"{' --skip-open' if a.skip_open else ''})",
+          flush=True)
     t0 = time.monotonic()
     services = start_services(opts.pg)
     try:

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ckptier.storage import codec as _codec
+from ckptier.storage.archive_copies import BACKUP_PREFIX
 from ckptier.storage.base import (
     MultipartUploads,
     ObjectInfo,
@@ -56,6 +57,7 @@ from ckptier.storage.errors import (
     NeedsRestore,
     NotFound,
     StoreError,
+    environment_fault,
 )
 from ckptier.storage.hashing import Digests, Hasher, store_crc64nvme
 from ckptier.storage.local import file_mode
@@ -1098,22 +1100,33 @@ def fetch(
     out = Path(dest)
     check_fetch_dest(out)
     _check_layout(record)
-    created = _make_parents(out.absolute().parent)
-    stage = _stage_dir(out.absolute())
+    created: list[Path] = []
+    stage: Path | None = None
     done = False
     try:
+        created = _make_parents(out.absolute().parent)
+        stage = _stage_dir(out.absolute())
         result = _fetch_into(record, hot=hot, archive=archive, stage=stage, hot_prefix=hot_prefix, t0=t0,
                              fanout=fanout)
         _move_into_place(stage, out)
         done = True
+    except OSError as exc:
+        # Writing the destination failed for a reason of the machine's (a full disk, a
+        # read-only or pseudo filesystem): one line naming DEST, nothing left behind.
+        fault = environment_fault(exc, str(out.absolute()), doing="fetch into")
+        if fault is None:
+            raise
+        raise fault from exc
     finally:
         if not done:
-            shutil.rmtree(stage, ignore_errors=True)
+            if stage is not None:
+                shutil.rmtree(stage, ignore_errors=True)
             for d in reversed(created):
                 try:
                     d.rmdir()
                 except OSError:
                     break
+    assert stage is not None
     paths = tuple(out / p.relative_to(stage) for p in result.paths)
     return replace(result, dest=out, paths=paths, seconds=time.monotonic() - t0)
 
@@ -1299,7 +1312,8 @@ def janitor(archive: Store, *, now: datetime, older_than: timedelta,
       (written by :func:`promote` before its first upload) names, the marker
       itself, and a local store's own temporary files (``.ckptier-tmp-*``).
       Everything else without a commit marker is listed in ``not_ours`` and
-      left alone, however old.
+      left alone, however old; catalog backups (``.ckptier/catalog/``,
+      :mod:`ckptier.tasks.backup`) are ckptier's own and never touched.
     * Multipart uploads started more than ``older_than`` before ``now`` are
       aborted when an upload marker names their key (only on stores that
       have ``list_multipart_uploads``); a local store's own temporary files
@@ -1323,7 +1337,7 @@ def janitor(archive: Store, *, now: datetime, older_than: timedelta,
     report = JanitorReport()
     cutoff = now - older_than
     groups, loose = _group_step_dirs(archive)
-    report.not_ours.extend(loose)
+    report.not_ours.extend(k for k in loose if not k.startswith(BACKUP_PREFIX))  # catalog backups are ckptier's own
     ours = {d: _our_keys(archive, d) for d, _ in groups}
 
     if isinstance(archive, MultipartUploads):

@@ -1,27 +1,22 @@
-"""Restore drills: which checkpoint to try, how to run it isolated, the verdict.
+"""Restore drills: which checkpoint to try, what a worker is asked and answers, the verdict.
 
-Three pieces, no Prefect and no torch here:
+One drill engine for 1..N ranks: a single-rank drill is a drill of world
+size 1. The pieces here are pure, with no Prefect and no torch:
 
-* :func:`choose_candidates` - pure: the checkpoints worth drilling, best first.
-* :func:`run_drill_subprocess` - runs ``ckptier.tasks.drill_worker`` in a
-  child process with a time limit, the scratch directory as its working
-  directory and home, an environment that carries no credentials, and its
-  writes confined to the scratch directory where the kernel allows.
-* :func:`judge` - pure: a :class:`Verdict` from the worker's measured numbers.
+* :func:`choose_candidates` - the checkpoints worth drilling, best first.
+* :class:`DrillRequest` / :class:`WorkerResult` - what the parent asks one
+  worker (``ckptier.tasks.drill_worker``, one per rank) and what it
+  measured; JSON across the process boundary.
+* :func:`judge` - a :class:`Verdict` from the ranks' measured numbers.
+* :func:`worker_env` - the credential-free environment of a worker.
 
-Fetching the checkpoint into the scratch directory and recording the verdict
-in the catalog are the caller's job.
+Fetching, launching the workers (:mod:`ckptier.tasks.drill_launch`) and
+recording the verdict in the catalog are the callers' job.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime
@@ -31,8 +26,7 @@ from typing import Any, Self, cast
 from ckptier.formats.registry import DRILLABLE_FORMATS as DRILLABLE
 from ckptier.formats.registry import plugin
 from ckptier.storage.errors import ConfigError
-from ckptier.storage.records import CheckpointRecord, Format, State
-from ckptier.tasks.config import DEFAULT_DRILL_STEPS, DEFAULT_DRILL_TIMEOUT, parse_factory_spec
+from ckptier.storage.records import CheckpointRecord, State
 from ckptier.tasks.reports import Check
 
 DEFAULT_LOSS_TOLERANCE = 0.5
@@ -43,7 +37,27 @@ they never match exactly; weights that did not restore (random init, wrong
 layer) miss by far more."""
 
 DEFAULT_CUDA_RTOL = 1e-4
-"""Relative tolerance between the two repeated runs on CUDA (CPU must be bit-exact)."""
+"""Relative tolerance between the two repeated runs on CUDA, and between
+the ranks' losses (CPU must be bit-exact)."""
+
+DEFAULT_RESHARD_RTOL = 1e-4
+"""Relative tolerance between the losses of a resharded restore (M ranks)
+and of a same-size restore (N ranks), step by step, on CPU. The first loss
+is computed from the restored weights alone and matches bit for bit when
+the shards were restored right; later steps differ only by the order in
+which the data-parallel gradient reduction adds (M vs N terms): measured at
+0 for 4->2, 4->1 and 2->1 on the test models and a few float32 ulps
+(< 1e-6 relative) where the world size is not a power of two. A shard
+restored into the wrong rows, or not at all, moves the first loss by
+percents (measured 3e-2 to 1e0 on the same models), two orders of magnitude
+above this."""
+
+DEFAULT_RESHARD_RTOL_CUDA = 1e-3
+"""The same on CUDA, where the same-size restore may run on CPU (fewer GPUs
+than saved ranks) and GPU kernels round differently (not exercised in CI)."""
+
+STAGES = ("start", "rendezvous", "build", "load", "restore", "train", "done")
+"""The stages a worker reports in its progress file, in order."""
 
 DRILLABLE_FORMATS = DRILLABLE
 """Formats a drill can load (each plug-in says: :attr:`ckptier.formats.base.FormatPlugin.drillable`)."""
@@ -97,7 +111,7 @@ def drill_path(record: CheckpointRecord, fetched: Path) -> Path:
     return plugin(record.format).drill_path(Path(fetched), relpaths, single)
 
 
-# --- the worker's result ----------------------------------------------------
+# --- what the parent asks, what a worker answers -----------------------------------
 
 
 def _finite_or_none(value: Any) -> float | None:
@@ -123,71 +137,27 @@ class JsonRecord:
 
 
 @dataclass(frozen=True)
-class WorkerResult(JsonRecord):
-    """What the drill worker measured (JSON-serialisable; times in seconds,
-    memory in bytes).
-
-    ``error``/``error_stage`` are set when the drill could not finish; stage
-    is one of ``setup``, ``factory`` (the model factory does not import),
-    ``load``, ``build``, ``restore``, ``train``, ``timeout``, ``crash``.
-    ``unsafe`` marks a refused load. Losses are per step; ``None`` stands
-    for a non-finite loss. ``losses_repeat`` is the second run from a fresh
-    restore. ``optimizer_step_before``/``after`` are
-    the optimizer's step counter right after restoring and after the K steps.
-    ``grad_problems`` lists trainable parameters whose gradient was missing,
-    zero at every step, or non-finite at some step. ``timings`` holds
-    ``load_s``, ``build_s``, ``restore_s``, ``first_step_s``, ``steps_s``
-    (all K steps), ``total_s``, and the epoch time ``first_step_done_at``.
-    ``env_keys`` are the names (not values) of the worker's environment.
-    ``confined`` says whether the operating system confined the worker's
-    writes to its scratch directory, and ``confinement`` how, or why not
-    (measured before the worker started; None when run in-process).
-    """
-
-    checkpoint: str
-    format: str
-    steps: int
-    device: str | None = None
-    error: str | None = None
-    error_stage: str | None = None
-    unsafe: bool = False
-    timed_out: bool = False
-    losses: tuple[float | None, ...] = ()
-    losses_repeat: tuple[float | None, ...] = ()
-    recorded_loss: float | None = None
-    checkpoint_step: int | None = None
-    optimizer_loaded: bool = False
-    optimizer_step_before: float | None = None
-    optimizer_step_after: float | None = None
-    trainable_params: int = 0
-    frozen_params: int = 0
-    grad_problems: tuple[str, ...] = ()
-    timings: Mapping[str, float] = field(default_factory=dict)
-    peak_memory_bytes: int | None = None
-    memory_kind: str | None = None
-    also_loaded: tuple[str, ...] = ()
-    env_keys: tuple[str, ...] = ()
-    torch_version: str | None = None
-    returncode: int | None = None
-    stderr_tail: str | None = None
-    confined: bool = False
-    confinement: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        data = super().to_dict()
-        data["losses"] = [_finite_or_none(v) for v in self.losses]
-        data["losses_repeat"] = [_finite_or_none(v) for v in self.losses_repeat]
-        data["timings"] = dict(self.timings)
-        return data
-
-
-@dataclass(frozen=True)
 class DrillRequest(JsonRecord):
-    """What the parent asks the worker to do (written as JSON to scratch).
+    """What the parent asks worker ``rank`` of ``world_size`` (JSON in its scratch).
 
-    ``factory`` is a ``module:function`` spec (see ckptier.tasks.drill_models) or
-    None to build a Hugging Face model from its config.json. ``device`` is
-    ``auto``, ``cpu`` or ``cuda``; ``steps`` is K >= 1.
+    ``checkpoint`` is the rank's own copy (only the files it reads; a step
+    directory, or a Lightning ``.ckpt``). ``factory`` is a
+    ``module:function`` spec (see :mod:`ckptier.tasks.drill_models`) or None
+    to build a Hugging Face model from its config.json. ``device`` is
+    ``auto``, ``cpu``, ``cuda`` (device ``rank`` when there are several
+    ranks) or ``cuda:N``; ``steps`` is K >= 1. ``available`` says which of
+    its files are whole (None) and which are sparse copies holding only the
+    listed byte ranges. ``layout`` is the checkpoint's (``replicated``: load
+    one replica, and wrap the model in DDP when there are several ranks;
+    ``sharded``: shard the model with FSDP2 and let DCP's planner read the
+    parts). A worker joins a process group when there are several ranks or
+    the layout is sharded: rank 0 serves the rendezvous store on the socket
+    the parent bound to 127.0.0.1 (``store_fd``, inherited), the others
+    connect to ``store_port``. ``repeat``: train K steps a second time from
+    a fresh restore (the ``deterministic`` check; a single rank of a
+    single-rank checkpoint). ``progress_path``: where the worker writes the
+    stage it is in (None: nowhere); ``parent_pid``: the worker dies with
+    that process (None: it does not watch).
     """
 
     checkpoint: str
@@ -198,6 +168,105 @@ class DrillRequest(JsonRecord):
     result_path: str
     seed: int = 0
     allow_globals: tuple[str, ...] = ()
+    rank: int = 0
+    world_size: int = 1
+    saved_world: int = 1
+    layout: str = "replicated"
+    backend: str = "gloo"
+    store_port: int = 0
+    store_fd: int | None = None
+    progress_path: str | None = None
+    parent_pid: int | None = None
+    timeout: float = 0.0
+    available: Mapping[str, Any] = field(default_factory=dict)
+    repeat: bool = True
+
+    @property
+    def distributed(self) -> bool:
+        """Whether the worker joins a process group (several ranks, or FSDP2's device mesh)."""
+        return self.world_size > 1 or self.layout == "sharded"
+
+
+@dataclass(frozen=True)
+class WorkerResult(JsonRecord):
+    """What one worker (one rank) measured (JSON-serialisable; times in
+    seconds, memory in bytes), plus what the parent saw.
+
+    ``error``/``error_stage`` are set when the drill could not finish; stage
+    is one of ``setup``, ``rendezvous``, ``factory`` (the model factory does
+    not import), ``load``, ``build``, ``restore``, ``train``, ``timeout``,
+    ``crash``. ``unsafe`` marks a refused load. Losses are per step; ``None``
+    stands for a non-finite loss. ``losses_repeat`` is the second run from a
+    fresh restore (empty unless asked: :attr:`DrillRequest.repeat`).
+    ``optimizer_step_before``/``after`` are the optimizer's step counter
+    right after restoring and after the K steps. ``grad_problems`` lists
+    trainable parameters whose gradient was missing, non-finite at some
+    step, or zero at every step (on every rank). ``parallel`` is how the
+    model was distributed (``ddp``, ``fsdp2``, or ``none`` on one rank);
+    ``restored_digest`` the sha256 of the restored state of a replica when
+    there are several (None otherwise). ``timings`` holds ``load_s``,
+    ``build_s``, ``restore_s``, ``rendezvous_s``, ``first_step_s``,
+    ``steps_s`` (all K steps), ``total_s``, the epoch time
+    ``first_step_done_at``, and the parent's ``subprocess_s`` and
+    ``spawned_at`` (``limit_s`` at a timeout). ``env_keys`` are the names
+    (not values) of the worker's environment.
+
+    Set by the parent: ``returncode``, ``stderr_tail``, ``timed_out``
+    (killed at the time limit), ``stopped`` (killed because another rank
+    had failed), ``exit_order`` (0 for the first rank to exit),
+    ``last_stage`` (the worker's progress when it ended), ``confined``
+    (whether the operating system confined the worker's writes to its
+    scratch directory) and ``confinement`` (how, or why not; measured
+    before the worker started; None when run in-process).
+    """
+
+    checkpoint: str
+    format: str
+    steps: int
+    rank: int = 0
+    world_size: int = 1
+    device: str | None = None
+    backend: str | None = None
+    parallel: str | None = None
+    error: str | None = None
+    error_stage: str | None = None
+    unsafe: bool = False
+    timed_out: bool = False
+    stopped: bool = False
+    losses: tuple[float | None, ...] = ()
+    losses_repeat: tuple[float | None, ...] = ()
+    recorded_loss: float | None = None
+    checkpoint_step: int | None = None
+    optimizer_loaded: bool = False
+    optimizer_step_before: float | None = None
+    optimizer_step_after: float | None = None
+    trainable_params: int = 0
+    frozen_params: int = 0
+    grad_problems: tuple[str, ...] = ()
+    restored_digest: str | None = None
+    timings: Mapping[str, float] = field(default_factory=dict)
+    peak_memory_bytes: int | None = None
+    memory_kind: str | None = None
+    also_loaded: tuple[str, ...] = ()
+    env_keys: tuple[str, ...] = ()
+    torch_version: str | None = None
+    returncode: int | None = None
+    stderr_tail: str | None = None
+    exit_order: int | None = None
+    last_stage: str | None = None
+    confined: bool = False
+    confinement: str | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.timed_out or self.stopped or self.error is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        data = super().to_dict()
+        data["losses"] = [_finite_or_none(v) for v in self.losses]
+        data["losses_repeat"] = [_finite_or_none(v) for v in self.losses_repeat]
+        data["timings"] = dict(self.timings)
+        return data
 
 
 # --- the verdict ------------------------------------------------------------
@@ -219,100 +288,245 @@ def _fmt(value: float | None) -> str:
     return "non-finite" if value is None else f"{value:.6g}"
 
 
+def _stage_index(stage: str | None) -> int:
+    return STAGES.index(stage) if stage in STAGES else -1
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
+
+
+def _completion(results: Sequence[WorkerResult]) -> Check:
+    """The ``completed`` check: every rank finished; else the root cause
+    (a single rank: its stage and error)."""
+    failed = [r for r in results if r.failed]
+    if not failed:
+        return Check("completed", True, "")
+    if len(results) == 1:
+        (only,) = results
+        return Check("completed", False, f"{only.error_stage or 'crash'}: "
+                                         f"{only.error or 'the worker stopped without an error message'}")
+    timed = [r for r in results if r.timed_out]
+    if timed:
+        laggard = min(timed, key=lambda r: (_stage_index(r.last_stage), r.rank))
+        ahead = sorted({r.last_stage for r in timed if r.last_stage != laggard.last_stage and r.last_stage}, key=_stage_index)
+        where = f"; rank {laggard.rank} was still in {laggard.last_stage or 'start'}"
+        if ahead:
+            where += f" while the others had reached {', '.join(ahead)}"
+        limit = timed[0].timings.get("limit_s")
+        killed = f"{'was' if len(timed) == 1 else 'were'} killed at the time limit" + (f" of {limit:g} s" if limit else "")
+        return Check("completed", False, f"timeout: {_ranks_text([r.rank for r in timed])} {killed}{where}; "
+                                         "raise the drill timeout or lower the steps")
+    own = [r for r in failed if not r.stopped]
+    # A rank that died without a result (killed, os._exit, a segfault) explains the errors its peers then
+    # report from a collective (a closed connection), whichever exit the drill happened to see first.
+    crashed = [r for r in own if r.error_stage == "crash"]
+    first = min(crashed or own or failed, key=lambda r: (r.exit_order if r.exit_order is not None else 1 << 30, r.rank))
+    detail = f"rank {first.rank}: {first.error_stage or 'crash'}: {first.error or 'stopped'}"
+    stopped = sorted(r.rank for r in failed if r.stopped)
+    also = sorted(r.rank for r in own if r is not first)
+    if also:
+        detail += f" (then {_ranks_text(also)} failed too)"
+    if stopped:
+        detail += f"; {_ranks_text(stopped)} stopped by the drill"
+    return Check("completed", False, detail)
+
+
+def _agree(a: float | None, b: float | None, exact: bool, rtol: float) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return a == b if exact else abs(a - b) <= rtol * max(abs(a), abs(b))
+
+
 def judge(
-    result: WorkerResult,
+    results: Sequence[WorkerResult],
     *,
+    steps: int | None = None,
     loss_tolerance: float = DEFAULT_LOSS_TOLERANCE,
     cuda_rtol: float = DEFAULT_CUDA_RTOL,
+    reference: Sequence[WorkerResult] | None = None,
+    reshard_rtol: float | None = None,
 ) -> Verdict:
-    """The drill's verdict; pure over the worker's numbers.
+    """The verdict of a drill of one or more ranks; pure over their numbers.
 
-    Checks, in order: ``completed`` (no timeout, no load/build/train error;
-    when it fails no other check is judged), ``losses_finite``,
-    ``gradients`` (every trainable parameter got a finite, non-zero gradient),
-    ``optimizer_continues`` (the restored step counter advanced by exactly K;
-    passes when the checkpoint had no optimizer state), ``deterministic``
-    (two runs from a fresh restore agree: bit-exact on CPU, ``cuda_rtol`` on
-    CUDA), ``recorded_loss`` (``|first - recorded| <= loss_tolerance *
-    |recorded|``; passes when nothing was recorded).
+    ``steps`` is K (default: what rank 0 was asked). Checks, in order, each
+    failure naming the rank when there are several: ``completed`` (every
+    rank finished; else the rank that failed first, or, at the time limit,
+    the one that lagged; no other check is judged), ``losses_finite`` (K
+    finite losses on every rank), ``replicas_agree`` (several ranks only:
+    every rank restored the same replica, when they hold replicas, and
+    every rank's loss equals rank 0's at every step: bit-exact on CPU,
+    ``cuda_rtol`` on CUDA; every rank trains the same batch), ``gradients``
+    (every trainable parameter got a finite gradient on every rank,
+    non-zero on some rank), ``optimizer_continues`` (every rank's step
+    counter advanced by exactly K; passes when the checkpoint had no
+    optimizer state), ``deterministic`` (when a rank trained twice from a
+    fresh restore: the runs agree, bit-exact on CPU, ``cuda_rtol`` on
+    CUDA), ``recorded_loss`` (rank 0's first loss within ``loss_tolerance``
+    relative of the recorded one; passes when nothing was recorded). With
+    ``reference`` (a same-size restore of the same checkpoint), ``resumes``:
+    rank 0's losses match the reference's step by step within
+    ``reshard_rtol`` (default :data:`DEFAULT_RESHARD_RTOL`, or
+    :data:`DEFAULT_RESHARD_RTOL_CUDA` on CUDA).
     """
-    if result.timed_out or result.error is not None:
-        detail = result.error or "the worker stopped without an error message"
-        check = Check("completed", False, f"{result.error_stage or 'crash'}: {detail}")
-        return Verdict(False, [check], f"drill failed: {check.detail}")
-    checks = [Check("completed", True, f"{result.steps} steps on {result.device}")]
+    ordered = sorted(results, key=lambda r: r.rank)
+    world = len(ordered)
+    many = world > 1
+    zero = ordered[0]
+    steps = zero.steps if steps is None else steps
+    done = _completion(ordered)
+    if not done.ok:
+        return Verdict(False, [done], f"drill failed: {done.detail}")
+    on_cuda = bool(zero.device and zero.device.startswith("cuda"))
+    rule = "bit-exact" if not on_cuda else f"rtol {cuda_rtol:g}"
 
-    losses = list(result.losses)
-    bad = [i + 1 for i, v in enumerate(losses) if v is None or not math.isfinite(v)]
-    if len(losses) != result.steps:
-        checks.append(Check("losses_finite", False, f"expected {result.steps} losses, got {len(losses)}"))
-    elif bad:
-        checks.append(Check("losses_finite", False, f"non-finite loss at drill step(s) {bad[:5]}"))
+    def who(r: WorkerResult) -> str:
+        return f"rank {r.rank}: " if many else ""
+
+    every = " on every rank" if many else ""
+    if many:
+        checks = [Check("completed", True, f"{world} ranks x {steps} steps ({zero.parallel}, {zero.backend}) on {zero.device}")]
     else:
-        checks.append(Check("losses_finite", True, f"losses {_fmt(losses[0])} .. {_fmt(losses[-1])}"))
+        checks = [Check("completed", True, f"{steps} steps on {zero.device}")]
 
-    if result.trainable_params == 0:
-        checks.append(Check("gradients", False, "the model has no trainable parameters"))
-    elif result.grad_problems:
-        shown = "; ".join(result.grad_problems[:3])
-        more = f" (+{len(result.grad_problems) - 3} more)" if len(result.grad_problems) > 3 else ""
-        checks.append(Check("gradients", False, shown + more))
+    bad = None
+    for r in ordered:
+        if len(r.losses) != steps:
+            bad = f"{who(r)}expected {steps} losses, got {len(r.losses)}"
+        elif nonfinite := [i + 1 for i, v in enumerate(r.losses) if v is None or not math.isfinite(v)]:
+            bad = f"{who(r)}non-finite loss at drill step(s) {nonfinite[:5]}"
+        if bad:
+            break
+    checks.append(Check("losses_finite", bad is None, bad or f"losses {_fmt(zero.losses[0])} .. {_fmt(zero.losses[-1])}{every}"))
+
+    if many:
+        disagree = None
+        replicas = [r for r in ordered if r.restored_digest is not None]
+        if replicas and len(replicas) == world:
+            odd = next((r for r in ordered if r.restored_digest != zero.restored_digest), None)
+            if odd is not None:
+                disagree = f"rank {odd.rank} restored other weights than rank 0 (its replica of the checkpoint differs)"
+        if disagree is None:
+            for r in ordered[1:]:
+                for i, (a, b) in enumerate(zip(zero.losses, r.losses, strict=False)):
+                    if not _agree(a, b, not on_cuda, cuda_rtol):
+                        disagree = (f"rank {r.rank}'s loss at drill step {i + 1} is {_fmt(b)}, rank 0's {_fmt(a)} "
+                                    f"({rule}; every rank trains the same batch)")
+                        break
+                if disagree:
+                    break
+        what = "restored identical replicas and agree" if replicas and len(replicas) == world else "agree"
+        checks.append(Check("replicas_agree", disagree is None, disagree or f"{world} ranks {what} on every loss ({rule})"))
+
+    grad = None
+    if any(r.trainable_params == 0 for r in ordered):
+        grad = f"{who(next(r for r in ordered if r.trainable_params == 0))}the model has no trainable parameters"
     else:
-        frozen = f", {result.frozen_params} frozen skipped" if result.frozen_params else ""
-        checks.append(Check("gradients", True, f"{result.trainable_params} trainable parameters got finite non-zero gradients{frozen}"))
+        shown: list[str] = []
+        for r in ordered:
+            for grad_problem in r.grad_problems:
+                text = grad_problem if grad_problem.endswith("on every rank") else f"{who(r)}{grad_problem}"
+                if text not in shown:
+                    shown.append(text)
+        if shown:
+            grad = "; ".join(shown[:3]) + (f" (+{len(shown) - 3} more)" if len(shown) > 3 else "")
+    if grad is None:
+        frozen = f", {zero.frozen_params} frozen skipped" if zero.frozen_params else ""
+        grad_ok = (f"{zero.trainable_params} trainable parameters got finite gradients on every rank" if many
+                   else f"{zero.trainable_params} trainable parameters got finite non-zero gradients{frozen}")
+    checks.append(Check("gradients", grad is None, grad or grad_ok))
 
-    if not result.optimizer_loaded:
+    if not zero.optimizer_loaded:
         checks.append(Check("optimizer_continues", True, "skipped: the checkpoint has no optimizer state"))
     else:
-        before, after = result.optimizer_step_before, result.optimizer_step_after
-        if before is None or after is None:
-            checks.append(Check("optimizer_continues", True, "skipped: the optimizer keeps no step counter"))
-        elif before <= 0:
-            checks.append(Check("optimizer_continues", False, f"restored optimizer step counter is {before:g}; the state did not restore"))
-        elif after != before + result.steps:
-            checks.append(Check("optimizer_continues", False, f"step counter went {before:g} -> {after:g}, expected {before + result.steps:g}"))
-        else:
-            checks.append(Check("optimizer_continues", True, f"step counter {before:g} -> {after:g}"))
+        problem: str | None = None
+        for r in ordered:
+            before, after = r.optimizer_step_before, r.optimizer_step_after
+            if before is None or after is None:
+                continue
+            if before <= 0:
+                problem = f"{who(r)}restored optimizer step counter is {before:g}; the state did not restore"
+            elif after != before + steps:
+                problem = f"{who(r)}step counter went {before:g} -> {after:g}, expected {before + steps:g}"
+            if problem:
+                break
+        counters = {(r.optimizer_step_before, r.optimizer_step_after) for r in ordered}
+        if problem is None and len(counters) > 1:
+            problem = "ranks restored different step counters: " + ", ".join(
+                f"rank {r.rank} {_fmt(r.optimizer_step_before)}" for r in ordered)
+        before = zero.optimizer_step_before
+        ok_text = (f"step counter {before:g} -> {zero.optimizer_step_after:g}{every}" if before is not None
+                   and zero.optimizer_step_after is not None else "skipped: the optimizer keeps no step counter")
+        checks.append(Check("optimizer_continues", problem is None, problem or ok_text))
 
-    repeat = list(result.losses_repeat)
-    if len(repeat) != len(losses):
-        checks.append(Check("deterministic", False, f"repeat run gave {len(repeat)} losses, first run {len(losses)}"))
-    else:
-        exact = result.device is None or not result.device.startswith("cuda")
-        diffs = [
-            i + 1
-            for i, (a, b) in enumerate(zip(losses, repeat, strict=True))
-            if (a is None) != (b is None)
-            or (a is not None and b is not None and (a != b if exact else abs(a - b) > cuda_rtol * max(abs(a), abs(b))))
-        ]
-        rule = "bit-exact" if exact else f"rtol {cuda_rtol:g}"
-        if diffs:
-            i = diffs[0] - 1
-            checks.append(Check("deterministic", False, f"runs differ ({rule}) at step {diffs[0]}: {_fmt(losses[i])} vs {_fmt(repeat[i])}"))
-        else:
-            checks.append(Check("deterministic", True, f"two restored runs agree ({rule})"))
+    repeated = [r for r in ordered if r.losses_repeat]
+    if repeated:
+        differ = None
+        for r in repeated:
+            mine, again = list(r.losses), list(r.losses_repeat)
+            if len(again) != len(mine):
+                differ = f"{who(r)}repeat run gave {len(again)} losses, first run {len(mine)}"
+            else:
+                at = next((i for i, (a, b) in enumerate(zip(mine, again, strict=True))
+                           if not _agree(a, b, not on_cuda, cuda_rtol)), None)
+                if at is not None:
+                    differ = f"{who(r)}runs differ ({rule}) at step {at + 1}: {_fmt(mine[at])} vs {_fmt(again[at])}"
+            if differ:
+                break
+        checks.append(Check("deterministic", differ is None, differ or f"two restored runs agree ({rule})"))
 
-    recorded = result.recorded_loss
-    first = losses[0] if losses else None
+    recorded, first = zero.recorded_loss, (zero.losses[0] if zero.losses else None)
+    whose = "rank 0's first loss" if many else "first loss"
     if recorded is None:
         checks.append(Check("recorded_loss", True, "skipped: the checkpoint recorded no loss"))
     elif first is None:
-        checks.append(Check("recorded_loss", False, f"first loss is non-finite, recorded {_fmt(recorded)}"))
+        checks.append(Check("recorded_loss", False, f"{whose} is non-finite, recorded {_fmt(recorded)}"))
     elif abs(first - recorded) <= loss_tolerance * abs(recorded):
         checks.append(Check("recorded_loss", True, f"first loss {_fmt(first)} vs recorded {_fmt(recorded)} (tolerance {loss_tolerance:g})"))
     else:
         checks.append(Check("recorded_loss", False, f"first loss {_fmt(first)} vs recorded {_fmt(recorded)}: off by more than {loss_tolerance:g} relative"))
 
+    if reference is not None:
+        checks.append(_resumes(ordered, reference, on_cuda, reshard_rtol))
+
     failed = [c for c in checks if not c.ok]
     if failed:
         return Verdict(False, checks, f"drill failed: {failed[0].name}: {failed[0].detail}")
-    t = result.timings
-    summary = (
-        f"drill ok: {result.steps} steps on {result.device}, first loss {_fmt(first)}"
-        + (f" (recorded {_fmt(recorded)})" if recorded is not None else "")
-        + f", load {t.get('load_s', float('nan')):.2f} s, first step {t.get('first_step_s', float('nan')):.3f} s"
-    )
+    recorded_text = f" (recorded {_fmt(recorded)})" if recorded is not None else ""
+    if many:
+        first_step = max((r.timings.get("first_step_s", float("nan")) for r in ordered), default=float("nan"))
+        summary = (f"drill ok: {world} ranks ({zero.parallel}, {zero.backend}) x {steps} steps on {zero.device}, "
+                   f"first loss {_fmt(first)}{recorded_text}, ranks agree, first step {first_step:.3f} s")
+    else:
+        t = zero.timings
+        summary = (f"drill ok: {steps} steps on {zero.device}, first loss {_fmt(first)}{recorded_text}, "
+                   f"load {t.get('load_s', float('nan')):.2f} s, first step {t.get('first_step_s', float('nan')):.3f} s")
+    if reference is not None:
+        summary += f"; resumes on {world} rank{'s' if many else ''} (first losses match the {len(reference)}-rank restore)"
     return Verdict(True, checks, summary)
+
+
+def _resumes(results: Sequence[WorkerResult], reference: Sequence[WorkerResult], on_cuda: bool, rtol: float | None) -> Check:
+    world, saved = len(results), len(reference)
+    tol = rtol if rtol is not None else (DEFAULT_RESHARD_RTOL_CUDA if on_cuda else DEFAULT_RESHARD_RTOL)
+    ref = sorted(reference, key=lambda r: r.rank)
+    verdict = judge(ref, steps=len(results[0].losses))
+    if not verdict.checks[0].ok or not all(c.ok for c in verdict.checks if c.name in ("losses_finite", "replicas_agree")):
+        return Check("resumes", False, f"cannot tell whether it resumes on {world} ranks: the {saved}-rank restore failed: {verdict.summary}")
+    mine, theirs = list(results[0].losses), list(ref[0].losses)
+    worst, at = 0.0, 0
+    for i, (a, b) in enumerate(zip(mine, theirs, strict=False)):
+        if a is None or b is None:
+            continue
+        rel = abs(a - b) / max(abs(a), abs(b), 1e-30)
+        if rel > worst:
+            worst, at = rel, i + 1
+    if worst > tol:
+        return Check("resumes", False, f"the run does not resume the same on {world} ranks: at drill step {at} the loss is "
+                                       f"{_fmt(mine[at - 1])} on {world} ranks, {_fmt(theirs[at - 1])} on {saved} "
+                                       f"(relative {worst:.2g} > {tol:g})")
+    return Check("resumes", True, f"the run can resume on {world} ranks: losses match the {saved}-rank restore "
+                                  f"within rtol {tol:g} (largest difference {worst:.2g})")
 
 
 # --- running isolated ---------------------------------------------------------
@@ -361,148 +575,3 @@ def worker_env(parent: Mapping[str, str], scratch: Path, *, passthrough: Sequenc
         CUBLAS_WORKSPACE_CONFIG=parent.get("CUBLAS_WORKSPACE_CONFIG", ":4096:8"),
     )
     return env
-
-
-def _tail(path: Path, limit: int = 2000) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return ""
-    return text[-limit:]
-
-
-def _read_confinement(fd: int) -> tuple[bool, str]:
-    """What the confinement launcher reported on ``fd`` (written before the
-    worker started, so the worker cannot forge it)."""
-    from ckptier.tasks.confine import Confinement
-
-    chunks = []
-    while chunk := os.read(fd, 65536):
-        chunks.append(chunk)
-    try:
-        status = Confinement.from_json(b"".join(chunks).decode())
-    except (ValueError, KeyError, TypeError):
-        return False, "writes not confined: the confinement launcher reported nothing (it did not start)"
-    return status.confined, status.detail
-
-
-def _last_line(text: str) -> str:
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    return lines[-1] if lines else "no output"
-
-
-def run_drill_subprocess(
-    checkpoint: Path,
-    fmt: Format | str,
-    *,
-    factory: str | None,
-    scratch: Path,
-    steps: int = DEFAULT_DRILL_STEPS,
-    timeout: float = DEFAULT_DRILL_TIMEOUT.total_seconds(),
-    device: str = "auto",
-    seed: int = 0,
-    allow_globals: Sequence[str] = (),
-    env_passthrough: Sequence[str] = (),
-    python: str = sys.executable,
-) -> WorkerResult:
-    """Run one drill in a child process and return what it measured.
-
-    ``checkpoint`` is the local copy (a step directory, or a Lightning
-    ``.ckpt``), normally already fetched into ``scratch``. The child runs with
-    ``scratch`` as working directory and home, the environment of
-    :func:`worker_env`, and its own process group; after ``timeout`` seconds
-    the whole group is killed (SIGKILL) and the result says ``timed_out``.
-    Where the kernel offers Landlock the child can change the filesystem
-    only beneath ``scratch`` (:mod:`ckptier.tasks.confine`); it can still
-    read torch, the model's module and the checkpoint. The result's
-    ``confined``/``confinement`` say whether that held, and why not.
-    Never raises for what happens inside the child; raises
-    :class:`ConfigError` for bad arguments. ``timings["subprocess_s"]`` is the
-    child's wall time and ``timings["spawned_at"]`` the epoch time of spawning.
-    """
-    if steps < 1:
-        raise ConfigError(f"drill steps {steps} must be at least 1; use --steps 5 for example")
-    if device not in ("auto", "cpu", "cuda") and not device.startswith("cuda:"):
-        raise ConfigError(f"drill device {device!r} is unknown; use auto, cpu or cuda")
-    if timeout <= 0:
-        raise ConfigError(f"drill timeout {timeout} must be positive seconds")
-    if factory is not None:
-        parse_factory_spec(factory)
-    fmt_value = Format(fmt).value
-    scratch = Path(scratch).resolve()
-    (scratch / "tmp").mkdir(parents=True, exist_ok=True)
-    result_path = scratch / "drill-result.json"
-    result_path.unlink(missing_ok=True)
-    request = DrillRequest(
-        checkpoint=str(Path(checkpoint).resolve()),
-        format=fmt_value,
-        factory=factory,
-        steps=steps,
-        device=device,
-        result_path=str(result_path),
-        seed=seed,
-        allow_globals=tuple(allow_globals),
-    )
-    request_path = scratch / "drill-request.json"
-    request_path.write_text(json.dumps(request.to_dict()))
-    env = worker_env(os.environ, scratch, passthrough=env_passthrough)
-    status_read, status_write = os.pipe()
-    spawned_at = time.time()
-    started = time.perf_counter()
-    try:
-        with (scratch / "worker.out").open("wb") as out, (scratch / "worker.err").open("wb") as err:
-            proc = subprocess.Popen(
-                [python, "-m", "ckptier.tasks.confine", "--write", str(scratch), "--status-fd", str(status_write), "--",
-                 python, "-m", "ckptier.tasks.drill_worker", "--request", str(request_path)],
-                cwd=scratch,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=err,
-                start_new_session=True,
-                pass_fds=(status_write,),
-            )
-            os.close(status_write)
-            status_write = -1
-            try:
-                returncode = proc.wait(timeout=timeout)
-                timed_out = False
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                returncode = proc.wait()
-                timed_out = True
-        confined, confinement = _read_confinement(status_read)
-    finally:
-        os.close(status_read)
-        if status_write >= 0:
-            os.close(status_write)
-    elapsed = time.perf_counter() - started
-    timings = {"subprocess_s": elapsed, "spawned_at": spawned_at}
-    stderr_tail = _tail(scratch / "worker.err")
-    base: dict[str, Any] = {"checkpoint": request.checkpoint, "format": fmt_value, "steps": steps, "returncode": returncode,
-            "stderr_tail": stderr_tail or None, "confined": confined, "confinement": confinement}
-    if timed_out:
-        return WorkerResult(
-            **base,
-            timed_out=True,
-            error_stage="timeout",
-            error=f"the drill worker ran past the time limit of {timeout:g} s and was killed; raise the drill timeout or lower the steps",
-            timings=timings,
-        )
-    if not result_path.is_file():
-        return WorkerResult(
-            **base,
-            error_stage="crash",
-            error=f"the drill worker exited with code {returncode} without a result: {_last_line(stderr_tail)}",
-            timings=timings,
-        )
-    try:
-        data = json.loads(result_path.read_text())
-    except ValueError as exc:
-        return WorkerResult(**base, error_stage="crash", error=f"the drill worker wrote an unreadable result ({exc})", timings=timings)
-    data.update(returncode=returncode, stderr_tail=stderr_tail or None, confined=confined, confinement=confinement)
-    data["timings"] = {**(data.get("timings") or {}), **timings}
-    return WorkerResult.from_dict(data)

@@ -28,16 +28,17 @@ from ckptier.storage.base import StorageClasses, Store
 from ckptier.storage.catalog.api import Catalog, LeaseLost, ReadBack
 from ckptier.storage.errors import CkptierError, ConfigError
 from ckptier.storage.records import CheckpointRecord, CopyState, State, Tier
-from ckptier.storage.transitions import DEFAULT_GRACE
 from ckptier.storage.url import canonical_url
 
 from .apply import ApplyContext, ApplyReport, apply_plan
+from .backup import backup_after_apply
 from .archive import archive_dir, check_archive_copy, fetch, janitor, prefix_from_location, promoter
-from .config import Config, DrillSettings, check_archive_locations
+from .config import Config, DrillSettings, check_archive_locations, policy_grace
 from .fanout import Fanout
 from .forget import archive_places, forget_candidates, still_stored
 from .leases import DEFAULT_TTL as DEFAULT_LEASE_TTL
 from .leases import LeaseKeeper, this_process
+from .prove import prove_record
 from .reports import (
     NOTHING_FREED,
     ApplyRunReport,
@@ -69,15 +70,6 @@ from .scan import ScanReport, scan_url
 from .verify import select_sample, verify_fanned, verify_many
 
 # -------------------------------------------------------------------- scan
-
-
-def policy_grace(config: Config | None) -> Callable[[str], timedelta]:
-    """A job's ``grace`` (how long a save may be in flight): its ``[[policy]]``'s, else 2 h."""
-    def grace_for(job: str) -> timedelta:
-        policy = config.policy_for(job) if config is not None else None
-        return policy.grace if policy is not None else DEFAULT_GRACE
-
-    return grace_for
 
 
 def run_scan(
@@ -561,6 +553,8 @@ def run_apply(run: Run, options: ApplyOptions = ApplyOptions(), *, fanout: Fanou
             freed += report.bytes_freed
         if not promoted or failed:
             break
+    if not dry_run:  # what storage cannot tell goes to the archive tier too (ckptier rebuild reads it)
+        lines.extend(backup_after_apply(catalog, run.config, run.stores.store, now=run.now(), job=options.job))
     held = tuple(f"{i.job} step {i.step}: {i.action} {i.detail}" for i in items if i.outcome == "held")
     promoted_ids = {i.checkpoint_id for i in items if i.action == "promote" and i.outcome == "done"}
     touched = {i.checkpoint_id: catalog.get_by_id(i.checkpoint_id) for i in items
@@ -634,6 +628,10 @@ def run_fetch(run: Run, *, job: str, step: int, dest: Path) -> FetchReport:
     record = run.catalog.get(job, step)
     if record is None:
         raise ConfigError(f"job {job!r} step {step}: not in the catalog; see 'ckptier ls --job {job}'")
+    # The hot copy is trusted only if its files are still the ones verified (a stat each).
+    proven = prove_record(run.catalog, run.stores.for_record, record, now=run.now())
+    if proven is not None and proven.verdict == "changed":
+        record = run.catalog.get_by_id(record.id) or record
     return fetch_record(record, run.config, dest=dest, stores=run.stores)
 
 
@@ -753,7 +751,8 @@ def run_drill(run: Run, options: DrillOptions, *, fanout: Any = None) -> list[Dr
     (:class:`DrillOptions`).
 
     A checkpoint saved by N ranks is drilled by N workers, each fetching only
-    its own rank's files (:mod:`ckptier.tasks.drill_dist`); with
+    its own rank's files (:mod:`ckptier.tasks.drill_launch`), a single-rank
+    one by one worker (the same engine at world size 1); with
     ``world_size`` M it is restored into M ranks and compared with a
     same-size restore (the report's ``reshard`` says whether the run resumes
     on M ranks). A checkpoint whose ranks cannot be drilled yet
@@ -783,7 +782,7 @@ def run_drill(run: Run, options: DrillOptions, *, fanout: Any = None) -> list[Dr
     import tempfile
 
     from ckptier.formats.names import allow_global_problem
-    from .drill import DEFAULT_LOSS_TOLERANCE, choose_candidates, drill_path, judge, run_drill_subprocess
+    from .drill import DEFAULT_LOSS_TOLERANCE, choose_candidates
     from .drill_inputs import check_drill_inputs
 
     catalog, config, stores, now = run.catalog, run.config, run.stores, run.now
@@ -817,76 +816,40 @@ def run_drill(run: Run, options: DrillOptions, *, fanout: Any = None) -> list[Dr
         tolerance = settings.loss_tolerance or DEFAULT_LOSS_TOLERANCE
         allowed = tuple(dict.fromkeys([*settings.allow_globals, *allow_globals]))
         for record in records:
+            from .prove import prove_record
+
+            proven = prove_record(catalog, stores.for_record, record, now=now())
+            if proven is not None and proven.verdict == "changed":  # no longer what was verified: not blamed
+                reports.append(_not_started(record, f"{proven.describe()}; verify it again", now(), now()))
+                continue
             started = now()
             scratch = Path(tempfile.mkdtemp(prefix="ckptier-drill-", dir=options.scratch_root))
-            timings: dict[str, float] = {}
-            tier: str | None = None
-            fetched: FetchReport | None = None
             try:
-                relpaths = [f.relpath for f in record.files]
-                if _ranked(record, relpaths, world_size):
-                    report = _ranked_drill(record, config, stores, scratch, started=started, now=now, factory=factory,
+                report = _drill_checkpoint(record, config, stores, scratch, started=started, now=now, factory=factory,
                                            steps=k, device=dev, timeout=limit, tolerance=tolerance,
                                            allow_globals=allowed, world_size=world_size, fanout=fanout)
-                    if report.stage in ("unsupported", "not-started"):  # said in the report, not recorded as a failed drill
-                        reports.append(report)
-                        break
-                    tier = report.tier
-                else:
-                    try:
-                        fetched = fetch_record(record, config, dest=scratch / "checkpoint", stores=stores,
-                                               fanout=fanout)
-                    except CkptierError as exc:  # a fetch failure is this candidate's verdict
-                        report = _drill_failure(record, started, now(), stage="fetch", error=str(exc))
-                if fetched is not None:
-                    tier = fetched.tier
-                    timings["fetch_s"] = fetched.seconds
-                    path = drill_path(record, scratch / "checkpoint")
-                    result = run_drill_subprocess(path, record.format, factory=factory, scratch=scratch / "work",
-                                                  steps=k, timeout=limit, device=dev, allow_globals=allowed)
-                    if result.error_stage == "factory":
-                        # The operator's factory does not load: says nothing about this checkpoint.
-                        reports.append(_not_started(record, f"drill model {factory!r} does not load: {result.error}",
-                                                    started, now()))
-                        break
-                    verdict = judge(result, loss_tolerance=tolerance)
-                    timings.update({key: float(v) for key, v in result.timings.items()})
-                    unconfined = "" if result.confined else f"; {result.confinement}"
-                    report = DrillReport(
-                        job=record.job, step=record.step, ok=verdict.ok, summary=
-                            f"{record.job} step {record.step} ({tier} tier, {result.device or dev}): {verdict.summary}{unconfined}",
-                        checks=tuple(verdict.checks), device=result.device, tier=tier,
-                        timings=timings, peak_memory_bytes=result.peak_memory_bytes,
-                        losses=tuple(result.losses), error=result.error, stage=result.error_stage,
-                        confined=result.confined, confinement=result.confinement,
-                        started_at=started, finished_at=now(),
-                    )
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
-            _record_drill(catalog, record, report, started=started, finished=now(), tier=tier)
+            if report.stage in ("unsupported", "not-started"):  # said in the report, not recorded as a failed drill
+                reports.append(report)
+                break
+            _record_drill(catalog, record, report, started=started, finished=now(), tier=report.tier)
             reports.append(report)
             if report.ok or report.stage not in LOAD_STAGES:
                 break
     return reports
 
 
-def _ranked(record: CheckpointRecord, relpaths: Sequence[str], world_size: int | None) -> bool:
-    """Whether ``record`` is drilled by several workers: saved by more than
-    one rank, or asked to restore into another number of ranks."""
-    from ckptier.formats.registry import plugin
-
-    saved = plugin(record.format).saved_ranks(relpaths)
-    return saved > 1 or (world_size is not None and world_size != saved)
-
-
-def _ranked_drill(record: CheckpointRecord, config: Config, stores: StoreCache, scratch: Path, *, started: datetime,
-                  now: Clock, factory: str | None, steps: int, device: str, timeout: float, tolerance: float,
-                  allow_globals: Sequence[str], world_size: int | None, fanout: Any = None) -> DrillReport:
-    """A multi-rank drill of ``record``, as a report (``stage`` ``unsupported``
-    when its ranks cannot be drilled yet, ``not-started`` when the model
-    factory does not load in the workers)."""
+def _drill_checkpoint(record: CheckpointRecord, config: Config, stores: StoreCache, scratch: Path, *, started: datetime,
+                      now: Clock, factory: str | None, steps: int, device: str, timeout: float, tolerance: float,
+                      allow_globals: Sequence[str], world_size: int | None, fanout: Any = None) -> DrillReport:
+    """The drill of ``record`` on as many ranks as saved it (or ``world_size``),
+    as a report: ``stage`` ``fetch`` when its files could not be fetched,
+    ``unsupported`` when its ranks cannot be drilled yet, ``not-started``
+    when the model factory does not load in the workers."""
     from dataclasses import replace
-    from .drill_dist import Fetched, UnsupportedDrill, run_ranked_drill
+
+    from .drill_launch import Fetched, UnsupportedDrill, run_ranked_drill
 
     def fetch(relpaths: Sequence[str], dest: Path) -> Fetched:
         wanted = set(relpaths)

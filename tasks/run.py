@@ -34,7 +34,7 @@ from ckptier.storage.base import Store
 from ckptier.storage.catalog.api import Catalog
 from ckptier.storage.errors import ConfigError
 from ckptier.storage.records import CheckpointRecord
-from ckptier.storage.url import open_store, parse_location
+from ckptier.storage.url import canonical_url, open_store, parse_location
 from ckptier.storage.wrappers import resuming
 
 from .config import Config, RunnerSettings, default_config
@@ -76,9 +76,11 @@ class StoreCache:
     """Opens each store once and maps a catalog location URL to ``(store, prefix)``.
 
     S3 locations share one store per bucket (``prefix`` is the key within
-    the bucket); a local location is served by a store rooted at its parent
-    directory (``prefix`` is the last path component), which works for
-    checkpoint directories and single-file checkpoints alike. Every store
+    the bucket); a local location is served by a store rooted at the
+    outermost of ``roots`` it lies below (the scanned directory: every
+    directory from there down is opened without following a link), else at
+    its parent directory; ``prefix`` is the rest of the path, which works
+    for checkpoint directories and single-file checkpoints alike. Every store
     ``opener`` gives is used through :func:`~ckptier.storage.wrappers.resuming`
     (a listing, a read or a batch delete that breaks off part-way goes on).
     Thread-safe.
@@ -115,7 +117,12 @@ class StoreCache:
         if location.startswith("s3://"):
             parsed = parse_location(location)
             return self.store(f"s3://{parsed.bucket}"), parsed.prefix
-        parsed = parse_location(location, self.roots())
+        roots = self.roots()
+        parsed = parse_location(location, roots)
+        for root in sorted(roots, key=len):  # the outermost first: nothing below it is followed
+            base = root.rstrip("/")
+            if base.startswith("file://") and location.startswith(base + "/") and canonical_url(base) == base:
+                return self.store(base), location[len(base) + 1:].strip("/")
         parent, name = posixpath.split(parsed.path.rstrip("/"))
         return self.store(Path(parent or "/").as_uri()), name
 

@@ -397,6 +397,16 @@ def _refuse_a_file(url: str) -> None:
                           f"(e.g. {parent})")
 
 
+def refuse_an_archive(url: str, recognition: Recognition) -> None:
+    """A listing holding archive copies' objects (``*.ckz``) is a ckptier archive, never hot
+    storage: one line saying so and how to rebuild a catalog from it; nothing is recorded."""
+    if recognition.archive_objects:
+        raise ConfigError(
+            f"{url}: is a ckptier archive ({recognition.archive_objects:,} archived objects, e.g. "
+            f"{recognition.archive_example!r}), not hot storage: nothing was cataloged; to rebuild a lost catalog "
+            f"from it run 'ckptier rebuild --archive {url} HOT_URL...'")
+
+
 def scan_url(
     url: str,
     catalog: Catalog,
@@ -444,6 +454,7 @@ def scan_url(
         recognition = recognise_store(store, now=now.timestamp(), name=root_name(url), patterns=patterns,
                                       tick=tick, skip_dir=skipper,
                                       on_link=links.append if stamps is not None else None, walked=walked)
+        refuse_an_archive(url, recognition)
         unchanged = skipper.unchanged if skipper is not None else {}
         summary = _record(catalog, store, recognition, unchanged, links, walked, listed_at, now, grace_for)
         committed = sum(1 for c in recognition.checkpoints if c.committed)
@@ -541,6 +552,7 @@ def scan_inventory(
                           f"not {bucket!r}; give the inventory of s3://{bucket}")
     recognition = recognise_store(store, now=now.timestamp(), name=root_name(url), patterns=patterns, tick=tick,
                                   listing=report.objects(prefix))
+    refuse_an_archive(url, recognition)
     kept, older = _newer_than_catalog(recognition, catalog, store.url, report.created_at)
     recognition = replace(recognition, checkpoints=kept)
     summary = catalog.record_scan(store.url, recognition, now=now, live=False, grace_for=grace_for)

@@ -23,7 +23,7 @@ from ckptier.storage.errors import Unavailable
 from ckptier.storage.local import LocalStore
 from ckptier.storage.records import State
 from ckptier.storage.s3 import S3Store
-from ckptier.tasks.apply import keepers
+from ckptier.tasks.retention import keepers
 from ckptier.tasks.config import Config
 from ckptier.tasks.pipeline import run_apply, run_fetch
 from ckptier.tasks.reports import ApplyRunReport

@@ -22,9 +22,9 @@ from ckptier.tasks.drill import (
     WorkerResult,
     choose_candidates,
     judge,
-    run_drill_subprocess,
     worker_env,
 )
+from ckptier.tasks.drill_launch import run_drill_subprocess
 from ckptier.tasks.drill_worker import run_request, state_dict_problems
 from ckptier.tasks.drill_models import DrillSpec, build_spec, demo_model, demo_train, parse_factory_spec, resolve_factory
 
@@ -215,7 +215,7 @@ def test_guide_drill_in_subprocess_is_ok_isolated_and_deterministic(
         monkeypatch.setenv(name, "secret-value")
     scratch = tmp_path / "scratch"
     result = run_drill_subprocess(step_dir, Format.GUIDE, factory=f"{factories}:report_env", scratch=scratch, steps=4, timeout=120)
-    verdict = judge(result)
+    verdict = judge([result])
     assert verdict.ok, verdict.summary
     assert result.recorded_loss == pytest.approx(loss)
     assert result.losses == result.losses_repeat and len(result.losses) == 4
@@ -231,14 +231,14 @@ def test_guide_drill_in_subprocess_is_ok_isolated_and_deterministic(
 def test_first_restored_loss_matches_recorded_and_random_weights_do_not(tmp_path: Path, trained: tuple[DrillSpec, float]) -> None:
     spec, loss = trained
     ok = drill_in_process(write_guide(tmp_path / "a", spec, loss), "guide")
-    assert judge(ok).ok
+    assert judge([ok]).ok
     # Weights that did not really restore (a fresh init) miss the recorded loss by far.
     fresh = demo_model()
     with torch.no_grad():
         for p in fresh.model.parameters():
             p.mul_(5.0)
     bad = drill_in_process(write_guide(tmp_path / "b", DrillSpec(fresh.model, spec.optimizer), loss), "guide")
-    verdict = judge(bad)
+    verdict = judge([bad])
     assert not verdict.ok
     assert [c.name for c in verdict.checks if not c.ok] == ["recorded_loss"]
 
@@ -246,7 +246,7 @@ def test_first_restored_loss_matches_recorded_and_random_weights_do_not(tmp_path
 def test_dcp_drill_ok(tmp_path: Path, trained: tuple[DrillSpec, float]) -> None:
     spec, _ = trained
     result = drill_in_process(write_dcp(tmp_path, spec), "dcp")
-    verdict = judge(result)
+    verdict = judge([result])
     assert verdict.ok, verdict.summary
     assert result.optimizer_loaded and result.optimizer_step_before == TRAINED_STEPS
     assert result.optimizer_step_after == TRAINED_STEPS + 3
@@ -259,7 +259,7 @@ def test_dcp_drill_ok(tmp_path: Path, trained: tuple[DrillSpec, float]) -> None:
 def test_hf_trainer_drill_ok(tmp_path: Path, trained: tuple[DrillSpec, float]) -> None:
     spec, loss = trained
     result = drill_in_process(write_hf(tmp_path, spec, loss), "hf-trainer")
-    assert judge(result).ok, judge(result).summary
+    assert judge([result]).ok, judge([result]).summary
     assert result.recorded_loss == pytest.approx(loss)  # the last logged training loss, not eval_loss
     assert set(result.also_loaded) == {"rng_state.pth", "scheduler.pt"}
 
@@ -267,7 +267,7 @@ def test_hf_trainer_drill_ok(tmp_path: Path, trained: tuple[DrillSpec, float]) -
 def test_lightning_drill_ok(tmp_path: Path, trained: tuple[DrillSpec, float]) -> None:
     spec, _ = trained
     result = drill_in_process(write_lightning(tmp_path / "ckpts", spec), "lightning")
-    assert judge(result).ok, judge(result).summary
+    assert judge([result]).ok, judge([result]).summary
     assert result.checkpoint_step == TRAINED_STEPS and result.recorded_loss is None
 
 
@@ -278,7 +278,7 @@ def test_nan_weights_fail_the_verdict(tmp_path: Path, trained: tuple[DrillSpec, 
     with torch.no_grad():
         model.net[2].weight[0, 0] = float("nan")
     result = drill_in_process(write_guide(tmp_path, DrillSpec(model, spec.optimizer), loss), "guide")
-    verdict = judge(result)
+    verdict = judge([result])
     assert not verdict.ok
     failed = {c.name for c in verdict.checks if not c.ok}
     assert "losses_finite" in failed and "gradients" in failed
@@ -310,7 +310,7 @@ def test_missing_model_key_fails_naming_it(tmp_path: Path, trained: tuple[DrillS
     torch.save(state, step_dir / "rank-0000" / "model.pt")
     result = drill_in_process(step_dir, "guide")
     assert result.error_stage == "restore" and "missing key net.4.bias" in (result.error or "")
-    assert not judge(result).ok
+    assert not judge([result]).ok
 
 
 def test_optimizer_state_without_an_optimizer_in_the_factory_fails(tmp_path: Path, trained: tuple[DrillSpec, float], factories: Path) -> None:
@@ -322,7 +322,7 @@ def test_optimizer_state_without_an_optimizer_in_the_factory_fails(tmp_path: Pat
 def test_frozen_parameters_need_no_gradient_but_unused_trainable_ones_do(tmp_path: Path, factories: Path) -> None:
     spec, loss = _trained("frozen")
     result = drill_in_process(write_guide(tmp_path / "frozen", spec, loss), "guide", factory=f"{factories}:frozen_first_layer")
-    verdict = judge(result)
+    verdict = judge([result])
     assert verdict.ok, verdict.summary
     assert result.frozen_params == 2 and result.trainable_params == 4
 
@@ -341,7 +341,7 @@ def test_frozen_parameters_need_no_gradient_but_unused_trainable_ones_do(tmp_pat
     (step_dir / "rank-0000").mkdir(parents=True)
     torch.save(model.state_dict(), step_dir / "rank-0000" / "model.pt")
     result = drill_in_process(step_dir, "guide", factory=f"{factories}:unused_head")
-    verdict = judge(result)
+    verdict = judge([result])
     assert not verdict.ok
     assert [c.name for c in verdict.checks if not c.ok] == ["gradients"]
     assert any("unused.weight" in p for p in result.grad_problems)
@@ -357,7 +357,7 @@ def test_timeout_kills_a_hanging_worker(tmp_path: Path, trained: tuple[DrillSpec
     )
     assert time.monotonic() - started < 40
     assert result.timed_out and result.error_stage == "timeout"
-    assert not judge(result).ok and "time limit" in judge(result).summary
+    assert not judge([result]).ok and "time limit" in judge([result]).summary
     pid = int((scratch / "pid").read_text())  # the factory really ran and hung
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
@@ -397,7 +397,7 @@ def _result(**changes: object) -> WorkerResult:
     ],
 )
 def test_judge_table(changes: dict[str, object], failing: list[str]) -> None:
-    verdict = judge(_result(**changes))
+    verdict = judge([_result(**changes)])
     assert [c.name for c in verdict.checks if not c.ok] == failing
     assert verdict.ok == (not failing)
     assert "\n" not in verdict.summary
@@ -411,8 +411,8 @@ def test_judge_table(changes: dict[str, object], failing: list[str]) -> None:
 
 def test_judge_loss_tolerance_is_relative() -> None:
     result = _result(recorded_loss=0.4)  # first loss 0.5: 25% off
-    assert judge(result, loss_tolerance=0.3).ok
-    assert not judge(result, loss_tolerance=0.2).ok
+    assert judge([result], loss_tolerance=0.3).ok
+    assert not judge([result], loss_tolerance=0.2).ok
 
 
 def _record(job: str, step: int, state: State, *, hours: float = 0, fmt: Format = Format.GUIDE, copies: tuple[CopyRecord, ...] | None = None, missing: bool = False) -> CheckpointRecord:
@@ -519,7 +519,7 @@ def test_drill_on_shared_fixture_checkpoints(run_name: str, request: pytest.Fixt
     run = request.getfixturevalue(run_name)  # lightning_run skips when lightning is not installed
     newest = max(run.steps)
     result = drill_in_process(run.path(newest), run.format.value, factory="tests.fixtures.checkpoints:tiny_mlp_drill_spec")
-    verdict = judge(result)
+    verdict = judge([result])
     assert verdict.ok, verdict.summary
     assert result.optimizer_loaded and result.optimizer_step_after == result.optimizer_step_before + 3
     if run.steps[newest].recorded_loss is not None:
@@ -575,7 +575,7 @@ def test_hf_trainer_checkpoint_drills_without_a_factory(hf_run, tmp_path: Path) 
     step = sorted(hf_run.steps)[-2]  # mid-run: the restored learning rate is not yet zero
     result = run_drill_subprocess(hf_run.path(step), Format.HF, factory=None, scratch=tmp_path / "scratch",
                                   steps=3, device="cpu", timeout=240)
-    verdict = judge(result)
+    verdict = judge([result])
     assert verdict.ok, (verdict.summary, result.stderr_tail)
     assert result.optimizer_loaded and result.optimizer_step_before == step
     assert result.optimizer_step_after == step + 3
@@ -634,14 +634,14 @@ def test_hf_sequence_classifier_is_built_from_its_architecture(tmp_path: Path) -
     transformers.BertForSequenceClassification(config).save_pretrained(ckpt)
     (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": 5, "log_history": []}))
     result = drill_in_process(ckpt, "hf-trainer", factory=None)
-    verdict = judge(result)
+    verdict = judge([result])
     assert verdict.ok, verdict.summary  # classifier head and 12 positions: a causal-LM build would not fit
     assert not result.optimizer_loaded
 
 
 def test_lightning_without_a_factory_says_what_to_pass(lightning_run) -> None:  # type: ignore[no-untyped-def]
     result = drill_in_process(lightning_run.path(max(lightning_run.steps)), "lightning", factory=None)
-    assert result.error_stage == "build" and not judge(result).ok
+    assert result.error_stage == "build" and not judge([result]).ok
     error = result.error or ""
     assert "LightningModule" in error and "--model module:function" in error and "[[drill]]" in error
     assert "\n" not in error
@@ -656,7 +656,7 @@ def test_fixture_checkpoints_drill_through_the_subprocess(
     step = max(run.steps)
     result = run_drill_subprocess(run.path(step), run.format, factory="tests.fixtures.checkpoints:tiny_mlp_drill_spec",
                                   scratch=tmp_path / "scratch", steps=3, device="cpu", timeout=120)
-    verdict = judge(result)
+    verdict = judge([result])
     assert verdict.ok, (verdict.summary, result.stderr_tail)
     assert result.checkpoint_step == step and result.optimizer_step_before == step
     assert result.optimizer_step_after == step + 3
@@ -829,7 +829,7 @@ def test_drill_worker_cannot_write_outside_scratch(
     scratch = tmp_path / "scratch"
     result = run_drill_subprocess(step_dir, Format.GUIDE, factory=f"{factories}:writes_outside", scratch=scratch,
                                   steps=2, timeout=120, device="cpu")
-    assert judge(result).ok, (judge(result).summary, result.stderr_tail)  # torch, the module and the checkpoint still read
+    assert judge([result]).ok, (judge([result]).summary, result.stderr_tail)  # torch, the module and the checkpoint still read
     attempts = json.loads((scratch / "attempts.json").read_text())
     assert attempts["scratch"] == "written" and (scratch / "inside.txt").read_text() == "ok"
     if not _confinement_expected():

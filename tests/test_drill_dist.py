@@ -19,7 +19,7 @@ import torch
 
 from ckptier.formats.dcp import dcp_layout
 from ckptier.formats.safe_load import load_checkpoint_dir, safe_torch_load
-from ckptier.tasks.drill_dist import Fetched, RankedDrill, cuda_device_count, run_ranked_drill
+from ckptier.tasks.drill_launch import Fetched, RankedDrill, cuda_device_count, run_ranked_drill
 from tests.fixtures.checkpoints import CheckpointRun, tiny_batch, tiny_loss, tiny_mlp
 from tests.fixtures.dist_checkpoints import DIST_STEPS, DistRuns
 

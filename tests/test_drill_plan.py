@@ -27,13 +27,12 @@ from ckptier.formats.dcp import dcp_layout, shard_rows
 from ckptier.formats.guide import guide_sharding
 from ckptier.formats.registry import plugin
 from ckptier.storage.errors import ConfigError
-from ckptier.tasks.drill_dist import (
+from ckptier.tasks.drill import WorkerResult, judge
+from ckptier.tasks.drill_launch import (
     Fetched,
-    RankResult,
     _listen_loopback,
     choose_backend,
     drill_backends,
-    judge_ranks,
     prepare_ranks,
     rank_env,
     visible_cuda_devices,
@@ -326,8 +325,8 @@ def test_prepare_ranks_fetches_each_file_once_and_gives_other_ranks_sparse_range
 # --- the verdict ---------------------------------------------------------------------------
 
 
-def _rank(rank: int, **changes: object) -> RankResult:
-    base = RankResult(
+def _rank(rank: int, **changes: object) -> WorkerResult:
+    base = WorkerResult(
         rank=rank, world_size=2, checkpoint="/x", format="dcp", steps=3, device="cpu", backend="gloo",
         parallel="fsdp2", losses=(0.5, 0.4, 0.3), recorded_loss=0.45, optimizer_loaded=True,
         optimizer_step_before=100.0, optimizer_step_after=103.0, trainable_params=4,
@@ -373,7 +372,7 @@ def _rank(rank: int, **changes: object) -> RankResult:
     ],
 )
 def test_judge_ranks_table(zero: dict[str, object], one: dict[str, object], failing: list[str], words: str) -> None:
-    verdict = judge_ranks([_rank(1, **one), _rank(0, **zero)], steps=3)  # any order
+    verdict = judge([_rank(1, **one), _rank(0, **zero)], steps=3)  # any order
     assert [c.name for c in verdict.checks if not c.ok] == failing
     assert verdict.ok == (not failing)
     assert words in verdict.summary and "\n" not in verdict.summary
@@ -383,26 +382,26 @@ def test_judge_ranks_table(zero: dict[str, object], one: dict[str, object], fail
 
 def test_judge_ranks_resumes_against_the_same_size_restore() -> None:
     four = [_rank(r, world_size=4) for r in range(4)]
-    ok = judge_ranks([_rank(0), _rank(1)], steps=3, reference=four)
+    ok = judge([_rank(0), _rank(1)], steps=3, reference=four)
     assert ok.ok and "resumes on 2 ranks (first losses match the 4-rank restore)" in ok.summary
     assert ok.checks[-1].name == "resumes" and "within rtol 0.0001 (largest difference 0)" in ok.checks[-1].detail
     near = [_rank(r, losses=(0.5, 0.4, 0.3 * (1 + 2e-6))) for r in range(2)]  # reduction order: ulps
-    assert judge_ranks(near, steps=3, reference=four).ok
+    assert judge(near, steps=3, reference=four).ok
     off = [_rank(r, losses=(0.52, 0.4, 0.3)) for r in range(2)]
-    verdict = judge_ranks(off, steps=3, reference=four)
+    verdict = judge(off, steps=3, reference=four)
     assert not verdict.ok and verdict.summary.startswith("drill failed: resumes: the run does not resume the same on 2 ranks")
     assert "at drill step 1 the loss is 0.52 on 2 ranks, 0.5 on 4" in verdict.summary
-    assert judge_ranks(off, steps=3, reference=four, reshard_rtol=0.05).ok
+    assert judge(off, steps=3, reference=four, reshard_rtol=0.05).ok
     broken = [_rank(r, world_size=4, error="boom", error_stage="load", exit_order=r) for r in range(4)]
-    verdict = judge_ranks([_rank(0), _rank(1)], steps=3, reference=broken)
+    verdict = judge([_rank(0), _rank(1)], steps=3, reference=broken)
     assert not verdict.ok and "cannot tell whether it resumes on 2 ranks: the 4-rank restore failed: drill failed: rank 0: load: boom" in verdict.summary
     cuda = [_rank(r, device=f"cuda:{r}", losses=(0.5, 0.4, 0.3 * (1 + 5e-4))) for r in range(2)]
-    assert judge_ranks(cuda, steps=3, reference=four).ok  # CUDA vs the CPU restore: rtol 1e-3
+    assert judge(cuda, steps=3, reference=four).ok  # CUDA vs the CPU restore: rtol 1e-3
 
 
 def test_rank_result_round_trips_through_json() -> None:
     result = _rank(1, losses=(0.5, float("inf"), 0.3), grad_problems=("w: no gradient",))
-    back = RankResult.from_dict(json.loads(json.dumps(result.to_dict())))
+    back = WorkerResult.from_dict(json.loads(json.dumps(result.to_dict())))
     assert back.losses == (0.5, None, 0.3) and back.grad_problems == ("w: no gradient",) and back.rank == 1
 
 

@@ -17,7 +17,8 @@ import pytest
 
 from ckptier.storage.records import CheckpointRecord, Format, State
 from ckptier.tasks.reports import Check
-from ckptier.tasks.drill_dist import Fetched, RankedDrill, RankedRun, RankResult, RankScratch, judge_ranks
+from ckptier.tasks.drill import WorkerResult, judge
+from ckptier.tasks.drill_launch import Fetched, RankedDrill, RankedRun, RankScratch
 from ckptier.tasks.pipeline import _drill_failure, _not_started
 from ckptier.tasks.reports import DrillReport, FetchReport
 
@@ -84,7 +85,7 @@ def test_a_single_rank_drill_reports_its_worker_and_confinement() -> None:
 
 
 def _ranked(reshard: bool) -> RankedDrill:
-    results = [RankResult(rank=r, world_size=2, checkpoint="/x", format="dcp", steps=2, device="cpu", backend="gloo",
+    results = [WorkerResult(rank=r, world_size=2, checkpoint="/x", format="dcp", steps=2, device="cpu", backend="gloo",
                           parallel="fsdp2", losses=(0.5, 0.4), recorded_loss=0.45, optimizer_loaded=True,
                           optimizer_step_before=10.0, optimizer_step_after=12.0, trainable_params=4,
                           timings={"load_s": 1.0 + r, "first_step_done_at": 100.0 + r}, peak_memory_bytes=1000 * (r + 1),
@@ -97,7 +98,7 @@ def _ranked(reshard: bool) -> RankedDrill:
     reference = None
     if reshard:
         reference = replace(ran, world=4, results=[replace(r, world_size=4, losses=(0.5, 0.4)) for r in results])
-    verdict = judge_ranks(results, steps=2, reference=reference.results if reference else None)
+    verdict = judge(results, steps=2, reference=reference.results if reference else None)
     return RankedDrill("dcp", 4 if reshard else 2, "sharded", ran, verdict, reference)
 
 

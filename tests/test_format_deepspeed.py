@@ -176,7 +176,7 @@ def test_zero_optimizer_state_is_cut_back_into_the_torch_optimizers(deepspeed_ru
 def test_real_deepspeed_checkpoint_drills(deepspeed_run: CheckpointRun, tmp_path: Path) -> None:
     step = max(deepspeed_run.steps)
     result = run_request(DrillRequest(str(deepspeed_run.path(step)), "deepspeed", FACTORY, 3, "cpu", str(tmp_path / "r.json")))
-    verdict = judge(result)
+    verdict = judge([result])
     assert verdict.ok, verdict.summary
     assert result.optimizer_loaded and result.optimizer_step_before == step and result.optimizer_step_after == step + 3
     assert result.recorded_loss == pytest.approx(deepspeed_run.steps[step].loss)

@@ -80,6 +80,6 @@ def test_real_sharded_weights_with_a_shard_gone(hf_weights_run: CheckpointRun, t
 def test_real_sharded_weights_drill_without_a_factory(hf_weights_run: CheckpointRun, tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     result = run_request(DrillRequest(str(hf_weights_run.path(6)), "hf-weights", None, 2, "cpu", str(tmp_path / "r.json")))
-    verdict = judge(result)
+    verdict = judge([result])
     assert verdict.ok, verdict.summary
     assert not result.optimizer_loaded

@@ -128,7 +128,7 @@ def test_args_namespace_and_enums_load_as_plain_data_never_megatron_code(megatro
 def test_megatron_checkpoint_drills_and_resumes_exactly(megatron_run: CheckpointRun, tmp_path: Path) -> None:
     step = max(megatron_run.steps)
     result = run_request(DrillRequest(str(megatron_run.path(step)), "megatron", FACTORY, 3, "cpu", str(tmp_path / "r.json")))
-    verdict = judge(result)
+    verdict = judge([result])
     assert verdict.ok, verdict.summary
     assert result.optimizer_step_before == step and result.optimizer_step_after == step + 3
     model = tiny_mlp()

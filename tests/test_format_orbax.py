@@ -104,7 +104,7 @@ def test_real_orbax_save_renamed_back_to_in_flight(orbax_run: CheckpointRun, tmp
 def test_real_orbax_checkpoint_drills_with_jax(orbax_run: CheckpointRun, tmp_path: Path) -> None:
     step = max(orbax_run.steps)
     result = run_request(DrillRequest(str(orbax_run.path(step)), "orbax", FACTORY, 3, "cpu", str(tmp_path / "r.json")))
-    verdict = judge(result)
+    verdict = judge([result])
     assert verdict.ok, verdict.summary
     assert not result.optimizer_loaded and result.checkpoint_step == step
 

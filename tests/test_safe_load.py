@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from ckptier.storage.errors import ConfigError
-from ckptier.tasks.drill import DrillRequest, run_drill_subprocess
+from ckptier.tasks.drill import DrillRequest
+from ckptier.tasks.drill_launch import run_drill_subprocess
 from ckptier.tasks.drill_worker import run_request
 from ckptier.tasks.drill_models import demo_model
 from ckptier.formats.safe_load import (
