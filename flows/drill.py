@@ -44,10 +44,11 @@ def render_report(reports: Sequence[DrillReport]) -> str:
     """The drill report as markdown: one section per drill, a table of checks and timings."""
     lines = ["# Restore drill", ""]
     for r in reports:
-        mark = "PASSED" if r.ok else "NOT STARTED" if not r.started else "FAILED"
+        mark = "NOT STARTED" if not r.started else r.outcome.upper()
+        peak = "not measured" if r.peak_memory_bytes is None else f"{r.peak_memory_bytes:,} bytes"
+        trained = f", trained steps {r.trained_steps[0]}..{r.trained_steps[1]}" if r.trained_steps else ""
         lines += [f"## {r.job} step {r.step}: {mark}", "", r.summary, "",
-                  f"device `{r.device or '-'}`, tier `{r.tier or '-'}`, "
-                  f"peak memory {r.peak_memory_bytes or 0:,} bytes", "",
+                  f"device `{r.device or '-'}`, tier `{r.tier or '-'}`, peak memory {peak}{trained}", "",
                   *([r.confinement, ""] if r.confinement else []),
                   "| check | result | detail |", "| --- | --- | --- |"]
         lines += [f"| {c.name} | {'ok' if c.ok else '**FAIL**'} | {c.detail} |" for c in r.checks]
