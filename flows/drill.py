@@ -20,7 +20,7 @@ from ckptier.tasks.prefect_tasks import drill_task
 from ckptier.tasks.reports import DrillReport
 
 from .artifacts import publish_catalog_summary, publish_dashboard_links
-from .events import DRILL_FAILED, emit_ckptier_event
+from .events import DRILL_FAILED, DRILL_NOT_JUDGED, ENVIRONMENT_DRIFT, emit_ckptier_event
 from .runner import FailedWithReport
 
 
@@ -119,8 +119,11 @@ def restore_drill_flow(
         raise DrillNotStarted(str(exc)) from None
     create_markdown_artifact(render_report(reports), key="drill-report", description="Restore drill report")
     failed = [r for r in reports if not r.ok]
-    for r in failed:
-        emit_ckptier_event(DRILL_FAILED, r.job, r.step, summary=r.summary, started=r.started)
+    for r in failed:  # one event per drill: a not judged one stops its job's walk, so one per cause
+        emit_ckptier_event(DRILL_FAILED if r.judged else DRILL_NOT_JUDGED, r.job, r.step, summary=r.summary,
+                           started=r.started, verdict=r.outcome)
+        if r.drift:
+            emit_ckptier_event(ENVIRONMENT_DRIFT, r.job, r.step, summary=r.drift)
     summary = publish_catalog_summary(catalog_url, config_path)
     publish_dashboard_links([job] if job else [j["job"] for j in summary])
     # Any failed attempt fails the run, even when an older checkpoint then passed:

@@ -947,10 +947,28 @@ def run_drill(run: Run, options: DrillOptions, *, fanout: Any = None) -> list[Dr
                 reports.append(report)
                 break
             _record_drill(catalog, record, report, started=started, finished=now(), tier=report.tier)
+            if report.outcome == "failed":
+                report = _with_drift(catalog, record, report, now())
             reports.append(report)
             if report.ok or not report.judged or report.stage not in LOAD_STAGES:
                 break  # not judged: the same cause would stop every older checkpoint of the job too
     return reports
+
+
+def _with_drift(catalog: Catalog, record: CheckpointRecord, report: DrillReport, at: datetime) -> DrillReport:
+    """``report`` with its ``drift`` set (and a ``drill.drift`` event logged)
+    when ``record`` passed an earlier drill under another stack."""
+    from dataclasses import replace
+
+    from .drill_history import environment_drift
+
+    found = [d for d in environment_drift(catalog.drills(job=record.job, limit=DRILL_HISTORY))
+             if d.checkpoint_id == record.id]
+    if not found:
+        return report
+    text = found[0].text()
+    catalog.log_event("drill.drift", f"{record.job} {text}", now=at, job=record.job, checkpoint_id=record.id)
+    return replace(report, drift=text)
 
 
 def _recorded_losses(record: CheckpointRecord, cataloged: Sequence[CheckpointRecord], stores: StoreCache, *,

@@ -682,7 +682,9 @@ class DrillReport:
     and last step trained (``(21, 30)`` for 10 steps from step 20; None
     when none was); ``stack``: the versions the workers ran on (python,
     torch, CUDA, the format's libraries). :attr:`outcome` is ``passed``,
-    ``failed`` or ``not judged`` (the JSON's ``verdict``).
+    ``failed`` or ``not judged`` (the JSON's ``verdict``). ``drift``: set
+    when the checkpoint passed an earlier drill under another stack (the
+    versions that changed, :mod:`ckptier.tasks.drill_history`).
 
     A multi-rank drill also has ``world_size`` (the ranks it restored into),
     ``saved_world_size``, ``layout`` (``replicated``, ``sharded``),
@@ -718,6 +720,7 @@ class DrillReport:
     reshard: Reshard | None = None
     trained_steps: tuple[int, int] | None = None
     stack: Mapping[str, str | None] = dataclasses.field(default_factory=dict)
+    drift: str | None = None
 
     @property
     def outcome(self) -> str:
@@ -763,7 +766,10 @@ class DrillReport:
             "reshard": self.reshard.to_json() if self.reshard is not None else None,
             "started_at": self.started_at.isoformat(), "finished_at": self.finished_at.isoformat(),
         }
-        return {k: values[k] for k in _DRILL_KEYS[kind] if k != "reshard" or self.reshard is not None}
+        out = {k: values[k] for k in _DRILL_KEYS[kind] if k != "reshard" or self.reshard is not None}
+        if self.drift is not None:
+            out["drift"] = self.drift
+        return out
 
     def verdict_json(self) -> dict[str, Any]:
         """What the catalog keeps of the verdict (``DrillRecord.verdict``): summary, checks, losses,
@@ -772,6 +778,8 @@ class DrillReport:
                                "losses": list(self.losses), "confinement": self.confinement}
         if self.trained_steps is not None:
             out["trained_steps"] = list(self.trained_steps)
+        if self.drift is not None:
+            out["drift"] = self.drift
         if self.multi_rank:
             out.update(world_size=self.world_size, saved_world_size=self.saved_world_size, layout=self.layout,
                        parallel=self.parallel, backend=self.backend)
