@@ -61,6 +61,7 @@ from ckptier.formats.safe_load import (
     CheckpointLoadError,
     LoadedCheckpoint,
     UnsafeCheckpoint,
+    UnsupportedCheckpoint,
     float_or_none,
     load_checkpoint_dir,
 )
@@ -264,6 +265,8 @@ def restore(
             loaded = load()
         else:
             loaded = load_checkpoint_dir(request.checkpoint, request.format, extra_allowlist=request.allow_globals)
+    except UnsupportedCheckpoint as exc:  # a variant not restored yet: nothing known to be wrong with it
+        raise DrillFailure("unsupported", str(exc)) from None
     except CkptierError as exc:
         raise DrillFailure("load", str(exc), unsafe=isinstance(exc, UnsafeCheckpoint)) from None
     t1 = time.perf_counter()
