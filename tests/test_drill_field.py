@@ -133,3 +133,64 @@ def test_a_factory_that_does_not_fit_is_one_not_judged_and_no_model_is_a_usage_e
     assert drill.outcome == "not judged"
     code, out, _ = cli("latest", "--job", guide_run.job, "--json")
     assert code == 0 and json.loads(out)["step"] == 6 and not json.loads(out).get("passed_over")
+
+
+LIGHTNING_RUN = textwrap.dedent(
+    '''
+    import sys
+    import torch, lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+    from torch.utils.data import DataLoader
+    from tests.fixtures.checkpoints import LR, tiny_batch, tiny_loss, tiny_mlp
+
+
+    class Tiny(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = tiny_mlp().net
+
+        def forward(self, x):
+            return self.net(x)
+
+        def training_step(self, batch, batch_idx):
+            loss = tiny_loss(self, batch)
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=LR)
+
+
+    trainer = L.Trainer(max_steps=6, logger=CSVLogger(sys.argv[1]), log_every_n_steps=1, enable_progress_bar=False,
+                        enable_model_summary=False, accelerator="cpu", devices=1,
+                        callbacks=[ModelCheckpoint(every_n_train_steps=2, save_top_k=-1)])
+    trainer.fit(Tiny(), train_dataloaders=DataLoader([tiny_batch(s) for s in range(1, 7)], batch_size=None))
+    '''
+)
+
+
+def test_lightning_drill_retraces_the_csv_logger_losses(tmp_path: Path, cli) -> None:  # type: ignore[no-untyped-def]
+    """A real Lightning run with CSVLogger: checkpoints in lightning_logs/version_0/checkpoints/, the losses
+    one directory up in metrics.csv, training step N's logged at step N - 1."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("lightning")
+    hot = tmp_path / "hot"
+    subprocess.run([sys.executable, "-c", LIGHTNING_RUN, str(hot)], cwd=REPO, check=True, capture_output=True,
+                   timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert (hot / "lightning_logs" / "version_0" / "metrics.csv").is_file()
+    for ckpt in hot.rglob("*.ckpt"):  # saved an hour ago: past Lightning's settle time, committed
+        os.utime(ckpt, (ckpt.stat().st_mtime - 3600,) * 2)
+    assert cli("scan", str(hot))[0] == 0 and cli("verify")[0] == 0
+    job = "lightning_logs/version_0/checkpoints"
+    code, out, err = cli("drill", "--job", job, "--step", "2", "--device", "cpu", "--steps", "3", "--model", FACTORY,
+                         "--json", "--no-prefect")
+    assert out, err
+    (report,) = json.loads(out)
+    assert code == 0 and report["verdict"] == "passed", (report["summary"], err)
+    assert report["trained_steps"] == [3, 5]
+    trajectory = _checks(report)["trajectory"]
+    assert trajectory["detail"].startswith("3 recorded losses of steps 3..5 retraced") and "metrics.csv" in trajectory["detail"]
