@@ -7,7 +7,9 @@ carry out a plan, they never decide.
 
 A policy is a handful of small rules (restic/Orbax style); a checkpoint is
 kept when *any* rule keeps it. On top of the rules the plan enforces safety
-invariants that no policy can switch off:
+invariants that no policy can switch off, each one a small named stage
+applied in order after the rules vote (:func:`stages`, as Orbax composes its
+preservation policies), each giving its own reason:
 
 * the newest verified checkpoint of a job (highest step) is never deleted;
 * at least ``min_verified`` verified checkpoints keep a hot copy;
@@ -664,146 +666,370 @@ def _whole_seconds(d: timedelta) -> timedelta:
     return timedelta(seconds=max(int(d.total_seconds()), 0))
 
 
+# ------------------------------------------------------------------- stages
+#
+# One job is planned by a short list of small named stages applied in order,
+# as Orbax composes its preservation policies: first the policy's rules vote
+# (kept if any rule keeps it), then the floors no policy can switch off each
+# add their own reason or turn a deletion into a keep. Each stage is a frozen
+# dataclass holding only its settings; the working state of the job it acts
+# on (:class:`_Job`) lives for one call of :func:`_plan_job`, so planning as
+# a whole stays pure.
+
+
+@dataclass
+class _Decision:
+    """The decision for one checkpoint while the stages run."""
+
+    action: Action
+    reasons: list[str]
+    scope: Scope = "checkpoint"
+
+
+@dataclass
+class _Job:
+    """The working plan of ONE job: its live checkpoints ``cs`` (by step, id),
+    its tombstones, and what the stages decided so far."""
+
+    cs: Sequence[CheckpointRecord]
+    tombstones: Sequence[CheckpointRecord]
+    policy: Policy
+    now: datetime
+    drill_passed: Mapping[int, datetime]
+    #: Reasons the rules (and the keeping floors) give each checkpoint, in order.
+    kept_by: dict[int, list[str]] = field(default_factory=dict)
+    #: Ids something other than a milestone keeps: those need their hot copy.
+    held_hot: set[int] = field(default_factory=set)
+    #: Ids holding (or, committed, pending) a milestone.
+    milestone_ids: set[int] = field(default_factory=set)
+    decided: dict[int, _Decision] = field(default_factory=dict)
+    missing: list[int] = field(default_factory=list)
+    stale: list[int] = field(default_factory=list)
+    refused: str | None = None
+
+    def __post_init__(self) -> None:
+        self.kept_by = {c.id: [] for c in self.cs}
+
+    @property
+    def verified(self) -> list[CheckpointRecord]:
+        """The job's verified checkpoints, newest first."""
+        return _newest_first(_verified(self.cs))
+
+
+class Stage(Protocol):
+    """One step of planning a job: reads and refines the job's working plan."""
+
+    def apply(self, job: _Job) -> None: ...
+
+
+@dataclass(frozen=True)
+class RulesVote:
+    """The policy's rules: a checkpoint is kept when any rule keeps it, with
+    every rule's reason. Milestone rules also see the job's tombstones, so
+    that a milestone passed on from one says so."""
+
+    rules: tuple[Rule, ...]
+
+    def __str__(self) -> str:
+        return "rules: " + "; ".join(str(r) for r in self.rules)
+
+    def apply(self, job: _Job) -> None:
+        for rule in self.rules:
+            milestone = isinstance(rule, Milestones)
+            kept = rule.keeps([*job.cs, *job.tombstones] if milestone else job.cs, job.now)
+            (job.milestone_ids if milestone else job.held_hot).update(kept)
+            for cid, why in kept.items():
+                job.kept_by[cid].append(why)
+
+
+@dataclass(frozen=True)
+class DrilledFloor:
+    """``min_drilled``: the ``n`` newest checkpoints whose most recent drill
+    passed keep their hot copy, like a rule (0: no floor)."""
+
+    n: int
+
+    def __str__(self) -> str:
+        return f"min_drilled {self.n}: the {self.n} newest drill-passed checkpoints keep their hot copy"
+
+    def apply(self, job: _Job) -> None:
+        for i, c in enumerate(newest_drilled(job.cs, job.drill_passed, self.n)):
+            rank = "newest" if i == 0 else f"#{i + 1} newest"
+            job.kept_by[c.id].append(
+                f"min_drilled {self.n}: {rank} drill-passed recovery point "
+                f"(drill passed {job.drill_passed[c.id].isoformat()})"
+            )
+            job.held_hot.add(c.id)
+
+
+@dataclass(frozen=True)
+class NewestVerifiedFloor:
+    """The newest verified checkpoint of a job (highest step) is never deleted,
+    not even its hot copy; its reason comes first."""
+
+    def __str__(self) -> str:
+        return "the newest verified checkpoint is never deleted"
+
+    def apply(self, job: _Job) -> None:
+        verified = job.verified
+        if verified:
+            job.kept_by[verified[0].id].insert(0, "newest verified checkpoint of the job")
+            job.held_hot.add(verified[0].id)
+
+
+@dataclass(frozen=True)
+class InFlightFloor:
+    """Incomplete saves: kept while younger than ``grace`` (in flight, never
+    counted); past it they are stale, kept for review unless
+    ``delete_stale`` is set and nothing else keeps them."""
+
+    grace: timedelta
+    delete_stale: bool = False
+
+    def __str__(self) -> str:
+        stale = "deleted (delete_stale_incomplete)" if self.delete_stale else "kept for review"
+        return f"incomplete saves in flight for up to grace {format_duration(self.grace)}; stale ones {stale}"
+
+    def apply(self, job: _Job) -> None:
+        for c in job.cs:
+            if c.state != State.INCOMPLETE:
+                continue
+            reasons = job.kept_by[c.id]
+            age = job.now - _time_of(c)
+            if age < self.grace:
+                job.decided[c.id] = _Decision("keep", [f"in flight: incomplete for {format_duration(age)} "
+                                                       f"< grace {format_duration(self.grace)}", *reasons])
+                continue
+            job.stale.append(c.id)
+            note = f"stale incomplete: past grace {format_duration(self.grace)}"
+            if self.delete_stale and hot_present(c) and not reasons:
+                job.decided[c.id] = _Decision("delete", [f"{note}; delete_stale_incomplete is set"])
+            else:
+                job.decided[c.id] = _Decision("keep", [f"{note}: candidate for review", *reasons])
+
+
+@dataclass(frozen=True)
+class EvidenceFloor:
+    """Corrupt checkpoints are kept as evidence, never deleted automatically."""
+
+    def __str__(self) -> str:
+        return "corrupt checkpoints are kept as evidence"
+
+    def apply(self, job: _Job) -> None:
+        for c in job.cs:
+            if c.state == State.CORRUPT:
+                detail = f" ({c.state_reason})" if c.state_reason else ""
+                job.decided[c.id] = _Decision(
+                    "keep", [f"corrupt{detail}: kept as evidence, never auto-deleted", *job.kept_by[c.id]])
+
+
+@dataclass(frozen=True)
+class UnverifiedFloor:
+    """Committed checkpoints are kept until verification proves their bytes."""
+
+    def __str__(self) -> str:
+        return "committed checkpoints are kept until verified"
+
+    def apply(self, job: _Job) -> None:
+        for c in job.cs:
+            if c.state == State.COMMITTED:
+                job.decided[c.id] = _Decision(
+                    "keep", ["committed, not yet verified: kept until verify proves its bytes", *job.kept_by[c.id]])
+
+
+@dataclass(frozen=True)
+class VerifiedDecision:
+    """Verified checkpoints: kept when something keeps them, else deleted; a
+    milestone with an ``archive`` is promoted until it has a verified archive
+    copy, after which its hot copy goes unless something else holds it hot
+    (or ``hot_after_archive = "keep"``)."""
+
+    policy: Policy
+
+    def __str__(self) -> str:
+        p = self.policy
+        if not p.archive:
+            return "verified checkpoints no rule keeps are deleted; milestones stay hot (no archive)"
+        return (f"verified checkpoints no rule keeps are deleted; milestones are promoted to {p.archive} "
+                f"(hot after archive: {p.hot_after_archive})")
+
+    def apply(self, job: _Job) -> None:
+        for c in job.cs:
+            if c.state == State.VERIFIED:
+                job.decided[c.id] = self._decide(c, job)
+
+    def _decide(self, c: CheckpointRecord, job: _Job) -> _Decision:
+        policy = self.policy
+        reasons = list(job.kept_by[c.id])
+        present = hot_present(c)
+        if c.id in job.milestone_ids and policy.archive:
+            if not c.has_verified_archive():
+                reasons.append(f"no verified archive copy yet: promote to {policy.archive}")
+                if not present:
+                    return _Decision("keep", [*reasons, "cannot promote while missing from hot storage"])
+                if (wait := _promotion_wait(c, policy, job.held_hot, job.now)) is not None:
+                    reasons[-1] = f"no verified archive copy yet: {wait}"
+                    return _Decision("keep", reasons)
+                return _Decision("promote", reasons)
+            if c.id in job.held_hot or policy.hot_after_archive == "keep" or not present:
+                return _Decision("keep", [*reasons, f"archived copy verified at {_archive_verified_at(c)}"])
+            return _Decision("delete", [*reasons, f"archived copy verified at {_archive_verified_at(c)}; "
+                                                  "hot copy not needed"], "hot-copy")
+        if reasons:
+            if c.id in job.milestone_ids:
+                reasons.append("no archive configured: milestone stays in hot storage")
+            return _Decision("keep", reasons)
+        if not present:
+            return _Decision("keep", ["not kept by any rule"])
+        return _Decision("delete", [f"not kept by any rule ({'; '.join(str(r) for r in policy.rules)})"])
+
+
+@dataclass(frozen=True)
+class ArchiveCopyFloor:
+    """Archive copies are never deleted by retention: deleting a checkpoint
+    that has one deletes its hot copy only."""
+
+    def __str__(self) -> str:
+        return "archive copies are never deleted by retention"
+
+    def apply(self, job: _Job) -> None:
+        for c in job.cs:
+            d = job.decided[c.id]
+            if d.action == "delete" and d.scope == "checkpoint" and _has_archive_copy(c):
+                d.scope = "hot-copy"
+                d.reasons.append("archive copy retained: retention never deletes archive copies")
+
+
+@dataclass(frozen=True)
+class AbsentFloor:
+    """A checkpoint missing from hot storage (or whose hot copy is gone) has
+    nothing to delete: it is kept, and reported."""
+
+    def __str__(self) -> str:
+        return "checkpoints missing from hot storage are never planned for deletion"
+
+    def apply(self, job: _Job) -> None:
+        for c in job.cs:
+            if c.missing_since is not None:
+                job.missing.append(c.id)
+                note = f"missing from hot storage since {c.missing_since.isoformat()}: nothing to delete"
+            elif not hot_present(c):
+                note = "hot copy already deleted: nothing to delete"
+            else:
+                continue
+            d = job.decided[c.id]
+            if d.action == "delete":  # unreachable by construction; belt and braces
+                d.action = "keep"
+            d.reasons.append(note)
+            if _has_archive_copy(c):
+                d.reasons.append("an archive copy remains")
+
+
+@dataclass(frozen=True)
+class MinVerifiedFloor:
+    """``min_verified``: at least ``n`` verified checkpoints keep a hot copy
+    (the newest ones the plan would delete are kept instead)."""
+
+    n: int
+
+    def __str__(self) -> str:
+        return f"min_verified {self.n}: at least {self.n} verified checkpoints keep a hot copy"
+
+    def apply(self, job: _Job) -> None:
+        verified = job.verified
+
+        def hot_kept() -> int:
+            return sum(1 for c in verified if job.decided[c.id].action != "delete" and hot_present(c))
+
+        for c in verified:
+            if hot_kept() >= self.n:
+                break
+            d = job.decided[c.id]
+            if d.action == "delete":
+                job.decided[c.id] = _Decision(
+                    "keep",
+                    [f"min_verified {self.n}: keep at least {self.n} verified checkpoints in hot storage",
+                     *(f"otherwise: {r}" for r in d.reasons)],
+                )
+
+
+@dataclass(frozen=True)
+class ShrinkGuard:
+    """When more than ``max_missing_fraction`` of a job's checkpoints (or all
+    of them) are missing from hot storage, every deletion of the job is
+    suspended (see :func:`shrink_guard`)."""
+
+    max_missing_fraction: float
+
+    def __str__(self) -> str:
+        return f"deletions suspended when over {self.max_missing_fraction:.0%} of a job is missing from hot storage"
+
+    def apply(self, job: _Job) -> None:
+        job.refused = shrink_guard(job.cs, self.max_missing_fraction)
+        if job.refused is None:
+            return
+        for cid, d in list(job.decided.items()):
+            if d.action == "delete":
+                job.decided[cid] = _Decision("keep", [job.refused, *(f"would delete: {r}" for r in d.reasons)])
+
+
+def stages(policy: Policy) -> tuple[Stage, ...]:
+    """The stages that plan each job under ``policy``, in the order they apply:
+    the rules' votes, the floors that keep (``min_drilled``, the newest
+    verified), the decision by state, then the floors that turn a deletion
+    into a keep or a smaller one (archive copies, absent hot copies,
+    ``min_verified``, the shrink guard)."""
+    out: list[Stage] = [RulesVote(policy.rules)]
+    if policy.min_drilled:
+        out.append(DrilledFloor(policy.min_drilled))
+    out += [
+        NewestVerifiedFloor(),
+        InFlightFloor(policy.grace, policy.delete_stale_incomplete),
+        EvidenceFloor(),
+        UnverifiedFloor(),
+        VerifiedDecision(policy),
+        ArchiveCopyFloor(),
+        AbsentFloor(),
+        MinVerifiedFloor(policy.min_verified),
+        ShrinkGuard(policy.max_missing_fraction),
+    ]
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class _JobPlan:
+    items: list[PlanItem]
+    refused: str | None
+    missing: list[int]
+    stale: list[int]
+
+
 def _plan_job(
     cs: Sequence[CheckpointRecord],
     policy: Policy,
     now: datetime,
     drill_passed: Mapping[int, datetime],
     tombstones: Sequence[CheckpointRecord] = (),
-) -> tuple[list[PlanItem], str | None, list[int], list[int]]:
-    kept_by: dict[int, list[str]] = {c.id: [] for c in cs}
-    # Ids some rule other than Milestones keeps: those need their hot copy.
-    held_hot: set[int] = set()
-    milestone_ids: set[int] = set()
-    for rule in policy.rules:
-        # Milestones see the tombstones too, so that a milestone passed on from one says so.
-        kept = rule.keeps([*cs, *tombstones] if isinstance(rule, Milestones) else cs, now)
-        (milestone_ids if isinstance(rule, Milestones) else held_hot).update(kept)
-        for cid, why in kept.items():
-            kept_by[cid].append(why)
-    # Floor: the newest drill-passed recovery points keep their hot copy, like a rule.
-    for i, c in enumerate(newest_drilled(cs, drill_passed, policy.min_drilled)):
-        rank = "newest" if i == 0 else f"#{i + 1} newest"
-        kept_by[c.id].append(
-            f"min_drilled {policy.min_drilled}: {rank} drill-passed recovery point "
-            f"(drill passed {drill_passed[c.id].isoformat()})"
-        )
-        held_hot.add(c.id)
-    verified = _newest_first(_verified(cs))
-    newest_id = verified[0].id if verified else None
-
-    decided: dict[int, tuple[Action, list[str], Scope]] = {}
-    missing: list[int] = []
-    stale: list[int] = []
-    for c in cs:
-        reasons = list(kept_by[c.id])
-        present = hot_present(c)
-        gone_note = ""
-        if c.missing_since is not None:
-            missing.append(c.id)
-            gone_note = f"missing from hot storage since {c.missing_since.isoformat()}: nothing to delete"
-        elif not present:
-            gone_note = "hot copy already deleted: nothing to delete"
-        action: Action
-        scope: Scope = "checkpoint"
-        if c.state == State.INCOMPLETE:
-            age = now - _time_of(c)
-            if age < policy.grace:
-                action, reasons = "keep", [f"in flight: incomplete for {format_duration(age)} "
-                                           f"< grace {format_duration(policy.grace)}"] + reasons
-            else:
-                stale.append(c.id)
-                note = f"stale incomplete: past grace {format_duration(policy.grace)}"
-                if policy.delete_stale_incomplete and present and not reasons:
-                    action, reasons = "delete", [f"{note}; delete_stale_incomplete is set"]
-                else:
-                    action, reasons = "keep", [f"{note}: candidate for review"] + reasons
-        elif c.state == State.CORRUPT:
-            detail = f" ({c.state_reason})" if c.state_reason else ""
-            action, reasons = "keep", [f"corrupt{detail}: kept as evidence, never auto-deleted"] + reasons
-        elif c.state == State.COMMITTED:
-            action, reasons = "keep", ["committed, not yet verified: kept until verify proves its bytes"] + reasons
-        else:  # VERIFIED
-            if c.id == newest_id:
-                reasons.insert(0, "newest verified checkpoint of the job")
-                held_hot.add(c.id)
-            if c.id in milestone_ids and policy.archive:
-                if not c.has_verified_archive():
-                    action = "promote"
-                    reasons.append(f"no verified archive copy yet: promote to {policy.archive}")
-                    if not present:
-                        action = "keep"
-                        reasons.append("cannot promote while missing from hot storage")
-                    elif (wait := _promotion_wait(c, policy, held_hot, now)) is not None:
-                        action = "keep"
-                        reasons[-1] = f"no verified archive copy yet: {wait}"
-                elif c.id in held_hot or policy.hot_after_archive == "keep" or not present:
-                    action = "keep"
-                    reasons.append(f"archived copy verified at {_archive_verified_at(c)}")
-                else:
-                    action, scope = "delete", "hot-copy"
-                    reasons.append(
-                        f"archived copy verified at {_archive_verified_at(c)}; hot copy not needed"
-                    )
-            elif reasons:
-                action = "keep"
-                if c.id in milestone_ids:
-                    reasons.append("no archive configured: milestone stays in hot storage")
-            elif not present:
-                action = "keep"
-                reasons = ["not kept by any rule"]
-            else:
-                action = "delete"
-                reasons = [f"not kept by any rule ({'; '.join(str(r) for r in policy.rules)})"]
-        if action == "delete" and scope == "checkpoint" and _has_archive_copy(c):
-            scope = "hot-copy"
-            reasons.append("archive copy retained: retention never deletes archive copies")
-        if not present:
-            if action == "delete":  # unreachable by construction; belt and braces
-                action = "keep"
-            reasons.append(gone_note)
-            if _has_archive_copy(c):
-                reasons.append("an archive copy remains")
-        decided[c.id] = (action, reasons, scope)
-
-    # Floor: at least min_verified verified checkpoints keep a hot copy.
-    def hot_kept() -> int:
-        return sum(
-            1 for c in verified if decided[c.id][0] != "delete" and hot_present(c)
-        )
-
-    for c in verified:
-        if hot_kept() >= policy.min_verified:
-            break
-        action, reasons, scope = decided[c.id]
-        if action == "delete":
-            decided[c.id] = (
-                "keep",
-                [f"min_verified {policy.min_verified}: keep at least {policy.min_verified} "
-                 f"verified checkpoints in hot storage"] + [f"otherwise: {r}" for r in reasons],
-                "checkpoint",
-            )
-
-    refused = shrink_guard(cs, policy.max_missing_fraction)
-    if refused:
-        for cid, (action, reasons, _scope) in list(decided.items()):
-            if action == "delete":
-                decided[cid] = ("keep", [refused] + [f"would delete: {r}" for r in reasons], "checkpoint")
-
+) -> _JobPlan:
+    """Plan ONE job: its live checkpoints ``cs`` (ordered by step, id) run
+    through :func:`stages`; items in the order of ``cs``."""
+    job = _Job(cs, tombstones, policy, now, drill_passed)
+    for stage in stages(policy):
+        stage.apply(job)
     items = [
         PlanItem(
             job=c.job,
             step=c.step,
             checkpoint_id=c.id,
-            action=decided[c.id][0],
-            reasons=tuple(decided[c.id][1]),
+            action=job.decided[c.id].action,
+            reasons=tuple(job.decided[c.id].reasons),
             bytes=c.bytes,
-            scope=decided[c.id][2],
+            scope=job.decided[c.id].scope,
             state=c.state.value,
         )
         for c in cs
     ]
-    return items, refused, missing, stale
+    return _JobPlan(items, job.refused, job.missing, job.stale)
 
 
 def plan_retention(
@@ -844,12 +1070,12 @@ def plan_retention(
     for job in sorted(by_job):
         cs = sorted(by_job[job], key=lambda c: (c.step, c.id))
         dead = sorted(dead_by_job.get(job, []), key=lambda c: (c.step, c.id))
-        job_items, refused, job_missing, job_stale = _plan_job(cs, policy, now, drill_passed or {}, dead)
-        items.extend(job_items)
-        missing.extend(job_missing)
-        stale.extend(job_stale)
-        if refused:
-            refused_jobs[job] = refused
+        done = _plan_job(cs, policy, now, drill_passed or {}, dead)
+        items.extend(done.items)
+        missing.extend(done.missing)
+        stale.extend(done.stale)
+        if done.refused:
+            refused_jobs[job] = done.refused
         warnings.extend(f"job {job!r}: {w}" for m in policy.milestones if (w := m.cadence_warning(cs)))
     return Plan(
         items=items,
