@@ -38,6 +38,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from ckptier.formats.base import as_step
 from ckptier.storage.records import CheckpointRecord, Format
 
 DEFAULT_TRAJECTORY_RTOL = 0.02
@@ -78,18 +79,6 @@ def _finite(value: object) -> float | None:
     return number if math.isfinite(number) else None
 
 
-def _step(value: object) -> int | None:
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value if value >= 0 else None
-    if isinstance(value, float) and value.is_integer() and value >= 0:
-        return int(value)
-    if isinstance(value, str) and value.strip().isdigit():
-        return int(value.strip())
-    return None
-
-
 def parse_losses_jsonl(data: bytes) -> list[RecordedLoss]:
     """``{"step": N, "loss": x}`` per line; other lines and keys are ignored."""
     points = []
@@ -98,7 +87,7 @@ def parse_losses_jsonl(data: bytes) -> list[RecordedLoss]:
             row = json.loads(line)
         except ValueError:
             continue
-        if isinstance(row, dict) and (step := _step(row.get("step"))) is not None and (
+        if isinstance(row, dict) and (step := as_step(row.get("step"))) is not None and (
                 loss := _finite(row.get("loss"))) is not None:
             points.append(RecordedLoss(step, loss))
     return points
@@ -114,7 +103,7 @@ def parse_loss_history(data: bytes) -> list[RecordedLoss]:
     if not isinstance(history, dict):
         return []
     return [RecordedLoss(s, v) for k, x in history.items()
-            if (s := _step(k)) is not None and (v := _finite(x)) is not None]
+            if (s := as_step(k)) is not None and (v := _finite(x)) is not None]
 
 
 def parse_trainer_state(data: bytes) -> list[RecordedLoss]:
@@ -127,13 +116,13 @@ def parse_trainer_state(data: bytes) -> list[RecordedLoss]:
         return []
     if not isinstance(state, dict) or not isinstance(state.get("log_history"), list):
         return []
-    every = _step(state.get("logging_steps")) or 1
+    every = as_step(state.get("logging_steps")) or 1
     points: list[RecordedLoss] = []
     previous: int | None = None
     for entry in state["log_history"]:
         if not isinstance(entry, dict) or "eval_loss" in entry:
             continue
-        step, loss = _step(entry.get("step")), _finite(entry.get("loss"))
+        step, loss = as_step(entry.get("step")), _finite(entry.get("loss"))
         if step is None or loss is None:
             continue
         window = step - previous if previous is not None and step > previous else min(every, max(step, 1))
@@ -151,7 +140,7 @@ def parse_metrics_csv(data: bytes) -> list[RecordedLoss]:
         return []
     points = []
     for row in rows:
-        logged = _step(row.get("step"))
+        logged = as_step(row.get("step"))
         text = row.get("train_loss") or row.get("train_loss_step") or ""
         try:
             loss = _finite(float(text)) if text.strip() else None
