@@ -17,7 +17,7 @@ import socket
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -932,7 +932,8 @@ def run_drill(run: Run, options: DrillOptions, *, fanout: Any = None) -> list[Dr
         tolerance = settings.loss_tolerance or DEFAULT_LOSS_TOLERANCE
         rtol = settings.trajectory_rtol if settings.trajectory_rtol is not None else DEFAULT_TRAJECTORY_RTOL
         allowed = tuple(dict.fromkeys([*settings.allow_globals, *allow_globals]))
-        for record in records:
+        unfit: tuple[CheckpointRecord, DrillReport] | None = None  # a newest checkpoint the factory did not fit
+        for index, record in enumerate(records):
             started = now()
             expected = Expected(_recorded_losses(record, cataloged, stores, steps=k), rtol)
             scratch = Path(tempfile.mkdtemp(prefix="ckptier-drill-", dir=options.scratch_root))
@@ -946,6 +947,27 @@ def run_drill(run: Run, options: DrillOptions, *, fanout: Any = None) -> list[Dr
             if report.stage == "not-started":  # the operator's factory does not load: nothing recorded
                 reports.append(report)
                 break
+            if unfit is not None:
+                first, first_report = unfit
+                unfit = None
+                if report.stage == "fit" and report.error == first_report.error:
+                    # The same mismatch on the next checkpoint too: the factory does not fit this job. One
+                    # drill, not judged, for the job; the older checkpoints would only repeat it.
+                    note = replace(first_report, summary=f"{first_report.summary} (step {record.step} too)")
+                    _record_drill(catalog, first, note, started=note.started_at, finished=note.finished_at,
+                                  tier=note.tier)
+                    reports.append(note)
+                    break
+                # Only the newest differs from the job, which the factory fits: that checkpoint is wrong.
+                blamed = replace(first_report, stage="restore", summary=(
+                    f"{first.job} step {first.step}: drill failed: restore: {first_report.error}; the factory fits "
+                    f"the job's step {record.step}"))
+                _record_drill(catalog, first, blamed, started=blamed.started_at, finished=blamed.finished_at,
+                              tier=blamed.tier)
+                reports.append(_with_drift(catalog, first, blamed, now()))
+            if report.stage == "fit" and index + 1 < len(records):
+                unfit = (record, report)  # the factory's fault, or this checkpoint's? The next one tells
+                continue
             _record_drill(catalog, record, report, started=started, finished=now(), tier=report.tier)
             if report.outcome == "failed":
                 report = _with_drift(catalog, record, report, now())
@@ -958,8 +980,6 @@ def run_drill(run: Run, options: DrillOptions, *, fanout: Any = None) -> list[Dr
 def _with_drift(catalog: Catalog, record: CheckpointRecord, report: DrillReport, at: datetime) -> DrillReport:
     """``report`` with its ``drift`` set (and a ``drill.drift`` event logged)
     when ``record`` passed an earlier drill under another stack."""
-    from dataclasses import replace
-
     from .drill_history import environment_drift
 
     found = [d for d in environment_drift(catalog.drills(job=record.job, limit=DRILL_HISTORY))
