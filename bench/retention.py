@@ -65,11 +65,11 @@ from ckptier.tasks.advise import (
 )
 from ckptier.tasks.config import Config, load_config, parse_config
 from ckptier.tasks.prices import BILLING_GB, LIST_PRICE_NOTE, Prices
+from ckptier.tasks.durations import format_duration
 from ckptier.tasks.retention import (
     ArchiveWhen,
     Plan,
     Policy,
-    format_duration,
     plan_retention,
 )
 from ckptier.tasks.tiers import ALL_CLASSES, HOT

@@ -24,12 +24,14 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from ckptier import __version__
-from ckptier.storage.errors import CkptierError, ConfigError
+from ckptier.storage.errors import CkptierError, ConfigError, EnvironmentFault
 
 from .output import checkpoint_json, current_location, human_bytes, iso, print_checkpoints, print_json, table
 
 EXIT_USER_ERROR = 2
 EXIT_NOT_FOUND = 1
+#: The machine refused (no space, a read-only filesystem, permissions...): one line with the path and the fix.
+EXIT_ENVIRONMENT = 1
 #: ``apply`` skipped work because another live run holds it (sysexits' EX_TEMPFAIL: try again later).
 EXIT_BUSY = 75
 #: Exit status of an error ckptier did not expect (a bug): one line, no traceback.
@@ -110,10 +112,15 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_latest(args: argparse.Namespace) -> int:
+    from ckptier.tasks.pipeline import StoreCache, utcnow
+    from ckptier.tasks.prove import latest_proven
+
     location = _location(args)
     _announce(args, location)
     with _open_read_only(args, location) as cat:
-        latest = cat.choose_latest(args.job, drilled=args.drilled)
+        # The verdict is trusted only once each file was looked at now (a stat, never a read).
+        latest = latest_proven(cat, StoreCache(roots=cat.hot_locations).for_record, args.job,
+                               drilled=args.drilled, now=utcnow)
         record = latest.record
         others = cat.checkpoints(job=args.job, with_files=False) if record is None else []
     passed = [{"step": step, "reason": why} for step, why in latest.passed_over]
@@ -148,13 +155,20 @@ def cmd_latest(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from ckptier.tasks.pipeline import merge_plans, plans_by_policy, utcnow
-    from ckptier.tasks.retention import render_plan_table
+    from ckptier.tasks.retention import floors, render_plan_table
     from ckptier.tasks.settings import policy_origin, unwritten_policy_problem
 
     config = _config(args)
     location = _location(args, config)
     _announce(args, location)
     with _open_read_only(args, location) as cat:
+        from ckptier.tasks.pipeline import StoreCache
+        from ckptier.tasks.prove import prove_keepers
+
+        # The checkpoints the deletions rest on are looked at now (a stat each): one whose files
+        # changed since its verdict is no longer trusted, and the plan rests on others.
+        prove_keepers(cat, StoreCache(roots=cat.hot_locations).for_record,
+                      cat.checkpoints(job=args.job), config.policy_for, now=utcnow)
         by_policy = plans_by_policy(cat, config, job=args.job, now=utcnow())
     plan = merge_plans([p for _, p in by_policy])
     rows = render_plan_table(plan)
@@ -167,6 +181,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if policy is not None:
             index = next(i for i, p in enumerate(config.policies) if p is policy)
             print(f"policy: {policy_origin(config, index, args.config)}")
+            print(f"  floors: {'; '.join(str(f) for f in floors(policy))}")
     if not rows:
         print("no checkpoints cataloged yet; run 'ckptier scan URL' first")
         return 0
@@ -324,12 +339,12 @@ def cmd_janitor(args: argparse.Namespace) -> int:
     from datetime import timedelta
 
     from ckptier.flows import runner
-    from ckptier.tasks.retention import parse_duration
+    from ckptier.tasks.durations import parse_duration
 
     try:
-        older_than = parse_duration(args.older_than)
+        older_than = parse_duration(args.older_than, what=f"--older-than {args.older_than!r}")
     except CkptierError as exc:
-        raise _usage(f"--older-than {args.older_than!r}: {exc}") from None
+        raise _usage(str(exc)) from None
     if older_than <= timedelta(0):
         raise _usage(f"--older-than {args.older_than!r}: must be longer than zero, or uploads still being written "
                      "would be removed; e.g. --older-than 24h")
@@ -347,11 +362,11 @@ def cmd_janitor(args: argparse.Namespace) -> int:
 
 def cmd_forget(args: argparse.Namespace) -> int:
     from ckptier.tasks.pipeline import run_forget, utcnow
-    from ckptier.tasks.retention import parse_duration
+    from ckptier.tasks.durations import parse_duration
 
     if not args.missing:
         raise ConfigError("forget: say what to forget: --missing (rows whose files are gone from every tier)")
-    older = parse_duration(args.older_than) if args.older_than else None
+    older = parse_duration(args.older_than, what=f"--older-than {args.older_than!r}") if args.older_than else None
     config = _config(args)
     with _open_existing(args, config) as cat:
         report = run_forget(cat, config, job=args.job, now=utcnow, older_than=older, dry_run=args.dry_run)
@@ -562,11 +577,46 @@ def _one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
+def environment_error(exc: BaseException) -> EnvironmentFault | None:
+    """The machine's own refusal behind ``exc`` (it, or an exception it was raised
+    from): an :class:`EnvironmentFault` a layer already named, an ``OSError``
+    such as ENOSPC, EROFS, EACCES or ENOENT on a parent (named by its path),
+    or a database's "disk is full"; None when ``exc`` is none of those (a bug)."""
+    from ckptier.storage.errors import environment_fault
+
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, EnvironmentFault):
+            return cause
+        if isinstance(cause, OSError):
+            path = cause.filename if cause.filename is not None else "a file"
+            fault = environment_fault(cause, os.fsdecode(path) if not isinstance(path, str) else path)
+            if fault is not None:
+                return fault
+        if type(cause).__module__.startswith("sqlalchemy"):
+            from ckptier.storage.catalog.db import catalog_fault
+
+            fault = catalog_fault("(this command's catalog)", cause)
+            if fault is not None:
+                return fault
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; its exit status. Bad input and what ckptier refuses are one
+    line and 2 (1, 75 as each command documents); what the machine refused (a full
+    disk, a read-only filesystem, no permission...) is one line naming the path
+    and the fix, and 1; anything else is a bug: one line, 70."""
     try:
         args = build_parser().parse_args(argv)
         return int(args.func(args))
-    except CkptierError as exc:
+    except EnvironmentFault as exc:
+        print(f"ckptier: {_one_line(str(exc))}", file=sys.stderr)
+        return EXIT_ENVIRONMENT
+    except CkptierError as exc:  # already one line, said on purpose (whatever it was raised from)
         print(f"ckptier: {_one_line(str(exc))}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
@@ -578,6 +628,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         return 0
     except Exception as exc:  # noqa: BLE001 - the last line of defence: never a traceback
+        fault = environment_error(exc)
+        if fault is not None:
+            print(f"ckptier: {_one_line(str(fault))}", file=sys.stderr)
+            return EXIT_ENVIRONMENT
         if os.environ.get(TRACEBACK_ENV):
             raise
         print(f"ckptier: unexpected error {type(exc).__name__}: {_one_line(str(exc))[:300]} "

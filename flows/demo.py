@@ -49,7 +49,7 @@ jobs = "*"
 model = "ckptier.tasks.drill_models:demo_model"
 steps = 10
 device = "auto"
-timeout = "10m"
+timeout = "10min"
 """
 
 

@@ -52,6 +52,7 @@ def checkpoint_json(c: CheckpointRecord, *, files: int | None = None) -> dict[st
         "verified_at": iso(c.verified_at),
         "missing_since": iso(c.missing_since),
         "reason": c.state_reason,
+        "metrics": dict(c.metrics),
         "copies": [
             {"tier": x.tier.value, "url": x.url, "state": x.state, "stored_bytes": x.stored_bytes,
              "storage_class": x.storage_class, "verified_at": iso(x.verified_at)}
@@ -121,7 +122,10 @@ def print_json(obj: Any, *, out: TextIO | None = None) -> None:
 
 def print_checkpoints(records: Iterable[CheckpointRecord], *, out: TextIO | None = None,
                       file_counts: Mapping[int, int] | None = None) -> None:
-    """The ``ls`` table; ``file_counts`` (id → files) when the records were loaded without files."""
+    """The ``ls`` table; ``file_counts`` (id → files) when the records were loaded without files.
+    A METRICS column (the first three, by name) shows when some checkpoint recorded metrics."""
+    records = list(records)
+    with_metrics = any(c.metrics for c in records)
     rows = [
         (
             c.job,
@@ -133,11 +137,20 @@ def print_checkpoints(records: Iterable[CheckpointRecord], *, out: TextIO | None
             ",".join(c.tiers) or "-",
             iso(c.saved_at) or "-",
             proof_cell(c),
+            *((metrics_cell(c),) if with_metrics else ()),
             current_location(c),
         )
         for c in records
     ]
-    table(rows, ("JOB", "STEP", "FORMAT", "STATE", "SIZE", "FILES", "TIERS", "SAVED", "PROOF", "LOCATION"), out=out)
+    headers = ("JOB", "STEP", "FORMAT", "STATE", "SIZE", "FILES", "TIERS", "SAVED", "PROOF",
+               *(("METRICS",) if with_metrics else ()), "LOCATION")
+    table(rows, headers, out=out)
+
+
+def metrics_cell(c: CheckpointRecord) -> str:
+    """``eval_loss=0.412 loss=0.51`` (the first three by name, ``+N`` for more), or ``-``."""
+    shown = " ".join(f"{k}={v:.6g}" for k, v in c.metrics[:3])
+    return (shown + (f" +{len(c.metrics) - 3}" if len(c.metrics) > 3 else "")) or "-"
 
 
 class Progress:

@@ -47,14 +47,11 @@ def parse_bytes(text: str, *, what: str, per_second: bool = False) -> float:
 
 
 def _duration(text: str | None, flag: str) -> timedelta | None:
-    from ckptier.tasks.retention import parse_duration
+    from ckptier.tasks.durations import parse_duration
 
     if text is None:
         return None
-    try:
-        return parse_duration(text)
-    except ConfigError:
-        raise ConfigError(f"{flag} {text!r}: not a duration; write a number and a unit (s, m, h, d, w), e.g. 30m or 1d12h") from None
+    return parse_duration(text, what=f"{flag} {text!r}")
 
 
 def as_json(value: Any) -> Any:
@@ -74,7 +71,7 @@ def as_json(value: Any) -> Any:
 
 
 def hms(seconds: float) -> str:
-    """``3959`` → ``'1h06m'``; under two minutes in seconds."""
+    """``3959`` → ``'1h06min'``; under two minutes in seconds (units as ``ckptier.toml`` spells them)."""
     if seconds < 120:
         return f"{seconds:.0f} s"
     minutes = round(seconds / 60)
@@ -83,8 +80,8 @@ def hms(seconds: float) -> str:
     if days:
         return f"{days}d{h:02d}h" if h else f"{days}d"
     if h:
-        return f"{h}h{m:02d}m" if m else f"{h}h"
-    return f"{m}m"
+        return f"{h}h{m:02d}min" if m else f"{h}h"
+    return f"{m}min"
 
 
 def money(x: float, currency: str) -> str:
@@ -208,7 +205,7 @@ def render_advice(a: Any) -> list[str]:
 
 
 def _seconds(a: Any) -> float:
-    from ckptier.tasks.retention import parse_duration
+    from ckptier.tasks.durations import parse_duration
 
     return parse_duration(a.value).total_seconds()
 
@@ -262,9 +259,9 @@ def add_commands(add: Callable[..., argparse.ArgumentParser]) -> None:
     sp.add_argument("--master-weights", choices=("fp32", "none"),
                     help="fp32: mixed precision saves an fp32 master copy of the weights (default unless --dtype fp32)")
     sp.add_argument("--ranks", type=int, help="ranks sharing a save (default 1)")
-    sp.add_argument("--write-window", metavar="D", help="time a save may take (default 5m)")
+    sp.add_argument("--write-window", metavar="D", help="time a save may take (default 5min)")
     sp.add_argument("--write-bandwidth", metavar="RATE", help="what storage really delivers, e.g. 2GB/s (default: exactly what the window needs)")
-    sp.add_argument("--interval", metavar="D", help="planned time between saves (default 30m)")
+    sp.add_argument("--interval", metavar="D", help="planned time between saves (default 30min)")
     sp.add_argument("--mtbf", metavar="D", help="mean time between failures of the job (default 8h)")
     sp.add_argument("--restart", metavar="D", help="time to restart after a failure (default 0)")
     sp.add_argument("--run-length", metavar="D", help="length of the run (default 21d)")

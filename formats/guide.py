@@ -8,6 +8,7 @@ Accepted schema, every field optional::
     {"step": 1000,                       # int or digit string; must equal N
      "loss": 2.31,                       # number -> Found.recorded_loss
                                          #   ("train_loss" is read too)
+     "metrics": {"eval_loss": 0.41},     # name -> number: Found.metrics (keep_best)
      "files": {"rank-0000/model.pt": {"size": 123, "sha256": "<hex>"},
                "rank-0000/optimizer.pt": "<hex>"}}     # bare digest is fine
     # or "files": [{"path": "rank-0000/model.pt", "size": 123,
@@ -68,7 +69,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptier.formats.base import REPLICATED, SHARDED, FormatPlugin, Group, RankFiles, Scan, as_loss, as_step, names
 from ckptier.storage.base import key_problem
-from ckptier.storage.records import Format
+from ckptier.storage.records import Format, clean_metrics
 from ckptier.storage.structure import Checker, Need, StructureError, manifest_checker, parse_json, shortfalls
 
 if TYPE_CHECKING:
@@ -251,9 +252,10 @@ class GuideFormat(FormatPlugin):
             reason += "; " + "; ".join(notes)
         expected = {rel: digest for rel, (_, digest) in listed.items() if digest is not None}
         loss = as_loss(meta.get("loss", meta.get("train_loss")))
+        metrics = meta.get("metrics")
         scan.emit(
             job=job, step=step, fmt=Format.GUIDE, prefix=prefix, files=files, committed=True, reason=reason,
-            expected=expected, loss=loss, short=short,
+            expected=expected, loss=loss, short=short, metrics=clean_metrics(metrics) if isinstance(metrics, dict) else None,
         )
 
     def checker(self, relpath: str, name: str, base: str) -> Checker | None:

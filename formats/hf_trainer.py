@@ -8,7 +8,8 @@
 ``*.index.json`` names that is absent is a shortfall (an index without a
 ``weight_map`` makes it incomplete). ``global_step`` != N makes it Unrecognised. The
 ``loss`` of the last ``log_history`` entry that has one is the recorded
-loss. The job is ``output_dir``.
+loss; the numbers of the entries at step N (``eval_loss``...) are the
+checkpoint's metrics (:mod:`ckptier.formats.metrics`). The job is ``output_dir``.
 
 A drill loads the weights (``model.safetensors``, its shards, or
 ``pytorch_model.bin``) and ``optimizer.pt``, and also loads ``scheduler.pt``
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptier.formats.base import FormatPlugin, Group, Scan, as_loss, as_step, names
 from ckptier.formats.dcp import dcp_checker
+from ckptier.formats.metrics import step_metrics
 from ckptier.storage.base import ObjectInfo, key_problem
 from ckptier.storage.records import Format
 from ckptier.storage.structure import Checker, Need, StructureError, manifest_checker, parse_json, shortfalls
@@ -160,7 +162,7 @@ class HfTrainerFormat(FormatPlugin):
             reason += f"; the weight index requires missing shard(s): {names([str(x) for x in short])}"
         scan.emit(
             job=job, step=step, fmt=Format.HF, prefix=prefix, files=group.files, committed=committed, reason=reason,
-            loss=loss, short=short,
+            loss=loss, short=short, metrics=step_metrics(state.get("log_history"), step),
         )
 
 

@@ -7,6 +7,10 @@ the newest checkpoint and are skipped quietly (neither checkpoints nor
 unrecognised). Lightning does not write atomically, so a checkpoint is
 committed once it is non-empty and its newest file is at least
 ``lightning_settle_seconds`` (default 60 s) old. The job is the directory.
+The ``metric=value`` parts of the name (``epoch=2-step=300-val_loss=0.2300``,
+as ``ModelCheckpoint(filename="{epoch}-{step}-{val_loss:.4f}")`` writes it) are
+the checkpoint's metrics; the pickle is never opened for them
+(:mod:`ckptier.formats.metrics` says why).
 
 A drill loads the one ``.ckpt`` with the safe torch loader (``state_dict``
 and at most one of ``optimizer_states``); the LightningModule's code is
@@ -21,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptier.formats.base import FormatPlugin, Group, Scan
+from ckptier.formats.metrics import metrics_in_name
 from ckptier.storage.records import Format
 
 if TYPE_CHECKING:
@@ -65,7 +70,7 @@ class LightningFormat(FormatPlugin):
         committed, reason = scan.settled(files, scan.lightning_settle, "Lightning checkpoints")
         scan.emit(
             job=scan.job_of(prefix), step=int(values.pop()), fmt=Format.LIGHTNING, prefix=prefix, files=files,
-            committed=committed, reason=reason, single=single,
+            committed=committed, reason=reason, single=single, metrics=metrics_in_name(name),
         )
 
     def load(self, path: Path, allow: Sequence[Any]) -> LoadedCheckpoint:

@@ -14,7 +14,8 @@ or ``commit_success.txt``, directly in the step directory. A directory with
 the ``.orbax-checkpoint-tmp`` suffix (with or without ``-{T}``) is a save in flight: ``incomplete``,
 so retention never deletes it before the job's grace. A numeric ``loss`` in
 the metadata's ``metrics``, or in the ``metrics/metrics`` item the manager
-writes when it tracks a best metric, is the recorded loss. Item directories are part of
+writes when it tracks a best metric, is the recorded loss; all their numbers
+are the checkpoint's metrics (``keep_best``). Item directories are part of
 their step's checkpoint.
 
 Drills need JAX and ``orbax-checkpoint`` in the drill's environment: the
@@ -36,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptier.formats.base import FormatPlugin, Group, Scan, as_loss, step_in_name
-from ckptier.storage.records import Format
+from ckptier.storage.records import Format, clean_metrics
 
 if TYPE_CHECKING:
     from ckptier.formats.safe_load import LoadedCheckpoint
@@ -103,6 +104,7 @@ class OrbaxFormat(FormatPlugin):
             return
         top = group.top()
         loss = None
+        numbers: dict[str, float] = {}
         committed, reason = False, f"no {_META} or {_SUCCESS}: save in flight or torn"
         meta = top.get(_META)
         if meta is not None:
@@ -114,17 +116,19 @@ class OrbaxFormat(FormatPlugin):
             else:
                 assert isinstance(data, dict)
                 metrics = data.get("metrics")
-                loss = as_loss(metrics.get("loss")) if isinstance(metrics, dict) else None
+                if isinstance(metrics, dict):
+                    loss, numbers = as_loss(metrics.get("loss")), clean_metrics(metrics)
                 if data.get("commit_timestamp_nsecs") is not None:
                     committed, reason = True, f"committed: {_META} records its commit time"
         if not committed and _SUCCESS in top and (meta is None or reason.startswith("no ")):
             committed, reason = True, f"committed: {_SUCCESS} present"
         metrics_file = next((f for f in files if group.relpath(f) == _METRICS), None)
-        if committed and loss is None and metrics_file is not None:  # CheckpointManager's metrics item
+        if committed and not numbers and metrics_file is not None:  # CheckpointManager's metrics item
             metrics, _ = scan.read_json(metrics_file, _METRICS)
-            loss = as_loss(metrics.get("loss")) if isinstance(metrics, dict) else None
+            if isinstance(metrics, dict):
+                loss, numbers = as_loss(metrics.get("loss")) if loss is None else loss, clean_metrics(metrics)
         scan.emit(job=job, step=step, fmt=self.format, prefix=prefix, files=files, committed=committed,
-                  reason=reason, loss=loss)
+                  reason=reason, loss=loss, metrics=numbers)
 
     def load(self, path: Path, allow: Sequence[Any]) -> LoadedCheckpoint:
         from ckptier.formats.safe_load import CheckpointLoadError, LoadedCheckpoint

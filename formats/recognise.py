@@ -18,11 +18,13 @@ unrecognised entries by key; cost is linear in the listing.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ckptier.formats.base import Group, Scan, Tally
+from ckptier.formats.metrics import JOB_METRICS, merged, parse_metrics_jsonl
 from ckptier.formats.pattern import PatternRule, recognise_patterns
 from ckptier.formats.registry import ANCHOR_NAMES, ANCHOR_SUFFIXES, ANCHORING, SIDECAR_NAMES, SIDECAR_OWNERS, plugin
 from ckptier.storage.base import ObjectInfo, key_problem
@@ -193,7 +195,7 @@ def _recognise(
     get_group = groups.get
     loose: list[ObjectInfo] = []
     anchors = ANCHORING
-    sidecar_names = SIDECAR_NAMES
+    sidecar_names = SIDECAR_NAMES | {JOB_METRICS}
     objects = 0
     anchor_names = ANCHOR_NAMES
     anchor_suffixes = ANCHOR_SUFFIXES
@@ -268,6 +270,7 @@ def _recognise(
     for group in sorted(groups.values(), key=lambda g: g.prefix):
         owner = min(group.claimants, key=_RANK.__getitem__)
         plugin(owner).recognise(group, scan)
+    job_metrics = _job_metrics(scan)
     owned = {(f.prefix.rpartition("/")[0], f.format) for f in scan.found}
     for key, info in scan.sidecars.items():
         where, _, name = key.rpartition("/")
@@ -278,11 +281,37 @@ def _recognise(
     recognise_patterns(scan, leftovers.patterns, leftovers.pattern_files)
     leftovers.report(scan)
     _drop_duplicates(scan)
+    if job_metrics:
+        scan.found = [dataclasses.replace(f, metrics=merged(f.metrics, job_metrics[f.job].get(f.step, {})))
+                      if f.job in job_metrics else f for f in scan.found]
     return Recognition(
         checkpoints=tuple(sorted(scan.found, key=lambda f: (f.job, f.step, f.prefix))),
         unrecognised=tuple(sorted(scan.unrecognised, key=lambda u: (u.key, u.reason))),
         objects=objects,
+        job_metrics=job_metrics,
     )
+
+
+def _job_metrics(scan: Scan) -> dict[str, dict[int, dict[str, float]]]:
+    """Each job's ``metrics.jsonl`` (the file beside its checkpoint directories), read
+    once, bounded by the metadata limit; a file that cannot be used is reported and
+    its job has none. The file is the job's, so it is never reported as stray."""
+    out: dict[str, dict[int, dict[str, float]]] = {}
+    for key in sorted(k for k in scan.sidecars if k == JOB_METRICS or k.endswith("/" + JOB_METRICS)):
+        info = scan.sidecars[key]
+        scan.used_sidecars.add(key)
+        if info.size == 0:  # just created: no metrics yet
+            continue
+        data, problem = scan.read_raw(info, key)
+        if problem is not None:
+            scan.refuse(key, f"{problem}; the job's metrics were not read")
+            continue
+        by_step, note = parse_metrics_jsonl(data, key)
+        if note is not None:
+            scan.refuse(key, note)
+        if by_step:
+            out[scan.job_of(key)] = by_step
+    return out
 
 
 _RANK = {fmt: i for i, (fmt, _) in enumerate(ANCHORING)}

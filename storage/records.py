@@ -8,6 +8,7 @@ drill choice) take these records as input.
 from __future__ import annotations
 
 import enum
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -95,6 +96,8 @@ class FileRef:
 
     ``key`` is relative to the store root; ``relpath`` is relative to the
     checkpoint's ``prefix`` (for single-file formats, the file name).
+    ``link``: the file is a symlink to the regular file of this key (inside
+    the store's root; size and mtime are that file's).
     """
 
     key: str
@@ -103,18 +106,19 @@ class FileRef:
     mtime: float | None = None
     etag: str | None = None
     checksum: str | None = None
+    link: str | None = None
 
 
-_REF_KEY, _REF_RELPATH, _REF_SIZE, _REF_MTIME, _REF_ETAG, _REF_CHECKSUM = slot_setters(
-    FileRef, ("key", "relpath", "size", "mtime", "etag", "checksum"))
+_REF_KEY, _REF_RELPATH, _REF_SIZE, _REF_MTIME, _REF_ETAG, _REF_CHECKSUM, _REF_LINK = slot_setters(
+    FileRef, ("key", "relpath", "size", "mtime", "etag", "checksum", "link"))
 _new = object.__new__
 
 
 def file_ref(key: str, relpath: str, size: int, mtime: float | None, etag: str | None,
-             checksum: str | None) -> FileRef:
-    """``FileRef(key, relpath, size, mtime, etag, checksum)``, built without the
-    dataclass ``__init__`` (:func:`slot_setters`): recognition makes one per
-    file of every checkpoint it finds."""
+             checksum: str | None, link: str | None = None) -> FileRef:
+    """``FileRef(key, relpath, size, mtime, etag, checksum, link)``, built without
+    the dataclass ``__init__`` (:func:`slot_setters`): recognition makes one
+    per file of every checkpoint it finds."""
     ref = _new(FileRef)
     _REF_KEY(ref, key)
     _REF_RELPATH(ref, relpath)
@@ -122,6 +126,7 @@ def file_ref(key: str, relpath: str, size: int, mtime: float | None, etag: str |
     _REF_MTIME(ref, mtime)
     _REF_ETAG(ref, etag)
     _REF_CHECKSUM(ref, checksum)
+    _REF_LINK(ref, link)
     return ref
 
 
@@ -167,6 +172,9 @@ class Found:
     ``shortfalls`` lists the files the checkpoint's own manifest requires
     that the listing does not satisfy (absent, or fewer bytes than it
     says); a committed checkpoint with shortfalls is not complete.
+    ``metrics``: what the run recorded about this checkpoint (name -> finite
+    number: ``eval_loss``, ``val_acc``...), from its own files or the job's
+    ``metrics.jsonl``, for ``keep_best``.
     """
 
     job: str
@@ -179,6 +187,7 @@ class Found:
     expected_sha256: Mapping[str, str] = field(default_factory=dict)
     recorded_loss: float | None = None
     shortfalls: tuple[Shortfall, ...] = ()
+    metrics: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def bytes(self) -> int:
@@ -191,6 +200,45 @@ class Found:
         return max(times) if times else None
 
 
+#: At most this many metrics are kept per checkpoint (the first by name), names at most
+#: :data:`MAX_METRIC_NAME` characters: a run's bookkeeping cannot bloat the catalog.
+MAX_METRICS = 64
+MAX_METRIC_NAME = 128
+
+
+def clean_metrics(values: Mapping[Any, Any]) -> dict[str, float]:
+    """The usable part of ``values``: string names (not empty, at most
+    :data:`MAX_METRIC_NAME` characters) with finite numbers (booleans are not
+    numbers), at most :data:`MAX_METRICS` of them, the first by name. Pure."""
+    out: dict[str, float] = {}
+    for name in sorted(k for k in values if isinstance(k, str) and 0 < len(k) <= MAX_METRIC_NAME):
+        value = values[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        number = float(value)
+        if number == number and number not in (float("inf"), float("-inf")):
+            out[name] = number
+        if len(out) == MAX_METRICS:
+            break
+    return out
+
+
+def metrics_to_json(values: Mapping[str, float]) -> str | None:
+    """The catalog's text of a checkpoint's metrics (sorted by name), or None for none."""
+    return json.dumps(dict(sorted(values.items())), separators=(",", ":")) if values else None
+
+
+def metrics_from_json(text: str | None) -> tuple[tuple[str, float], ...]:
+    """:attr:`CheckpointRecord.metrics` from the catalog's text; () for none or unreadable text."""
+    if not text:
+        return ()
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return ()
+    return tuple(clean_metrics(data).items()) if isinstance(data, dict) else ()
+
+
 @dataclass(frozen=True, slots=True)
 class Unrecognised:
     """A key (or prefix) that no format claimed, and why."""
@@ -201,16 +249,25 @@ class Unrecognised:
 
 @dataclass(frozen=True)
 class Recognition:
-    """Everything format recognition made of one listing."""
+    """Everything format recognition made of one listing.
+
+    ``job_metrics``: job -> step -> metrics, from each job's ``metrics.jsonl``
+    (already merged into the found checkpoints' ``metrics``); the catalog also
+    applies them to cataloged checkpoints the scan did not list again.
+    """
 
     checkpoints: tuple[Found, ...]
     unrecognised: tuple[Unrecognised, ...]
     objects: int
+    job_metrics: Mapping[str, Mapping[int, Mapping[str, float]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class FileRecord:
-    """A file of a cataloged checkpoint."""
+    """A file of a cataloged checkpoint. ``link``: it is a symlink to the
+    regular file of this key, inside the scanned root (its bytes are read
+    there, by that key; deleting it removes the link only); ``None`` for a
+    plain file."""
 
     relpath: str
     size: int
@@ -220,6 +277,7 @@ class FileRecord:
     sha256_expected: str | None  # hex, from the format's own metadata
     status: str | None  # None (never verified), "ok", "corrupt", "error"
     detail: str | None
+    link: str | None = None
 
 
 @dataclass(frozen=True)
@@ -255,7 +313,9 @@ class CheckpointRecord:
     Times are timezone-aware UTC. ``saved_at`` is when the save finished as
     far as storage tells (newest file mtime); ``missing_since`` is set when a
     scan no longer found it in the hot store. ``last_drill`` is its most
-    recent restore drill, if any.
+    recent restore drill, if any. ``metrics``: the numbers the run recorded
+    about it (``(name, value)`` pairs sorted by name, finite values only;
+    see :meth:`metric`), read at scan time.
     """
 
     id: int
@@ -276,6 +336,14 @@ class CheckpointRecord:
     files: tuple[FileRecord, ...] = ()
     copies: tuple[CopyRecord, ...] = ()
     last_drill: DrillOutcome | None = None
+    metrics: tuple[tuple[str, float], ...] = ()
+
+    def metric(self, name: str) -> float | None:
+        """The recorded value of the metric ``name``, or None when the run recorded none."""
+        for key, value in self.metrics:
+            if key == name:
+                return value
+        return None
 
     @property
     def tiers(self) -> tuple[str, ...]:

@@ -51,13 +51,13 @@ from ckptier.storage.errors import ConfigError
 from ckptier.storage.records import HELD_COPY_STATES, CheckpointRecord, CopyRecord, CopyState, Format, State, Tier
 
 from .prices import MONTH_SECONDS, Prices, requests_for
+from .durations import format_duration
 from .retention import (
     KeepLast,
     Milestones,
     Plan,
     PlanItem,
     Policy,
-    format_duration,
     hot_present,
     plan_retention,
 )

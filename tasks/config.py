@@ -12,16 +12,24 @@ Shape (every key optional unless said)::
 
     [[policy]]                    # tables are tried in order; first match wins
     jobs = "llama-*"              # fnmatch glob on the job name (default "*")
-    keep_last = 3                 # newest N verified checkpoints (default 3)
+    keep_last = 3                 # newest N verified checkpoints
+    keep_best = { metric = "eval_loss", mode = "min", n = 3 }   # or a list of such tables
     milestones = "log"            # 1, 2, 5, 10, 20, 50, ... steps, or
     # milestones = [1000, 5000]   #   an explicit list of steps, or
-    # milestones = { every_n_steps = 10000 }
+    # milestones = { every_n_steps = 10000, max_to_keep = 10 }   # (max_to_keep optional), or
+    # milestones = { every = "6h" }   # the first save of each 6 hours of save time
     milestone_match = "at_or_after"   # a milestone is held by the first verified save at or
                                   # after it (default), or "exact": only a save on that step
-    keep_within = "36h"           # verified ones saved within this of now
+    keep_within = "36h"           # verified ones saved within this of now (also "6mo", "1y")
+    keep_hourly = 24              # newest verified of each of the last N hours
     keep_daily = 7                # newest verified of each of the last N days
     keep_weekly = 4               # newest verified of each of the last N weeks
+    keep_monthly = 12             # newest verified of each of the last N months
+    keep_yearly = 5               # newest verified of each of the last N years
+    timezone = "UTC"              # whose calendar hours, days, weeks, months count in
     pinned = [12000]              # steps kept whatever happens
+                                  # a table that sets none of these rules previews the
+                                  # built-in DEFAULT_RULES (keep_last 3) and never deletes
     min_verified = 2              # floor of verified checkpoints in hot storage
     min_drilled = 1               # the newest N drill-passed checkpoints keep their hot copy (default 0)
     grace = "2h"                  # how long an incomplete save is "in flight"
@@ -42,7 +50,7 @@ Shape (every key optional unless said)::
     step_regex = 'iter_(?P<step>\\d+)'   # searched in each key; the named group "step" is the step
                                   # (the checkpoint is the directory holding it; the job the one above)
     commit_marker = "COMMITTED"   # committed when this file exists in the checkpoint directory
-    settle = "2m"                 # and/or: committed once no file changed for this long
+    settle = "2min"               # and/or: committed once no file changed for this long
                                   # (at least one of the two; with both, both must hold)
 
     [[inventory]]                 # scans of url read this S3 Inventory report instead of listing
@@ -54,7 +62,7 @@ Shape (every key optional unless said)::
     model = "mypkg.models:build"  # "module:function" returning the model
     steps = 10
     device = "auto"               # "auto", "cpu" or "cuda"
-    timeout = "15m"
+    timeout = "15min"
     loss_tolerance = 0.05         # optional
     trajectory_rtol = 0.02        # optional; 0 for bit-exact
     allow_globals = ["mypkg.config.TrainConfig"]  # classes the safe loader may unpickle
@@ -65,7 +73,7 @@ Shape (every key optional unless said)::
     # address = "tcp://scheduler:8786"   # an existing Dask cluster (one of the two)
     claim_rows = false            # true: several ckptier processes share the catalog's work,
                                   # each claiming rows under a lease (PostgreSQL: SKIP LOCKED)
-    lease = "2m"                  # how long a claim holds without a heartbeat
+    lease = "2min"                # how long a claim holds without a heartbeat
 
     [prices]                      # $ per GB-month (GB = 2^30 bytes) per storage class
     source = "our rates, 2026-10" # printed next to figures that use these prices
@@ -73,7 +81,9 @@ Shape (every key optional unless said)::
     [prices.GLACIER_IR]           # or a table: storage, put, get, retrieval, restore, min_days
     storage = 0.004
 
-Durations are a number and a unit (s, m, h, d, w), parts combinable: "1d12h".
+Durations are a number and a unit (s, min, h, d, w; keep_within and
+archive_after also mo and y), parts combinable: "1d12h"; a bare "m" is refused
+(minutes or months?). See :mod:`ckptier.tasks.durations`.
 Errors are one-line :class:`ConfigError` naming the file, the table (tables
 are counted from 0: the first ``[[policy]]`` is ``policy[0]``), the key, the
 value and the fix.
@@ -105,19 +115,26 @@ from ckptier.formats.pattern import PatternRule
 from ckptier.storage.s3 import storage_class_problem
 from ckptier.storage.url import parse_location, parse_url
 from ckptier.tasks.prices import DEFAULT_CLASS_PRICES, DEFAULT_PRICES, FIELDS, ClassPrice, Prices
+from ckptier.tasks.durations import Span, duration_problem, parse_duration, parse_span
 from ckptier.tasks.retention import (
     ARCHIVE_WHENS,
+    BEST_MODES,
     DEFAULT_MAX_MISSING_FRACTION,
     MILESTONE_MATCHES,
+    RULE_NAMES,
+    KeepBest,
     KeepDaily,
+    KeepHourly,
     KeepLast,
+    KeepMonthly,
     KeepWeekly,
     KeepWithin,
+    KeepYearly,
     Milestones,
     Pinned,
     Policy,
     Rule,
-    parse_duration,
+    zone,
 )
 from ckptier.tasks.tiers import PRICEABLE_CLASSES, S3_CLASSES, ArchiveTier, archive_tiers_problem, class_problem
 
@@ -132,6 +149,7 @@ _POLICY_KEYS = frozenset(
         "pinned", "min_verified", "grace", "archive", "storage_class",
         "hot_after_archive", "max_missing_fraction", "delete_stale_incomplete",
         "milestone_match", "archive_after", "archive_when", "min_drilled",
+        "keep_hourly", "keep_monthly", "keep_yearly", "keep_best", "timezone",
     }
 )
 _DRILL_KEYS = frozenset({"jobs", "model", "steps", "device", "timeout", "loss_tolerance", "trajectory_rtol",
@@ -199,7 +217,13 @@ class DrillSettings:
 
 #: The ``[[policy]]`` keys that state a retention rule; a table without any of
 #: them (``jobs`` alone, say) is not a policy the user wrote (see ``Config.unwritten``).
-RULE_KEYS = frozenset({"keep_last", "milestones", "keep_within", "keep_daily", "keep_weekly", "pinned"})
+RULE_KEYS = frozenset(RULE_NAMES)
+
+#: The rules of a ``[[policy]]`` table that sets none of :data:`RULE_KEYS` (and of the
+#: built-in policy when there is no table): ``plan`` previews them, saying so, and
+#: ``apply`` never deletes under them. A table that sets any rule gets exactly its own
+#: rules: no default is added (``keep_daily = 1`` alone keeps one per day, nothing more).
+DEFAULT_RULES: tuple[Rule, ...] = (KeepLast(3),)
 
 
 @dataclass(frozen=True)
@@ -265,8 +289,8 @@ class Config:
 
 
 def default_policy() -> Policy:
-    """The built-in policy: keep the 3 newest verified, every other setting default."""
-    return Policy(rules=(KeepLast(3),))
+    """The built-in policy: :data:`DEFAULT_RULES` (keep the 3 newest verified), every other setting default."""
+    return Policy(rules=DEFAULT_RULES)
 
 
 def default_config() -> Config:
@@ -329,19 +353,28 @@ class _Table:
         return str(v)
 
     def get_duration(self, key: str, default: str | None, *, positive: bool, example: str) -> timedelta | None:
+        """A fixed duration (units s, min, h, d, w: see :mod:`ckptier.tasks.durations`)."""
         v = self.data.get(key, default)
         if v is None:
             return None
-        if not isinstance(v, str):
-            self.fail(key, v, f"must be a duration string like {example!r} (units s, m, h, d, w)")
-        try:
-            d = parse_duration(v)
-        except ConfigError:
-            self.fail(key, v, f"not a duration: write a number and a unit (s, m, h, d, w), e.g. {example!r}")
-            raise  # unreachable: fail raises
+        if (problem := duration_problem(v, example=example)) is not None:
+            self.fail(key, v, problem)
+        d = parse_duration(str(v))
         if positive and d <= timedelta(0):
             self.fail(key, v, f"must be longer than zero, e.g. {example!r}")
         return d
+
+    def get_span(self, key: str, *, example: str) -> Span | None:
+        """A duration measured back on the calendar: the fixed units plus mo and y; > 0."""
+        v = self.data.get(key)
+        if v is None:
+            return None
+        if (problem := duration_problem(v, calendar_units=True, example=example)) is not None:
+            self.fail(key, v, problem)
+        span = parse_span(str(v))
+        if not span.is_positive():
+            self.fail(key, v, f"must be longer than zero, e.g. {example!r}")
+        return span
 
     def get_choice(self, key: str, default: _Choice, choices: tuple[_Choice, ...]) -> _Choice:
         v = self.data.get(key, default)
@@ -410,32 +443,81 @@ def _archive_problem(url: str) -> str | None:
     return None
 
 
-def _milestones(t: _Table) -> Milestones | None:
+_MILESTONE_SHAPES = ('use "log", a list of steps like [1000, 5000], { every_n_steps = 10000 } '
+                     '(optionally with max_to_keep = 10), or { every = "6h" } (one per interval of save time)')
+
+
+def _milestones(t: _Table, tz: str) -> Milestones | None:
     match = t.get_choice("milestone_match", "at_or_after", MILESTONE_MATCHES)
     if not t.has("milestones"):
         if t.has("milestone_match"):
             t.fail("milestone_match", match, "has no effect without milestones: set milestones or remove it")
         return None
     v = t.data["milestones"]
-    shapes = "use \"log\", a list of steps like [1000, 5000], or { every_n_steps = 10000 }"
     if isinstance(v, str):
         if v != "log":
-            t.fail("milestones", v, shapes)
+            t.fail("milestones", v, _MILESTONE_SHAPES)
         return Milestones(log=True, match=match)
     if isinstance(v, list):
         steps = t.get_steps("milestones")
         if not steps:
             t.fail("milestones", v, "an empty list keeps nothing; omit the key for no milestones")
         return Milestones(steps=steps or (), match=match)
-    if isinstance(v, dict):
-        if set(v) != {"every_n_steps"}:
-            t.fail("milestones", v, shapes)
+    if not isinstance(v, dict):
+        t.fail("milestones", v, _MILESTONE_SHAPES)
+    cap = v.get("max_to_keep")
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+        t.fail("milestones", v, "max_to_keep must be a whole number ≥ 1, e.g. { every_n_steps = 10000, max_to_keep = 10 }")
+    if set(v) in ({"every_n_steps"}, {"every_n_steps", "max_to_keep"}):
         n = v["every_n_steps"]
         if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
             t.fail("milestones", v, "every_n_steps must be a whole number > 0, e.g. { every_n_steps = 10000 }")
-        return Milestones(every=int(n), match=match)
-    t.fail("milestones", v, shapes)
-    return None
+        return Milestones(every=int(n), match=match, max_to_keep=cap)
+    if set(v) in ({"every"}, {"every", "max_to_keep"}):
+        every = v["every"]
+        problem = duration_problem(every, example="6h")
+        if problem is not None:
+            t.fail("milestones", v, f"every = {_show(every)}: {problem} (one milestone per interval of save "
+                                    f"time); for steps write {{ every_n_steps = {_show(every)} }}")
+        interval = parse_duration(str(every))
+        if interval < timedelta(seconds=1):
+            t.fail("milestones", v, 'every must be at least 1s, e.g. { every = "6h" }')
+        if t.has("milestone_match") and match != "at_or_after":
+            t.fail("milestone_match", match, 'milestones every holds the first save of each interval: remove milestone_match')
+        return Milestones(interval=interval, timezone=tz, max_to_keep=cap)
+    t.fail("milestones", v, _MILESTONE_SHAPES)
+
+
+_BEST_KEYS = frozenset({"metric", "mode", "n", "keep_without_metric"})
+_BEST_EXAMPLE = 'keep_best = { metric = "eval_loss", mode = "min", n = 3 }'
+
+
+def _keep_best(t: _Table) -> list[KeepBest]:
+    """``keep_best``: one table, or a list of tables for several metrics."""
+    if not t.has("keep_best"):
+        return []
+    v = t.data["keep_best"]
+    tables = v if isinstance(v, list) else [v]
+    if not tables or not all(isinstance(e, dict) for e in tables):
+        t.fail("keep_best", v, f"must be a table or a list of tables, e.g. {_BEST_EXAMPLE}")
+    out: list[KeepBest] = []
+    for i, e in enumerate(tables):
+        where = f"entry {i}: " if isinstance(v, list) else ""
+        unknown = sorted(set(e) - _BEST_KEYS)
+        if unknown:
+            t.fail("keep_best", v, f"{where}unknown key {unknown[0]}; known keys: {', '.join(sorted(_BEST_KEYS))}")
+        metric, mode, n = e.get("metric"), e.get("mode", "min"), e.get("n")
+        if not isinstance(metric, str) or not metric.strip():
+            t.fail("keep_best", v, f"{where}metric must name the metric, e.g. {_BEST_EXAMPLE}")
+        if mode not in BEST_MODES:
+            t.fail("keep_best", v, f"{where}mode must be \"min\" (a loss) or \"max\" (an accuracy), e.g. {_BEST_EXAMPLE}")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            t.fail("keep_best", v, f"{where}n must be a whole number ≥ 1, e.g. {_BEST_EXAMPLE}")
+        keep = e.get("keep_without_metric", True)
+        if not isinstance(keep, bool):
+            t.fail("keep_best", v, f"{where}keep_without_metric must be true or false")
+        out.append(KeepBest(metric=str(metric), mode=mode, n=int(n), keep_without_metric=keep))
+    return out
 
 
 def _policy(where: str, index: int, data: Any) -> Policy:
@@ -444,29 +526,37 @@ def _policy(where: str, index: int, data: Any) -> Policy:
         raise ConfigError(f"{where}: {name} must be a table ([[policy]]), got {_show(data)}")
     t = _Table(where, name, data, _POLICY_KEYS)
     jobs = t.get_glob()
+    tz = t.get_str("timezone", "UTC", example="Europe/Berlin") or "UTC"
+    try:
+        zone(tz)
+    except ConfigError:
+        t.fail("timezone", tz, 'not a time zone the system knows; write an IANA name such as "UTC" or "Europe/Berlin"')
     rules: list[Rule] = []
-    keep_last = t.get_int("keep_last", 3, example=3)
+    keep_last = t.get_int("keep_last", 0, example=3)
     if keep_last:
         rules.append(KeepLast(keep_last))
-    m = _milestones(t)
+    rules.extend(_keep_best(t))
+    m = _milestones(t, tz)
     if m is not None:
         rules.append(m)
-    within = t.get_duration("keep_within", None, positive=True, example="36h")
+    within = t.get_span("keep_within", example="36h")
     if within is not None:
-        rules.append(KeepWithin(within))
-    daily = t.get_int("keep_daily", 0, example=7)
-    if daily:
-        rules.append(KeepDaily(daily))
-    weekly = t.get_int("keep_weekly", 0, example=4)
-    if weekly:
-        rules.append(KeepWeekly(weekly))
+        rules.append(KeepWithin(within if within.months else within.fixed, timezone=tz))
+    for key, cls, example in (("keep_hourly", KeepHourly, 24), ("keep_daily", KeepDaily, 7),
+                              ("keep_weekly", KeepWeekly, 4), ("keep_monthly", KeepMonthly, 12),
+                              ("keep_yearly", KeepYearly, 5)):
+        n = t.get_int(key, 0, example=example)
+        if n:
+            rules.append(cls(n, timezone=tz))
     pinned = t.get_steps("pinned")
     if pinned:
         rules.append(Pinned(pinned))
-    if not rules:
+    if not RULE_KEYS & set(data):
+        rules = list(DEFAULT_RULES)  # a table with no rule: previewed only (Config.unwritten)
+    elif not rules:
         raise ConfigError(
-            f"{where}: {name} (jobs = {_show(jobs)}) keeps nothing: set keep_last ≥ 1, milestones, "
-            f"keep_within, keep_daily, keep_weekly or pinned"
+            f"{where}: {name} (jobs = {_show(jobs)}) keeps nothing: set keep_last ≥ 1, or one of "
+            f"{', '.join(k for k in RULE_NAMES if k != 'keep_last')}"
         )
     archive = t.get_str("archive", None, example="s3://bucket/archive")
     if archive is not None and (problem := _archive_problem(archive)):
@@ -481,7 +571,7 @@ def _policy(where: str, index: int, data: Any) -> Policy:
     hot = t.data.get("hot_after_archive", "delete")
     if hot not in ("delete", "keep"):
         t.fail("hot_after_archive", hot, "must be \"delete\" or \"keep\"")
-    archive_after = t.get_duration("archive_after", None, positive=True, example="14d")
+    archive_after = t.get_span("archive_after", example="14d")
     archive_when = t.get_choice("archive_when", "immediately", ARCHIVE_WHENS)
     for key in ("archive_after", "archive_when"):
         if t.has(key) and archive is None:
@@ -500,9 +590,10 @@ def _policy(where: str, index: int, data: Any) -> Policy:
         max_missing_fraction=fraction if fraction is not None else DEFAULT_MAX_MISSING_FRACTION,
         delete_stale_incomplete=t.get_bool("delete_stale_incomplete", False),
         archive_tiers=archive_tiers,
-        archive_after=archive_after,
+        archive_after=None if archive_after is None else archive_after if archive_after.months else archive_after.fixed,
         archive_when=archive_when,
         min_drilled=t.get_int("min_drilled", 0, example=1),
+        timezone=tz,
     )
 
 
@@ -520,7 +611,7 @@ def _drill(where: str, index: int, data: Any) -> DrillSettings:
     device = t.data.get("device", "auto")
     if device not in ("auto", "cpu", "cuda"):
         t.fail("device", device, "must be \"auto\", \"cpu\" or \"cuda\"")
-    timeout = t.get_duration("timeout", None, positive=True, example="15m")
+    timeout = t.get_duration("timeout", None, positive=True, example="15min")
     allow = t.data.get("allow_globals", [])
     if not isinstance(allow, list):
         t.fail("allow_globals", allow, "must be a list of module.Name strings, e.g. allow_globals = [\"mypkg.config.TrainConfig\"]")
@@ -567,11 +658,11 @@ def _pattern(where: str, index: int, data: Any) -> PatternRule:
     marker = t.get_str("commit_marker", None, example="COMMITTED")
     if marker is not None and (problem := key_problem(marker)) is not None:
         t.fail("commit_marker", marker, f"{problem}; name a file inside the checkpoint directory, e.g. 'COMMITTED'")
-    settle = t.get_duration("settle", None, positive=True, example="2m")
+    settle = t.get_duration("settle", None, positive=True, example="2min")
     if marker is None and settle is None:
         raise ConfigError(
             f"{where}: {name} (glob = {_show(glob)}) has no commit evidence: set commit_marker (a file the "
-            f"trainer writes last), settle (e.g. settle = '2m') or both"
+            f"trainer writes last), settle (e.g. settle = '2min') or both"
         )
     try:
         return PatternRule(glob, step_regex, settle.total_seconds() if settle else 0.0, commit_marker=marker)
@@ -667,10 +758,10 @@ def parse_runner(data: Any, *, where: str = DEFAULT_FILE) -> RunnerSettings:
         t.fail("address", address, 'needs kind = "dask" (threads run in this process)')
     if workers is not None and address is not None:
         t.fail("workers", workers, "give workers (a local Dask cluster) or address (an existing one), not both")
-    lease = t.get_duration("lease", "2m", positive=True, example="2m")
+    lease = t.get_duration("lease", "2min", positive=True, example="2min")
     assert lease is not None  # has a default
     if lease < timedelta(seconds=1):
-        t.fail("lease", data.get("lease"), "must be at least 1s, e.g. lease = '2m'")
+        t.fail("lease", data.get("lease"), "must be at least 1s, e.g. lease = '2min'")
     return RunnerSettings(kind=kind, workers=workers, address=address,
                           claim_rows=t.get_bool("claim_rows", False), lease=lease)
 

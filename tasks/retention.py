@@ -35,15 +35,19 @@ Checkpoints in state ``deleted`` (tombstones) are excluded from the plan.
 
 from __future__ import annotations
 
+import bisect
+import functools
 import math
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, UTC
+from datetime import datetime, timedelta, tzinfo, UTC
 from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from ckptier.storage.errors import ConfigError
 from ckptier.storage.records import CheckpointRecord, CopyState, State, Tier
+from ckptier.tasks.durations import Span, format_duration
+from ckptier.tasks.durations import parse_duration  # noqa: F401 - re-exported for older imports
 from ckptier.tasks.tiers import ArchiveTier
 
 Action = Literal["keep", "promote", "delete"]
@@ -57,41 +61,6 @@ DEFAULT_MAX_MISSING_FRACTION = 0.5
 
 MILESTONE_MATCHES: tuple[MilestoneMatch, ...] = ("at_or_after", "exact")
 ARCHIVE_WHENS: tuple[ArchiveWhen, ...] = ("immediately", "leaving_hot")
-
-_UNIT_SECONDS = {"w": 604800, "d": 86400, "h": 3600, "m": 60, "s": 1}
-_DURATION_RE = re.compile(r"^(?:\d+[wdhms])+$")
-_DURATION_PART_RE = re.compile(r"(\d+)([wdhms])")
-
-
-def parse_duration(text: str) -> timedelta:
-    """Parse ``"36h"``, ``"7d"``, ``"2w"``, ``"1d12h"``, ``"90s"`` into a timedelta.
-
-    Units: ``w`` weeks, ``d`` days, ``h`` hours, ``m`` minutes, ``s`` seconds;
-    parts may be combined, largest first or not. Raises :class:`ConfigError`
-    (a ``ValueError``) on anything else.
-    """
-    s = text.strip().lower() if isinstance(text, str) else ""
-    if not s or not _DURATION_RE.match(s):
-        raise ConfigError(
-            f"duration {text!r} is not understood: write a number and a unit "
-            f"(s, m, h, d, w), e.g. '36h', '7d' or '1d12h'"
-        )
-    seconds = sum(int(n) * _UNIT_SECONDS[u] for n, u in _DURATION_PART_RE.findall(s))
-    return timedelta(seconds=seconds)
-
-
-def format_duration(delta: timedelta) -> str:
-    """The shortest exact spelling of ``delta`` in the units of :func:`parse_duration`."""
-    total = int(delta.total_seconds())
-    if total == 0:
-        return "0s"
-    parts = []
-    for unit, size in _UNIT_SECONDS.items():
-        n, total = divmod(total, size)
-        if n:
-            parts.append(f"{n}{unit}")
-    return "".join(parts)
-
 
 def is_log_milestone(step: int) -> bool:
     """True for the 1-2-5 series: 1, 2, 5, 10, 20, 50, 100, 200, 500, ..."""
@@ -118,6 +87,10 @@ def _verified(cs: Iterable[CheckpointRecord]) -> list[CheckpointRecord]:
 
 # --------------------------------------------------------------------------- rules
 
+#: The ``[[policy]]`` keys that state a retention rule, in the order plans list them.
+RULE_NAMES = ("keep_last", "keep_best", "milestones", "keep_within", "keep_hourly", "keep_daily",
+              "keep_weekly", "keep_monthly", "keep_yearly", "pinned")
+
 
 @runtime_checkable
 class Rule(Protocol):
@@ -129,6 +102,14 @@ class Rule(Protocol):
     """
 
     def keeps(self, checkpoints: Sequence[CheckpointRecord], now: datetime) -> dict[int, str]: ...
+
+
+@runtime_checkable
+class Warns(Protocol):
+    """A rule that can tell, from one job's live checkpoints, why it will keep
+    far more or less than it seems to (one line, or None). Pure."""
+
+    def warning(self, checkpoints: Sequence[CheckpointRecord]) -> str | None: ...
 
 
 @dataclass(frozen=True)
@@ -165,8 +146,17 @@ class Milestones:
     """Keep checkpoints that hold milestone steps, long term.
 
     Exactly one of: ``log=True`` (the 1-2-5 series 1, 2, 5, 10, 20, 50, ...),
-    ``every`` (steps that are positive multiples of ``every``) or ``steps``
-    (an explicit set). Milestones are what gets promoted to the archive.
+    ``every`` (steps that are multiples of ``every``, step 0 included, as
+    Orbax's ``EveryNSteps`` keeps it), ``steps`` (an explicit set) or
+    ``interval`` (one per interval of save time, below). Milestones are what
+    gets promoted to the archive. ``max_to_keep`` (Orbax's
+    ``EveryNSteps(max_to_keep)``) holds only the newest that many: an older
+    holder gives its milestone up for good (its hot copy may then go; an
+    archive copy stays, as retention never deletes one).
+
+    Step 0 is a milestone of ``every`` held only by a save at step 0 itself
+    (the run's initial state): a run whose first save is at step 1,200 did
+    not save its initial state, and that save does not stand in for it.
 
     ``match`` says which checkpoint holds a milestone step M:
 
@@ -183,22 +173,42 @@ class Milestones:
       checkpoint, or a tombstone (``deleted``: gone from every tier), is
       passed over; the next holder's reason names what was passed over.
     * ``"exact"``: only a verified checkpoint whose step is M itself.
+
+    ``interval`` milestones cut save time into intervals of that length,
+    aligned to midnight of 1 January 1970 on the wall clock of ``timezone``
+    (so 6-hour intervals start at 00:00, 06:00, 12:00 and 18:00 there): the
+    first save of each interval holds it (Orbax's ``EveryNSeconds`` keeps the
+    first save at least that long after the last one kept; fixed intervals
+    make the choice sticky as new saves arrive). Corrupt, incomplete and
+    deleted saves are passed over, as above; an interval none of whose saves
+    is verified or committed has no milestone.
     """
 
     steps: tuple[int, ...] = ()
     log: bool = False
     every: int | None = None
     match: MilestoneMatch = "at_or_after"
+    interval: timedelta | None = None
+    timezone: str = "UTC"
+    max_to_keep: int | None = None
 
     def __post_init__(self) -> None:
-        given = sum([bool(self.steps), self.log, self.every is not None])
+        given = sum([bool(self.steps), self.log, self.every is not None, self.interval is not None])
         if given != 1:
             raise ConfigError(
-                f"milestones: give exactly one of log, every or steps (got {given}); "
+                f"milestones: give exactly one of log, every_n_steps, every or steps (got {given}); "
                 f"e.g. milestones = \"log\""
             )
         if self.every is not None and self.every <= 0:
             raise ConfigError(f"milestones every_n_steps = {self.every}: must be > 0, e.g. 10000")
+        if self.interval is not None and self.interval < timedelta(seconds=1):
+            raise ConfigError(f"milestones every = {format_duration(self.interval)!r}: must be at least 1s, e.g. \"6h\"")
+        if self.interval is not None and self.match != "at_or_after":
+            raise ConfigError("milestones every: a save time never falls exactly on an interval's start; "
+                              "remove milestone_match = \"exact\"")
+        if self.max_to_keep is not None and (isinstance(self.max_to_keep, bool) or self.max_to_keep < 1):
+            raise ConfigError(f"milestones max_to_keep = {self.max_to_keep!r}: must be ≥ 1, e.g. max_to_keep = 10")
+        zone(self.timezone)
         if any(s < 0 for s in self.steps):
             raise ConfigError(f"milestones steps {list(self.steps)}: steps must be ≥ 0")
         if self.match not in MILESTONE_MATCHES:
@@ -211,39 +221,91 @@ class Milestones:
             text = "milestones log (1-2-5 series)"
         elif self.every is not None:
             text = f"milestones every {self.every} steps"
+        elif self.interval is not None:
+            text = f"milestones every {format_duration(self.interval)} of save time"
         else:
             text = "milestones at steps " + ", ".join(str(s) for s in sorted(set(self.steps)))
-        return text + (" (exact match)" if self.match == "exact" else "")
+        cap = f", max_to_keep {self.max_to_keep}" if self.max_to_keep is not None else ""
+        return text + (" (exact match)" if self.match == "exact" else "") + cap
 
     def is_milestone(self, step: int) -> bool:
-        """True when ``step`` is one of the milestone steps themselves."""
+        """True when ``step`` is one of the milestone steps themselves (never for ``interval``)."""
         if self.log:
             return is_log_milestone(step)
         if self.every is not None:
-            return step > 0 and step % self.every == 0
+            return step >= 0 and step % self.every == 0
         return step in self.steps
 
     def between(self, lo: int, hi: int) -> tuple[int, int, int] | None:
         """The milestone steps M with ``lo < M <= hi``: ``(smallest, largest, count)``, or None."""
-        if hi <= lo or hi < 0:
+        if hi <= lo or hi < 0 or self.interval is not None:
             return None
         if self.every is not None:
+            if hi == 0:  # step 0: held by a save at step 0 only (see the class docstring)
+                return (0, 0, 1)
             n = self.every
             first = (max(lo, 0) // n + 1) * n
             last = hi // n * n
             return (first, last, (last - first) // n + 1) if first <= last else None
-        found = [m for m in (_log_series(hi) if self.log else sorted(set(self.steps))) if lo < m <= hi]
-        return (found[0], found[-1], len(found)) if found else None
+        series = _LOG_SERIES if self.log else self._sorted_steps()
+        # the milestones M with lo < M <= hi, by bisection: planning calls this once per save
+        first, end = bisect.bisect_right(series, lo), bisect.bisect_right(series, hi)
+        return (series[first], series[end - 1], end - first) if first < end else None
+
+    def _sorted_steps(self) -> tuple[int, ...]:
+        return _sorted_unique(self.steps)
 
     def keeps(self, checkpoints: Sequence[CheckpointRecord], now: datetime) -> dict[int, str]:
         """As :class:`Rule`; ``checkpoints`` may also hold the job's tombstones, which
         never hold a milestone but are named when a milestone passes over them."""
-        if self.match == "exact":
-            return {
+        if self.interval is not None:
+            out = self._interval_keeps(checkpoints)
+        elif self.match == "exact":
+            out = {
                 c.id: f"{self}: step {c.step} is a milestone"
                 for c in _verified(checkpoints)
                 if self.is_milestone(c.step)
             }
+        else:
+            out = self._at_or_after_keeps(checkpoints)
+        if self.max_to_keep is None or len(out) <= self.max_to_keep:
+            return out
+        by_id = {c.id: c for c in checkpoints}
+        newest = sorted(out, key=lambda cid: (by_id[cid].step, _time_of(by_id[cid]), cid), reverse=True)
+        return {cid: f"{out[cid]} (#{i + 1} of the newest {self.max_to_keep} held)"
+                for i, cid in enumerate(newest[: self.max_to_keep])}
+
+    def _interval_keeps(self, checkpoints: Sequence[CheckpointRecord]) -> dict[int, str]:
+        assert self.interval is not None
+        tz, size = zone(self.timezone), int(self.interval.total_seconds())
+        out: dict[int, str] = {}
+        held: set[int] = set()
+        passed: list[CheckpointRecord] = []  # corrupt / incomplete / deleted in the current interval
+        current = None
+        for c in sorted(checkpoints, key=lambda c: (_time_of(c), c.step, c.id)):
+            local = _time_of(c).astimezone(tz).replace(tzinfo=None)
+            index = int((local - _EPOCH).total_seconds()) // size
+            if index != current:
+                current, passed = index, []
+            if index in held:
+                continue
+            if c.state not in (State.VERIFIED, State.COMMITTED):
+                passed.append(c)
+                continue
+            held.add(index)
+            start = (_EPOCH + timedelta(seconds=index * size)).strftime("%Y-%m-%d %H:%M")
+            note = ""
+            if passed:
+                shown = "; ".join(f"step {p.step} is {p.state.value}" for p in passed[:3])
+                note = f" ({shown}{f' (+{len(passed) - 3} more)' if len(passed) > 3 else ''})"
+            what = f"the interval from {start} ({self.timezone})"
+            if c.state == State.COMMITTED:
+                out[c.id] = f"{self}: will hold {what} once verified: its first save, step {c.step}{note}"
+            else:
+                out[c.id] = f"{self}: holds {what}: its first save, step {c.step}{note}"
+        return out
+
+    def _at_or_after_keeps(self, checkpoints: Sequence[CheckpointRecord]) -> dict[int, str]:
         out: dict[int, str] = {}
         held_up_to = -1  # every milestone at or below this step has its holder
         passed: list[CheckpointRecord] = []  # corrupt / incomplete since then
@@ -292,6 +354,8 @@ class Milestones:
             d = math.gcd(d, b - a)
         if d <= 1:
             return None
+        if self.interval is not None:
+            return None
         r = steps[0] % d
         saves = f"saves come every {d} steps" + (f" (at step {r} mod {d})" if r else "")
         if self.match != "exact":
@@ -330,6 +394,14 @@ class Milestones:
         return None
 
 
+    def warning(self, checkpoints: Sequence[CheckpointRecord]) -> str | None:
+        """See :meth:`cadence_warning`."""
+        return self.cadence_warning(checkpoints)
+
+
+_EPOCH = datetime(1970, 1, 1)
+
+
 def _log_series(upto: int) -> list[int]:
     """The 1-2-5 series up to ``upto``, ascending."""
     out: list[int] = []
@@ -340,21 +412,37 @@ def _log_series(upto: int) -> list[int]:
     return out
 
 
+#: The whole 1-2-5 series a catalog's steps (signed 64-bit) can reach.
+_LOG_SERIES = tuple(_log_series(2**63 - 1))
+
+
+@functools.lru_cache(maxsize=256)
+def _sorted_unique(steps: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(sorted(set(steps)))
+
+
 @dataclass(frozen=True)
 class KeepWithin:
-    """Keep every verified checkpoint saved within ``duration`` before ``now``."""
+    """Keep every verified checkpoint saved within ``duration`` before ``now``.
 
-    duration: timedelta
+    ``duration`` may hold calendar months and years (a :class:`Span`, as
+    ``keep_within = "6mo"`` parses); those are counted back on the calendar
+    of ``timezone``.
+    """
+
+    duration: timedelta | Span
+    timezone: str = "UTC"
 
     def __post_init__(self) -> None:
-        if self.duration <= timedelta(0):
+        zone(self.timezone)
+        if not Span.of(self.duration).is_positive():
             raise ConfigError(f"keep_within = {format_duration(self.duration)!r}: must be > 0, e.g. '36h'")
 
     def __str__(self) -> str:
         return f"keep_within {format_duration(self.duration)}"
 
     def keeps(self, checkpoints: Sequence[CheckpointRecord], now: datetime) -> dict[int, str]:
-        cutoff = now - self.duration
+        cutoff = Span.of(self.duration).before(now, zone(self.timezone))
         return {
             c.id: f"{self}: saved {_time_of(c).isoformat()}"
             for c in _verified(checkpoints)
@@ -362,48 +450,211 @@ class KeepWithin:
         }
 
 
-def _keep_buckets(
-    checkpoints: Sequence[CheckpointRecord], n: int, label: str, bucket: Any
-) -> dict[int, str]:
-    """Newest verified checkpoint of each of the newest ``n`` buckets that have one."""
-    out: dict[int, str] = {}
-    seen: list[str] = []
-    ordered = sorted(_verified(checkpoints), key=lambda c: (_time_of(c), c.step, c.id), reverse=True)
-    for c in ordered:
-        b = bucket(_time_of(c).astimezone(UTC))
-        if b in seen:
-            continue
-        if len(seen) >= n:
-            break
-        seen.append(b)
-        out[c.id] = f"{label} {n}: newest of {b}"
-    return out
+@functools.lru_cache(maxsize=64)
+def zone(name: str) -> tzinfo:
+    """The time zone named ``name`` (an IANA name such as ``"Europe/Berlin"``, or ``"UTC"``).
+
+    Raises :class:`ConfigError` for a name the time zone database does not know.
+    """
+    if name == "UTC":
+        return UTC
+    try:
+        return ZoneInfo(name)
+    except (ZoneInfoNotFoundError, ValueError):
+        raise ConfigError(
+            f"timezone = {name!r}: not a time zone the system knows; write an IANA name such as "
+            f"\"UTC\", \"Europe/Berlin\" or \"America/New_York\""
+        ) from None
 
 
 @dataclass(frozen=True)
-class KeepDaily(_KeepN):
-    """Keep the newest verified checkpoint of each of the last ``n`` UTC days that have one."""
+class _KeepBuckets(_KeepN):
+    """The newest verified checkpoint of each of the newest ``n`` calendar
+    buckets (hours, days, weeks, months, years of ``timezone``) that have
+    one, newest first, as restic's ``forget --keep-*`` decides: and when
+    fewer than ``n`` buckets have a checkpoint, the oldest verified
+    checkpoint is kept as well (restic's rule: as much history as the
+    counts allow)."""
+
+    timezone: str = "UTC"
+    unit: ClassVar[str]
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        zone(self.timezone)
+
+    def bucket(self, local: datetime) -> str:  # pragma: no cover - every subclass overrides it
+        raise NotImplementedError
+
+    def keeps(self, checkpoints: Sequence[CheckpointRecord], now: datetime) -> dict[int, str]:
+        tz = zone(self.timezone)
+        out: dict[int, str] = {}
+        seen: set[str] = set()
+        ordered = sorted(_verified(checkpoints), key=lambda c: (_time_of(c), c.step, c.id), reverse=True)
+        for c in ordered:
+            if len(seen) >= self.n:
+                break
+            b = self.bucket(_time_of(c).astimezone(tz))
+            if b not in seen:
+                seen.add(b)
+                out[c.id] = f"{self.key} {self.n}: newest of {b} ({self.timezone})"
+        if ordered and len(seen) < self.n and ordered[-1].id not in out:
+            oldest = ordered[-1]
+            b = self.bucket(_time_of(oldest).astimezone(tz))
+            out[oldest.id] = (f"{self.key} {self.n}: oldest verified, of {b} ({self.timezone}): kept while only "
+                              f"{len(seen)} of {self.n} {self.unit}s have a checkpoint")
+        return out
+
+
+@dataclass(frozen=True)
+class KeepHourly(_KeepBuckets):
+    """Keep the newest verified checkpoint of each of the last ``n`` hours (of ``timezone``) that have one."""
+
+    key = "keep_hourly"
+    example = 24
+    unit = "hour"
+
+    def bucket(self, local: datetime) -> str:
+        return local.strftime("%Y-%m-%d %H:00")
+
+
+@dataclass(frozen=True)
+class KeepDaily(_KeepBuckets):
+    """Keep the newest verified checkpoint of each of the last ``n`` days (of ``timezone``) that have one."""
 
     key = "keep_daily"
     example = 7
+    unit = "day"
 
-    def keeps(self, checkpoints: Sequence[CheckpointRecord], now: datetime) -> dict[int, str]:
-        return _keep_buckets(checkpoints, self.n, "keep_daily", lambda t: t.strftime("%Y-%m-%d"))
+    def bucket(self, local: datetime) -> str:
+        return local.strftime("%Y-%m-%d")
 
 
 @dataclass(frozen=True)
-class KeepWeekly(_KeepN):
-    """Keep the newest verified checkpoint of each of the last ``n`` ISO weeks (UTC) that have one."""
+class KeepWeekly(_KeepBuckets):
+    """Keep the newest verified checkpoint of each of the last ``n`` ISO weeks (of ``timezone``) that have one."""
 
     key = "keep_weekly"
     example = 4
+    unit = "week"
+
+    def bucket(self, local: datetime) -> str:
+        y, w, _ = local.isocalendar()
+        return f"{y}-W{w:02d}"
+
+
+@dataclass(frozen=True)
+class KeepMonthly(_KeepBuckets):
+    """Keep the newest verified checkpoint of each of the last ``n`` months (of ``timezone``) that have one."""
+
+    key = "keep_monthly"
+    example = 12
+    unit = "month"
+
+    def bucket(self, local: datetime) -> str:
+        return local.strftime("%Y-%m")
+
+
+@dataclass(frozen=True)
+class KeepYearly(_KeepBuckets):
+    """Keep the newest verified checkpoint of each of the last ``n`` years (of ``timezone``) that have one."""
+
+    key = "keep_yearly"
+    example = 5
+    unit = "year"
+
+    def bucket(self, local: datetime) -> str:
+        return f"{local.year:04d}"
+
+
+BestMode = Literal["min", "max"]
+BEST_MODES: tuple[BestMode, ...] = ("min", "max")
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
+
+
+@dataclass(frozen=True)
+class KeepBest:
+    """Keep the ``n`` verified checkpoints with the best recorded ``metric``:
+    the lowest with ``mode = "min"`` (a loss), the highest with ``"max"`` (an
+    accuracy), as Orbax's ``BestN``, Lightning's ``save_top_k`` and the HF
+    Trainer's ``metric_for_best_model`` choose.
+
+    * **Ties**: checkpoints with equal values rank newest (highest step)
+      first, so exactly ``n`` are ranked best and a newer save of an equal
+      score replaces an older one.
+    * **Missing metrics**: a verified checkpoint that recorded no value for
+      ``metric`` (or a NaN or infinite one) is neither best nor worst: it
+      takes no place among the ``n`` and pushes none out. With
+      ``keep_without_metric`` (the default, as Orbax's
+      ``keep_checkpoints_without_metrics``) this rule keeps it, saying so;
+      set it false to leave such checkpoints to the other rules.
+
+    The values come from the catalog (``CheckpointRecord.metrics``, read at
+    scan time), so the rule is pure and ``n log n``.
+    """
+
+    metric: str
+    mode: BestMode = "min"
+    n: int = 1
+    keep_without_metric: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.metric, str) or not self.metric.strip():
+            raise ConfigError(f"keep_best metric = {self.metric!r}: name the metric, e.g. metric = \"eval_loss\"")
+        if self.mode not in BEST_MODES:
+            raise ConfigError(f"keep_best mode = {self.mode!r}: must be \"min\" (a loss) or \"max\" (an accuracy)")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise ConfigError(f"keep_best n = {self.n!r}: must be a whole number ≥ 1, e.g. n = 3")
+
+    def __str__(self) -> str:
+        return f"keep_best {self.n} by {self.metric} ({self.mode})"
+
+    def ranked(self, checkpoints: Sequence[CheckpointRecord]) -> list[tuple[CheckpointRecord, float]]:
+        """The verified checkpoints with a finite ``metric``, best first (ties: newest first)."""
+        scored = [(c, v) for c in _verified(checkpoints) if (v := _finite(c.metric(self.metric))) is not None]
+        sign = 1.0 if self.mode == "min" else -1.0
+        scored.sort(key=lambda cv: (sign * cv[1], -cv[0].step, -cv[0].id))
+        return scored
+
+    def best(self, checkpoints: Sequence[CheckpointRecord]) -> list[tuple[CheckpointRecord, float]]:
+        """The ``n`` best, best first."""
+        return self.ranked(checkpoints)[: self.n]
 
     def keeps(self, checkpoints: Sequence[CheckpointRecord], now: datetime) -> dict[int, str]:
-        def week(t: datetime) -> str:
-            y, w, _ = t.isocalendar()
-            return f"{y}-W{w:02d}"
+        ranked = self.ranked(checkpoints)
+        steps_of: dict[float, list[int]] = {}
+        for c, v in ranked:
+            steps_of.setdefault(v, []).append(c.step)
+        out: dict[int, str] = {}
+        for i, (c, v) in enumerate(ranked[: self.n]):
+            ties = [s for s in steps_of[v] if s != c.step]
+            tie = f" (tied with step {ties[0]}{'' if len(ties) == 1 else f' and {len(ties) - 1} more'}: " \
+                  f"newer steps rank first)" if ties else ""
+            out[c.id] = f"{self}: best {i + 1} of {self.n}, {self.metric} = {v:.6g}{tie}"
+        if self.keep_without_metric:
+            for c in _verified(checkpoints):
+                if _finite(value := c.metric(self.metric)) is None:
+                    what = f"no {self.metric} recorded" if value is None else f"{self.metric} = {value} is no score"
+                    out[c.id] = f"{self}: {what}, so neither best nor worst: kept (keep_without_metric)"
+        return out
 
-        return _keep_buckets(checkpoints, self.n, "keep_weekly", week)
+    def warning(self, checkpoints: Sequence[CheckpointRecord]) -> str | None:
+        """Why this rule keeps more (or less) than its ``n`` at this job, or None. Pure."""
+        verified = _verified(checkpoints)
+        without = sum(1 for c in verified if _finite(c.metric(self.metric)) is None)
+        if not verified or not without:
+            return None
+        if self.keep_without_metric and without * 2 > len(verified):
+            return (f"{self}: {without} of {len(verified)} verified checkpoints record no {self.metric}, and "
+                    f"keep_without_metric keeps every one of them; record it (the job's metrics.jsonl, or the "
+                    f"format's own metadata) or set keep_without_metric = false")
+        if not self.keep_without_metric and without == len(verified):
+            return (f"{self}: no verified checkpoint records {self.metric}, so this rule keeps nothing; "
+                    f"check the metric's name (ckptier ls --json shows each checkpoint's metrics)")
+        return None
 
 
 @dataclass(frozen=True)
@@ -425,6 +676,24 @@ def _rule_is_empty(rule: Rule) -> bool:
     if isinstance(rule, Pinned):
         return not rule.steps
     return False
+
+
+def _rule_zone(rule: Rule) -> str | None:
+    """The time zone a rule's decisions depend on, or None when they depend on none."""
+    if isinstance(rule, _KeepBuckets):
+        return rule.timezone
+    if isinstance(rule, KeepWithin):
+        return rule.timezone if Span.of(rule.duration).months else None
+    if isinstance(rule, Milestones):
+        return rule.timezone if rule.interval is not None else None
+    return None
+
+
+def best_ranked(policy: Policy, checkpoints: Sequence[CheckpointRecord]) -> set[int]:
+    """Ids of ONE job's checkpoints that some ``keep_best`` rule of ``policy``
+    ranks among its ``n`` best (the checkpoints a deletion of a worse one
+    rests on, proven again before it). Pure."""
+    return {c.id for r in policy.rules if isinstance(r, KeepBest) for c, _ in r.best(checkpoints)}
 
 
 # -------------------------------------------------------------------------- policy
@@ -450,7 +719,10 @@ class Policy:
     verified, min_drilled), so it is never stored twice; ``"immediately"``
     (the default) promotes it as soon as it is verified, an early second
     copy. ``min_drilled``: the newest N checkpoints whose most recent
-    restore drill passed keep their hot copy (0: no floor).
+    restore drill passed keep their hot copy (0: no floor). ``timezone``:
+    the IANA time zone whose calendar the calendar rules (``keep_hourly`` to
+    ``keep_yearly``, ``keep_within`` in months, milestones ``every`` a
+    duration) count in; every such rule of the policy must use it.
     """
 
     rules: tuple[Rule, ...]
@@ -463,16 +735,21 @@ class Policy:
     max_missing_fraction: float = DEFAULT_MAX_MISSING_FRACTION
     delete_stale_incomplete: bool = False
     archive_tiers: tuple[ArchiveTier, ...] = ()
-    archive_after: timedelta | None = None
+    archive_after: timedelta | Span | None = None
     archive_when: ArchiveWhen = "immediately"
     min_drilled: int = 0
+    timezone: str = "UTC"
 
     def __post_init__(self) -> None:
         if not self.rules or all(_rule_is_empty(r) for r in self.rules):
             raise ConfigError(
-                f"policy for jobs {self.jobs!r} keeps nothing: set keep_last, milestones, "
-                f"keep_within, keep_daily, keep_weekly or pinned"
+                f"policy for jobs {self.jobs!r} keeps nothing: set one of {', '.join(RULE_NAMES)}"
             )
+        zone(self.timezone)
+        for r in self.rules:
+            if (tz := _rule_zone(r)) is not None and tz != self.timezone:
+                raise ConfigError(f"policy for jobs {self.jobs!r}: rule {r} counts in {tz}, the policy in "
+                                  f"timezone {self.timezone}; give the rule the policy's timezone")
         if self.min_verified < 0:
             raise ConfigError(f"min_verified = {self.min_verified}: must be ≥ 0, e.g. 2")
         if self.grace < timedelta(0):
@@ -487,7 +764,7 @@ class Policy:
             )
         if self.min_drilled < 0:
             raise ConfigError(f"min_drilled = {self.min_drilled}: must be ≥ 0, e.g. 1")
-        if self.archive_after is not None and self.archive_after <= timedelta(0):
+        if self.archive_after is not None and not Span.of(self.archive_after).is_positive():
             raise ConfigError(
                 f"archive_after = {format_duration(self.archive_after)!r}: must be longer than zero, e.g. '14d'"
             )
@@ -498,6 +775,8 @@ class Policy:
 
     def __str__(self) -> str:
         parts = [str(r) for r in self.rules]
+        if self.timezone != "UTC" or any(_rule_zone(r) is not None for r in self.rules):
+            parts.append(f"timezone {self.timezone}")
         parts.append(f"grace {format_duration(self.grace)}")
         parts.append(f"min_verified {self.min_verified}")
         if self.min_drilled:
@@ -654,7 +933,7 @@ def _promotion_wait(c: CheckpointRecord, policy: Policy, held_hot: set[int], now
     """Why a milestone without a verified archive copy is not promoted yet, or None."""
     if policy.archive_after is not None:
         age = now - _time_of(c)
-        if age < policy.archive_after:
+        if _time_of(c) > Span.of(policy.archive_after).before(now, zone(policy.timezone)):
             return (f"archive_after {format_duration(policy.archive_after)}: promoted once older "
                     f"(saved {format_duration(_whole_seconds(age))} ago)")
     if policy.archive_when == "leaving_hot" and c.id in held_hot:
@@ -854,11 +1133,12 @@ class VerifiedDecision:
                 f"(hot after archive: {p.hot_after_archive})")
 
     def apply(self, job: _Job) -> None:
+        unkept = f"not kept by any rule ({'; '.join(str(r) for r in self.policy.rules)})"  # once, not per checkpoint
         for c in job.cs:
             if c.state == State.VERIFIED:
-                job.decided[c.id] = self._decide(c, job)
+                job.decided[c.id] = self._decide(c, job, unkept)
 
-    def _decide(self, c: CheckpointRecord, job: _Job) -> _Decision:
+    def _decide(self, c: CheckpointRecord, job: _Job, unkept: str) -> _Decision:
         policy = self.policy
         reasons = list(job.kept_by[c.id])
         present = hot_present(c)
@@ -881,7 +1161,7 @@ class VerifiedDecision:
             return _Decision("keep", reasons)
         if not present:
             return _Decision("keep", ["not kept by any rule"])
-        return _Decision("delete", [f"not kept by any rule ({'; '.join(str(r) for r in policy.rules)})"])
+        return _Decision("delete", [unkept])
 
 
 @dataclass(frozen=True)
@@ -996,6 +1276,13 @@ def stages(policy: Policy) -> tuple[Stage, ...]:
     return tuple(out)
 
 
+def floors(policy: Policy) -> tuple[Stage, ...]:
+    """The stages of :func:`stages` that no policy can switch off (all but the
+    rules' vote and the decision itself), in order: what ``plan`` prints
+    under each policy, so that nothing it keeps is a hidden rule."""
+    return tuple(s for s in stages(policy) if not isinstance(s, (RulesVote, VerifiedDecision)))
+
+
 @dataclass(frozen=True)
 class _JobPlan:
     items: list[PlanItem]
@@ -1076,7 +1363,7 @@ def plan_retention(
         stale.extend(done.stale)
         if done.refused:
             refused_jobs[job] = done.refused
-        warnings.extend(f"job {job!r}: {w}" for m in policy.milestones if (w := m.cadence_warning(cs)))
+        warnings.extend(f"job {job!r}: {w}" for r in policy.rules if isinstance(r, Warns) and (w := r.warning(cs)))
     return Plan(
         items=items,
         refused="; ".join(refused_jobs.values()) or None,

@@ -75,10 +75,10 @@ def test_cli_7b_in_five_minutes_prints_the_guides_bandwidth(capsys: pytest.Captu
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)  # no ./ckptier.toml: built-in config and prices
     monkeypatch.delenv("CKPTIER_CONFIG", raising=False)
-    code, out, err = run(capsys, "advise", "--params", "7e9", "--write-window", "5m")
+    code, out, err = run(capsys, "advise", "--params", "7e9", "--write-window", "5min")
     assert code == 0, err
     line = next(x for x in out.splitlines() if x.startswith("bandwidth"))
-    match = re.search(r"([0-9.]+) MB/s to save within 5m", line)
+    match = re.search(r"([0-9.]+) MB/s to save within 5min", line)
     assert match, line
     assert float(match.group(1)) == pytest.approx(190, rel=0.15)
     # every cost at default prices says so
@@ -378,7 +378,7 @@ def test_measured_values_replace_the_assumptions() -> None:
     assert a.sizing.measured and a.sizing.total_bytes == 40 * GB and a.sizing.components == ()
     assert set(a.measured()) == {"size", "ranks", "interval", "steps_per_save", "codec_ratio", "hot_class"}
     by = {x.name: x for x in a.assumptions}
-    assert by["interval"].value == "45m" and "job j, 6 checkpoints" in by["interval"].source
+    assert by["interval"].value == "45min" and "job j, 6 checkpoints" in by["interval"].source
     assert by["mtbf"].origin == "default" and by["mtbf"].source == DEFAULTS["mtbf"][1]
     assert a.interval.planned_s == 45 * 60
     what_if = advise(Request(params=5e9, ranks=8, interval=timedelta(hours=1)), POLICY, DEFAULT_PRICES,

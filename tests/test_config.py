@@ -56,7 +56,7 @@ jobs = "llama-*"
 model = "mypkg.models:build_llama"
 steps = 20
 device = "cuda"
-timeout = "30m"
+timeout = "30min"
 loss_tolerance = 0.05
 allow_globals = ["mypkg.config.TrainConfig", "argparse.Namespace", "mypkg.config.TrainConfig"]
 
@@ -90,7 +90,7 @@ def test_full_file(tmp_path: Path) -> None:
     # the catch-all third table, with defaults
     other = cfg.policy_for("bert-x")
     assert other is not None and other.jobs == "*"
-    assert other.rules == (KeepLast(3), Milestones(steps=(1000, 5000)))
+    assert other.rules == (Milestones(steps=(1000, 5000)),)  # its own rules only: no hidden keep_last
     assert (other.grace, other.min_verified, other.max_missing_fraction) == (timedelta(hours=2), 2, 0.5)
     assert other.delete_stale_incomplete is False
     assert cfg.drill_for("llama-7b") == DrillSettings(
@@ -223,7 +223,7 @@ BAD: list[tuple[str, tuple[str, ...]]] = [
     ('[[drill]]\nmodel = "m:f"\nsteps = 0\n', ("drill[0].steps", "= 0", "≥ 1")),
     ('[[drill]]\nmodel = "m:f"\ndevice = "gpu"\n', ("drill[0].device", '"gpu"', '"cuda"')),
     ('[[drill]]\nmodel = "m:f"\ntimeout = "0s"\n', ("drill[0].timeout", '"0s"', "longer than zero")),
-    ('[[drill]]\nmodel = "m:f"\ntimeout = "soon"\n', ("drill[0].timeout", '"soon"', "'15m'")),
+    ('[[drill]]\nmodel = "m:f"\ntimeout = "soon"\n', ("drill[0].timeout", '"soon"', "'15min'")),
     ('[[drill]]\nmodel = "m:f"\nloss_tolerance = 0\n', ("drill[0].loss_tolerance", "= 0", "> 0.0")),
     ('[[drill]]\nmodel = "m:f"\nloss_tolerance = "5%"\n', ("drill[0].loss_tolerance", '"5%"', "number")),
     ('[[drill]]\nmodel = "m:f"\nretries = 2\n', ("drill[0].retries", "unknown key", "loss_tolerance")),

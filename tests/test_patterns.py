@@ -118,7 +118,7 @@ def test_marker_and_settle_time_both_must_hold() -> None:
 
 def test_pattern_tables_parse_in_order() -> None:
     cfg = parse_config(
-        RULE + '[[pattern]]\nglob = "snaps/*.tar"\nstep_regex = \'snap-(?P<step>\\d+)\\.tar\'\nsettle = "2m"\n'
+        RULE + '[[pattern]]\nglob = "snaps/*.tar"\nstep_regex = \'snap-(?P<step>\\d+)\\.tar\'\nsettle = "2min"\n'
     )
     assert cfg.patterns == (
         PatternRule("*/save_*/**", r"save_(?P<step>\d+)", 0.0, commit_marker="COMMITTED"),
@@ -128,13 +128,13 @@ def test_pattern_tables_parse_in_order() -> None:
 
 
 BAD: list[tuple[str, tuple[str, ...]]] = [
-    ('[[pattern]]\nstep_regex = "(?P<step>\\\\d+)"\nsettle = "1m"\n', ("pattern[0].glob is missing", "glob = ")),
-    ('[[pattern]]\nglob = "a/**"\nsettle = "1m"\n', ("pattern[0].step_regex is missing",)),
-    ('[[pattern]]\nglob = "a/[x"\nstep_regex = "(?P<step>\\\\d+)"\nsettle = "1m"\n', ("pattern[0].glob", '"a/[x"', "no closing ']'")),
-    ('[[pattern]]\nglob = "a/**"\nstep_regex = "(?P<step>\\\\d+"\nsettle = "1m"\n', ("pattern[0].step_regex", "not a regular expression")),
-    ('[[pattern]]\nglob = "a/**"\nstep_regex = "save_(\\\\d+)"\nsettle = "1m"\n', ("pattern[0].step_regex", "named step", "(?P<step>")),
+    ('[[pattern]]\nstep_regex = "(?P<step>\\\\d+)"\nsettle = "1min"\n', ("pattern[0].glob is missing", "glob = ")),
+    ('[[pattern]]\nglob = "a/**"\nsettle = "1min"\n', ("pattern[0].step_regex is missing",)),
+    ('[[pattern]]\nglob = "a/[x"\nstep_regex = "(?P<step>\\\\d+)"\nsettle = "1min"\n', ("pattern[0].glob", '"a/[x"', "no closing ']'")),
+    ('[[pattern]]\nglob = "a/**"\nstep_regex = "(?P<step>\\\\d+"\nsettle = "1min"\n', ("pattern[0].step_regex", "not a regular expression")),
+    ('[[pattern]]\nglob = "a/**"\nstep_regex = "save_(\\\\d+)"\nsettle = "1min"\n', ("pattern[0].step_regex", "named step", "(?P<step>")),
     ('[[pattern]]\nglob = "a/**"\nstep_regex = "(?P<step>\\\\d+)"\n', ("pattern[0]", 'glob = "a/**"', "no commit evidence", "commit_marker", "settle")),
-    ('[[pattern]]\nglob = "a/**"\nstep_regex = "(?P<step>\\\\d+)"\nsettle = "soon"\n', ("pattern[0].settle", '"soon"', "'2m'")),
+    ('[[pattern]]\nglob = "a/**"\nstep_regex = "(?P<step>\\\\d+)"\nsettle = "soon"\n', ("pattern[0].settle", '"soon"', "'2min'")),
     ('[[pattern]]\nglob = "a/**"\nstep_regex = "(?P<step>\\\\d+)"\nsettle = "0s"\n', ("pattern[0].settle", "longer than zero")),
     ('[[pattern]]\nglob = "a/**"\nstep_regex = "(?P<step>\\\\d+)"\ncommit_marker = "../DONE"\n', ("pattern[0].commit_marker", '"../DONE"', "inside the checkpoint directory")),
     ('[[pattern]]\nglob = "a/**"\nstep_regex = "(?P<step>\\\\d+)"\nmarker = "DONE"\n', ("pattern[0].marker", "unknown key", "did you mean commit_marker?")),
@@ -158,7 +158,7 @@ def test_pattern_errors_are_one_line_naming_table_key_value_and_fix(
 
 def test_bad_pattern_is_one_line_on_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = tmp_path / "ckptier.toml"
-    config.write_text('[[pattern]]\nglob = "a/**"\nstep_regex = "save_(\\\\d+)"\nsettle = "1m"\n')
+    config.write_text('[[pattern]]\nglob = "a/**"\nstep_regex = "save_(\\\\d+)"\nsettle = "1min"\n')
     code = main(["scan", "--no-prefect", "--catalog", f"sqlite:///{tmp_path / 'c.db'}", "--config", str(config),
                  str(tmp_path)])
     err = capsys.readouterr().err

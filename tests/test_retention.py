@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import random
 from collections.abc import Sequence
@@ -25,23 +26,28 @@ from hypothesis import strategies as st
 
 from ckptier.storage.errors import ConfigError
 from ckptier.storage.records import CheckpointRecord, CopyRecord, Format, State, Tier
+from ckptier.tasks.durations import Span, format_duration, parse_duration
 from ckptier.tasks.retention import (
+    KeepBest,
     KeepDaily,
+    KeepHourly,
     KeepLast,
+    KeepMonthly,
     KeepWeekly,
     KeepWithin,
+    KeepYearly,
     Milestones,
     Pinned,
     Plan,
     Policy,
     drill_passed,
-    format_duration,
     hot_present,
     is_log_milestone,
     newest_drilled,
-    parse_duration,
     plan_retention,
     render_plan_table,
+    stages,
+    zone,
 )
 
 GOLDEN = Path(__file__).parent / "golden" / "retention"
@@ -62,6 +68,7 @@ def ckpt(
     archive: str | None = None,  # None, "verified", "unverified"
     hot_gone: bool = False,
     size: int = 1_000,
+    metrics: dict[str, float] | None = None,
 ) -> CheckpointRecord:
     copies: list[CopyRecord] = []
     if hot_gone:
@@ -92,7 +99,23 @@ def ckpt(
         verified_at=saved + H if state == State.VERIFIED else None,
         state_reason="rank-0000/model.pt: sha256 mismatch" if state == State.CORRUPT else None,
         copies=tuple(copies),
+        metrics=tuple(sorted((metrics or {}).items())),
     )
+
+
+#: llama's eval_loss, every 2,000 steps: 28000 and 32000 tie at 0.412, 36000 recorded NaN (no
+#: value), 39000 (committed, not yet verified) and 40000 (in flight) the lowest but not ranked.
+LLAMA_EVAL_LOSS = {
+    2000: 2.9, 4000: 2.41, 6000: 1.97, 8000: 1.55, 10000: 1.2, 12000: 0.98, 14000: 0.87, 16000: 0.73,
+    18000: 0.66, 20000: 0.61, 22000: 0.58, 24000: 0.55, 26000: 0.519, 28000: 0.412, 30000: 0.47,
+    32000: 0.412, 34000: 0.43, 36000: float("nan"), 38000: 0.405, 39000: 0.3, 40000: 0.29,
+}
+#: bert's accuracy (higher is better) on most saves: 9500 and 10000 tie at 0.76; the archived
+#: 5000 is the best; 1000 (missing from hot storage) second best; 2500 and 7500 recorded none.
+BERT_ACCURACY = {
+    **{500 * (i + 1): round(0.5 + 0.012 * i, 3) for i in range(20) if 500 * (i + 1) not in (2500, 7500)},
+    1000: 0.79, 5000: 0.8, 9500: 0.76, 10000: 0.76,
+}
 
 
 def fixed_catalog() -> list[CheckpointRecord]:
@@ -118,6 +141,8 @@ def fixed_catalog() -> list[CheckpointRecord]:
         if step == 40000:
             kw = {"state": State.INCOMPLETE}
             saved = NOW - 30 * timedelta(minutes=1)
+        if step in LLAMA_EVAL_LOSS:
+            kw["metrics"] = {"eval_loss": LLAMA_EVAL_LOSS[step], "loss": LLAMA_EVAL_LOSS[step] + 0.1}
         out.append(ckpt(len(out) + 1, "llama", step, saved, size=2_000 + step // 1000, **kw))  # type: ignore[arg-type]
     # bert: 20 checkpoints, steps 500..10000, one every 6 h; 8 missing (40%).
     start = NOW - 20 * 6 * H
@@ -130,6 +155,8 @@ def fixed_catalog() -> list[CheckpointRecord]:
             kw = {"archive": "verified", "hot_gone": True}
         if step == 5000:
             kw = {"archive": "verified"}
+        if step in BERT_ACCURACY:
+            kw["metrics"] = {"accuracy": BERT_ACCURACY[step]}
         out.append(ckpt(len(out) + 1, "bert", step, start + i * 6 * H, size=500 + step // 500, **kw))  # type: ignore[arg-type]
     # gpt: 15 checkpoints saved every 1,200 steps (never on a round number), one every 20 h.
     start = NOW - 15 * 20 * H
@@ -207,6 +234,28 @@ POLICIES: dict[str, Policy] = {
     "last1-min0-drilled1": Policy((KeepLast(1),), min_verified=0, min_drilled=1),
     "last2-drilled2": Policy((KeepLast(2),), min_drilled=2),
     "log-archive-drilled1": Policy((Milestones(log=True),), archive=ARCH, min_drilled=1),
+    # best by a metric: alone (checkpoints without it kept, as Orbax does), ties, missing metrics,
+    # both modes, combined with keep_last and log milestones
+    "best3-eval-loss": Policy((KeepBest("eval_loss", "min", 3),)),
+    "best2-eval-loss-only-ranked": Policy((KeepBest("eval_loss", "min", 2, keep_without_metric=False),)),
+    "best2-accuracy-max-only-ranked": Policy((KeepBest("accuracy", "max", 2, keep_without_metric=False),)),
+    "last2-best3-log-archive": Policy(
+        (KeepLast(2), KeepBest("eval_loss", "min", 3, keep_without_metric=False), Milestones(log=True)), archive=ARCH
+    ),
+    "best-two-metrics-last1": Policy(
+        (KeepBest("eval_loss", "min", 1, keep_without_metric=False),
+         KeepBest("accuracy", "max", 1, keep_without_metric=False), KeepLast(1)),
+    ),
+    # calendar buckets (restic's semantics), a time zone, one per day with no hidden keep_last
+    "hourly6": Policy((KeepHourly(6),)),
+    "monthly2": Policy((KeepMonthly(2),)),
+    "yearly3": Policy((KeepYearly(3),)),
+    "daily1": Policy((KeepDaily(1),)),
+    "daily3-new-york": Policy((KeepDaily(3, timezone="America/New_York"),), timezone="America/New_York"),
+    # milestones: capped, and one per interval of save time
+    "every5000-max2-archive": Policy((Milestones(every=5000, max_to_keep=2),), archive=ARCH),
+    "every1d-archive": Policy((Milestones(interval=D),), archive=ARCH),
+    "last1-every12h-max3": Policy((KeepLast(1), Milestones(interval=12 * H, max_to_keep=3))),
 }
 
 
@@ -531,9 +580,227 @@ def test_rule_validation() -> None:
         Policy((KeepLast(1),), hot_after_archive="drop")  # type: ignore[arg-type]
 
 
+def test_new_rule_strings_are_readable() -> None:
+    assert str(KeepHourly(24)) == "keep_hourly 24" and str(KeepMonthly(12)) == "keep_monthly 12"
+    assert str(KeepYearly(5, timezone="Europe/Berlin")) == "keep_yearly 5"
+    assert str(KeepBest("eval_loss", "min", 3)) == "keep_best 3 by eval_loss (min)"
+    assert str(KeepWithin(Span(6))) == "keep_within 6mo" and str(KeepWithin(Span(14, 2 * D))) == "keep_within 1y2mo2d"
+    assert str(Milestones(every=1000, max_to_keep=5)) == "milestones every 1000 steps, max_to_keep 5"
+    assert str(Milestones(interval=6 * H)) == "milestones every 6h of save time"
+    assert str(Policy((KeepDaily(1, timezone="Asia/Kolkata"),), timezone="Asia/Kolkata")).startswith(
+        "keep_daily 1, timezone Asia/Kolkata, grace 2h")
+    assert "timezone" not in str(Policy((KeepLast(3),)))  # no calendar rule: nothing depends on it
+
+
+# --------------------------------------------------------------- keep_best
+
+
+def _scored(values: Sequence[float | None], *, job: str = "run", states: dict[int, State] | None = None,
+            metric: str = "eval_loss") -> list[CheckpointRecord]:
+    """One verified save per value, steps 100, 200, ..., the newest 3 hours old (None: no metric)."""
+    states = states or {}
+    return [ckpt(i + 1, job, 100 * (i + 1), NOW - 3 * H - (len(values) - i) * H, states.get(100 * (i + 1), State.VERIFIED),
+                 metrics=None if v is None else {metric: v}) for i, v in enumerate(values)]
+
+
+def _kept_steps(rule: object, cs: Sequence[CheckpointRecord]) -> list[int]:
+    kept = rule.keeps(cs, NOW)  # type: ignore[attr-defined]
+    return sorted(c.step for c in cs if c.id in kept)
+
+
+@pytest.mark.parametrize(("n", "values", "keep_without", "expected"), [
+    # the lowest loss; checkpoints without it are kept (as Orbax keeps them by default)
+    (1, [7, None, 4, None, 5], True, [200, 300, 400]),
+    (1, [7, None, 4, None, 5], False, [300]),
+    # n above the number of scored checkpoints: every scored one, plus the unscored when kept
+    (4, [5, None, 4, None, 7], True, [100, 200, 300, 400, 500]),
+    (4, [5, None, 4, None, 7], False, [100, 300, 500]),
+    # ties rank the newer step first: exactly n are best
+    (2, [0.3, 0.2, 0.2, 0.2, 0.9], False, [300, 400]),
+    (3, [0.3, 0.2, 0.2, 0.2, 0.9], False, [200, 300, 400]),
+    # NaN and infinite values are no score: neither best nor worst
+    (2, [float("nan"), 0.5, float("inf"), 0.7, float("-inf")], False, [200, 400]),
+    (2, [float("nan"), 0.5, float("inf"), 0.7, float("-inf")], True, [100, 200, 300, 400, 500]),
+])
+def test_keep_best_min(n: int, values: list[float | None], keep_without: bool, expected: list[int]) -> None:
+    assert _kept_steps(KeepBest("eval_loss", "min", n, keep_without_metric=keep_without), _scored(values)) == expected
+
+
+def test_keep_best_max_keeps_the_highest_and_ranks_ties_newest_first() -> None:
+    cs = _scored([0.61, 0.75, 0.70, 0.75, None, 0.4], metric="acc")
+    assert _kept_steps(KeepBest("acc", "max", 2, keep_without_metric=False), cs) == [200, 400]
+    assert _kept_steps(KeepBest("acc", "max", 1, keep_without_metric=False), cs) == [400]
+    kept = KeepBest("acc", "max", 2).keeps(cs, NOW)
+    assert kept[cs[3].id] == "keep_best 2 by acc (max): best 1 of 2, acc = 0.75 (tied with step 200: newer steps rank first)"
+    assert kept[cs[1].id].startswith("keep_best 2 by acc (max): best 2 of 2, acc = 0.75")
+    assert kept[cs[4].id] == ("keep_best 2 by acc (max): no acc recorded, so neither best nor worst: "
+                              "kept (keep_without_metric)")
+
+
+def test_keep_best_ranks_verified_checkpoints_only() -> None:
+    """A committed save with the best loss is kept as unverified, and takes no place among the best."""
+    cs = _scored([0.5, 0.4, 0.1, 0.3], states={300: State.COMMITTED})
+    assert _kept_steps(KeepBest("eval_loss", "min", 2, keep_without_metric=False), cs) == [200, 400]
+    plan = plan_retention(cs, Policy((KeepBest("eval_loss", "min", 2, keep_without_metric=False),), min_verified=0), now=NOW)
+    assert [i.step for i in plan.by_action("delete")] == [100]
+    assert _item(plan, "run", 300).reasons[0].startswith("committed, not yet verified")
+
+
+def test_best_and_latest_from_one_policy() -> None:
+    """The best K by a metric and the newest N together (what one Orbax manager could not do)."""
+    cs = _scored([0.9, 0.2, 0.5, 0.1, 0.8, 0.7, 0.6, 0.95])
+    policy = Policy((KeepLast(2), KeepBest("eval_loss", "min", 2, keep_without_metric=False)), min_verified=0)
+    plan = plan_retention(cs, policy, now=NOW)
+    assert sorted(i.step for i in plan.items if i.action == "keep") == [200, 400, 700, 800]
+    assert [r for r in _item(plan, "run", 400).reasons] == ["keep_best 2 by eval_loss (min): best 1 of 2, eval_loss = 0.1"]
+    assert "not kept by any rule (keep_last 2; keep_best 2 by eval_loss (min))" in _item(plan, "run", 300).reasons
+
+
+def test_keep_best_warns_when_the_metric_is_missing() -> None:
+    unscored = _scored([None, None, None, 0.3])
+    plan = plan_retention(unscored, Policy((KeepBest("eval_loss", "min", 1),)), now=NOW)
+    assert plan.warnings == (
+        "job 'run': keep_best 1 by eval_loss (min): 3 of 4 verified checkpoints record no eval_loss, and "
+        "keep_without_metric keeps every one of them; record it (the job's metrics.jsonl, or the format's own "
+        "metadata) or set keep_without_metric = false",)
+    plan = plan_retention(_scored([None, None]), Policy((KeepLast(1), KeepBest("eval_los", "min", 1, False))), now=NOW)
+    assert "no verified checkpoint records eval_los, so this rule keeps nothing" in plan.warnings[0]
+    assert not plan_retention(_scored([0.3, 0.2]), Policy((KeepBest("eval_loss", "min", 1),)), now=NOW).warnings
+
+
+def test_keep_best_validation() -> None:
+    with pytest.raises(ConfigError, match="mode"):
+        KeepBest("eval_loss", "lowest", 3)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="n = 0"):
+        KeepBest("eval_loss", "min", 0)
+    with pytest.raises(ConfigError, match="metric"):
+        KeepBest(" ", "min", 1)
+
+
+# --------------------------------------------------------------- calendar buckets
+
+
+def _at(*times: datetime) -> list[CheckpointRecord]:
+    return [ckpt(i + 1, "run", 100 * (i + 1), t) for i, t in enumerate(sorted(times))]
+
+
+def test_buckets_keep_the_newest_of_each_and_the_oldest_while_counts_are_left() -> None:
+    """restic's rule: when fewer buckets than the count have a save, the oldest save is kept too."""
+    t = datetime(2024, 3, 10, 9, tzinfo=UTC)
+    cs = _at(t, t + H, t + 2 * D, t + 2 * D + H, t + 40 * D)  # 2024-03-10 (2), 03-12 (2), 04-19
+    assert _kept_steps(KeepDaily(2), cs) == [400, 500]
+    assert _kept_steps(KeepDaily(3), cs) == [200, 400, 500]
+    four = KeepDaily(4).keeps(cs, NOW)
+    assert sorted(c.step for c in cs if c.id in four) == [100, 200, 400, 500]
+    assert four[cs[0].id] == ("keep_daily 4: oldest verified, of 2024-03-10 (UTC): kept while only 3 of 4 days "
+                              "have a checkpoint")
+    assert _kept_steps(KeepMonthly(2), cs) == [400, 500]
+    assert _kept_steps(KeepMonthly(3), cs) == [100, 400, 500]
+    assert _kept_steps(KeepYearly(1), cs) == [500]
+    assert _kept_steps(KeepHourly(2), cs) == [400, 500]
+
+
+def test_buckets_count_in_the_policys_time_zone() -> None:
+    """23:30 UTC on 1 March is 00:30 on 2 March in Berlin: one day in UTC, two there."""
+    cs = _at(datetime(2024, 3, 1, 12, tzinfo=UTC), datetime(2024, 3, 1, 23, 30, tzinfo=UTC))
+    assert _kept_steps(KeepDaily(2), cs) == [100, 200]  # the oldest, as counts are left
+    assert _kept_steps(KeepDaily(1), cs) == [200]
+    berlin = KeepDaily(1, timezone="Europe/Berlin").keeps(cs, NOW)
+    assert berlin == {cs[1].id: "keep_daily 1: newest of 2024-03-02 (Europe/Berlin)"}
+    # months too: 31 January 23:30 UTC is February in Tokyo
+    jan = _at(datetime(2024, 1, 31, 23, 30, tzinfo=UTC))
+    assert KeepMonthly(1, timezone="Asia/Tokyo").keeps(jan, NOW) == {jan[0].id: "keep_monthly 1: newest of 2024-02 (Asia/Tokyo)"}
+    with pytest.raises(ConfigError, match="Europe/Berln"):
+        KeepDaily(1, timezone="Europe/Berln")
+    with pytest.raises(ConfigError, match="counts in Europe/Berlin, the policy in timezone UTC"):
+        Policy((KeepDaily(1, timezone="Europe/Berlin"),))
+
+
+def test_keep_within_months_counts_back_on_the_calendar() -> None:
+    now = datetime(2024, 3, 31, 12, tzinfo=UTC)
+    cs = _at(datetime(2024, 2, 29, 11, tzinfo=UTC), datetime(2024, 2, 29, 12, tzinfo=UTC), datetime(2023, 3, 31, 12, tzinfo=UTC))
+    # a month before 31 March is 29 February (clamped), at the same time of day
+    kept = KeepWithin(Span(1)).keeps(cs, now)
+    assert sorted(c.step for c in cs if c.id in kept) == [300]
+    assert kept[cs[2].id] == "keep_within 1mo: saved 2024-02-29T12:00:00+00:00"
+    assert len(KeepWithin(Span(12)).keeps(cs, now)) == 3  # a year back: 31 March 2023, 12:00
+    assert Span(1).before(datetime(2024, 3, 31, 12, tzinfo=UTC)) == datetime(2024, 2, 29, 12, tzinfo=UTC)
+    assert Span(13, H).before(datetime(2024, 1, 15, tzinfo=UTC)) == datetime(2022, 12, 14, 23, tzinfo=UTC)
+
+
+# --------------------------------------------------------------- milestones: step 0, caps, time
+
+
+def test_step_zero_is_an_every_n_steps_milestone_held_only_by_a_save_at_step_zero() -> None:
+    zero = [ckpt(1, "run", 0, NOW - 5 * H)] + _saves("run", 1200, 4, first_id=2)
+    assert _kept_steps(Milestones(every=3000), zero) == [0, 3600]
+    assert _kept_steps(Milestones(every=3000, match="exact"), zero) == [0]
+    assert Milestones(every=3000).keeps(zero, NOW)[1] == "milestones every 3000 steps: step 0 is a milestone"
+    # a run whose first save is at step 1200 did not save its initial state: 1200 holds nothing
+    assert _kept_steps(Milestones(every=3000), _saves("run", 1200, 4)) == [3600]
+    # a corrupt step 0 passes nothing on
+    bad = [ckpt(1, "run", 0, NOW - 5 * H, State.CORRUPT)] + _saves("run", 1200, 4, first_id=2)
+    assert _kept_steps(Milestones(every=3000), bad) == [3600]
+    assert Milestones(every=3000).is_milestone(0) and not Milestones(log=True).is_milestone(0)
+
+
+def test_max_to_keep_holds_the_newest_milestones_only() -> None:
+    cs = [ckpt(i + 1, "run", s, NOW - (10 - i) * H) for i, s in enumerate([0, 1, 2, 3, 4])]
+    assert _kept_steps(Milestones(every=1, max_to_keep=3), cs) == [2, 3, 4]
+    assert _kept_steps(Milestones(every=3, match="exact"), cs[:3] + cs[4:]) == [0]
+    irregular = [ckpt(i + 1, "run", s, NOW - (20 - i) * H) for i, s in enumerate([0, 1, 2, 4, 5, 8, 9, 13, 14, 25])]
+    # the first save at or after 3, 6, 9, 12 and 15..24 holds each
+    assert _kept_steps(Milestones(every=3), irregular) == [0, 4, 8, 9, 13, 25]
+    capped = Milestones(every=3, max_to_keep=3).keeps(irregular, NOW)
+    assert sorted(c.step for c in irregular if c.id in capped) == [9, 13, 25]
+    assert capped[irregular[-1].id].endswith("(also holds 3 smaller milestones) (#1 of the newest 3 held)")
+    # a milestone dropped by the cap loses its hot copy (its archive copy stays)
+    plan = plan_retention(_saves("run", 1000, 6, special={1000: {"archive": "verified"}}),
+                          Policy((Milestones(every=1000, max_to_keep=2),), archive=ARCH, min_verified=0), now=NOW)
+    one = _item(plan, "run", 1000)
+    assert (one.action, one.scope) == ("delete", "hot-copy")
+    assert {i.step for i in plan.by_action("promote")} == {5000, 6000}
+
+
+def test_interval_milestones_keep_the_first_save_of_each_interval() -> None:
+    t = datetime(2024, 5, 20, 0, 10, tzinfo=UTC)
+    cs = _at(t, t + H, t + 5 * H, t + 6 * H, t + 13 * H)  # 00:10 01:10 05:10 | 06:10 | 13:10
+    rule = Milestones(interval=6 * H)
+    kept = rule.keeps(cs, NOW)
+    assert sorted(c.step for c in cs if c.id in kept) == [100, 400, 500]
+    assert kept[cs[0].id] == "milestones every 6h of save time: holds the interval from 2024-05-20 00:00 (UTC): its first save, step 100"
+    # sticky: later saves never move a holder
+    later = cs + [ckpt(6, "run", 600, t + 14 * H), ckpt(7, "run", 700, t + 19 * H)]
+    assert sorted(c.step for c in later if c.id in rule.keeps(later, NOW)) == [100, 400, 500, 700]
+    # a corrupt first save passes the interval to the next save in it, naming it
+    bad = [dataclasses.replace(cs[0], state=State.CORRUPT)] + cs[1:]
+    assert rule.keeps(bad, NOW)[cs[1].id].endswith("its first save, step 200 (step 100 is corrupt)")
+    # intervals are aligned to the policy's time zone: 6h in Kolkata (UTC+05:30) start at 00:30 UTC etc.
+    kolkata = Milestones(interval=6 * H, timezone="Asia/Kolkata").keeps(cs, NOW)
+    assert sorted(c.step for c in cs if c.id in kolkata) == [100, 200, 500]
+    with pytest.raises(ConfigError, match="exact"):
+        Milestones(interval=6 * H, match="exact")
+
+
+def test_stages_apply_in_order_and_name_every_floor() -> None:
+    policy = Policy((KeepLast(2), KeepBest("eval_loss", "min", 1)), min_drilled=1, min_verified=3)
+    assert [type(s).__name__ for s in stages(policy)] == [
+        "RulesVote", "DrilledFloor", "NewestVerifiedFloor", "InFlightFloor", "EvidenceFloor", "UnverifiedFloor",
+        "VerifiedDecision", "ArchiveCopyFloor", "AbsentFloor", "MinVerifiedFloor", "ShrinkGuard"]
+    shown = [str(s) for s in stages(policy)]
+    assert shown[0] == "rules: keep_last 2; keep_best 1 by eval_loss (min)"
+    assert "min_drilled 1: the 1 newest drill-passed checkpoints keep their hot copy" in shown
+    assert "min_verified 3: at least 3 verified checkpoints keep a hot copy" in shown
+    assert "DrilledFloor" not in [type(s).__name__ for s in stages(Policy((KeepLast(2),)))]
+
+
 # ------------------------------------------------------------------ properties
 
 JOBS = ("a", "b")
+
+
+METRIC_VALUES = st.one_of(st.sampled_from([0.25, 0.5, 0.5, 1.0, float("nan"), float("inf")]),
+                          st.floats(0, 4, allow_nan=False))
 
 
 @st.composite
@@ -547,7 +814,8 @@ def catalogs(draw: st.DrawFn) -> list[CheckpointRecord]:
                     [State.VERIFIED] * 5 + [State.COMMITTED, State.INCOMPLETE, State.CORRUPT, State.DELETED]
                 )
             )
-            age = timedelta(minutes=draw(st.integers(0, 60 * 24 * 30)))
+            age = timedelta(minutes=draw(st.integers(0, 60 * 24 * 400)))
+            metrics = draw(st.dictionaries(st.sampled_from(["eval_loss", "acc"]), METRIC_VALUES, max_size=2))
             out.append(
                 ckpt(
                     len(out) + 1,
@@ -559,42 +827,60 @@ def catalogs(draw: st.DrawFn) -> list[CheckpointRecord]:
                     archive=draw(st.sampled_from([None, None, "verified", "unverified"])),
                     hot_gone=draw(st.integers(0, 14)) == 0,
                     size=draw(st.integers(1, 10_000)),
+                    metrics=metrics,
                 )
             )
     return out
 
 
 matches = st.sampled_from(["at_or_after", "exact"])
-rules_st = st.one_of(
-    st.integers(0, 6).map(KeepLast),
-    matches.map(lambda m: Milestones(log=True, match=m)),
-    st.tuples(st.integers(1, 20), matches).map(lambda a: Milestones(every=a[0] * 10, match=a[1])),
-    st.tuples(st.lists(st.integers(0, 60).map(lambda s: s * 10), min_size=1, max_size=5), matches).map(
-        lambda a: Milestones(steps=tuple(a[0]), match=a[1])
-    ),
-    st.integers(1, 24 * 20).map(lambda h: KeepWithin(timedelta(hours=h))),
-    st.integers(0, 10).map(KeepDaily),
-    st.integers(0, 4).map(KeepWeekly),
-    st.lists(st.integers(0, 60).map(lambda s: s * 10), max_size=4).map(lambda s: Pinned(tuple(s))),
-)
+caps = st.sampled_from([None, None, 1, 3])
+ZONES = ("UTC", "Europe/Berlin", "America/New_York", "Asia/Kolkata")
+
+
+def rules_in(tz: str) -> st.SearchStrategy[object]:
+    """Every kind of rule, the calendar ones counting in ``tz``."""
+    return st.one_of(
+        st.integers(0, 6).map(KeepLast),
+        matches.map(lambda m: Milestones(log=True, match=m)),
+        st.tuples(st.integers(1, 20), matches, caps).map(lambda a: Milestones(every=a[0] * 10, match=a[1], max_to_keep=a[2])),
+        st.tuples(st.lists(st.integers(0, 60).map(lambda s: s * 10), min_size=1, max_size=5), matches).map(
+            lambda a: Milestones(steps=tuple(a[0]), match=a[1])
+        ),
+        st.tuples(st.sampled_from([H, 6 * H, D, 7 * D, 30 * D]), caps).map(
+            lambda a: Milestones(interval=a[0], timezone=tz, max_to_keep=a[1])
+        ),
+        st.integers(1, 24 * 20).map(lambda h: KeepWithin(timedelta(hours=h), timezone=tz)),
+        st.integers(1, 14).map(lambda m: KeepWithin(Span(m), timezone=tz)),
+        st.integers(0, 30).map(lambda n: KeepHourly(n, timezone=tz)),
+        st.integers(0, 10).map(lambda n: KeepDaily(n, timezone=tz)),
+        st.integers(0, 4).map(lambda n: KeepWeekly(n, timezone=tz)),
+        st.integers(0, 14).map(lambda n: KeepMonthly(n, timezone=tz)),
+        st.integers(0, 3).map(lambda n: KeepYearly(n, timezone=tz)),
+        st.tuples(st.sampled_from(["eval_loss", "acc"]), st.sampled_from(["min", "max"]), st.integers(1, 4),
+                  st.booleans()).map(lambda a: KeepBest(a[0], a[1], a[2], keep_without_metric=a[3])),
+        st.lists(st.integers(0, 60).map(lambda s: s * 10), max_size=4).map(lambda s: Pinned(tuple(s))),
+    )
 
 
 @st.composite
 def policies(draw: st.DrawFn) -> Policy:
-    rules = draw(st.lists(rules_st, min_size=1, max_size=4))
+    tz = draw(st.sampled_from(ZONES))
+    rules = draw(st.lists(rules_in(tz), min_size=1, max_size=4))
     if all((getattr(r, "n", 1) == 0) or (isinstance(r, Pinned) and not r.steps) for r in rules):
         rules.append(KeepLast(1))
     return Policy(
-        tuple(rules),
+        tuple(rules),  # type: ignore[arg-type]
         grace=timedelta(minutes=draw(st.sampled_from([0, 30, 120, 60 * 24 * 3]))),
         min_verified=draw(st.integers(0, 4)),
         archive=draw(st.sampled_from([None, ARCH])),
         hot_after_archive=draw(st.sampled_from(["delete", "keep"])),
         max_missing_fraction=draw(st.sampled_from([0.0, 0.2, 0.5, 1.0])),
         delete_stale_incomplete=draw(st.booleans()),
-        archive_after=draw(st.sampled_from([None, None, timedelta(hours=12), 7 * D])),
+        archive_after=draw(st.sampled_from([None, None, timedelta(hours=12), 7 * D, Span(1)])),
         archive_when=draw(st.sampled_from(["immediately", "leaving_hot"])),
         min_drilled=draw(st.sampled_from([0, 0, 1, 2])),
+        timezone=tz,
     )
 
 
@@ -611,9 +897,13 @@ def planning_inputs(draw: st.DrawFn) -> tuple[list[CheckpointRecord], Policy, di
     return cs, draw(policies()), draw(drills_of(cs))
 
 
+#: The rules that keep a checkpoint in hot storage (every rule but milestones).
+HOT_RULES = (KeepLast, KeepBest, KeepWithin, KeepHourly, KeepDaily, KeepWeekly, KeepMonthly, KeepYearly, Pinned)
+
+
 def _held_hot(policy: Policy, cs: Sequence[CheckpointRecord], drilled: dict[int, datetime]) -> set[int]:
     """Ids that something other than a milestone keeps in hot storage (the leaving_hot window)."""
-    out = _rule_kept(policy, cs, (KeepLast, KeepWithin, KeepDaily, KeepWeekly, Pinned))
+    out = _rule_kept(policy, cs, HOT_RULES)
     for job in {c.job for c in cs}:
         live = [c for c in cs if c.job == job and c.state != State.DELETED]
         ver = [c for c in live if c.state == State.VERIFIED]
@@ -668,7 +958,7 @@ def test_invariants(inputs: tuple[list[CheckpointRecord], Policy, dict[int, date
             assert policy.archive and c.state == State.VERIFIED and not c.has_verified_archive()
             assert hot_present(c) and cid in holders
             if policy.archive_after is not None:
-                assert NOW - c.saved_at >= policy.archive_after  # type: ignore[operator]
+                assert c.saved_at <= Span.of(policy.archive_after).before(NOW, zone(policy.timezone))  # type: ignore[operator]
             if policy.archive_when == "leaving_hot":
                 assert cid not in held_hot, "stored twice: promoted while another rule keeps it hot"
     for cid in deleted:
@@ -683,8 +973,9 @@ def test_invariants(inputs: tuple[list[CheckpointRecord], Policy, dict[int, date
             assert not any(x.tier == Tier.ARCHIVE and x.state == "present" for x in c.copies)
         if c.state == State.VERIFIED and cid in holders:
             assert c.has_verified_archive() and policy.archive and items[cid].scope == "hot-copy"
-    # every verified checkpoint on a milestone step holds it, whichever the matching
-    assert {c.id for c in cs if c.state == State.VERIFIED and policy.is_milestone(c.step)} <= holders
+    # every verified checkpoint on a milestone step holds it, whichever the matching (uncapped)
+    uncapped = [m for m in policy.milestones if m.max_to_keep is None]
+    assert {c.id for c in cs if c.state == State.VERIFIED and any(m.is_milestone(c.step) for m in uncapped)} <= holders
     for m in policy.milestones:
         for job in {c.job for c in cs}:
             live = [c for c in cs if c.job == job and c.state != State.DELETED]
@@ -693,6 +984,11 @@ def test_invariants(inputs: tuple[list[CheckpointRecord], Policy, dict[int, date
                 assert all(m.is_milestone(by_id[cid].step) for cid in kept)
             # a holder is verified, or committed and pending its verification
             assert all(by_id[cid].state in (State.VERIFIED, State.COMMITTED) for cid in kept)
+            if m.max_to_keep is not None:
+                assert len(kept) <= m.max_to_keep
+            if m.interval is not None:  # at most one holder per interval
+                starts = [r.split("interval from ")[1].split(")")[0] for r in kept.values()]
+                assert len(starts) == len(set(starts))
     # the newest drill-passed recovery points are never deleted, not even their hot copy
     for job in {c.job for c in cs}:
         live = [c for c in cs if c.job == job and c.state != State.DELETED]
@@ -710,7 +1006,23 @@ def test_invariants(inputs: tuple[list[CheckpointRecord], Policy, dict[int, date
             kept_hot = [c for c in hot if items[c.id].action != "delete"]
             assert len(kept_hot) >= min(policy.min_verified, len(hot))
     # what a non-milestone rule keeps is never deleted
-    assert not deleted & _rule_kept(policy, cs, (KeepLast, KeepWithin, KeepDaily, KeepWeekly, Pinned))
+    assert not deleted & _rule_kept(policy, cs, HOT_RULES)
+    # a best-K checkpoint is never deleted (not even its hot copy) while it is among the K best
+    for job in {c.job for c in cs}:
+        live = [c for c in cs if c.job == job and c.state != State.DELETED]
+        for r in policy.rules:
+            if isinstance(r, KeepBest):
+                best = r.best(live)
+                assert len(best) == min(r.n, len(r.ranked(live)))
+                for c, value in best:
+                    assert c.state == State.VERIFIED and math.isfinite(value)
+                    assert items[c.id].action != "delete", f"{c.step} is among the {r.n} best by {r.metric}"
+                    assert any(x.startswith(f"{r}: best ") for x in items[c.id].reasons)
+                # nothing outside the K best is ranked better than the K-th
+                if len(best) == r.n:
+                    kth = best[-1][1]
+                    for _c, value in r.ranked(live)[r.n:]:
+                        assert (value >= kth) if r.mode == "min" else (value <= kth)
     # shrink guard
     for job in {c.job for c in cs}:
         live = [c for c in cs if c.job == job and c.state != State.DELETED]
@@ -785,3 +1097,13 @@ def test_in_flight_never_counts_toward_keep_last(cs: list[CheckpointRecord], pol
             assert new_items[c.id].action == "keep" and new_items[c.id].reasons[0].startswith("in flight")
     for i in base.items:
         assert new_items[i.checkpoint_id] == i
+
+
+def test_the_best_ranked_are_proven_before_a_worse_one_is_deleted() -> None:
+    """apply proves again what a deletion rests on: a worse checkpoint goes because the K best exist."""
+    from ckptier.tasks.apply import keepers
+
+    cs = _scored([0.9, 0.2, 0.5, 0.1, 0.8, 0.7])
+    policy = Policy((KeepLast(1), KeepBest("eval_loss", "min", 2, keep_without_metric=False)), min_verified=0)
+    plan = plan_retention(cs, policy, now=NOW)
+    assert [k.step for k in keepers(cs, policy, plan.items)] == [600, 400, 200]

@@ -10,7 +10,7 @@ that a checkpoint that passed under one stack and fails under another is
 reported as environment drift.
 
 Revision ID: drill_0001
-Revises: 0008
+Revises: safeio_0001
 Create Date: 2026-12-01
 """
 
@@ -22,7 +22,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "drill_0001"
-down_revision: str | None = "0008"
+down_revision: str | None = "safeio_0001"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
