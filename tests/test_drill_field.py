@@ -24,6 +24,7 @@ import pytest
 
 from ckptier.storage.catalog.api import Catalog
 from tests.fixtures.checkpoints import CheckpointRun
+from tests.test_drill_steps import cli  # noqa: F401 - the command line in a fresh catalog
 
 pytestmark = pytest.mark.slow
 
@@ -46,23 +47,6 @@ WIDER = textwrap.dedent(
         return DrillSpec(model, torch.optim.AdamW(model.parameters(), lr=1e-2), tiny_batch, tiny_loss)
     '''
 )
-
-
-@pytest.fixture()
-def cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):  # type: ignore[no-untyped-def]
-    from ckptier.flows.cli import main
-
-    monkeypatch.setenv("CKPTIER_CATALOG_URL", f"sqlite:///{tmp_path / 'catalog.db'}")
-    monkeypatch.setenv("PYTHONPATH", str(REPO))
-    monkeypatch.delenv("PREFECT_API_URL", raising=False)
-    monkeypatch.chdir(tmp_path)
-
-    def run(*argv: str) -> tuple[int, str, str]:
-        code = main(list(argv))
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return run
 
 
 def _drills(tmp_path: Path) -> list:  # type: ignore[type-arg]
