@@ -59,7 +59,7 @@ def _checks(report: dict) -> dict[str, dict]:  # type: ignore[type-arg]
 
 
 def test_deepspeed_zero2_of_2_ranks_restores_on_one_and_retraces_the_run(
-    deepspeed_zero_runs: Path, tmp_path: Path, cli  # type: ignore[no-untyped-def]
+    deepspeed_zero_runs: Path, tmp_path: Path, cli  # type: ignore[no-untyped-def]  # noqa: F811
 ) -> None:
     hot = tmp_path / "hot"
     shutil.copytree(deepspeed_zero_runs / "zero2", hot / "zero2")
@@ -76,7 +76,7 @@ def test_deepspeed_zero2_of_2_ranks_restores_on_one_and_retraces_the_run(
 
 
 def test_deepspeed_zero3_is_not_judged_once_and_latest_stays(
-    deepspeed_zero_runs: Path, tmp_path: Path, cli  # type: ignore[no-untyped-def]
+    deepspeed_zero_runs: Path, tmp_path: Path, cli  # type: ignore[no-untyped-def]  # noqa: F811
 ) -> None:
     hot = tmp_path / "hot"
     shutil.copytree(deepspeed_zero_runs / "zero3", hot / "zero3")
@@ -94,7 +94,7 @@ def test_deepspeed_zero3_is_not_judged_once_and_latest_stays(
 
 
 def test_a_factory_that_does_not_fit_is_one_not_judged_and_no_model_is_a_usage_error(
-    guide_run: CheckpointRun, tmp_path: Path, cli  # type: ignore[no-untyped-def]
+    guide_run: CheckpointRun, tmp_path: Path, cli  # type: ignore[no-untyped-def]  # noqa: F811
 ) -> None:
     hot = tmp_path / "hot"
     shutil.copytree(guide_run.root, hot)
@@ -154,7 +154,7 @@ LIGHTNING_RUN = textwrap.dedent(
 )
 
 
-def test_lightning_drill_retraces_the_csv_logger_losses(tmp_path: Path, cli) -> None:  # type: ignore[no-untyped-def]
+def test_lightning_drill_retraces_the_csv_logger_losses(tmp_path: Path, cli) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
     """A real Lightning run with CSVLogger: checkpoints in lightning_logs/version_0/checkpoints/, the losses
     one directory up in metrics.csv, training step N's logged at step N - 1."""
     import os
