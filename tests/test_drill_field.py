@@ -24,6 +24,7 @@ import pytest
 
 from ckptier.storage.catalog.api import Catalog
 from tests.fixtures.checkpoints import CheckpointRun
+from tests.test_drill_steps import cli  # noqa: F401 - the command line in a fresh catalog
 
 pytestmark = pytest.mark.slow
 
@@ -48,23 +49,6 @@ WIDER = textwrap.dedent(
 )
 
 
-@pytest.fixture()
-def cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):  # type: ignore[no-untyped-def]
-    from ckptier.flows.cli import main
-
-    monkeypatch.setenv("CKPTIER_CATALOG_URL", f"sqlite:///{tmp_path / 'catalog.db'}")
-    monkeypatch.setenv("PYTHONPATH", str(REPO))
-    monkeypatch.delenv("PREFECT_API_URL", raising=False)
-    monkeypatch.chdir(tmp_path)
-
-    def run(*argv: str) -> tuple[int, str, str]:
-        code = main(list(argv))
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return run
-
-
 def _drills(tmp_path: Path) -> list:  # type: ignore[type-arg]
     with Catalog.open(f"sqlite:///{tmp_path / 'catalog.db'}") as cat:
         return cat.drills()
@@ -75,7 +59,7 @@ def _checks(report: dict) -> dict[str, dict]:  # type: ignore[type-arg]
 
 
 def test_deepspeed_zero2_of_2_ranks_restores_on_one_and_retraces_the_run(
-    deepspeed_zero_runs: Path, tmp_path: Path, cli  # type: ignore[no-untyped-def]
+    deepspeed_zero_runs: Path, tmp_path: Path, cli  # type: ignore[no-untyped-def]  # noqa: F811
 ) -> None:
     hot = tmp_path / "hot"
     shutil.copytree(deepspeed_zero_runs / "zero2", hot / "zero2")
@@ -92,7 +76,7 @@ def test_deepspeed_zero2_of_2_ranks_restores_on_one_and_retraces_the_run(
 
 
 def test_deepspeed_zero3_is_not_judged_once_and_latest_stays(
-    deepspeed_zero_runs: Path, tmp_path: Path, cli  # type: ignore[no-untyped-def]
+    deepspeed_zero_runs: Path, tmp_path: Path, cli  # type: ignore[no-untyped-def]  # noqa: F811
 ) -> None:
     hot = tmp_path / "hot"
     shutil.copytree(deepspeed_zero_runs / "zero3", hot / "zero3")
@@ -110,7 +94,7 @@ def test_deepspeed_zero3_is_not_judged_once_and_latest_stays(
 
 
 def test_a_factory_that_does_not_fit_is_one_not_judged_and_no_model_is_a_usage_error(
-    guide_run: CheckpointRun, tmp_path: Path, cli  # type: ignore[no-untyped-def]
+    guide_run: CheckpointRun, tmp_path: Path, cli  # type: ignore[no-untyped-def]  # noqa: F811
 ) -> None:
     hot = tmp_path / "hot"
     shutil.copytree(guide_run.root, hot)
@@ -170,7 +154,7 @@ LIGHTNING_RUN = textwrap.dedent(
 )
 
 
-def test_lightning_drill_retraces_the_csv_logger_losses(tmp_path: Path, cli) -> None:  # type: ignore[no-untyped-def]
+def test_lightning_drill_retraces_the_csv_logger_losses(tmp_path: Path, cli) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
     """A real Lightning run with CSVLogger: checkpoints in lightning_logs/version_0/checkpoints/, the losses
     one directory up in metrics.csv, training step N's logged at step N - 1."""
     import os
