@@ -1,7 +1,8 @@
 """What loading a checkpoint for a drill yields and how it fails: torch-free.
 
 :class:`LoadedCheckpoint` (what a format's loader returns), the two ways a
-load fails (:class:`UnsafeCheckpoint`, :class:`CheckpointLoadError`) and the
+load fails (:class:`UnsafeCheckpoint`, :class:`CheckpointLoadError` and
+:class:`UnsupportedCheckpoint`) and the
 small readers every loader shares. The loaders themselves are in
 :mod:`ckptier.formats.safe_load` (which imports torch); the format plug-ins'
 base class (:mod:`ckptier.formats.base`) names these without loading torch.
@@ -34,6 +35,12 @@ class UnsafeCheckpoint(CkptierError):
 
 class CheckpointLoadError(CkptierError):
     """A checkpoint's files are missing, malformed or in a layout not supported."""
+
+
+class UnsupportedCheckpoint(CheckpointLoadError):
+    """A checkpoint in a variant the drill cannot restore yet (ZeRO stage 3,
+    model-parallel ranks...): nothing is known to be wrong with it, so a
+    drill that meets one is ``not judged``, never ``failed``."""
 
 
 @dataclass

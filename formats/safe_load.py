@@ -38,6 +38,7 @@ from ckptier.formats.loaded import (  # noqa: F401 - the plug-ins' loaders impor
     CheckpointLoadError,
     LoadedCheckpoint,
     UnsafeCheckpoint,
+    UnsupportedCheckpoint,
     float_or_none,
     read_json,
     step_from_name,

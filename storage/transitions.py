@@ -534,6 +534,10 @@ class DrillLike(Protocol):
     def started_at(self) -> datetime: ...
     @property
     def finished_at(self) -> datetime | None: ...
+    @property
+    def judged(self) -> bool:
+        """False for a drill that stopped for a reason not the checkpoint's (``not judged``)."""
+        ...
 
 
 DrillT = TypeVar("DrillT", bound=DrillLike)
@@ -548,7 +552,10 @@ def drill_order(drill: DrillLike) -> tuple[datetime, datetime, bool]:
 
 
 def latest_drill(drills: Iterable[DrillT]) -> DrillT | None:
-    """The most recent of ``drills`` by :func:`drill_order` (None when there are none).
+    """The most recent of ``drills`` by :func:`drill_order` (None when there are none),
+    counting only drills that judged the checkpoint: one that was ``not judged``
+    (no model, a factory that does not load, an unsupported variant...) is
+    history only, never a checkpoint's most recent drill.
 
     The one definition every reader uses: the catalog's last drill of a
     checkpoint (its proof, ``latest --drilled``), the retention floor
@@ -557,14 +564,15 @@ def latest_drill(drills: Iterable[DrillT]) -> DrillT | None:
     instant) are equivalent: the first of them given is returned."""
     best: DrillT | None = None
     for drill in drills:
-        if best is None or drill_order(drill) > drill_order(best):
+        if drill.judged and (best is None or drill_order(drill) > drill_order(best)):
             best = drill
     return best
 
 
 def latest_drills(drills: Iterable[DrillT]) -> dict[int, DrillT]:
     """Checkpoint id -> its most recent drill (:func:`latest_drill`); drills of no
-    checkpoint (its row is gone) are left out. Pure."""
+    checkpoint (its row is gone), and checkpoints none of whose drills judged
+    them, are left out. Pure."""
     by_checkpoint: dict[int, list[DrillT]] = {}
     for drill in drills:
         if drill.checkpoint_id is not None:

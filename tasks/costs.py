@@ -55,6 +55,9 @@ class DrillLike(Protocol):
     source_tier: str | None
     timings: Mapping[str, float]
 
+    @property
+    def judged(self) -> bool: ...
+
 
 @dataclass(frozen=True)
 class TierCost:

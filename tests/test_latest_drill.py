@@ -37,6 +37,7 @@ class D:
     started_at: datetime
     finished_at: datetime | None
     id: int | None = None
+    judged: bool = True
 
 
 # ------------------------------------------------------------------ the rule, as a table

@@ -491,6 +491,7 @@ class _Drill:
     ok: bool
     started_at: datetime
     finished_at: datetime | None
+    judged: bool = True
 
 
 def test_drill_passed_reads_each_checkpoints_most_recent_drill() -> None:

@@ -238,13 +238,21 @@ class _DrillRow(NamedTuple):
     finished_at: datetime | None
     error: str | None
     verdict: Any
+    outcome: str | None
+
+    @property
+    def judged(self) -> bool:
+        return self.outcome != NOT_JUDGED
 
 
 @dataclass(frozen=True)
 class DrillRecord:
     """One restore drill. ``timings`` maps phase name to seconds;
     ``peak_memory_bytes`` is the drill process's peak; ``id`` is set on
-    records read back from the catalog."""
+    records read back from the catalog. ``outcome``: ``passed``,
+    ``failed`` or ``not judged`` (None: by ``ok``, as rows written before
+    outcomes were recorded); a drill that was not judged is history only,
+    never a checkpoint's most recent drill. ``stack``: the versions it ran on."""
 
     job: str
     step: int | None
@@ -259,6 +267,22 @@ class DrillRecord:
     peak_memory_bytes: int | None = None
     error: str | None = None
     id: int | None = None
+    outcome: str | None = None
+    stack: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def judged(self) -> bool:
+        """Whether the drill judged the checkpoint (passed or failed)."""
+        return self.outcome != NOT_JUDGED
+
+    @property
+    def verdict_name(self) -> str:
+        """``passed``, ``failed`` or ``not judged``."""
+        return self.outcome or ("passed" if self.ok else "failed")
+
+
+#: The outcome of a drill that could not judge the checkpoint.
+NOT_JUDGED = "not judged"
 
 
 def _aware(now: datetime, name: str = "now") -> datetime:
@@ -966,10 +990,12 @@ class Catalog:
                     FileRecord(relpath=rel, size=size, mtime=mtime, etag=etag, crc64nvme=crc,
                                sha256_expected=exp, status=status, detail=detail, link=link)
                 )
-        # The most recent drill of each by the one rule (transitions.latest_drill); read
-        # newest recorded first, so that of two equal drills the later recorded speaks.
+        # The most recent drill of each by the one rule (transitions.latest_drill: a drill
+        # that was not judged is history only); read newest recorded first, so that of two
+        # equal drills the later recorded speaks.
         drills = [_DrillRow(*row) for row in conn.execute(
-            select(dr.c.checkpoint_id, dr.c.ok, dr.c.started_at, dr.c.finished_at, dr.c.error, dr.c.verdict)
+            select(dr.c.checkpoint_id, dr.c.ok, dr.c.started_at, dr.c.finished_at, dr.c.error, dr.c.verdict,
+                   dr.c.outcome)
             .where(dr.c.checkpoint_id.in_(ids))
             .order_by(dr.c.id.desc())
         ).tuples()]
@@ -1760,7 +1786,7 @@ class Catalog:
                         finished_at=finished, ok=drill.ok, device=drill.device,
                         source_tier=drill.source_tier, verdict=dict(drill.verdict),
                         timings=dict(drill.timings), peak_memory_bytes=drill.peak_memory_bytes,
-                        error=drill.error,
+                        error=drill.error, outcome=drill.outcome, stack=dict(drill.stack) or None,
                     ).returning(dr.c.id)
                 ).scalar_one()
             )
@@ -1781,7 +1807,8 @@ class Catalog:
                     job=r.job_name, step=r.ck_step, checkpoint_id=r.checkpoint_id,
                     started_at=r.started_at, finished_at=r.finished_at, ok=bool(r.ok), device=r.device,
                     source_tier=r.source_tier, verdict=r.verdict or {}, timings=r.timings or {},
-                    peak_memory_bytes=r.peak_memory_bytes, error=r.error, id=r.id,
+                    peak_memory_bytes=r.peak_memory_bytes, error=r.error, id=r.id, outcome=r.outcome,
+                    stack=r.stack or {},
                 )
                 for r in conn.execute(q)
             ]
