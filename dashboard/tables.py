@@ -35,7 +35,7 @@ import pandas as pd
 from ckptier.storage.catalog.api import DrillRecord
 from ckptier.storage.errors import ConfigError
 from ckptier.storage.records import CheckpointRecord
-from ckptier.storage.transitions import latest_drills
+from ckptier.storage.transitions import latest_drill, latest_drills
 from ckptier.tasks.costs import JobCosts
 from ckptier.tasks.drill_history import environment_drift, recovery_rate, recovery_rates
 
@@ -302,7 +302,7 @@ def build_jobs(s: Snapshot) -> pd.DataFrame:
         rec = recovery.loc[name] if recovery is not None and name in recovery.index else None
         top = newest.loc[name] if newest is not None and name in newest.index else None
         interval = al.usual_interval(times.get(name, []))
-        last = next((d for d in s.drills.get(name) or [] if d.judged), None)  # not judged: history only
+        last = latest_drill(s.drills.get(name) or [])  # its most recent judged drill (not judged: history only)
         last_at = (last.finished_at or last.started_at) if last else None
         hb, ab, ka = int(hot_bytes[name]), int(archive_stored[name]), int(keep_all[name])
         newest_saved = _opt(top["saved_at"]) if top is not None else None
