@@ -68,7 +68,7 @@ from .reports import (
 from .retention import Plan, PlanItem, Policy, drill_passed, plan_retention
 from .run import CLAIM_SHARE, FIRST_POLL, MIN_CLAIM, Clock, RowClaims, Run, StoreCache, unknown_job
 from .scan import ScanReport, scan_url
-from .verify import select_sample, verify_fanned, verify_many
+from .verify import needs_verification, select_sample, verify_fanned, verify_many
 
 if TYPE_CHECKING:
     from .drill import Expected
@@ -144,9 +144,11 @@ def run_verify(run: Run, options: VerifyOptions = VerifyOptions(), *,
 
     Candidates are committed, verified and corrupt checkpoints present in
     the hot tier (``job`` restricts them; ``sample=(k, n)`` keeps the k-th
-    of n disjoint slices). A checkpoint already verified is re-read only
-    with ``deep`` or a sample (a periodic deep read), or when its files
-    changed since (a rescan put it back to ``committed``). Returns a
+    of n disjoint slices). Which of them are read is
+    :func:`~ckptier.tasks.verify.needs_verification`: a committed one; one
+    already verified only with ``deep`` or a sample (a periodic deep read),
+    when a file of it could not be read last time, or when its files changed
+    since (a rescan put it back to ``committed``). Returns a
     :class:`~ckptier.tasks.reports.VerifyReport`: one
     :class:`~ckptier.tasks.reports.VerifyRow` per hot copy checked, then one
     per archive copy read back, their totals (``totals.corrupt`` > 0 means
@@ -167,15 +169,14 @@ def run_verify(run: Run, options: VerifyOptions = VerifyOptions(), *,
         raise unknown_job(job)
     if sample is not None:
         cataloged = select_sample(cataloged, *sample)
-    # Hot copies are verified where they still exist (a milestone whose hot copy
-    # ckptier deleted lives on in the archive only, and is read back there).
-    records = [c for c in cataloged if "hot" in c.tiers]
-    if sample is None and not deep:
-        records = [c for c in records if c.state == State.COMMITTED]
-    rows: list[VerifyRow] = []
     # Verify against the store's checksum unless a deep read was asked for.
-    grace_for = policy_grace(run.config)
     deep_read = deep or sample is not None
+    # Hot copies are verified where they still exist (a milestone whose hot copy
+    # ckptier deleted lives on in the archive only, and is read back there), when
+    # the rule says so (a deep read or a sample reads every one).
+    records = [c for c in cataloged if "hot" in c.tiers and needs_verification(c, deep=deep_read) is not None]
+    rows: list[VerifyRow] = []
+    grace_for = policy_grace(run.config)
 
     def verified(batch: Sequence[CheckpointRecord], report: Callable[[int, int], None] | None = None
                  ) -> Iterable[tuple[CheckpointRecord, Any]]:

@@ -132,14 +132,21 @@ def needs_verification(
     *,
     deep: bool = False,
 ) -> str | None:
-    """Why ``record`` must be verified now, or ``None`` when its last result still stands.
+    """Why ``record`` must be verified now, or ``None`` when its last result still stands;
+    what :func:`ckptier.tasks.pipeline.run_verify` reads (``deep`` for a deep read or a
+    sample, which read every candidate again).
 
     ``listing_info`` maps relpath to what a fresh listing of the checkpoint
     reports; with it, a file whose size, ETag or mtime differs from the
     catalog's (replaced since verification) or that vanished is a reason.
-    Checkpoints that are ``incomplete`` (a save in flight) or ``deleted``
-    are never verified. Files in the listing that the record does not know
-    are no reason: verifying again would not change the record.
+    Without it, a scan has already put a checkpoint whose files changed back
+    to ``committed``. Checkpoints that are ``incomplete`` (a save in flight)
+    or ``deleted`` are never verified; a ``corrupt`` one is read again only
+    when asked (``deep``) or when a listing shows a file changed or back (what
+    it lacks does not come back by reading it again). A ``committed`` one is
+    read: nothing has proven the bytes a scan last saw. Files in the listing
+    that the record does not know are no reason: verifying again would not
+    change the record.
     """
     if record.state in (State.INCOMPLETE, State.DELETED):
         return None
@@ -147,6 +154,8 @@ def needs_verification(
         return None
     if deep:
         return "deep verification requested"
+    if record.state == State.CORRUPT and listing_info is None:
+        return None
     never = [f.relpath for f in record.files if f.status is None]
     if record.verified_at is None or never:
         if never and len(never) < len(record.files):
@@ -158,6 +167,8 @@ def needs_verification(
     no_baseline = [f.relpath for f in record.files if f.status == "ok" and f.crc64nvme is None]
     if no_baseline:
         return f"no recorded crc64nvme baseline: {_examples(no_baseline)}"
+    if record.state == State.COMMITTED:
+        return "committed since its last verification (a scan saw its files again)"
     if listing_info is None:
         return None
     for f in record.files:
