@@ -192,25 +192,26 @@ def make_checkpoint(root: Path, factory: Path) -> Path:
 
 def make_catalog(root: Path) -> str:
     from ckptier.storage.catalog.api import Catalog
-    from ckptier.tasks.pipeline import run_scan, run_verify, utcnow
+    from ckptier.tasks.pipeline import run_scan, run_verify
+    from ckptier.tasks.run import Run
 
     url = f"sqlite:///{root / 'catalog.db'}"
     if not (root / "catalog.db").is_file():
         with Catalog.open(url) as cat:
-            run_scan([str(root / "hot")], cat, now=utcnow)
-            run_verify(cat, now=utcnow)
+            run_scan(Run.of(cat), [str(root / "hot")])
+            run_verify(Run.of(cat))
     return url
 
 
 def ours(url: str, factory: Path, work: Path) -> tuple[float, dict[str, float], str]:
     from ckptier.storage.catalog.api import Catalog
     from ckptier.tasks.config import Config
-    from ckptier.tasks.pipeline import DrillOptions, StoreCache, run_drill, utcnow
-    from ckptier.tasks.settings import Run
+    from ckptier.tasks.pipeline import DrillOptions, run_drill
+    from ckptier.tasks.run import Run
 
     with Catalog.open(url, create=False) as cat:
         start = time.time()
-        run = Run(catalog=cat, config=Config(), stores=StoreCache(roots=cat.hot_locations), now=utcnow, owner="bench")
+        run = Run.of(cat, config=Config(), owner="bench")
         (report,) = run_drill(run, DrillOptions(job="job", steps=1, device="cpu", model=f"{factory}:build", timeout=900,
                                                 scratch_root=work))
     if not report.ok:

@@ -48,14 +48,15 @@ WORKER = """
 import json, sys, time
 from datetime import UTC, datetime
 from ckptier.storage.catalog.api import Catalog
-from ckptier.tasks.pipeline import RowClaims, run_verify
+from ckptier.tasks.pipeline import VerifyOptions, run_verify
+from ckptier.tasks.run import RowClaims, Run
 url, since, owner = sys.argv[1:4]
 cat = Catalog.open(url, create=False)
 print("ready", flush=True)
 sys.stdin.readline()
 t0 = time.time()
-report = run_verify(cat, now=lambda: datetime.now(UTC), deep=True,
-                    claims=RowClaims(owner=owner, since=datetime.fromisoformat(since), poll=0.05))
+report = run_verify(Run.of(cat), VerifyOptions(deep=True, claims=RowClaims(owner=owner, since=datetime.fromisoformat(since),
+                                                                         poll=0.05)))
 print(json.dumps({"start": t0, "end": time.time(), "checked": report.totals.checked}), flush=True)
 """
 
@@ -129,11 +130,12 @@ def start_postgres() -> tuple[str, Callable[[], None]]:
 
 def timed_threads(url: str, n: int) -> float:
     from ckptier.storage.catalog.api import Catalog
-    from ckptier.tasks.pipeline import run_verify
+    from ckptier.tasks.pipeline import VerifyOptions, run_verify
+    from ckptier.tasks.run import Run
 
     with Catalog.open(url, create=False) as cat:
         t = time.perf_counter()
-        report = run_verify(cat, now=lambda: datetime.now(UTC), deep=True, workers=4)
+        report = run_verify(Run.of(cat), VerifyOptions(deep=True, workers=4))
         elapsed = time.perf_counter() - t
     assert report.totals.verified == n, report.totals
     return elapsed
@@ -141,11 +143,12 @@ def timed_threads(url: str, n: int) -> float:
 
 def timed_dask(url: str, n: int, fanout: object) -> float:
     from ckptier.storage.catalog.api import Catalog
-    from ckptier.tasks.pipeline import run_verify
+    from ckptier.tasks.pipeline import VerifyOptions, run_verify
+    from ckptier.tasks.run import Run
 
     with Catalog.open(url, create=False) as cat:
         t = time.perf_counter()
-        report = run_verify(cat, now=lambda: datetime.now(UTC), deep=True, fanout=fanout)
+        report = run_verify(Run.of(cat), VerifyOptions(deep=True), fanout=fanout)
         elapsed = time.perf_counter() - t
     assert report.totals.verified == n, report.totals
     return elapsed
@@ -181,12 +184,13 @@ def main(argv: list[str] | None = None) -> int:
     from ckptier.storage.catalog.api import Catalog
     from ckptier.tasks.fanout import DaskFanout
     from ckptier.tasks.pipeline import run_scan
+    from ckptier.tasks.run import Run
 
     total = build(ROOT, args.checkpoints, args.mib)
     url, stop = (args.catalog, lambda: None) if args.catalog else start_postgres()
     try:
         with Catalog.open(url) as cat:
-            run_scan([str(ROOT / "hot")], cat, now=lambda: datetime.now(UTC))
+            run_scan(Run.of(cat), [str(ROOT / "hot")])
         warm(ROOT)
         n = args.checkpoints
         print(f"deep verify of {n} checkpoints, {total / 1e6:.0f} MB, catalog PostgreSQL, "

@@ -35,6 +35,7 @@ import pandas as pd
 from ckptier.storage.catalog.api import DrillRecord
 from ckptier.storage.errors import ConfigError
 from ckptier.storage.records import CheckpointRecord
+from ckptier.storage.transitions import latest_drill, latest_drills
 from ckptier.tasks.costs import JobCosts
 from ckptier.tasks.drill_history import environment_drift, recovery_rate, recovery_rates
 
@@ -157,13 +158,8 @@ class Snapshot:
 
     @cached_property
     def latest_drill(self) -> dict[int, DrillRecord]:
-        """The most recent drill of each drilled checkpoint (by id)."""
-        out: dict[int, DrillRecord] = {}
-        for records in self.drills.values():
-            for d in records:
-                if d.checkpoint_id is not None and d.checkpoint_id not in out:
-                    out[d.checkpoint_id] = d
-        return out
+        """The most recent drill of each drilled checkpoint (by id; :func:`ckptier.storage.transitions.latest_drill`)."""
+        return latest_drills(d for records in self.drills.values() for d in records)
 
     @cached_property
     def drill_passed(self) -> pd.DataFrame:
@@ -199,10 +195,11 @@ class Snapshot:
     def plan(self) -> Any:
         """The job's retention plan now (``ckptier plan --job J``), or None when it has no live checkpoint."""
         from ckptier.tasks.pipeline import merge_plans, plans_by_policy
+        from ckptier.tasks.run import Run
 
         try:
-            return merge_plans([p for _, p in plans_by_policy(self.catalog, self.source.config, job=self.job,
-                                                               now=self.now)])
+            run = Run.of(self.catalog, config=self.source.config, now=lambda: self.now)
+            return merge_plans([p for _, p in plans_by_policy(run, job=self.job)])
         except ConfigError:
             return None
 
@@ -305,7 +302,7 @@ def build_jobs(s: Snapshot) -> pd.DataFrame:
         rec = recovery.loc[name] if recovery is not None and name in recovery.index else None
         top = newest.loc[name] if newest is not None and name in newest.index else None
         interval = al.usual_interval(times.get(name, []))
-        last = next((d for d in s.drills.get(name) or [] if d.judged), None)  # not judged: history only
+        last = latest_drill(s.drills.get(name) or [])  # its most recent judged drill (not judged: history only)
         last_at = (last.finished_at or last.started_at) if last else None
         hb, ab, ka = int(hot_bytes[name]), int(archive_stored[name]), int(keep_all[name])
         newest_saved = _opt(top["saved_at"]) if top is not None else None

@@ -11,8 +11,11 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from prefect.artifacts import create_link_artifact, create_table_artifact
+
 from ckptier.tasks.prefect_tasks import catalog_summary_task
 from ckptier.tasks.reports import dashboard_job_url, dashboard_url
+from ckptier.tasks.run import Run
 
 from .output import human_bytes
 
@@ -39,15 +42,13 @@ def summary_rows(jobs: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def publish_catalog_summary(catalog_url: str | None, config_path: str | None = None) -> list[dict[str, Any]]:
+def publish_catalog_summary(run: Run) -> list[dict[str, Any]]:
     """Table artifact ``catalog-summary``: a row per job, checkpoints by state and bytes per tier.
 
-    Every flow that changes the catalog publishes it at its end, so the
-    latest one is the catalog as it is now (``catalog_url`` and ``config_path``
-    resolved as the flows resolve them). Returns the jobs' summaries."""
-    from prefect.artifacts import create_table_artifact
-
-    jobs = catalog_summary_task(catalog_url, config_path)
+    Every flow that changes the catalog publishes it at its end, from the
+    flow run's own ``run``, so the latest one is the catalog as it is now.
+    Returns the jobs' summaries."""
+    jobs = catalog_summary_task(run)
     create_table_artifact(summary_rows(jobs) or [{"job": "-", "checkpoints": 0}], key="catalog-summary",
                           description="Checkpoints per job: counts by state; hot bytes, and archive bytes as stored "
                                       "(compressed) and logical (what they hold)")
@@ -57,8 +58,6 @@ def publish_catalog_summary(catalog_url: str | None, config_path: str | None = N
 def publish_dashboard_links(jobs: Iterable[str]) -> list[str]:
     """A link artifact to each job's dashboard page (at most :data:`MAX_DASHBOARD_LINKS`, then
     one to the overview), when ``CKPTIER_DASHBOARD_URL`` is set; returns the URLs linked."""
-    from prefect.artifacts import create_link_artifact
-
     names = sorted(set(jobs))
     urls = [(job, url) for job in names[:MAX_DASHBOARD_LINKS] if (url := dashboard_job_url(job, os.environ))]
     if not urls:

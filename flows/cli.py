@@ -20,12 +20,14 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from ckptier import __version__
 from ckptier.storage.errors import CkptierError, ConfigError, EnvironmentFault
 
+from .command import announce, open_existing, settings_of
 from .output import checkpoint_json, current_location, human_bytes, iso, print_checkpoints, print_json, table
 
 EXIT_USER_ERROR = 2
@@ -47,43 +49,11 @@ DEMO_SAVE_EVERY = 25
 # ------------------------------------------------------------------ helpers
 
 
-def _config(args: argparse.Namespace) -> Any:
-    from ckptier.tasks.config import load_config
-
-    return load_config(args.config)
-
-
-def _location(args: argparse.Namespace, config: Any = None) -> Any:
-    """The catalog this command uses (:func:`ckptier.tasks.settings.catalog_location`)."""
-    from ckptier.tasks.settings import catalog_location
-
-    return catalog_location(args.catalog, args.config, config=config)
-
-
-def _announce(args: argparse.Namespace, location: Any) -> None:
-    """The first line of human output: which catalog (password masked) and why."""
-    if not getattr(args, "json", False):
-        print(f"catalog: {location}", flush=True)
-
-
-def _open_read_only(args: argparse.Namespace, location: Any) -> Any:
-    from ckptier.storage.catalog.api import Catalog
-
-    return Catalog.open(location.url, create=False)
-
-
-def _open_existing(args: argparse.Namespace, config: Any = None) -> Any:
-    """The existing catalog this command uses, named first in human output (never created)."""
-    location = _location(args, config)
-    _announce(args, location)
-    return _open_read_only(args, location)
-
-
 def _use_prefect(args: argparse.Namespace) -> bool:
     """Go through a Prefect flow run when an API is configured (or forced)."""
     if getattr(args, "no_prefect", False):
         return False
-    from ckptier.tasks.prefect_api import configured_api_url
+    from ckptier.tasks.prefect_api import configured_api_url  # lazy: read-only commands never ask
 
     return configured_api_url() is not None
 
@@ -92,14 +62,12 @@ def _use_prefect(args: argparse.Namespace) -> bool:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    location = _location(args)
-    _announce(args, location)
-    with _open_read_only(args, location) as cat:
+    with open_existing(args, settings_of(args)) as cat:
         # Files are counted, not loaded: a listing of 100,000 checkpoints needs no 300,000 file rows.
         records = cat.checkpoints(job=args.job, include_deleted=args.all, with_files=False)
         counts = cat.file_counts(job=args.job) if records else {}
     if args.job and not records:
-        from ckptier.tasks.pipeline import unknown_job
+        from ckptier.tasks.run import unknown_job  # lazy: ls answers without the kernel's imports
 
         raise unknown_job(args.job)
     if args.json:
@@ -112,12 +80,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_latest(args: argparse.Namespace) -> int:
-    from ckptier.tasks.pipeline import StoreCache, utcnow
-    from ckptier.tasks.prove import latest_proven
+    from ckptier.tasks.prove import latest_proven  # lazy: likewise
+    from ckptier.tasks.run import StoreCache, utcnow  # lazy: likewise
 
-    location = _location(args)
-    _announce(args, location)
-    with _open_read_only(args, location) as cat:
+    with open_existing(args, settings_of(args)) as cat:
         # The verdict is trusted only once each file was looked at now (a stat, never a read).
         latest = latest_proven(cat, StoreCache(roots=cat.hot_locations).for_record, args.job,
                                drilled=args.drilled, now=utcnow)
@@ -154,22 +120,21 @@ def cmd_latest(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from ckptier.tasks.pipeline import merge_plans, plans_by_policy, utcnow
-    from ckptier.tasks.retention import floors, render_plan_table
-    from ckptier.tasks.settings import policy_origin, unwritten_policy_problem
+    from ckptier.tasks.pipeline import merge_plans, plans_by_policy  # lazy: --version and --help stay light
+    from ckptier.tasks.prove import prove_keepers  # lazy: likewise
+    from ckptier.tasks.retention import floors, render_plan_table  # lazy: likewise
+    from ckptier.tasks.run import open_run  # lazy: likewise
+    from ckptier.tasks.settings import policy_origin, unwritten_policy_problem  # lazy: likewise
 
-    config = _config(args)
-    location = _location(args, config)
-    _announce(args, location)
-    with _open_read_only(args, location) as cat:
-        from ckptier.tasks.pipeline import StoreCache
-        from ckptier.tasks.prove import prove_keepers
-
+    settings = settings_of(args, config=True)
+    config = settings.config
+    announce(args, settings.location)
+    with open_run(settings) as run:
         # The checkpoints the deletions rest on are looked at now (a stat each): one whose files
         # changed since its verdict is no longer trusted, and the plan rests on others.
-        prove_keepers(cat, StoreCache(roots=cat.hot_locations).for_record,
-                      cat.checkpoints(job=args.job), config.policy_for, now=utcnow)
-        by_policy = plans_by_policy(cat, config, job=args.job, now=utcnow())
+        prove_keepers(run.catalog, run.stores.for_record, run.catalog.checkpoints(job=args.job), config.policy_for,
+                      now=run.now)
+        by_policy = plans_by_policy(run, job=args.job)
     plan = merge_plans([p for _, p in by_policy])
     rows = render_plan_table(plan)
     for warning in plan.warnings:
@@ -205,12 +170,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_scan(args: argparse.Namespace) -> int:
-    from ckptier.flows import runner
+    from ckptier.flows import runner  # lazy: the acting commands' imports, only when one runs
 
-    location = _location(args)
-    _announce(args, location)
-    reports = runner.scan(args.urls, catalog_url=location.url, use_prefect=_use_prefect(args), progress=not args.json,
-                          config_path=args.config, inventory=args.inventory, full=args.full)
+    settings = settings_of(args)
+    announce(args, settings.location)
+    reports = runner.scan(args.urls, settings=settings, use_prefect=_use_prefect(args), progress=not args.json,
+                          inventory=args.inventory, full=args.full)
     if args.json:
         print_json([r.to_json() for r in reports])
         return 0
@@ -233,18 +198,20 @@ def cmd_scan(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from ckptier.flows import runner
+    from ckptier.flows import runner  # lazy: the acting commands' imports, only when one runs
 
     sample = runner.resolve_sample(args.sample) if args.sample else None
-    location = _location(args)
-    _announce(args, location)
-    report = runner.verify(job=args.job, deep=args.deep, sample=sample, workers=args.workers,
-                           catalog_url=location.url, use_prefect=_use_prefect(args), progress=not args.json,
-                           config_path=args.config, runner=args.runner, claim_rows=args.claim_rows, since=args.since)
+    settings = settings_of(args)
+    announce(args, settings.location)
+    from ckptier.tasks.pipeline import VerifyOptions  # lazy: the acting commands' imports, only when one runs
+
+    options = VerifyOptions(job=args.job, deep=args.deep, sample=sample, workers=args.workers)
+    report = runner.verify(options, settings=settings, use_prefect=_use_prefect(args), progress=not args.json,
+                           runner=args.runner, claim_rows=args.claim_rows, since=args.since)
     if args.json:
         print_json(report.to_json())
     elif not report.checkpoints:
-        print(f"nothing to verify: {runner.why_nothing_to_verify(location.url, job=args.job, deep=args.deep, sample=sample)}")
+        print(f"nothing to verify: {report.nothing_checked}")
     else:
         table([(r.job, r.step, r.tier, r.state, human_bytes(r.bytes_read), human_bytes(r.bytes_skipped), r.detail or "")
                for r in report.checkpoints], ("JOB", "STEP", "TIER", "STATE", "READ", "SKIPPED", "DETAIL"))
@@ -257,13 +224,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_apply(args: argparse.Namespace) -> int:
-    from ckptier.flows import runner
+    from ckptier.flows import runner  # lazy: the acting commands' imports, only when one runs
 
-    config = _config(args)
-    location = _location(args, config)
-    _announce(args, location)
-    report = runner.apply(job=args.job, dry_run=args.dry_run, config_path=args.config,
-                          catalog_url=location.url, use_prefect=_use_prefect(args), runner=args.runner)
+    settings = settings_of(args, config=True)
+    announce(args, settings.location)
+    report = runner.apply(job=args.job, dry_run=args.dry_run, settings=settings, use_prefect=_use_prefect(args),
+                          runner=args.runner)
     if args.json:
         print_json(report.to_json())
     else:
@@ -279,16 +245,14 @@ def cmd_apply(args: argparse.Namespace) -> int:
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
-    from ckptier.flows import runner
-    from ckptier.tasks.archive import check_fetch_dest
+    from ckptier.flows import runner  # lazy: the acting commands' imports, only when one runs
+    from ckptier.tasks.archive import check_fetch_dest  # lazy: likewise
 
     dest = Path(args.dest)
     check_fetch_dest(dest)  # before the catalog is even opened
-    config = _config(args)
-    location = _location(args, config)
-    _announce(args, location)
-    report = runner.fetch(job=args.job, step=args.step, dest=dest, catalog_url=location.url,
-                          config_path=args.config)
+    settings = settings_of(args, config=True)
+    announce(args, settings.location)
+    report = runner.fetch(job=args.job, step=args.step, dest=dest, settings=settings)
     if args.json:
         print_json(report.to_json())
     else:
@@ -298,20 +262,21 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
 
 def cmd_drill(args: argparse.Namespace) -> int:
-    from ckptier.flows import runner
-    from ckptier.tasks.drill_inputs import check_drill_inputs, normalise_factory
+    from ckptier.flows import runner  # lazy: the acting commands' imports, only when one runs
+    from ckptier.tasks.drill_inputs import check_drill_inputs, normalise_factory  # lazy: likewise
 
     model = normalise_factory(args.model) if args.model and ":" in args.model else args.model
     check_drill_inputs(model=model, device=args.device, steps=args.steps, timeout=args.timeout)
     if args.world_size is not None and args.world_size < 1:
         raise ConfigError(f"--world-size {args.world_size}: a drill runs on at least 1 rank; give e.g. --world-size 2")
-    config = _config(args)
-    location = _location(args, config)
-    _announce(args, location)
-    reports = runner.drill(job=args.job, step=args.step, steps=args.steps, device=args.device, model=model,
-                           timeout=args.timeout, config_path=args.config, catalog_url=location.url,
-                           use_prefect=_use_prefect(args), allow_globals=args.allow_global or [],
-                           world_size=args.world_size, runner=args.runner)
+    settings = settings_of(args, config=True)
+    announce(args, settings.location)
+    from ckptier.tasks.pipeline import DrillOptions  # lazy: the acting commands' imports, only when one runs
+
+    options = DrillOptions(job=args.job, step=args.step, steps=args.steps, device=args.device, model=model,
+                                  timeout=args.timeout, allow_globals=tuple(args.allow_global or ()),
+                                  world_size=args.world_size)
+    reports = runner.drill(options, settings=settings, use_prefect=_use_prefect(args), runner=args.runner)
     if args.json:
         print_json([r.to_json() for r in reports])
     else:
@@ -324,7 +289,7 @@ def cmd_drill(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from ckptier.flows.demo import run_demo
+    from ckptier.flows.demo import run_demo  # lazy: the demo's imports (torch), only when it runs
 
     if args.steps < 2 * DEMO_SAVE_EVERY:
         raise _usage(f"--steps {args.steps}: the demo saves every {DEMO_SAVE_EVERY} steps and needs at least two "
@@ -336,10 +301,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_janitor(args: argparse.Namespace) -> int:
-    from datetime import timedelta
-
-    from ckptier.flows import runner
-    from ckptier.tasks.durations import parse_duration
+    from ckptier.flows import runner  # lazy: the acting commands' imports, only when one runs
+    from ckptier.tasks.durations import parse_duration  # lazy: likewise
 
     try:
         older_than = parse_duration(args.older_than, what=f"--older-than {args.older_than!r}")
@@ -348,10 +311,9 @@ def cmd_janitor(args: argparse.Namespace) -> int:
     if older_than <= timedelta(0):
         raise _usage(f"--older-than {args.older_than!r}: must be longer than zero, or uploads still being written "
                      "would be removed; e.g. --older-than 24h")
-    config = _config(args)
-    location = _location(args, config)
-    _announce(args, location)
-    report = runner.janitor(config_path=args.config, older_than=older_than, catalog_url=location.url)
+    settings = settings_of(args, config=True)
+    announce(args, settings.location)
+    report = runner.janitor(older_than=older_than, settings=settings)
     if args.json:
         print_json(report.to_json())
     else:
@@ -361,46 +323,47 @@ def cmd_janitor(args: argparse.Namespace) -> int:
 
 
 def cmd_forget(args: argparse.Namespace) -> int:
-    from ckptier.tasks.pipeline import run_forget, utcnow
-    from ckptier.tasks.durations import parse_duration
+    from ckptier.tasks.durations import parse_duration  # lazy: --version and --help stay light
+    from ckptier.tasks.pipeline import run_forget  # lazy: likewise
+    from ckptier.tasks.run import open_run  # lazy: likewise
 
     if not args.missing:
         raise ConfigError("forget: say what to forget: --missing (rows whose files are gone from every tier)")
     older = parse_duration(args.older_than, what=f"--older-than {args.older_than!r}") if args.older_than else None
-    config = _config(args)
-    with _open_existing(args, config) as cat:
-        report = run_forget(cat, config, job=args.job, now=utcnow, older_than=older, dry_run=args.dry_run)
+    settings = settings_of(args, config=True)
+    announce(args, settings.location)
+    with open_run(settings, dry_run=args.dry_run) as run:
+        report = run_forget(run, job=args.job, older_than=older)
     print_json(report.to_json()) if args.json else [print(line) for line in report.lines]
     return 1 if report.unchecked else 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from ckptier.deployments.serve import serve_all
+    from ckptier.deployments.serve import serve_all  # lazy: Prefect, only when serving
 
     return serve_all()
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
-    from ckptier.deployments.serve import deploy_all
+    from ckptier.deployments.serve import deploy_all  # lazy: Prefect, only when deploying
 
     return deploy_all(work_pool=args.work_pool, gpu_pool=args.gpu_pool)
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
-    from ckptier.dashboard.cli import serve_dashboard
+    from ckptier.dashboard.cli import serve_dashboard  # lazy: the web server's imports, only when serving
+    from ckptier.tasks.prefect_api import configured_api_url  # lazy: likewise
 
-    from ckptier.tasks.prefect_api import configured_api_url
-
-    return serve_dashboard(catalog_url=_location(args).url, config_path=args.config, host=args.host, port=args.port,
+    return serve_dashboard(catalog_url=settings_of(args).location.url, config_path=args.config, host=args.host, port=args.port,
                            token=args.token, prefect_api_url=configured_api_url())
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from ckptier.dashboard.cli import print_report
+    from ckptier.dashboard.cli import print_report  # lazy: pandas, only for a report
 
-    location = _location(args)
+    location = settings_of(args).location
     if args.format == "table":
-        _announce(args, location)
+        announce(args, location)
     return print_report(catalog_url=location.url, config_path=args.config, job=args.job, step=args.step,
                         fmt=args.format, tables=args.table, costs=args.costs)
 
@@ -550,8 +513,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--no-prefect", action="store_true", help="run the demo's steps directly, without Prefect flow runs")
 
     add("serve", cmd_serve, "serve every deployment with its schedule from this process (single host)")
-    from .planning import add_commands
-    from .recovery import add_commands as add_recovery_commands
+    from .planning import add_commands  # here: planning registers its commands with add(), defined just above
+    from .recovery import add_commands as add_recovery_commands  # likewise
 
     add_commands(add)
     add_recovery_commands(add)

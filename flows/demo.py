@@ -67,23 +67,18 @@ def tree_bytes(path: Path) -> int:
 
 
 def _pipeline_direct(hot: Path, catalog_url: str, config_path: Path) -> dict[str, Any]:
-    from ckptier.storage.catalog.api import Catalog
-    from ckptier.tasks import pipeline
-    from ckptier.tasks.config import load_config
-    from ckptier.tasks.settings import Run
+    from ckptier.tasks import pipeline  # lazy: the demo's imports, only when it runs
+    from ckptier.tasks.retention import render_plan_table  # lazy: likewise
+    from ckptier.tasks.run import open_run  # lazy: likewise
+    from ckptier.tasks.settings import Settings  # lazy: likewise
 
-    config = load_config(config_path)
-    with Catalog.open(catalog_url) as cat:
-        scan = pipeline.run_scan([str(hot)], cat, now=pipeline.utcnow)
-        listing = cat.checkpoints()
-        verify = pipeline.run_verify(cat, now=pipeline.utcnow)
-        plan = pipeline.make_plan(cat, config, job=None, now=pipeline.utcnow())
-        from ckptier.tasks.retention import render_plan_table
-
-        apply = pipeline.run_apply(cat, config, now=pipeline.utcnow, owner="ckptier-demo")
-        drill = pipeline.run_drill(Run(catalog=cat, config=config, stores=pipeline.StoreCache(roots=cat.hot_locations),
-                                       now=pipeline.utcnow, owner=pipeline.run_owner("ckptier-demo")),
-                                   pipeline.DrillOptions())
+    with open_run(Settings(catalog_url, config_path), owner="ckptier-demo", create=True) as run:
+        scan = pipeline.run_scan(run, [str(hot)])
+        listing = run.catalog.checkpoints()
+        verify = pipeline.run_verify(run)
+        plan = pipeline.make_plan(run)
+        apply = pipeline.run_apply(run)
+        drill = pipeline.run_drill(run, pipeline.DrillOptions())
     return {"scan": scan, "listing": listing, "verify": verify, "plan": render_plan_table(plan), "apply": apply,
             "drill": drill}
 
@@ -99,10 +94,10 @@ def start_prefect() -> None:
     ``PREFECT_SERVER_ANALYTICS_ENABLED`` to choose). Raises
     :class:`PrefectDidNotStart` (one line, suggesting ``--no-prefect``).
     """
-    from ckptier.tasks.prefect_api import check_prefect_api
+    from ckptier.tasks.prefect_api import check_prefect_api  # lazy: the demo's imports, only when it runs
 
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    from prefect.settings import (
+    from prefect.settings import (  # lazy: Prefect only on the demo's Prefect path
         PREFECT_API_URL,
         PREFECT_SERVER_EPHEMERAL_ENABLED,
         PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
@@ -117,7 +112,7 @@ def start_prefect() -> None:
             "no Prefect API: PREFECT_API_URL is unset and Prefect's temporary server is disabled "
             "(PREFECT_SERVER_EPHEMERAL_ENABLED); set one of them, or run 'ckptier demo --no-prefect'"
         )
-    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.server.api.server import SubprocessASGIServer  # lazy: likewise
 
     server = SubprocessASGIServer()
     if server.running:
@@ -139,13 +134,13 @@ def start_prefect() -> None:
 
 def _pipeline_prefect(hot: Path, catalog_url: str, config_path: Path) -> dict[str, Any]:
     start_prefect()
-    from prefect import flow
+    from prefect import flow  # lazy: Prefect only on the demo's Prefect path
 
-    from ckptier.storage.catalog.api import Catalog
+    from ckptier.storage.catalog.api import Catalog  # lazy: likewise
 
-    from .drill import restore_drill_flow
-    from .scan_verify import scan_flow, verify_flow
-    from .tiering import tiering_flow
+    from .drill import restore_drill_flow  # lazy: likewise
+    from .scan_verify import scan_flow, verify_flow  # lazy: likewise
+    from .tiering import tiering_flow  # lazy: likewise
 
     @flow(name="demo")
     def demo_flow() -> dict[str, Any]:
@@ -163,7 +158,7 @@ def _pipeline_prefect(hot: Path, catalog_url: str, config_path: Path) -> dict[st
 
 def run_demo(base: Path | None, *, steps: int = 300, use_prefect: bool = True) -> int:
     """Run the demo in ``base`` (a new temporary directory when None); returns the exit code."""
-    from ckptier.tasks.demo import train_demo_run
+    from ckptier.tasks.demo import train_demo_run  # lazy: torch, only when the demo runs
 
     if use_prefect:
         start_prefect()  # first: a Prefect that cannot start is said before anything is written

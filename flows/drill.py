@@ -10,14 +10,18 @@ and nothing is recorded against a checkpoint.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import ExitStack
 from typing import Literal
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
 from ckptier.storage.errors import CkptierError
+from ckptier.tasks.pipeline import DrillOptions
 from ckptier.tasks.prefect_tasks import drill_task
 from ckptier.tasks.reports import DrillReport
+from ckptier.tasks.run import open_run
+from ckptier.tasks.settings import Settings
 
 from .artifacts import publish_catalog_summary, publish_dashboard_links
 from .events import DRILL_FAILED, DRILL_NOT_JUDGED, ENVIRONMENT_DRIFT, emit_ckptier_event
@@ -108,23 +112,26 @@ def restore_drill_flow(
         world_size: Restore into this many ranks (default: as many as saved the checkpoint) and report whether the run resumes on them.
         runner: Where the checkpoint's files are fetched: threads or dask (default: the config's [runner] kind).
     """
-    try:
-        reports = drill_task(catalog_url, config_path, job, step, steps, device, model, timeout_seconds, allow_globals,
-                             world_size, runner)
-    except CkptierError as exc:  # nothing could be drilled: say why, alert, fail
-        create_markdown_artifact(render_not_started(job, step, str(exc)), key="drill-report",
-                                 description="Restore drill report: not started")
-        emit_ckptier_event(DRILL_FAILED, job, step, summary=f"drill not started: {exc}", started=False)
-        publish_dashboard_links([job] if job else [])
-        raise DrillNotStarted(str(exc)) from None
-    create_markdown_artifact(render_report(reports), key="drill-report", description="Restore drill report")
-    failed = [r for r in reports if not r.ok]
-    for r in failed:  # one event per drill: a not judged one stops its job's walk, so one per cause
-        emit_ckptier_event(DRILL_FAILED if r.judged else DRILL_NOT_JUDGED, r.job, r.step, summary=r.summary,
-                           started=r.started, verdict=r.outcome)
-        if r.drift:
-            emit_ckptier_event(ENVIRONMENT_DRIFT, r.job, r.step, summary=r.drift)
-    summary = publish_catalog_summary(catalog_url, config_path)
+    options = DrillOptions(job=job, step=step, steps=steps, device=device, model=model, timeout=timeout_seconds,
+                           allow_globals=tuple(allow_globals or ()), world_size=world_size)
+    with ExitStack() as stack:
+        try:
+            run = stack.enter_context(open_run(Settings(catalog_url, config_path)))
+            reports = drill_task(run, options, runner)
+        except CkptierError as exc:  # nothing could be drilled: say why, alert, fail
+            create_markdown_artifact(render_not_started(job, step, str(exc)), key="drill-report",
+                                     description="Restore drill report: not started")
+            emit_ckptier_event(DRILL_FAILED, job, step, summary=f"drill not started: {exc}", started=False)
+            publish_dashboard_links([job] if job else [])
+            raise DrillNotStarted(str(exc)) from None
+        create_markdown_artifact(render_report(reports), key="drill-report", description="Restore drill report")
+        failed = [r for r in reports if not r.ok]
+        for r in failed:  # one event per drill: a not judged one stops its job's walk, so one per cause
+            emit_ckptier_event(DRILL_FAILED if r.judged else DRILL_NOT_JUDGED, r.job, r.step, summary=r.summary,
+                               started=r.started, verdict=r.outcome)
+            if r.drift:
+                emit_ckptier_event(ENVIRONMENT_DRIFT, r.job, r.step, summary=r.drift)
+        summary = publish_catalog_summary(run)
     publish_dashboard_links([job] if job else [j["job"] for j in summary])
     # Any failed attempt fails the run, even when an older checkpoint then passed:
     # the newest ones not restoring (a serialization change, say) is what to hear about.

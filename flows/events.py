@@ -16,6 +16,8 @@ import os
 from typing import Any
 
 from prefect.events import emit_event
+from prefect.runtime import flow_run
+from prefect.utilities.urls import url_for
 
 from ckptier.tasks.reports import dashboard_job_url
 
@@ -27,9 +29,6 @@ ENVIRONMENT_DRIFT = "ckptier.drill.drift"
 
 def current_run() -> dict[str, str]:
     """``flow_run_id``, ``flow_run_name`` and ``flow_run_url`` of the flow run this code runs in ({} outside one)."""
-    from prefect.runtime import flow_run
-    from prefect.utilities.urls import url_for
-
     run_id = flow_run.get_id()
     if not run_id:
         return {}

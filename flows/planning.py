@@ -17,7 +17,11 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from ckptier.storage.errors import ConfigError
+from ckptier.tasks.advise import DTYPE_BYTES, OPTIMIZER_STATES, Request, advise, observe_job
+from ckptier.tasks.durations import parse_duration
+from ckptier.tasks.tiers import ALL_CLASSES
 
+from .command import open_existing, settings_of
 from .output import human_bytes, print_json
 
 _SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
@@ -47,8 +51,6 @@ def parse_bytes(text: str, *, what: str, per_second: bool = False) -> float:
 
 
 def _duration(text: str | None, flag: str) -> timedelta | None:
-    from ckptier.tasks.durations import parse_duration
-
     if text is None:
         return None
     return parse_duration(text, what=f"{flag} {text!r}")
@@ -100,17 +102,16 @@ def count(n: float) -> str:
 
 
 def cmd_advise(args: argparse.Namespace) -> int:
-    from ckptier.tasks.advise import Request, advise, observe_job
-    from ckptier.tasks.config import default_policy, load_config
-
-    from .cli import _open_existing
+    from ckptier.tasks.config import default_policy, load_config  # lazy: --version and --help stay light
 
     config = load_config(args.policy or args.config)
     observed = None
     if args.job:
-        from ckptier.tasks.pipeline import unknown_job
+        from ckptier.tasks.run import unknown_job  # lazy: --version and --help stay light
+        from ckptier.tasks.settings import Settings  # lazy: likewise
 
-        with _open_existing(args) as cat:
+        settings = Settings(args.catalog, args.config, config=None if args.policy else config)
+        with open_existing(args, settings) as cat:
             records = cat.checkpoints(job=args.job, include_deleted=True, with_files=True)
         if not records:
             raise unknown_job(args.job)
@@ -205,8 +206,6 @@ def render_advice(a: Any) -> list[str]:
 
 
 def _seconds(a: Any) -> float:
-    from ckptier.tasks.durations import parse_duration
-
     return parse_duration(a.value).total_seconds()
 
 
@@ -214,14 +213,12 @@ def _seconds(a: Any) -> float:
 
 
 def cmd_lifecycle(args: argparse.Namespace) -> int:
-    from ckptier.tasks.config import load_config
-    from ckptier.tasks.lifecycle import job_prefix_url, lifecycle_for_job
-    from ckptier.tasks.pipeline import unknown_job
+    from ckptier.tasks.lifecycle import job_prefix_url, lifecycle_for_job  # lazy: --version and --help stay light
+    from ckptier.tasks.run import unknown_job  # lazy: likewise
 
-    from .cli import _open_existing
-
-    config = load_config(args.config)
-    with _open_existing(args, config) as cat:
+    settings = settings_of(args, config=True)
+    config = settings.config
+    with open_existing(args, settings) as cat:
         records = cat.checkpoints(job=args.job, include_deleted=True, with_files=False)
     if not records:
         raise unknown_job(args.job)
@@ -248,9 +245,6 @@ def cmd_lifecycle(args: argparse.Namespace) -> int:
 
 def add_commands(add: Callable[..., argparse.ArgumentParser]) -> None:
     """Register ``advise`` and ``lifecycle`` with the CLI's ``add`` helper."""
-    from ckptier.tasks.advise import DTYPE_BYTES, OPTIMIZER_STATES
-    from ckptier.tasks.tiers import ALL_CLASSES
-
     sp = add("advise", cmd_advise, "size, bandwidth, checkpoint interval, stored bytes and cost of a run, before or during it")
     sp.add_argument("--params", metavar="N", help="parameters: 7e9, 7B, 1.5T (needed unless --job has measured sizes)")
     sp.add_argument("--dtype", choices=tuple(DTYPE_BYTES), help="training dtype of the weights (default bf16)")

@@ -18,21 +18,19 @@ from collections.abc import Callable
 
 from ckptier.storage.errors import ConfigError
 
+from .command import announce, settings_of
 from .output import print_json
 
 
 def cmd_rebuild(args: argparse.Namespace) -> int:
-    from ckptier.tasks.config import load_config
-    from ckptier.tasks.rebuild import rebuild
-    from ckptier.tasks.settings import catalog_location, open_run
+    from ckptier.tasks.rebuild import rebuild  # lazy: --version and --help stay light
+    from ckptier.tasks.run import open_run  # lazy: likewise
 
     if args.workers is not None and args.workers < 1:
         raise ConfigError(f"rebuild --workers {args.workers}: must be at least 1, e.g. --workers 8")
-    config = load_config(args.config)
-    location = catalog_location(args.catalog, args.config, config=config)
-    if not args.json:
-        print(f"catalog: {location}", flush=True)
-    with open_run(location.url, args.config, owner="ckptier-rebuild", create=True) as run:
+    settings = settings_of(args, config=True)
+    announce(args, settings.location)
+    with open_run(settings, owner="ckptier-rebuild", create=True) as run:
         report = rebuild(run.catalog, run.config, store=run.stores.store, now=run.now, hot_urls=args.urls,
                          archive_urls=args.archive or (), **({"workers": args.workers} if args.workers else {}))
     if args.json:
@@ -44,16 +42,12 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
 
 
 def cmd_catalog(args: argparse.Namespace) -> int:
-    from ckptier.tasks.backup import backup_catalog, policy_archives
-    from ckptier.tasks.config import load_config
-    from ckptier.tasks.pipeline import unknown_job
-    from ckptier.tasks.settings import catalog_location, open_run
+    from ckptier.tasks.backup import backup_catalog, policy_archives  # lazy: --version and --help stay light
+    from ckptier.tasks.run import open_run, unknown_job  # lazy: likewise
 
-    config = load_config(args.config)
-    location = catalog_location(args.catalog, args.config, config=config)
-    if not args.json:
-        print(f"catalog: {location}", flush=True)
-    with open_run(location.url, args.config, owner="ckptier-backup") as run:
+    settings = settings_of(args, config=True)
+    announce(args, settings.location)
+    with open_run(settings, owner="ckptier-backup") as run:
         jobs = run.catalog.jobs()
         if args.job is not None and args.job not in jobs:
             raise unknown_job(args.job)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -23,8 +24,12 @@ from ckptier.tasks.prefect_api import check_prefect_api
 from .output import Progress
 
 if TYPE_CHECKING:
+    from ckptier.tasks.fanout import Fanout
+    from ckptier.tasks.pipeline import DrillOptions, VerifyOptions
     from ckptier.tasks.reports import ApplyRunReport, DrillReport, FetchReport, JanitorRunReport, VerifyReport
+    from ckptier.tasks.run import RowClaims, Run
     from ckptier.tasks.scan import ScanReport
+    from ckptier.tasks.settings import Settings
 
 R = TypeVar("R")
 
@@ -80,18 +85,11 @@ def dispatch(use_prefect: bool, direct: Callable[[], R], *, flow: str, params: M
     return unwrap(result) if unwrap is not None else result
 
 
-def _open(catalog_url: str | None, *, create: bool = False) -> Any:
-    """The catalog at ``catalog_url`` (None: the default); only ``scan`` creates one."""
-    from ckptier.storage.catalog.api import Catalog
-
-    return Catalog.open(catalog_url, create=create)
-
-
 def resolve_sample(sample: str | None, now: datetime | None = None) -> tuple[int, int] | None:
     """``"K/N"`` → (K, N); ``"auto/N"`` → the slice of N for ``now``'s UTC date
     (every byte re-read every N nights); None → None. One-line
     :class:`ConfigError` otherwise."""
-    from ckptier.tasks.verify import parse_sample, rotating_slice
+    from ckptier.tasks.verify import parse_sample, rotating_slice  # lazy: the command line checks its input before the operations load
 
     if not sample:
         return None
@@ -104,166 +102,144 @@ def resolve_sample(sample: str | None, now: datetime | None = None) -> tuple[int
     return parse_sample(sample)
 
 
-def why_nothing_to_verify(catalog_url: str, *, job: str | None, deep: bool, sample: tuple[int, int] | None) -> str:
-    """Words for a verify run that checked nothing (the catalog is only read)."""
-    with _open(catalog_url) as cat:
-        records = cat.checkpoints(job=job, with_files=False)
-    if not records:
-        return "the catalog holds no checkpoints yet; run 'ckptier scan URL' first"
-    if sample is not None:
-        return f"slice {sample[0]}/{sample[1]} holds none of the {len(records)} cataloged checkpoints"
-    if deep:
-        return f"none of the {len(records)} cataloged checkpoints has a copy to read (states: " + \
-            ", ".join(sorted({c.state.value for c in records})) + ")"
-    waiting = sum(1 for c in records if c.state.value == "incomplete")
-    return (f"every one of the {len(records)} cataloged checkpoints is already verified or still being written"
-            + (f" ({waiting} incomplete)" if waiting else "") + "; --deep re-reads every byte")
+def _flow_settings(settings: Settings) -> dict[str, Any]:
+    """The flow parameters that name a run's settings: the catalog chosen here and the config file."""
+    config_path = settings.config_path
+    return {"catalog_url": settings.location.url, "config_path": str(config_path) if config_path else None}
 
 
-def scan(urls: list[str], *, catalog_url: str | None, use_prefect: bool, progress: bool = True,
-         config_path: str | None = None, inventory: str | None = None, full: bool = False) -> list[ScanReport]:
+def scan(urls: list[str], *, settings: Settings, use_prefect: bool, progress: bool = True,
+         inventory: str | None = None, full: bool = False) -> list[ScanReport]:
     """Scan each URL (``pipeline.run_scan``); one :class:`ScanReport` per URL on both paths."""
     if inventory is not None and len(urls) != 1:
         raise ConfigError(f"--inventory {inventory} names the report of one bucket; scan one s3:// URL with it, "
                           f"not {len(urls)}")
 
     def direct() -> list[ScanReport]:
-        from ckptier.tasks.pipeline import run_scan
-        from ckptier.tasks.settings import open_run
+        from ckptier.tasks.pipeline import run_scan  # lazy: the command line checks its input before the operations load
+        from ckptier.tasks.run import open_run  # lazy: likewise
 
         bar = Progress("listing", unit="objects", enabled=None if progress else False)
         try:
-            with open_run(catalog_url, config_path, create=True) as run:
-                return run_scan(urls, run.catalog, now=run.now, tick=bar.update, patterns=run.config.patterns,
-                                config=run.config, inventories=[(urls[0], inventory)] if inventory else (), full=full)
+            with open_run(settings, create=True) as run:
+                return run_scan(run, urls, tick=bar.update, inventories=[(urls[0], inventory)] if inventory else (),
+                                full=full)
         finally:
             bar.close()
 
     return dispatch(use_prefect, direct, flow="scan_verify:scan_flow",
-                    params={"urls": urls, "catalog_url": catalog_url, "config_path": config_path,
-                            "inventory": inventory, "full": full or None})
+                    params={"urls": urls, **_flow_settings(settings), "inventory": inventory, "full": full or None})
 
 
-def verify(*, job: str | None, deep: bool, sample: tuple[int, int] | None, workers: int,
-           catalog_url: str | None, use_prefect: bool, progress: bool = True, config_path: str | None = None,
+def verify(options: VerifyOptions, *, settings: Settings, use_prefect: bool, progress: bool = True,
            runner: str | None = None, claim_rows: bool = False, since: str | None = None) -> VerifyReport:
     """Verify (``pipeline.run_verify``); the :class:`VerifyReport` on both paths (a flow run
-    that found corruption hands back its report, ``by_job`` filled in)."""
+    that found corruption hands back its report, ``by_job`` filled in). ``runner``,
+    ``claim_rows`` and ``since`` are the command line's ``--runner``, ``--claim-rows``
+    and ``--since`` (``options.claims`` is made from them and ``[runner]``)."""
     def direct() -> VerifyReport:
-        from ckptier.tasks.pipeline import run_verify
-        from ckptier.tasks.settings import open_run
+        from ckptier.tasks.pipeline import run_verify  # lazy: the command line checks its input before the operations load
+        from ckptier.tasks.run import open_run  # lazy: likewise
 
-        fanout, claims = _fanout(config_path, runner, claim_rows, since)
-        bar = Progress("verifying", unit="bytes", enabled=None if progress else False)
-        try:
-            with open_run(catalog_url, config_path) as run:  # each job's grace comes from its [[policy]]
-                return run_verify(run.catalog, now=run.now, job=job, deep=deep, sample=sample, workers=workers,
-                                  progress=lambda done, total: bar.update(done, total), stores=run.stores,
-                                  config=run.config, fanout=fanout, claims=claims)
-        finally:
-            bar.close()
-            if fanout is not None:
-                fanout.close()
+        with open_run(settings, owner="ckptier-cli") as run:  # each job's grace comes from its [[policy]]
+            fanout, claims = _fanout(run, runner, claim_rows, since)
+            bar = Progress("verifying", unit="bytes", enabled=None if progress else False)
+            try:
+                return run_verify(run, replace(options, claims=claims), progress=bar.update, fanout=fanout)
+            finally:
+                bar.close()
+                if fanout is not None:
+                    fanout.close()
 
+    sample = options.sample
     return dispatch(use_prefect, direct, flow="scan_verify:verify_flow",
-                    params={"job": job, "deep": deep, "sample": f"{sample[0]}/{sample[1]}" if sample else None,
-                            "workers": workers, "catalog_url": catalog_url, "config_path": config_path,
-                            "runner": runner, "sweep_since": since})
+                    params={"job": options.job, "deep": options.deep,
+                            "sample": f"{sample[0]}/{sample[1]}" if sample else None, "workers": options.workers,
+                            **_flow_settings(settings), "runner": runner, "sweep_since": since})
 
 
-def _fanout(config_path: str | None, runner: str | None, claim_rows: bool = False, since: str | None = None) -> Any:
-    """The Dask executor (None: threads here) and the row claims for a direct run, from
-    ``[runner]`` and the command line (``--runner``, ``--claim-rows``, ``--since``)."""
-    from dataclasses import replace
+def _fanout(run: Run, runner: str | None, claim_rows: bool = False, since: str | None = None
+            ) -> tuple[Fanout | None, RowClaims | None]:
+    """The Dask executor (None: threads here) and the row claims (leased as ``run.owner``) for a
+    direct run, from ``run.config``'s ``[runner]`` and the command line (``--runner``,
+    ``--claim-rows``, ``--since``)."""
+    from ckptier.tasks.fanout import open_fanout, runner_settings  # lazy: the command line checks its input before the operations load
+    from ckptier.tasks.run import row_claims  # lazy: likewise
 
-    from ckptier.tasks.config import load_config
-    from ckptier.tasks.fanout import open_fanout, row_claims, runner_settings
-    from ckptier.tasks.pipeline import run_owner
-
-    settings = runner_settings(load_config(config_path).runner, runner)
+    settings = runner_settings(run.config.runner, runner)
     if claim_rows:
         settings = replace(settings, claim_rows=True)
-    claims = row_claims(settings, since, owner=run_owner("ckptier-cli"))
+    claims = row_claims(settings, since, owner=run.owner)
     return open_fanout(settings), claims
 
 
-def apply(*, job: str | None, dry_run: bool, config_path: str | None, catalog_url: str | None,
-          use_prefect: bool, runner: str | None = None) -> ApplyRunReport:
+def apply(*, job: str | None, dry_run: bool, settings: Settings, use_prefect: bool,
+          runner: str | None = None) -> ApplyRunReport:
     """Retention carried out (``pipeline.run_apply``), or previewed with ``dry_run``; the Prefect
-    path runs the tiering flow and hands back its apply report (failed items included)."""
-    if not dry_run:  # deletes only under a [[policy]] someone wrote; a dry run may preview the default
-        _check_policy_written(job, config_path, catalog_url)
+    path runs the tiering flow and hands back its apply report (failed items included).
+    Deletes only under a ``[[policy]]`` someone wrote (checked before anything is done)."""
+    from ckptier.tasks.settings import require_written_policy  # lazy: the command line checks its input before the operations load
 
     def direct() -> ApplyRunReport:
-        from ckptier.tasks.pipeline import run_apply
-        from ckptier.tasks.settings import open_run
+        from ckptier.tasks.pipeline import ApplyOptions, run_apply  # lazy: likewise
+        from ckptier.tasks.run import open_run  # lazy: likewise
 
-        fanout, _ = _fanout(config_path, runner)
-        try:
-            with open_run(catalog_url, config_path, owner="ckptier-cli", dry_run=dry_run) as run:
-                return run_apply(run.catalog, run.config, now=run.now, owner=run.owner, job=job, dry_run=run.dry_run,
-                                 stores=run.stores, fanout=fanout)
-        finally:
-            if fanout is not None:
-                fanout.close()
+        with open_run(settings, owner="ckptier-cli", dry_run=dry_run) as run:
+            if not dry_run:  # a dry run may preview the default policy
+                require_written_policy(run.config, [job] if job else run.catalog.jobs(), settings.config_path)
+            fanout, _ = _fanout(run, runner)
+            try:
+                return run_apply(run, ApplyOptions(job=job), fanout=fanout)
+            finally:
+                if fanout is not None:
+                    fanout.close()
 
+    if use_prefect and not dry_run:  # refused here, before a flow run starts
+        from ckptier.storage.catalog.api import Catalog  # lazy: likewise
+
+        with Catalog.open(settings.location.url, create=False) as cat:
+            require_written_policy(settings.config, [job] if job else cat.jobs(), settings.config_path)
     return dispatch(use_prefect, direct, flow="tiering:tiering_flow", unwrap=lambda result: result.apply,
-                    params={"apply": not dry_run, "job": job, "config_path": config_path, "catalog_url": catalog_url,
-                            "runner": runner})
+                    params={"apply": not dry_run, "job": job, **_flow_settings(settings), "runner": runner})
 
 
-def _check_policy_written(job: str | None, config_path: str | None, catalog_url: str | None) -> None:
-    """Raise ``NoPolicyWritten`` when a job to act on has no ``[[policy]]`` the user wrote."""
-    from ckptier.tasks.config import load_config
-    from ckptier.tasks.settings import require_written_policy
-
-    config = load_config(config_path)
-    with _open(catalog_url) as cat:
-        require_written_policy(config, [job] if job else cat.jobs(), config_path)
-
-
-def fetch(*, job: str, step: int, dest: Path, catalog_url: str | None, config_path: str | None) -> FetchReport:
+def fetch(*, job: str, step: int, dest: Path, settings: Settings) -> FetchReport:
     """Restore a checkpoint's files into ``dest`` (``pipeline.run_fetch``), always in this process."""
-    from ckptier.tasks.pipeline import run_fetch
-    from ckptier.tasks.settings import open_run
+    from ckptier.tasks.pipeline import run_fetch  # lazy: the command line checks its input before the operations load
+    from ckptier.tasks.run import open_run  # lazy: likewise
 
-    with open_run(catalog_url, config_path) as run:
-        return run_fetch(run.catalog, run.config, job=job, step=step, dest=dest, stores=run.stores)
-
-
-def janitor(*, config_path: str | None, older_than: timedelta, catalog_url: str | None) -> JanitorRunReport:
-    from ckptier.tasks.pipeline import run_janitor
-    from ckptier.tasks.settings import open_run
-
-    with open_run(catalog_url, config_path) as run:
-        return run_janitor(run.catalog, run.config, now=run.now(), older_than=older_than, stores=run.stores)
+    with open_run(settings) as run:
+        return run_fetch(run, job=job, step=step, dest=dest)
 
 
-def drill(*, job: str | None, step: int | None, steps: int | None, device: str | None, model: str | None,
-          timeout: float | None, config_path: str | None, catalog_url: str | None, use_prefect: bool,
-          allow_globals: list[str] | None = None, world_size: int | None = None,
-          runner: str | None = None) -> list[DrillReport]:
-    """Restore drills (``pipeline.run_drill``), one report per drill; ``allow_globals`` are extra
-    ``module.Name`` classes the safe loader may unpickle; ``world_size``
-    restores into that many ranks; ``runner`` (threads or dask) where the
-    files are fetched (default: ``[runner]``). Failed drills are reports
+def janitor(*, older_than: timedelta, settings: Settings) -> JanitorRunReport:
+    """Clean the archive tiers of what interrupted promotions left (``pipeline.run_janitor``), in this process."""
+    from ckptier.tasks.pipeline import run_janitor  # lazy: the command line checks its input before the operations load
+    from ckptier.tasks.run import open_run  # lazy: likewise
+
+    with open_run(settings) as run:
+        return run_janitor(run, older_than=older_than)
+
+
+def drill(options: DrillOptions, *, settings: Settings, use_prefect: bool, runner: str | None = None
+          ) -> list[DrillReport]:
+    """Restore drills (``pipeline.run_drill``), one report per drill; ``runner`` (threads or
+    dask) is where the files are fetched (default: ``[runner]``). Failed drills are reports
     (``ok`` false) on both paths; a drill that cannot start raises."""
     def direct() -> list[DrillReport]:
-        from ckptier.tasks.pipeline import DrillOptions, run_drill
-        from ckptier.tasks.settings import open_run
+        from ckptier.tasks.pipeline import run_drill  # lazy: the command line checks its input before the operations load
+        from ckptier.tasks.run import open_run  # lazy: likewise
 
-        options = DrillOptions(job=job, step=step, steps=steps, device=device, model=model, timeout=timeout,
-                               allow_globals=tuple(allow_globals or ()), world_size=world_size)
-        fanout, _ = _fanout(config_path, runner)
-        try:
-            with open_run(catalog_url, config_path) as run:
+        with open_run(settings) as run:
+            fanout, _ = _fanout(run, runner)
+            try:
                 return run_drill(run, options, fanout=fanout)
-        finally:
-            if fanout is not None:
-                fanout.close()
+            finally:
+                if fanout is not None:
+                    fanout.close()
 
     return dispatch(use_prefect, direct, flow="drill:restore_drill_flow", unwrap=list,
-                    params={"job": job, "step": step, "model": model, "timeout_seconds": timeout,
-                            "config_path": config_path, "catalog_url": catalog_url,
-                            "allow_globals": list(allow_globals) if allow_globals else None,
-                            "steps": steps, "device": device, "world_size": world_size, "runner": runner})
+                    params={"job": options.job, "step": options.step, "model": options.model,
+                            "timeout_seconds": options.timeout, **_flow_settings(settings),
+                            "allow_globals": list(options.allow_globals) or None, "steps": options.steps,
+                            "device": options.device, "world_size": options.world_size, "runner": runner})

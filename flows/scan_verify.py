@@ -15,10 +15,12 @@ from typing import Any
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
+from ckptier.tasks.pipeline import VerifyOptions
 from ckptier.tasks.prefect_tasks import scan_task, verify_task
 from ckptier.tasks.reports import FileProblem, VerifyReport, VerifyRow, VerifyTotals
+from ckptier.tasks.run import open_run
 from ckptier.tasks.scan import ScanReport
-from ckptier.tasks.settings import catalog_url as resolve_catalog_url
+from ckptier.tasks.settings import Settings
 
 from .artifacts import publish_catalog_summary, publish_dashboard_links
 from .events import CORRUPTION_FOUND, emit_checkpoint_event
@@ -170,13 +172,13 @@ def scan_flow(
     Args:
         urls: Where checkpoints are written: paths, file:///path or s3://bucket/prefix.
         catalog_url: Catalog SQLAlchemy URL (default: CKPTIER_CATALOG_URL, else the config's [catalog] url, else SQLite in the data dir).
-        config_path: ckptier.toml path, read for its [catalog] url (default: CKPTIER_CONFIG or ./ckptier.toml).
+        config_path: ckptier.toml path (default: CKPTIER_CONFIG or ./ckptier.toml): its [catalog] url, [[pattern]] rules, each job's grace and [[inventory]] tables.
         inventory: S3 Inventory report read instead of listing (one s3:// URL only); else ckptier.toml's [[inventory]].
         full: List every local directory, even those unchanged since the last scan.
     """
-    catalog_url = resolve_catalog_url(catalog_url, config_path)
-    reports = [scan_task(url, catalog_url, inventory=inventory, full=full) for url in urls]
-    publish_catalog_summary(catalog_url)
+    with open_run(Settings(catalog_url, config_path), create=True) as run:
+        reports = [scan_task(run, url, inventory=inventory, full=full) for url in urls]
+        publish_catalog_summary(run)
     publish_dashboard_links(_scanned_jobs(reports))
     return reports
 
@@ -204,15 +206,15 @@ def verify_flow(
         sample: K/N verifies the K-th of N disjoint slices; auto/N picks tonight's slice.
         workers: Files read in parallel.
         catalog_url: Catalog SQLAlchemy URL (default: CKPTIER_CATALOG_URL, else the config's [catalog] url, else SQLite in the data dir).
-        config_path: ckptier.toml path, read for its [catalog] url (default: CKPTIER_CONFIG or ./ckptier.toml).
+        config_path: ckptier.toml path (default: CKPTIER_CONFIG or ./ckptier.toml): its [catalog] url, each job's grace and [runner].
         runner: Where the checkpoints are read: threads or dask (default: the config's [runner] kind).
         sweep_since: With [runner] claim_rows: the ISO 8601 start of the sweep this run shares with others (default: now).
     """
-    catalog_url = resolve_catalog_url(catalog_url, config_path)
-    report = verify_task(catalog_url, job, deep, resolve_sample(sample, datetime.now(UTC)), workers, config_path,
-                         runner, sweep_since)
-    publish_verification(report)
-    summary = publish_catalog_summary(catalog_url)
+    options = VerifyOptions(job=job, deep=deep, sample=resolve_sample(sample, datetime.now(UTC)), workers=workers)
+    with open_run(Settings(catalog_url, config_path)) as run:
+        report = verify_task(run, options, runner, sweep_since)
+        publish_verification(report)
+        summary = publish_catalog_summary(run)
     publish_dashboard_links(_jobs(job, summary))
     raise_on_corruption(report)
     return report
@@ -242,22 +244,23 @@ def scan_verify_flow(
         sample: K/N or auto/N: deep-read one slice of the catalog (every byte every N runs).
         workers: Files read in parallel.
         catalog_url: Catalog SQLAlchemy URL (default: CKPTIER_CATALOG_URL, else the config's [catalog] url, else SQLite in the data dir).
-        config_path: ckptier.toml path, read for its [catalog] url (default: CKPTIER_CONFIG or ./ckptier.toml).
+        config_path: ckptier.toml path (default: CKPTIER_CONFIG or ./ckptier.toml): its [catalog] url, [[pattern]] rules, each job's grace, [[inventory]] tables and [runner].
         runner: Where the checkpoints are read: threads or dask (default: the config's [runner] kind).
         sweep_since: With [runner] claim_rows: the ISO 8601 start of the sweep this run shares with others (default: now).
     """
-    catalog_url = resolve_catalog_url(catalog_url, config_path)
-    scans = [scan_task(url, catalog_url) for url in urls]
-    result: dict[str, Any] = {"scans": scans}
-    if verify:
-        report = verify_task(catalog_url, None, deep, resolve_sample(sample, datetime.now(UTC)), workers, config_path,
-                             runner, sweep_since)
-        publish_verification(report, scans)
-        result["verify"] = report
-    elif corruption_in(NOTHING_VERIFIED, scans):
-        publish_verification(NOTHING_VERIFIED, scans)
-    # One summary per run, after verification has settled the states.
-    publish_catalog_summary(catalog_url)
+    result: dict[str, Any] = {}
+    with open_run(Settings(catalog_url, config_path), create=True) as run:
+        scans = [scan_task(run, url) for url in urls]
+        result["scans"] = scans
+        if verify:
+            options = VerifyOptions(deep=deep, sample=resolve_sample(sample, datetime.now(UTC)), workers=workers)
+            report = verify_task(run, options, runner, sweep_since)
+            publish_verification(report, scans)
+            result["verify"] = report
+        elif corruption_in(NOTHING_VERIFIED, scans):
+            publish_verification(NOTHING_VERIFIED, scans)
+        # One summary per run, after verification has settled the states.
+        publish_catalog_summary(run)
     publish_dashboard_links(_scanned_jobs(scans))
     raise_on_corruption(result.get("verify", NOTHING_VERIFIED), scans, result=result)
     return result

@@ -20,13 +20,15 @@ from typing import Any
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+from prefect.concurrency.sync import concurrency
+from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError
 
-from ckptier.storage.catalog.api import Catalog
-from ckptier.tasks.config import load_config
 from ckptier.tasks.prefect_tasks import apply_task, plan_task
 from ckptier.tasks.reports import ApplyRunReport
-from ckptier.tasks.settings import catalog_url as resolve_catalog_url
-from ckptier.tasks.settings import require_written_policy
+from ckptier.tasks.run import open_run
+from ckptier.tasks.settings import Settings, require_written_policy
 
 from .artifacts import publish_catalog_summary, publish_dashboard_links
 from .output import human_bytes
@@ -56,11 +58,6 @@ def hold_job_locks(names: list[str], timeout_seconds: float) -> Iterator[None]:
     if not names:
         yield
         return
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
-    from prefect.concurrency.sync import concurrency
-    from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError
-
     with get_client(sync_client=True) as client:
         for name in names:
             try:
@@ -73,12 +70,6 @@ def hold_job_locks(names: list[str], timeout_seconds: float) -> Iterator[None]:
                         raise
     with concurrency(names, occupy=1, timeout_seconds=timeout_seconds, strict=True):
         yield
-
-
-def cataloged_jobs(catalog_url: str | None, config_path: str | None) -> list[str]:
-    config = load_config(config_path)
-    with Catalog.open(resolve_catalog_url(catalog_url, config_path, config=config), create=False) as cat:
-        return cat.jobs()
 
 
 def publish_plan(plan: dict[str, Any]) -> None:
@@ -187,18 +178,18 @@ def tiering_flow(
             (checkpoint leases themselves are short and kept alive while the run lives).
         runner: Where archive copies are made: threads or dask (default: the config's [runner] kind).
     """
-    catalog_url = resolve_catalog_url(catalog_url, config_path)
-    jobs = [job] if job else cataloged_jobs(catalog_url, config_path)
-    if apply:  # deletes only under a [[policy]] someone wrote; a dry run may preview the default
-        require_written_policy(load_config(config_path), jobs, config_path)
-    locks = tiering_lock_names(job, jobs)
-    with hold_job_locks(locks, timeout_seconds=lease_minutes * 60.0):
-        plan = plan_task(catalog_url, config_path, job)
-        publish_plan(plan)
-        report = apply_task(catalog_url, config_path, job, not apply, runner)
-    if apply:
-        publish_outcome(report)
-    summary = publish_catalog_summary(catalog_url)
+    with open_run(Settings(catalog_url, config_path), dry_run=not apply) as run:
+        jobs = [job] if job else run.catalog.jobs()
+        if apply:  # deletes only under a [[policy]] someone wrote; a dry run may preview the default
+            require_written_policy(run.config, jobs, config_path)
+        locks = tiering_lock_names(job, jobs)
+        with hold_job_locks(locks, timeout_seconds=lease_minutes * 60.0):
+            plan = plan_task(run, job)
+            publish_plan(plan)
+            report = apply_task(run, job, runner)
+        if apply:
+            publish_outcome(report)
+        summary = publish_catalog_summary(run)
     publish_dashboard_links([job] if job else [j["job"] for j in summary])
     result = TieringRun(plan=plan["rows"], forecast=plan["forecast"], apply=report)
     if report.failed:

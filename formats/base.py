@@ -32,15 +32,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from ckptier.formats.loaded import CheckpointLoadError, LoadedCheckpoint
 from ckptier.storage.base import ObjectInfo
 from ckptier.storage.errors import StoreError, is_transient
 from ckptier.storage.records import FileRef, Format, Found, Shortfall, Unrecognised, file_ref
 from ckptier.storage.structure import Checker, StructureError, parse_json
 
-if TYPE_CHECKING:  # torch-free at import time: loading types are for annotations only
-    from ckptier.formats.safe_load import LoadedCheckpoint
 
 __all__ = [
     "MAX_STEP", "FormatPlugin", "Group", "Range", "RankFiles", "Scan", "as_loss", "as_step", "names", "step_in_name",
@@ -194,8 +193,6 @@ class FormatPlugin:
 
     def load(self, path: Path, allow: Sequence[Any]) -> LoadedCheckpoint:
         """The checkpoint at the local ``path`` loaded safely, on CPU, for a drill."""
-        from ckptier.formats.safe_load import CheckpointLoadError
-
         raise CheckpointLoadError(f"{path}: {self.format.value} checkpoints cannot be drilled")
 
     def saved_ranks(self, relpaths: Sequence[str]) -> int:

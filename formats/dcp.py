@@ -60,6 +60,14 @@ from ckptier.formats.base import (
     names,
     step_in_name,
 )
+from ckptier.formats.loaded import (
+    CheckpointLoadError,
+    LoadedCheckpoint,
+    UnsafeCheckpoint,
+    float_or_none,
+    read_json,
+    step_from_name,
+)
 from ckptier.storage.base import ObjectInfo, key_problem
 from ckptier.storage.errors import CkptierError
 from ckptier.storage.records import Format, Shortfall
@@ -67,8 +75,6 @@ from ckptier.storage.structure import Checker, Need, StructureError, manifest_ch
 
 if TYPE_CHECKING:
     import torch
-
-    from ckptier.formats.safe_load import LoadedCheckpoint
 
 __all__ = [
     "PLUGIN", "DcpLayout", "dcp_layout", "dcp_needs", "dcp_rank_files", "dcp_shortfalls", "load_dcp_tensors",
@@ -504,9 +510,7 @@ class _DcpMetadataUnpickler(pickle.Unpickler):
     """Admits DCP's own metadata classes and torch dtypes only."""
 
     def find_class(self, module: str, name: str) -> Any:
-        import torch
-
-        from ckptier.formats.safe_load import UnsafeCheckpoint
+        import torch  # lazy: torch, for drills only
 
         if (module, name) in _DCP_METADATA_GLOBALS or (
             module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
@@ -524,9 +528,7 @@ def read_dcp_metadata(path: str | Path) -> Any:
 
     Also checks that every shard path it names stays inside the directory.
     """
-    from torch.distributed.checkpoint.metadata import Metadata
-
-    from ckptier.formats.safe_load import CheckpointLoadError, UnsafeCheckpoint
+    from torch.distributed.checkpoint.metadata import Metadata  # lazy: torch, for drills only
 
     meta_path = Path(path) / ".metadata"
     if not meta_path.is_file():
@@ -568,9 +570,7 @@ _READER: list[type] = []
 def _reader_class() -> type:
     if _READER:
         return _READER[0]
-    from torch.distributed.checkpoint import FileSystemReader
-
-    from ckptier.formats.safe_load import CheckpointLoadError
+    from torch.distributed.checkpoint import FileSystemReader  # lazy: torch, for drills only
 
     class SafeDcpReader(FileSystemReader):
         def __init__(self, path: str, metadata: Any, available: Mapping[str, Sequence[Range] | None] | None) -> None:
@@ -611,11 +611,9 @@ def load_dcp_tensors(
     drill rank of a replicated checkpoint loads its own whole copy).
     ``available``: see :func:`safe_dcp_reader`.
     """
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from ckptier.formats.safe_load import CheckpointLoadError
+    import torch  # lazy: torch, for drills only
+    import torch.distributed.checkpoint as dcp  # lazy: torch, for drills only
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # lazy: torch, for drills only
 
     reader = safe_dcp_reader(path, available)
     metadata = reader.read_metadata()
@@ -641,8 +639,6 @@ def load_dcp(path: Path, available: Mapping[str, Sequence[Range] | None] | None 
     as there): ``model.*`` (or a model-only state dict) as the model state,
     ``optimizer.state.*`` as the flattened optimizer state, ``metadata.json``
     beside the shards for the step and the recorded loss."""
-    from ckptier.formats.safe_load import LoadedCheckpoint, float_or_none
-
     tensors = load_dcp_tensors(path, available=available)
     model = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
     if not model:  # a model-only export: the state dict at the top level
@@ -656,8 +652,6 @@ def checkpoint_notes(path: Path) -> tuple[dict[str, Any], int | None, Any]:
     """``(metadata.json, step, recorded loss)`` of a checkpoint directory: the
     JSON beside the shards when there is one, the step from it or from the
     directory's name."""
-    from ckptier.formats.safe_load import read_json, step_from_name
-
     extra = read_json(path / "metadata.json") if (path / "metadata.json").is_file() else {}
     step = extra.get("step") if isinstance(extra.get("step"), int) and not isinstance(extra.get("step"), bool) else None
     if step is None:

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptier.formats.base import PARTITIONED, FormatPlugin, Group, RankFiles, Scan, names, replicated
+from ckptier.formats.stubs import stub_allowlist
 from ckptier.storage.records import Format, Shortfall
 
 if TYPE_CHECKING:
@@ -183,9 +184,9 @@ def rank_shortfalls(top: Mapping[str, Any]) -> list[Shortfall]:
 
 
 def _load(path: Path, allow: Sequence[Any]) -> LoadedCheckpoint:
-    import torch
+    import torch  # lazy: torch, for drills only
 
-    from ckptier.formats.safe_load import (
+    from ckptier.formats.safe_load import (  # lazy: torch, for drills only
         CheckpointLoadError,
         LoadedCheckpoint,
         UnsupportedCheckpoint,
@@ -193,7 +194,6 @@ def _load(path: Path, allow: Sequence[Any]) -> LoadedCheckpoint:
         safe_torch_load,
         unwrap_state,
     )
-    from ckptier.formats.stubs import stub_allowlist
 
     ranks = sorted(p.name for p in path.iterdir() if _MODEL.match(p.name))
     if not ranks:

@@ -68,6 +68,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptier.formats.base import REPLICATED, SHARDED, FormatPlugin, Group, RankFiles, Scan, as_loss, as_step, names
+from ckptier.formats.dcp import shard_rows
 from ckptier.storage.base import key_problem
 from ckptier.storage.records import Format, clean_metrics
 from ckptier.storage.structure import Checker, Need, StructureError, manifest_checker, parse_json, shortfalls
@@ -270,8 +271,6 @@ class GuideFormat(FormatPlugin):
         loads every saved rank whose rows of some sharded tensor overlap its
         own rows when the tensor is sharded again over the drill's ranks.
         ``metadata.json`` and any other top-level file is shared."""
-        from ckptier.formats.dcp import shard_rows
-
         ranks = _rank_dirs(relpaths)
         if not ranks:
             raise ValueError("no rank-NNNN directory; expected step-NNNNNNNN/rank-0000/model.pt")
@@ -323,7 +322,7 @@ def _guide_manifest(c: Checker, data: bytes) -> None:
 
 
 def _load_guide(path: Path, allow: Sequence[Any]) -> LoadedCheckpoint:
-    from ckptier.formats.safe_load import (
+    from ckptier.formats.safe_load import (  # lazy: torch, for drills only
         CheckpointLoadError,
         LoadedCheckpoint,
         float_or_none,
@@ -388,20 +387,19 @@ _READER: list[type] = []
 def _reader_class() -> type:
     if _READER:
         return _READER[0]
-    import torch
-    from torch.distributed.checkpoint import StorageReader
-    from torch.distributed.checkpoint.metadata import (
+    import torch  # lazy: torch, for drills only
+    from torch.distributed.checkpoint import StorageReader  # lazy: torch, for drills only
+    from torch.distributed.checkpoint.metadata import (  # lazy: torch, for drills only
         ChunkStorageMetadata,
         Metadata,
         MetadataIndex,
         TensorProperties,
         TensorStorageMetadata,
     )
-    from torch.distributed.checkpoint.planner import LoadPlan
-    from torch.futures import Future
+    from torch.distributed.checkpoint.planner import LoadPlan  # lazy: torch, for drills only
+    from torch.futures import Future  # lazy: torch, for drills only
 
-    from ckptier.formats.dcp import shard_rows
-    from ckptier.formats.safe_load import CheckpointLoadError, read_json, safe_torch_load
+    from ckptier.formats.safe_load import CheckpointLoadError, read_json, safe_torch_load  # lazy: torch, for drills only
 
     class GuideShardReader(StorageReader):
         def __init__(self, path: Path, allow: Sequence[Any]) -> None:

@@ -193,7 +193,7 @@ def _hf_last_loss(history: Any) -> float | None:
 def load_safetensors_weights(path: Path) -> dict[str, Any]:
     """The weights of a directory holding ``model.safetensors`` or the shards
     ``model.safetensors.index.json`` names (plain file names only)."""
-    from ckptier.formats.safe_load import UnsafeCheckpoint, load_safetensors, read_json
+    from ckptier.formats.safe_load import UnsafeCheckpoint, load_safetensors, read_json  # lazy: torch, for drills only
 
     if (path / "model.safetensors").is_file():
         return load_safetensors(path / "model.safetensors")
@@ -217,7 +217,7 @@ def _hf_recorded_loss(state: Mapping[str, Any]) -> float | None:
 
 
 def _load_hf(path: Path, allow: Sequence[Any]) -> LoadedCheckpoint:
-    from ckptier.formats.safe_load import (
+    from ckptier.formats.safe_load import (  # lazy: torch, for drills only
         CheckpointLoadError,
         LoadedCheckpoint,
         read_json,

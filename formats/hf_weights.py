@@ -97,13 +97,12 @@ class HfWeightsFormat(FormatPlugin):
         return hf_index_checker(relpath, name, base)
 
     def load(self, path: Path, allow: Sequence[Any]) -> LoadedCheckpoint:
-        from ckptier.formats.safe_load import CheckpointLoadError, LoadedCheckpoint, safe_torch_load, unwrap_state
+        from ckptier.formats.safe_load import (  # lazy: torch, for drills only
+            CheckpointLoadError, LoadedCheckpoint, read_json, safe_torch_load, unwrap_state)
 
         if (path / "model.safetensors.index.json").is_file():
             model = load_safetensors_weights(path)
         elif (path / "pytorch_model.bin.index.json").is_file():
-            from ckptier.formats.safe_load import read_json
-
             model = {}
             for shard in sorted(set((read_json(path / "pytorch_model.bin.index.json").get("weight_map") or {}).values())):
                 if Path(shard).name != shard:

@@ -81,7 +81,7 @@ PLUGIN = LightningFormat()
 
 
 def _load_lightning(path: Path, allow: Sequence[Any]) -> LoadedCheckpoint:
-    from ckptier.formats.safe_load import CheckpointLoadError, LoadedCheckpoint, safe_torch_load, step_from_name
+    from ckptier.formats.safe_load import CheckpointLoadError, LoadedCheckpoint, safe_torch_load, step_from_name  # lazy: torch, for drills only
 
     if path.is_dir():
         files = sorted(path.glob("*.ckpt"))

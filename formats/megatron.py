@@ -43,7 +43,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptier.formats.base import PARTITIONED, FormatPlugin, Group, RankFiles, Scan, names
-from ckptier.formats.dcp import dcp_checker, dcp_commit
+from ckptier.formats.dcp import dcp_checker, dcp_commit, load_dcp_tensors
+from ckptier.formats.stubs import stub_allowlist
 from ckptier.storage.records import Format, Shortfall
 from ckptier.storage.structure import Checker
 
@@ -203,7 +204,7 @@ def legacy_shortfalls(relpaths: Sequence[str]) -> list[Shortfall]:
 
 
 def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    import torch
+    import torch  # lazy: torch, for drills only
 
     out: dict[str, Any] = {}
     for key, value in tree.items():
@@ -216,9 +217,8 @@ def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _load(path: Path, allow: Sequence[Any]) -> LoadedCheckpoint:
-    from ckptier.formats.dcp import load_dcp_tensors
-    from ckptier.formats.safe_load import CheckpointLoadError, LoadedCheckpoint, UnsupportedCheckpoint, safe_torch_load
-    from ckptier.formats.stubs import stub_allowlist
+    from ckptier.formats.safe_load import (  # lazy: torch, for drills only
+        CheckpointLoadError, LoadedCheckpoint, UnsupportedCheckpoint, safe_torch_load)
 
     m = _ITER.match(path.name)
     step = int(m.group(1)) if m else None

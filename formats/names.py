@@ -8,6 +8,7 @@ that passes is a plain data class is decided by
 
 from __future__ import annotations
 
+import _compat_pickle
 import re
 import sys
 
@@ -56,8 +57,6 @@ Everything else must still pass the plain-data-class rule
 def python2_alias(name: str) -> str | None:
     """What an unpickler resolves the Python 2 name ``module.Name`` to
     (``commands.Popen`` -> ``subprocess.Popen``), or None; pure."""
-    import _compat_pickle
-
     module, _, attr = name.rpartition(".")
     mapped = _compat_pickle.NAME_MAPPING.get((module, attr))
     if mapped is not None:

@@ -34,13 +34,12 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ckptier.formats.base import FormatPlugin, Group, Scan, as_loss, step_in_name
+from ckptier.formats.loaded import CheckpointLoadError, LoadedCheckpoint
 from ckptier.storage.records import Format, clean_metrics
 
-if TYPE_CHECKING:
-    from ckptier.formats.safe_load import LoadedCheckpoint
 
 __all__ = ["PLUGIN", "TMP_SUFFIX"]
 
@@ -131,12 +130,10 @@ class OrbaxFormat(FormatPlugin):
                   reason=reason, loss=loss, metrics=numbers)
 
     def load(self, path: Path, allow: Sequence[Any]) -> LoadedCheckpoint:
-        from ckptier.formats.safe_load import CheckpointLoadError, LoadedCheckpoint
-
         try:
-            import numpy as np
+            import numpy as np  # lazy: like orbax and torch, for drills only
             import orbax.checkpoint as ocp  # type: ignore[import-not-found]
-            import torch
+            import torch  # lazy: torch, for drills only
         except ImportError:
             raise CheckpointLoadError(f"{path}: {_NEEDS_JAX}") from None
         items = sorted(p for p in path.iterdir() if p.is_dir() and (p / "_METADATA").is_file())

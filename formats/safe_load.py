@@ -21,7 +21,6 @@ Requires torch >= 2.10 (CVE-2025-32434 and CVE-2026-24747 bypass the
 from __future__ import annotations
 
 import copyreg
-import json
 import pickle
 import pickletools
 import re
@@ -35,8 +34,18 @@ import numpy as np
 import torch
 
 from ckptier.formats.allowlist import allowed_class, check_if_loaded, is_library_global
+from ckptier.formats.loaded import (  # noqa: F401 - the plug-ins' loaders import these from here too
+    CheckpointLoadError,
+    LoadedCheckpoint,
+    UnsafeCheckpoint,
+    UnsupportedCheckpoint,
+    float_or_none,
+    read_json,
+    step_from_name,
+)
 from ckptier.formats.names import allow_global_problem, unsafe_global_reason
-from ckptier.storage.errors import CkptierError, ConfigError
+from ckptier.formats.registry import plugin
+from ckptier.storage.errors import ConfigError
 from ckptier.storage.records import Format
 
 MIN_TORCH = (2, 10)
@@ -58,27 +67,6 @@ if _torch_release(torch.__version__) < MIN_TORCH:  # pragma: no cover - depends 
         f"ckptier drills need torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]} (safe weights-only loading), "
         f"found torch {torch.__version__}; upgrade with: pip install 'torch>=2.10'"
     )
-
-
-class UnsafeCheckpoint(CkptierError):
-    """A checkpoint needs something the safe loader will not do.
-
-    ``global_name`` is the ``module.Name`` the unpickler refused, when known.
-    """
-
-    def __init__(self, message: str, *, global_name: str | None = None) -> None:
-        super().__init__(message)
-        self.global_name = global_name
-
-
-class CheckpointLoadError(CkptierError):
-    """A checkpoint's files are missing, malformed or in a layout not supported."""
-
-
-class UnsupportedCheckpoint(CheckpointLoadError):
-    """A checkpoint in a variant the drill cannot restore yet (ZeRO stage 3,
-    model-parallel ranks...): nothing is known to be wrong with it, so a
-    drill that meets one is ``not judged``, never ``failed``."""
 
 
 def _numpy_dtype_classes() -> list[type]:
@@ -478,7 +466,7 @@ def safe_torch_load(
 
 def load_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
     """Tensors of a ``.safetensors`` file, on CPU."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file  # lazy: only a .safetensors file needs it
 
     p = Path(path)
     if not p.is_file():
@@ -490,40 +478,6 @@ def load_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 # --- Whole checkpoints --------------------------------------------------------
-
-
-@dataclass
-class LoadedCheckpoint:
-    """What a drill restores from one checkpoint, on CPU.
-
-    ``model_state`` maps parameter/buffer names to tensors. ``optimizer_state``
-    is ``None`` when the checkpoint has none; its layout is
-    ``optimizer_layout``: ``"torch"`` (``Optimizer.state_dict()``, integer
-    param ids) or ``"fqn-flat"`` (DCP/torchtitan: flattened keys
-    ``state.<param fqn>.<name>``, tensors only). ``extra`` is the parsed
-    metadata of the format (metadata.json, trainer_state.json, Lightning's
-    top-level scalars and hyper_parameters); ``step`` and ``recorded_loss`` are
-    taken from it when present. ``also_loaded`` lists side files that were
-    safely loaded to prove they restore (scheduler, RNG states).
-    """
-
-    model_state: dict[str, torch.Tensor]
-    optimizer_state: dict[str, Any] | None
-    extra: dict[str, Any] = field(default_factory=dict)
-    optimizer_layout: str = "torch"
-    step: int | None = None
-    recorded_loss: float | None = None
-    also_loaded: list[str] = field(default_factory=list)
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointLoadError(f"{path}: unreadable JSON ({exc}); re-fetch or re-verify the checkpoint") from None
-    if not isinstance(data, dict):
-        raise CheckpointLoadError(f"{path}: expected a JSON object, found {type(data).__name__}")
-    return data
 
 
 def is_tensor_dict(obj: Any) -> bool:
@@ -543,17 +497,6 @@ def unwrap_state(obj: Any, path: Path, keys: Sequence[str]) -> dict[str, torch.T
     )
 
 
-def step_from_name(path: Path) -> int | None:
-    match = re.search(r"(?:step|checkpoint)[-=_]?(\d+)", path.name)
-    return int(match.group(1)) if match else None
-
-
-def float_or_none(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value)
-
-
 def load_checkpoint_dir(path: str | Path, fmt: Format | str, *, extra_allowlist: Sequence[Any] = ()) -> LoadedCheckpoint:
     """Load a whole checkpoint (a step directory, or a single-file checkpoint) safely, on CPU.
 
@@ -562,8 +505,6 @@ def load_checkpoint_dir(path: str | Path, fmt: Format | str, *, extra_allowlist:
     Face Trainer and sharded weights, Lightning, DeepSpeed and Megatron (one
     rank), Orbax (only where JAX is installed). Reads only; never writes.
     """
-    from ckptier.formats.registry import plugin
-
     p = Path(path)
     if not p.exists():
         raise CheckpointLoadError(f"{p}: checkpoint not found; fetch it first or fix the path")
@@ -579,8 +520,6 @@ def load_checkpoint_dir(path: str | Path, fmt: Format | str, *, extra_allowlist:
 
 
 def _drillable(fmt: Format) -> bool:
-    from ckptier.formats.registry import plugin
-
     return plugin(fmt).drillable
 
 

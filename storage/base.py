@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import io
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any, BinaryIO, Literal, NamedTuple, Protocol, runtime_checkable
 
 from .errors import InvalidKey
+from .records import DeleteResult as DeleteResult  # the result of Store.delete_many, held by DeleteInterrupted too
 from .records import slot_setters
 
 #: S3's limit on keys in one DeleteObjects call; stores batch to this size.
@@ -85,36 +86,6 @@ def listed_file(key: str, size: int, mtime: float) -> ObjectInfo:
     _INFO_LINK(info, None)
     _INFO_IDENTITY(info, None)
     return info
-
-
-@dataclass(slots=True)
-class DeleteResult:
-    """Outcome of :meth:`Store.delete_many` (and :meth:`ProvenDeletes.delete_proven`).
-
-    ``deleted`` holds only keys whose deletion the store confirmed (a key that
-    was already absent counts as deleted: deletes are idempotent). ``failed``
-    maps each key the store refused to its reason. ``markers_only`` lists
-    deleted keys for which a versioned bucket only added a delete marker, so
-    no space was freed. ``shared`` lists deleted keys whose bytes another
-    name still holds (a hard link: the file had more than one link; a
-    symlink, whose target stays), so deleting them freed nothing.
-    ``changed`` maps each key :meth:`~ProvenDeletes.delete_proven` did not
-    delete because what is there now is not the object that was proven, to
-    what it found (a rescan decides again).
-    """
-
-    deleted: list[str] = field(default_factory=list)
-    failed: dict[str, str] = field(default_factory=dict)
-    markers_only: list[str] = field(default_factory=list)
-    shared: list[str] = field(default_factory=list)
-    changed: dict[str, str] = field(default_factory=dict)
-
-    def merge(self, other: DeleteResult) -> None:
-        self.deleted.extend(other.deleted)
-        self.failed.update(other.failed)
-        self.markers_only.extend(other.markers_only)
-        self.shared.extend(other.shared)
-        self.changed.update(other.changed)
 
 
 @runtime_checkable

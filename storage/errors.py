@@ -12,7 +12,7 @@ import errno as _errno
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .base import DeleteResult
+    from .records import DeleteResult
 
 
 class CkptierError(Exception):
@@ -147,7 +147,7 @@ class NeedsRestore(StoreError):
 class DeleteInterrupted(StoreError):
     """A batch delete (:meth:`~.base.Store.delete_many`) stopped part-way: a whole batch failed.
 
-    ``result`` (a :class:`~.base.DeleteResult`) holds what the store confirmed
+    ``result`` (a :class:`~.records.DeleteResult`) holds what the store confirmed
     before it stopped: keys deleted, keys it refused one by one; no key of
     the failed batch or of a later one is in it. ``error`` (also the
     ``__cause__``) is the :class:`StoreError` that stopped it

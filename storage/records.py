@@ -393,3 +393,34 @@ class FileCheck:
     sha256: str | None = None
     detail: str | None = None
     shortfall: Shortfall | None = None
+
+
+@dataclass(slots=True)
+class DeleteResult:
+    """Outcome of :meth:`ckptier.storage.base.Store.delete_many` (and
+    :meth:`~ckptier.storage.base.ProvenDeletes.delete_proven`).
+
+    ``deleted`` holds only keys whose deletion the store confirmed (a key that
+    was already absent counts as deleted: deletes are idempotent). ``failed``
+    maps each key the store refused to its reason. ``markers_only`` lists
+    deleted keys for which a versioned bucket only added a delete marker, so
+    no space was freed. ``shared`` lists deleted keys whose bytes another
+    name still holds (a hard link: the file had more than one link; a
+    symlink, whose target stays), so deleting them freed nothing.
+    ``changed`` maps each key :meth:`~ckptier.storage.base.ProvenDeletes.delete_proven` did not
+    delete because what is there now is not the object that was proven, to
+    what it found (a rescan decides again).
+    """
+
+    deleted: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+    markers_only: list[str] = field(default_factory=list)
+    shared: list[str] = field(default_factory=list)
+    changed: dict[str, str] = field(default_factory=dict)
+
+    def merge(self, other: DeleteResult) -> None:
+        self.deleted.extend(other.deleted)
+        self.failed.update(other.failed)
+        self.markers_only.extend(other.markers_only)
+        self.shared.extend(other.shared)
+        self.changed.update(other.changed)

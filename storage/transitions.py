@@ -47,7 +47,7 @@ import enum
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from .base import ObjectInfo
 from .records import CheckpointRecord, CopyState, FileCheck, FileRecord, Shortfall, State
@@ -518,6 +518,66 @@ def _mismatch(row: FileRecord, res: FileCheck) -> str | None:
     if res.crc64nvme and row.crc64nvme and res.crc64nvme != row.crc64nvme:
         return f"crc64nvme expected {row.crc64nvme}, got {res.crc64nvme}"
     return None
+
+
+# -- the most recent drill ------------------------------------------------------------
+
+
+class DrillLike(Protocol):
+    """What the rules read of a restore drill (the catalog's ``DrillRecord`` fits)."""
+
+    @property
+    def checkpoint_id(self) -> int | None: ...
+    @property
+    def ok(self) -> bool: ...
+    @property
+    def started_at(self) -> datetime: ...
+    @property
+    def finished_at(self) -> datetime | None: ...
+    @property
+    def judged(self) -> bool:
+        """False for a drill that stopped for a reason not the checkpoint's (``not judged``)."""
+        ...
+
+
+DrillT = TypeVar("DrillT", bound=DrillLike)
+
+
+def drill_order(drill: DrillLike) -> tuple[datetime, datetime, bool]:
+    """How drills of one checkpoint are ordered in time, oldest first (pure): by start; at
+    the same start by finish (a drill that never finished counts at its start); at the
+    very same instant a failure comes after a pass, so that a tie is never read as a
+    pass."""
+    return drill.started_at, drill.finished_at or drill.started_at, not drill.ok
+
+
+def latest_drill(drills: Iterable[DrillT]) -> DrillT | None:
+    """The most recent of ``drills`` by :func:`drill_order` (None when there are none),
+    counting only drills that judged the checkpoint: one that was ``not judged``
+    (no model, a factory that does not load, an unsupported variant...) is
+    history only, never a checkpoint's most recent drill.
+
+    The one definition every reader uses: the catalog's last drill of a
+    checkpoint (its proof, ``latest --drilled``), the retention floor
+    ``min_drilled``, the dashboard and the cost tables' recovery point.
+    Drills equal by :func:`drill_order` (the same verdict at the same
+    instant) are equivalent: the first of them given is returned."""
+    best: DrillT | None = None
+    for drill in drills:
+        if drill.judged and (best is None or drill_order(drill) > drill_order(best)):
+            best = drill
+    return best
+
+
+def latest_drills(drills: Iterable[DrillT]) -> dict[int, DrillT]:
+    """Checkpoint id -> its most recent drill (:func:`latest_drill`); drills of no
+    checkpoint (its row is gone), and checkpoints none of whose drills judged
+    them, are left out. Pure."""
+    by_checkpoint: dict[int, list[DrillT]] = {}
+    for drill in drills:
+        if drill.checkpoint_id is not None:
+            by_checkpoint.setdefault(drill.checkpoint_id, []).append(drill)
+    return {cid: latest for cid, ds in by_checkpoint.items() if (latest := latest_drill(ds)) is not None}
 
 
 # -- proof ------------------------------------------------------------------------

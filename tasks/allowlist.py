@@ -49,7 +49,7 @@ def check_allow_globals(names: Iterable[str], *, workdir: Path | None = None, ti
 
 
 def _check_isolated(names: Sequence[str], *, workdir: Path | None, timeout: float) -> dict[str, str | None]:
-    from ckptier.tasks.drill import worker_env
+    from ckptier.tasks.drill import worker_env  # lazy: the confined child that runs this module stays light
 
     with tempfile.TemporaryDirectory(prefix="ckptier-allow-", dir=workdir) as tmp:
         scratch = Path(tmp).resolve()

@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Literal, Protocol
@@ -80,16 +81,16 @@ from ckptier.storage.records import CheckpointRecord, CopyState, FileCheck, Stat
 from ckptier.storage.wrappers import DryRunStore
 
 from .archive import ArchiveCheck, HotCopyMismatch, check_archive_copy, promote
+from .reports import ItemResult, Outcome, Proof
 from .leases import DEFAULT_TTL, Lease, LeaseCatalog, LeaseKeeper, this_process
 from .lifecycle import DELETE_TAG, KEEP_TAG
 from .prove import prove_now, settle
 from .verify import file_key as hot_file_key
-from .retention import (DEFAULT_MAX_MISSING_FRACTION, KeepLast, Plan, PlanItem, Policy, best_ranked, hot_present,
-                        plan_retention, shrink_guard)
+from .verify import is_single_file, verify_many
+from .retention import (DEFAULT_MAX_MISSING_FRACTION, Plan, PlanItem, Policy, hot_present, keepers, plan_retention,
+                        shrink_guard)
 
 log = logging.getLogger(__name__)
-
-Outcome = Literal["done", "would", "skipped", "held", "failed", "partial", "fenced", "deferred"]
 
 #: Threads reading keepers' bytes during the proof.
 PROOF_WORKERS = 4
@@ -100,48 +101,6 @@ TAG_WORKERS = 8
 
 class ApplyFailed(CkptierError):
     """A run finished with failed items; the report says which."""
-
-
-@dataclass(frozen=True)
-class ItemResult:
-    """What happened to one plan item.
-
-    ``outcome``: ``done`` (carried out), ``would`` (dry run: would be carried
-    out), ``skipped`` (nothing to do or no longer right: already done,
-    precondition no longer true), ``held`` (another live run holds the
-    checkpoint's lease; ``detail`` names it), ``deferred`` (waits for a later
-    run: a promotion of the job failed, the canary failed, a keeper could not
-    be proven), ``failed`` (an error), ``partial`` (some files deleted, the
-    rest failed), ``fenced`` (the lease was lost: the catalog row was not
-    changed). ``bytes`` is the checkpoint's size; ``freed`` the hot bytes
-    actually deleted (0 on a versioned bucket that only got delete markers).
-    """
-
-    job: str
-    step: int
-    checkpoint_id: int
-    action: str
-    scope: str
-    outcome: Outcome
-    detail: str
-    bytes: int = 0
-    freed: int = 0
-
-
-@dataclass(frozen=True)
-class Proof:
-    """One keeper proven again before deletions: which copy (``tier``),
-    whether it held, and what it cost (bytes read; bytes proven by the
-    store's own full-object checksum without reading)."""
-
-    job: str
-    step: int
-    checkpoint_id: int
-    tier: str
-    ok: bool
-    detail: str
-    bytes_read: int = 0
-    bytes_skipped: int = 0
 
 
 @dataclass(frozen=True)
@@ -270,33 +229,6 @@ def delete_refusal(
     if newest is not None and newest.id == record.id and not archived:
         return "newest verified checkpoint of the job; never deleted"
     return None
-
-
-def keepers(
-    records: Sequence[CheckpointRecord], policy: Policy | None, items: Sequence[PlanItem]
-) -> list[CheckpointRecord]:
-    """The checkpoints of one job whose soundness the plan's deletions rest on, newest first. Pure.
-
-    With a ``policy``: the newest verified checkpoint, the ``keep_last``
-    newest verified ones, the ``keep_best`` best-ranked ones, and the
-    ``min_verified`` newest verified ones that keep a hot copy (the floor)
-    — every checkpoint a deletion is justified by. Without one: every verified checkpoint the plan (``items``)
-    does not delete. ``records`` are the job's current records; tombstones
-    and checkpoints in other states never count.
-    """
-    deleting = {i.checkpoint_id for i in items if i.action == "delete"}
-    verified = sorted((c for c in records if c.state == State.VERIFIED), key=lambda c: (c.step, c.id), reverse=True)
-    if policy is None:
-        chosen = [c for c in verified if c.id not in deleting]
-    else:
-        last = max([1] + [r.n for r in policy.rules if isinstance(r, KeepLast)])
-        floor = [c for c in verified if hot_present(c) and c.id not in deleting][: policy.min_verified]
-        best = best_ranked(policy, records)
-        chosen = verified[:last] + [c for c in verified if c.id in best] + floor
-    unique: dict[int, CheckpointRecord] = {}
-    for c in chosen:
-        unique.setdefault(c.id, c)
-    return list(unique.values())
 
 
 def intent_progress(intent: DeleteIntent, listed: int, present: int) -> Literal["not-started", "started"]:
@@ -537,8 +469,6 @@ def live_keys(store: Store, prefix: str, record: CheckpointRecord, keys: Sequenc
     may be deleted: a file listed under the checkpoint that the catalog does
     not know (it changed since it was scanned, or the catalog's files came
     from an older S3 Inventory report), or nothing listed at all."""
-    from .verify import is_single_file
-
     wanted = set(keys)
     single = is_single_file(prefix, record)
     listed = {i.key for i in store.list(prefix if single else prefix.rstrip("/") + "/") if not single or i.key == prefix}
@@ -558,8 +488,6 @@ def tag_keys(store: Store, keys: Sequence[str], tag: tuple[str, str]) -> dict[st
     Idempotent; other tags of the objects stay."""
     if not isinstance(store, Taggable) or not keys:
         return {}
-    from concurrent.futures import ThreadPoolExecutor
-
     def one(key: str) -> str | None:
         try:
             store.put_object_tagging(key, {tag[0]: tag[1]})
@@ -915,8 +843,6 @@ class _Run:
         the fresh plan by checkpoint id (None without a policy). A job whose
         listing shrank needs no proof: each of its deletions is refused.
         """
-        from .verify import verify_many
-
         if self.dry_run:
             return None, None
         proven = self.proven

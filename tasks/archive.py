@@ -30,8 +30,8 @@ import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -68,6 +68,9 @@ from ckptier.storage.s3 import RESTORE_CLASSES, RESTORE_HOURS
 from ckptier.tasks.verify import (
     file_key as hot_file_key,  # the single-file rule lives there
 )
+
+from .fanout import Fanout, batches, worker_stores
+from .reports import JanitorReport
 
 #: Name of the commit marker in an archive step directory (format recognition
 #: knows it as ckptier's own file, so scanning an archive never mistakes it).
@@ -753,14 +756,12 @@ def fetch_batch(store: Store, batch: FetchBatch) -> list[FetchedFile]:
     return done
 
 
-def _fetch_fanned(fanout: Any, store: Store, stage: Path, files: list[FetchFile], *,
+def _fetch_fanned(fanout: Fanout, store: Store, stage: Path, files: list[FetchFile], *,
                   decode: bool) -> tuple[list[Path], int]:
     """:func:`_fetch_files` as :class:`FetchBatch` work items on ``fanout``
     (:class:`ckptier.tasks.fanout.Fanout`), in relpath order. Every item has
     finished before anything is raised (nothing writes into ``stage`` once the
     caller clears it); the first failure in relpath order is raised."""
-    from .fanout import batches, fetch_work
-
     ordered = sorted(files, key=lambda f: f.relpath)
     work = [FetchBatch(store.url, str(stage), b, decode) for b in batches(ordered, fanout.parallelism, most=8)]
     results = list(fanout.map(fetch_work, work, errors=True))
@@ -1273,35 +1274,6 @@ def _hours(hours: float) -> str:
 # ------------------------------------------------------------------------- janitor
 
 
-@dataclass
-class JanitorReport:
-    """What :func:`janitor` did.
-
-    ``aborted_uploads``: (key, upload id) of multipart uploads aborted;
-    ``removed_dirs``: uncommitted step directories whose every object was
-    ckptier's own (named by their upload marker) and was removed;
-    ``removed_keys``: the objects removed; ``young_dirs``: uncommitted
-    directories left alone because they are newer than the threshold (a
-    promotion may be running); ``failed``: key → reason for objects that
-    could not be removed; ``unexpected``: directories the catalog records as
-    archive copies that have lost their manifest (left alone: damage to look
-    at, not debris); ``not_ours``: objects without a commit marker that no
-    upload marker names — ckptier did not write them, so they are left
-    where they are; ``removed_temp_files``: a local store's own
-    ``.ckptier-tmp-*`` files left by interrupted writes.
-    """
-
-    aborted_uploads: list[tuple[str, str]] = field(default_factory=list)
-    removed_dirs: list[str] = field(default_factory=list)
-    removed_keys: list[str] = field(default_factory=list)
-    young_dirs: list[str] = field(default_factory=list)
-    committed_dirs: int = 0
-    failed: dict[str, str] = field(default_factory=dict)
-    unexpected: list[str] = field(default_factory=list)
-    removed_temp_files: list[str] = field(default_factory=list)
-    not_ours: list[str] = field(default_factory=list)
-
-
 def _step_dir(key: str) -> str | None:
     m = _STEP_DIR_RE.match(key)
     return m.group("dir") if m else None
@@ -1420,3 +1392,52 @@ def janitor(archive: Store, *, now: datetime, older_than: timedelta,
                 report.removed_dirs.append(d)
     report.not_ours.sort()
     return report
+
+
+# ------------------------------------------------------------------ fanned out
+
+
+@dataclass(frozen=True)
+class PromoteWork:
+    """Copy one checkpoint's hot copy into the archive tier at ``archive_url``
+    (in ``storage_class`` when set), proven bit-exact (:func:`promote`): one work item of a fan-out."""
+
+    record: CheckpointRecord
+    archive_url: str
+    storage_class: str | None
+    now: datetime
+    owner: str
+
+
+def promoter(fanout: Fanout, *, archive_url: str, storage_class: str | None, now: Callable[[], datetime],
+             owner: str) -> Callable[[Sequence[CheckpointRecord]], Iterator[Any]]:
+    """``promote_many`` for :func:`ckptier.tasks.apply.apply_plan`: one :class:`PromoteWork`
+    per record on ``fanout`` (:class:`ckptier.tasks.fanout.Fanout`), each outcome (copy or
+    exception) in order."""
+
+    def promote_many(records: Sequence[CheckpointRecord]) -> Iterator[Any]:
+        work = [PromoteWork(r, archive_url, storage_class, now(), owner) for r in records]
+        return fanout.map(promote_work, work, errors=True)
+
+    return promote_many
+
+
+def promote_work(work: PromoteWork) -> ArchiveCopy:
+    """The :class:`ArchiveCopy` made, through the worker's own stores; raises the
+    :class:`~ckptier.storage.errors.CkptierError` that stopped it."""
+    stores = worker_stores()
+    hot, prefix = stores.for_record(work.record)
+    archive = stores.store(work.archive_url)
+    if work.storage_class is not None:
+        if not isinstance(archive, StorageClasses):
+            raise ConfigError(f"storage_class {work.storage_class!r}: archive {work.archive_url} has no storage "
+                              "classes; they apply to s3:// archives only")
+        archive = archive.in_class(work.storage_class)
+    return promote(hot, prefix, work.record, archive, now=work.now, owner=work.owner)
+
+
+def fetch_work(work: FetchBatch) -> list[FetchedFile]:
+    """The :class:`FetchedFile` list of one :class:`FetchBatch` (a drill's or a fetch's
+    files, written verified into its staging directory); opens the store itself and
+    raises the :class:`~ckptier.storage.errors.CkptierError` that stopped it."""
+    return fetch_batch(worker_stores().store(work.store_url), work)

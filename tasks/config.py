@@ -97,12 +97,13 @@ import math
 import os
 import re
 import tomllib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, NoReturn, TypeVar
 
+from ckptier.formats.allowlist import allow_global_check, is_library_global
 from ckptier.formats.names import (  # noqa: F401 - re-exported: the rule lives with the safe loader
     UNSAFE_GLOBAL_MODULES,
     allow_global_problem,
@@ -113,6 +114,7 @@ from ckptier.storage.base import key_problem
 from ckptier.storage.errors import ConfigError
 from ckptier.formats.pattern import PatternRule
 from ckptier.storage.s3 import storage_class_problem
+from ckptier.storage.transitions import DEFAULT_GRACE
 from ckptier.storage.url import parse_location, parse_url
 from ckptier.tasks.prices import DEFAULT_CLASS_PRICES, DEFAULT_PRICES, FIELDS, ClassPrice, Prices
 from ckptier.tasks.durations import Span, duration_problem, parse_duration, parse_span
@@ -286,6 +288,15 @@ class Config:
             if fnmatch.fnmatchcase(job, d.jobs):
                 return d
         return None
+
+
+def policy_grace(config: Config | None) -> Callable[[str], timedelta]:
+    """A job's ``grace`` (how long a save may be in flight): its ``[[policy]]``'s, else 2 h."""
+    def grace_for(job: str) -> timedelta:
+        policy = config.policy_for(job) if config is not None else None
+        return policy.grace if policy is not None else DEFAULT_GRACE
+
+    return grace_for
 
 
 def default_policy() -> Policy:
@@ -617,8 +628,6 @@ def _drill(where: str, index: int, data: Any) -> DrillSettings:
         t.fail("allow_globals", allow, "must be a list of module.Name strings, e.g. allow_globals = [\"mypkg.config.TrainConfig\"]")
     for entry in allow:
         if (problem := allow_global_problem(entry)) is None and isinstance(entry, str):
-            from ckptier.formats.allowlist import allow_global_check, is_library_global
-
             # Standard-library, numpy and torch classes are judged now; the user's own
             # modules are imported only by the drill, in its isolated processes.
             problem = allow_global_check(entry) if is_library_global(entry) else None

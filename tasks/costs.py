@@ -35,11 +35,12 @@ from datetime import datetime, timedelta
 from typing import Protocol
 
 from ckptier.storage.records import CheckpointRecord, State
+from ckptier.storage.transitions import latest_drills
 
 from .config import Config
 from .prices import Prices
 from .retention import Policy, hot_present
-from .tiers import HOT, class_at, class_rank
+from .tiers import HOT, class_at, class_rank, hot_class_of
 
 
 class DrillLike(Protocol):
@@ -53,6 +54,9 @@ class DrillLike(Protocol):
     ok: bool
     source_tier: str | None
     timings: Mapping[str, float]
+
+    @property
+    def judged(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -120,11 +124,6 @@ def _saved(c: CheckpointRecord) -> datetime:
     return c.saved_at if c.saved_at is not None else c.first_seen
 
 
-def hot_class_of(record: CheckpointRecord) -> str:
-    """``STANDARD`` for a checkpoint on S3, ``hot`` for a local one."""
-    return "STANDARD" if record.location.startswith("s3://") else HOT
-
-
 def archive_class_of(url: str, verified_at: datetime | None, policy: Policy | None, now: datetime) -> str:
     """The (estimated) class of an archive copy at ``url``: ``hot`` for a local
     archive; on S3 the policy's ``storage_class`` moved by its
@@ -156,14 +155,9 @@ def fetch_throughputs(
 
 def recovery_point(records: Sequence[CheckpointRecord], drills: Iterable[DrillLike], now: datetime) -> RecoveryPoint | None:
     """The newest checkpoint of ``records`` (one job) whose most recent drill
-    passed and that still has a present copy, or None."""
-    latest: dict[int, DrillLike] = {}
-    for d in drills:
-        if d.checkpoint_id is None:
-            continue
-        seen = latest.get(d.checkpoint_id)
-        if seen is None or d.started_at > seen.started_at:
-            latest[d.checkpoint_id] = d
+    passed (:func:`ckptier.storage.transitions.latest_drill`) and that still has a
+    present copy, or None."""
+    latest = latest_drills(drills)
     held = [
         c for c in records
         if c.state != State.DELETED and c.id in latest and latest[c.id].ok and (hot_present(c) or c.archive_copy() is not None)

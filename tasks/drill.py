@@ -28,6 +28,7 @@ from ckptier.formats.registry import plugin
 from ckptier.storage.errors import ConfigError
 from ckptier.storage.records import CheckpointRecord, Format, State
 from ckptier.tasks.drill_trajectory import DEFAULT_TRAJECTORY_RTOL, Trajectory, compare_trajectory
+from ckptier.tasks.reports import Check
 
 DEFAULT_LOSS_TOLERANCE = 0.5
 """Relative distance allowed between the first restored loss and the loss the
@@ -304,19 +305,6 @@ class WorkerResult(JsonRecord):
 
 
 @dataclass(frozen=True)
-class Check:
-    """One check of a drill's verdict: its ``name``, whether it passed, and why in words."""
-
-    name: str
-    ok: bool
-    detail: str
-
-    def to_json(self) -> dict[str, Any]:
-        """``{"name", "ok", "detail"}``, as drill reports and the catalog's verdicts hold it."""
-        return asdict(self)
-
-
-@dataclass(frozen=True)
 class Verdict:
     """``ok`` only when every check passed; ``summary`` is one line."""
 
@@ -335,45 +323,6 @@ class Expected:
 
     recorded: Trajectory | None
     rtol: float = DEFAULT_TRAJECTORY_RTOL
-
-
-PASSED, FAILED, NOT_JUDGED = "passed", "failed", "not judged"
-"""The three outcomes of a drill."""
-
-NOT_JUDGED_STAGES: Mapping[str, str] = {
-    "no-model": "no drill model was given",
-    "not-started": "the drill model does not load",
-    "factory": "the drill model does not load",
-    "fit": "the factory does not fit this job",
-    "build": "the drill model could not be built",
-    "unsupported": "this variant cannot be drilled yet",
-    "setup": "the drill could not set up (no device, or its own setup failed)",
-    "rendezvous": "the drill's ranks could not meet",
-}
-"""Stages at which a drill stops without judging the checkpoint, and why in words."""
-
-
-def drill_outcome(ok: bool, stage: str | None) -> tuple[str, str]:
-    """``(outcome, reason)`` of a drill that ended at ``stage`` (None: it ran
-    to the verdict); pure.
-
-    ``passed`` when every check passed. ``not judged`` when the drill
-    stopped for a reason that is not the checkpoint's (:data:`NOT_JUDGED_STAGES`:
-    no model given, a factory that does not load, build or fit, an
-    unsupported variant, no device, the drill's own setup or rendezvous):
-    recorded as history, never as the checkpoint's most recent drill.
-    ``failed`` otherwise: the checkpoint did not fetch, load, restore or
-    train, or a check of the verdict failed (``judge``), or the drill ran
-    out of time or crashed while restoring or training.
-    """
-    if ok:
-        return PASSED, "every check passed"
-    if stage is not None and stage in NOT_JUDGED_STAGES:
-        return NOT_JUDGED, NOT_JUDGED_STAGES[stage]
-    what = {"fetch": "its files could not be fetched and verified", "load": "it does not load",
-            "restore": "it does not restore", "train": "it does not train", "timeout": "the drill ran out of time",
-            "crash": "the drill worker crashed"}.get(stage or "", "a check of the verdict failed")
-    return FAILED, what
 
 
 def _fmt(value: float | None) -> str:

@@ -1,13 +1,17 @@
 """Fan the per-checkpoint work out: a thread pool here, or a Dask cluster.
 
 A :class:`Fanout` runs a work function over many work items and yields the
-results in input order. Work items are plain data (catalog records and
-settings, picklable) and results are typed values
-(:class:`~ckptier.tasks.verify.VerifyOutcome`,
+results in input order. The operations bring their own work functions
+(module-level, so a Dask worker imports them by name):
+:func:`ckptier.tasks.verify.verify_work`, :func:`ckptier.tasks.archive.promote_work`
+and :func:`ckptier.tasks.archive.fetch_work`; this module knows none of
+them. Work items are plain data (catalog records and settings, picklable)
+and results are typed values (:class:`~ckptier.tasks.verify.VerifyOutcome`,
 :class:`~ckptier.tasks.archive.ArchiveCopy`): the workers read and write
 storage, never the catalog, so the process that fanned out stays the one
 writer of the results (unless rows are claimed: see
-:func:`ckptier.tasks.pipeline.run_verify`).
+:func:`ckptier.tasks.pipeline.run_verify`). A worker opens its stores
+through :func:`worker_stores`.
 
 Executors:
 
@@ -32,15 +36,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from datetime import UTC, datetime
-from typing import Any, Protocol, TypeVar
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ckptier.storage.errors import ConfigError, is_transient
-from ckptier.storage.records import CheckpointRecord
 
-from .config import RunnerSettings
-from .verify import VerifyOutcome
+if TYPE_CHECKING:
+    from .config import RunnerSettings
+    from .run import StoreCache
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -49,8 +52,6 @@ R = TypeVar("R")
 ATTEMPTS = 3
 #: Seconds before the second try; doubled for each later one.
 RETRY_DELAY_S = 1.0
-#: Threads each verify work item reads files with.
-BATCH_THREADS = 2
 
 
 class Fanout(Protocol):
@@ -124,7 +125,7 @@ class DaskFanout:
 
     def __init__(self, *, workers: int | None = None, address: str | None = None, timeout_s: float = 30.0) -> None:
         try:
-            from distributed import Client, LocalCluster
+            from distributed import Client, LocalCluster  # optional: pip install 'ckptier[dask]'
         except ImportError:
             raise ConfigError("runner kind 'dask' needs Dask: pip install 'ckptier[dask]' "
                               "(or use kind = \"threads\")") from None
@@ -180,8 +181,6 @@ def runner_settings(base: RunnerSettings, override: str | None) -> RunnerSetting
 
     Switching to ``dask`` keeps the file's ``workers`` or ``address``
     (neither: a local cluster); switching to ``threads`` drops them."""
-    from dataclasses import replace
-
     if override is None or override == base.kind:
         return base
     if override == "threads":
@@ -189,28 +188,6 @@ def runner_settings(base: RunnerSettings, override: str | None) -> RunnerSetting
     if override == "dask":
         return replace(base, kind="dask")
     raise ConfigError(f"--runner {override!r}: must be threads or dask")
-
-
-def row_claims(settings: RunnerSettings, sweep_since: str | None, *, owner: str) -> Any:
-    """The :class:`~ckptier.tasks.pipeline.RowClaims` of a run under ``settings``
-    (None without ``claim_rows``), leased as ``owner``. ``sweep_since`` is the
-    ISO 8601 start of the sweep shared with other runs (default: the run's own
-    start; a time without zone is UTC)."""
-    from .pipeline import RowClaims
-
-    if not settings.claim_rows:
-        if sweep_since:
-            raise ConfigError(f"--since {sweep_since!r}: only means something with row claims; add --claim-rows "
-                              "or [runner] claim_rows = true")
-        return None
-    since = None
-    if sweep_since:
-        try:
-            since = datetime.fromisoformat(sweep_since)
-        except ValueError:
-            raise ConfigError(f"--since {sweep_since!r}: not an ISO 8601 time; write e.g. 2026-11-30T02:00:00Z") from None
-        since = since if since.tzinfo is not None else since.replace(tzinfo=UTC)
-    return RowClaims(owner=owner, ttl=settings.lease, since=since)
 
 
 def open_fanout(settings: RunnerSettings, *, workers: int = 4) -> Fanout | None:
@@ -221,41 +198,21 @@ def open_fanout(settings: RunnerSettings, *, workers: int = 4) -> Fanout | None:
     return None
 
 
-# ----------------------------------------------------------------------- work
-
-
-@dataclass(frozen=True)
-class VerifyWork:
-    """Verify these checkpoints' hot copies (``deep``: read every byte)."""
-
-    records: tuple[CheckpointRecord, ...]
-    deep: bool
-    threads: int = BATCH_THREADS
 
 
 _stores_lock = threading.Lock()
-_stores: Any = None
+_stores: StoreCache | None = None
 
 
-def worker_stores() -> Any:
-    """This process's :class:`~ckptier.tasks.pipeline.StoreCache` (one per worker process, reused)."""
+def worker_stores() -> StoreCache:
+    """This process's :class:`~ckptier.tasks.run.StoreCache` (one per worker process, reused)."""
     global _stores
-    from .pipeline import StoreCache
+    from .run import StoreCache  # lazy: only a worker opens stores; tasks.verify stays free of the catalog's imports
 
     with _stores_lock:
         if _stores is None:
             _stores = StoreCache()
         return _stores
-
-
-def verify_work(work: VerifyWork) -> list[VerifyOutcome]:
-    """One outcome per record of ``work``, in order; reads storage only (see
-    :func:`ckptier.tasks.verify.verify_many`)."""
-    from .verify import verify_many
-
-    stores = worker_stores()
-    return [outcome for _, outcome in verify_many(stores.for_record, work.records, deep=work.deep,
-                                                  workers=work.threads)]
 
 
 def batches(records: Sequence[T], parallelism: int, *, most: int = 16) -> list[tuple[T, ...]]:
@@ -265,65 +222,3 @@ def batches(records: Sequence[T], parallelism: int, *, most: int = 16) -> list[t
         return []
     size = max(1, min(most, -(-len(records) // (parallelism * 4))))
     return [tuple(records[i:i + size]) for i in range(0, len(records), size)]
-
-
-def verify_fanned(fanout: Fanout, records: Sequence[CheckpointRecord], *, deep: bool,
-                  progress: Callable[[int, int], None] | None = None
-                  ) -> Iterator[tuple[CheckpointRecord, VerifyOutcome]]:
-    """:func:`~ckptier.tasks.verify.verify_many` on ``fanout``: yields each record with its outcome,
-    in input order; ``progress(done_bytes, total_bytes)`` after each batch."""
-    work = [VerifyWork(b, deep) for b in batches(records, fanout.parallelism)]
-    total = sum(f.size for r in records for f in r.files)
-    done = 0
-    for w, outcomes in zip(work, fanout.map(verify_work, work), strict=True):
-        yield from zip(w.records, outcomes, strict=True)
-        done += sum(f.size for r in w.records for f in r.files)
-        if progress is not None:
-            progress(done, total)
-
-
-@dataclass(frozen=True)
-class PromoteWork:
-    """Copy one checkpoint's hot copy into the archive tier at ``archive_url``
-    (in ``storage_class`` when set), proven bit-exact (:func:`ckptier.tasks.archive.promote`)."""
-
-    record: CheckpointRecord
-    archive_url: str
-    storage_class: str | None
-    now: datetime
-    owner: str
-
-
-def promoter(fanout: Fanout, *, archive_url: str, storage_class: str | None, now: Callable[[], datetime],
-             owner: str) -> Callable[[Sequence[CheckpointRecord]], Iterator[Any]]:
-    """``promote_many`` for :func:`ckptier.tasks.apply.apply_plan`: one :class:`PromoteWork`
-    per record on ``fanout``, each outcome (copy or exception) in order."""
-
-    def promote_many(records: Sequence[CheckpointRecord]) -> Iterator[Any]:
-        work = [PromoteWork(r, archive_url, storage_class, now(), owner) for r in records]
-        return fanout.map(promote_work, work, errors=True)
-
-    return promote_many
-
-
-def promote_work(work: PromoteWork) -> Any:
-    """The :class:`~ckptier.tasks.archive.ArchiveCopy` made; raises the
-    :class:`~ckptier.storage.errors.CkptierError` that stopped it."""
-    from .archive import promote
-
-    stores = worker_stores()
-    hot, prefix = stores.for_record(work.record)
-    archive = stores.store(work.archive_url)
-    if work.storage_class is not None:
-        archive = archive.in_class(work.storage_class)
-    return promote(hot, prefix, work.record, archive, now=work.now, owner=work.owner)
-
-
-def fetch_work(work: Any) -> Any:
-    """The :class:`~ckptier.tasks.archive.FetchedFile` list of one
-    :class:`~ckptier.tasks.archive.FetchBatch` (a drill's or a fetch's files,
-    written verified into its staging directory); opens the store itself and
-    raises the :class:`~ckptier.storage.errors.CkptierError` that stopped it."""
-    from .archive import fetch_batch
-
-    return fetch_batch(worker_stores().store(work.store_url), work)

@@ -1,9 +1,13 @@
 """The operations as plain functions: what the CLI runs directly and what
 the Prefect tasks wrap.
 
-Each function takes an open :class:`Catalog`, a clock (``now`` or a
-callable) and plain settings, does its I/O through stores, records the
-outcome in the catalog, and returns a typed report (a dataclass of
+Each operation takes one :class:`~ckptier.tasks.run.Run` (the open catalog,
+the config, the stores, the clock, the owner, dry-run; assembled once per
+command or flow run by :func:`~ckptier.tasks.run.open_run`) and, where it
+is asked more than a few things, one small frozen options object
+(:class:`VerifyOptions`, :class:`ApplyOptions`, :class:`DrillOptions`). It
+does its I/O through the run's stores, records the outcome in the catalog,
+and returns a typed report (a dataclass of
 :mod:`ckptier.tasks.reports` or :mod:`ckptier.tasks.scan`) whose
 ``to_json()`` is made only at the edges (``--json``, artifacts, events).
 No Prefect here.
@@ -11,186 +15,92 @@ No Prefect here.
 
 from __future__ import annotations
 
-import os
-import posixpath
-import socket
-import sys
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
-from datetime import UTC, datetime, timedelta
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptier.storage.base import StorageClasses, Store
 from ckptier.storage.catalog.api import Catalog, LeaseLost, ReadBack
 from ckptier.storage.errors import CkptierError, ConfigError
-from ckptier.formats import PatternRule
-from ckptier.storage.records import CheckpointRecord, CopyState, State
-from ckptier.storage.url import canonical_url, open_store, parse_location
-from ckptier.storage.wrappers import resuming
+from ckptier.storage.records import CheckpointRecord, CopyState, State, Tier
+from ckptier.storage.url import canonical_url
 
-from .config import Config, DrillSettings, check_archive_locations
+from .apply import ApplyContext, ApplyReport, apply_plan
+from .backup import backup_after_apply
+from .archive import archive_dir, check_archive_copy, fetch, janitor, prefix_from_location, promoter
+from .config import Config, DrillSettings, check_archive_locations, policy_grace
+from .fanout import Fanout
+from .forget import archive_places, forget_candidates, still_stored
 from .leases import DEFAULT_TTL as DEFAULT_LEASE_TTL
+from .leases import LeaseKeeper, this_process
+from .prove import prove_record
 from .reports import (
     NOTHING_FREED,
     ApplyRunReport,
+    Check,
+    DrillReport,
+    FetchReport,
     ForgetOutcome,
     ForgetReport,
     ForgetRow,
     FreedForecast,
+    ItemResult,
+    JanitorReport,
     JanitorRunReport,
     JobSummary,
+    Proof,
     VerifyReport,
     VerifyRow,
     VerifyTotals,
     archive_file_problems,
+    drill_outcome,
     file_problems,
     forecast_freed,
     hot_bytes,
     summarize_jobs,
     tiering_outcome,
 )
-from .reports import DrillReport, FetchReport
 from .retention import Plan, PlanItem, Policy, drill_passed, plan_retention
+from .run import CLAIM_SHARE, FIRST_POLL, MIN_CLAIM, Clock, RowClaims, Run, StoreCache, unknown_job
 from .scan import ScanReport, scan_url
-from .settings import Run
+from .verify import needs_verification, select_sample, verify_fanned, verify_many
 
 if TYPE_CHECKING:
-    from .apply import ApplyReport, ItemResult, Proof
     from .drill import Expected
     from .drill_trajectory import Trajectory
-
-Clock = Callable[[], datetime]
-
-
-def utcnow() -> datetime:
-    """The clock the operations are given: aware UTC (pure cores never read it themselves)."""
-    return datetime.now(UTC)
-
-
-def run_owner(prefix: str = "ckptier") -> str:
-    """A lease owner name unique to this process: host, pid and, inside a Prefect flow run, its id.
-
-    Prefect is consulted only when it is already loaded, so the direct
-    command-line path never pays for importing it.
-    """
-    run_id = ""
-    if "prefect" in sys.modules:
-        try:
-            from prefect.runtime import flow_run
-
-            run_id = str(flow_run.id or "")
-        except Exception:  # noqa: BLE001 - outside a flow run
-            run_id = ""
-    return f"{prefix}:{socket.gethostname()}:{os.getpid()}:{run_id}"[:200]
-
-
-def unknown_job(job: str) -> ConfigError:
-    """The one-line error for a job the catalog has never seen."""
-    return ConfigError(f"job {job!r}: no checkpoints in the catalog; run 'ckptier scan URL' first or check the name")
-
-
-class StoreCache:
-    """Opens each store once and maps a catalog location URL to ``(store, prefix)``.
-
-    S3 locations share one store per bucket (``prefix`` is the key within
-    the bucket); a local location is served by a store rooted at the
-    outermost of ``roots`` it lies below (the scanned directory: every
-    directory from there down is opened without following a link), else at
-    its parent directory; ``prefix`` is the rest of the path, which works
-    for checkpoint directories and single-file checkpoints alike. Every store
-    ``opener`` gives is used through :func:`~ckptier.storage.wrappers.resuming`
-    (a listing, a read or a batch delete that breaks off part-way goes on).
-    Thread-safe.
-
-    A location is split by :func:`~ckptier.storage.url.parse_location`,
-    never URL-decoded past its store's URL (a key may hold ``%``, ``#``,
-    ``?``...); ``roots`` gives the store URLs it may lie below (the
-    catalog's :meth:`~ckptier.storage.catalog.api.Catalog.hot_locations`),
-    asked once, on the first local location.
-    """
-
-    def __init__(self, opener: Callable[[str], Store] = open_store, *,
-                 roots: Callable[[], Iterable[str]] | None = None) -> None:
-        self._opener = opener
-        self._stores: dict[str, Store] = {}
-        self._lock = threading.Lock()
-        self._roots_of = roots
-        self._roots: tuple[str, ...] | None = None
-
-    def roots(self) -> tuple[str, ...]:
-        """The store URLs locations may lie below (asked of ``roots`` once)."""
-        with self._lock:
-            if self._roots is None:
-                self._roots = tuple(self._roots_of()) if self._roots_of is not None else ()
-            return self._roots
-
-    def store(self, url: str) -> Store:
-        with self._lock:
-            if url not in self._stores:
-                self._stores[url] = resuming(self._opener(url))
-            return self._stores[url]
-
-    def locate(self, location: str) -> tuple[Store, str]:
-        if location.startswith("s3://"):
-            parsed = parse_location(location)
-            return self.store(f"s3://{parsed.bucket}"), parsed.prefix
-        roots = self.roots()
-        parsed = parse_location(location, roots)
-        for root in sorted(roots, key=len):  # the outermost first: nothing below it is followed
-            base = root.rstrip("/")
-            if base.startswith("file://") and location.startswith(base + "/") and canonical_url(base) == base:
-                return self.store(base), location[len(base) + 1:].strip("/")
-        parent, name = posixpath.split(parsed.path.rstrip("/"))
-        return self.store(Path(parent or "/").as_uri()), name
-
-    def for_record(self, record: CheckpointRecord) -> tuple[Store, str]:
-        return self.locate(record.location)
-
 
 # -------------------------------------------------------------------- scan
 
 
-def policy_grace(config: Config | None) -> Callable[[str], timedelta]:
-    """A job's ``grace`` (how long a save may be in flight): its ``[[policy]]``'s, else 2 h."""
-    from ckptier.storage.transitions import DEFAULT_GRACE
-
-    def grace_for(job: str) -> timedelta:
-        policy = config.policy_for(job) if config is not None else None
-        return policy.grace if policy is not None else DEFAULT_GRACE
-
-    return grace_for
-
-
 def run_scan(
+    run: Run,
     urls: Sequence[str],
-    catalog: Catalog,
     *,
-    now: Clock,
     tick: Callable[[int], None] | None = None,
-    patterns: Sequence[PatternRule] = (),
-    config: Config | None = None,
     inventories: Mapping[str, str] | Sequence[tuple[str, str]] = (),
     full: bool = False,
 ) -> list[ScanReport]:
-    """Scan each URL in turn into ``catalog``; returns one :class:`ScanReport` per URL, in order
+    """Scan each URL in turn into ``run.catalog``; returns one :class:`ScanReport` per URL, in order
     (:meth:`ScanReport.to_json` is what ``scan --json`` prints).
 
-    ``patterns`` are the ``[[pattern]]`` rules of ``ckptier.toml``
-    (``Config.patterns``), tried on files no built-in format claims;
-    ``config`` gives each job's grace (default 2 h) and its
+    ``run.config`` gives the ``[[pattern]]`` rules (tried on files no
+    built-in format claims), each job's grace (default 2 h) and the
     ``[[inventory]]`` tables. ``inventories`` maps more URLs (any spelling)
     to the S3 Inventory report their scan reads instead of listing
     (``--inventory``); ``full`` lists local directories even where their
-    stamps are unchanged.
+    stamps are unchanged. ``tick(n)`` is told how many objects were listed.
     """
-    pairs = [*(config.inventories if config is not None else ()),
-             *(inventories.items() if isinstance(inventories, Mapping) else inventories)]
+    config = run.config
+    pairs = [*config.inventories, *(inventories.items() if isinstance(inventories, Mapping) else inventories)]
     by_url = {canonical_url(u): r for u, r in pairs}
     return [
-        scan_url(url, catalog, now=now(), tick=tick, patterns=patterns, grace_for=policy_grace(config), full=full,
-                 inventory=by_url.get(canonical_url(url)))
+        scan_url(url, run.catalog, now=run.now(), tick=tick, patterns=config.patterns, grace_for=policy_grace(config),
+                 full=full, inventory=by_url.get(canonical_url(url)))
         for url in urls
     ]
 
@@ -198,25 +108,33 @@ def run_scan(
 # ------------------------------------------------------------------ verify
 
 
-def run_verify(
-    catalog: Catalog,
-    *,
-    now: Clock,
-    job: str | None = None,
-    deep: bool = False,
-    sample: tuple[int, int] | None = None,
-    workers: int = 4,
-    progress: Callable[[int, int], None] | None = None,
-    stores: StoreCache | None = None,
-    config: Config | None = None,
-    fanout: Any = None,
-    claims: RowClaims | None = None,
-) -> VerifyReport:
+@dataclass(frozen=True)
+class VerifyOptions:
+    """What ``ckptier verify`` (and the verify flow) is asked to check, and how.
+
+    ``job`` (None: every job); ``deep``: read every byte even where the store
+    keeps a full-object checksum, and read archive copies back;
+    ``sample=(k, n)``: only the k-th of n disjoint slices, read deep;
+    ``workers``: files read at once by this process's threads; ``claims``:
+    share the work with other runs on the catalog (:class:`~ckptier.tasks.run.RowClaims`).
+    """
+
+    job: str | None = None
+    deep: bool = False
+    sample: tuple[int, int] | None = None
+    workers: int = 4
+    claims: RowClaims | None = None
+
+
+def run_verify(run: Run, options: VerifyOptions = VerifyOptions(), *,
+               progress: Callable[[int, int], None] | None = None, fanout: Fanout | None = None) -> VerifyReport:
     """Verify the checkpoints that need it and record the results.
 
-    ``fanout`` (a :class:`ckptier.tasks.fanout.Fanout`) reads the files
-    there, in batches of checkpoints, instead of ``workers`` threads here;
-    this process still records every result. With ``claims``, this run is
+    What to verify is ``options`` (:class:`VerifyOptions`). ``fanout`` (a
+    :class:`ckptier.tasks.fanout.Fanout`) reads the files there, in batches
+    of checkpoints, instead of ``options.workers`` threads here; this process
+    still records every result; ``progress(done_bytes, total_bytes)`` is
+    told how far the reading got. With ``options.claims``, this run is
     one of several sharing the catalog: it claims the candidates row by row
     (:meth:`Catalog.claim_rows`, leases kept alive by a heartbeat) until none
     is left unchecked since ``claims.since``, records each result only while
@@ -226,44 +144,43 @@ def run_verify(
 
     Candidates are committed, verified and corrupt checkpoints present in
     the hot tier (``job`` restricts them; ``sample=(k, n)`` keeps the k-th
-    of n disjoint slices). A checkpoint already verified is re-read only
-    with ``deep`` or a sample (a periodic deep read), or when its files
-    changed since (a rescan put it back to ``committed``). Returns a
+    of n disjoint slices). Which of them are read is
+    :func:`~ckptier.tasks.verify.needs_verification`: a committed one; one
+    already verified only with ``deep`` or a sample (a periodic deep read),
+    when a file of it could not be read last time, or when its files changed
+    since (a rescan put it back to ``committed``). Returns a
     :class:`~ckptier.tasks.reports.VerifyReport`: one
     :class:`~ckptier.tasks.reports.VerifyRow` per hot copy checked, then one
     per archive copy read back, their totals (``totals.corrupt`` > 0 means
-    corruption was found) and the sample; ``by_job`` is left None.
-    ``config`` gives each job's grace (default 2 h): a checkpoint whose
+    corruption was found) and the sample; ``by_job`` is left None;
+    ``nothing_checked`` says why when no copy was read.
+    ``run.config`` gives each job's grace (default 2 h): a checkpoint whose
     manifest requires absent files is ``incomplete`` within it, ``corrupt``
     after. A row's ``files`` lists every file found bad, with the expected
     and the actual size and hashes (:class:`~ckptier.tasks.reports.FileProblem`);
     an archive copy's row also has ``problems``, one line per damaged file
     of the copy.
     """
-    from .verify import select_sample, verify_many
-
-    stores = stores or StoreCache(roots=catalog.hot_locations)
+    catalog, stores, now = run.catalog, run.stores, run.now
+    job, deep, sample, workers, claims = options.job, options.deep, options.sample, options.workers, options.claims
     states = (State.COMMITTED, State.VERIFIED, State.CORRUPT)
     cataloged = catalog.checkpoints(job=job, states=states)
     if job and not cataloged and not catalog.checkpoints(job=job):
         raise unknown_job(job)
     if sample is not None:
         cataloged = select_sample(cataloged, *sample)
-    # Hot copies are verified where they still exist (a milestone whose hot copy
-    # ckptier deleted lives on in the archive only, and is read back there).
-    records = [c for c in cataloged if "hot" in c.tiers]
-    if sample is None and not deep:
-        records = [c for c in records if c.state == State.COMMITTED]
-    rows: list[VerifyRow] = []
     # Verify against the store's checksum unless a deep read was asked for.
-    grace_for = policy_grace(config)
     deep_read = deep or sample is not None
+    # Hot copies are verified where they still exist (a milestone whose hot copy
+    # ckptier deleted lives on in the archive only, and is read back there), when
+    # the rule says so (a deep read or a sample reads every one).
+    records = [c for c in cataloged if "hot" in c.tiers and needs_verification(c, deep=deep_read) is not None]
+    rows: list[VerifyRow] = []
+    grace_for = policy_grace(run.config)
 
     def verified(batch: Sequence[CheckpointRecord], report: Callable[[int, int], None] | None = None
                  ) -> Iterable[tuple[CheckpointRecord, Any]]:
         if fanout is not None:
-            from .fanout import verify_fanned
-
             return verify_fanned(fanout, batch, deep=deep_read, progress=report)
         return verify_many(stores.for_record, batch, deep=deep_read, workers=workers, progress=report)
 
@@ -297,7 +214,23 @@ def run_verify(
     if deep or sample is not None:
         archived = with_archive_copy(claimed if claims is not None else cataloged)
         rows.extend(_verify_archive_copies(catalog, archived, stores=stores, now=now))
-    return VerifyReport(tuple(rows), VerifyTotals.of(rows), sample)
+    idle = None if rows else nothing_verified(catalog.checkpoints(job=job, with_files=False), deep=deep, sample=sample)
+    return VerifyReport(tuple(rows), VerifyTotals.of(rows), sample, nothing_checked=idle)
+
+
+def nothing_verified(records: Sequence[CheckpointRecord], *, deep: bool, sample: tuple[int, int] | None) -> str:
+    """Why a verify run over ``records`` (the cataloged checkpoints it considered,
+    any state) read nothing, in words (pure)."""
+    if not records:
+        return "the catalog holds no checkpoints yet; run 'ckptier scan URL' first"
+    if sample is not None:
+        return f"slice {sample[0]}/{sample[1]} holds none of the {len(records)} cataloged checkpoints"
+    if deep:
+        return f"none of the {len(records)} cataloged checkpoints has a copy to read (states: " + \
+            ", ".join(sorted({c.state.value for c in records})) + ")"
+    waiting = sum(1 for c in records if c.state == State.INCOMPLETE)
+    return (f"every one of the {len(records)} cataloged checkpoints is already verified or still being written"
+            + (f" ({waiting} incomplete)" if waiting else "") + "; --deep re-reads every byte")
 
 
 #: Most checkpoints recorded in one catalog transaction, and the bytes read
@@ -323,44 +256,6 @@ def recording_batches(results: Iterable[tuple[CheckpointRecord, Any, Any]], *, m
         yield batch
 
 
-#: A claiming run that finds every remaining row held by others looks again
-#: this soon first (see :class:`RowClaims`).
-FIRST_POLL = 0.005
-#: A claim takes about this share of the rows still unchecked (a quarter:
-#: measured best of 2, 4 and 8 for two runs sharing a sweep)...
-CLAIM_SHARE = 4
-#: ... and at least this many rows.
-MIN_CLAIM = 4
-
-
-@dataclass(frozen=True)
-class RowClaims:
-    """How a run shares the verification of one catalog with other runs (``[runner] claim_rows``).
-
-    ``owner`` names this run's leases (:func:`run_owner`); ``ttl`` is the
-    lease length (a heartbeat renews it every third); ``since`` is the start
-    of the sweep the runs share: a row whose verification finished at or
-    after it is done (runs of one sweep pass the same ``since``; each run's
-    own start is the default). Each claim takes about a
-    :data:`CLAIM_SHARE`-th of the rows still unchecked, at least
-    :data:`MIN_CLAIM` and at most ``batch`` (guided self-scheduling: big
-    batches while much is left, each costing a few statements, and small
-    ones at the end, so that no run is left reading a big last batch while
-    the others have finished); a run
-    that finds every remaining row leased by others looks again until they
-    are checked or their leases run out: after :data:`FIRST_POLL` seconds,
-    then twice as long each time, at most ``poll`` seconds apart (the last
-    rows of a sweep are usually recorded within milliseconds; a run that
-    died holds its rows for the lease's length).
-    """
-
-    owner: str
-    ttl: timedelta = DEFAULT_LEASE_TTL
-    since: datetime | None = None
-    batch: int = 64
-    poll: float = 0.5
-
-
 def _claimed_verification(
     catalog: Catalog,
     records: Sequence[CheckpointRecord],
@@ -382,11 +277,6 @@ def _claimed_verification(
     is marked checked and released. Ends when no candidate is left unchecked
     since ``claims.since``.
     """
-    from collections import deque
-    from concurrent.futures import Future, ThreadPoolExecutor
-
-    from .leases import LeaseKeeper, this_process
-
     since = claims.since or now()
     hot_ids = {r.id for r in records}
     pending = sorted(hot_ids | {r.id for r in archive_only if "hot" not in r.tiers})
@@ -477,10 +367,6 @@ def _verify_archive_copies(catalog: Catalog, records: Sequence[CheckpointRecord]
     A degraded copy of a checkpoint that no longer has a hot copy is the
     only copy at risk: its event says so.
     """
-    from ckptier.storage.records import Tier
-
-    from .archive import check_archive_copy
-
     for record in records:
         copy = record.archive_copy()
         assert copy is not None  # with_archive_copy() chose these records
@@ -518,16 +404,16 @@ def _keep_unmanaged(records: Iterable[CheckpointRecord]) -> list[PlanItem]:
     ]
 
 
-def plans_by_policy(
-    catalog: Catalog, config: Config, *, job: str | None, now: datetime
-) -> list[tuple[Policy | None, Plan]]:
-    """One retention plan per ``[[policy]]`` that matches some job (``None``: jobs no policy matches).
+def plans_by_policy(run: Run, *, job: str | None = None) -> list[tuple[Policy | None, Plan]]:
+    """One retention plan per ``[[policy]]`` of ``run.config`` that matches some job
+    (``None``: jobs no policy matches), at ``run.now()``.
 
     Reads the catalog (checkpoints, tombstones without their files, and the
     drill history for ``min_drilled``), changes nothing. Jobs no
     ``[[policy]]`` matches are kept whole.
     """
-    groups, passed = _policy_groups(catalog, config, job=job)
+    groups, passed = _policy_groups(run.catalog, run.config, job=job)
+    now = run.now()
     out: list[tuple[Policy | None, Plan]] = []
     for policy, cs in groups:
         if policy is None:
@@ -554,12 +440,12 @@ def _policy_groups(catalog: Catalog, config: Config, *, job: str | None
     return list(groups.values()), passed
 
 
-def plan_with_forecast(catalog: Catalog, config: Config, *, job: str | None, now: datetime
-                       ) -> tuple[Plan, FreedForecast]:
+def plan_with_forecast(run: Run, *, job: str | None = None) -> tuple[Plan, FreedForecast]:
     """:func:`make_plan`, and the hot bytes carrying it out frees
     (:func:`ckptier.tasks.reports.forecast_freed`, over every policy; the
     checkpoints no policy governs count in ``hot_bytes`` only). Reads only."""
-    groups, passed = _policy_groups(catalog, config, job=job)
+    groups, passed = _policy_groups(run.catalog, run.config, job=job)
+    now = run.now()
     plans: list[Plan] = []
     total = NOTHING_FREED
     for policy, cs in groups:
@@ -576,9 +462,9 @@ def plan_with_forecast(catalog: Catalog, config: Config, *, job: str | None, now
     return merge_plans(plans), total
 
 
-def catalog_summary(catalog: Catalog) -> list[JobSummary]:
+def catalog_summary(run: Run) -> list[JobSummary]:
     """Every job of the catalog: checkpoints by state and bytes per tier (:func:`ckptier.tasks.reports.summarize_jobs`)."""
-    return summarize_jobs(catalog.checkpoints(include_deleted=True, with_files=False))
+    return summarize_jobs(run.catalog.checkpoints(include_deleted=True, with_files=False))
 
 
 #: Drills read back for ``min_drilled``: far more than any catalog holds (one a night per job).
@@ -592,9 +478,9 @@ def _drill_passed(catalog: Catalog, config: Config, job: str | None) -> dict[int
     return drill_passed([d for d in catalog.drills(job=job, limit=DRILL_HISTORY) if d.judged])  # not judged: history only
 
 
-def make_plan(catalog: Catalog, config: Config, *, job: str | None, now: datetime) -> Plan:
-    """The retention plan for every job (or ``job``), each under its own policy."""
-    return merge_plans([plan for _, plan in plans_by_policy(catalog, config, job=job, now=now)])
+def make_plan(run: Run, *, job: str | None = None) -> Plan:
+    """The retention plan for every job (or ``job``), each under its own policy, at ``run.now()``."""
+    return merge_plans([plan for _, plan in plans_by_policy(run, job=job)])
 
 
 def merge_plans(plans: Sequence[Plan]) -> Plan:
@@ -615,21 +501,22 @@ def merge_plans(plans: Sequence[Plan]) -> Plan:
 # ------------------------------------------------------------------- apply
 
 
-def run_apply(
-    catalog: Catalog,
-    config: Config,
-    *,
-    now: Clock,
-    owner: str,
-    job: str | None = None,
-    dry_run: bool = False,
-    lease_ttl: timedelta = DEFAULT_LEASE_TTL,
-    stores: StoreCache | None = None,
-    fanout: Any = None,
-) -> ApplyRunReport:
-    """Plan and carry out retention for every job (or ``job``): promote, prove, then delete.
+@dataclass(frozen=True)
+class ApplyOptions:
+    """What ``ckptier apply`` (and the tiering flow) is asked to carry out:
+    ``job`` (None: every job) and the length of the leases it holds
+    (``lease_ttl``; a heartbeat renews them while the run lives)."""
 
-    ``fanout`` (a :class:`ckptier.tasks.fanout.Fanout`) makes the archive
+    job: str | None = None
+    lease_ttl: timedelta = DEFAULT_LEASE_TTL
+
+
+def run_apply(run: Run, options: ApplyOptions = ApplyOptions(), *, fanout: Fanout | None = None) -> ApplyRunReport:
+    """Plan and carry out retention for every job (or ``options.job``): promote, prove, then delete.
+
+    ``run`` gives the catalog, the policies (``run.config``), the stores,
+    the clock, the owner named in the leases and ``dry_run`` (say what would
+    happen, change nothing). ``fanout`` (a :class:`ckptier.tasks.fanout.Fanout`) makes the archive
     copies of a pass's promotions there, several at once (compress, upload,
     read back); this process claims, checks and records each.
 
@@ -646,28 +533,26 @@ def run_apply(
     ``outcome`` (what was carried out, per tier and storage class:
     :class:`~ckptier.tasks.reports.TieringOutcome`; empty in a dry run).
     """
-    check_archive_locations(config, catalog.hot_locations())
-    run = Run(catalog=catalog, config=config, stores=stores or StoreCache(roots=catalog.hot_locations), now=now,
-              owner=owner, dry_run=dry_run)
-    lines: list[str] = []
-    items: list[ItemResult] = []
+    catalog, dry_run = run.catalog, run.dry_run
+    check_archive_locations(run.config, catalog.hot_locations())
+    done = _Applied()
+    lines, items = done.lines, done.items
     failed = False
     freed = 0
-    proven: set[int] = set()  # keepers proven in this run, by either pass
     proofs: list[Proof] = []
     # A second pass lets hot copies of milestones promoted in the first one go
     # in the same run (the plan is made anew from the catalog each pass).
     passes = 1 if dry_run else 2
     for n in range(passes):
         promoted = False
-        for policy, plan in plans_by_policy(catalog, config, job=job, now=now()):
+        for policy, plan in plans_by_policy(run, job=options.job):
             if policy is None:
                 if n == 0:
                     lines.extend(f"{i.job} step {i.step}: kept ({i.reasons[0]})" for i in plan.items)
                 continue
             if n > 0 and not any(i.action == "delete" for i in plan.items):
                 continue
-            report = _apply_one(run, policy, plan, lease_ttl=lease_ttl, lines=lines, items=items, proven=proven, fanout=fanout)
+            report = _apply_one(run, policy, plan, options=options, done=done, fanout=fanout)
             proofs.extend(report.proofs)
             promoted |= bool(report.promoted)
             failed |= not report.ok
@@ -675,9 +560,7 @@ def run_apply(
         if not promoted or failed:
             break
     if not dry_run:  # what storage cannot tell goes to the archive tier too (ckptier rebuild reads it)
-        from .backup import backup_after_apply
-
-        lines.extend(backup_after_apply(catalog, config, run.stores.store, now=now(), job=job))
+        lines.extend(backup_after_apply(catalog, run.config, run.stores.store, now=run.now(), job=options.job))
     held = tuple(f"{i.job} step {i.step}: {i.action} {i.detail}" for i in items if i.outcome == "held")
     promoted_ids = {i.checkpoint_id for i in items if i.action == "promote" and i.outcome == "done"}
     touched = {i.checkpoint_id: catalog.get_by_id(i.checkpoint_id) for i in items
@@ -687,26 +570,33 @@ def run_apply(
                           held=held, proofs=tuple(proofs), outcome=outcome)
 
 
-def _apply_one(run: Run, policy: Policy, plan: Plan, *, lease_ttl: timedelta, lines: list[str],
-               items: list[ItemResult], proven: set[int], fanout: Any = None) -> ApplyReport:
-    """Carry out one policy's plan in ``run`` (its :class:`~ckptier.tasks.apply.ApplyContext`
-    made here from the run and the policy), appending report lines and item results."""
-    from .apply import ApplyContext, apply_plan
+@dataclass
+class _Applied:
+    """What a run's passes have done so far: report ``lines``, the ``items`` carried out,
+    and the keepers ``proven`` (by id; a keeper is proven once per run, by either pass)."""
 
+    lines: list[str] = field(default_factory=list)
+    items: list[ItemResult] = field(default_factory=list)
+    proven: set[int] = field(default_factory=set)
+
+
+def _apply_one(run: Run, policy: Policy, plan: Plan, *, options: ApplyOptions, done: _Applied,
+               fanout: Fanout | None = None) -> ApplyReport:
+    """Carry out one policy's plan in ``run`` (its :class:`~ckptier.tasks.apply.ApplyContext`
+    made here from the run and the policy), adding its report lines and item results to ``done``."""
+    lines, items = done.lines, done.items
     archive_store = archive_store_for(run.stores, policy)
     promote_many = None
     if fanout is not None and policy.archive:
-        from .fanout import promoter
-
         promote_many = promoter(fanout, archive_url=policy.archive, storage_class=policy.storage_class, now=run.now,
                                 owner=run.owner)
     context = ApplyContext(
         catalog=run.catalog, hot_for=run.stores.for_record, archive_for=lambda _job: archive_store, owner=run.owner,
-        now=run.now, lease_ttl=lease_ttl, dry_run=run.dry_run, policy_for=run.config.policy_for,
+        now=run.now, lease_ttl=options.lease_ttl, dry_run=run.dry_run, policy_for=run.config.policy_for,
         promote_many=promote_many,
     )
     report = apply_plan(plan, context, policy=str(policy), max_missing_fraction=policy.max_missing_fraction,
-                        proven=proven)
+                        proven=done.proven)
     for p in report.proofs:
         if not p.ok:
             lines.append(f"{p.job} step {p.step}: keeper failed its proof ({p.tier} copy): {p.detail}")
@@ -738,30 +628,23 @@ def archive_store_for(stores: StoreCache, policy: Policy) -> Store | None:
     return store.in_class(policy.storage_class)
 
 
-def run_fetch(
-    catalog: Catalog, config: Config, *, job: str, step: int, dest: Path, stores: StoreCache | None = None
-) -> FetchReport:
+def run_fetch(run: Run, *, job: str, step: int, dest: Path) -> FetchReport:
     """Restore job/step's original files into ``dest`` from the hot or archive tier, verified;
     the report says from which tier and source, how many files and bytes, and how long it took."""
-    from .prove import prove_record
-
-    record = catalog.get(job, step)
+    record = run.catalog.get(job, step)
     if record is None:
         raise ConfigError(f"job {job!r} step {step}: not in the catalog; see 'ckptier ls --job {job}'")
-    stores = stores or StoreCache(roots=catalog.hot_locations)
     # The hot copy is trusted only if its files are still the ones verified (a stat each).
-    proven = prove_record(catalog, stores.for_record, record, now=utcnow())
+    proven = prove_record(run.catalog, run.stores.for_record, record, now=run.now())
     if proven is not None and proven.verdict == "changed":
-        record = catalog.get_by_id(record.id) or record
-    return fetch_record(record, config, dest=dest, stores=stores)
+        record = run.catalog.get_by_id(record.id) or record
+    return fetch_record(record, run.config, dest=dest, stores=run.stores)
 
 
 def fetch_record(record: CheckpointRecord, config: Config, *, dest: Path, stores: StoreCache,
-                 fanout: Any = None) -> FetchReport:
+                 fanout: Fanout | None = None) -> FetchReport:
     """Restore ``record``'s original files into ``dest`` (see :func:`ckptier.tasks.archive.fetch`;
     ``fanout``: where the files are read, default here), as a :class:`FetchReport`."""
-    from .archive import fetch
-
     hot, prefix = _hot_store(stores, record)
     archive = _archive_store(stores, config, record)
     result = fetch(record, hot=hot, archive=archive, dest=dest, hot_prefix=prefix, fanout=fanout)
@@ -789,16 +672,14 @@ def _archive_store(stores: StoreCache, config: Config, record: CheckpointRecord)
 
 def archive_root(copy_url: str, record: CheckpointRecord) -> str:
     """The archive store URL from a copy URL ending in ``{job}/step-{step:08d}[/...]``."""
-    from .archive import archive_dir
-
     marker = "/" + archive_dir(record.job, record.step)
     head, sep, _ = copy_url.partition(marker)
     return head if sep else copy_url
 
 
-def run_janitor(catalog: Catalog, config: Config, *, now: datetime, older_than: timedelta,
-                stores: StoreCache | None = None) -> JanitorRunReport:
-    """Clean every archive tier named by a policy of what interrupted promotions left.
+def run_janitor(run: Run, *, older_than: timedelta) -> JanitorRunReport:
+    """Clean every archive tier named by a policy of ``run.config`` of what interrupted
+    promotions left ``older_than`` ago (at ``run.now()``).
 
     Only ckptier's own objects go (those an upload marker names, and local
     temporary files); anything else is reported, never removed. Copies the
@@ -809,11 +690,8 @@ def run_janitor(catalog: Catalog, config: Config, *, now: datetime, older_than: 
     :class:`~ckptier.tasks.reports.JanitorRunReport`: per archive URL its
     :class:`~ckptier.tasks.archive.JanitorReport`, and the run in ``lines``.
     """
-
-    from .archive import JanitorReport, archive_dir, janitor
-
+    catalog, config, stores, now = run.catalog, run.config, run.stores, run.now()
     check_archive_locations(config, catalog.hot_locations())
-    stores = stores or StoreCache(roots=catalog.hot_locations)
     lines: list[str] = []
     reports: dict[str, JanitorReport] = {}
     records = catalog.checkpoints(include_deleted=True, with_files=False)
@@ -1055,7 +933,6 @@ def _drill_checkpoint(record: CheckpointRecord, config: Config, stores: StoreCac
     when the model factory does not load in the workers."""
     from dataclasses import replace
 
-    from .drill import Check
     from .drill_launch import Fetched, UnsupportedDrill, run_ranked_drill
 
     def fetch(relpaths: Sequence[str], dest: Path) -> Fetched:
@@ -1084,8 +961,6 @@ def _drill_checkpoint(record: CheckpointRecord, config: Config, stores: StoreCac
     if report.stage == "factory":  # the operator's factory does not load: says nothing about this checkpoint
         return _not_started(record, f"drill model {factory!r} does not load: {report.error}", started, finished)
     if not report.judged:  # the drill could not judge: say why, not "failed"
-        from .drill import drill_outcome
-
         why = drill_outcome(report.ok, report.stage)[1]
         detail = report.error or ""
         detail = detail.split(": ", 1)[1] if detail.startswith("rank ") and ": " in detail else detail
@@ -1133,8 +1008,6 @@ def nothing_to_drill(records: Sequence[CheckpointRecord], *, job: str | None, st
 
 def _not_started(record: CheckpointRecord, why: str, started: datetime, finished: datetime) -> DrillReport:
     """The report of a drill that did not start for a reason that is not the checkpoint's (never recorded)."""
-    from .drill import Check
-
     return DrillReport(job=record.job, step=record.step, ok=False, stage="not-started", error=why,
                        summary=f"{record.job} step {record.step}: drill not started: {why}", recorded=False,
                        checks=(Check("started", False, why),), started_at=started, finished_at=finished)
@@ -1142,8 +1015,6 @@ def _not_started(record: CheckpointRecord, why: str, started: datetime, finished
 
 def _drill_failure(record: CheckpointRecord, started: datetime, finished: datetime, *, stage: str, error: str) -> DrillReport:
     """The report of a drill that failed at ``stage`` before any worker ran (a fetch, say)."""
-    from .drill import Check
-
     return DrillReport(job=record.job, step=record.step, ok=False, stage=stage, error=error,
                        summary=f"{record.job} step {record.step}: drill failed at {stage}: {error}",
                        checks=(Check("completed", False, f"{stage}: {error}"),), started_at=started,
@@ -1167,16 +1038,7 @@ def _record_drill(catalog: Catalog, record: CheckpointRecord, report: DrillRepor
 # ------------------------------------------------------------------ forget
 
 
-def run_forget(
-    catalog: Catalog,
-    config: Config,
-    *,
-    job: str,
-    now: Clock,
-    older_than: timedelta | None = None,
-    dry_run: bool = False,
-    stores: StoreCache | None = None,
-) -> ForgetReport:
+def run_forget(run: Run, *, job: str, older_than: timedelta | None = None) -> ForgetReport:
     """Tombstone ``job``'s rows that a scan found missing and storage confirms gone from every tier.
 
     Candidates: live rows with ``missing_since`` set (saved more than
@@ -1185,16 +1047,13 @@ def run_forget(
     the job's policy); only a row with nothing left anywhere is tombstoned
     (:meth:`Catalog.forget`, which a concurrent rescan or lease wins
     against). Rows still present somewhere, or whose tiers could not be
-    checked, are kept and reported. ``dry_run`` looks but writes nothing.
+    checked, are kept and reported. ``run.dry_run`` looks but writes nothing.
     Idempotent. Returns a :class:`~ckptier.tasks.reports.ForgetReport`:
     ``rows`` (:class:`~ckptier.tasks.reports.ForgetRow`: job, step,
     outcome, detail), ``lines``, and counts ``forgotten``, ``kept``,
     ``unchecked``.
     """
-    from .archive import archive_dir, prefix_from_location
-    from .forget import archive_places, forget_candidates, still_stored
-
-    stores = stores or StoreCache(roots=catalog.hot_locations)
+    catalog, config, stores, now, dry_run = run.catalog, run.config, run.stores, run.now, run.dry_run
     records = catalog.checkpoints(job=job)
     if not records and not catalog.checkpoints(job=job, include_deleted=True):
         raise unknown_job(job)

@@ -8,6 +8,7 @@ import each other's modules for it. Reads settings without importing Prefect
 from __future__ import annotations
 
 import os
+import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -24,8 +25,6 @@ def configured_api_url(environ: Mapping[str, str] | None = None) -> str | None:
     env = os.environ if environ is None else environ
     if env.get("PREFECT_API_URL"):
         return env["PREFECT_API_URL"]
-    import tomllib
-
     home = Path(env.get("PREFECT_HOME") or Path(env.get("HOME", "~")).expanduser() / ".prefect")
     profiles_path = Path(env.get("PREFECT_PROFILES_PATH") or home / "profiles.toml")
     try:
@@ -42,7 +41,7 @@ def check_prefect_api(url: str | None = None, *, direct: str | None = "pass --no
     """``url`` (default: the configured Prefect API URL) if it answers; otherwise
     a one-line error naming ``PREFECT_API_URL`` and, when the command has a
     way to run without Prefect, ``direct`` (None: it has none)."""
-    import httpx
+    import httpx  # lazy: the command line asks whether an API is configured without loading httpx
 
     url = url or configured_api_url()
     if not url:

@@ -1,7 +1,10 @@
 """Thin Prefect tasks over :mod:`ckptier.tasks.pipeline`.
 
-Each task logs, opens the catalog, makes one call and returns the
-operation's typed report (the flows make artifacts from it). Retries happen only for transient storage errors
+Each task is handed the flow run's :class:`~ckptier.tasks.run.Run` (the
+catalog opened and the config read once per flow run, by the flow), logs,
+makes one call and returns the operation's typed report (the flows make
+artifacts from it); none is cached (``NO_CACHE``: they act, and a run is
+no input to hash). Retries happen only for transient storage errors
 (:func:`ckptier.storage.errors.is_transient`); everything else fails at once.
 Kept apart from the pure cores so that read-only commands never import
 Prefect.
@@ -14,22 +17,23 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from prefect import task
+from prefect.cache_policies import NO_CACHE
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.logging import get_run_logger
+from prefect.task_runners import ThreadPoolTaskRunner
 
-from ckptier.storage.catalog.api import Catalog
 from ckptier.storage.errors import ConfigError, is_transient
 
-from . import fanout as fanout_work
 from . import pipeline
-from .config import RunnerSettings, load_config
-from .fanout import row_claims, runner_settings
-from .reports import ApplyRunReport, VerifyReport, verification_by_job
+from .archive import fetch_work, promote_work
+from .config import RunnerSettings
+from .fanout import default_workers, runner_settings, settle
+from .reports import ApplyRunReport, DrillReport, VerifyReport, verification_by_job
 from .retention import render_plan_table
+from .run import Run, row_claims
 from .scan import ScanReport
-from .settings import catalog_url as resolve_catalog_url
 from .settings import require_written_policy
-from .reports import DrillReport
-from .settings import open_run
+from .verify import verify_work
 
 
 def retry_if_transient(task: Any, task_run: Any, state: Any) -> bool:
@@ -41,25 +45,20 @@ def retry_if_transient(task: Any, task_run: Any, state: Any) -> bool:
     return False
 
 
-@task(name="scan", retries=2, retry_delay_seconds=10, retry_condition_fn=retry_if_transient)
-def scan_task(url: str, catalog_url: str | None, config_path: str | None = None, inventory: str | None = None,
-              full: bool = False) -> ScanReport:
-    """List one URL and bring the catalog in line with it (creating the catalog on first use),
-    with the config's ``[[pattern]]`` rules and each job's grace; from an S3 Inventory report
-    instead (``inventory``, else the config's ``[[inventory]]``). Returns the URL's :class:`ScanReport`."""
+@task(name="scan", retries=2, retry_delay_seconds=10, retry_condition_fn=retry_if_transient, cache_policy=NO_CACHE)
+def scan_task(run: Run, url: str, inventory: str | None = None, full: bool = False) -> ScanReport:
+    """List one URL and bring ``run``'s catalog in line with it, with the config's ``[[pattern]]``
+    rules and each job's grace; from an S3 Inventory report instead (``inventory``, else the
+    config's ``[[inventory]]``). Returns the URL's :class:`ScanReport`."""
     log = get_run_logger()
-    config = load_config(config_path)
-    with Catalog.open(resolve_catalog_url(catalog_url, config_path, config=config)) as cat:
-        (report,) = pipeline.run_scan([url], cat, now=pipeline.utcnow, patterns=config.patterns, config=config,
-                                      inventories=[(url, inventory)] if inventory else (), full=full)
+    (report,) = pipeline.run_scan(run, [url], inventories=[(url, inventory)] if inventory else (), full=full)
     log.info("%s: %d objects, %d checkpoints, %d catalog rows written",
              report.url, report.objects, report.checkpoints, report.rows_written)
     return report
 
 
-@task(name="verify", retries=1, retry_delay_seconds=30, retry_condition_fn=retry_if_transient)
-def verify_task(catalog_url: str | None, job: str | None, deep: bool, sample: tuple[int, int] | None,
-                workers: int, config_path: str | None = None, runner: str | None = None,
+@task(name="verify", retries=1, retry_delay_seconds=30, retry_condition_fn=retry_if_transient, cache_policy=NO_CACHE)
+def verify_task(run: Run, options: pipeline.VerifyOptions, runner: str | None = None,
                 sweep_since: str | None = None) -> VerifyReport:
     """Verify what needs it (or the sample) and record the results; the :class:`VerifyReport`
     of ``pipeline.run_verify`` with ``by_job``, the totals per job, filled in.
@@ -67,20 +66,18 @@ def verify_task(catalog_url: str | None, job: str | None, deep: bool, sample: tu
     The checkpoints are read by ``verify-checkpoints`` task runs, a batch of
     checkpoints each, on the task runner ``[runner]`` names (``runner``,
     ``threads`` or ``dask``, overrides its kind); this task records every
-    result. With ``[runner] claim_rows`` the rows are claimed under leases,
-    shared with the other runs of the sweep that began at ``sweep_since``
-    (ISO 8601; default: this run's start). The ``verify-progress`` artifact
-    reaches 100% when the run ends, also when there was nothing to verify."""
+    result. With ``[runner] claim_rows`` the rows are claimed under leases
+    (``options.claims`` is set from it), shared with the other runs of the
+    sweep that began at ``sweep_since`` (ISO 8601; default: this run's
+    start). The ``verify-progress`` artifact reaches 100% when the run
+    ends, also when there was nothing to verify."""
     log = get_run_logger()
-    config = load_config(config_path)
-    settings = runner_settings(config.runner, runner)
+    settings = runner_settings(run.config.runner, runner)
     progress = ProgressArtifact("verify-progress", "bytes verified so far")
-    claims = row_claims(settings, sweep_since, owner=pipeline.run_owner())
-    fanout = PrefectFanout(settings, workers=workers)
+    options = replace(options, claims=row_claims(settings, sweep_since, owner=run.owner))
+    fanout = PrefectFanout(settings, workers=options.workers)
     try:
-        with Catalog.open(resolve_catalog_url(catalog_url, config_path, config=config), create=False) as cat:
-            report = pipeline.run_verify(cat, now=pipeline.utcnow, job=job, deep=deep, sample=sample, workers=workers,
-                                         progress=progress, config=config, fanout=fanout, claims=claims)
+        report = pipeline.run_verify(run, options, progress=progress, fanout=fanout)
     finally:
         fanout.close()
     progress.finish()
@@ -91,16 +88,15 @@ def verify_task(catalog_url: str | None, job: str | None, deep: bool, sample: tu
     return report
 
 
-#: The per-checkpoint work of :mod:`ckptier.tasks.fanout` as Prefect tasks; a failure retries only when transient.
+#: The operations' fan-out work functions as Prefect tasks; a failure retries only when transient.
 verify_work_task = task(name="verify-checkpoints", retries=2, retry_delay_seconds=5,
-                        retry_condition_fn=retry_if_transient)(fanout_work.verify_work)
+                        retry_condition_fn=retry_if_transient)(verify_work)
 promote_work_task = task(name="promote-checkpoint", retries=2, retry_delay_seconds=10,
-                         retry_condition_fn=retry_if_transient)(fanout_work.promote_work)
+                         retry_condition_fn=retry_if_transient)(promote_work)
 fetch_work_task = task(name="fetch-files", retries=2, retry_delay_seconds=5,
-                       retry_condition_fn=retry_if_transient)(fanout_work.fetch_work)
-WORK_TASKS: dict[Callable[..., Any], Any] = {fanout_work.verify_work: verify_work_task,
-                                              fanout_work.promote_work: promote_work_task,
-                                              fanout_work.fetch_work: fetch_work_task}
+                       retry_condition_fn=retry_if_transient)(fetch_work)
+WORK_TASKS: dict[Callable[..., Any], Any] = {verify_work: verify_work_task, promote_work: promote_work_task,
+                                              fetch_work: fetch_work_task}
 
 
 class PrefectFanout:
@@ -115,9 +111,9 @@ class PrefectFanout:
         self._runner: Any = None
         if settings.kind == "dask":
             self.name = "prefect-dask"
-            self.parallelism = settings.workers or (4 if settings.address else fanout_work.default_workers())
+            self.parallelism = settings.workers or (4 if settings.address else default_workers())
             try:
-                import prefect_dask  # noqa: F401 - checked before anything runs
+                import prefect_dask  # noqa: F401 - optional (ckptier[dask]): checked before anything runs
             except ImportError:
                 raise ConfigError("runner kind 'dask' needs prefect-dask: pip install 'ckptier[dask]' "
                                   "(or use kind = \"threads\")") from None
@@ -126,15 +122,13 @@ class PrefectFanout:
 
     def _start(self) -> Any:
         """The task runner, started on first use (a run with nothing to do starts no cluster)."""
-        from prefect.task_runners import ThreadPoolTaskRunner
-
         if self._runner is not None:
             return self._runner
         settings, workers = self._settings, self._workers
         runner: Any
         if settings.kind == "dask":
             try:
-                from prefect_dask.task_runners import DaskTaskRunner
+                from prefect_dask.task_runners import DaskTaskRunner  # optional: ckptier[dask]
             except ImportError:
                 raise ConfigError("runner kind 'dask' needs prefect-dask: pip install 'ckptier[dask]' "
                                   "(or use kind = \"threads\")") from None
@@ -154,7 +148,7 @@ class PrefectFanout:
         runner = self._start()
         futures = [runner.submit(work, {"work": item}) for item in items]
         for f in futures:
-            yield fanout_work.settle(f.result, errors)
+            yield settle(f.result, errors)
 
     def close(self) -> None:
         runner, self._runner = self._runner, None
@@ -172,8 +166,6 @@ class ProgressArtifact:
     """
 
     def __init__(self, key: str, description: str) -> None:
-        from prefect.artifacts import create_progress_artifact
-
         # Called from a sync task: the id itself, never the coroutine of the async variant.
         self.artifact_id: Any = create_progress_artifact(0.0, key=key, description=description)
         self.last = 0.0
@@ -188,47 +180,40 @@ class ProgressArtifact:
             self._set(100.0)
 
     def _set(self, pct: float) -> None:
-        from prefect.artifacts import update_progress_artifact
-
         update_progress_artifact(self.artifact_id, pct)
         self.last = pct
 
 
-@task(name="plan-retention")
-def plan_task(catalog_url: str | None, config_path: str | None, job: str | None) -> dict[str, Any]:
+@task(name="plan-retention", cache_policy=NO_CACHE)
+def plan_task(run: Run, job: str | None) -> dict[str, Any]:
     """The retention plan: ``rows`` (job, step, action, scope, reasons, bytes) and ``forecast``,
     the hot bytes carrying it out frees (:class:`ckptier.tasks.reports.FreedForecast`)."""
-    config = load_config(config_path)
-    now = pipeline.utcnow()
-    with Catalog.open(resolve_catalog_url(catalog_url, config_path, config=config), create=False) as cat:
-        plan, forecast = pipeline.plan_with_forecast(cat, config, job=job, now=now)
+    plan, forecast = pipeline.plan_with_forecast(run, job=job)
     return {"rows": render_plan_table(plan), "forecast": {**asdict(forecast), "freed_bytes": forecast.freed_bytes}}
 
 
-@task(name="catalog-summary")
-def catalog_summary_task(catalog_url: str | None, config_path: str | None = None) -> list[dict[str, Any]]:
+@task(name="catalog-summary", cache_policy=NO_CACHE)
+def catalog_summary_task(run: Run) -> list[dict[str, Any]]:
     """Every job of the catalog: checkpoints by state, bytes per tier (:class:`ckptier.tasks.reports.JobSummary`)."""
-    with Catalog.open(resolve_catalog_url(catalog_url, config_path), create=False) as cat:
-        return [asdict(j) for j in pipeline.catalog_summary(cat)]
+    return [asdict(j) for j in pipeline.catalog_summary(run)]
 
 
-@task(name="apply-retention", retries=1, retry_delay_seconds=60, retry_condition_fn=retry_if_transient)
-def apply_task(catalog_url: str | None, config_path: str | None, job: str | None, dry_run: bool,
-               runner: str | None = None) -> ApplyRunReport:
-    """Promote milestones, then delete what the policy lets go (fenced, batched; short leases kept alive by a heartbeat).
+@task(name="apply-retention", retries=1, retry_delay_seconds=60, retry_condition_fn=retry_if_transient,
+      cache_policy=NO_CACHE)
+def apply_task(run: Run, job: str | None, runner: str | None = None) -> ApplyRunReport:
+    """Promote milestones, then delete what the policy lets go (fenced, batched; short leases kept alive by a heartbeat);
+    a dry run (``run.dry_run``) says what it would do.
 
     The archive copies are made by ``promote-checkpoint`` task runs, several
     at once, on the task runner ``[runner]`` names (``runner`` overrides its
-    kind); this task claims, checks and records each."""
+    kind); this task claims, checks and records each. Deletes only under a
+    ``[[policy]]`` someone wrote (:func:`ckptier.tasks.settings.require_written_policy`)."""
     log = get_run_logger()
-    config = load_config(config_path)
-    fanout = PrefectFanout(runner_settings(config.runner, runner))
+    if not run.dry_run:
+        require_written_policy(run.config, [job] if job else run.catalog.jobs())
+    fanout = PrefectFanout(runner_settings(run.config.runner, runner))
     try:
-        with Catalog.open(resolve_catalog_url(catalog_url, config_path, config=config), create=False) as cat:
-            if not dry_run:
-                require_written_policy(config, [job] if job else cat.jobs(), config_path)
-            report = pipeline.run_apply(cat, config, now=pipeline.utcnow, owner=pipeline.run_owner(), job=job,
-                                        dry_run=dry_run, fanout=fanout)
+        report = pipeline.run_apply(run, pipeline.ApplyOptions(job=job), fanout=fanout)
     finally:
         fanout.close()
     for line in report.lines:
@@ -236,25 +221,19 @@ def apply_task(catalog_url: str | None, config_path: str | None, job: str | None
     return report
 
 
-@task(name="drill")
-def drill_task(catalog_url: str | None, config_path: str | None, job: str | None, step: int | None,
-               steps: int | None, device: str | None, model: str | None, timeout_seconds: float | None,
-               allow_globals: list[str] | None = None, world_size: int | None = None,
-               runner: str | None = None) -> list[DrillReport]:
+@task(name="drill", cache_policy=NO_CACHE)
+def drill_task(run: Run, options: pipeline.DrillOptions, runner: str | None = None) -> list[DrillReport]:
     """Fetch, safely load, train K steps, judge and record (see ``pipeline.run_drill``); one report per drill.
 
     The checkpoint's files are fetched by ``fetch-files`` task runs, a batch
     of files each, on the task runner ``[runner]`` names (``runner``
     overrides its kind); this task stages, renames and drills them."""
     log = get_run_logger()
-    options = pipeline.DrillOptions(job=job, step=step, steps=steps, device=device, model=model, timeout=timeout_seconds,
-                                    allow_globals=tuple(allow_globals or ()), world_size=world_size)
-    with open_run(catalog_url, config_path) as run:
-        fanout = PrefectFanout(runner_settings(run.config.runner, runner))
-        try:
-            reports = pipeline.run_drill(run, options, fanout=fanout)
-        finally:
-            fanout.close()
+    fanout = PrefectFanout(runner_settings(run.config.runner, runner))
+    try:
+        reports = pipeline.run_drill(run, options, fanout=fanout)
+    finally:
+        fanout.close()
     for r in reports:
         (log.info if r.ok else log.error)(r.summary)
     return reports

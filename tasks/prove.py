@@ -32,6 +32,7 @@ from ckptier.storage.errors import CkptierError, NotFollowed, NotFound, StoreErr
 from ckptier.storage.records import CheckpointRecord, CopyState, State, Tier
 from ckptier.storage.transitions import Change, Latest, file_change
 
+from .retention import Policy, keepers
 from .verify import file_key
 
 __all__ = ["FileNow", "ProvenNow", "Verdict", "prove_now", "prove_record", "settle"]
@@ -205,10 +206,8 @@ def prove_keepers(catalog: SettleCatalog, store_for: Callable[[CheckpointRecord]
                   now: Callable[[], datetime]) -> list[ProvenNow]:
     """Look now at the checkpoints a plan's deletions of each job rest on (the
     newest verified, the ``keep_last`` newest, the ``min_verified`` floor:
-    :func:`ckptier.tasks.apply.keepers`), settling each whose files changed
+    :func:`ckptier.tasks.retention.keepers`), settling each whose files changed
     (it is then no longer verified, and the plan keeps the next ones instead)."""
-    from .apply import keepers
-    from .retention import Policy
 
     by_job: dict[str, list[CheckpointRecord]] = {}
     for r in records:

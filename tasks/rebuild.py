@@ -475,7 +475,7 @@ def rebuild(
     rebuild did not write; store errors while reading backups propagate (a
     rerun resumes).
     """
-    from .pipeline import policy_grace
+    from .config import policy_grace
     from .scan import scan_url
 
     archives_wanted = list(dict.fromkeys(archive_urls or sorted({p.archive for p in config.policies if p.archive})))

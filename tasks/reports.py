@@ -18,27 +18,154 @@ reports, so the command line, the flows and the tests agree on one number.
 * :func:`dashboard_job_url`: the dashboard page of a job.
 * :class:`FetchReport`, :class:`DrillReport`: what ``fetch`` and a restore
   drill did (``to_json()``: what ``--json`` prints).
+* The operations' own results, kept here so that every module may hold
+  them without importing the operation: :class:`ItemResult` and
+  :class:`Proof` (:mod:`ckptier.tasks.apply`), :class:`Check` (a drill's
+  verdict), :class:`JanitorReport` (:mod:`ckptier.tasks.archive`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 from urllib.parse import quote
 
 from ckptier.storage.records import CheckpointRecord, CopyRecord, CopyState, FileCheck, FileRecord, State, Tier
 
-from .costs import hot_class_of
-from .drill import Check, drill_outcome
 from .retention import Plan, hot_present
-from .tiers import HOT
+from .tiers import HOT, hot_class_of
 
-if TYPE_CHECKING:
-    from .apply import ItemResult, Proof
-    from .archive import JanitorReport
+# ------------------------------------------------------------------ results of the operations
+
+#: What happened to a plan item (:class:`ItemResult`).
+Outcome = Literal["done", "would", "skipped", "held", "failed", "partial", "fenced", "deferred"]
+
+
+@dataclass(frozen=True)
+class ItemResult:
+    """What happened to one plan item.
+
+    ``outcome``: ``done`` (carried out), ``would`` (dry run: would be carried
+    out), ``skipped`` (nothing to do or no longer right: already done,
+    precondition no longer true), ``held`` (another live run holds the
+    checkpoint's lease; ``detail`` names it), ``deferred`` (waits for a later
+    run: a promotion of the job failed, the canary failed, a keeper could not
+    be proven), ``failed`` (an error), ``partial`` (some files deleted, the
+    rest failed), ``fenced`` (the lease was lost: the catalog row was not
+    changed). ``bytes`` is the checkpoint's size; ``freed`` the hot bytes
+    actually deleted (0 on a versioned bucket that only got delete markers).
+    """
+
+    job: str
+    step: int
+    checkpoint_id: int
+    action: str
+    scope: str
+    outcome: Outcome
+    detail: str
+    bytes: int = 0
+    freed: int = 0
+
+
+@dataclass(frozen=True)
+class Proof:
+    """One keeper proven again before deletions: which copy (``tier``),
+    whether it held, and what it cost (bytes read; bytes proven by the
+    store's own full-object checksum without reading)."""
+
+    job: str
+    step: int
+    checkpoint_id: int
+    tier: str
+    ok: bool
+    detail: str
+    bytes_read: int = 0
+    bytes_skipped: int = 0
+
+
+@dataclass(frozen=True)
+class Check:
+    """One check of a drill's verdict: its ``name``, whether it passed, and why in words."""
+
+    name: str
+    ok: bool
+    detail: str
+
+    def to_json(self) -> dict[str, Any]:
+        """``{"name", "ok", "detail"}``, as drill reports and the catalog's verdicts hold it."""
+        return asdict(self)
+
+
+PASSED, FAILED, NOT_JUDGED = "passed", "failed", "not judged"
+"""The three outcomes of a drill."""
+
+NOT_JUDGED_STAGES: Mapping[str, str] = {
+    "no-model": "no drill model was given",
+    "not-started": "the drill model does not load",
+    "factory": "the drill model does not load",
+    "fit": "the factory does not fit this job",
+    "build": "the drill model could not be built",
+    "unsupported": "this variant cannot be drilled yet",
+    "setup": "the drill could not set up (no device, or its own setup failed)",
+    "rendezvous": "the drill's ranks could not meet",
+}
+"""Stages at which a drill stops without judging the checkpoint, and why in words."""
+
+
+def drill_outcome(ok: bool, stage: str | None) -> tuple[str, str]:
+    """``(outcome, reason)`` of a drill that ended at ``stage`` (None: it ran
+    to the verdict); pure.
+
+    ``passed`` when every check passed. ``not judged`` when the drill
+    stopped for a reason that is not the checkpoint's (:data:`NOT_JUDGED_STAGES`:
+    no model given, a factory that does not load, build or fit, an
+    unsupported variant, no device, the drill's own setup or rendezvous):
+    recorded as history, never as the checkpoint's most recent drill.
+    ``failed`` otherwise: the checkpoint did not fetch, load, restore or
+    train, or a check of the verdict failed (``judge``), or the drill ran
+    out of time or crashed while restoring or training.
+    """
+    if ok:
+        return PASSED, "every check passed"
+    if stage is not None and stage in NOT_JUDGED_STAGES:
+        return NOT_JUDGED, NOT_JUDGED_STAGES[stage]
+    what = {"fetch": "its files could not be fetched and verified", "load": "it does not load",
+            "restore": "it does not restore", "train": "it does not train", "timeout": "the drill ran out of time",
+            "crash": "the drill worker crashed"}.get(stage or "", "a check of the verdict failed")
+    return FAILED, what
+
+
+@dataclass
+class JanitorReport:
+    """What :func:`ckptier.tasks.archive.janitor` did to one archive tier.
+
+    ``aborted_uploads``: (key, upload id) of multipart uploads aborted;
+    ``removed_dirs``: uncommitted step directories whose every object was
+    ckptier's own (named by their upload marker) and was removed;
+    ``removed_keys``: the objects removed; ``young_dirs``: uncommitted
+    directories left alone because they are newer than the threshold (a
+    promotion may be running); ``failed``: key → reason for objects that
+    could not be removed; ``unexpected``: directories the catalog records as
+    archive copies that have lost their manifest (left alone: damage to look
+    at, not debris); ``not_ours``: objects without a commit marker that no
+    upload marker names — ckptier did not write them, so they are left
+    where they are; ``removed_temp_files``: a local store's own
+    ``.ckptier-tmp-*`` files left by interrupted writes.
+    """
+
+    aborted_uploads: list[tuple[str, str]] = field(default_factory=list)
+    removed_dirs: list[str] = field(default_factory=list)
+    removed_keys: list[str] = field(default_factory=list)
+    young_dirs: list[str] = field(default_factory=list)
+    committed_dirs: int = 0
+    failed: dict[str, str] = field(default_factory=dict)
+    unexpected: list[str] = field(default_factory=list)
+    removed_temp_files: list[str] = field(default_factory=list)
+    not_ours: list[str] = field(default_factory=list)
+
 
 #: The environment variable naming the dashboard's base URL (``ckptier dashboard``).
 DASHBOARD_URL_ENV = "CKPTIER_DASHBOARD_URL"
@@ -540,13 +667,16 @@ class VerifyReport:
     recorded, then one per archive copy read back; ``totals`` their totals;
     ``sample``: the ``(k, n)`` slice verified, None for a whole run;
     ``by_job``: the totals per job (:func:`verification_by_job`), filled in
-    by the Prefect verify task (None: not computed, and left out of the JSON).
+    by the Prefect verify task (None: not computed, and left out of the JSON);
+    ``nothing_checked``: why the run read no copy at all, in words (None when
+    it read one; what ``verify`` prints instead of a table, not in the JSON).
     """
 
     checkpoints: tuple[VerifyRow, ...]
     totals: VerifyTotals
     sample: tuple[int, int] | None = None
     by_job: tuple[JobVerification, ...] | None = None
+    nothing_checked: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The report as ``verify --json`` prints it and the verify flow returned it."""
@@ -724,7 +854,7 @@ class DrillReport:
 
     @property
     def outcome(self) -> str:
-        """``passed``, ``failed`` or ``not judged`` (:func:`~ckptier.tasks.drill.drill_outcome`)."""
+        """``passed``, ``failed`` or ``not judged`` (:func:`drill_outcome`)."""
         return drill_outcome(self.ok, self.stage)[0]
 
     @property

@@ -46,6 +46,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from ckptier.storage.errors import ConfigError
 from ckptier.storage.records import CheckpointRecord, CopyState, State, Tier
+from ckptier.storage.transitions import latest_drills
 from ckptier.tasks.durations import Span, format_duration
 from ckptier.tasks.durations import parse_duration  # noqa: F401 - re-exported for older imports
 from ckptier.tasks.tiers import ArchiveTier
@@ -1386,24 +1387,42 @@ class DrillOutcome(Protocol):
     def started_at(self) -> datetime: ...
     @property
     def finished_at(self) -> datetime | None: ...
+    @property
+    def judged(self) -> bool: ...
 
 
 def drill_passed(drills: Iterable[DrillOutcome]) -> dict[int, datetime]:
     """Checkpoint id -> when its most recent drill passed, for checkpoints whose most
-    recent drill (by start time, then finish time) passed. Pure; order-independent."""
-    latest: dict[int, DrillOutcome] = {}
-    for d in drills:
-        if d.checkpoint_id is None:
-            continue
-        seen = latest.get(d.checkpoint_id)
-        if seen is None or _drill_order(d) > _drill_order(seen):
-            latest[d.checkpoint_id] = d
-    return {cid: d.finished_at or d.started_at for cid, d in latest.items() if d.ok}
+    recent drill (:func:`ckptier.storage.transitions.latest_drill`, the catalog's own
+    definition) passed. Pure; order-independent."""
+    return {cid: d.finished_at or d.started_at for cid, d in latest_drills(drills).items() if d.ok}
 
 
-def _drill_order(d: DrillOutcome) -> tuple[datetime, datetime, bool]:
-    # A failure outranks a pass at the very same instant: never trust the tie.
-    return (d.started_at, d.finished_at or d.started_at, not d.ok)
+def keepers(
+    records: Sequence[CheckpointRecord], policy: Policy | None, items: Sequence[PlanItem]
+) -> list[CheckpointRecord]:
+    """The checkpoints of one job whose soundness the plan's deletions rest on, newest first. Pure.
+
+    With a ``policy``: the newest verified checkpoint, the ``keep_last``
+    newest verified ones, the ``keep_best`` best-ranked ones, and the
+    ``min_verified`` newest verified ones that keep a hot copy (the floor)
+    — every checkpoint a deletion is justified by. Without one: every verified checkpoint the plan (``items``)
+    does not delete. ``records`` are the job's current records; tombstones
+    and checkpoints in other states never count.
+    """
+    deleting = {i.checkpoint_id for i in items if i.action == "delete"}
+    verified = sorted((c for c in records if c.state == State.VERIFIED), key=lambda c: (c.step, c.id), reverse=True)
+    if policy is None:
+        chosen = [c for c in verified if c.id not in deleting]
+    else:
+        last = max([1] + [r.n for r in policy.rules if isinstance(r, KeepLast)])
+        floor = [c for c in verified if hot_present(c) and c.id not in deleting][: policy.min_verified]
+        best = best_ranked(policy, records)
+        chosen = verified[:last] + [c for c in verified if c.id in best] + floor
+    unique: dict[int, CheckpointRecord] = {}
+    for c in chosen:
+        unique.setdefault(c.id, c)
+    return list(unique.values())
 
 
 def render_plan_table(plan: Plan) -> list[dict[str, Any]]:

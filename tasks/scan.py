@@ -37,6 +37,7 @@ skipped.
 
 from __future__ import annotations
 
+import os
 import posixpath
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -389,8 +390,6 @@ def save_stamps(catalog: Catalog, stamps: dict[str, tuple[str, Sequence[str]]], 
 
 def _refuse_a_file(url: str) -> None:
     """A local URL naming a file (not a directory of checkpoints) is one line, not a listing error."""
-    import os
-
     parsed = parse_url(url)
     if parsed.scheme == "file" and os.path.isfile(parsed.path):
         parent = os.path.dirname(parsed.path.rstrip("/")) or "/"

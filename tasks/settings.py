@@ -8,19 +8,16 @@
 * The retention policy: ``plan`` may preview under the built-in default, but
   ``apply`` deletes only under a ``[[policy]]`` the user wrote
   (:func:`require_written_policy`).
-* A run: :func:`open_run` is the one place that puts together what an
-  operation works with (:class:`Run`: the open catalog, the config, the
-  store cache, the clock, the owner, dry-run) and hands it down.
+* Where they come from: :class:`Settings` (the catalog URL and the config
+  path given, the config read once), from which
+  :func:`ckptier.tasks.run.open_run` opens a run.
 
 No Prefect, no torch; the config file is read only when it is needed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
-from datetime import datetime
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -28,10 +25,7 @@ from ckptier.storage.catalog.db import CatalogLocation, resolve_catalog_url
 from ckptier.storage.errors import ConfigError
 
 if TYPE_CHECKING:
-    from ckptier.storage.catalog.api import Catalog
-
     from .config import Config
-    from .pipeline import StoreCache
 
 #: What to write when there is no policy to apply (shown in one line).
 POLICY_EXAMPLE = '[[policy]] with jobs = "*" and keep_last = 5 (plus milestones = "log" and archive = "..." to keep milestones)'
@@ -47,14 +41,7 @@ def catalog_location(
     read only when neither ``explicit`` nor ``CKPTIER_CATALOG_URL`` is set.
     Raises :class:`ConfigError` when that file is needed and is broken.
     """
-
-    def from_file() -> tuple[str | None, str | None]:
-        from .config import load_config  # only when the file decides: ls and latest stay light
-
-        cfg = config if config is not None else load_config(config_path)
-        return cfg.catalog_url, str(cfg.source) if cfg.source is not None else None
-
-    return resolve_catalog_url(explicit, config_url=from_file)
+    return Settings(explicit, config_path, config=config).location
 
 
 def catalog_url(explicit: str | None, config_path: str | Path | None = None, *, config: Config | None = None) -> str:
@@ -64,7 +51,7 @@ def catalog_url(explicit: str | None, config_path: str | Path | None = None, *, 
 
 def config_file_name(config: Config, config_path: str | Path | None = None) -> str:
     """The file a config came from, or (when there is none) where one was looked for, in words."""
-    from .config import DEFAULT_FILE, ENV_VAR
+    from .config import DEFAULT_FILE, ENV_VAR  # loaded already (the caller holds a Config); ls never gets here
 
     if config.source is not None:
         return str(config.source)
@@ -131,39 +118,41 @@ def require_written_policy(config: Config, jobs: Iterable[str], config_path: str
         raise NoPolicyWritten(problem)
 
 
-@dataclass(frozen=True)
-class Run:
-    """What one run of an operation works with, put together once by
-    :func:`open_run` (or by an operation called with its parts) and handed
-    down: the open ``catalog``, the ``config``, ``stores`` (each store
-    opened once per run), the clock ``now`` (aware UTC), the ``owner``
-    named in leases and events, and ``dry_run`` (nothing written)."""
+class Settings:
+    """Where a run's settings come from, each decided once: ``catalog_url``
+    (``--catalog`` or a flow's parameter; None: the precedence of
+    :func:`catalog_location`) and ``config_path`` (None: ``$CKPTIER_CONFIG``,
+    else ``./ckptier.toml``).
 
-    catalog: Catalog
-    config: Config
-    stores: StoreCache
-    now: Callable[[], datetime]
-    owner: str
-    dry_run: bool = False
+    :attr:`config` reads the file on first use only, and only once;
+    :attr:`location` is the catalog, read from the file only when neither
+    ``catalog_url`` nor ``CKPTIER_CATALOG_URL`` names one (so ``ls`` and
+    ``latest`` given a catalog never read it). ``config`` is one already
+    read. :func:`ckptier.tasks.run.open_run` opens a run from these."""
 
+    def __init__(self, catalog_url: str | None = None, config_path: str | Path | None = None, *,
+                 config: Config | None = None) -> None:
+        self.catalog_url = catalog_url
+        self.config_path = config_path
+        self._config = config
+        self._location: CatalogLocation | None = None
 
-@contextmanager
-def open_run(catalog_url: str | None, config_path: str | Path | None = None, *, owner: str = "ckptier",
-             dry_run: bool = False, create: bool = False,
-             now: Callable[[], datetime] | None = None) -> Iterator[Run]:
-    """The composition root of a run: reads ``ckptier.toml`` once (``config_path``,
-    default ``$CKPTIER_CONFIG`` or ``./ckptier.toml``), opens the catalog that
-    :func:`catalog_location` chooses for ``catalog_url`` (creating it only with
-    ``create``), a fresh store cache, the UTC clock unless ``now`` is given, and
-    an owner unique to this process (:func:`ckptier.tasks.pipeline.run_owner`
-    with ``owner`` as its prefix). Closes the catalog on exit."""
-    from ckptier.storage.catalog.api import Catalog
+    @property
+    def config(self) -> Config:
+        """``ckptier.toml``, parsed (read on first use). Raises :class:`ConfigError` when it is broken."""
+        if self._config is None:
+            from .config import load_config  # lazy: ls and latest given a catalog never import the parser
 
-    from .config import load_config
-    from .pipeline import StoreCache, run_owner, utcnow
+            self._config = load_config(self.config_path)
+        return self._config
 
-    config = load_config(config_path)
-    location = catalog_location(catalog_url, config_path, config=config)
-    with Catalog.open(location.url, create=create) as catalog:
-        yield Run(catalog=catalog, config=config, stores=StoreCache(roots=catalog.hot_locations), now=now or utcnow,
-                  owner=run_owner(owner), dry_run=dry_run)
+    @property
+    def location(self) -> CatalogLocation:
+        """The catalog to open and why (decided on first use)."""
+        if self._location is None:
+            self._location = resolve_catalog_url(self.catalog_url, config_url=self._config_url)
+        return self._location
+
+    def _config_url(self) -> tuple[str | None, str | None]:
+        config = self.config
+        return config.catalog_url, str(config.source) if config.source is not None else None

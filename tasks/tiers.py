@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from ckptier.storage.errors import ConfigError
+from ckptier.storage.records import CheckpointRecord
 
 #: Local/POSIX storage (priced as one class: ``[prices] hot``).
 HOT = "hot"
@@ -44,6 +45,11 @@ IA_MIN_DAYS = 30
 NEEDS_RESTORE = frozenset({"GLACIER", "DEEP_ARCHIVE"})
 
 _ORDER = {c: i for i, c in enumerate(S3_CLASSES)}
+
+
+def hot_class_of(record: CheckpointRecord) -> str:
+    """``STANDARD`` for a checkpoint on S3, ``hot`` for a local one."""
+    return "STANDARD" if record.location.startswith("s3://") else HOT
 
 
 def class_problem(name: object, *, allowed: Sequence[str] = S3_CLASSES) -> str | None:

@@ -43,11 +43,16 @@ from ckptier.storage.structure import Need, shortfalls
 from ckptier.storage.transitions import MTIME_TOLERANCE as MTIME_TOLERANCE  # mtimes this close are equal
 from ckptier.storage.transitions import file_change
 
+from .fanout import Fanout, batches, worker_stores
+
 #: Reads a file gets when the store's checksum rejects the bytes it returned.
 _INTEGRITY_ATTEMPTS = 2
 
 #: Most file problems spelled out in one reason; the rest are counted.
 _REASON_EXAMPLES = 3
+
+#: Threads each verify work item of a fan-out reads files with.
+BATCH_THREADS = 2
 
 
 @dataclass
@@ -127,14 +132,21 @@ def needs_verification(
     *,
     deep: bool = False,
 ) -> str | None:
-    """Why ``record`` must be verified now, or ``None`` when its last result still stands.
+    """Why ``record`` must be verified now, or ``None`` when its last result still stands;
+    what :func:`ckptier.tasks.pipeline.run_verify` reads (``deep`` for a deep read or a
+    sample, which read every candidate again).
 
     ``listing_info`` maps relpath to what a fresh listing of the checkpoint
     reports; with it, a file whose size, ETag or mtime differs from the
     catalog's (replaced since verification) or that vanished is a reason.
-    Checkpoints that are ``incomplete`` (a save in flight) or ``deleted``
-    are never verified. Files in the listing that the record does not know
-    are no reason: verifying again would not change the record.
+    Without it, a scan has already put a checkpoint whose files changed back
+    to ``committed``. Checkpoints that are ``incomplete`` (a save in flight)
+    or ``deleted`` are never verified; a ``corrupt`` one is read again only
+    when asked (``deep``) or when a listing shows a file changed or back (what
+    it lacks does not come back by reading it again). A ``committed`` one is
+    read: nothing has proven the bytes a scan last saw. Files in the listing
+    that the record does not know are no reason: verifying again would not
+    change the record.
     """
     if record.state in (State.INCOMPLETE, State.DELETED):
         return None
@@ -142,6 +154,8 @@ def needs_verification(
         return None
     if deep:
         return "deep verification requested"
+    if record.state == State.CORRUPT and listing_info is None:
+        return None
     never = [f.relpath for f in record.files if f.status is None]
     if record.verified_at is None or never:
         if never and len(never) < len(record.files):
@@ -153,6 +167,8 @@ def needs_verification(
     no_baseline = [f.relpath for f in record.files if f.status == "ok" and f.crc64nvme is None]
     if no_baseline:
         return f"no recorded crc64nvme baseline: {_examples(no_baseline)}"
+    if record.state == State.COMMITTED:
+        return "committed since its last verification (a scan saw its files again)"
     if listing_info is None:
         return None
     for f in record.files:
@@ -593,3 +609,38 @@ def verify_many(
             yield head.record, outcome
     finally:
         ex.shutdown(wait=True, cancel_futures=True)
+
+
+# ------------------------------------------------------------------ fanned out
+
+
+@dataclass(frozen=True)
+class VerifyWork:
+    """Verify these checkpoints' hot copies (``deep``: read every byte): one work item of a fan-out."""
+
+    records: tuple[CheckpointRecord, ...]
+    deep: bool
+    threads: int = BATCH_THREADS
+
+
+def verify_work(work: VerifyWork) -> list[VerifyOutcome]:
+    """One outcome per record of ``work``, in order; reads storage only (see
+    :func:`verify_many`), through the worker's own stores."""
+    stores = worker_stores()
+    return [outcome for _, outcome in verify_many(stores.for_record, work.records, deep=work.deep,
+                                                  workers=work.threads)]
+
+
+def verify_fanned(fanout: Fanout, records: Sequence[CheckpointRecord], *, deep: bool,
+                  progress: Callable[[int, int], None] | None = None
+                  ) -> Iterator[tuple[CheckpointRecord, VerifyOutcome]]:
+    """:func:`verify_many` on ``fanout`` (:class:`ckptier.tasks.fanout.Fanout`): yields each record
+    with its outcome, in input order; ``progress(done_bytes, total_bytes)`` after each batch."""
+    work = [VerifyWork(b, deep) for b in batches(records, fanout.parallelism)]
+    total = sum(f.size for r in records for f in r.files)
+    done = 0
+    for w, outcomes in zip(work, fanout.map(verify_work, work), strict=True):
+        yield from zip(w.records, outcomes, strict=True)
+        done += sum(f.size for r in w.records for f in r.files)
+        if progress is not None:
+            progress(done, total)

@@ -23,10 +23,11 @@ from ckptier.storage.errors import Unavailable
 from ckptier.storage.local import LocalStore
 from ckptier.storage.records import State
 from ckptier.storage.s3 import S3Store
-from ckptier.tasks.apply import keepers
+from ckptier.tasks.retention import keepers
 from ckptier.tasks.config import Config
 from ckptier.tasks.pipeline import run_apply, run_fetch
 from ckptier.tasks.reports import ApplyRunReport
+from ckptier.tasks.run import Run
 from ckptier.tasks.retention import KeepLast, Milestones, Policy, plan_retention
 from tests.test_apply import JOB, STEPS, World, build_world, files_for, recognition
 from tests.test_apply_faults import S3World, s3_world  # noqa: F401 - the fixture
@@ -36,7 +37,7 @@ MILESTONES = (100, 500)
 
 def apply(world: World, policy: Policy, owner: str = "run-1") -> ApplyRunReport:
     world.clock.advance(timedelta(hours=1))
-    return run_apply(world.catalog, Config(policies=(policy,)), now=world.clock, owner=owner)
+    return run_apply(Run.of(world.catalog, config=Config(policies=(policy,)), now=world.clock, owner=owner))
 
 
 def flip_byte(path: Path, *, keep_mtime: bool = True) -> None:
@@ -89,7 +90,7 @@ def _assert_hot_copy_kept(world: World, report: ApplyRunReport, tmp_path: Path) 
     assert rec.archive_copy().state == "degraded"  # type: ignore[union-attr]
     assert any(e.kind == "archive.degraded" for e in world.catalog.events(job=JOB, limit=1000))
     # The checkpoint is not lost: fetch restores it, bit-exact, from the hot copy.
-    out = run_fetch(world.catalog, Config(policies=()), job=JOB, step=100, dest=tmp_path / "restored")
+    out = run_fetch(Run.of(world.catalog, config=Config(policies=())), job=JOB, step=100, dest=tmp_path / "restored")
     assert out.tier == "hot"
     for rel, data in files_for(100).items():
         assert (tmp_path / "restored" / rel).read_bytes() == data
@@ -267,6 +268,6 @@ def test_keepers_are_the_newest_verified_keep_last_and_the_floor(world: World) -
 def test_dry_run_proves_nothing_and_changes_nothing(world: World, tmp_path: Path) -> None:
     flip_byte(world.hot.root / f"{JOB}/step-00001000/rank-0000/model.pt")
     policy = _keep_last_1(str(tmp_path / "archive"))
-    report = run_apply(world.catalog, Config(policies=(policy,)), now=world.clock, owner="dry", dry_run=True)
+    report = run_apply(Run.of(world.catalog, config=Config(policies=(policy,)), now=world.clock, owner="dry", dry_run=True))
     assert report.proofs == () and world.state(1000) == State.VERIFIED
     assert all(world.on_disk(s) for s in STEPS)

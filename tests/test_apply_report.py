@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from ckptier.flows import runner
-from ckptier.tasks.apply import ItemResult, Proof
+from ckptier.tasks.reports import ItemResult, Proof
 from ckptier.tasks.reports import ApplyRunReport, JanitorRunReport, TieringOutcome
 from tests.test_cli import env, run, trained  # noqa: F401 - the fixtures
 

@@ -641,6 +641,7 @@ def test_janitor_and_apply_refuse_an_archive_overlapping_a_scanned_hot_location(
     from ckptier.tasks.config import Config
     from ckptier.tasks.pipeline import run_apply, run_janitor
     from ckptier.tasks.retention import KeepLast, Policy
+    from ckptier.tasks.run import Run
 
     from tests.test_apply import build_world
 
@@ -653,11 +654,11 @@ def test_janitor_and_apply_refuse_an_archive_overlapping_a_scanned_hot_location(
     config = Config(policies=(Policy(rules=(KeepLast(2),), archive=str(archive)),))
     later = datetime.now(UTC) + timedelta(days=2)  # everything looks old enough to clean
     with pytest.raises(ConfigError) as err:
-        run_janitor(world.catalog, config, now=later, older_than=timedelta(hours=1))
+        run_janitor(Run.of(world.catalog, config=config, now=lambda: later), older_than=timedelta(hours=1))
     message = str(err.value)
     assert "\n" not in message and f'archive = "{archive}"' in message and world.hot.url in message
     with pytest.raises(ConfigError, match="outside every scanned location"):
-        run_apply(world.catalog, config, now=lambda: later, owner="run-1")
+        run_apply(Run.of(world.catalog, config=config, now=lambda: later, owner="run-1"))
     assert snapshot(hot) == before  # nothing touched
     # The command line says it in one line and exits 2.
     toml = tmp_path / "ckptier.toml"

@@ -102,12 +102,13 @@ def test_scan_and_verify_json_is_the_reports_to_json(env: dict[str, Path], capsy
     from datetime import UTC, datetime
 
     from ckptier.storage.catalog.api import Catalog
-    from ckptier.tasks.pipeline import run_scan, run_verify
+    from ckptier.tasks.pipeline import VerifyOptions, run_scan, run_verify
+    from ckptier.tasks.run import Run
 
     victim = env["job_dir"] / "step-00000175" / "rank-0000" / "model.pt"
     code, out, _ = run(capsys, "scan", str(env["hot"]), "--json")
     with Catalog.open(f"sqlite:///{env['catalog']}") as cat:
-        (again,) = run_scan([str(env["hot"])], cat, now=lambda: datetime.now(UTC), full=True)
+        (again,) = run_scan(Run.of(cat, now=lambda: datetime.now(UTC)), [str(env["hot"])], full=True)
     (printed,) = json.loads(out)
     assert code == 0 and printed.keys() == again.to_json().keys()
     assert {**printed, "rows_written": 0, "new": 0} == {**again.to_json(), "new": 0}  # a full rescan writes nothing
@@ -119,7 +120,7 @@ def test_scan_and_verify_json_is_the_reports_to_json(env: dict[str, Path], capsy
     code, out, _ = run(capsys, "verify", "--deep", "--sample", "1/1", "--json")
     printed = json.loads(out)
     with Catalog.open(f"sqlite:///{env['catalog']}") as cat:
-        report = run_verify(cat, now=lambda: datetime.now(UTC), deep=True, sample=(1, 1))
+        report = run_verify(Run.of(cat, now=lambda: datetime.now(UTC)), VerifyOptions(deep=True, sample=(1, 1)))
     assert code == 1 and report.totals.corrupt == 1 and report.totals.found_damage
     assert printed == report.to_json() and list(printed) == ["checkpoints", "totals", "sample"]
     assert printed["sample"] == "1/1" and [r["step"] for r in printed["checkpoints"] if r["state"] == "corrupt"] == [175]

@@ -186,6 +186,7 @@ class _Drill:
     ok: bool
     source_tier: str | None
     timings: dict[str, Any] = field(default_factory=dict)
+    judged: bool = True
 
 
 def test_any_drill_shaped_record_will_do() -> None:

@@ -231,13 +231,14 @@ def xss_dir(tmp_path_factory: pytest.TempPathFactory, demo_dir: Path) -> Path:
     """A catalog whose only job's directory is named like an HTML tag that runs script."""
     from ckptier.storage.catalog.api import Catalog
     from ckptier.tasks import pipeline
+    from ckptier.tasks.run import Run
 
     base = tmp_path_factory.mktemp("xss")
     for step in ("step-00000225", "step-00000250", "step-00000275"):
         shutil.copytree(demo_dir / "hot" / "demo-run" / step, base / "hot" / XSS / step)
     with Catalog.open(f"sqlite:///{base / 'catalog.db'}") as cat:
-        pipeline.run_scan([str(base / "hot")], cat, now=pipeline.utcnow)
-        pipeline.run_verify(cat, now=pipeline.utcnow)
+        pipeline.run_scan(Run.of(cat), [str(base / "hot")])
+        pipeline.run_verify(Run.of(cat))
         assert [c.job for c in cat.checkpoints()] == [XSS] * 3
     return base
 

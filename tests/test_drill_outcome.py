@@ -10,7 +10,8 @@ from datetime import UTC, datetime
 import pytest
 
 from ckptier.storage.records import CheckpointRecord, FileRecord, Format, State
-from ckptier.tasks.drill import NOT_JUDGED, Expected, WorkerResult, drill_outcome, factory_needed, judge
+from ckptier.tasks.drill import Expected, WorkerResult, factory_needed, judge
+from ckptier.tasks.reports import NOT_JUDGED, drill_outcome
 from ckptier.tasks.drill_trajectory import (
     RecordedLoss,
     Trajectory,

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from ckptier.storage.records import CheckpointRecord, Format, State
-from ckptier.tasks.drill import Check
+from ckptier.tasks.reports import Check
 from ckptier.tasks.drill import WorkerResult, judge
 from ckptier.tasks.drill_launch import Fetched, RankedDrill, RankedRun, RankScratch
 from ckptier.tasks.pipeline import _drill_failure, _not_started
@@ -149,14 +149,14 @@ def _without(d: dict[str, object], *keys: str) -> dict[str, object]:
 def test_fetch_and_drill_json_on_the_command_line_is_to_json(env: dict[str, Path],  # noqa: F811
                                                              capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     from ckptier.tasks.pipeline import DrillOptions, run_drill, run_fetch
-    from ckptier.tasks.settings import open_run
+    from ckptier.tasks.run import open_run
 
     assert run(capsys, "scan", str(env["hot"]))[0] == 0 and run(capsys, "verify")[0] == 0
     code, out, err = run(capsys, "fetch", "--job", "demo-run", "--step", "50", str(tmp_path / "cli"), "--json")
     assert code == 0, err
     printed = json.loads(out)
-    with open_run(None) as r:
-        direct = run_fetch(r.catalog, r.config, job="demo-run", step=50, dest=tmp_path / "direct", stores=r.stores)
+    with open_run() as r:
+        direct = run_fetch(r, job="demo-run", step=50, dest=tmp_path / "direct")
     assert isinstance(direct, FetchReport) and list(printed) == list(direct.to_json())
     assert _without(printed, "dest", "seconds") == _without(direct.to_json(), "dest", "seconds")
     assert printed["dest"] == str(tmp_path / "cli") and printed["tier"] == "hot" and printed["files"] == 3
@@ -166,7 +166,7 @@ def test_fetch_and_drill_json_on_the_command_line_is_to_json(env: dict[str, Path
     code, out, err = run(capsys, "drill", "--job", "demo-run", "--step", "150", "--json")
     assert code == 1, err
     (printed,) = json.loads(out)
-    with open_run(None) as r:
+    with open_run() as r:
         (direct_drill,) = run_drill(r, DrillOptions(job="demo-run", step=150))
     assert list(printed) == list(direct_drill.to_json()) == FAILURE_KEYS
     assert _without(printed, "started_at", "finished_at") == _without(direct_drill.to_json(), "started_at", "finished_at")

@@ -24,10 +24,10 @@ from ckptier.tasks.fanout import (
     ThreadFanout,
     batches,
     retrying,
-    row_claims,
     runner_settings,
 )
-from ckptier.tasks.pipeline import CLAIM_SHARE, MIN_CLAIM, RowClaims, recording_batches, run_scan, run_verify
+from ckptier.tasks.pipeline import VerifyOptions, recording_batches, run_scan, run_verify
+from ckptier.tasks.run import CLAIM_SHARE, MIN_CLAIM, RowClaims, Run, row_claims
 
 T0 = datetime(2026, 3, 1, tzinfo=UTC)
 
@@ -44,7 +44,7 @@ def make_tree(root: Path, n: int, *, job: str = "fan", size: int = 512) -> Path:
 
 def scanned(root: Path, url: str) -> Catalog:
     cat = Catalog.open(url)
-    run_scan([str(root)], cat, now=lambda: datetime.now(UTC))
+    run_scan(Run.of(cat), [str(root)])
     return cat
 
 
@@ -197,10 +197,8 @@ def test_several_claiming_runs_verify_each_row_once(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'catalog.db'}"
     with scanned(make_tree(tmp_path / "hot", 12), url) as cat:
         since = datetime.now(UTC)
-        first = run_verify(cat, now=lambda: datetime.now(UTC), deep=True,
-                           claims=RowClaims(owner="w1", since=since, batch=5))
-        second = run_verify(cat, now=lambda: datetime.now(UTC), deep=True,
-                            claims=RowClaims(owner="w2", since=since, batch=5))
+        first = run_verify(Run.of(cat), VerifyOptions(deep=True, claims=RowClaims(owner="w1", since=since, batch=5)))
+        second = run_verify(Run.of(cat), VerifyOptions(deep=True, claims=RowClaims(owner="w2", since=since, batch=5)))
         assert first.totals.verified == 12 and second.totals.checked == 0
         assert all(c.state == State.VERIFIED for c in cat.checkpoints())
 
@@ -223,8 +221,8 @@ def test_a_claiming_run_takes_a_quarter_of_what_is_left_within_its_bounds(
 
         monkeypatch.setattr(cat, "unchecked", unchecked)
         monkeypatch.setattr(cat, "claim_rows", claim_rows)
-        report = run_verify(cat, now=lambda: datetime.now(UTC), deep=True,
-                            claims=RowClaims(owner="w1", since=datetime.now(UTC), batch=8))
+        report = run_verify(Run.of(cat), VerifyOptions(deep=True,
+                                                       claims=RowClaims(owner="w1", since=datetime.now(UTC), batch=8)))
         assert report.totals.verified == 40
     assert asked[0] == (40, 8)  # a quarter of 40 is 10: held to ``batch``
     for rows, limit in asked:
@@ -247,8 +245,7 @@ def test_a_run_waiting_on_rows_others_hold_ends_soon_after_they_are_done(tmp_pat
 
         helper = threading.Thread(target=other_finishes)
         helper.start()
-        report = run_verify(cat, now=lambda: datetime.now(UTC), deep=True,
-                            claims=RowClaims(owner="me", since=since, poll=30.0))
+        report = run_verify(Run.of(cat), VerifyOptions(deep=True, claims=RowClaims(owner="me", since=since, poll=30.0)))
         done = time.monotonic()
         helper.join()
     assert report.totals.verified == 2  # the third was the other run's
@@ -275,14 +272,14 @@ def test_verify_on_a_local_dask_cluster_matches_threads(dask_cluster: Any, tmp_p
     hot = make_tree(tmp_path / "hot", 20)
     url = f"sqlite:///{tmp_path / 'catalog.db'}"
     with scanned(hot, url) as cat:
-        threads = run_verify(cat, now=lambda: datetime.now(UTC), deep=True)
+        threads = run_verify(Run.of(cat), VerifyOptions(deep=True))
         assert threads.totals.verified == 20
         bad = hot / "fan" / "step-00000007" / "rank-0000" / "model.pt"
         data = bytearray(bad.read_bytes())
         data[10] ^= 0xFF
         bad.write_bytes(bytes(data))
         seen: list[tuple[int, int]] = []
-        dask = run_verify(cat, now=lambda: datetime.now(UTC), deep=True, fanout=dask_cluster,
+        dask = run_verify(Run.of(cat), VerifyOptions(deep=True), fanout=dask_cluster,
                           progress=lambda done, total: seen.append((done, total)))
     assert dask_cluster.parallelism == 2
     assert [(r.step, r.state) for r in dask.checkpoints] == \
@@ -295,8 +292,8 @@ def test_verify_on_a_local_dask_cluster_matches_threads(dask_cluster: Any, tmp_p
 @pytest.mark.slow
 def test_dask_claims_and_threads_agree_on_the_same_catalog(dask_cluster: Any, tmp_path: Path) -> None:
     with scanned(make_tree(tmp_path / "hot", 10), f"sqlite:///{tmp_path / 'catalog.db'}") as cat:
-        report = run_verify(cat, now=lambda: datetime.now(UTC), fanout=dask_cluster,
-                            claims=RowClaims(owner="dask-worker", batch=3))
+        report = run_verify(Run.of(cat), VerifyOptions(claims=RowClaims(owner="dask-worker", batch=3)),
+                            fanout=dask_cluster)
         assert report.totals.verified == 10
         assert all(cat.lease_holder(c.id, now=datetime.now(UTC)) is None for c in cat.checkpoints())
 
@@ -343,8 +340,8 @@ def test_promotions_fan_out_on_dask_and_the_run_records_them(dask_cluster: Any, 
     config = parse_config(f'[[policy]]\njobs = "*"\nkeep_last = 1\nmilestones = [2, 4, 5]\narchive = "{archive}"\n'
                           'hot_after_archive = "keep"\n')
     with scanned(hot, f"sqlite:///{tmp_path / 'catalog.db'}") as cat:
-        run_verify(cat, now=lambda: datetime.now(UTC))
-        report = run_apply(cat, config, now=lambda: datetime.now(UTC), owner="fan-test", fanout=dask_cluster)
+        run_verify(Run.of(cat))
+        report = run_apply(Run.of(cat, config=config, owner="fan-test"), fanout=dask_cluster)
         promoted = sorted(i.step for i in report.items if i.action == "promote" and i.outcome == "done")
         assert promoted == [2, 4, 5], report.lines
         for step in promoted:
@@ -352,5 +349,5 @@ def test_promotions_fan_out_on_dask_and_the_run_records_them(dask_cluster: Any, 
             assert rec is not None and rec.has_verified_archive()
         assert sum(e.kind == "promote.done" for e in cat.events(job="fan")) == 3
         # A second run finds them archived: nothing is copied twice.
-        again = run_apply(cat, config, now=lambda: datetime.now(UTC), owner="fan-test-2", fanout=dask_cluster)
+        again = run_apply(Run.of(cat, config=config, owner="fan-test-2"), fanout=dask_cluster)
         assert not [i for i in again.items if i.action == "promote" and i.outcome == "done"]

@@ -33,7 +33,8 @@ WORKER = """
 import json, sys, time
 from datetime import UTC, datetime, timedelta
 from ckptier.storage.catalog.api import Catalog
-from ckptier.tasks.pipeline import RowClaims, StoreCache, run_verify
+from ckptier.tasks.pipeline import VerifyOptions, run_verify
+from ckptier.tasks.run import RowClaims, Run, StoreCache
 
 url, since, owner, out, lease_s, slow = sys.argv[1:7]
 
@@ -44,10 +45,10 @@ class SlowStores(StoreCache):
         return super().for_record(record)
 
 with Catalog.open(url, create=False) as cat:
-    report = run_verify(cat, now=lambda: datetime.now(UTC), deep=True,
-                        stores=SlowStores() if slow == "1" else None,
-                        claims=RowClaims(owner=owner, since=datetime.fromisoformat(since),
-                                         ttl=timedelta(seconds=float(lease_s)), batch=10, poll=0.2))
+    report = run_verify(Run.of(cat, stores=SlowStores() if slow == "1" else None),
+                        VerifyOptions(deep=True, claims=RowClaims(owner=owner, since=datetime.fromisoformat(since),
+                                                                  ttl=timedelta(seconds=float(lease_s)), batch=10,
+                                                                  poll=0.2)))
 with open(out, "w") as fh:
     json.dump([[r.job, r.step, r.state] for r in report.checkpoints], fh)
 """

@@ -25,7 +25,6 @@ from ckptier.tasks.config import Config, parse_config
 from ckptier.tasks.demo import train_demo_run
 from ckptier.tasks.pipeline import (
     DrillOptions,
-    StoreCache,
     fetch_record,
     run_apply,
     run_drill,
@@ -33,7 +32,7 @@ from ckptier.tasks.pipeline import (
     run_verify,
 )
 from ckptier.tasks.reports import DrillReport
-from ckptier.tasks.settings import Run
+from ckptier.tasks.run import Run, StoreCache
 
 from .test_fanout import dask_cluster  # noqa: F401 - the module's real local Dask cluster
 
@@ -63,9 +62,9 @@ def archived(tmp_path: Path) -> Iterator[tuple[Catalog, Config, Path, Path]]:
                           'hot_after_archive = "keep"\n'
                           '[[drill]]\njobs = "*"\nmodel = "ckptier.tasks.drill_models:demo_model"\nsteps = 2\n')
     with Catalog.open(f"sqlite:///{tmp_path / 'catalog.db'}") as cat:
-        run_scan([str(hot)], cat, now=now)
-        run_verify(cat, now=now)
-        report = run_apply(cat, config, now=now, owner="fetch-fanout-test")
+        run_scan(Run.of(cat, now=now), [str(hot)])
+        run_verify(Run.of(cat, now=now))
+        report = run_apply(Run.of(cat, config=config, now=now, owner="fetch-fanout-test"))
         assert [i.step for i in report.items if i.action == "promote" and i.outcome == "done"] == [50]
         yield cat, config, hot, archive
 
@@ -108,7 +107,7 @@ def test_a_corrupt_archived_file_fails_the_fanned_fetch_the_same_way(dask_cluste
 
 def test_a_drill_fetched_on_dask_reports_what_a_drill_here_does(dask_cluster: Any, archived: Any) -> None:  # noqa: F811
     cat, config, _, _ = archived
-    run = Run(catalog=cat, config=config, stores=StoreCache(roots=cat.hot_locations), now=now, owner="test")
+    run = Run.of(cat, config=config, now=now, owner="test")
     (here,) = run_drill(run, DrillOptions(job=JOB, step=50))
     (there,) = run_drill(run, DrillOptions(job=JOB, step=50), fanout=dask_cluster)
 

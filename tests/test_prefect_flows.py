@@ -304,7 +304,9 @@ def test_runner_hands_back_a_failed_applys_report_from_a_flow_run_as_the_direct_
     from prefect.settings import PREFECT_API_URL
 
     from ckptier.flows import runner
+    from ckptier.tasks.pipeline import VerifyOptions
     from ckptier.tasks.reports import ApplyRunReport
+    from ckptier.tasks.settings import Settings
 
     monkeypatch.setenv("PREFECT_API_URL", str(PREFECT_API_URL.value()))
     twin = tmp_path / "twin"
@@ -314,9 +316,9 @@ def test_runner_hands_back_a_failed_applys_report_from_a_flow_run_as_the_direct_
         url = f"sqlite:///{tmp_path / f'{how}.db'}"
         config = tmp_path / f"{how}.toml"
         config.write_text(f'[[policy]]\njobs = "*"\nkeep_last = 1\nmilestones = [25]\narchive = "{tmp_path / how}"\n')
-        runner.scan([str(hot)], catalog_url=url, use_prefect=False, progress=False, config_path=str(config))
-        runner.verify(job=None, deep=False, sample=None, workers=2, catalog_url=url, use_prefect=False,
-                      progress=False, config_path=str(config))
+        settings = Settings(url, str(config))
+        runner.scan([str(hot)], settings=settings, use_prefect=False, progress=False)
+        runner.verify(VerifyOptions(workers=2), settings=settings, use_prefect=False, progress=False)
         # Milestone 25 rots after it was verified (same size and mtime): its promotion finds out and fails.
         victim = next(p for p in sorted(hot.rglob("model.pt")) if "00000025" in str(p))
         st = victim.stat()
@@ -324,8 +326,7 @@ def test_runner_hands_back_a_failed_applys_report_from_a_flow_run_as_the_direct_
         data[len(data) // 2] ^= 0xFF
         victim.write_bytes(bytes(data))
         os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
-        reports[how] = runner.apply(job=None, dry_run=False, config_path=str(config), catalog_url=url,
-                                    use_prefect=how == "flow")
+        reports[how] = runner.apply(job=None, dry_run=False, settings=settings, use_prefect=how == "flow")
 
     def shape(report: ApplyRunReport) -> tuple[Any, ...]:
         return [(i.step, i.action, i.scope, i.outcome) for i in report.items], report.failed, report.bytes_freed
@@ -442,19 +443,21 @@ def test_runner_reports_corruption_from_a_flow_run_as_the_direct_path_does(
     from prefect.settings import PREFECT_API_URL
 
     from ckptier.flows import runner
+    from ckptier.tasks.pipeline import VerifyOptions
+    from ckptier.tasks.settings import Settings
 
     monkeypatch.setenv("PREFECT_API_URL", str(PREFECT_API_URL.value()))
     twin = tmp_path / "twin"
     shutil.copytree(tree["hot"], twin)
     catalogs = {"flow": f"sqlite:///{tmp_path / 'flow.db'}", "direct": f"sqlite:///{tmp_path / 'direct.db'}"}
     for hot, url in ((tree["hot"], catalogs["flow"]), (twin, catalogs["direct"])):
-        runner.scan([str(hot)], catalog_url=url, use_prefect=False, progress=False)
+        runner.scan([str(hot)], settings=Settings(url), use_prefect=False, progress=False)
         victim = next(p for p in sorted(hot.rglob("model.pt")) if "00000025" in str(p))
         data = bytearray(victim.read_bytes())
         data[len(data) // 2] ^= 0xFF
         victim.write_bytes(bytes(data))
-    reports = {how: runner.verify(job=None, deep=False, sample=None, workers=2, catalog_url=url,
-                                  use_prefect=how == "flow", progress=False) for how, url in catalogs.items()}
+    reports = {how: runner.verify(VerifyOptions(workers=2), settings=Settings(url), use_prefect=how == "flow",
+                                  progress=False) for how, url in catalogs.items()}
 
     def shape(report: VerifyReport) -> tuple[Any, ...]:
         rows = sorted((r.job, r.step, r.state, r.bytes_read, r.errors) for r in report.checkpoints)

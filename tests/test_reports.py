@@ -10,7 +10,7 @@ import pytest
 
 from ckptier.storage.errors import ConfigError
 from ckptier.storage.records import CheckpointRecord, CopyRecord, FileCheck, FileRecord, Format, State, Tier
-from ckptier.tasks.apply import ItemResult, Outcome
+from ckptier.tasks.reports import ItemResult, Outcome
 from ckptier.tasks.pipeline import nothing_to_drill
 from ckptier.tasks.reports import (
     FileProblem,

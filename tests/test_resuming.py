@@ -150,7 +150,8 @@ def test_a_deep_verify_through_the_run_stores_survives_broken_reads(
     s3_bucket: S3Bucket, client: Any, tmp_path: Path
 ) -> None:
     from ckptier.tasks.archive import prefix_from_location
-    from ckptier.tasks.pipeline import StoreCache, run_verify
+    from ckptier.tasks.pipeline import VerifyOptions, run_verify
+    from ckptier.tasks.run import Run, StoreCache
     from ckptier.tasks.scan import scan_url
     from ckptier.tasks.verify import verify_many
 
@@ -168,7 +169,7 @@ def test_a_deep_verify_through_the_run_stores_survives_broken_reads(
                                                    deep=True)}
         assert all(o.count("error") == 1 for o in plain.values()), plain  # model.pt broke; metadata.json is small
         net.broken.clear()
-        report = run_verify(cat, now=lambda: now, deep=True, stores=StoreCache(opener=lambda url: store))
+        report = run_verify(Run.of(cat, now=lambda: now, stores=StoreCache(opener=lambda url: store)), VerifyOptions(deep=True))
         assert report.totals.verified == 2 and report.totals.errors == 0, report
         assert report.totals.bytes_read == sum(r.bytes for r in records)
         assert all(cat.get("llm", s).state == State.VERIFIED for s in (100, 200))  # type: ignore[union-attr]

@@ -491,6 +491,7 @@ class _Drill:
     ok: bool
     started_at: datetime
     finished_at: datetime | None
+    judged: bool = True
 
 
 def test_drill_passed_reads_each_checkpoints_most_recent_drill() -> None:
@@ -1101,7 +1102,7 @@ def test_in_flight_never_counts_toward_keep_last(cs: list[CheckpointRecord], pol
 
 def test_the_best_ranked_are_proven_before_a_worse_one_is_deleted() -> None:
     """apply proves again what a deletion rests on: a worse checkpoint goes because the K best exist."""
-    from ckptier.tasks.apply import keepers
+    from ckptier.tasks.retention import keepers
 
     cs = _scored([0.9, 0.2, 0.5, 0.1, 0.8, 0.7])
     policy = Policy((KeepLast(1), KeepBest("eval_loss", "min", 2, keep_without_metric=False)), min_verified=0)

@@ -22,7 +22,8 @@ from ckptier.flows.cli import main
 from ckptier.storage.catalog.api import Catalog, DrillRecord
 from ckptier.storage.records import State
 from ckptier.tasks.config import parse_config
-from ckptier.tasks.pipeline import make_plan, run_scan, run_verify, utcnow
+from ckptier.tasks.pipeline import make_plan, run_scan, run_verify
+from ckptier.tasks.run import Run, utcnow
 
 
 def write_step(root: Path, job: str, step: int, size: int = 256) -> Path:
@@ -48,8 +49,8 @@ def catalog(catalog_url: str) -> Iterator[Catalog]:
 
 
 def scan_and_verify(catalog: Catalog, hot: Path) -> None:
-    run_scan([str(hot)], catalog, now=utcnow)
-    run_verify(catalog, now=utcnow)
+    run_scan(Run.of(catalog), [str(hot)])
+    run_verify(Run.of(catalog))
 
 
 def test_plan_warns_when_exact_milestones_never_fall_on_a_save(
@@ -89,11 +90,11 @@ def test_min_drilled_reads_the_catalogs_drill_records(hot: Path, catalog: Catalo
                                          finished_at=at + timedelta(minutes=5), ok=ok, device="cpu", source_tier="hot"))
 
     def action(step: int) -> str:
-        return next(i for i in make_plan(catalog, config, job="run", now=utcnow()).items if i.step == step).action
+        return next(i for i in make_plan(Run.of(catalog, config=config), job="run").items if i.step == step).action
 
     assert action(300) == "delete"
     drill(True, datetime.now(UTC) - timedelta(hours=3))
-    item = next(i for i in make_plan(catalog, config, job="run", now=utcnow()).items if i.step == 300)
+    item = next(i for i in make_plan(Run.of(catalog, config=config), job="run").items if i.step == 300)
     assert item.action == "keep" and "newest drill-passed recovery point" in item.reasons[0]
     drill(False, datetime.now(UTC) - timedelta(hours=1))  # its most recent drill failed: no longer a recovery point
     assert action(300) == "delete"
@@ -110,7 +111,7 @@ def rotate(hot: Path, catalog: Catalog, steps: range, keep: int) -> dict[int, Pa
     scan_and_verify(catalog, hot)
     for step in list(dirs)[:-keep]:
         shutil.rmtree(dirs[step])
-    run_scan([str(hot)], catalog, now=utcnow)
+    run_scan(Run.of(catalog), [str(hot)])
     return dirs
 
 
@@ -153,7 +154,7 @@ def test_forget_missing_tombstones_rows_gone_from_every_tier_and_lifts_the_suspe
     # idempotent; and the rescan finds 700 again
     assert main(["forget", *base, "--job", "run", "--missing", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["forgotten"] == 0
-    run_scan([str(hot)], catalog, now=utcnow)
+    run_scan(Run.of(catalog), [str(hot)])
     assert catalog.get("run", 700).missing_since is None  # type: ignore[union-attr]
 
 
@@ -177,9 +178,9 @@ def test_forget_keeps_rows_with_an_archive_copy_and_honours_older_than(
     config = parse_config(f'[[policy]]\nkeep_last = 2\narchive = "{archive}"\n')
     from ckptier.tasks.pipeline import run_forget
 
-    young = run_forget(catalog, config, job="run", now=utcnow, older_than=timedelta(days=1))
+    young = run_forget(Run.of(catalog, config=config), job="run", older_than=timedelta(days=1))
     assert young.rows == () and "no checkpoint is missing" in young.lines[-1]
-    report = run_forget(catalog, config, job="run", now=utcnow)
+    report = run_forget(Run.of(catalog, config=config), job="run")
     outcome = {r.step: (r.outcome, r.detail) for r in report.rows}
     assert outcome[100][0] == "forgotten" and outcome[400][0] == "forgotten"
     assert outcome[200][0] == "kept" and "archive/run/step-00000200" in outcome[200][1]
@@ -191,7 +192,7 @@ def test_forget_is_refused_once_a_scan_saw_the_row_again(hot: Path, catalog: Cat
     one = catalog.get("run", 100)
     assert one is not None and one.missing_since is not None
     write_step(hot, "run", 100)
-    run_scan([str(hot)], catalog, now=utcnow)  # reappeared, between our storage check and the write
+    run_scan(Run.of(catalog), [str(hot)])  # reappeared, between our storage check and the write
     assert catalog.forget(one.id, missing_since=one.missing_since, now=utcnow(), reason="test") is False
     assert catalog.get("run", 100).state != State.DELETED  # type: ignore[union-attr]
     # and a lease held by another run wins too
@@ -209,14 +210,14 @@ def test_forget_on_s3_checks_the_bucket_itself(s3_bucket: Any, s3_env: str, tmp_
         client.put_object(Bucket=bucket, Key=f"ck/run/step-{step:08d}/rank-0000/model.pt", Body=os.urandom(64))
         client.put_object(Bucket=bucket, Key=f"ck/run/step-{step:08d}/metadata.json", Body=json.dumps({"step": step}))
     url = f"s3://{bucket}/ck"
-    run_scan([url], catalog, now=utcnow)
-    run_verify(catalog, now=utcnow)
+    run_scan(Run.of(catalog), [url])
+    run_verify(Run.of(catalog))
     for step in (100, 200):
         for key in ("rank-0000/model.pt", "metadata.json"):
             client.delete_object(Bucket=bucket, Key=f"ck/run/step-{step:08d}/{key}")
-    run_scan([url], catalog, now=utcnow)
+    run_scan(Run.of(catalog), [url])
     assert {c.step for c in catalog.checkpoints(job="run") if c.missing_since is not None} == {100, 200}
     # a file of 200 is back (a late copy, a restore): storage is asked, not the catalog's flag
     client.put_object(Bucket=bucket, Key="ck/run/step-00000200/rank-0000/model.pt", Body=b"late")
-    report = run_forget(catalog, parse_config("[[policy]]\nkeep_last = 1\n"), job="run", now=utcnow)
+    report = run_forget(Run.of(catalog, config=parse_config("[[policy]]\nkeep_last = 1\n")), job="run")
     assert {r.step: r.outcome for r in report.rows} == {100: "forgotten", 200: "kept"}

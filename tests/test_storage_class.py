@@ -27,7 +27,8 @@ from ckptier.storage.errors import ConfigError, IntegrityError, NeedsRestore
 from ckptier.storage.records import Tier
 from ckptier.storage.s3 import S3Store
 from ckptier.tasks.archive import manifest_key, promote
-from ckptier.tasks.pipeline import StoreCache, run_scan, run_verify, utcnow
+from ckptier.tasks.pipeline import VerifyOptions, run_scan, run_verify
+from ckptier.tasks.run import Run, StoreCache
 from tests.fixtures.s3 import make_client
 
 NOW = datetime(2026, 11, 30, 12, tzinfo=UTC)
@@ -99,8 +100,8 @@ def hot(tmp_path: Path, catalog: Catalog) -> Path:
     root = tmp_path / "hot"
     for step in (100, 200, 300):
         write_step(root, "run", step)
-    run_scan([str(root)], catalog, now=utcnow)
-    run_verify(catalog, now=utcnow)
+    run_scan(Run.of(catalog), [str(root)])
+    run_verify(Run.of(catalog))
     return root
 
 
@@ -184,7 +185,7 @@ def test_apply_ls_verify_and_fetch_with_a_glacier_archive(
     assert record.archive_copy().storage_class == "GLACIER"  # type: ignore[union-attr]
 
     # the nightly deep read cannot GET it: HEAD against the manifest, never "degraded"
-    report = run_verify(catalog, now=utcnow, deep=True, stores=StoreCache())
+    report = run_verify(Run.of(catalog, stores=StoreCache()), VerifyOptions(deep=True))
     (row,) = [r for r in report.checkpoints if r.tier == "archive"]
     assert row.state == "verified" and report.totals.archive_degraded == 0
 

@@ -25,7 +25,8 @@ from ckptier.storage.records import CheckpointRecord, FileRecord, Format, State
 from ckptier.storage.transitions import Row, Verification, on_verification
 from ckptier.tasks.config import load_config
 from ckptier.tasks.drill import choose_candidates
-from ckptier.tasks.pipeline import StoreCache, make_plan, run_scan, run_verify
+from ckptier.tasks.pipeline import VerifyOptions, make_plan, run_scan, run_verify
+from ckptier.tasks.run import Run, StoreCache
 from ckptier.tasks.scan import scan_url
 from ckptier.tasks.verify import (
     BufferPool,
@@ -605,16 +606,16 @@ def test_listed_but_absent_file_is_corrupt_not_verified_latest_kept_or_drilled(
     (tmp_path / "ckptier.toml").write_text('[[policy]]\njobs = "*"\nkeep_last = 1\n')
     config = load_config(tmp_path / "ckptier.toml")
     with _catalog(tmp_path) as cat:
-        (scanned,) = run_scan([str(run.root)], cat, now=lambda: now, config=config)
+        (scanned,) = run_scan(Run.of(cat, config=config, now=lambda: now), [str(run.root)])
         assert scanned.summary is not None and scanned.summary.corrupt == 1  # found at the scan already: the listing lacks what metadata.json lists
-        run_verify(cat, now=lambda: now, config=config)
+        run_verify(Run.of(cat, config=config, now=lambda: now))
         rec = cat.get(run.job, newest)
         assert rec is not None and rec.state == State.CORRUPT
         assert "rank-0001/optimizer.pt (absent, listed in metadata.json)" in (rec.state_reason or "")
         assert "rank-0001/ (absent" in (rec.state_reason or "")
         latest = cat.latest(run.job)
         assert latest is not None and latest.step == previous
-        plan = {i.step: i for i in make_plan(cat, config, job=run.job, now=now).items}
+        plan = {i.step: i for i in make_plan(Run.of(cat, config=config, now=lambda: now), job=run.job).items}
         assert "newest verified checkpoint of the job" in plan[previous].reasons
         assert plan[newest].action == "keep" and plan[newest].reasons[0].startswith("corrupt")
         assert [c.step for c in choose_candidates(cat.checkpoints(job=run.job))][0] == previous
@@ -624,15 +625,15 @@ def test_listed_but_absent_file_in_a_young_save_is_incomplete_until_grace(guide_
     run, newest = _guide_with_absent_rank(guide_run, tmp_path)
     soon = datetime.now(UTC) + timedelta(minutes=5)
     with _catalog(tmp_path) as cat:
-        run_scan([str(run.root)], cat, now=lambda: soon)
-        run_verify(cat, now=lambda: soon)
+        run_scan(Run.of(cat, now=lambda: soon), [str(run.root)])
+        run_verify(Run.of(cat, now=lambda: soon))
         rec = cat.get(run.job, newest)
         assert rec is not None and rec.state == State.INCOMPLETE
         assert "not present yet: rank-0001/" in (rec.state_reason or "") and "corrupt if still so at" in (rec.state_reason or "")
         assert cat.latest(run.job).step != newest  # type: ignore[union-attr]
         # The grace runs out with the files still absent: corrupt, naming them.
         later = soon + timedelta(hours=3)
-        run_scan([str(run.root)], cat, now=lambda: later)
+        run_scan(Run.of(cat, now=lambda: later), [str(run.root)])
         rec = cat.get(run.job, newest)
         assert rec is not None and rec.state == State.CORRUPT and "rank-0001/optimizer.pt" in (rec.state_reason or "")
         assert [e.kind for e in cat.events(job=run.job, kinds=["corrupt"])] == ["corrupt"]
@@ -644,8 +645,8 @@ def test_dcp_shard_shorter_than_its_metadata_needs_is_corrupt(dcp_run: Checkpoin
     shard.write_bytes(shard.read_bytes()[:100])
     now = datetime.now(UTC) + timedelta(hours=3)
     with _catalog(tmp_path) as cat:
-        run_scan([str(run.root)], cat, now=lambda: now)
-        run_verify(cat, now=lambda: now)
+        run_scan(Run.of(cat, now=lambda: now), [str(run.root)])
+        run_verify(Run.of(cat, now=lambda: now))
         states = {c.step: c.state for c in cat.checkpoints(job=run.job)}
         assert states == {2: State.VERIFIED, 4: State.CORRUPT, 6: State.VERIFIED}
         assert f"{shard.name} (100 bytes, .metadata needs at least" in (cat.get(run.job, 4).state_reason or "")  # type: ignore[union-attr]
@@ -664,8 +665,8 @@ def test_truncated_lightning_checkpoint_is_corrupt_and_never_latest(lightning_ru
     run, newest = _truncated_lightning(lightning_run, tmp_path)
     now = datetime.now(UTC) + timedelta(hours=3)
     with _catalog(tmp_path) as cat:
-        run_scan([str(run.root)], cat, now=lambda: now)
-        report = run_verify(cat, now=lambda: now)
+        run_scan(Run.of(cat, now=lambda: now), [str(run.root)])
+        report = run_verify(Run.of(cat, now=lambda: now))
         rec = cat.get(run.job, newest)
         assert rec is not None and rec.state == State.CORRUPT
         assert (rec.state_reason or "").startswith(f"{rec.files[0].relpath}: torch zip: truncated: the file ends")
@@ -690,15 +691,15 @@ def test_truncated_lightning_checkpoint_on_s3_is_read_once_and_corrupt(
     now = datetime.now(UTC) + timedelta(hours=3)
     with _catalog(tmp_path) as cat:
         scan_url(store.url, cat, now=now, store=store)
-        first = run_verify(cat, now=lambda: now, stores=stores)
+        first = run_verify(Run.of(cat, now=lambda: now, stores=stores))
         rec = cat.get(run.job, newest)
         assert rec is not None and rec.state == State.CORRUPT and "torch zip: truncated" in (rec.state_reason or "")
         assert first.totals.bytes_read == sum(c.bytes for c in cat.checkpoints(job=run.job))
         assert cat.latest(run.job).step == max(s for s in run.steps if s != newest)  # type: ignore[union-attr]
         # Once structure and baseline are recorded, a deep-less re-verification reads nothing.
-        again = run_verify(cat, now=lambda: now, stores=stores, sample=(1, 1))
+        again = run_verify(Run.of(cat, now=lambda: now, stores=stores), VerifyOptions(sample=(1, 1)))
         assert again.totals.bytes_read > 0  # a sample is a deep read
-        assert run_verify(cat, now=lambda: now, stores=stores).totals.bytes_read == 0
+        assert run_verify(Run.of(cat, now=lambda: now, stores=stores)).totals.bytes_read == 0
 
 
 def test_the_scan_verify_flow_alerts_on_corruption_a_scan_found() -> None:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Collection, Container, Iterable, Iterator,
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import (
     ColumnElement,
@@ -227,6 +227,22 @@ class EventRecord:
     job: str | None
     checkpoint_id: int | None
     data: Mapping[str, Any] | None
+
+
+class _DrillRow(NamedTuple):
+    """What a checkpoint's record reads of each of its drills (a ``transitions.DrillLike``)."""
+
+    checkpoint_id: int | None
+    ok: bool
+    started_at: datetime
+    finished_at: datetime | None
+    error: str | None
+    verdict: Any
+    outcome: str | None
+
+    @property
+    def judged(self) -> bool:
+        return self.outcome != NOT_JUDGED
 
 
 @dataclass(frozen=True)
@@ -974,18 +990,20 @@ class Catalog:
                     FileRecord(relpath=rel, size=size, mtime=mtime, etag=etag, crc64nvme=crc,
                                sha256_expected=exp, status=status, detail=detail, link=link)
                 )
+        # The most recent drill of each by the one rule (transitions.latest_drill: a drill
+        # that was not judged is history only); read newest recorded first, so that of two
+        # equal drills the later recorded speaks.
+        drills = [_DrillRow(*row) for row in conn.execute(
+            select(dr.c.checkpoint_id, dr.c.ok, dr.c.started_at, dr.c.finished_at, dr.c.error, dr.c.verdict,
+                   dr.c.outcome)
+            .where(dr.c.checkpoint_id.in_(ids))
+            .order_by(dr.c.id.desc())
+        ).tuples()]
         last_drill: dict[int, DrillOutcome] = {}
-        for d in conn.execute(
-            select(dr.c.checkpoint_id, dr.c.ok, dr.c.started_at, dr.c.finished_at, dr.c.error, dr.c.verdict)
-            .where(dr.c.checkpoint_id.in_(ids), or_(dr.c.outcome.is_(None), dr.c.outcome != NOT_JUDGED))
-            .order_by(dr.c.checkpoint_id, dr.c.started_at.desc(), dr.c.id.desc())
-        ):
-            if d.checkpoint_id not in last_drill:
-                summary = d.verdict.get("summary") if isinstance(d.verdict, dict) else None
-                last_drill[d.checkpoint_id] = DrillOutcome(
-                    ok=bool(d.ok), at=d.finished_at or d.started_at,
-                    detail=None if d.ok else (d.error or summary),
-                )
+        for cid, d in transitions.latest_drills(drills).items():
+            summary = d.verdict.get("summary") if isinstance(d.verdict, dict) else None
+            last_drill[cid] = DrillOutcome(ok=bool(d.ok), at=d.finished_at or d.started_at,
+                                           detail=None if d.ok else (d.error or summary))
         copies: dict[int, list[CopyRecord]] = {}
         for ccid, tier, url, cstate, stored, cverified, codec, sclass in conn.execute(
             select(cp.c.checkpoint_id, cp.c.tier, cp.c.url, cp.c.state, cp.c.stored_bytes, cp.c.verified_at,
