@@ -481,7 +481,7 @@ def rebuild(
     archives_wanted = list(dict.fromkeys(archive_urls or sorted({p.archive for p in config.policies if p.archive})))
     if not archives_wanted:
         raise ConfigError("rebuild: no archive location: give --archive URL, or name one in a [[policy]] archive "
-                          "of ckptier.toml")
+                          "of ckptier.toml (with no archive tier at all, 'ckptier scan HOT_URL' catalogs the hot tree)")
     for h in hot_urls:
         for wanted in archives_wanted:
             if (how := _overlap(wanted, h)) is not None:
