@@ -105,6 +105,20 @@ class Tally:
     points: Counter[str] = field(default_factory=Counter)
 
 
+def count_kill(t: Tally, died: bool, point: str, delay: float | None) -> bool:
+    """Count one child's end in ``t``: killed by us (at ``point``, or after ``delay``), or finished."""
+    if not died:
+        t.finished += 1
+        return False
+    t.kills += 1
+    t.points[point if delay is None else "delay"] += 1
+    if delay is None:
+        t.hook_kills += 1
+    else:
+        t.delay_kills += 1
+    return True
+
+
 @dataclass
 class Findings:
     """Everything a run found: figures per kind and one line per problem."""
@@ -917,16 +931,9 @@ class KillTrials:
                 ended = time.monotonic()
                 died = rc == -signal.SIGKILL
                 what = f"{point}#{n}" if delay is None else f"delay {delay:.2f}s"
-                if died:
+                if count_kill(t, died, point, delay):
                     kills += 1
-                    t.kills += 1
-                    t.points[point if delay is None else "delay"] += 1
-                    if delay is None:
-                        t.hook_kills += 1
-                    else:
-                        t.delay_kills += 1
                 else:
-                    t.finished += 1
                     self.learn(kind, child)
                 self.child_outcome(world, child, rc, label=f"{label} round {i + 1} ({what})",
                                    ok=(0, 1) if world.corrupted else (0,))
@@ -1141,16 +1148,9 @@ def rebuild_trial(worlds: Worlds, findings: Findings, rnd: random.Random, pool: 
                 child.kill_after(delay)
             rc = child.finish()
             what = f"{point}#{n}" if delay is None else f"delay {delay:.2f}s"
-            if rc == -signal.SIGKILL:
+            if count_kill(t, rc == -signal.SIGKILL, point, delay):
                 kills += 1
-                t.kills += 1
-                t.points[point if delay is None else "delay"] += 1
-                if delay is None:
-                    t.hook_kills += 1
-                else:
-                    t.delay_kills += 1
             else:
-                t.finished += 1
                 rep = child.report()
                 if rep is not None:
                     durations.append(rep[0])

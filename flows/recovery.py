@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from typing import Any
 
 from ckptier.storage.errors import ConfigError
 
@@ -22,43 +23,44 @@ from .output import print_json
 
 
 def cmd_rebuild(args: argparse.Namespace) -> int:
-    from ckptier.tasks.config import load_config
     from ckptier.tasks.rebuild import rebuild
-    from ckptier.tasks.settings import catalog_location, open_run
+    from ckptier.tasks.settings import open_run
 
     if args.workers is not None and args.workers < 1:
         raise ConfigError(f"rebuild --workers {args.workers}: must be at least 1, e.g. --workers 8")
-    config = load_config(args.config)
-    location = catalog_location(args.catalog, args.config, config=config)
-    if not args.json:
-        print(f"catalog: {location}", flush=True)
-    with open_run(location.url, args.config, owner="ckptier-rebuild", create=True) as run:
+    with open_run(_catalog_url(args), args.config, owner="ckptier-rebuild", create=True) as run:
         report = rebuild(run.catalog, run.config, store=run.stores.store, now=run.now, hot_urls=args.urls,
                          archive_urls=args.archive or (), **({"workers": args.workers} if args.workers else {}))
-    if args.json:
-        print_json(report.to_json())
-    else:
-        for line in report.lines():
-            print(line)
-    return 0 if report.ok else 1
+    return _printed(args, report)
 
 
 def cmd_catalog(args: argparse.Namespace) -> int:
     from ckptier.tasks.backup import backup_catalog, policy_archives
-    from ckptier.tasks.config import load_config
     from ckptier.tasks.pipeline import unknown_job
-    from ckptier.tasks.settings import catalog_location, open_run
+    from ckptier.tasks.settings import open_run
 
-    config = load_config(args.config)
-    location = catalog_location(args.catalog, args.config, config=config)
-    if not args.json:
-        print(f"catalog: {location}", flush=True)
-    with open_run(location.url, args.config, owner="ckptier-backup") as run:
+    with open_run(_catalog_url(args), args.config, owner="ckptier-backup") as run:
         jobs = run.catalog.jobs()
         if args.job is not None and args.job not in jobs:
             raise unknown_job(args.job)
         report = backup_catalog(run.catalog, policy_archives(run.config, run.stores.store), now=run.now(),
                                 jobs=[args.job] if args.job else jobs)
+    return _printed(args, report)
+
+
+def _catalog_url(args: argparse.Namespace) -> str:
+    """The catalog the command uses, named first in human output (as every command does)."""
+    from ckptier.tasks.config import load_config
+    from ckptier.tasks.settings import catalog_location
+
+    location = catalog_location(args.catalog, args.config, config=load_config(args.config))
+    if not args.json:
+        print(f"catalog: {location}", flush=True)
+    return location.url
+
+
+def _printed(args: argparse.Namespace, report: Any) -> int:
+    """Print ``report`` (``--json``: its ``to_json()``, else its lines); exit 0 when it is ok, else 1."""
     if args.json:
         print_json(report.to_json())
     else:

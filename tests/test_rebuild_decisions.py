@@ -188,3 +188,17 @@ def test_hot_locations_given_win_and_an_archive_is_never_scanned_as_hot() -> Non
     assert [(h.url, h.origin) for h in hot] == [("s3://b/hot", "given")] and not left
     hot, _ = choose_hot_locations([], [], ms[:1], [])
     assert [(h.url, h.origin) for h in hot] == [("file:///data/hot", "manifest")]
+
+
+def test_recognition_never_claims_an_archive_copys_objects() -> None:
+    """The archive's layout looks like the guide's (``job/step-N/...``): its ``.ckz`` objects are never a
+    checkpoint's files, whatever else is beside them; they are counted, so that scan can say what it saw."""
+    from ckptier.formats import recognise
+
+    keys = {f"{DIR}/ckptier-manifest.json": b"{}", f"{DIR}/.ckptier/upload.json": b"{}",
+            f"{DIR}/metadata.json.ckz": b"x", f"{DIR}/rank-0000/model.pt.ckz": b"x",
+            "runs/llm/step-00000200/metadata.json.ckz": b"x"}  # objects of a copy whose markers were lost
+    rec = recognise((ObjectInfo(k, len(v), 1.0) for k, v in keys.items()), keys.__getitem__, root_name="archive",
+                    now=NOW.timestamp())
+    assert rec.checkpoints == () and rec.unrecognised == ()
+    assert rec.archive_objects == 3 and rec.archive_example is not None and rec.archive_example.endswith(".ckz")
