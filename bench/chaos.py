@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Chaos: SIGKILLed and concurrent applies, and generated hostile input, checked after every trial.
 
-usage: python bench/chaos.py [--trials 210] [--concurrent 12] [--fuzz 10000] [--rebuild 12] [--seed N]
-                             [--workdir DIR] [--no-pg] [--keep]
+usage: python bench/chaos.py [--trials 210] [--concurrent 12] [--swaps 60] [--fuzz 10000] [--rebuild 12]
+                             [--seed N] [--workdir DIR] [--no-pg] [--keep]
 
 Starts its own ``moto_server`` and PostgreSQL (as tests/fixtures do) on
 127.0.0.1, then runs, from one printed seed (the same seed replays the same
@@ -22,6 +22,17 @@ speed puts them):
   before the apply.
 * **concurrent trials** (``--concurrent`` per catalog): two applies at once
   on PostgreSQL and on SQLite, each killed at a random delay or not.
+* **swap trials** (``--swaps``): a local world, scanned and verified, whose
+  hot tree is changed under ``ckptier apply`` at a random point between the
+  scan and the delete (before the apply; or, in the child, right after a
+  lease, a live listing, a stat, a keeper's proof or the delete intent): a
+  rolling checkpoint's step directory, its rank directory or the job
+  directory swapped for a symlink to the newest checkpoint or to a tree
+  outside the root laid out like it, a file swapped for a symlink to a
+  root-only file outside or to a keeper's file. Then: nothing outside the
+  root changed (a snapshot of it, bytes, directories and links), every kept
+  checkpoint's files are intact, no traceback; the swap is undone, and a
+  rescan, a verify and the after-trial checks below pass.
 * **rebuild trials** (``--rebuild``, :func:`rebuild_trial`): a tiered world's catalog is lost
   (its backup kept, removed, or the newest corrupted) and ``ckptier rebuild`` children are
   SIGKILLed one to three times (at a crash point: a backup restored, a hot location scanned, a
@@ -81,6 +92,11 @@ sys.path.insert(0, str(REPO))
 import chaos_child  # noqa: E402
 
 KINDS = ("local", "s3-archive", "s3-hot")
+#: What a swap trial puts a symlink in place of, and to what (see the module docstring).
+SWAPS = ("step-to-newest", "step-to-outside", "rank-to-outside", "job-to-outside", "file-to-outside",
+         "file-to-keeper")
+#: When: before the apply, or at a point of the child apply (``bench/chaos_child.py``).
+SWAP_AT = ("before", "lease", "list", "stat", "proof", "intent")
 BUCKET = "chaos"
 KILL_POINTS = tuple(p for p in chaos_child.POINTS)
 #: Exit status of a run that skipped work another live run holds.
@@ -985,6 +1001,107 @@ class KillTrials:
             self.dispose(world, before)
 
 
+def tree_snapshot(root: Path) -> dict[str, bytes | str]:
+    """Every entry below ``root``, not following links: a file's bytes, a link's text, a directory."""
+    out: dict[str, bytes | str] = {}
+    if not root.exists():
+        return out
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            rel = p.relative_to(root).as_posix()
+            if p.is_symlink():
+                out[rel] = "-> " + os.readlink(p)
+            elif p.is_dir():
+                out[rel] = "dir"
+            else:
+                out[rel] = p.read_bytes()
+    return out
+
+
+class SwapTrials:
+    """Symlink swaps in the hot tree at random points between scan and delete (module docstring)."""
+
+    def __init__(self, kills: KillTrials) -> None:
+        self.k = kills
+        self.rnd = kills.rnd
+
+    def trial(self) -> None:
+        k, rnd, findings = self.k, self.rnd, self.k.findings
+        kind = "swap"
+        t = findings.tally(kind)
+        t.trials += 1
+        world = k.worlds.build("local", rnd)
+        world.kind = kind
+        how, at = rnd.choice(SWAPS), rnd.choice(SWAP_AT)
+        before = len(findings.problems)
+        try:
+            if not k.worlds.prepare(world, rnd, findings, corrupt=False):
+                return
+            kept, hot_gone = world.expected()
+            rolling = [s for s in world.steps if s not in kept and s not in hot_gone] or world.steps[:-1]
+            victim, newest = rnd.choice(rolling), world.steps[-1]
+            label = f"{world.root.name} ({how} of step {victim} at {at})"
+            job = Path(world.hot_url) / world.job
+            outside, aside = world.root / "outside", world.root / "aside"
+            aside.mkdir()
+            shutil.copytree(job / f"step-{victim:08d}", outside / "step")  # looks like the victim, is not ours
+            (outside / "step" / "rank-0000" / "keep-me").mkdir()
+            shutil.copytree(job, outside / "job")
+            (outside / "secret").write_bytes(b"root only: never read, archived or fetched\n")
+            (outside / "secret").chmod(0o600)
+            vdir = job / f"step-{victim:08d}"
+            moves = {
+                "step-to-newest": [[str(vdir), str(aside / "step"), f"step-{newest:08d}"]],
+                "step-to-outside": [[str(vdir), str(aside / "step"), str(outside / "step")]],
+                "rank-to-outside": [[str(vdir / "rank-0000"), str(aside / "rank"), str(outside / "step" / "rank-0000")]],
+                "job-to-outside": [[str(job), str(aside / "job"), str(outside / "job")]],
+                "file-to-outside": [[str(vdir / "rank-0000" / "model.pt"), str(aside / "model.pt"),
+                                     str(outside / "secret")]],
+                "file-to-keeper": [[str(vdir / "rank-0000" / "model.pt"), str(aside / "model.pt"),
+                                    str(job / f"step-{newest:08d}" / "rank-0000" / "model.pt")]],
+            }[how]
+            untouched = tree_snapshot(outside)
+            child = k.pool.take(world, "none", 0)
+            if at == "before":
+                chaos_child.swap(moves)
+            else:
+                seen = k.hits.get("local", Counter())
+                child.orders["swap"] = {"point": at, "n": rnd.randint(1, max(1, seen.get(at, 1))), "moves": moves}
+            if not child.wait_ready():
+                child.finish()
+                findings.add(kind, "crash", f"{label}: child did not start: {child.err[-1500:]}")
+                return
+            child.go()
+            rc = child.finish()
+            t.finished += 1
+            k.child_outcome(world, child, rc, label=label, ok=(0, 1))
+            if tree_snapshot(outside) != untouched:
+                findings.add(kind, "violation", f"{label}: something outside the root was changed through the link")
+            for step in sorted(kept | {newest}):
+                if step == victim:
+                    continue
+                for rel, data in world.files[step].items():
+                    p = job / f"step-{step:08d}" / rel
+                    if (aside / "job" / f"step-{step:08d}" / rel).exists() and how == "job-to-outside":
+                        p = aside / "job" / f"step-{step:08d}" / rel
+                    if not p.is_file() or p.read_bytes() != data:
+                        findings.add(kind, "violation", f"{label}: kept step {step}'s {rel} was lost or changed")
+            for path, put_aside, _ in reversed(moves):  # undo: the tree as it was, less what apply deleted
+                if os.path.islink(path):
+                    os.unlink(path)
+                if os.path.lexists(put_aside):
+                    os.rename(put_aside, path)
+            for argv in (world.args("scan", "--no-prefect", world.hot_url), world.args("verify", "--no-prefect")):
+                run = cli(*argv)
+                if traceback_in(run) or run.rc not in (0, 1):
+                    findings.add(kind, "crash" if traceback_in(run) else "violation", f"{label}: {run.line()}")
+            # What the interrupted or refused delete left is finished by the checks' re-runs.
+            check(world, findings, label, s3=k.worlds.s3, since=time.monotonic())
+        finally:
+            k.dispose(world, before)
+
+
 # ------------------------------------------------------------------------------ rebuild trials
 
 #: Catalog columns a comparison of two rebuilds leaves out: ids (each catalog numbers its own rows) and
@@ -1214,6 +1331,7 @@ def rebuild_trials(worlds: Worlds, findings: Findings, rnd: random.Random, env: 
 class Options:
     trials: int = 210
     concurrent: int = 12
+    swaps: int = 60
     fuzz: int = 10_000
     seed: int = 0
     workdir: Path | None = None
@@ -1247,7 +1365,7 @@ def run(opts: Options, services: Services) -> Findings:
     t0 = time.monotonic()
     try:
         pg_ok = opts.pg and services.pg is not None
-        for kind in KINDS if opts.trials or opts.concurrent else ():
+        for kind in KINDS if opts.trials or opts.concurrent or opts.swaps else ():
             trials.calibrate(kind, pg=False)
         kills = 0
         attempts = 0
@@ -1264,6 +1382,12 @@ def run(opts: Options, services: Services) -> Findings:
             if pg_ok:
                 trials.concurrent("pg")
         log(f"chaos: concurrent trials done, {time.monotonic() - t0:.0f}s")
+        swaps = SwapTrials(trials)
+        for i in range(opts.swaps):
+            swaps.trial()
+            if (i + 1) % 10 == 0:
+                v, c, s = findings.totals
+                log(f"chaos: {i + 1} swap trials, {time.monotonic() - t0:.0f}s; violations {v}, crashes {c}, stuck {s}")
         rebuild_trials(worlds, findings, rnd, env, opts.rebuild, pg=pg_ok, log=log)
         findings.fuzz["canary_debris"] = canary_debris(worlds.s3)
         if opts.fuzz:
@@ -1357,6 +1481,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trials", type=int, default=210, help="SIGKILLed applies at least (default 210)")
     ap.add_argument("--concurrent", type=int, default=12, help="trials of two concurrent applies per catalog")
+    ap.add_argument("--swaps", type=int, default=60, help="trials of symlink swaps under an apply (default 60)")
     ap.add_argument("--fuzz", type=int, default=10_000, help="generated cases (trees, manifests, S3 key sets)")
     ap.add_argument("--seed", type=int, default=None, help="replay a run (default: a new random seed)")
     ap.add_argument("--workdir", type=Path, default=None, help="where worlds are built (default: $TMPDIR)")
@@ -1368,10 +1493,11 @@ def main() -> int:
                          "(bench/chaos_fuzz.py OPEN_DEFECTS)")
     a = ap.parse_args()
     seed = a.seed if a.seed is not None else random.SystemRandom().randrange(2**32)
-    opts = Options(trials=a.trials, concurrent=a.concurrent, fuzz=a.fuzz, seed=seed, workdir=a.workdir,
-                   pg=not a.no_pg, keep=a.keep, skip_open=a.skip_open, rebuild=a.rebuild)
+    opts = Options(trials=a.trials, concurrent=a.concurrent, swaps=a.swaps, fuzz=a.fuzz, seed=seed,
+                   workdir=a.workdir, pg=not a.no_pg, keep=a.keep, skip_open=a.skip_open, rebuild=a.rebuild)
     print(f"ckptier chaos: seed {seed} (replay: python bench/chaos.py --trials {a.trials} --concurrent "
-          f"{a.concurrent} --fuzz {a.fuzz} --rebuild {a.rebuild} --seed {seed}{' --skip-open' if a.skip_open else ''})",
+          f"{a.concurrent} --swaps {a.swaps} --fuzz {a.fuzz} --rebuild {a.rebuild} --seed {seed}"
+          f"{' --skip-open' if a.skip_open else ''})",
           flush=True)
     t0 = time.monotonic()
     services = start_services(opts.pg)

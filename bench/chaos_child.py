@@ -2,7 +2,8 @@
 """The ``ckptier`` command line in a child process that can SIGKILL itself at a named point.
 
 usage: python bench/chaos_child.py
-       then, on stdin, one line: {"point": POINT, "n": N, "argv": [ARGS...], "cwd": DIR}
+       then, on stdin, one line: {"point": POINT, "n": N, "argv": [ARGS...], "cwd": DIR,
+                                  "swap": {"point": POINT, "n": N, "moves": [[PATH, ASIDE, LINK_TARGET], ...]}}
 
 Used by ``bench/chaos.py``, which keeps one child started ahead of time.
 Imports ckptier (and boto3), prints ``ready``, waits for its orders (one JSON
@@ -33,6 +34,13 @@ real stores' and catalog's methods, installed here only:
 ``rebuilt``     (rebuild) right after a job's archive copies were recorded
 ==============  ================================================================
 
+``swap`` (optional) is what an attacker, or a careless operator, does to the
+hot tree while the apply runs: on the ``N``-th arrival at its point (any of
+the above, or ``list``: right after a live listing of a checkpoint's keys,
+or ``stat``: right after a file was stat'ed), each ``PATH`` is renamed to
+``ASIDE`` and a symlink to ``LINK_TARGET`` takes its place. Nothing is
+killed then; the apply goes on.
+
 With ``CHAOS_SMALL_PARTS=1`` S3 stores switch to multipart above 5 MiB (parts
 of 5 MiB, S3's minimum) instead of 64 MiB, so that small test data crosses
 the threshold.
@@ -51,15 +59,32 @@ from typing import Any
 
 POINTS = ("canary", "lease", "upload", "part", "manifest", "committed", "recorded", "proof", "intent", "mid-delete",
           "deleted", "tombstone", "restored", "scanned", "rebuilt")
+#: Points a swap may happen at besides the kill points.
+SWAP_POINTS = (*POINTS, "list", "stat")
 SMALL_PART = 5 << 20
 
 hits: Counter[str] = Counter()
 _target: tuple[str, int] | None = None
+#: (point, n, moves) of the swap to make (see the module docstring), or None.
+_swap: tuple[str, int, list[list[str]]] | None = None
+swapped: list[str] = []
+
+
+def swap(moves: list[list[str]]) -> None:
+    """Each ``path`` aside, a symlink to ``target`` in its place."""
+    for path, aside, target in moves:
+        if os.path.lexists(path):
+            os.rename(path, aside)
+        os.symlink(target, path)
+        swapped.append(path)
 
 
 def reached(point: str) -> None:
-    """Count one arrival at ``point``; SIGKILL this process when it is the chosen one."""
+    """Count one arrival at ``point``; SIGKILL this process when it is the chosen one, make the
+    swap when it is the swap's."""
     hits[point] += 1
+    if _swap is not None and (_swap[0], _swap[1]) == (point, hits[point]):
+        swap(_swap[2])
     if _target is not None and _target == (point, hits[point]):
         sys.stdout.flush()
         sys.stderr.flush()
@@ -127,6 +152,26 @@ def install() -> None:
             return result
 
         cls.delete_many = delete_many  # type: ignore[method-assign]
+        real_proven = cls.delete_proven
+
+        def delete_proven(self: Any, proven: Any, _real: Any = real_proven) -> Any:
+            proven = list(proven)
+            if len(proven) > 1 and _target is not None and _target == ("mid-delete", hits["mid-delete"] + 1):
+                _real(self, proven[: len(proven) // 2])
+            reached("mid-delete")
+            result = _real(self, proven)
+            reached("deleted")
+            return result
+
+        cls.delete_proven = delete_proven  # type: ignore[method-assign]
+        real_list = cls.list
+
+        def listing(self: Any, *args: Any, _real: Any = real_list, **kwargs: Any) -> Any:
+            yield from _real(self, *args, **kwargs)
+            reached("list")
+
+        cls.list = listing  # type: ignore[method-assign]
+        _after(cls, "stat", "stat")
 
     real_call = S3Store._call
 
@@ -163,7 +208,7 @@ def _after_function(module: Any, name: str, point: str) -> None:
 
 
 def main() -> int:
-    global _target
+    global _target, _swap
     from ckptier.flows.cli import main as ckptier
     from ckptier.storage import s3  # noqa: F401 - imported before "ready", as apply would
     from ckptier.tasks import apply, archive, pipeline, rebuild, verify  # noqa: F401
@@ -181,10 +226,18 @@ def main() -> int:
         print(f"chaos_child: unknown point {point!r} (none, {', '.join(POINTS)})", file=sys.stderr)
         return 2
     _target = None if point == "none" else (point, n)
+    if orders.get("swap"):
+        sw = orders["swap"]
+        if sw["point"] not in SWAP_POINTS:
+            print(f"chaos_child: unknown swap point {sw['point']!r} ({', '.join(SWAP_POINTS)})", file=sys.stderr)
+            return 2
+        _swap = (sw["point"], int(sw["n"]), [list(m) for m in sw["moves"]])
     os.chdir(orders.get("cwd") or ".")
     t0 = time.monotonic()
     code = ckptier(args)
     print(f"chaos-child: {time.monotonic() - t0:.3f} {json.dumps(dict(hits))}", flush=True)
+    if _swap is not None:
+        print(f"chaos-child-swapped: {json.dumps(swapped)}", flush=True)
     return code
 
 

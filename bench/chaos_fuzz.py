@@ -6,7 +6,10 @@ line (in the bench's process) in batches:
 * a **tree**: one job directory of 1-3 checkpoints under a local scan root,
   each either well formed (a guide-layout checkpoint of real ``torch.save``
   files with a ``metadata.json`` listing sizes and sha256s) or hostile:
-  broken ``metadata.json`` (truncated, garbage, deeply nested, wrong types,
+  hostile archives (a ``.pt`` that is a zip bomb: a deflated member of
+  512 MiB of zeros in half a megabyte, honest or lying about its size; a pickle bomb in
+  its ``data.pkl`` or in a DCP ``.metadata``: a few bytes of opcodes per
+  object built), broken ``metadata.json`` (truncated, garbage, deeply nested, wrong types,
   NaN, duplicate keys, another step), steps at the edges (0, 2^31, 2^63-1,
   2^63, 10^20, unicode digits, padding that makes duplicates), empty data
   files, files listed but missing, wrong hashes, odd unicode and control
@@ -28,7 +31,8 @@ A batch: write the cases, ``scan`` (plus the tampering), ``verify``,
 damage, ``verify --deep``, ``apply`` again with hot copies deleted after
 archiving, a rescan and a last ``apply``, then ``fetch`` of every cataloged
 checkpoint the generator planted. Oracles: no command crashes, hangs or
-prints a traceback; ``scan`` exits 0; every well-formed checkpoint is
+prints a traceback; no batch grows the process's peak memory by more than
+400 MiB (the bombs inflate to 512 MiB); ``scan`` exits 0; every well-formed checkpoint is
 cataloged and verified with exactly its files; every well-formed checkpoint
 the plan keeps fetches bit-exactly (whatever happened to its archive copy);
 any fetch that succeeds returns exactly the bytes that were written at those
@@ -68,6 +72,10 @@ OPEN_DEFECTS: dict[str, str] = {}
 #: Share of the cataloged checkpoints that are not well formed which are fetched too
 #: (every well-formed one is).
 FETCH_OTHERS = 0.2
+#: What a zip bomb inflates to (about a thousandth of it on disk).
+BOMB_BYTES = 512 << 20
+#: Most this process's peak memory may grow in one batch: a bomb decoded whole would take more.
+MAX_BATCH_GROWTH = 400 << 20
 
 _NAMES = [
     "llm", "run 1", "ünïcode", "e\u0301t\u00e9", "\u00e9t\u00e9", "\u202egnp.exe", "zero\u200bwidth", "emoji🚀",
@@ -145,9 +153,43 @@ def guide_files(rnd: random.Random, step: int | None, *, names: tuple[str, ...] 
     return files
 
 
-def hostile_data(rnd: random.Random) -> bytes:
-    """A data file whose bytes look like a format the codec reads for hints, and lie."""
+_BOMBS: dict[tuple[int, bool], bytes] = {}
+
+
+def zip_bomb(inflated: int, *, lie: bool) -> bytes:
+    """A torch-style zip whose one deflated member holds ``inflated`` bytes of zeros (a few
+    hundred times smaller on disk); with ``lie`` its headers say it holds 1,000 bytes. Made once."""
     import struct
+    import zipfile
+
+    made = _BOMBS.get((inflated, lie))
+    if made is None:
+        buf = io.BytesIO()
+        with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+            zf.writestr(zipfile.ZipInfo("archive/data.pkl"), b"\x80\x02}q\x00.", compress_type=zipfile.ZIP_STORED)
+            with zf.open(zipfile.ZipInfo("archive/data/0"), "w") as fh:
+                zero = bytes(1 << 20)
+                for _ in range(inflated >> 20):
+                    fh.write(zero)
+        data = bytearray(buf.getvalue())
+        if lie:
+            at = data.find(b"PK\x03\x04", 1)
+            struct.pack_into("<I", data, at + 22, 1000)
+            cd = data.rfind(b"PK\x01\x02")
+            struct.pack_into("<I", data, cd + 24, 1000)
+        made = _BOMBS[(inflated, lie)] = bytes(data)
+    return made
+
+
+def pickle_bomb(objects: int) -> bytes:
+    """A pickle that builds ``objects`` objects from four bytes of opcodes each."""
+    return b"\x80\x02cdcp.bomb\nX\nq\x00]q\x01(" + b"h\x00)R" * objects + b"e."
+
+
+def hostile_data(rnd: random.Random) -> bytes:
+    """A data file whose bytes look like a format the codec reads for hints, and lie; or a bomb."""
+    import struct
+    import zipfile
 
     def safetensors(header: bytes) -> bytes:
         return struct.pack("<Q", len(header)) + header + rnd.randbytes(rnd.randrange(0, 500))
@@ -164,8 +206,20 @@ def hostile_data(rnd: random.Random) -> bytes:
         lambda: b"PK\x03\x04" + struct.pack("<HHHHHIIIHH", 20, 8, 0, 0, 0, 0, 0xFFFFFFFF, 0, 65535, 65535)
         + rnd.randbytes(300),
         lambda: b"PK\x03\x04" * 1000,
+        lambda: zip_bomb(BOMB_BYTES, lie=False),
+        lambda: zip_bomb(BOMB_BYTES, lie=True),
+        lambda: _stored_zip({"archive/data.pkl": pickle_bomb(rnd.choice([100_000, 1_000_000])),
+                             "archive/data/0": rnd.randbytes(64)}, zipfile),
     ]
     return rnd.choice(options)()
+
+
+def _stored_zip(members: dict[str, bytes], zipfile: Any) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_STORED) as zf:
+        for name, data in members.items():
+            zf.writestr(name, data)
+    return buf.getvalue()
 
 
 def hostile_metadata(rnd: random.Random, step: int, files: dict[str, bytes]) -> bytes:
@@ -411,7 +465,9 @@ class TreeWriter:
             d = jobb + f"/step-{step}".encode()
             self.b.planted.append(Planted(job.split("/")[0], job, step, d.decode(errors="replace"), {}, False))
             self.file(d + b"/__0_0.distcp", rnd.randbytes(600))
-            if rnd.random() < 0.7:
+            if rnd.random() < 0.2:  # a pickle bomb where DCP keeps its metadata
+                self.file(d + b"/.metadata", pickle_bomb(rnd.choice([100_000, 2_000_000])))
+            elif rnd.random() < 0.7:
                 self.file(d + b"/.metadata", rnd.randbytes(rnd.randrange(0, 200)))
 
     def job_clutter(self, jobb: bytes) -> None:
@@ -716,7 +772,21 @@ class Fuzz:
         return path
 
     def run_batch(self, n: int, *, s3: bool) -> Batch:
-        """One batch through every command and oracle; returns it (for its counts and directory)."""
+        """One batch through every command and oracle; returns it (for its counts and directory).
+        Its hostile archives must not grow this process's peak memory by more than
+        :data:`MAX_BATCH_GROWTH`."""
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
+        try:
+            return self._run_batch(n, s3=s3)
+        finally:
+            grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10) - peak
+            if grown > MAX_BATCH_GROWTH:
+                self.bad("violation", f"fuzz batch {n}: peak memory grew by {grown >> 20} MiB (over "
+                                      f"{MAX_BATCH_GROWTH >> 20} MiB): something decoded a bomb whole")
+
+    def _run_batch(self, n: int, *, s3: bool) -> Batch:
         b = self.batch(n, s3=s3)
         label = f"fuzz batch {n} ({'S3 keys' if s3 else 'trees'})"
         catalog = f"sqlite:///{b.root.parent / 'catalog.db'}"

@@ -24,12 +24,14 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from ckptier import __version__
-from ckptier.storage.errors import CkptierError, ConfigError
+from ckptier.storage.errors import CkptierError, ConfigError, EnvironmentFault
 
 from .output import checkpoint_json, current_location, human_bytes, iso, print_checkpoints, print_json, table
 
 EXIT_USER_ERROR = 2
 EXIT_NOT_FOUND = 1
+#: The machine refused (no space, a read-only filesystem, permissions...): one line with the path and the fix.
+EXIT_ENVIRONMENT = 1
 #: ``apply`` skipped work because another live run holds it (sysexits' EX_TEMPFAIL: try again later).
 EXIT_BUSY = 75
 #: Exit status of an error ckptier did not expect (a bug): one line, no traceback.
@@ -110,10 +112,15 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_latest(args: argparse.Namespace) -> int:
+    from ckptier.tasks.pipeline import StoreCache, utcnow
+    from ckptier.tasks.prove import latest_proven
+
     location = _location(args)
     _announce(args, location)
     with _open_read_only(args, location) as cat:
-        latest = cat.choose_latest(args.job, drilled=args.drilled)
+        # The verdict is trusted only once each file was looked at now (a stat, never a read).
+        latest = latest_proven(cat, StoreCache(roots=cat.hot_locations).for_record, args.job,
+                               drilled=args.drilled, now=utcnow)
         record = latest.record
         others = cat.checkpoints(job=args.job, with_files=False) if record is None else []
     passed = [{"step": step, "reason": why} for step, why in latest.passed_over]
@@ -155,6 +162,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     location = _location(args, config)
     _announce(args, location)
     with _open_read_only(args, location) as cat:
+        from ckptier.tasks.pipeline import StoreCache
+        from ckptier.tasks.prove import prove_keepers
+
+        # The checkpoints the deletions rest on are looked at now (a stat each): one whose files
+        # changed since its verdict is no longer trusted, and the plan rests on others.
+        prove_keepers(cat, StoreCache(roots=cat.hot_locations).for_record,
+                      cat.checkpoints(job=args.job), config.policy_for, now=utcnow)
         by_policy = plans_by_policy(cat, config, job=args.job, now=utcnow())
     plan = merge_plans([p for _, p in by_policy])
     rows = render_plan_table(plan)
@@ -565,11 +579,46 @@ def _one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
+def environment_error(exc: BaseException) -> EnvironmentFault | None:
+    """The machine's own refusal behind ``exc`` (it, or an exception it was raised
+    from): an :class:`EnvironmentFault` a layer already named, an ``OSError``
+    such as ENOSPC, EROFS, EACCES or ENOENT on a parent (named by its path),
+    or a database's "disk is full"; None when ``exc`` is none of those (a bug)."""
+    from ckptier.storage.errors import environment_fault
+
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, EnvironmentFault):
+            return cause
+        if isinstance(cause, OSError):
+            path = cause.filename if cause.filename is not None else "a file"
+            fault = environment_fault(cause, os.fsdecode(path) if not isinstance(path, str) else path)
+            if fault is not None:
+                return fault
+        if type(cause).__module__.startswith("sqlalchemy"):
+            from ckptier.storage.catalog.db import catalog_fault
+
+            fault = catalog_fault("(this command's catalog)", cause)
+            if fault is not None:
+                return fault
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; its exit status. Bad input and what ckptier refuses are one
+    line and 2 (1, 75 as each command documents); what the machine refused (a full
+    disk, a read-only filesystem, no permission...) is one line naming the path
+    and the fix, and 1; anything else is a bug: one line, 70."""
     try:
         args = build_parser().parse_args(argv)
         return int(args.func(args))
-    except CkptierError as exc:
+    except EnvironmentFault as exc:
+        print(f"ckptier: {_one_line(str(exc))}", file=sys.stderr)
+        return EXIT_ENVIRONMENT
+    except CkptierError as exc:  # already one line, said on purpose (whatever it was raised from)
         print(f"ckptier: {_one_line(str(exc))}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
@@ -581,6 +630,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         return 0
     except Exception as exc:  # noqa: BLE001 - the last line of defence: never a traceback
+        fault = environment_error(exc)
+        if fault is not None:
+            print(f"ckptier: {_one_line(str(fault))}", file=sys.stderr)
+            return EXIT_ENVIRONMENT
         if os.environ.get(TRACEBACK_ENV):
             raise
         print(f"ckptier: unexpected error {type(exc).__name__}: {_one_line(str(exc))[:300]} "

@@ -27,7 +27,6 @@ Everything here is pure: no clock, no I/O but the injected ``read_small``.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 from ckptier.storage.base import ObjectInfo
 from ckptier.storage.errors import StoreError, is_transient
 from ckptier.storage.records import FileRef, Format, Found, Shortfall, Unrecognised, file_ref
-from ckptier.storage.structure import Checker
+from ckptier.storage.structure import Checker, StructureError, parse_json
 
 if TYPE_CHECKING:  # torch-free at import time: loading types are for annotations only
     from ckptier.formats.safe_load import LoadedCheckpoint
@@ -279,15 +278,9 @@ class Scan:
         if problem is not None:
             return None, problem
         try:
-            return json.loads(data), None
-        except json.JSONDecodeError as exc:
-            return None, f"{label}: not valid JSON (line {exc.lineno} col {exc.colno})"
-        except UnicodeDecodeError:
-            return None, f"{label}: not valid UTF-8 text"
-        except RecursionError:
-            return None, f"{label}: JSON nested too deeply"
-        except ValueError as exc:  # an integer of more digits than Python converts (4,300)
-            return None, f"{label}: not valid JSON ({str(exc).split(':')[0].lower()})"
+            return parse_json(data, label), None
+        except StructureError as exc:  # not JSON, or past the bounds a manifest stays within
+            return None, str(exc)
 
     def read_raw(self, info: ObjectInfo, label: str) -> tuple[bytes, str | None]:
         """A small file's bytes; return (bytes, None) or (b"", reason)."""
@@ -343,10 +336,11 @@ class Scan:
             return
         files.sort(key=_by_key)  # one common prefix: key order is relpath order
         if single:
-            refs = [file_ref(f.key, f.key[f.key.rfind("/") + 1 :], f.size, f.mtime, f.etag, f.checksum) for f in files]
+            refs = [file_ref(f.key, f.key[f.key.rfind("/") + 1 :], f.size, f.mtime, f.etag, f.checksum, f.link)
+                    for f in files]
         else:
             cut = len(prefix) + 1
-            refs = [file_ref(f.key, f.key[cut:], f.size, f.mtime, f.etag, f.checksum) for f in files]
+            refs = [file_ref(f.key, f.key[cut:], f.size, f.mtime, f.etag, f.checksum, f.link) for f in files]
         if committed:
             empty = _empty_data_file(refs)
             if empty is not None:

@@ -369,17 +369,32 @@ def _merge(spans: list[Range]) -> tuple[Range, ...]:
 
 
 class _Inert:
-    """Stand-in for every global a pickle names: records what it is given, does nothing."""
+    """Stand-in for every global a pickle names: records what it is given, does nothing.
 
+    Each one made counts against its unpickler's budget (``_budget``), so a
+    small pickle that builds millions of them (a pickle bomb: a few bytes of
+    opcodes per object) fails instead of filling memory."""
+
+    __slots__ = ("_fields", "args")
     qualname = "?"
+    _budget: list[int] | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        budget = self._budget
+        if budget is not None:
+            budget[0] -= 1
+            if budget[0] < 0:
+                raise pickle.UnpicklingError("builds more objects than its size allows (a pickle bomb?)")
         self.args = args
 
     @property
     def fields(self) -> dict[str, Any]:
         """The state the pickle gave this object (``{}`` when none)."""
-        return self.__dict__.setdefault("_fields", {})
+        try:
+            return self._fields
+        except AttributeError:
+            self._fields: dict[str, Any] = {}
+            return self._fields
 
     def __setstate__(self, state: Any) -> None:
         if isinstance(state, tuple) and len(state) == 2:  # (dict state, slot state)
@@ -399,12 +414,31 @@ class _Inert:
         pass
 
 
+#: Objects an inert unpickling may build per byte of pickle (real DCP metadata
+#: spends some 20 bytes per object), and globals it may name at most.
+_OBJECTS_PER_BYTE = 1 / 8
+_MAX_GLOBALS = 4096
+
+
 class _InertUnpickler(pickle.Unpickler):
-    """Every global becomes a fresh :class:`_Inert` subclass: no module is
-    imported and no real callable is reached, so nothing in the pickle runs."""
+    """Every global becomes an :class:`_Inert` subclass (one per name): no module
+    is imported and no real callable is reached, so nothing in the pickle runs.
+    What it builds is bounded by the pickle's size (:data:`_OBJECTS_PER_BYTE`):
+    memory stays in proportion to the file whatever it holds."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file)
+        self._budget = [int(len(file.getbuffer()) * _OBJECTS_PER_BYTE) + 65536]
+        self._types: dict[tuple[str, str], type] = {}
 
     def find_class(self, module: str, name: str) -> type:
-        return type("Inert", (_Inert,), {"qualname": f"{module}.{name}"})
+        made = self._types.get((module, name))
+        if made is None:
+            if len(self._types) >= _MAX_GLOBALS:
+                raise pickle.UnpicklingError(f"names more than {_MAX_GLOBALS} globals (not DCP metadata)")
+            made = self._types[(module, name)] = type("Inert", (_Inert,), {
+                "__slots__": (), "qualname": f"{module}.{name}", "_budget": self._budget})
+        return made
 
     def persistent_load(self, pid: Any) -> Any:
         raise pickle.UnpicklingError("persistent ids are not part of DCP metadata")

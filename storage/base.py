@@ -44,6 +44,16 @@ class ObjectInfo:
     comparing whole objects). ``storage_class`` is the object's S3 storage
     class (``"STANDARD"``, ``"GLACIER_IR"``...) where the store has classes,
     else ``None``; a write's result leaves it ``None`` (``stat`` tells).
+
+    ``link`` is set for a symlink in a directory tree: the key, inside the
+    store's root, of the regular file it points at (``size`` and ``mtime``
+    are then that file's). A store never follows a link to read it: it reads
+    the file at ``link`` by that key, and deleting ``key`` removes the link
+    only. ``identity`` is an opaque token of this very object as ``stat``
+    saw it (a local file's device, inode, size and mtime in nanoseconds; an
+    S3 object's size, ETag and version), what
+    :meth:`ProvenDeletes.delete_proven` compares before deleting; a listing
+    may leave it ``None``.
     """
 
     key: str
@@ -52,10 +62,12 @@ class ObjectInfo:
     etag: str | None = None
     checksum: str | None = None
     storage_class: str | None = None
+    link: str | None = None
+    identity: str | None = None
 
 
-_INFO_KEY, _INFO_SIZE, _INFO_MTIME, _INFO_ETAG, _INFO_CHECKSUM, _INFO_CLASS = slot_setters(
-    ObjectInfo, ("key", "size", "mtime", "etag", "checksum", "storage_class"))
+_INFO_KEY, _INFO_SIZE, _INFO_MTIME, _INFO_ETAG, _INFO_CHECKSUM, _INFO_CLASS, _INFO_LINK, _INFO_IDENTITY = slot_setters(
+    ObjectInfo, ("key", "size", "mtime", "etag", "checksum", "storage_class", "link", "identity"))
 _new = object.__new__
 
 
@@ -70,28 +82,39 @@ def listed_file(key: str, size: int, mtime: float) -> ObjectInfo:
     _INFO_ETAG(info, None)
     _INFO_CHECKSUM(info, None)
     _INFO_CLASS(info, None)
+    _INFO_LINK(info, None)
+    _INFO_IDENTITY(info, None)
     return info
 
 
 @dataclass(slots=True)
 class DeleteResult:
-    """Outcome of :meth:`Store.delete_many`.
+    """Outcome of :meth:`Store.delete_many` (and :meth:`ProvenDeletes.delete_proven`).
 
     ``deleted`` holds only keys whose deletion the store confirmed (a key that
     was already absent counts as deleted: deletes are idempotent). ``failed``
     maps each key the store refused to its reason. ``markers_only`` lists
     deleted keys for which a versioned bucket only added a delete marker, so
-    no space was freed.
+    no space was freed. ``shared`` lists deleted keys whose bytes another
+    name still holds (a hard link: the file had more than one link; a
+    symlink, whose target stays), so deleting them freed nothing.
+    ``changed`` maps each key :meth:`~ProvenDeletes.delete_proven` did not
+    delete because what is there now is not the object that was proven, to
+    what it found (a rescan decides again).
     """
 
     deleted: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
     markers_only: list[str] = field(default_factory=list)
+    shared: list[str] = field(default_factory=list)
+    changed: dict[str, str] = field(default_factory=dict)
 
     def merge(self, other: DeleteResult) -> None:
         self.deleted.extend(other.deleted)
         self.failed.update(other.failed)
         self.markers_only.extend(other.markers_only)
+        self.shared.extend(other.shared)
+        self.changed.update(other.changed)
 
 
 @runtime_checkable
@@ -203,17 +226,20 @@ class TempFiles(Protocol):
 
 @runtime_checkable
 class LocalPaths(Protocol):
-    """A store whose objects are plain files this process can open itself (a
-    POSIX directory), so that a reader that needs speed (verification hashes
-    gigabytes at memory speed) can read the file directly.
+    """A store whose objects are plain files on this machine (a POSIX
+    directory): what tells local files apart (no prefetching threads for
+    them) and names them in messages.
+
+    A path is resolved by the kernel through every symlink on it, so ckptier
+    never opens one to read an object: ``open_read`` reads relative to the
+    store's root without following any link, at the same speed.
 
     Contract (checked by ``tests/test_store_contract.py`` for every store that has it):
 
     * ``local_path(key)`` returns the absolute path of the file that holds
-      object ``key``: reading it gives exactly the bytes ``open_read(key)``
-      would. Validates the key (:class:`~.errors.InvalidKey`) and does no
-      I/O: a missing object shows as ``FileNotFoundError`` when the path is
-      opened.
+      object ``key`` (a regular file's bytes are ``open_read(key)``'s).
+      Validates the key (:class:`~.errors.InvalidKey`) and does no I/O: a
+      missing object shows as ``FileNotFoundError`` when the path is opened.
     """
 
     def local_path(self, key: str) -> Path: ...
@@ -344,6 +370,30 @@ class DirectoryStamps(Protocol):
 
 
 @runtime_checkable
+class ProvenDeletes(Protocol):
+    """A store that deletes an object only while it is the very object a caller
+    proved (a POSIX directory: device, inode, size and mtime of the name, never
+    through a symlink; S3: size, ETag and version), so that nothing replaced
+    between a proof and its delete is deleted.
+
+    Contract (checked by ``tests/test_store_contract.py`` for every store that has it):
+
+    * ``delete_proven(proven)`` takes :class:`ObjectInfo` values from this
+      store's ``stat`` (their ``identity`` set) and, for each, deletes its key
+      only if ``stat`` would give the same ``identity`` right now; otherwise
+      the key is left alone and reported in ``changed`` with what is there
+      now. A key already absent counts as deleted. It never follows a
+      symlink, neither on the way to the key nor at it (a link there is the
+      link, deleted as itself when it was the object proven), and never
+      touches anything outside the store's root. Reports per key as
+      ``delete_many`` does (``shared`` for names whose bytes another name
+      still holds); an info without ``identity`` is ``failed``.
+    """
+
+    def delete_proven(self, proven: Sequence[ObjectInfo]) -> DeleteResult: ...
+
+
+@runtime_checkable
 class BucketLocation(Protocol):
     """A store rooted at a key prefix of a bucket that can reach the other
     buckets of its endpoint with the same connection (S3): what reading the
@@ -466,7 +516,7 @@ class Taggable(Protocol):
 #: Every optional capability a store may have, beyond :class:`Store`.
 CAPABILITIES: tuple[type, ...] = (
     Canary, MultipartUploads, TempFiles, LocalPaths, ListingSkips, DirectoryStamps, ResumableReads, StorageClasses,
-    Restorable, Taggable, BucketLocation,
+    Restorable, Taggable, BucketLocation, ProvenDeletes,
 )
 
 

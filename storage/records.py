@@ -96,6 +96,8 @@ class FileRef:
 
     ``key`` is relative to the store root; ``relpath`` is relative to the
     checkpoint's ``prefix`` (for single-file formats, the file name).
+    ``link``: the file is a symlink to the regular file of this key (inside
+    the store's root; size and mtime are that file's).
     """
 
     key: str
@@ -104,18 +106,19 @@ class FileRef:
     mtime: float | None = None
     etag: str | None = None
     checksum: str | None = None
+    link: str | None = None
 
 
-_REF_KEY, _REF_RELPATH, _REF_SIZE, _REF_MTIME, _REF_ETAG, _REF_CHECKSUM = slot_setters(
-    FileRef, ("key", "relpath", "size", "mtime", "etag", "checksum"))
+_REF_KEY, _REF_RELPATH, _REF_SIZE, _REF_MTIME, _REF_ETAG, _REF_CHECKSUM, _REF_LINK = slot_setters(
+    FileRef, ("key", "relpath", "size", "mtime", "etag", "checksum", "link"))
 _new = object.__new__
 
 
 def file_ref(key: str, relpath: str, size: int, mtime: float | None, etag: str | None,
-             checksum: str | None) -> FileRef:
-    """``FileRef(key, relpath, size, mtime, etag, checksum)``, built without the
-    dataclass ``__init__`` (:func:`slot_setters`): recognition makes one per
-    file of every checkpoint it finds."""
+             checksum: str | None, link: str | None = None) -> FileRef:
+    """``FileRef(key, relpath, size, mtime, etag, checksum, link)``, built without
+    the dataclass ``__init__`` (:func:`slot_setters`): recognition makes one
+    per file of every checkpoint it finds."""
     ref = _new(FileRef)
     _REF_KEY(ref, key)
     _REF_RELPATH(ref, relpath)
@@ -123,6 +126,7 @@ def file_ref(key: str, relpath: str, size: int, mtime: float | None, etag: str |
     _REF_MTIME(ref, mtime)
     _REF_ETAG(ref, etag)
     _REF_CHECKSUM(ref, checksum)
+    _REF_LINK(ref, link)
     return ref
 
 
@@ -265,7 +269,10 @@ class Recognition:
 
 @dataclass(frozen=True)
 class FileRecord:
-    """A file of a cataloged checkpoint."""
+    """A file of a cataloged checkpoint. ``link``: it is a symlink to the
+    regular file of this key, inside the scanned root (its bytes are read
+    there, by that key; deleting it removes the link only); ``None`` for a
+    plain file."""
 
     relpath: str
     size: int
@@ -275,6 +282,7 @@ class FileRecord:
     sha256_expected: str | None  # hex, from the format's own metadata
     status: str | None  # None (never verified), "ok", "corrupt", "error"
     detail: str | None
+    link: str | None = None
 
 
 @dataclass(frozen=True)

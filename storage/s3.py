@@ -295,7 +295,8 @@ class S3Store:
     Capabilities (:mod:`.base`): :class:`~.base.Canary`,
     :class:`~.base.MultipartUploads`, :class:`~.base.ResumableReads`,
     :class:`~.base.StorageClasses`, :class:`~.base.Restorable`,
-    :class:`~.base.Taggable`, :class:`~.base.BucketLocation`.
+    :class:`~.base.Taggable`, :class:`~.base.BucketLocation`,
+    :class:`~.base.ProvenDeletes`.
     """
 
     def __init__(
@@ -731,13 +732,15 @@ class S3Store:
             kwargs["ChecksumMode"] = "ENABLED"
         head = self._call("head_object", key, **kwargs)
         modified = head.get("LastModified")
+        size = int(head.get("ContentLength", 0))
         return ObjectInfo(
             key=key,
-            size=int(head.get("ContentLength", 0)),
+            size=size,
             mtime=modified.timestamp() if modified is not None else None,
             etag=head.get("ETag"),
             checksum=self._checksum_of(head),
             storage_class=head.get("StorageClass") or "STANDARD",
+            identity=f"{size}:{head.get('ETag') or ''}:{head.get('VersionId') or ''}",
         )
 
     def open_read(self, key: str) -> BinaryIO:
@@ -886,6 +889,58 @@ class S3Store:
                 self._delete_one(key, result)
         except StoreError as exc:
             raise DeleteInterrupted(exc, result) from exc
+        return result
+
+    def delete_proven(self, proven: Sequence[ObjectInfo]) -> DeleteResult:
+        """:meth:`delete_many` of each info's key, only while the object there has
+        the size, ETag and version (``VersionId``, on a versioned bucket) that
+        :meth:`stat` proved (:class:`~.base.ProvenDeletes`): each is looked at
+        again (HeadObject, a few at once) right before its batch is sent, and
+        one replaced since is left alone, in ``changed``.
+
+        What stays open is the time between that look and the batch request,
+        which S3 cannot make conditional for every server; on a versioned
+        bucket an object written in it survives as a noncurrent version (the
+        delete adds only a marker).
+        """
+        result = DeleteResult()
+        todo: list[ObjectInfo] = []
+        for info in proven:
+            problem = key_problem(info.key)
+            if problem is not None:
+                result.failed[info.key] = problem
+            elif info.identity is None:
+                result.failed[info.key] = "no identity proven (stat it first); not deleted"
+            else:
+                todo.append(info)
+
+        def look(info: ObjectInfo) -> str | None:
+            try:
+                return self.stat(info.key).identity
+            except NotFound:
+                return None
+
+        for start in range(0, len(todo), MAX_DELETE_BATCH):
+            batch = todo[start : start + MAX_DELETE_BATCH]
+            try:
+                with ThreadPoolExecutor(max_workers=min(8, len(batch))) as pool:
+                    now = list(pool.map(look, batch))
+            except StoreError as exc:
+                raise DeleteInterrupted(exc, result) from exc
+            keys: list[str] = []
+            for info, identity in zip(batch, now, strict=True):
+                if identity is None:
+                    result.deleted.append(info.key)  # already absent: deleted all the same
+                elif identity != info.identity:
+                    result.changed[info.key] = f"not the object proven: now {identity} (size:ETag:version), " \
+                                               f"proven {info.identity}"
+                else:
+                    keys.append(info.key)
+            try:
+                result.merge(self.delete_many(keys))
+            except DeleteInterrupted as exc:
+                result.merge(exc.result)
+                raise DeleteInterrupted(exc.error, result) from exc.error
         return result
 
     def _delete_one(self, key: str, result: DeleteResult) -> None:

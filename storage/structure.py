@@ -19,15 +19,24 @@ Checked here, by file name (:func:`data_checker`), whatever the format:
   their local headers (data descriptors follow the data): a member's length
   comes from ``data.pkl`` (parsed by the inert unpickler of
   :mod:`.codec_layout`: storage element counts) or, for small members, from
-  its data descriptor. A ``.pt`` that is not a zip (the legacy format) is
-  not checked.
+  its data descriptor. A deflated member is inflated as it streams past,
+  through one ``decompressobj`` with an output cap per call
+  (``decompress(data, max_length)``), never more than the size its headers
+  declare nor :data:`MAX_INFLATED` in all: a zip bomb (1 MB holding 1 GiB)
+  costs time, never memory. A ``.pt`` that is not a zip (the legacy
+  format) is not checked.
 * safetensors: the 8-byte header length (at most 100 MB), the JSON header,
   each tensor's dtype, shape and offsets (``end - begin`` = elements × dtype
   size, tensors contiguous from 0) against the file size.
 * manifests, through :func:`manifest_checker`: each format's plug-in
   (:mod:`ckptier.formats`) parses its own and names the files the checkpoint
   must hold (:class:`Need`); manifests are buffered whole, up to
-  :data:`MAX_MANIFEST` bytes.
+  :data:`MAX_MANIFEST` bytes, and JSON is parsed only within
+  :data:`MAX_JSON_DEPTH` levels and :data:`MAX_JSON_VALUES` values
+  (:func:`parse_json`).
+
+Memory stays within a fixed bound whatever a file holds: the read buffer,
+one inflate window, and the largest header or manifest read whole.
 
 CRC-32 runs at memory speed only with a CLMUL implementation: zlib-ng's
 (~35 GB/s per core here) is used when installed, else zlib's (~3-4 GB/s;
@@ -55,6 +64,9 @@ except ImportError:  # pragma: no cover - depends on the install
     from zlib import crc32 as _crc32
 
 __all__ = [
+    "MAX_INFLATED",
+    "MAX_JSON_DEPTH",
+    "MAX_JSON_VALUES",
     "MAX_MANIFEST",
     "Checker",
     "Need",
@@ -73,6 +85,16 @@ MAX_MANIFEST = 64 << 20
 MAX_SAFETENSORS_HEADER = 100_000_000
 #: Data descriptors of members of unknown length are looked for this far at most.
 MAX_DESCRIPTOR_SEARCH = 64 << 20
+#: A torch zip's ``data.pkl`` is parsed (for the storages' lengths) only up to this size.
+MAX_PICKLE = 16 << 20
+#: Bytes inflated in all, per file, to check deflated members' CRC-32s; members past it are noted.
+MAX_INFLATED = 4 << 30
+#: Bytes one inflate call may produce (the output cap of ``decompressobj().decompress``).
+INFLATE_CHUNK = 1 << 20
+#: Deepest nesting of arrays and objects a JSON manifest may have.
+MAX_JSON_DEPTH = 64
+#: Most values (array items, object members) a JSON manifest may hold.
+MAX_JSON_VALUES = 1_000_000
 
 crc32: Callable[..., int] = _crc32
 
@@ -166,6 +188,8 @@ class Checker:
         self._left = 0  # bytes still to consume for a crc/skip request
         self._crc = 0
         self._req: tuple[Any, ...] = ("end",)
+        self._inflate: Any = None  # the decompressobj of an "inflate" request
+        self._inflated = 0  # bytes it produced so far
         self._advance(None)
 
     # The parser (a generator) yields requests and is sent their answers:
@@ -173,6 +197,10 @@ class Checker:
     #   ("peek", n, where) -> up to n bytes (fewer only at the end), not consumed
     #   ("crc", n, where)  -> CRC-32 of the next n bytes, consumed
     #   ("skip", n, where) -> None, n bytes consumed
+    #   ("inflate", n, where, cap, name) -> (CRC-32, size) of what the next n
+    #                         bytes (raw deflate) inflate to, consumed; more than
+    #                         cap inflated bytes, or a damaged stream, fails the
+    #                         file (the message starts with ``name``)
     #   ("end",)           -> the file must end here
     # ``where`` completes "the file ends ..." when the bytes run out. The
     # parser raises StructureError for a broken file.
@@ -185,9 +213,40 @@ class Checker:
         except StructureError as exc:
             self._fail(str(exc))
             return
-        if self._req[0] in ("crc", "skip"):
+        if self._req[0] in ("crc", "skip", "inflate"):
             self._left = self._req[1]
             self._crc = 0
+        if self._req[0] == "inflate":
+            self._inflate = zlib.decompressobj(-15)
+            self._inflated = 0
+
+    def _inflate_some(self, data: bytes | bytearray | memoryview) -> None:
+        """Inflate ``data`` (part of an "inflate" request) with a bounded output per call."""
+        d = self._inflate
+        cap = self._req[3]
+        chunk: Any = data
+        while chunk:
+            try:
+                out = d.decompress(chunk, INFLATE_CHUNK)
+            except zlib.error as exc:
+                raise StructureError(f"{self._req[4]}: deflate data is damaged ({exc})") from None
+            self._inflated += len(out)
+            if self._inflated > cap:
+                raise StructureError(f"{self._req[4]}: inflates past the {cap} bytes its headers declare "
+                                     "(a zip bomb, or damaged data)")
+            self._crc = crc32(out, self._crc)
+            chunk = d.unconsumed_tail
+            if d.eof:
+                if chunk or d.unused_data:
+                    raise StructureError(f"{self._req[4]}: deflate stream ends before the member does")
+                return
+
+    def _inflate_done(self) -> tuple[int, int]:
+        d = self._inflate
+        self._inflate = None
+        if not d.eof:
+            raise StructureError(f"{self._req[4]}: deflate stream is cut short")
+        return self._crc, self._inflated
 
     def _fail(self, problem: str) -> None:
         self._problem = problem
@@ -205,22 +264,36 @@ class Checker:
         pos, end = 0, len(view)
         while not self._done:
             kind = self._req[0]
-            if kind in ("crc", "skip"):
+            if kind in ("crc", "skip", "inflate"):
                 if self._left == 0:
-                    self._advance(self._crc if kind == "crc" else None)
+                    if kind == "inflate":
+                        try:
+                            answer: Any = self._inflate_done()
+                        except StructureError as exc:
+                            self._fail(str(exc))
+                            return
+                    else:
+                        answer = self._crc if kind == "crc" else None
+                    self._advance(answer)
                     continue
                 if self._buf:
                     take = min(self._left, len(self._buf))
-                    if kind == "crc":
-                        self._crc = crc32(self._buf[:take], self._crc)
+                    part: Any = self._buf[:take]
                     del self._buf[:take]
                 else:
                     if pos >= end:
                         return
                     take = min(self._left, end - pos)
-                    if kind == "crc":
-                        self._crc = crc32(view[pos : pos + take], self._crc)
+                    part = view[pos : pos + take]
                     pos += take
+                if kind == "crc":
+                    self._crc = crc32(part, self._crc)
+                elif kind == "inflate":
+                    try:
+                        self._inflate_some(part)
+                    except StructureError as exc:
+                        self._fail(str(exc))
+                        return
                 self._left -= take
             elif kind in ("read", "peek"):
                 n = self._req[1]
@@ -295,8 +368,39 @@ def manifest_checker(relpath: str, parse: Callable[[Checker, bytes], None]) -> C
     return Checker(relpath[relpath.rfind("/") + 1 :], parser)
 
 
+#: A JSON string (with its escapes), to take strings out before counting structure.
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+#: Every byte but the four that open and close arrays and objects (for ``bytes.translate``).
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def json_problem(data: bytes, *, max_depth: int = MAX_JSON_DEPTH, max_values: int = MAX_JSON_VALUES) -> str | None:
+    """Why ``data`` must not be parsed as JSON here, or None: nested deeper than
+    ``max_depth`` or holding more than ``max_values`` values (a parse would
+    cost memory out of proportion to any manifest). Counted on the bytes
+    with strings taken out, at C speed but for one step per bracket."""
+    bare = _JSON_STRING.sub(b'""', data) if b'"' in data else data
+    if bare.count(b",") + bare.count(b":") > max_values:
+        return f"holds more than {max_values} values (a manifest never does)"
+    depth = deepest = 0
+    for b in bare.translate(None, _NOT_BRACKETS):
+        if b in (0x5B, 0x7B):  # [ {
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > max_depth:
+                    return f"nested deeper than {max_depth} levels"
+        else:
+            depth -= 1
+    return None
+
+
 def parse_json(data: bytes, label: str) -> Any:
-    """``data`` as JSON; :class:`StructureError` naming ``label`` and the position otherwise."""
+    """``data`` as JSON, within :func:`json_problem`'s bounds; :class:`StructureError`
+    naming ``label`` and the position (or the bound) otherwise."""
+    problem = json_problem(data)
+    if problem is not None:
+        raise StructureError(f"{label}: JSON {problem}; not parsed")
     try:
         return json.loads(data)
     except json.JSONDecodeError as exc:
@@ -397,6 +501,7 @@ class _Member:
 @dataclass
 class _ZipState:
     offset: int = 0
+    inflated: int = 0
     members: dict[int, _Member] = field(default_factory=dict)
     storages: dict[str, tuple[str, int]] = field(default_factory=dict)
 
@@ -458,7 +563,7 @@ def _zip_member(c: Checker, s: _ZipState) -> Generator[tuple[Any, ...], Any, boo
                 c.note(f"member {name!r}: no data descriptor within {MAX_DESCRIPTOR_SEARCH} bytes; "
                        "the rest of the archive is not checked")
                 return True
-    if name.endswith(".pkl") and method == 0 and length <= MAX_MANIFEST:
+    if name.endswith(".pkl") and method == 0 and length <= MAX_PICKLE:
         body = yield ("peek", length, where)
         try:
             s.storages, _ = torch_storages(body)
@@ -467,13 +572,12 @@ def _zip_member(c: Checker, s: _ZipState) -> Generator[tuple[Any, ...], Any, boo
     if method == 0:
         got = yield ("crc", length, where)
         plain = length
-    elif method == 8 and length <= MAX_MANIFEST:
-        packed = yield ("read", length, where)
-        try:
-            data = zlib.decompress(packed, -15)
-        except zlib.error as exc:
-            raise StructureError(f"member {name!r}: deflate data is damaged ({exc})") from None
-        got, plain = crc32(data), len(data)
+    elif method == 8 and (streamed or usize != 0xFFFFFFFF) and s.inflated + usize <= MAX_INFLATED:
+        # Streamed members declare their size in the descriptor that follows: the cap is then
+        # what is left of the file's allowance, and the descriptor is compared afterwards.
+        cap = MAX_INFLATED - s.inflated if streamed else usize
+        got, plain = yield ("inflate", length, where, cap, f"member {name!r}")
+        s.inflated += plain
     else:
         c.note(f"member {name!r}: compression method {method} (or a large compressed member): CRC-32 not checked")
         yield ("skip", length, where)

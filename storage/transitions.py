@@ -12,6 +12,11 @@ store and the events to log. Three kinds of input move a checkpoint:
 * a verification result (:func:`on_verification`): per file ``ok`` /
   ``corrupt`` / ``missing`` / ``error``, files a manifest lists that are
   absent or short, extra files;
+* a look at the files now (:func:`file_change`, :func:`on_files_changed`): a
+  ``stat`` or a HEAD before an answer that matters (``latest``, ``fetch``,
+  ``drill``, a delete) trusts the catalog's verdict, which re-opens
+  verification when a file's size, mtime, ETag or link is not what the
+  verdict was about;
 * drills, which do not change the state but the proof
   (:func:`proof_of`, :func:`pick_latest`).
 
@@ -20,6 +25,7 @@ States (see :class:`~ckptier.storage.records.State`)::
     (new) ──> incomplete <──> committed ──> verified
                   │              │  ^          │
                   └──> corrupt <─┘  └──────────┘ (files changed)
+                          └───────────────^ (files changed since found corrupt)
     deleted ──> (reappears) committed / incomplete / corrupt
 
 Complete means complete: a checkpoint whose commit evidence is present but
@@ -43,10 +49,13 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
+from .base import ObjectInfo
 from .records import CheckpointRecord, CopyState, FileCheck, FileRecord, Shortfall, State
 
 __all__ = [
     "DEFAULT_GRACE",
+    "MTIME_TOLERANCE",
+    "Change",
     "Event",
     "FileVerdict",
     "Latest",
@@ -57,6 +66,8 @@ __all__ = [
     "Verification",
     "completeness",
     "discovered",
+    "file_change",
+    "on_files_changed",
     "on_scan",
     "on_vanished",
     "on_verification",
@@ -73,6 +84,10 @@ FILE_STATUSES = ("ok", "corrupt", "missing", "error")
 
 #: How many names a reason lists before "(+N more)".
 _NAMES_SHOWN = 3
+
+#: mtimes closer than this (seconds) count as equal: catalogs round-trip them
+#: through datetimes and databases that keep microseconds at best.
+MTIME_TOLERANCE = 1e-3
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,8 +202,11 @@ def on_scan(old: Row | None, seen: Seen, *, label: str, location: str, now: date
     * Evidence present, complete: ``incomplete`` -> ``committed``
       (``committed`` event); ``verified`` with changed or vanished files ->
       ``committed`` and ``verified_at`` cleared (``changed`` event: it needs
-      re-verification); otherwise the state is kept (``corrupt`` stays
-      corrupt: evidence), with a ``changed`` event when files changed.
+      re-verification); ``corrupt`` with changed files (new bytes, not only
+      files gone) -> ``committed``: what was judged is no longer there, so it
+      is verified again (a save that completed after it was caught half-way);
+      otherwise the state is kept (``corrupt`` stays corrupt: evidence), with
+      a ``changed`` event when files changed.
     * ``missing_since`` is cleared when it was set (``reappeared``).
     """
     evidence = State.COMMITTED if seen.committed else State.INCOMPLETE
@@ -239,6 +257,13 @@ def on_scan(old: Row | None, seen: Seen, *, label: str, location: str, now: date
         state, verified_at = State.COMMITTED, None
         reason = f"files changed since verification: {_names(touched)}"
         events.append(Event("changed", f"{label}: {reason}; needs re-verification", {"files": touched[:100]}))
+    elif old.state == State.CORRUPT and seen.changed:
+        # The bytes judged are gone: a save that completed after it was caught
+        # half-way, a file put back. Judge what is there now.
+        state, verified_at = State.COMMITTED, None
+        reason = f"files changed since it was found corrupt: {_names(sorted(seen.changed))}; verifying again"
+        events.append(Event("changed", f"{label}: {reason}", {"files": sorted(seen.changed)[:100],
+                                                               "was": old.reason}))
     else:
         state = old.state
         if (seen.changed or seen.gone) and state in (State.COMMITTED, State.CORRUPT):
@@ -274,6 +299,83 @@ def discovered(job: str, steps: Sequence[int]) -> Event:
 
 def _shortfall_names(seen: Seen) -> list[str]:
     return [s.relpath for s in seen.shortfalls][:100]
+
+
+# -- a look at the files now ----------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One cataloged file that a ``stat`` or HEAD shows is not what the catalog
+    holds: ``relpath``, why (one line), and what is there now (``None``: the
+    file is gone)."""
+
+    relpath: str
+    why: str
+    now: ObjectInfo | None = None
+
+
+def file_change(f: FileRecord, info: ObjectInfo | None) -> str | None:
+    """Why ``info`` (a fresh ``stat`` or HEAD of ``f``'s key; ``None``: not there)
+    contradicts the catalog's ``f``, or ``None`` when it is the same file as far
+    as its metadata tells: size, ETag (where both have one), mtime (within
+    :data:`MTIME_TOLERANCE`) and what it is (a plain file, or a link to the
+    same key). A file the catalog holds as missing that is there again is a
+    change too."""
+    if info is None:
+        return None if f.status == "missing" else f"{f.relpath} is gone"
+    if f.status == "missing":
+        return f"{f.relpath} is back"
+    if info.link != f.link:
+        now = f"a symlink to {info.link}" if info.link else "a plain file"
+        return f"{f.relpath} is now {now}"
+    if info.size != f.size:
+        return f"{f.relpath} size {f.size} -> {info.size} bytes"
+    if f.etag is not None and info.etag is not None and f.etag != info.etag:
+        return f"{f.relpath} etag {f.etag} -> {info.etag}"
+    if f.mtime is not None and info.mtime is not None and abs(f.mtime - info.mtime) > MTIME_TOLERANCE:
+        return f"{f.relpath} mtime {f.mtime:.3f} -> {info.mtime:.3f}"
+    return None
+
+
+def on_files_changed(old: Row, changes: Sequence[Change], *, label: str) -> Transition:
+    """What a look at the files now does to a checkpoint whose files ``changes``
+    are not what the catalog holds. Table (``tests/test_transitions.py``):
+
+    ============  ===========================  =============================================
+    state         changes                      new state
+    ============  ===========================  =============================================
+    any           none                         unchanged
+    incomplete    any                          incomplete (a save in flight is never judged)
+    deleted       any                          deleted
+    verified      any                          committed, ``verified_at`` cleared: verify
+                                               again (a torn file is never ``verified``)
+    corrupt       some file changed or back    committed: the bytes judged are gone, verify
+                                               what is there now
+    corrupt       files gone only              corrupt (losing more bytes proves nothing new)
+    committed     any                          committed (still to verify)
+    ============  ===========================  =============================================
+
+    The reason names the changed files; a state change logs a ``changed``
+    event. The file rows themselves are the caller's: each changed file takes
+    what is there now (no status: never verified), a gone one is missing.
+    """
+    keep = Transition(old.state, old.reason, verified_at=old.verified_at, missing_since=old.missing_since)
+    if not changes or old.state in (State.INCOMPLETE, State.DELETED):
+        return keep
+    names = _names([c.why for c in changes])
+    files = [c.relpath for c in changes][:100]
+    if old.state == State.VERIFIED:
+        reason = f"files changed since verification: {names}"
+    elif old.state == State.CORRUPT:
+        if all(c.now is None for c in changes):
+            return keep
+        reason = f"files changed since it was found corrupt: {names}; verifying again"
+    else:
+        return Transition(State.COMMITTED, f"files changed: {names}", missing_since=old.missing_since)
+    return Transition(State.COMMITTED, reason, missing_since=old.missing_since,
+                      events=(Event("changed", f"{label}: {old.state.value} -> committed: {reason}",
+                                    {"from": old.state.value, "files": files}),))
 
 
 # -- verification -----------------------------------------------------------------

@@ -12,12 +12,25 @@ has already received.
 
 The helper reads one request from stdin (``marshal``: the directories still
 to walk, the key prefix, the temporary-file prefix, the directory keys it
-must not enter but hand back) and writes frames to stdout: a 4-byte
+must not enter but hand back, the scanned root) and writes frames to stdout: a 4-byte
 little-endian length, then a ``marshal``-ed list of ``(rel, records,
 facts)`` batches as :func:`walk_dirs` yields them, an ``("error", errno, strerror,
 rel)`` tuple for a directory that cannot be read, or ``("end",)``.
 ``marshal`` is used only between two processes of this package, over a
 private pipe.
+
+Nothing here follows a symlink, the discipline of ``rm -r``'s fts: every
+directory is opened with ``O_NOFOLLOW``, and its identity (``st_dev``,
+``st_ino``) is compared with what its parent's listing saw of it (an
+``lstat`` relative to the parent's open descriptor), so a directory swapped
+for a symlink, or a parent swapped while the walk was elsewhere, is never
+entered. A symlink is reported as what it is: a link to a regular file
+inside the scanned root is listed with the key it points at (and that
+file's size and mtime, from an ``fstatat`` below the root reached without
+following any link); anything else (outside the root, dangling, a loop, a
+chain of links, a directory) is skipped with its reason.
+:func:`open_below`, :func:`stat_below` and :func:`resolve_link` are the
+primitives the local store builds its reads, writes and deletes on.
 """
 
 from __future__ import annotations
@@ -29,20 +42,28 @@ import os
 import stat
 import struct
 import sys
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 #: Record kinds in a directory's batch (see :func:`walk_dirs`).
 FILE, LINK, SKIPPED, DEFER = 0, 1, 2, 3
 
-#: How a directory is opened to be read (its entries are then read relative to it).
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
+#: How a directory is opened (its entries are then read relative to it): never through a symlink.
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+
+#: ``(st_dev, st_ino)`` of a directory, as its parent's listing saw it (``None``: not known).
+Ident = tuple[int, int]
+
+#: The scanned root as the walk needs it: its path, its :data:`Ident`, and the
+#: absolute spellings of its path an absolute symlink may use (the path as given,
+#: and with its own symlinks resolved).
+Root = tuple[str, int, int, tuple[str, ...]]
 
 #: Frames are flushed to the pipe once they hold this many records.
 FRAME_RECORDS = 4096
 
-#: A record: ``(FILE|LINK, name, size, mtime)``, ``(SKIPPED, name, reason)``
-#: or ``(DEFER, name, path)``.
+#: A record: ``(FILE, name, size, mtime)``, ``(LINK, name, size, mtime, target)``,
+#: ``(SKIPPED, name, reason)`` or ``(DEFER, name, path, ident)``.
 Record = tuple[Any, ...]
 
 #: What the walk saw of a directory it read: ``(mtime_ns, entries, subdirs,
@@ -72,40 +93,140 @@ class WalkError(Exception):
         self.error = error
 
 
-def symlink_problem(path: str) -> str | None:
-    """Why the symlink at ``path`` is not listed, or None when it leads to a regular file."""
+def open_below(top: int, parts: Sequence[str]) -> int:
+    """A new descriptor of the directory ``top/parts[0]/parts[1]/...``, each
+    component opened relative to the one before with ``O_NOFOLLOW``: a
+    symlink anywhere on the way raises ``OSError`` (``ELOOP``, or
+    ``ENOTDIR`` for something that is not a directory), as does a missing
+    component (``ENOENT``). The caller closes it."""
+    fd = os.open(".", DIR_FLAGS, dir_fd=top)
     try:
-        st = os.stat(path)
+        for part in parts:
+            inner = os.open(part, DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def stat_below(top: int, key: str) -> os.stat_result:
+    """The ``lstat`` of ``key`` (``/``-separated, relative to the directory
+    ``top``), reached without following any symlink (:func:`open_below`)."""
+    head, _, name = key.rpartition("/")
+    if not head:
+        return os.stat(name, dir_fd=top, follow_symlinks=False)
+    fd = open_below(top, head.split("/"))
+    try:
+        return os.stat(name, dir_fd=fd, follow_symlinks=False)
+    finally:
+        os.close(fd)
+
+
+def resolve_link(key: str, target: str, roots: Sequence[str], is_dir: Callable[[str], bool]) -> str | None:
+    """The key inside the scanned root that the symlink at ``key`` (whose
+    text is ``target``) names, or None when it names something outside
+    the root (or the root itself, or nothing).
+
+    Resolved by its text, as the kernel would walk it, without following
+    anything: a relative ``target`` from the link's own directory, an
+    absolute one only below one of ``roots`` (the root's absolute
+    spellings). A component that a later ``..`` takes back must be a real
+    directory (``is_dir(key)``, checked without following): through a
+    symlinked one, the kernel's ``..`` goes elsewhere.
+    """
+    if not target or "\x00" in target:
+        return None
+    if target.startswith("/"):
+        clean = target.rstrip("/")
+        for root in roots:
+            if clean.startswith(root.rstrip("/") + "/"):
+                parts: list[str] = []
+                todo = clean[len(root.rstrip("/")) + 1:].split("/")
+                break
+        else:
+            return None
+    else:
+        parts = key.split("/")[:-1]  # the link's directory: real directories, the walk came through them
+        todo = target.split("/")
+    fixed = len(parts)
+    for part in todo:
+        if part in ("", "."):
+            continue
+        if part == "..":
+            if not parts:
+                return None  # above the root
+            if len(parts) > fixed and not is_dir("/".join(parts)):
+                return None
+            parts.pop()
+            fixed = min(fixed, len(parts))
+        else:
+            parts.append(part)
+    return "/".join(parts) or None
+
+
+def link_record(root: Root, root_fd: int, name: str, key: str, target: str) -> Record:
+    """The record of the symlink ``name`` at ``key`` whose text is ``target``:
+    a :data:`LINK` to a regular file inside ``root`` (open as ``root_fd``),
+    or :data:`SKIPPED` with why not."""
+    shown = target if len(target) <= 200 else target[:200] + "..."
+
+    def is_dir(k: str) -> bool:
+        try:
+            return stat.S_ISDIR(stat_below(root_fd, k).st_mode)
+        except OSError:
+            return False
+
+    resolved = resolve_link(key, target, root[3], is_dir)
+    if resolved is None:
+        return (SKIPPED, name, f"symlink to {shown!r}, outside the scanned root: not followed")
+    if resolved == key:
+        return (SKIPPED, name, "symlink loop (a link to itself): not followed")
+    try:
+        st = stat_below(root_fd, resolved)
+    except FileNotFoundError:
+        return (SKIPPED, name, f"dangling symlink (its target {shown!r} does not exist): not followed")
     except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            return "symlink loop (too many levels of symbolic links): not followed"
-        if isinstance(exc, FileNotFoundError):
-            return "dangling symlink (its target does not exist): not followed"
-        return f"symlink that cannot be resolved ({exc.strerror or exc}): not followed"
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            return (SKIPPED, name, f"symlink to {shown!r}, through a symlink or a file: not followed")
+        return (SKIPPED, name, f"symlink that cannot be resolved ({exc.strerror or exc}): not followed")
+    if stat.S_ISLNK(st.st_mode):
+        return (SKIPPED, name, f"symlink to a symlink ({resolved}), a chain or a loop: not followed")
     if stat.S_ISDIR(st.st_mode):
-        return "symlink to a directory: not followed (scan the directory itself)"
+        return (SKIPPED, name, "symlink to a directory: not followed (scan the directory itself)")
     if not stat.S_ISREG(st.st_mode):
-        return "symlink to something that is not a file: not followed"
-    return None
+        return (SKIPPED, name, "symlink to something that is not a file: not followed")
+    return (LINK, name, st.st_size, st.st_mtime, resolved)
 
 
 def walk_dirs(
-    stack: list[tuple[str, str]],
+    stack: list[tuple[str, str, Ident | None]],
     prefix: str,
     temp_prefix: str,
     enter: Callable[[str], bool | None],
+    root: Root,
 ) -> Generator[tuple[str, list[Record], DirFacts], None, None]:
-    """Walk depth-first from ``stack`` (``(path, rel)`` pairs, ``rel`` the
-    directory's key with a trailing ``/`` or ``""``; popped from the end,
-    subdirectories pushed as found), yielding ``(rel, records, facts)`` for
-    each directory read (``facts``: :data:`DirFacts`), its entries in
-    ``scandir`` order:
+    """Walk depth-first from ``stack`` (``(path, rel, ident)`` triples, ``rel``
+    the directory's key with a trailing ``/`` or ``""``, ``ident`` what its
+    parent's listing saw of it; popped from the end, subdirectories pushed as
+    found), yielding ``(rel, records, facts)`` for each directory read
+    (``facts``: :data:`DirFacts`), its entries in ``scandir`` order:
 
     * ``(FILE, name, size, mtime)``: a regular file (``lstat``);
-    * ``(LINK, name, size, mtime)``: a symlink to a regular file (its target's ``stat``);
-    * ``(SKIPPED, name, reason)``: any other symlink (loop, dangling, to a directory...);
-    * ``(DEFER, name, path)``: a subdirectory ``enter(key)`` returned None for
-      (the caller decides, and walks it itself if it wants it).
+    * ``(LINK, name, size, mtime, target)``: a symlink to a regular file
+      inside ``root``: ``target`` is that file's key, the size and mtime
+      its own (see :func:`link_record`);
+    * ``(SKIPPED, name, reason)``: any other symlink (outside the root,
+      loop, dangling, chain, to a directory...);
+    * ``(DEFER, name, path, ident)``: a subdirectory ``enter(key)`` returned
+      None for (the caller decides, and walks it itself if it wants it).
+
+    Each directory is opened with ``O_NOFOLLOW`` and entered only when it is
+    still the directory its parent listed (same ``ident``): one replaced
+    since by a symlink, or reached through a parent replaced by one, is left
+    out as a directory that vanished is (and logged by the caller's
+    listing as nothing: a rescan sees what is there).
 
     Only entries whose key starts with ``prefix`` are recorded (and only
     directories on the way to it entered); names starting with
@@ -116,32 +237,58 @@ def walk_dirs(
     ``stack`` is left holding exactly the directories not yet read, so a
     caller may stop after any batch and go on elsewhere.
     """
-    while stack:
-        path, rel = stack.pop()
-        try:
-            fd = os.open(path, _DIR_FLAGS)
-        except FileNotFoundError:
-            continue
-        except OSError as exc:
-            raise WalkError(rel, exc) from exc
-        try:
-            read = _read_dir(fd, path, rel, stack, prefix, temp_prefix, enter)
-        finally:
+    opened: list[int] = []
+
+    def root_fd() -> int:
+        """The root, opened once for the links of this walk (and checked to be the root listed)."""
+        if not opened:
+            try:
+                fd = os.open(root[0], DIR_FLAGS)
+            except OSError as exc:
+                raise WalkError("", exc) from exc
+            st = os.fstat(fd)
+            opened.append(fd)
+            if (st.st_dev, st.st_ino) != (root[1], root[2]):
+                raise WalkError("", OSError(errno.ESTALE, "the scanned root was replaced while it was listed"))
+        return opened[0]
+
+    try:
+        while stack:
+            path, rel, ident = stack.pop()
+            try:
+                fd = os.open(path, DIR_FLAGS)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    continue  # replaced by a symlink since its parent was read: never entered
+                raise WalkError(rel, exc) from exc
+            try:
+                read = _read_dir(fd, path, rel, ident, stack, prefix, temp_prefix, enter, root, root_fd)
+            finally:
+                os.close(fd)
+            if read is not None:
+                yield read
+    finally:
+        for fd in opened:
             os.close(fd)
-        yield read
 
 
 def _read_dir(
     fd: int,
     path: str,
     rel: str,
-    stack: list[tuple[str, str]],
+    ident: Ident | None,
+    stack: list[tuple[str, str, Ident | None]],
     prefix: str,
     temp_prefix: str,
     enter: Callable[[str], bool | None],
-) -> tuple[str, list[Record], DirFacts]:
+    root: Root,
+    root_fd: Callable[[], int],
+) -> tuple[str, list[Record], DirFacts] | None:
     """One directory of :func:`walk_dirs`, open as ``fd``: its batch, its
-    subdirectories to enter pushed on ``stack``.
+    subdirectories to enter pushed on ``stack``; None when the directory
+    open is not the one its parent listed (``ident``).
 
     Read through the descriptor: the directory whose entries are read is the
     one whose status is taken, and each entry's ``lstat`` is relative to it
@@ -152,6 +299,8 @@ def _read_dir(
     """
     try:
         st = os.fstat(fd)
+        if ident is not None and (st.st_dev, st.st_ino) != ident:
+            return None  # a path swapped under the walk: not the directory that was listed
         entries = os.scandir(fd)
     except OSError as exc:
         raise WalkError(rel, exc) from exc
@@ -170,10 +319,20 @@ def _read_dir(
                 key = rel + name
                 if everything or key.startswith(prefix) or prefix.startswith(key + "/"):
                     go = enter(key)
-                    if go:
-                        stack.append((f"{path}/{name}", key + "/"))
-                    elif go is None:
-                        records.append((DEFER, name, f"{path}/{name}"))
+                    if go or go is None:
+                        try:
+                            dst = entry.stat(follow_symlinks=False)
+                        except FileNotFoundError:
+                            continue  # deleted while listing
+                        except OSError as exc:
+                            raise WalkError(key + "/", exc) from exc
+                        if not stat.S_ISDIR(dst.st_mode):
+                            continue  # swapped since readdir said it was a directory
+                        sub = (dst.st_dev, dst.st_ino)
+                        if go:
+                            stack.append((f"{path}/{name}", key + "/", sub))
+                        else:
+                            records.append((DEFER, name, f"{path}/{name}", sub))
                 continue
             if not everything and not (rel + name).startswith(prefix):
                 continue
@@ -186,17 +345,15 @@ def _read_dir(
                     raise WalkError(rel + name, exc) from exc
                 records.append((FILE, name, fst.st_size, fst.st_mtime))
             elif entry.is_symlink():
-                why = symlink_problem(f"{path}/{name}")
-                if why is None:
-                    try:
-                        fst = entry.stat()
-                    except FileNotFoundError:
-                        continue  # deleted while listing
-                    except OSError as exc:
-                        raise WalkError(rel + name, exc) from exc
-                    records.append((LINK, name, fst.st_size, fst.st_mtime))
-                else:
-                    records.append((SKIPPED, name, why))
+                try:
+                    target = os.readlink(name, dir_fd=fd)
+                except FileNotFoundError:
+                    continue  # deleted while listing
+                except OSError as exc:
+                    if exc.errno == errno.EINVAL:
+                        continue  # no longer a symlink: replaced while listing, the next scan sees it
+                    raise WalkError(rel + name, exc) from exc
+                records.append(link_record(root, root_fd(), name, rel + name, target))
     mtime_ns = st.st_mtime_ns
     return rel, records, (mtime_ns, count, subdirs, dir_token(rel, mtime_ns, st.st_nlink))
 
@@ -210,7 +367,7 @@ def _write_frame(out: Any, obj: Any) -> None:
 def main() -> int:
     """The helper process: one request on stdin, frames on stdout (module docstring)."""
     gc.disable()  # the walk makes no cycles; collections would only cost time
-    stack, prefix, temp_prefix, deferred = marshal.loads(sys.stdin.buffer.read())
+    stack, prefix, temp_prefix, deferred, root = marshal.loads(sys.stdin.buffer.read())
     deferred = frozenset(deferred)
     out = sys.stdout.buffer
     try:
@@ -226,7 +383,7 @@ def main() -> int:
     batch: list[tuple[str, list[Record], DirFacts]] = []
     pending = 0
     try:
-        for batched in walk_dirs(stack, prefix, temp_prefix, enter):
+        for batched in walk_dirs(stack, prefix, temp_prefix, enter, root):
             batch.append(batched)
             pending += len(batched[1]) + 1
             if pending >= FRAME_RECORDS:

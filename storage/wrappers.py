@@ -35,6 +35,7 @@ from .base import (
     LocalPaths,
     MultipartUploads,
     ObjectInfo,
+    ProvenDeletes,
     ReaderOver,
     Restorable,
     RestoreState,
@@ -281,17 +282,23 @@ class RetryingStore(_Wrapper):
         return self._run(attempt, retryable=seekable)
 
     def delete_many(self, keys: Sequence[str]) -> DeleteResult:
+        return self._deletes(self.inner.delete_many, keys, str)
+
+    def _deletes(self, call: Callable[[Sequence[T]], DeleteResult], items: Sequence[T],
+                 key_of: Callable[[T], str]) -> DeleteResult:
+        """``call(items)``, resent after a transient interruption with only the
+        items the store did not report on (see :meth:`delete_many`)."""
         result = DeleteResult()
-        remaining = list(keys)
+        remaining = items
         failures = 0
         while True:
             try:
-                result.merge(self.inner.delete_many(remaining))
+                result.merge(call(remaining))
                 return result
             except DeleteInterrupted as exc:
                 result.merge(exc.result)
-                done = set(exc.result.deleted) | set(exc.result.failed)
-                remaining = [k for k in remaining if k not in done]
+                done = set(exc.result.deleted) | set(exc.result.failed) | set(exc.result.changed)
+                remaining = [i for i in remaining if key_of(i) not in done]
                 error, progressed = exc.error, bool(done)
             except StoreError as exc:  # a store that stopped without saying what it confirmed
                 error, progressed = exc, False
@@ -459,6 +466,16 @@ class _RetryingTaggable(RetryingStore):
         return self._run(lambda: inner.get_object_tagging(key))
 
 
+class _RetryingProvenDeletes(RetryingStore):
+    def delete_proven(self, proven: Sequence[ObjectInfo]) -> DeleteResult:
+        inner = cast(ProvenDeletes, self.inner)
+
+        def key_of(info: ObjectInfo) -> str:
+            return info.key
+
+        return self._deletes(inner.delete_proven, proven, key_of)
+
+
 class _RetryingBucketLocation(RetryingStore, _ForwardBucketLocation):
     pass
 
@@ -475,6 +492,7 @@ RetryingStore.FORWARDS = {
     Restorable: _RetryingRestorable,
     Taggable: _RetryingTaggable,
     BucketLocation: _RetryingBucketLocation,
+    ProvenDeletes: _RetryingProvenDeletes,
 }
 
 
@@ -502,7 +520,8 @@ class DryRunStore(_Wrapper):
     ``list_with_skips``, ``take_stamp``, ``check_stamp``, ``list_pruned``,
     ``open_versioned``, ``open_from``, ``storage_class``, ``bucket``,
     ``prefix``, ``get_object_tagging``); those
-    that would change something are recorded and not done:
+    that would change something are recorded and not done
+    (``delete_proven`` into ``intended_deletes``, for keys still the object proven):
     ``abort_multipart`` in ``intended_aborts``, ``remove_temp_file`` in
     ``intended_removals``, ``restore`` in ``intended_restores`` (answering
     ``"requested"``), ``put_object_tagging`` in ``intended_tags``; ``canary``
@@ -638,6 +657,29 @@ class _DryTaggable(DryRunStore):
         return cast(Taggable, self.inner).get_object_tagging(key)
 
 
+class _DryProvenDeletes(DryRunStore):
+    def delete_proven(self, proven: Sequence[ObjectInfo]) -> DeleteResult:
+        """What a real run would delete: each key whose object is still the one
+        proven (a ``stat`` now), recorded in ``intended_deletes``; the others in
+        ``changed``."""
+        result = DeleteResult()
+        for info in proven:
+            if info.identity is None:
+                result.failed[info.key] = "no identity proven (stat it first); not deleted"
+                continue
+            try:
+                now = self.inner.stat(info.key)
+            except NotFound:
+                result.deleted.append(info.key)
+                continue
+            if now.identity != info.identity:
+                result.changed[info.key] = "not the object proven (dry run)"
+                continue
+            result.deleted.append(info.key)
+            self.intended_deletes.append(info.key)
+        return result
+
+
 class _DryBucketLocation(DryRunStore, _ForwardBucketLocation):
     pass
 
@@ -654,6 +696,7 @@ DryRunStore.FORWARDS = {
     Restorable: _DryRestorable,
     Taggable: _DryTaggable,
     BucketLocation: _DryBucketLocation,
+    ProvenDeletes: _DryProvenDeletes,
 }
 
 

@@ -29,13 +29,21 @@ and deletes afterwards. The order of a run:
    milestone) first proves its archive copy again (decoded and compared with
    the manifest and the catalog, or the store's full-object checksums
    compared with the manifest); a copy that fails is marked ``degraded`` and
-   the hot copy kept. Then the delete intent is recorded (fenced), each
+   the hot copy kept. A checkpoint that a standing checkpoint's symlink points
+   into is kept while that one stands (:func:`link_refusal`). Each file is
+   looked at now (a ``stat``; :func:`ckptier.tasks.prove.prove_now`) and must
+   be the file the catalog's verdict is about, else nothing of it is deleted
+   and the change is recorded (verify again, rescan). Then the delete intent is recorded (fenced), each
    file tagged ``ckptier:retention = delete`` on a store that can tag
    (:class:`~ckptier.storage.base.Taggable`: S3), so that the bucket's
    lifecycle rule from ``ckptier lifecycle`` expires what this run decided
    to delete and nothing else should the run stop before deleting, then the files
-   deleted in batches of at most 1,000 keys while the lease holds, and only
-   what the store confirmed counts: all files gone → the tombstone (fenced
+   deleted in batches of at most 1,000 keys while the lease holds, each only
+   while it is still the object that look proved
+   (:meth:`~ckptier.storage.base.ProvenDeletes.delete_proven`: the same
+   device, inode, size and mtime, never through a symlink; on S3 the same
+   size, ETag and version), and only what the store confirmed counts (a name
+   whose bytes another name still holds frees nothing): all files gone → the tombstone (fenced
    by the lease's generation, clearing the intent); some failed → an event,
    intent kept, the next run finishes; only delete markers → an event
    "space not freed".
@@ -64,8 +72,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Literal, Protocol
 
-from ckptier.storage.base import MAX_DELETE_BATCH, Canary, DeleteResult, Store, Taggable
-from ckptier.storage.catalog.api import DeleteIntent, LeaseHolder
+from ckptier.storage.base import MAX_DELETE_BATCH, Canary, DeleteResult, ObjectInfo, ProvenDeletes, Store, Taggable
+from ckptier.storage.catalog.api import DeleteIntent, LeaseHolder, LinkedFile
+from ckptier.storage.transitions import Change
 from ckptier.storage.errors import CkptierError, DeleteInterrupted, NotFound, StoreError, Unavailable
 from ckptier.storage.records import CheckpointRecord, CopyState, FileCheck, State, Tier
 from ckptier.storage.wrappers import DryRunStore
@@ -73,6 +82,7 @@ from ckptier.storage.wrappers import DryRunStore
 from .archive import ArchiveCheck, HotCopyMismatch, check_archive_copy, promote
 from .leases import DEFAULT_TTL, Lease, LeaseCatalog, LeaseKeeper, this_process
 from .lifecycle import DELETE_TAG, KEEP_TAG
+from .prove import prove_now, settle
 from .verify import file_key as hot_file_key
 from .retention import (DEFAULT_MAX_MISSING_FRACTION, KeepLast, Plan, PlanItem, Policy, best_ranked, hot_present,
                         plan_retention, shrink_guard)
@@ -301,7 +311,27 @@ def intent_progress(intent: DeleteIntent, listed: int, present: int) -> Literal[
     return "not-started" if present == listed and listed >= wanted else "started"
 
 
-def _batches(keys: Sequence[str], size: int = MAX_DELETE_BATCH) -> list[Sequence[str]]:
+def link_refusal(record: CheckpointRecord, store_url: str, prefix: str, links: Sequence[LinkedFile],
+                 *, single: bool) -> str | None:
+    """Why ``record`` (at ``prefix`` in the store ``store_url``) must stay because a
+    standing checkpoint's file is a symlink into it (``links``: the catalog's
+    :meth:`~ckptier.storage.catalog.api.Catalog.links` of that store), or
+    None. Deleting it would leave that checkpoint's file pointing at
+    nothing, so it stays while the other one stands (it goes once that one
+    no longer links here). Links of the checkpoint itself do not count. Pure."""
+    base = store_url.rstrip("/") + "/"
+    into = [ln for ln in links
+            if ln.checkpoint_id != record.id and ln.location.startswith(base)
+            and (ln.link == prefix if single else ln.link.startswith(prefix.rstrip("/") + "/") if prefix else True)]
+    if not into:
+        return None
+    first = into[0]
+    more = f" (+{len(into) - 1} more)" if len(into) > 1 else ""
+    return (f"kept: {first.job} step {first.step}'s {first.relpath} is a symlink to {first.link}{more}; a checkpoint "
+            "another one links into is deleted only once that one no longer does")
+
+
+def _batches(keys: Sequence[Any], size: int = MAX_DELETE_BATCH) -> list[Sequence[Any]]:
     return [keys[i : i + size] for i in range(0, len(keys), size)]
 
 
@@ -337,6 +367,10 @@ class ApplyCatalog(LeaseCatalog, Protocol):
 
     def record_delete_intent(self, checkpoint_id: int, *, owner: str, generation: int, scope: str, files: int,
                              now: datetime) -> bool: ...
+
+    def links(self, scope: str) -> list[LinkedFile]: ...
+
+    def record_file_changes(self, checkpoint_id: int, changes: Sequence[Change], *, now: datetime) -> State: ...
 
     def clear_delete_intent(self, checkpoint_id: int, *, owner: str, generation: int, now: datetime,
                             why: str) -> bool: ...
@@ -382,6 +416,13 @@ class _ReadOnlyCatalog:
     def record_verification(self, checkpoint_id: int, results: Sequence[FileCheck], *, now: datetime,
                             grace: timedelta = timedelta(0), extra: Sequence[str] = ()) -> State:
         raise AssertionError("a dry run proves nothing: apply returns before proving keepers")
+
+    def links(self, scope: str) -> list[LinkedFile]:
+        return self._catalog.links(scope)
+
+    def record_file_changes(self, checkpoint_id: int, changes: Sequence[Change], *, now: datetime) -> State:
+        record = self._catalog.get_by_id(checkpoint_id)
+        return record.state if record is not None else State.DELETED
 
     def _drop(self, *a: Any, **kw: Any) -> bool:
         return True
@@ -532,12 +573,14 @@ def tag_keys(store: Store, keys: Sequence[str], tag: tuple[str, str]) -> dict[st
         return {k: why for k, why in zip(keys, pool.map(one, keys), strict=True) if why is not None}
 
 
-def _present(store: Store, key: str) -> bool:
-    try:
-        store.stat(key)
-    except NotFound:
-        return False
-    return True
+def _delete(store: Store, proven: Sequence[ObjectInfo]) -> DeleteResult:
+    """Delete each of ``proven`` only while it is still the object proven
+    (:class:`~ckptier.storage.base.ProvenDeletes`). A store that cannot bind a
+    delete to an identity deletes nothing: every key fails, saying so."""
+    if isinstance(store, ProvenDeletes):
+        return store.delete_proven(proven)
+    why = f"{store.url} cannot bind a delete to what was proven (no delete_proven); nothing deleted from it"
+    return DeleteResult(failed={i.key: why for i in proven})
 
 
 class _Run:
@@ -731,9 +774,14 @@ class _Run:
             if (why := self.canary(store)) is not None:
                 return _result(item, "deferred", f"interrupted delete waits: canary failed on {store.url}: {why}"), True
             keys = [hot_file_key(prefix, record, f.relpath) for f in record.files]
-            present = [k for k in keys if _present(store, k)]
         except CkptierError as exc:
             return _result(item, "failed", f"cannot look at the interrupted delete's files: {exc}"), True
+        looked = prove_now(store, prefix, record)
+        if looked.verdict == "unknown":
+            return _result(item, "failed", f"cannot look at the interrupted delete's files: {looked.error}"), True
+        present = [f.key for f in looked.files if f.info is not None]
+        # Files that are no longer the ones proven (replaced since) are not ours to delete: they stay.
+        foreign = [f.key for f in looked.files if f.info is not None and f.change is not None]
         if intent_progress(intent, len(keys), len(present)) == "not-started":
             untagged = tag_keys(store, present, KEEP_TAG)
             if untagged:
@@ -746,7 +794,10 @@ class _Run:
             return _result(item, "skipped", "interrupted delete had not started; intent dropped, the plan decides "
                                             "anew"), False
         reasons = [f"finished a delete interrupted at {intent.at.isoformat() if intent.at else 'an unknown time'}"]
-        res = self.delete_keys(item, record, store, present, lease, reasons,
+        if foreign:
+            reasons.append(f"left in place, replaced since they were proven: {', '.join(foreign[:5])}"
+                           f"{' …' if len(foreign) > 5 else ''} (a rescan sees what they are)")
+        res = self.delete_keys(item, record, store, looked.proven, lease, reasons,
                                freed_sizes={hot_file_key(prefix, record, f.relpath): f.size for f in record.files})
         return res, True
 
@@ -979,13 +1030,30 @@ class _Run:
             assert record is not None
             sizes = {hot_file_key(prefix, record, f.relpath): f.size for f in record.files}
             keys, why = live_keys(store, prefix, record, list(sizes))
+            if why is None:
+                from .verify import is_single_file
+
+                why = link_refusal(record, store.url, prefix, cat.links(store.url.rstrip("/") + "/"),
+                                   single=is_single_file(prefix, record))
             if why is not None:
                 self.event("delete.refused", f"job {item.job} step {item.step}: {why}", item)
                 return _result(item, "skipped", why)
+            # Each file must be the one the verdict is about, proven now (a stat, no read),
+            # and the delete is bound to what this look saw.
+            looked = prove_now(store, prefix, record)
+            if looked.verdict in ("unknown", "vanished"):
+                return _result(item, "deferred", f"cannot look at its files now: {looked.describe()}; re-run apply")
+            if looked.verdict == "changed":
+                settle(cat, looked, now=self.now())
+                why = f"{looked.describe()}; nothing deleted: verify it again (a rescan sees the rest)"
+                self.event("delete.refused", f"job {item.job} step {item.step}: {why}", item)
+                return _result(item, "skipped", why)
+            listed = set(keys)
+            proven = [i for i in looked.proven if i.key in listed]
             if self.dry_run:
                 result = DeleteResult()
-                for batch in _batches(keys):
-                    result.merge(store.delete_many(batch))
+                for batch in _batches(proven):
+                    result.merge(_delete(store, batch))
                 tagged = f", tagged {DELETE_TAG[0]}={DELETE_TAG[1]} first" if isinstance(store, Taggable) else ""
                 return _result(item, "would", f"would delete {len(result.deleted)} files ({item.scope}){tagged}",
                                freed=record.bytes)
@@ -1009,7 +1077,7 @@ class _Run:
             reasons = list(item.reasons)
             if item.scope == "hot-copy":
                 reasons.append(f"archive copy proven at {self.now().isoformat()}")
-            return self.delete_keys(item, record, store, keys, lease, reasons,
+            return self.delete_keys(item, record, store, proven, lease, reasons,
                                     freed_sizes={k: sizes[k] for k in keys})
         finally:
             self.leases.release(lease)
@@ -1019,17 +1087,20 @@ class _Run:
         item: PlanItem,
         record: CheckpointRecord,
         store: Store,
-        keys: Sequence[str],
+        proven: Sequence[ObjectInfo],
         lease: Lease,
         reasons: list[str],
         *,
         freed_sizes: dict[str, int],
     ) -> ItemResult:
-        """Tag ``keys`` with :data:`DELETE_TAG` (on a taggable store), delete
-        them in batches while the lease holds, then record the tombstone (of
-        the checkpoint, or of its hot copy for a ``hot-copy`` scope); the
-        delete intent must already be recorded."""
+        """Tag the ``proven`` objects' keys with :data:`DELETE_TAG` (on a taggable
+        store), delete each in batches while the lease holds and only while it
+        is still the object proven (:func:`_delete`), then record the tombstone
+        (of the checkpoint, or of its hot copy for a ``hot-copy`` scope); the
+        delete intent must already be recorded. A key replaced since its proof
+        is left alone and keeps the intent for the next run."""
         cat = self.cat
+        keys = [i.key for i in proven]
         untagged = tag_keys(store, keys, DELETE_TAG)
         if untagged:  # the tag is the lifecycle rule's backstop; ckptier deletes the files itself now
             key, why = next(iter(untagged.items()))
@@ -1037,12 +1108,12 @@ class _Run:
                                           f"could not be tagged {DELETE_TAG[0]}={DELETE_TAG[1]} (e.g. {key}: {why}); "
                                           f"deleting them anyway", item, keys=sorted(untagged))
         result = DeleteResult()
-        for batch in _batches(keys):
+        for batch in _batches(proven):
             if not self.leases.valid(lease):
                 self.event("delete.lease_expired", f"job {item.job} step {item.step}: lease lost mid-delete", item)
                 break
             try:
-                result.merge(store.delete_many(batch))
+                result.merge(_delete(store, batch))
             except StoreError as exc:
                 error = exc
                 if isinstance(exc, DeleteInterrupted):
@@ -1060,7 +1131,13 @@ class _Run:
                     self.unavailable[store.url] = detail  # no more deletes from it in this run
                 return _result(item, "failed", detail)
         confirmed = set(result.deleted)
-        freed = sum(freed_sizes.get(k, 0) for k in confirmed - set(result.markers_only))
+        # A name whose bytes another name still holds (a hard link, a symlink) frees nothing.
+        freed = sum(freed_sizes.get(k, 0) for k in confirmed - set(result.markers_only) - set(result.shared))
+        if result.changed:
+            key, why = next(iter(result.changed.items()))
+            self.event("delete.changed", f"job {item.job} step {item.step}: {len(result.changed)} file(s) replaced "
+                                         f"since they were proven were left alone (e.g. {key}: {why}); the delete "
+                                         f"intent stays, the next run settles it", item, changed=dict(result.changed))
         if result.markers_only:
             self.event(
                 "delete.space_not_freed",

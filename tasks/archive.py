@@ -59,6 +59,7 @@ from ckptier.storage.errors import (
     NeedsRestore,
     NotFound,
     StoreError,
+    environment_fault,
 )
 from ckptier.storage.hashing import Digests, Hasher, store_crc64nvme
 from ckptier.storage.local import file_mode
@@ -1098,22 +1099,33 @@ def fetch(
     out = Path(dest)
     check_fetch_dest(out)
     _check_layout(record)
-    created = _make_parents(out.absolute().parent)
-    stage = _stage_dir(out.absolute())
+    created: list[Path] = []
+    stage: Path | None = None
     done = False
     try:
+        created = _make_parents(out.absolute().parent)
+        stage = _stage_dir(out.absolute())
         result = _fetch_into(record, hot=hot, archive=archive, stage=stage, hot_prefix=hot_prefix, t0=t0,
                              fanout=fanout)
         _move_into_place(stage, out)
         done = True
+    except OSError as exc:
+        # Writing the destination failed for a reason of the machine's (a full disk, a
+        # read-only or pseudo filesystem): one line naming DEST, nothing left behind.
+        fault = environment_fault(exc, str(out.absolute()), doing="fetch into")
+        if fault is None:
+            raise
+        raise fault from exc
     finally:
         if not done:
-            shutil.rmtree(stage, ignore_errors=True)
+            if stage is not None:
+                shutil.rmtree(stage, ignore_errors=True)
             for d in reversed(created):
                 try:
                     d.rmdir()
                 except OSError:
                     break
+    assert stage is not None
     paths = tuple(out / p.relative_to(stage) for p in result.paths)
     return replace(result, dest=out, paths=paths, seconds=time.monotonic() - t0)
 

@@ -93,9 +93,11 @@ class StoreCache:
     """Opens each store once and maps a catalog location URL to ``(store, prefix)``.
 
     S3 locations share one store per bucket (``prefix`` is the key within
-    the bucket); a local location is served by a store rooted at its parent
-    directory (``prefix`` is the last path component), which works for
-    checkpoint directories and single-file checkpoints alike. Every store
+    the bucket); a local location is served by a store rooted at the
+    outermost of ``roots`` it lies below (the scanned directory: every
+    directory from there down is opened without following a link), else at
+    its parent directory; ``prefix`` is the rest of the path, which works
+    for checkpoint directories and single-file checkpoints alike. Every store
     ``opener`` gives is used through :func:`~ckptier.storage.wrappers.resuming`
     (a listing, a read or a batch delete that breaks off part-way goes on).
     Thread-safe.
@@ -132,7 +134,12 @@ class StoreCache:
         if location.startswith("s3://"):
             parsed = parse_location(location)
             return self.store(f"s3://{parsed.bucket}"), parsed.prefix
-        parsed = parse_location(location, self.roots())
+        roots = self.roots()
+        parsed = parse_location(location, roots)
+        for root in sorted(roots, key=len):  # the outermost first: nothing below it is followed
+            base = root.rstrip("/")
+            if base.startswith("file://") and location.startswith(base + "/") and canonical_url(base) == base:
+                return self.store(base), location[len(base) + 1:].strip("/")
         parent, name = posixpath.split(parsed.path.rstrip("/"))
         return self.store(Path(parent or "/").as_uri()), name
 
@@ -734,10 +741,17 @@ def run_fetch(
 ) -> FetchReport:
     """Restore job/step's original files into ``dest`` from the hot or archive tier, verified;
     the report says from which tier and source, how many files and bytes, and how long it took."""
+    from .prove import prove_record
+
     record = catalog.get(job, step)
     if record is None:
         raise ConfigError(f"job {job!r} step {step}: not in the catalog; see 'ckptier ls --job {job}'")
-    return fetch_record(record, config, dest=dest, stores=stores or StoreCache(roots=catalog.hot_locations))
+    stores = stores or StoreCache(roots=catalog.hot_locations)
+    # The hot copy is trusted only if its files are still the ones verified (a stat each).
+    proven = prove_record(catalog, stores.for_record, record, now=utcnow())
+    if proven is not None and proven.verdict == "changed":
+        record = catalog.get_by_id(record.id) or record
+    return fetch_record(record, config, dest=dest, stores=stores)
 
 
 def fetch_record(record: CheckpointRecord, config: Config, *, dest: Path, stores: StoreCache,
@@ -928,6 +942,12 @@ def run_drill(run: Run, options: DrillOptions, *, fanout: Any = None) -> list[Dr
         tolerance = settings.loss_tolerance or DEFAULT_LOSS_TOLERANCE
         allowed = tuple(dict.fromkeys([*settings.allow_globals, *allow_globals]))
         for record in records:
+            from .prove import prove_record
+
+            proven = prove_record(catalog, stores.for_record, record, now=now())
+            if proven is not None and proven.verdict == "changed":  # no longer what was verified: not blamed
+                reports.append(_not_started(record, f"{proven.describe()}; verify it again", now(), now()))
+                continue
             started = now()
             scratch = Path(tempfile.mkdtemp(prefix="ckptier-drill-", dir=options.scratch_root))
             try:

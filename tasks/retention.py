@@ -1133,11 +1133,12 @@ class VerifiedDecision:
                 f"(hot after archive: {p.hot_after_archive})")
 
     def apply(self, job: _Job) -> None:
+        unkept = f"not kept by any rule ({'; '.join(str(r) for r in self.policy.rules)})"  # once, not per checkpoint
         for c in job.cs:
             if c.state == State.VERIFIED:
-                job.decided[c.id] = self._decide(c, job)
+                job.decided[c.id] = self._decide(c, job, unkept)
 
-    def _decide(self, c: CheckpointRecord, job: _Job) -> _Decision:
+    def _decide(self, c: CheckpointRecord, job: _Job, unkept: str) -> _Decision:
         policy = self.policy
         reasons = list(job.kept_by[c.id])
         present = hot_present(c)
@@ -1160,7 +1161,7 @@ class VerifiedDecision:
             return _Decision("keep", reasons)
         if not present:
             return _Decision("keep", ["not kept by any rule"])
-        return _Decision("delete", [f"not kept by any rule ({'; '.join(str(r) for r in policy.rules)})"])
+        return _Decision("delete", [unkept])
 
 
 @dataclass(frozen=True)

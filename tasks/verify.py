@@ -24,6 +24,7 @@ keeps a full-object CRC64NVME (S3) is compared without downloading unless
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import threading
 from collections import deque
@@ -33,17 +34,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import date
 
-from ckptier.storage.base import LocalPaths, ObjectInfo, Store, join_key
-from ckptier.storage.errors import CkptierError, ConfigError, IntegrityError, NotFound, StoreError
-from ckptier.storage.hashing import DEFAULT_CHUNK, Digests, hash_file, hash_stream, store_crc64nvme
+from ckptier.storage.base import ObjectInfo, Store, join_key
+from ckptier.storage.errors import CkptierError, ConfigError, IntegrityError, NotFollowed, NotFound, StoreError
+from ckptier.storage.hashing import DEFAULT_CHUNK, Digests, hash_stream, store_crc64nvme
 from ckptier.storage.records import CheckpointRecord, FileCheck, FileRecord, FileStatus, Format, State
 from ckptier.formats import checker_for
 from ckptier.storage.structure import Need, shortfalls
-
-
-#: mtimes closer than this (seconds) count as equal: catalogs round-trip them
-#: through datetimes and databases that keep microseconds at best.
-MTIME_TOLERANCE = 1e-3
+from ckptier.storage.transitions import MTIME_TOLERANCE as MTIME_TOLERANCE  # mtimes this close are equal
+from ckptier.storage.transitions import file_change
 
 #: Reads a file gets when the store's checksum rejects the bytes it returned.
 _INTEGRITY_ATTEMPTS = 2
@@ -158,19 +156,9 @@ def needs_verification(
     if listing_info is None:
         return None
     for f in record.files:
-        info = listing_info.get(f.relpath)
-        if info is None:
-            if f.status != "missing":
-                return f"changed since verification: {f.relpath} is no longer listed"
-            continue
-        if f.status == "missing":
-            return f"changed since verification: {f.relpath} reappeared"
-        if info.size != f.size:
-            return f"changed since verification: {f.relpath} size {f.size} -> {info.size} bytes"
-        if f.etag is not None and info.etag is not None and f.etag != info.etag:
-            return f"changed since verification: {f.relpath} etag {f.etag} -> {info.etag}"
-        if f.mtime is not None and info.mtime is not None and abs(f.mtime - info.mtime) > MTIME_TOLERANCE:
-            return f"changed since verification: {f.relpath} mtime {f.mtime:.3f} -> {info.mtime:.3f}"
+        why = file_change(f, listing_info.get(f.relpath))
+        if why is not None:
+            return f"changed since verification: {why}"
     return None
 
 
@@ -303,6 +291,8 @@ def _check_file(
     where = f"{store.url}/{key}"
     try:
         info = store.stat(key)
+    except NotFollowed as exc:  # a directory on the way is a link now: proves nothing either way
+        return _check(f, "error", f"cannot reach it: {_one_line(exc)}"), 0, 0, ()
     except NotFound:
         return _check(f, "missing", f"not found at {where}"), 0, 0, ()
     except (StoreError, OSError) as exc:
@@ -310,6 +300,11 @@ def _check_file(
     if info.size != f.size:
         how = "truncated" if info.size < f.size else "extended"
         return _check(f, "corrupt", f"size {info.size} bytes, expected {f.size} ({how})", size=info.size), 0, 0, ()
+    if info.link != f.link:
+        now = f"a symlink to {info.link}" if info.link else "a plain file"
+        was = f"a symlink to {f.link}" if f.link else "a plain file"
+        return _check(f, "corrupt", f"now {now}, cataloged as {was} (changed since the scan; rescan it)",
+                      size=info.size), 0, 0, ()
 
     try:
         stored = store_crc64nvme(info.checksum)
@@ -343,13 +338,16 @@ def _check_file(
         checker = checker_for(f.relpath, fmt, manifests_only=baseline is not None)
         observe = checker.feed if checker is not None else None
         try:
-            with pool.buffer() as buf:
-                if isinstance(store, LocalPaths):  # a plain file: hashed straight from the page cache
-                    d = hash_file(store.local_path(key), sha256=want_sha, buffer=buf, progress=tell,
-                                  observe=observe)
-                else:
-                    with store.open_read(key) as stream:
-                        d = hash_stream(stream, sha256=want_sha, buffer=buf, progress=tell, observe=observe)
+            with pool.buffer() as buf, store.open_read(key) as stream:
+                # A local file is read from its open descriptor (never by a path, which a
+                # symlink could redirect), its status taken before and after: bytes that
+                # changed while they were read prove nothing.
+                before = _fstat(stream)
+                d = hash_stream(stream, sha256=want_sha, buffer=buf, progress=tell, observe=observe)
+                after = _fstat(stream)
+            if before is not None and after is not None and before != after:
+                return _check(f, "error", f"changed while it was read ({before[0]} -> {after[0]} bytes); "
+                                          "verify it again"), 0, 0, ()
             break
         except (FileNotFoundError, NotFound):
             return _check(f, "missing", f"vanished while reading {where}"), 0, 0, ()
@@ -382,6 +380,15 @@ def _check_file(
     if bad_store_checksum:
         detail = f"store checksum ignored: {bad_store_checksum}"
     return _check(f, "ok", detail, d), d.size, 0, structure.needs if structure is not None else ()
+
+
+def _fstat(stream: object) -> tuple[int, int, int] | None:
+    """Size, mtime (ns) and inode of the file ``stream`` reads, when it reads a local file."""
+    try:
+        st = os.fstat(stream.fileno())  # type: ignore[attr-defined]
+    except (AttributeError, OSError, ValueError):
+        return None
+    return st.st_size, st.st_mtime_ns, st.st_ino
 
 
 def _one_line(exc: BaseException) -> str:

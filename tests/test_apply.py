@@ -312,10 +312,10 @@ def test_two_applies_at_once_handle_each_checkpoint_once(tmp_path: Path, catalog
     deletes: list[str] = []
 
     class CountingHot(LocalStore):
-        def delete_many(self, keys: Sequence[str]) -> DeleteResult:
+        def delete_proven(self, proven: Sequence[ObjectInfo]) -> DeleteResult:
             with lock:
-                deletes.extend(keys)
-            return super().delete_many(keys)
+                deletes.extend(i.key for i in proven)
+            return super().delete_proven(proven)
 
     plan = w.plan()
     barrier = threading.Barrier(2)
@@ -365,10 +365,10 @@ def test_zombie_whose_lease_expired_cannot_tombstone(tmp_path: Path, catalog_url
     class StallingHot(LocalStore):
         """The zombie stalls inside its delete until its lease is long gone and another run took over."""
 
-        def delete_many(self, keys: Sequence[str]) -> DeleteResult:
+        def delete_proven(self, proven: Sequence[ObjectInfo]) -> DeleteResult:
             w.clock.advance(ttl * 3)
             taken.append(rival.claim(target.id, "run-new", now=w.clock(), ttl=ttl))
-            return super().delete_many(keys)
+            return super().delete_proven(proven)
 
     only_200 = Plan(items=[i for i in w.plan().items if i.step == 200])
     report = w.apply(only_200, owner="run-zombie", hot=StallingHot(w.hot.root), ttl=ttl)

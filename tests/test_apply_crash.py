@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from ckptier.flows.cli import EXIT_BUSY, main
-from ckptier.storage.base import DeleteResult
+from ckptier.storage.base import DeleteResult, ObjectInfo
 from ckptier.storage.catalog.api import DeleteIntent, LeaseHolder, ProcessId
 from ckptier.storage.local import LocalStore
 from ckptier.storage.records import State
@@ -49,16 +49,17 @@ _CHILD = textwrap.dedent(
     mode, victim = sys.argv[1], "step-%08d/" % int(sys.argv[2])
     for cls in (LocalStore, S3Store):
         def wrap(real):
-            def delete_many(self, keys):
+            def delete_proven(self, proven):
+                keys = [i.key for i in proven]
                 if mode == "stall" and any(victim in k for k in keys):
                     print("stalled", flush=True)
                     time.sleep(120)
-                result = real(self, keys)
+                result = real(self, proven)
                 if mode == "kill" and any(victim in k for k in keys):
                     os.kill(os.getpid(), signal.SIGKILL)
                 return result
-            return delete_many
-        cls.delete_many = wrap(cls.delete_many)
+            return delete_proven
+        cls.delete_proven = wrap(cls.delete_proven)
     sys.exit(main(["apply", "--no-prefect"]))
     """
 )
@@ -190,10 +191,10 @@ def test_a_live_runs_lease_is_kept_alive_by_its_heartbeat(world: World) -> None:
     class SlowHot(LocalStore):
         """A delete that takes longer than three leases: only the heartbeat keeps ours."""
 
-        def delete_many(self, keys: Sequence[str]) -> DeleteResult:
+        def delete_proven(self, proven: Sequence[ObjectInfo]) -> DeleteResult:
             time.sleep(3 * ttl.total_seconds())
             rival.append(world.catalog.claim(target.id, "rival", now=datetime.now(UTC), ttl=ttl))
-            return super().delete_many(keys)
+            return super().delete_proven(proven)
 
     slow = SlowHot(world.hot.root)
     only_200 = Plan(items=[i for i in world.plan().items if i.step == 200])

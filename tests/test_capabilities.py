@@ -153,6 +153,10 @@ class Everything(Bare):
         self._call("get_object_tagging")
         return dict(self.tags.get(key, {}))
 
+    def delete_proven(self, proven: Sequence[ObjectInfo]) -> DeleteResult:
+        self._call("delete_proven")
+        return self.inner.delete_proven(proven)
+
 
 @pytest.fixture
 def local(tmp_path: Path) -> LocalStore:
@@ -362,6 +366,39 @@ def test_dry_run_passes_reads_through_and_records_every_change(local: LocalStore
     cold.abort_multipart("c", "u2")  # type: ignore[attr-defined]
     assert [w.key for w in dry.intended_writes] == ["c"] and dry.intended_aborts[-1] == ("c", "u2")
     assert list(local.list()) == []
+
+
+def test_retrying_delete_proven_resends_only_what_was_not_reported(local: LocalStore) -> None:
+    for key in ("a", "b", "c"):
+        local.write(key, b"x")
+    proven = [local.stat(k) for k in ("a", "b", "c")]
+    local.write("c", b"another")
+
+    class CutOff(Everything):
+        def delete_proven(self, proven: Sequence[ObjectInfo]) -> DeleteResult:
+            self._call("delete_proven")
+            if self.calls["delete_proven"] == 1:
+                from ckptier.storage.errors import DeleteInterrupted
+
+                raise DeleteInterrupted(Unavailable("SlowDown"), self.inner.delete_proven(proven[:1]))
+            sent.append([i.key for i in proven])
+            return self.inner.delete_proven(proven)
+
+    sent: list[list[str]] = []
+    result = RetryingStore(CutOff(local), sleep=lambda _s: None, resume_only=True).delete_proven(proven)  # type: ignore[attr-defined]
+    assert sent == [["b", "c"]]
+    assert sorted(result.deleted) == ["a", "b"] and list(result.changed) == ["c"]
+
+
+def test_dry_run_delete_proven_records_only_what_is_still_the_object_proven(local: LocalStore) -> None:
+    for key in ("a", "b"):
+        local.write(key, b"x")
+    proven = [local.stat(k) for k in ("a", "b")]
+    local.write("b", b"replaced")
+    dry = DryRunStore(local)
+    result = dry.delete_proven(proven)  # type: ignore[attr-defined]
+    assert result.deleted == ["a"] and list(result.changed) == ["b"] and dry.intended_deletes == ["a"]
+    assert sorted(i.key for i in local.list()) == ["a", "b"]
 
 
 def test_dry_run_refuses_unsafe_keys_in_what_it_records(local: LocalStore) -> None:

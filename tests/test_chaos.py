@@ -30,7 +30,7 @@ def test_a_short_chaos_run_finds_no_violation_no_crash_and_nothing_stuck(
     moto_endpoint: str, pg_server: PgServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(chaos_fuzz, "BATCH", 40)  # two batches: a local tree, then S3 key sets
-    opts = chaos.Options(trials=4, concurrent=1, fuzz=80, seed=20261130, workdir=tmp_path, quiet=True)
+    opts = chaos.Options(trials=4, concurrent=1, swaps=3, fuzz=80, seed=20261130, workdir=tmp_path, quiet=True)
     findings = chaos.run(opts, chaos.Services(moto_endpoint, pg_server))
     report = chaos.render(findings, opts, 0.0)
     assert findings.totals == (0, 0, 0), report
@@ -39,4 +39,5 @@ def test_a_short_chaos_run_finds_no_violation_no_crash_and_nothing_stuck(
     assert all(t.trials for t in kill_kinds), report
     for kind in ("concurrent-sqlite", "concurrent-pg"):
         assert findings.tallies[kind].trials == 1, report
+    assert findings.tallies["swap"].trials == opts.swaps, report
     assert findings.fuzz["cases"] >= opts.fuzz and findings.fuzz["keys"] and findings.fuzz["fetches"], report

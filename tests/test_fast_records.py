@@ -14,14 +14,15 @@ from ckptier.storage.records import FileRef, file_ref, slot_setters
 def test_listed_file_is_the_object_info_of_a_file(key: str, size: int, mtime: float) -> None:
     made = listed_file(key, size, mtime)
     assert made == ObjectInfo(key, size, mtime) and hash(made) == hash(ObjectInfo(key, size, mtime))
-    assert [getattr(made, f.name) for f in fields(ObjectInfo)] == [key, size, mtime, None, None, None]
+    assert [getattr(made, f.name) for f in fields(ObjectInfo)] == [key, size, mtime, None, None, None, None, None]
     with pytest.raises(FrozenInstanceError):
         made.size = 1  # type: ignore[misc]
 
 
 @pytest.mark.parametrize("values", [
-    ("j/s/rank-0/model.pt", "rank-0/model.pt", 7, 1.5e9, "etag", "crc64nvme:AAAAAAAAAAA="),
-    ("m.safetensors", "m.safetensors", 0, None, None, None),
+    ("j/s/rank-0/model.pt", "rank-0/model.pt", 7, 1.5e9, "etag", "crc64nvme:AAAAAAAAAAA=", None),
+    ("m.safetensors", "m.safetensors", 0, None, None, None, None),
+    ("j/s/rank-0/optimizer.pt", "rank-0/optimizer.pt", 9, 1.5e9, None, None, "j/r/rank-0/optimizer.pt"),
 ])
 def test_file_ref_is_the_file_ref(values: tuple) -> None:  # type: ignore[type-arg]
     made = file_ref(*values)

@@ -368,6 +368,15 @@ class TagWitness:
             raise StoreError(f"{self.url}: AccessDenied on DeleteObjects (a bucket policy)")
         return self.inner.delete_many(keys)
 
+    def delete_proven(self, proven: Any) -> Any:
+        from ckptier.storage.errors import StoreError
+
+        for info in proven:
+            self.tags_at_delete[info.key] = self.inner.get_object_tagging(info.key)
+        if self.refuse_deletes:
+            raise StoreError(f"{self.url}: AccessDenied on DeleteObjects (a bucket policy)")
+        return self.inner.delete_proven(proven)
+
     def put_object_tagging(self, key: str, tags: Any) -> None:
         self.inner.put_object_tagging(key, tags)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -27,6 +28,7 @@ from ckptier.storage.base import (
     LocalPaths,
     MultipartUploads,
     ObjectInfo,
+    ProvenDeletes,
     Restorable,
     ResumableReads,
     StorageClasses,
@@ -36,7 +38,7 @@ from ckptier.storage.base import (
     WalkedDirs,
     read_bytes,
 )
-from ckptier.storage.errors import AlreadyExists, InvalidKey, NotFound
+from ckptier.storage.errors import AlreadyExists, InvalidKey, NotFound, StoreError
 from ckptier.storage.local import LocalStore
 from ckptier.storage.s3 import S3Store
 from ckptier.storage.wrappers import RetryingStore
@@ -649,7 +651,38 @@ class TaggableContract(CapabilityContract):
         assert store.get_object_tagging("t") == {"ckptier:retention": "delete"}
 
 
-class LocalCapabilities(TempFilesContract, LocalPathsContract, ListingSkipsContract, DirectoryStampsContract):
+class ProvenDeletesContract(CapabilityContract):
+    """Deletes bound to the identity a ``stat`` proved: whatever replaced an object since is left alone."""
+
+    capability = ProvenDeletes
+
+    def test_an_object_replaced_between_its_proof_and_the_delete_is_not_deleted(self, store: Any) -> None:
+        store.write("p/kept-as-proven", b"proven bytes")
+        store.write("p/replaced", b"proven bytes too")
+        store.write("p/rewritten", b"x" * 100)
+        proven = [store.stat(k) for k in ("p/kept-as-proven", "p/replaced", "p/rewritten", "p/kept-as-proven")]
+        assert all(isinstance(i.identity, str) and i.identity for i in proven)
+        assert store.stat("p/replaced").identity == proven[1].identity  # the same object: the same identity
+        time.sleep(0.02)  # past a coarse clock's tick: a write is a new mtime, a new ETag, a new version
+        store.write("p/replaced", b"another object now")  # between verify and delete
+        store.write("p/rewritten", b"y" * 100)  # same size, new bytes
+        assert store.stat("p/replaced").identity != proven[1].identity
+        result = store.delete_proven(proven[:3])
+        assert result.deleted == ["p/kept-as-proven"]
+        assert sorted(result.changed) == ["p/replaced", "p/rewritten"]
+        assert all(why and "\n" not in why for why in result.changed.values())
+        assert read_bytes(store, "p/replaced") == b"another object now"
+        assert read_bytes(store, "p/rewritten") == b"y" * 100
+        again = store.delete_proven([proven[3]])  # already gone: deleted all the same (idempotent)
+        assert again.deleted == ["p/kept-as-proven"] and not again.changed
+        assert store.delete_proven([ObjectInfo("p/replaced", 18)]).failed.keys() == {"p/replaced"}  # unproven
+        fresh = store.stat("p/replaced")
+        assert store.delete_proven([fresh]).deleted == ["p/replaced"]
+        assert sorted(i.key for i in store.list("p/")) == ["p/rewritten"]
+
+
+class LocalCapabilities(TempFilesContract, LocalPathsContract, ListingSkipsContract, DirectoryStampsContract,
+                        ProvenDeletesContract):
     """What a local store can do; the test class sets ``self.root`` in its ``store`` fixture."""
 
     root: Path
@@ -672,7 +705,7 @@ class LocalCapabilities(TempFilesContract, LocalPathsContract, ListingSkipsContr
 
 
 class S3Capabilities(CanaryContract, MultipartUploadsContract, ResumableReadsContract, StorageClassesContract,
-                     RestorableContract, TaggableContract, BucketLocationContract):
+                     RestorableContract, TaggableContract, BucketLocationContract, ProvenDeletesContract):
     """What an S3 store can do; the test class sets ``self.bucket`` and ``self.prefix`` in its ``store`` fixture."""
 
     bucket: S3Bucket
@@ -733,9 +766,101 @@ class TestLocalStore(StoreContract, LocalCapabilities):
             outcome.clear()
         assert outcome, f"open_read of a {kind} still blocked after 10 s"
         assert isinstance(outcome[0], NotFound), outcome[0]
-        assert "not a regular file" in str(outcome[0]) or "symlink loop" in str(outcome[0])
+        assert "not a regular file" in str(outcome[0]) or "not followed" in str(outcome[0])
         with pytest.raises(NotFound):
             store.stat("j/model.pt")
+
+    def test_nothing_is_read_written_or_deleted_through_a_symlinked_directory(
+            self, store: LocalStore, tmp_path: Path) -> None:
+        """A step directory (or its parent) swapped for a symlink after a scan: every
+        operation stops at the link, so nothing outside the root is touched."""
+        outside = tmp_path / "outside"
+        (outside / "s" / "r").mkdir(parents=True)
+        (outside / "s" / "f").write_bytes(b"theirs")
+        (outside / "s" / "r" / "g").write_bytes(b"theirs too")
+        (outside / "s" / "r" / "keep-me").mkdir()
+        for swapped in ("j/s", "j"):
+            shutil.rmtree(store.root / "j", ignore_errors=True)
+            store.write("j/s/f", b"ours")
+            store.write("j/s/r/g", b"ours too")
+            proven = [store.stat("j/s/f"), store.stat("j/s/r/g")]
+            shutil.rmtree(store.root / swapped)
+            os.symlink(outside / "s" if swapped == "j/s" else outside, store.root / swapped)
+            before = sorted((p.relative_to(outside).as_posix(), p.is_dir()) for p in outside.rglob("*"))
+            for op in (lambda: store.stat("j/s/f"), lambda: store.open_read("j/s/r/g")):
+                with pytest.raises(NotFound, match="not followed"):
+                    op()
+            skipped: list[str] = []
+            assert list(store.list_with_skips("j/", lambda k, why, told=skipped: told.append(k))) == []
+            assert skipped == (["j/s"] if swapped == "j/s" else [])  # a link at the start: nothing under it
+            assert list(store.list("j/s/")) == []
+            plain = store.delete_many(["j/s/f", "j/s/r/g"])
+            assert plain.deleted == [] and sorted(plain.failed) == ["j/s/f", "j/s/r/g"]
+            bound = store.delete_proven(proven)
+            assert bound.deleted == [] and sorted(bound.changed) == ["j/s/f", "j/s/r/g"]
+            with pytest.raises(NotFound):
+                store.write("j/s/new", b"x")
+            assert sorted((p.relative_to(outside).as_posix(), p.is_dir()) for p in outside.rglob("*")) == before
+            assert (outside / "s" / "f").read_bytes() == b"theirs"
+            assert (store.root / swapped).is_symlink()
+
+    def test_a_link_inside_the_root_is_read_by_its_target_and_deleted_as_itself(self, store: LocalStore) -> None:
+        store.write("a/target.bin", b"bytes")
+        (store.root / "b").mkdir()
+        os.symlink("../a/target.bin", store.root / "b" / "link.bin")
+        info = store.stat("b/link.bin")
+        assert (info.link, info.size) == ("a/target.bin", 5) and info.identity != store.stat("a/target.bin").identity
+        assert read_bytes(store, "b/link.bin") == b"bytes"
+        listed = sorted((i.key, i.link, i.size) for i in store.list())
+        assert listed == [("a/target.bin", None, 5), ("b/link.bin", "a/target.bin", 5)]
+        result = store.delete_proven([info])
+        assert result.deleted == ["b/link.bin"] and result.shared == ["b/link.bin"]  # frees nothing
+        assert read_bytes(store, "a/target.bin") == b"bytes"
+
+    @pytest.mark.parametrize("target", ["absolute", "relative", "chain", "through-a-link"])
+    def test_a_link_leading_out_of_the_root_or_through_a_link_is_no_object(
+            self, store: LocalStore, tmp_path: Path, target: str) -> None:
+        secret = tmp_path / "secret"
+        secret.write_bytes(b"root only")
+        store.write("in/file", b"inside")
+        os.symlink(tmp_path, store.root / "up")
+        text = {"absolute": str(secret), "relative": "../../secret", "chain": "../up/secret",
+                "through-a-link": "../up/root/in/file"}[target]
+        (store.root / "d").mkdir()
+        os.symlink(text, store.root / "d" / "leak")
+        skipped: dict[str, str] = {}
+        listed = [i.key for i in store.list_with_skips("d/", lambda k, why: skipped.update({k: why}))]
+        assert listed == [] and "not followed" in skipped["d/leak"]
+        for op in (lambda: store.stat("d/leak"), lambda: store.open_read("d/leak")):
+            with pytest.raises(NotFound, match="not followed"):
+                op()
+        assert store.delete_many(["d/leak"]).deleted == ["d/leak"]  # the link itself goes, never its target
+        assert secret.read_bytes() == b"root only" and read_bytes(store, "in/file") == b"inside"
+
+    def test_a_file_rewritten_in_place_is_another_object_and_a_hard_link_frees_nothing(self, store: LocalStore) -> None:
+        store.write("h/f", b"x" * 10)
+        proven = store.stat("h/f")
+        path = store.root / "h" / "f"
+        with open(path, "r+b") as fh:  # same inode, same size: only the mtime tells
+            fh.write(b"y")
+        st = path.stat()
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+        assert store.stat("h/f").identity != proven.identity
+        assert store.delete_proven([proven]).changed.keys() == {"h/f"}
+        os.link(path, store.root / "h" / "g")
+        result = store.delete_proven([store.stat("h/g")])
+        assert result.deleted == ["h/g"] and result.shared == ["h/g"]
+        assert store.delete_many(["h/f"]).shared == []  # the last name: its bytes are freed
+
+    def test_a_root_that_is_a_symlink_is_refused(self, store: LocalStore, tmp_path: Path) -> None:
+        os.symlink(store.root, tmp_path / "alias")
+        alias = LocalStore(tmp_path / "alias")
+        store.write("x", b"1")
+        with pytest.raises(StoreError, match="symlink"):
+            list(alias.list())
+        with pytest.raises(StoreError, match="symlink"):
+            alias.delete_many(["x"])
+        assert read_bytes(store, "x") == b"1"
 
     def test_no_temp_files_left_after_writes(self, store: LocalStore) -> None:
         store.write("a/b", io.BytesIO(payload(100_000)))
@@ -781,6 +906,20 @@ class TestS3Store(StoreContract, S3Capabilities):
     @pytest.fixture
     def missing_store(self, s3_bucket: S3Bucket) -> Store:
         return S3Store("ckptier-no-such-bucket-here", client=s3_bucket.client)
+
+    def test_a_versioned_bucket_binds_a_delete_to_the_version_proven(self, store: S3Store,
+                                                                      s3_bucket: S3Bucket) -> None:
+        """The same bytes written again are another object: same ETag, another version."""
+        s3_bucket.client.put_bucket_versioning(Bucket=s3_bucket.name, VersioningConfiguration={"Status": "Enabled"})
+        store.write("v/obj", b"same bytes")
+        proven = store.stat("v/obj")
+        store.write("v/obj", b"same bytes")
+        now = store.stat("v/obj")
+        assert now.etag == proven.etag and now.identity != proven.identity
+        result = store.delete_proven([proven])
+        assert result.changed.keys() == {"v/obj"} and not result.deleted
+        assert read_bytes(store, "v/obj") == b"same bytes"
+        assert store.delete_proven([now]).deleted == ["v/obj"]
 
     def test_url(self, s3_bucket: S3Bucket) -> None:
         assert s3_store(s3_bucket).url == f"s3://{s3_bucket.name}"

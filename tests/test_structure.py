@@ -237,3 +237,76 @@ def test_crc32_is_the_zip_crc() -> None:
 
     data = os.urandom(100_000)
     assert crc32(data) == zlib.crc32(data) and crc32(data[50:], crc32(data[:50])) == zlib.crc32(data)
+
+
+# -- hostile archives and manifests: bounded decoding ----------------------------------------
+
+
+def deflated_zip(payload: bytes, *, seekable: bool = True) -> bytes:
+    """One deflated member holding ``payload`` (sizes in the local header, or a data descriptor after it)."""
+
+    class Pipe(io.RawIOBase):
+        def __init__(self) -> None:
+            self.out = bytearray()
+
+        def writable(self) -> bool:
+            return True
+
+        def write(self, b: bytes) -> int:  # type: ignore[override]
+            self.out += b
+            return len(b)
+
+    sink: io.BytesIO | Pipe = io.BytesIO() if seekable else Pipe()
+    with zipfile.ZipFile(sink, "w", compression=zipfile.ZIP_DEFLATED) as zf, zf.open("archive/data/0", "w") as fh:
+        fh.write(payload)
+    return sink.getvalue() if isinstance(sink, io.BytesIO) else bytes(sink.out)
+
+
+@pytest.mark.parametrize("seekable", [True, False])
+@pytest.mark.parametrize("chunk", [4096, 1 << 20])
+def test_a_deflated_member_is_inflated_as_it_streams(seekable: bool, chunk: int) -> None:
+    data = deflated_zip(bytes(16 << 20), seekable=seekable)  # 16 MiB of zeros in some 16 KB
+    assert len(data) < 64 << 10
+    assert check("model.pt", data, chunk=chunk) == Structure("torch zip")
+
+
+def test_a_member_that_inflates_past_its_declared_size_is_a_bomb() -> None:
+    data = bytearray(deflated_zip(bytes(8 << 20)))
+    struct.pack_into("<I", data, 22, 1000)  # the local header's uncompressed size: a lie
+    cd = data.rfind(b"PK\x01\x02")
+    struct.pack_into("<I", data, cd + 24, 1000)  # and the central directory's, consistently
+    got = check("model.pt", bytes(data))
+    assert got.problem is not None and "inflates past the 1000 bytes its headers declare" in got.problem, got
+
+
+def test_damaged_or_cut_deflate_data_is_named() -> None:
+    data = bytearray(deflated_zip(os.urandom(1000) * 64))
+    start = 30 + len("archive/data/0")
+    data[start + 5] ^= 0xFF
+    got = check("model.pt", bytes(data))
+    assert got.problem is not None and ("deflate" in got.problem or "CRC-32" in got.problem), got
+
+
+def test_json_manifests_are_parsed_within_bounds() -> None:
+    from ckptier.storage.structure import MAX_JSON_DEPTH, StructureError, json_problem, parse_json
+
+    deepest = parse_json(b"[" * MAX_JSON_DEPTH + b"]" * MAX_JSON_DEPTH, "m")  # at the bound: parsed
+    for _ in range(MAX_JSON_DEPTH - 1):
+        deepest = deepest[0]
+    assert deepest == []
+    with pytest.raises(StructureError, match=f"nested deeper than {MAX_JSON_DEPTH} levels"):
+        parse_json(b"[" * (MAX_JSON_DEPTH + 1) + b"]" * (MAX_JSON_DEPTH + 1), "metadata.json")
+    assert json_problem(b'{"a": "[[[[[[[[[[ {{{{ \\" [[[[[ ,,,,,"}', max_depth=2, max_values=2) is None  # in strings
+    assert json_problem(b"[" + b"0," * 1000 + b"0]", max_values=100) == "holds more than 100 values (a manifest never does)"
+    guide = check("metadata.json", b'{"step": 1, "files": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", fmt=Format.GUIDE)
+    assert guide.problem is not None and "nested deeper" in guide.problem
+
+
+def test_a_pickle_bomb_in_dcp_metadata_is_refused_not_built() -> None:
+    from ckptier.formats.dcp import dcp_needs
+    from ckptier.storage.structure import StructureError
+
+    n = 1_000_000  # four bytes of opcodes per object built
+    body = b"\x80\x02cdcp.bomb\nX\nq\x00" + b"]q\x01(" + b"h\x00)R" * n + b"e."
+    with pytest.raises(StructureError, match="pickle bomb"):
+        dcp_needs(body)

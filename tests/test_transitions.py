@@ -17,12 +17,16 @@ from ckptier.storage.records import (
     State,
     Tier,
 )
+from ckptier.storage.base import ObjectInfo
 from ckptier.storage.transitions import (
+    Change,
     Proof,
     Row,
     Seen,
     completeness,
     discovered,
+    file_change,
+    on_files_changed,
     on_scan,
     on_vanished,
     on_verification,
@@ -78,7 +82,10 @@ def scan(old: Row | None, s: Seen) -> tuple[State, str | None, list[str], frozen
         (row(State.VERIFIED, verified=OLD), seen(changed=("a",)), State.COMMITTED, ["changed"], {"changed"}),
         (row(State.VERIFIED, verified=OLD), seen(gone=("a",)), State.COMMITTED, ["changed"], {"changed"}),
         (row(State.COMMITTED), seen(changed=("a",)), State.COMMITTED, ["changed"], {"changed"}),
-        (row(State.CORRUPT), seen(changed=("a",)), State.CORRUPT, ["changed"], {"changed"}),  # evidence
+        # a file of a corrupt checkpoint has new bytes (a save completed after it was caught half-way):
+        # what was judged is gone, so it is verified again; files only gone keep the verdict (evidence)
+        (row(State.CORRUPT), seen(changed=("a",)), State.COMMITTED, ["changed"], {"changed"}),
+        (row(State.CORRUPT), seen(gone=("a",)), State.CORRUPT, ["changed"], {"changed"}),
         (row(State.COMMITTED), seen(still_gone=("a",)), State.COMMITTED, [], set()),
         (row(State.INCOMPLETE), seen(False, still_gone=("a",)), State.INCOMPLETE, [], {"changed"}),  # row dropped
         # complete means complete
@@ -294,3 +301,75 @@ def test_latest_needs_a_present_copy() -> None:
     assert pick_latest([rec(1, copy_state="missing")]).record is None
     assert pick_latest([rec(1, copy_state="degraded"), rec(0)]).record.step == 0  # type: ignore[union-attr]
     assert pick_latest([], drilled=True).record is None
+
+
+# -- a look at the files now (stat / HEAD) -------------------------------------------------
+
+CATALOGED = FileRecord("rank-0000/model.pt", 6000, 1_700_000_000.0, None, "crc", None, "ok", None)
+LINKED = FileRecord("rank-0000/optimizer.pt", 6000, 1_700_000_000.0, None, "crc", None, "ok", None,
+                    link="job/step-00000100/rank-0000/optimizer.pt")
+ON_S3 = FileRecord("model.pt", 10, 1_700_000_000.0, '"e1"', None, None, "ok", None)
+GONE = FileRecord("rank-0000/model.pt", 6000, 1_700_000_000.0, None, None, None, "missing", "not listed")
+
+
+def info(size: int = 6000, mtime: float = 1_700_000_000.0, etag: str | None = None, link: str | None = None) -> ObjectInfo:
+    return ObjectInfo("k", size, mtime, etag, link=link)
+
+
+@pytest.mark.parametrize(
+    ("f", "now", "why"),
+    [
+        (CATALOGED, info(), None),
+        (CATALOGED, info(mtime=1_700_000_000.0004), None),  # within the catalog's precision
+        (CATALOGED, info(size=1000), "rank-0000/model.pt size 6000 -> 1000 bytes"),  # truncated in place
+        (CATALOGED, info(mtime=1_700_003_600.0), "rank-0000/model.pt mtime 1700000000.000 -> 1700003600.000"),
+        (CATALOGED, None, "rank-0000/model.pt is gone"),
+        (CATALOGED, info(link="job/x"), "rank-0000/model.pt is now a symlink to job/x"),
+        (LINKED, info(link="job/step-00000100/rank-0000/optimizer.pt"), None),
+        (LINKED, info(), "rank-0000/optimizer.pt is now a plain file"),
+        (LINKED, info(link="job/step-00000200/rank-0000/optimizer.pt"),
+         "rank-0000/optimizer.pt is now a symlink to job/step-00000200/rank-0000/optimizer.pt"),
+        (ON_S3, info(10, etag='"e1"'), None),
+        (ON_S3, info(10, etag='"e2"'), 'model.pt etag "e1" -> "e2"'),  # same size, replaced
+        (GONE, None, None),  # already held as missing: nothing new
+        (GONE, info(), "rank-0000/model.pt is back"),
+    ],
+)
+def test_a_stat_tells_whether_a_file_is_the_one_cataloged(f: FileRecord, now: ObjectInfo | None,
+                                                          why: str | None) -> None:
+    assert file_change(f, now) == why
+
+
+CHANGED = Change("rank-0000/model.pt", "rank-0000/model.pt size 6000 -> 1000 bytes", info(size=1000))
+VANISHED = Change("rank-0000/model.pt", "rank-0000/model.pt is gone", None)
+
+
+@pytest.mark.parametrize(
+    ("old", "changes", "state", "events"),
+    [
+        # nothing changed: every verdict stands
+        (row(State.VERIFIED, verified=OLD), [], State.VERIFIED, []),
+        (row(State.CORRUPT), [], State.CORRUPT, []),
+        # a torn file is never verified: verify again
+        (row(State.VERIFIED, verified=OLD), [CHANGED], State.COMMITTED, ["changed"]),
+        (row(State.VERIFIED, verified=OLD), [VANISHED], State.COMMITTED, ["changed"]),
+        # bytes changed since they were found corrupt (a save that completed): verify again
+        (row(State.CORRUPT), [CHANGED], State.COMMITTED, ["changed"]),
+        (row(State.CORRUPT), [CHANGED, VANISHED], State.COMMITTED, ["changed"]),
+        # losing more files proves nothing new: still corrupt (evidence)
+        (row(State.CORRUPT), [VANISHED], State.CORRUPT, []),
+        # still to verify
+        (row(State.COMMITTED), [CHANGED], State.COMMITTED, []),
+        # a save in flight is never judged; a tombstone stays one
+        (row(State.INCOMPLETE), [CHANGED], State.INCOMPLETE, []),
+        (row(State.DELETED), [CHANGED], State.DELETED, []),
+    ],
+)
+def test_what_a_stat_mismatch_does_to_a_state(old: Row, changes: list[Change], state: State,
+                                               events: list[str]) -> None:
+    t = on_files_changed(old, changes, label="j step 1")
+    assert (t.state, [e.kind for e in t.events]) == (state, events)
+    if state == State.COMMITTED and old.state != State.COMMITTED:
+        assert t.verified_at is None and "rank-0000/model.pt" in (t.reason or "")
+    if state == old.state and old.state != State.COMMITTED:
+        assert (t.reason, t.verified_at) == (old.reason, old.verified_at)

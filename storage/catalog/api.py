@@ -38,6 +38,7 @@ from sqlalchemy import (
     tuple_,
     update,
 )
+from sqlalchemy.exc import OperationalError
 
 from .. import transitions
 from ..errors import CkptierError
@@ -203,6 +204,19 @@ class DeleteIntent:
 
 
 @dataclass(frozen=True)
+class LinkedFile:
+    """A file of a standing checkpoint (not deleted, its hot copy present) that is
+    a symlink: ``link`` is the key, in the same store, of the file it points at."""
+
+    checkpoint_id: int
+    job: str
+    step: int
+    location: str
+    relpath: str
+    link: str
+
+
+@dataclass(frozen=True)
 class EventRecord:
     """One line of the catalog's event log (newest first when listed)."""
 
@@ -306,7 +320,7 @@ def _seen(found: Found, changed: Sequence[str], gone: Sequence[str], still_gone:
 
 
 # Column order of the per-job file load in record_scan (tuples, for speed).
-_F_ID, _F_CK, _F_REL, _F_SIZE, _F_MTIME, _F_ETAG, _F_EXP, _F_STATUS, _F_CRC = range(9)
+_F_ID, _F_CK, _F_REL, _F_SIZE, _F_MTIME, _F_ETAG, _F_EXP, _F_STATUS, _F_CRC, _F_LINK = range(10)
 
 
 class Catalog:
@@ -357,13 +371,27 @@ class Catalog:
 
     @contextmanager
     def _read(self) -> Iterator[Connection]:
-        with db.read_transaction(self._engine) as conn:
-            yield conn
+        try:
+            with db.read_transaction(self._engine) as conn:
+                yield conn
+        except OperationalError as exc:
+            fault = db.catalog_fault(self.url, exc)
+            if fault is None:
+                raise
+            raise fault from exc
 
     @contextmanager
     def _write(self) -> Iterator[Connection]:
-        with self._engine.begin() as conn:
-            yield conn
+        # A full disk or a read-only filesystem is the machine's, named in one line with the
+        # fix (the transaction was rolled back: nothing half-written).
+        try:
+            with self._engine.begin() as conn:
+                yield conn
+        except OperationalError as exc:
+            fault = db.catalog_fault(self.url, exc)
+            if fault is None:
+                raise
+            raise fault from exc
 
     # -- scanning ------------------------------------------------------------------
 
@@ -588,6 +616,7 @@ class Catalog:
                 fl.c.sha256_expected,
                 fl.c.status,
                 fl.c.crc64nvme,
+                fl.c.link,
             )
             .join(ck, ck.c.id == fl.c.checkpoint_id)
             .where(ck.c.job_id == job_id),
@@ -665,9 +694,10 @@ class Catalog:
                 if row is None:
                     changed_names.append(ref.relpath)
                     file_inserts.setdefault(_FILE_INSERT_COLUMNS, []).append(
-                        (cid, ref.relpath, ref.size, ref.mtime, ref.etag, exp))
+                        (cid, ref.relpath, ref.size, ref.mtime, ref.etag, exp, ref.link))
                     continue
-                same_bytes = row[_F_SIZE] == ref.size and row[_F_MTIME] == ref.mtime and row[_F_ETAG] == ref.etag
+                same_bytes = (row[_F_SIZE] == ref.size and row[_F_MTIME] == ref.mtime and row[_F_ETAG] == ref.etag
+                              and row[_F_LINK] == ref.link)
                 if same_bytes and row[_F_EXP] == exp and row[_F_STATUS] != "missing":
                     continue
                 changed_names.append(ref.relpath)
@@ -677,7 +707,7 @@ class Catalog:
                 file_updates.append(
                     {"_id": row[_F_ID], "size": ref.size, "mtime": ref.mtime, "etag": ref.etag,
                      "sha256_expected": exp, "crc64nvme": row[_F_CRC], "sha256": None, "status": None,
-                     "detail": None, "verified_at": None}
+                     "detail": None, "verified_at": None, "link": ref.link}
                 )
             gone = [rel for rel in old_files if rel not in listed and old_files[rel][_F_STATUS] != "missing"]
             still_gone = [rel for rel in old_files if rel not in listed and old_files[rel][_F_STATUS] == "missing"]
@@ -694,7 +724,7 @@ class Catalog:
                          "etag": row[_F_ETAG], "sha256_expected": row[_F_EXP], "crc64nvme": None,
                          "sha256": None, "status": "missing",
                          "detail": f"no longer listed by the scan at {now.isoformat()}",
-                         "verified_at": None}
+                         "verified_at": None, "link": row[_F_LINK]}
                     )
             for counter in t.counts:
                 setattr(tally, counter, getattr(tally, counter) + 1)
@@ -915,15 +945,15 @@ class Catalog:
         files: dict[int, list[FileRecord]] = {}
         if with_files:
             cols = (fl.c.relpath, fl.c.size, fl.c.mtime, fl.c.etag, fl.c.crc64nvme,
-                    fl.c.sha256_expected, fl.c.status, fl.c.detail)
-            for cid, rel, size, mtime, etag, crc, exp, status, detail in conn.execute(
+                    fl.c.sha256_expected, fl.c.status, fl.c.detail, fl.c.link)
+            for cid, rel, size, mtime, etag, crc, exp, status, detail, link in conn.execute(
                 select(fl.c.checkpoint_id, *cols)
                 .where(fl.c.checkpoint_id.in_(ids))
                 .order_by(fl.c.checkpoint_id, fl.c.relpath)
             ).all():
                 files.setdefault(cid, []).append(
                     FileRecord(relpath=rel, size=size, mtime=mtime, etag=etag, crc64nvme=crc,
-                               sha256_expected=exp, status=status, detail=detail)
+                               sha256_expected=exp, status=status, detail=detail, link=link)
                 )
         last_drill: dict[int, DrillOutcome] = {}
         for d in conn.execute(
@@ -959,6 +989,70 @@ class Catalog:
             for (cid, job, step, fmt, state, location, size, saved_at, first_seen, last_seen, missing_since,
                  verified_at, reason, loss, generation, metrics) in rows
         ]
+
+    def links(self, scope: str) -> list[LinkedFile]:
+        """Every file that is a symlink (:attr:`FileRecord.link`) of a checkpoint whose
+        location starts with ``scope`` (a store's URL and ``/``), that is not a
+        tombstone and still has its hot copy there: what a delete of the files
+        they point at must leave standing."""
+        held = (
+            select(cp.c.id)
+            .where(cp.c.checkpoint_id == ck.c.id, cp.c.tier == Tier.HOT.value, cp.c.url == ck.c.location,
+                   cp.c.state == CopyState.PRESENT.value)
+            .exists()
+        )
+        with self._read() as conn:
+            rows = conn.execute(
+                select(ck.c.id, jb.c.name, ck.c.step, ck.c.location, fl.c.relpath, fl.c.link)
+                .join(ck, ck.c.id == fl.c.checkpoint_id)
+                .join(jb, jb.c.id == ck.c.job_id)
+                .where(fl.c.link.is_not(None), ck.c.state != State.DELETED.value,
+                       ck.c.location.startswith(scope, autoescape=True), held)
+                .order_by(jb.c.name, ck.c.step, fl.c.relpath)
+            ).tuples().all()
+        return [LinkedFile(int(i), job, int(step), loc, rel, link) for i, job, step, loc, rel, link in rows]
+
+    def record_file_changes(self, checkpoint_id: int, changes: Sequence[transitions.Change], *,
+                            now: datetime) -> State:
+        """Record what a look at the files now found (a ``stat`` or HEAD of each,
+        :func:`ckptier.tasks.prove.prove_now`): ``changes`` are the files that
+        are not what the catalog holds. Each changed file takes what is there
+        now (size, mtime, ETag, link; no status: never verified; the recorded
+        crc64nvme stays as the baseline it is held to), a gone one is
+        ``missing``, and the checkpoint moves as
+        :func:`ckptier.storage.transitions.on_files_changed` says (verified or
+        corrupt -> committed: verify again), with its event. Returns the state.
+        Raises :class:`UnknownCheckpoint` for an unknown id."""
+        now = _aware(now)
+        with self._write() as conn:
+            head = conn.execute(
+                select(ck.c.id, ck.c.job_id, ck.c.step, ck.c.state, ck.c.state_reason, ck.c.location,
+                       ck.c.first_seen, ck.c.saved_at, ck.c.verified_at, ck.c.missing_since)
+                .where(ck.c.id == checkpoint_id)
+            ).first()
+            if head is None:
+                raise UnknownCheckpoint(f"checkpoint id {checkpoint_id} is not in the catalog; rescan first")
+            t = transitions.on_files_changed(_row(head), changes,
+                                             label=f"checkpoint {checkpoint_id} (step {head.step})")
+            if head.state in (State.INCOMPLETE.value, State.DELETED.value) or not changes:
+                return t.state
+            ids = dict(conn.execute(select(fl.c.relpath, fl.c.id).where(fl.c.checkpoint_id == checkpoint_id))
+                       .tuples().all())
+            present = [{"_id": ids[c.relpath], "size": c.now.size, "mtime": c.now.mtime, "etag": c.now.etag,
+                        "link": c.now.link, "status": None, "detail": None, "sha256": None, "verified_at": None}
+                       for c in changes if c.now is not None and c.relpath in ids]
+            gone = [{"_id": ids[c.relpath], "status": "missing", "detail": f"{c.why} ({now.isoformat()})",
+                     "verified_at": None} for c in changes if c.now is None and c.relpath in ids]
+            for rows in (present, gone):
+                if rows:
+                    _bulk_update(conn, fl, rows)
+            conn.execute(update(ck).where(ck.c.id == checkpoint_id)
+                         .values(state=t.state.value, state_reason=t.reason, verified_at=t.verified_at))
+            if t.events:
+                conn.execute(insert(ev), [{"at": now, "kind": e.kind, "job_id": head.job_id,
+                                           "checkpoint_id": checkpoint_id, "message": e.message,
+                                           "data": dict(e.data) if e.data else None} for e in t.events])
+        return t.state
 
     # -- verification --------------------------------------------------------------
 
@@ -1781,10 +1875,11 @@ class Catalog:
 
 #: Columns a new file row sets; the others (hashes, status, detail,
 #: verified_at) start NULL.
-_FILE_INSERT_COLUMNS = ("checkpoint_id", "relpath", "size", "mtime", "etag", "sha256_expected")
+_FILE_INSERT_COLUMNS = ("checkpoint_id", "relpath", "size", "mtime", "etag", "sha256_expected", "link")
 _RELPATH = attrgetter("relpath")
 _SIZE = attrgetter("size")
 _MTIME = attrgetter("mtime")
+_LINK = attrgetter("link")
 _ETAG = attrgetter("etag")
 
 
@@ -1821,7 +1916,8 @@ def _new_file_rows(
     relpaths = list(map(_RELPATH, files))
     columns: dict[str, list[Any]] = {"relpath": relpaths, "size": list(map(_SIZE, files))}
     for name, values in (("mtime", map(_MTIME, files)), ("etag", map(_ETAG, files)),
-                         ("sha256_expected", map(hashes.get, relpaths) if hashes else ())):
+                         ("sha256_expected", map(hashes.get, relpaths) if hashes else ()),
+                         ("link", map(_LINK, files))):
         kept = list(values)
         if kept.count(None) < len(kept):
             columns[name] = kept

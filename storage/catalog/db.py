@@ -38,7 +38,7 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, SQLAlchemyError
 from sqlalchemy.pool import StaticPool
 
-from ..errors import ConfigError
+from ..errors import ConfigError, EnvironmentFault
 
 if TYPE_CHECKING:
     from alembic.config import Config
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 #: The newest migration revision. Opening a catalog already at this revision
 #: only reads ``alembic_version`` and never imports Alembic (it costs ~0.2 s
 #: per command); ``tests/test_catalog.py`` checks it equals Alembic's head.
-HEAD_REVISION = "retention_0001"
+HEAD_REVISION = "safeio_0001"
 
 #: Seconds a SQLite writer waits for another writer's lock before failing.
 SQLITE_BUSY_TIMEOUT_S = 30.0
@@ -437,6 +437,32 @@ def _reason(exc: BaseException) -> str:
     return first.rstrip(".")
 
 
+#: What the database said (lowercase, a fragment) -> what the machine refused and the fix.
+_CATALOG_FAULTS = (
+    ("database or disk is full", "the disk holding it is full", "free space there and re-run"),
+    ("no space left on device", "the disk holding it is full", "free space there and re-run"),
+    ("disk quota exceeded", "its disk quota is exceeded", "free space under the quota and re-run"),
+    ("attempt to write a readonly database", "it is read-only (its file, directory or filesystem)",
+     "make it writable or point --catalog at a writable one"),
+    ("read-only file system", "its filesystem is read-only", "remount it read-write or use another catalog"),
+    ("disk i/o error", "the disk holding it failed a read or a write", "check the disk and the mount, then re-run"),
+    ("unable to open database file", "its file cannot be opened (a missing directory, or permissions)",
+     "check the path and its permissions"),
+)
+
+
+def catalog_fault(url: str, exc: BaseException) -> EnvironmentFault | None:
+    """``exc`` (raised while using the catalog at ``url``, password masked) as the
+    one-line :class:`~ckptier.storage.errors.EnvironmentFault` it is — the
+    disk full, a read-only filesystem, no permission — naming the catalog
+    and the fix; None for any other error (a bug, a lock held...)."""
+    text_ = _reason(exc).lower()
+    for fragment, what, fix in _CATALOG_FAULTS:
+        if fragment in text_:
+            return EnvironmentFault(f"catalog {url}: {what} ({_reason(exc)}); {fix}")
+    return None
+
+
 def open_engine(url: str, *, create: bool = True) -> Engine:
     """Make the engine for ``url`` and migrate it (see :func:`make_engine`,
     :func:`migrate`). Every failure is a one-line :class:`ConfigError` that
@@ -451,6 +477,9 @@ def open_engine(url: str, *, create: bool = True) -> Engine:
         raise
     except (SQLAlchemyError, OSError) as exc:
         engine.dispose()
+        fault = catalog_fault(mask_url(engine.url), exc)
+        if fault is not None:
+            raise fault from exc
         reason = _reason(exc)
         password = engine.url.password
         if password:

@@ -167,7 +167,8 @@ checkpoints = Table(
 #: A file of a checkpoint, as listed and as last verified. ``mtime`` is epoch
 #: seconds as the store lists it; ``crc64nvme`` base64; ``sha256`` hex as last
 #: computed, ``sha256_expected`` hex from the format's metadata; ``status``
-#: None / ok / corrupt / error / missing.
+#: None / ok / corrupt / error / missing; ``link`` the key (inside the scanned
+#: root) of the regular file a symlink points at, for a file that is a symlink.
 files = Table(
     "files", metadata,
     _id(),
@@ -182,6 +183,7 @@ files = Table(
     _optional("status", String(16)),
     _optional("detail", Text),
     _optional("verified_at", UTCDateTime()),
+    _optional("link", Text),
     UniqueConstraint("checkpoint_id", "relpath", name="uq_files_checkpoint_relpath"),
 )
 
