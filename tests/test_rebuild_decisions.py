@@ -202,3 +202,21 @@ def test_recognition_never_claims_an_archive_copys_objects() -> None:
                     now=NOW.timestamp())
     assert rec.checkpoints == () and rec.unrecognised == ()
     assert rec.archive_objects == 3 and rec.archive_example is not None and rec.archive_example.endswith(".ckz")
+
+
+def test_a_backup_names_the_hot_url_its_job_was_scanned_under() -> None:
+    """Of the scanned URLs a backup records, only the one the job's name is the path below: scanning
+    another (an outer directory) would catalog the same checkpoints under another job name."""
+    from ckptier.storage.catalog_backup import BackupHeader
+    from ckptier.tasks.backup import ReadBackup
+    from ckptier.tasks.rebuild import _backup_roots
+
+    def backup(job: str, hot: str, scanned: list[str]) -> ReadBackup:
+        return ReadBackup("x", BackupHeader(job, NOW, "0" * 64, 0, {}), {"job": {"hot_url": hot}, "scanned": scanned})
+
+    got = _backup_roots({
+        "runs/llm": backup("runs/llm", "file:///data/hot/runs/llm", ["file:///data", "file:///data/hot"]),
+        "exp": backup("exp", "s3://b/p/exp", []),  # no scan recorded: the rule alone
+        "top": backup("top", "file:///top", ["file:///top"]),  # checkpoints right at the scanned root
+    })
+    assert got == ["file:///data/hot", "file:///top", "s3://b/p"]
