@@ -30,7 +30,11 @@ per rank instead of 0.1-0.5 s here (torch 2.13), which would flatter the
 drill by a difference that is not ckptier's. Prints both, the ratio
 (target <= 1.3x) and where ckptier's time goes.
 
-    python bench/drill.py [--dir /tmp/ckbench_drill4] [--reps 3]
+    python bench/drill.py [--dir /tmp/ckbench_drill4] [--reps 3] [--width 2048]
+
+``--width`` sets the layers' width (2048: the ~200 MB checkpoint the
+figures are for; a small one, such as 256 in another ``--dir``, only proves
+the benchmark runs).
 """
 
 from __future__ import annotations
@@ -226,10 +230,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", type=Path, default=Path("/tmp/ckbench_drill4"))
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--width", type=int, default=2048, help="width of the model's layers (2048 for the figures)")
     args = parser.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
     factory = args.dir / "bench_factory.py"
-    factory.write_text(FACTORY)
+    factory.write_text(FACTORY.replace("WIDTH, DEPTH = 2048, 4", f"WIDTH, DEPTH = {args.width}, 4"))
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(args.dir), os.environ.get("PYTHONPATH")]))
     step_dir = make_checkpoint(args.dir, factory)
     url = make_catalog(args.dir)

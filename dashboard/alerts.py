@@ -12,6 +12,10 @@ kind                   severity  when
                                  the checkpoint any more
 ``corrupt``            error     a checkpoint's bytes failed verification
 ``drill-failed``       error     the job's most recent restore drill failed
+``environment-drift``  error     a checkpoint passed a drill under one stack and
+                                 failed under another (the versions that changed)
+``recovery-rate``      warning   fewer than 80% of the job's judged drills passed
+                                 over the last 7 days
 ``degraded``           warning   an archive copy is degraded; the hot copy is intact
 ``deletion-suspended`` warning   the retention planner's shrink guard holds every
                                  deletion of the job (too many checkpoints missing)
@@ -30,6 +34,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 from ckptier.storage.records import CheckpointRecord, Format, State
+from ckptier.tasks.drill_history import RATE_ALERT_BELOW, RATE_ALERT_MIN_JUDGED, Drift, RecoveryRate
 from ckptier.tasks.retention import Policy, shrink_guard
 
 SEVERITIES = ("critical", "error", "warning")
@@ -203,6 +208,17 @@ def drill_alert(job: str, step: int | None, ok: bool | None, summary: str | None
     return Alert(job, "drill-failed", "error",
                  f"the last restore drill ({where}) failed: {summary or 'no detail recorded'}",
                  (step,) if step is not None else ())
+
+
+def recovery_alerts(job: str, week: RecoveryRate, drift: Sequence[Drift]) -> list[Alert]:
+    """``environment-drift`` per checkpoint that passed under one stack and
+    failed under another; ``recovery-rate`` when the week's rate is low."""
+    out = [Alert(job, "environment-drift", "error", d.text(), (d.step,) if d.step is not None else ()) for d in drift]
+    rate = week.rate
+    if rate is not None and week.judged >= RATE_ALERT_MIN_JUDGED and rate < RATE_ALERT_BELOW:
+        out.append(Alert(job, "recovery-rate", "warning", f"{week.text()}: below {RATE_ALERT_BELOW:.0%}; "
+                                                          "see the drill history for what fails"))
+    return out
 
 
 def sort_alerts(alerts: Sequence[Alert]) -> list[Alert]:

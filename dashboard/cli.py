@@ -24,7 +24,7 @@ from .views import NUMERIC
 
 FORMATS = ("table", "csv", "json")
 #: What ``report`` prints without ``--table``: the catalog's tables, or a job's.
-DEFAULT_TABLES = ("jobs", "alerts")
+DEFAULT_TABLES = ("jobs", "alerts", "recovery")
 DEFAULT_JOB_TABLES = ("jobs", "alerts", "checkpoints", "plan", "drills", "storage")
 DEFAULT_CHECKPOINT_TABLES = ("checkpoints", "copies", "files", "drills", "events")
 #: What ``report --costs`` prints (CSV: the first).
@@ -33,6 +33,7 @@ COST_TABLES = ("costs", "cost_tiers")
 TERMINAL_COLUMNS: dict[str, tuple[str, ...]] = {
     "jobs": ("job", "checkpoints", "drilled", "verified", "committed", "incomplete", "corrupt", "hot_bytes",
              "archive_stored_bytes", "saved_fraction", "verified_coverage", "last_drill_ok", "last_drill_age_s",
+             "drill_success_7d",
              "recovery_step", "recovery_age_s", "newest_save_age_s", "alerts"),
     "alerts": ("severity", "job", "kind", "message"),
     "checkpoints": ("step", "state", "proof", "last_drill", "bytes", "hot", "archive", "archive_stored_bytes",

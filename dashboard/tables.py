@@ -36,6 +36,7 @@ from ckptier.storage.catalog.api import DrillRecord
 from ckptier.storage.errors import ConfigError
 from ckptier.storage.records import CheckpointRecord
 from ckptier.tasks.costs import JobCosts
+from ckptier.tasks.drill_history import environment_drift, recovery_rate, recovery_rates
 
 from . import alerts as al
 from . import queries as q
@@ -304,7 +305,7 @@ def build_jobs(s: Snapshot) -> pd.DataFrame:
         rec = recovery.loc[name] if recovery is not None and name in recovery.index else None
         top = newest.loc[name] if newest is not None and name in newest.index else None
         interval = al.usual_interval(times.get(name, []))
-        last = (s.drills.get(name) or [None])[0]
+        last = next((d for d in s.drills.get(name) or [] if d.judged), None)  # not judged: history only
         last_at = (last.finished_at or last.started_at) if last else None
         hb, ab, ka = int(hot_bytes[name]), int(archive_stored[name]), int(keep_all[name])
         newest_saved = _opt(top["saved_at"]) if top is not None else None
@@ -331,6 +332,8 @@ def build_jobs(s: Snapshot) -> pd.DataFrame:
             "last_drill_age_s": _age_s(s.now, last_at),
             "last_drill_step": last.step if last else None,
             "last_drill_ok": last.ok if last else None,
+            **{f"drill_success_{days}d": recovery_rate(s.drills.get(name) or [], job=name, days=days, now=s.now).rate
+               for days in (7, 30)},
             "recovery_step": int(rec["step"]) if rec is not None else None,
             "recovery_saved_at": _opt(rec["saved_at"]) if rec is not None else None,
             "recovery_age_s": _age_s(s.now, _opt(rec["saved_at"])) if rec is not None else None,
@@ -372,11 +375,13 @@ def build_alerts(s: Snapshot) -> pd.DataFrame:
             a = al.stale_alert(name, int(top["step"]), max(times) if times else None, al.usual_interval(times), now=s.now)
             if a:
                 found.append(a)
-        drills = s.drills.get(name, [])
+        drills = [d for d in s.drills.get(name, []) if d.judged]  # not judged: history only
         if drills:
             a = al.drill_alert(name, drills[0].step, drills[0].ok, _drill_summary(drills[0]))
             if a:
                 found.append(a)
+        found.extend(al.recovery_alerts(name, recovery_rate(drills, job=name, days=7, now=s.now),
+                                        environment_drift(drills)))
     rows = [{"severity": a.severity, "job": a.job, "kind": a.kind, "steps": ", ".join(map(str, a.steps)),
              "message": redact(a.message), "rank": a.rank} for a in al.sort_alerts(found)]
     return _records(rows, "alerts")
@@ -452,7 +457,7 @@ def build_drills(s: Snapshot) -> pd.DataFrame:
     rows = [{
         "job": d.job, "step": d.step, "started_at": d.started_at, "finished_at": d.finished_at,
         "seconds": round((d.finished_at - d.started_at).total_seconds(), 3) if d.finished_at else None,
-        "ok": d.ok, "device": d.device or "", "tier": d.source_tier or "", "first_loss": _first_loss(d),
+        "ok": d.ok, "outcome": d.verdict_name, "device": d.device or "", "tier": d.source_tier or "", "first_loss": _first_loss(d),
         "peak_memory_bytes": d.peak_memory_bytes, "summary": _drill_summary(d),
     } for d in drills]
     df = _records(rows, "drills")
@@ -612,6 +617,8 @@ register(TableSpec("jobs", "Jobs", "catalog", (
     C("last_drill_age_s", "age", "Last drill age"),
     C("last_drill_step", "step", "Last drill step"),
     C("last_drill_ok", "verdict", "Last drill verdict"),
+    C("drill_success_7d", "ratio", "Drills passed 7d", "passed / judged drills over the last 7 days"),
+    C("drill_success_30d", "ratio", "Drills passed 30d", "passed / judged drills over the last 30 days"),
     C("recovery_step", "step", "Recovery point", "newest checkpoint whose most recent drill passed"),
     C("recovery_saved_at", "time", "Recovery point saved"),
     C("recovery_age_s", "age", "Recovery point age"),
@@ -666,12 +673,28 @@ register(TableSpec("drills", "Restore drills", "catalog", (
     C("finished_at", "time", "Finished"),
     C("seconds", "float", "Seconds"),
     C("ok", "verdict", "Verdict"),
+    C("outcome", "text", "Outcome", "passed, failed, or not judged (the drill could not judge: history only)"),
     C("device", "text", "Device"),
     C("tier", "text", "From tier"),
     C("first_loss", "float", "First loss"),
     C("peak_memory_bytes", "bytes", "Peak memory"),
     C("summary", "text", "Summary"),
 ), build_drills, "restore drills, newest first"))
+
+def build_recovery(s: Snapshot) -> pd.DataFrame:
+    """Recovery success rate: per job and over every job, passed / judged drills over 7 and 30 days."""
+    rows = [{"job": r.job, "days": r.days, "passed": r.passed, "judged": r.judged, "rate": r.rate}
+            for r in recovery_rates(s.drills, now=s.now)]
+    return _records(rows, "recovery")
+
+
+register(TableSpec("recovery", "Recovery success rate", "catalog", (
+    C("job", "job", "Job"),
+    C("days", "int", "Days"),
+    C("passed", "int", "Passed"),
+    C("judged", "int", "Judged", "passed + failed (not judged drills do not count)"),
+    C("rate", "ratio", "Rate"),
+), build_recovery, "drills passed / judged over 7 and 30 days, per job and over every job"))
 
 register(TableSpec("verifications", "Verification history", "catalog", (
     C("at", "time", "At"),

@@ -20,7 +20,7 @@ from ckptier.tasks.prefect_tasks import drill_task
 from ckptier.tasks.reports import DrillReport
 
 from .artifacts import publish_catalog_summary, publish_dashboard_links
-from .events import DRILL_FAILED, emit_ckptier_event
+from .events import DRILL_FAILED, DRILL_NOT_JUDGED, ENVIRONMENT_DRIFT, emit_ckptier_event
 from .runner import FailedWithReport
 
 
@@ -44,10 +44,11 @@ def render_report(reports: Sequence[DrillReport]) -> str:
     """The drill report as markdown: one section per drill, a table of checks and timings."""
     lines = ["# Restore drill", ""]
     for r in reports:
-        mark = "PASSED" if r.ok else "NOT STARTED" if not r.started else "FAILED"
+        mark = "NOT STARTED" if not r.started else r.outcome.upper()
+        peak = "not measured" if r.peak_memory_bytes is None else f"{r.peak_memory_bytes:,} bytes"
+        trained = f", trained steps {r.trained_steps[0]}..{r.trained_steps[1]}" if r.trained_steps else ""
         lines += [f"## {r.job} step {r.step}: {mark}", "", r.summary, "",
-                  f"device `{r.device or '-'}`, tier `{r.tier or '-'}`, "
-                  f"peak memory {r.peak_memory_bytes or 0:,} bytes", "",
+                  f"device `{r.device or '-'}`, tier `{r.tier or '-'}`, peak memory {peak}{trained}", "",
                   *([r.confinement, ""] if r.confinement else []),
                   "| check | result | detail |", "| --- | --- | --- |"]
         lines += [f"| {c.name} | {'ok' if c.ok else '**FAIL**'} | {c.detail} |" for c in r.checks]
@@ -118,8 +119,11 @@ def restore_drill_flow(
         raise DrillNotStarted(str(exc)) from None
     create_markdown_artifact(render_report(reports), key="drill-report", description="Restore drill report")
     failed = [r for r in reports if not r.ok]
-    for r in failed:
-        emit_ckptier_event(DRILL_FAILED, r.job, r.step, summary=r.summary, started=r.started)
+    for r in failed:  # one event per drill: a not judged one stops its job's walk, so one per cause
+        emit_ckptier_event(DRILL_FAILED if r.judged else DRILL_NOT_JUDGED, r.job, r.step, summary=r.summary,
+                           started=r.started, verdict=r.outcome)
+        if r.drift:
+            emit_ckptier_event(ENVIRONMENT_DRIFT, r.job, r.step, summary=r.drift)
     summary = publish_catalog_summary(catalog_url, config_path)
     publish_dashboard_links([job] if job else [j["job"] for j in summary])
     # Any failed attempt fails the run, even when an older checkpoint then passed:

@@ -21,6 +21,8 @@ from ckptier.tasks.reports import dashboard_job_url
 
 CORRUPTION_FOUND = "ckptier.corruption.found"
 DRILL_FAILED = "ckptier.drill.failed"
+DRILL_NOT_JUDGED = "ckptier.drill.not-judged"
+ENVIRONMENT_DRIFT = "ckptier.drill.drift"
 
 
 def current_run() -> dict[str, str]:

@@ -20,12 +20,17 @@ every model-parallel rank; a gap is a shortfall (``incomplete`` within the
 job's grace, ``corrupt`` after). The highest data-parallel rank missing on
 every model-parallel rank cannot be told from names.
 
-Drills restore one rank: ``mp_rank_00_model_states.pt`` (its ``module`` is
-the model's state dict; without ZeRO its ``optimizer`` is the optimizer's
-state dict) and, with ZeRO stage 1 or 2 on one data-parallel rank,
-``zero_pp_rank_0_mp_rank_00_optim_states.pt``, whose flat fp32 partitions are
-cut back into per-parameter optimizer state by the ``param_shapes`` the model
-states record (as DeepSpeed's ``zero_to_fp32.py`` does). Both load with the
+Drills restore one model-parallel rank: ``mp_rank_00_model_states.pt`` (its
+``module`` is the model's state dict; without ZeRO its ``optimizer`` is the
+optimizer's state dict) and, with ZeRO stage 1 or 2, every data-parallel
+rank's ``zero_pp_rank_{DP}_mp_rank_00_optim_states.pt``: their flat fp32
+partitions are joined in rank order (the padding DeepSpeed adds sits at the
+end of the last) and cut back into per-parameter optimizer state by the
+``param_shapes`` the model states record (as DeepSpeed's ``zero_to_fp32.py``
+does), so a checkpoint of N data-parallel ranks restores on one (and on any
+number of DDP ranks). ZeRO stage 3 (the weights partitioned too) and
+several model-parallel ranks are not restored yet: a drill says so and does
+not judge the checkpoint. Both load with the
 safe torch loader; the DeepSpeed classes they pickle are read as inert
 records (:mod:`ckptier.formats.stubs`), never imported. A factory is needed,
 with the optimizer built as training built it.
@@ -109,6 +114,8 @@ class DeepSpeedFormat(FormatPlugin):
                   reason=reason, short=short if committed else ())
 
     def saved_ranks(self, relpaths: Sequence[str]) -> int:
+        if _joinable(relpaths):
+            return 1  # ZeRO 1/2 partitions of one model-parallel rank: joined into one replica
         return max(len(_ranks(relpaths)), 1)
 
     def rank_files(self, relpaths: Sequence[str], read: Callable[[str], bytes], world: int | None = None) -> RankFiles:
@@ -117,7 +124,7 @@ class DeepSpeedFormat(FormatPlugin):
         ``partitioned`` (model parallelism, or ZeRO's flat optimizer
         partitions); one rank is restored by every drill rank whole."""
         ranks = _ranks(relpaths)
-        if len(ranks) <= 1:
+        if len(ranks) <= 1 or _joinable(relpaths):
             return replicated(relpaths, world or 1)
         if world not in (None, len(ranks)):
             raise ValueError(f"{len(ranks)} DeepSpeed ranks (model-parallel or ZeRO partitions) cannot be drilled on {world}")
@@ -130,6 +137,14 @@ class DeepSpeedFormat(FormatPlugin):
 
 
 PLUGIN = DeepSpeedFormat()
+
+
+def _joinable(relpaths: Sequence[str]) -> bool:
+    """One model-parallel rank's model states and its ZeRO 1/2 optimizer
+    partitions (no ZeRO 3 model states): a drill joins the partitions."""
+    models = [r for r in relpaths if _MODEL.match(r)]
+    return (len(models) == 1 and not any(_ZERO3_MODEL.match(r) for r in relpaths)
+            and any(_OPTIM.match(r) for r in relpaths))
 
 
 def _ranks(relpaths: Sequence[str]) -> list[list[str]]:
@@ -173,6 +188,7 @@ def _load(path: Path, allow: Sequence[Any]) -> LoadedCheckpoint:
     from ckptier.formats.safe_load import (
         CheckpointLoadError,
         LoadedCheckpoint,
+        UnsupportedCheckpoint,
         float_or_none,
         safe_torch_load,
         unwrap_state,
@@ -182,16 +198,17 @@ def _load(path: Path, allow: Sequence[Any]) -> LoadedCheckpoint:
     ranks = sorted(p.name for p in path.iterdir() if _MODEL.match(p.name))
     if not ranks:
         if any(_ZERO3_MODEL.match(p.name) for p in path.iterdir()):
-            raise CheckpointLoadError(f"{path}: not supported yet: ZeRO stage 3 checkpoints (their weights are partitioned "
-                                      "over ranks); convert it with DeepSpeed's zero_to_fp32.py or drill a stage 1/2 one")
+            raise UnsupportedCheckpoint(f"{path}: not supported yet: ZeRO stage 3 checkpoints (their weights are partitioned "
+                                        "over ranks); convert it with DeepSpeed's zero_to_fp32.py or drill a stage 1/2 one")
         raise CheckpointLoadError(f"{path}: no mp_rank_00_model_states.pt; not a DeepSpeed checkpoint")
     if len(ranks) > 1:
-        raise CheckpointLoadError(f"{path}: not supported yet: {len(ranks)} model-parallel ranks ({ranks[0]}..{ranks[-1]}); "
-                                  "drills restore one rank")
-    optim_files = sorted(p for p in path.iterdir() if _OPTIM.match(p.name))
-    if len(optim_files) > 1:
-        raise CheckpointLoadError(f"{path}: not supported yet: ZeRO optimizer states of {len(optim_files)} data-parallel "
-                                  "ranks; drills restore one rank")
+        raise UnsupportedCheckpoint(f"{path}: not supported yet: {len(ranks)} model-parallel ranks "
+                                    f"({ranks[0]}..{ranks[-1]}); drills restore one rank")
+    found = {int(m.group(2)): p for p in path.iterdir() if (m := _OPTIM.match(p.name))}
+    optim_files = [found[dp] for dp in sorted(found)]
+    if sorted(found) != list(range(len(found))):
+        raise CheckpointLoadError(f"{path}: ZeRO optimizer states of data-parallel ranks {sorted(found)}: "
+                                  "some rank's file is missing; re-fetch or re-verify the checkpoint")
     full_allow = [*allow, *stub_allowlist(LIBRARY_GLOBALS)]
     states = safe_torch_load(path / ranks[0], extra_allowlist=full_allow)
     if not isinstance(states, Mapping):
@@ -199,7 +216,9 @@ def _load(path: Path, allow: Sequence[Any]) -> LoadedCheckpoint:
     model = unwrap_state(states, path / ranks[0], ("module",))
     optimizer: Any = states.get("optimizer")
     if optim_files:
-        zero = safe_torch_load(optim_files[0], extra_allowlist=full_allow)
+        zeros = [safe_torch_load(f, extra_allowlist=full_allow) for f in optim_files]
+        zero = zeros[0] if len(zeros) == 1 else _join_partitions(zeros, optim_files, torch, CheckpointLoadError,
+                                                                  UnsupportedCheckpoint)
         optimizer = _zero_to_torch(zero, states, optim_files[0], torch, CheckpointLoadError)
     elif optimizer is not None and not (isinstance(optimizer, Mapping) and "state" in optimizer):
         raise CheckpointLoadError(f"{path / ranks[0]}: its optimizer entry is not an Optimizer.state_dict(); "
@@ -209,6 +228,48 @@ def _load(path: Path, allow: Sequence[Any]) -> LoadedCheckpoint:
         extra["ds_config"] = dict(states["ds_config"])
     step = states.get("global_steps") if isinstance(states.get("global_steps"), int) else None
     return LoadedCheckpoint(model, optimizer, extra, "torch", step, float_or_none(states.get("loss")))
+
+
+def _join_partitions(zeros: Sequence[Any], files: Sequence[Path], torch: Any, error: type[Exception],
+                     unsupported: type[Exception]) -> dict[str, Any]:
+    """The ZeRO 1/2 optimizer files of N data-parallel ranks (in rank order)
+    as one rank's: each group's flat state tensors joined in rank order
+    (their ``step`` must agree), ``partition_count`` 1."""
+    osds = [z.get("optimizer_state_dict") if isinstance(z, Mapping) else None for z in zeros]
+    if not all(isinstance(o, Mapping) and isinstance(o.get("base_optimizer_state"), Mapping) for o in osds):
+        raise error(f"{files[0].parent}: a ZeRO optimizer file holds no optimizer_state_dict with base_optimizer_state")
+    for o, f in zip(osds, files, strict=True):
+        assert isinstance(o, Mapping)
+        counts = o.get("partition_count")
+        if not isinstance(counts, list) or any(n != len(files) for n in counts):
+            raise error(f"{f}: partitioned over {counts} data-parallel ranks, but {len(files)} optimizer files are here")
+        if any(any(int(x) for x in (p if isinstance(p, list) else [p])) for p in o.get("param_alignment_paddings") or []):
+            raise unsupported(f"{f}: not supported yet: ZeRO partitions with padding between parameters")
+    bases = [o["base_optimizer_state"] for o in osds if isinstance(o, Mapping)]
+    merged: dict[Any, dict[str, Any]] = {}
+    for g, first in bases[0]["state"].items():
+        parts = [b["state"].get(g, {}) for b in bases]
+        group: dict[str, Any] = {}
+        for key, value in first.items():
+            if isinstance(value, torch.Tensor) and value.dim() == 1:
+                group[key] = torch.cat([p[key] for p in parts])
+            else:
+                if any(not _same(p.get(key), value, torch) for p in parts):
+                    raise error(f"{files[0].parent}: the data-parallel ranks' optimizer states disagree on {key} "
+                                f"of group {g}: the ranks saved different steps")
+                group[key] = value
+        merged[g] = group
+    first_osd = osds[0]
+    assert isinstance(first_osd, Mapping)
+    return {"optimizer_state_dict": {**first_osd, "partition_count": [1] * len(bases[0]["param_groups"]),
+                                     "base_optimizer_state": {"state": merged,
+                                                              "param_groups": bases[0]["param_groups"]}}}
+
+
+def _same(a: Any, b: Any, torch: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return bool(a.shape == b.shape and torch.equal(a, b))
+    return bool(a == b)
 
 
 def _zero_to_torch(zero: Any, states: Mapping[str, Any], where: Path, torch: Any, error: type[Exception]) -> dict[str, Any]:

@@ -217,7 +217,7 @@ def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def _load(path: Path, allow: Sequence[Any]) -> LoadedCheckpoint:
     from ckptier.formats.dcp import load_dcp_tensors
-    from ckptier.formats.safe_load import CheckpointLoadError, LoadedCheckpoint, safe_torch_load
+    from ckptier.formats.safe_load import CheckpointLoadError, LoadedCheckpoint, UnsupportedCheckpoint, safe_torch_load
     from ckptier.formats.stubs import stub_allowlist
 
     m = _ITER.match(path.name)
@@ -230,10 +230,10 @@ def _load(path: Path, allow: Sequence[Any]) -> LoadedCheckpoint:
     if not ranks:
         raise CheckpointLoadError(f"{path}: no mp_rank_* directory; expected iter_NNNNNNN/mp_rank_00/{_FILE}")
     if len(ranks) > 1:
-        raise CheckpointLoadError(f"{path}: not supported yet: {len(ranks)} model-parallel ranks "
-                                  f"({ranks[0].name}..{ranks[-1].name}); drills restore one rank")
+        raise UnsupportedCheckpoint(f"{path}: not supported yet: {len(ranks)} model-parallel ranks "
+                                    f"({ranks[0].name}..{ranks[-1].name}); drills restore one rank")
     if (ranks[0] / _DIST_OPTIM).is_file():
-        raise CheckpointLoadError(f"{ranks[0]}: not supported yet: the distributed optimizer's {_DIST_OPTIM}; "
+        raise UnsupportedCheckpoint(f"{ranks[0]}: not supported yet: the distributed optimizer's {_DIST_OPTIM}; "
                                   "drills restore the plain optimizer state of model_optim_rng.pt")
     file = ranks[0] / _FILE
     state = safe_torch_load(file, extra_allowlist=[*allow, "argparse.Namespace", *stub_allowlist(LIBRARY_GLOBALS)])

@@ -7,10 +7,11 @@ Layout (orbax-checkpoint 0.12: ``CheckpointManager.save``, step names from
     {job}/{step}/commit_success.txt       # on stores without atomic rename (and often beside it)
     {job}/{step}/{item}/...               # each item: _METADATA, manifest.ocdbt, ocdbt.process_0/d/...
     {job}/{step}.orbax-checkpoint-tmp-{T}/...   # a save in flight (renamed to {step} at the commit)
+    {job}/{step}.orbax-checkpoint-tmp/...       # the same, as 0.12's temporary paths name it (no -{T})
 
 Commit evidence: ``_CHECKPOINT_METADATA`` with a ``commit_timestamp_nsecs``,
 or ``commit_success.txt``, directly in the step directory. A directory with
-the ``.orbax-checkpoint-tmp-`` suffix is a save in flight: ``incomplete``,
+the ``.orbax-checkpoint-tmp`` suffix (with or without ``-{T}``) is a save in flight: ``incomplete``,
 so retention never deletes it before the job's grace. A numeric ``loss`` in
 the metadata's ``metrics``, or in the ``metrics/metrics`` item the manager
 writes when it tracks a best metric, is the recorded loss; all their numbers
@@ -19,8 +20,13 @@ their step's checkpoint.
 
 Drills need JAX and ``orbax-checkpoint`` in the drill's environment: the
 arrays are restored with Orbax (no pickle) and handed to the factory's torch
-model by their flattened tree paths (``params.dense.kernel``). Without JAX
-the drill says so in one line.
+model by their flattened tree paths (``params.dense.kernel``). The optimizer
+state is restored as optimizer state: an item (or a top-level subtree of the
+one item) named ``optimizer``, ``opt_state`` or ``optim``, whose arrays are
+the flattened optimizer state by parameter (``net.0.weight.exp_avg``, as
+torch's ``get_optimizer_state_dict(flatten_optimizer_state_dict=True)``
+names them, less its ``state.`` prefix); the model is the other item or
+subtree (``model``, ``params``...). Without JAX the drill says so in one line.
 """
 
 from __future__ import annotations
@@ -38,7 +44,20 @@ if TYPE_CHECKING:
 
 __all__ = ["PLUGIN", "TMP_SUFFIX"]
 
-TMP_SUFFIX = ".orbax-checkpoint-tmp-"
+TMP_SUFFIX = ".orbax-checkpoint-tmp"
+"""The suffix of a save in flight: ``6.orbax-checkpoint-tmp-{T}``, or ``6.orbax-checkpoint-tmp`` (orbax 0.12)."""
+_OPTIMIZER_ITEMS = ("optimizer", "opt_state", "optim")
+
+
+def _tmp_at(name: str) -> int:
+    """Where ``name`` (a key or a directory name) has an in-flight suffix, else -1."""
+    at = name.find(TMP_SUFFIX)
+    while at >= 0:
+        end = at + len(TMP_SUFFIX)
+        if end == len(name) or name[end] in "-/":
+            return at
+        at = name.find(TMP_SUFFIX, end)
+    return -1
 _META = "_CHECKPOINT_METADATA"
 _SUCCESS = "commit_success.txt"
 _METRICS = "metrics/metrics"
@@ -63,7 +82,7 @@ class OrbaxFormat(FormatPlugin):
     def anchor(self, key: str, slash: int, up: int) -> str | None:
         if slash <= 0:
             return None
-        at = key.find(TMP_SUFFIX)
+        at = _tmp_at(key)
         if at >= 0:
             end = key.find("/", at)
             return key[:end] if end > 0 else None
@@ -74,7 +93,7 @@ class OrbaxFormat(FormatPlugin):
     def recognise(self, group: Group, scan: Scan) -> None:
         prefix, dirname = group.prefix, group.dirname
         job, files = scan.job_of(prefix), group.files
-        at = dirname.find(TMP_SUFFIX)
+        at = _tmp_at(dirname)
         step = orbax_step(dirname[:at] if at >= 0 else dirname)
         if step is None:
             scan.refuse(prefix + "/", f"Orbax checkpoint {dirname!r} not recognised: no step in the path")
@@ -121,16 +140,35 @@ class OrbaxFormat(FormatPlugin):
         except ImportError:
             raise CheckpointLoadError(f"{path}: {_NEEDS_JAX}") from None
         items = sorted(p for p in path.iterdir() if p.is_dir() and (p / "_METADATA").is_file())
-        if len(items) != 1:
-            raise CheckpointLoadError(f"{path}: expected one Orbax item directory, found {len(items)}; drills restore one item")
-        try:
-            tree = ocp.StandardCheckpointer().restore(items[0].resolve())
-        except Exception as exc:  # noqa: BLE001 - Orbax/tensorstore errors of every kind: one line
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise CheckpointLoadError(f"{items[0]}: Orbax restore failed: {first}; re-fetch or re-verify it") from None
-        model = {k: torch.from_numpy(np.array(v)) for k, v in _flatten(tree).items()}
-        extra: dict[str, Any] = {"orbax_item": items[0].name}
-        return LoadedCheckpoint(model, None, extra, "torch", orbax_step(path.name), None)
+        optim_items = [p for p in items if p.name in _OPTIMIZER_ITEMS]
+        model_items = [p for p in items if p not in optim_items]
+        if len(model_items) != 1 or len(optim_items) > 1:
+            raise CheckpointLoadError(f"{path}: expected one Orbax item directory (and at most one optimizer item: "
+                                      f"{', '.join(_OPTIMIZER_ITEMS)}), found {', '.join(p.name for p in items) or 'none'}")
+
+        def restore(item: Path) -> Any:
+            try:
+                return ocp.StandardCheckpointer().restore(item.resolve())
+            except Exception as exc:  # noqa: BLE001 - Orbax/tensorstore errors of every kind: one line
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise CheckpointLoadError(f"{item}: Orbax restore failed: {first}; re-fetch or re-verify it") from None
+
+        tree = restore(model_items[0])
+        opt_tree = restore(optim_items[0]) if optim_items else None
+        if opt_tree is None and isinstance(tree, Mapping):
+            found = [k for k in tree if k in _OPTIMIZER_ITEMS]
+            if found:  # one item holding {"model" or "params": ..., "optimizer": ...}
+                opt_tree = tree[found[0]]
+                rest = {k: v for k, v in tree.items() if k not in _OPTIMIZER_ITEMS and k != "step"}
+                tree = next(iter(rest.values())) if len(rest) == 1 else rest
+
+        def tensors(t: Any) -> dict[str, Any]:
+            return {k: torch.from_numpy(np.array(v)) for k, v in _flatten(t).items()}
+
+        model = tensors(tree)
+        optimizer = {f"state.{k}": v for k, v in tensors(opt_tree).items()} if opt_tree is not None else None
+        extra: dict[str, Any] = {"orbax_item": model_items[0].name}
+        return LoadedCheckpoint(model, optimizer, extra, "fqn-flat", orbax_step(path.name), None)
 
 
 PLUGIN = OrbaxFormat()

@@ -75,6 +75,12 @@ class CheckpointLoadError(CkptierError):
     """A checkpoint's files are missing, malformed or in a layout not supported."""
 
 
+class UnsupportedCheckpoint(CheckpointLoadError):
+    """A checkpoint in a variant the drill cannot restore yet (ZeRO stage 3,
+    model-parallel ranks...): nothing is known to be wrong with it, so a
+    drill that meets one is ``not judged``, never ``failed``."""
+
+
 def _numpy_dtype_classes() -> list[type]:
     # Plain numeric and bool dtypes only: object/str/void dtypes can carry
     # arbitrary Python objects or are never needed by real checkpoints.

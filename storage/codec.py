@@ -19,14 +19,18 @@ segment a CRC64NVME of its raw bytes that is checked *before* its bytes are
 written out, and the trailer a CRC64NVME of the whole original stream.
 Decoding needs only this module and the archive.
 
-Work is split three ways: the calling thread reads (and plans the layout),
-``threads`` workers code or decode whole segments in parallel, and one writer
-thread writes segments in order and chains their CRC64NVMEs. Memory is
-bounded by about ``block size x (5 x threads + 3)`` whatever the input size:
-input is read in blocks of at most :data:`BLOCK_SIZE` bytes into pooled
-buffers, at most ``2 x threads`` segments wait for the writer, and each
-worker keeps one set of scratch arrays. Up to :data:`SPARE_BYTES` of buffers
-and a few scratch sets are kept for the next call.
+Encoding is split three ways: the calling thread reads (and plans the
+layout), ``threads`` workers code whole segments in parallel, and one writer
+thread writes segments in order and chains their CRC64NVMEs; memory is
+bounded by about ``block size x (5 x threads + 3)`` whatever the input size
+(input is read in blocks of at most :data:`BLOCK_SIZE` bytes into pooled
+buffers, at most ``2 x threads`` segments wait for the writer). Decoding
+needs no reader or writer thread: each of ``threads`` workers (the calling
+thread among them) reads the next segment, decodes and checks it, and writes
+it when its turn comes (:class:`_Relay`), so at most ``threads`` segments
+are held, about ``2 x block size x threads`` of buffers. Each worker keeps
+one set of scratch arrays. Up to :data:`SPARE_BYTES` of buffers and a few
+scratch sets are kept for the next call.
 """
 
 from __future__ import annotations
@@ -55,13 +59,20 @@ CODEC_VERSION = 2
 MAGIC = b"\x89CKZ\r\n\x1a\n"
 END_MAGIC = b"CKZ1-END"
 
-#: largest raw block per segment (bytes); also the unit of parallel work.
-BLOCK_SIZE = 8 << 20
+#: largest raw block per segment (bytes); also the unit of parallel work. 2 MiB keeps a
+#: block and its planes in a core's cache while it is coded, and memory small; on the
+#: reference checkpoint 8 MiB blocks compress 0.01% better and code no faster.
+BLOCK_SIZE = 2 << 20
 #: tensor regions shorter than this are folded into generic segments.
 MIN_TENSOR_BYTES = 4096
 #: the decoder refuses segments claiming more raw bytes than this.
 MAX_SEGMENT = 64 << 20
 MAX_HEADER = 1 << 20
+#: largest zstd window the decoder allocates for a frame it decodes in chunks. Plane
+#: frames have 128 KiB windows (``codec_planes.plane_params``); every other frame is
+#: decoded in one pass into its output, which needs no window buffer. So a damaged
+#: frame header cannot make the decoder allocate more than this per stream.
+MAX_WINDOW = 1 << 20
 
 KIND_GENERIC = 0
 KIND_PLANES = 1
@@ -131,11 +142,14 @@ class _Workers:
             cctx = self._local.plane = zstandard.ZstdCompressor(compression_params=planes.plane_params())
         return cctx
 
-    def decompressor(self) -> zstandard.ZstdDecompressor:
-        dctx = getattr(self._local, "dctx", None)
-        if dctx is None:
-            dctx = self._local.dctx = zstandard.ZstdDecompressor()
-        return dctx
+    def decompressors(self, n: int) -> list[zstandard.ZstdDecompressor]:
+        """At least ``n`` decompression contexts: the planes of a block are decoded as parallel streams."""
+        dctxs: list[zstandard.ZstdDecompressor] | None = getattr(self._local, "dctxs", None)
+        if dctxs is None:
+            dctxs = self._local.dctxs = []
+        while len(dctxs) < n:
+            dctxs.append(zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW))
+        return dctxs
 
     def scratch(self) -> planes.Scratch:
         scratch = getattr(self._local, "scratch", None)
@@ -153,7 +167,7 @@ class _Workers:
 
 #: bytes of block buffers kept between calls: a fresh buffer costs page faults on
 #: first touch (~0.5 ms per MB here), on every file of a multi-file checkpoint.
-SPARE_BYTES = 160 << 20
+SPARE_BYTES = 32 << 20
 _SPARE_SCRATCH = 4
 
 
@@ -585,10 +599,11 @@ def _decode_segment(
     raw_crc: int, modes: list[int], payloads: list[memoryview], inbuf: np.ndarray,
 ) -> _Decoded:
     """Decode and verify one segment; return its bytes and the pooled buffers that hold them."""
-    dctx = workers.decompressor()
+    dctxs = workers.decompressors(len(modes))
     scratch = workers.scratch()
     used = [inbuf]
     in_place = kind == KIND_GENERIC and modes[0] == planes.PLANE_RAW
+    crc: int | None = None  # computed while decoding, when the decoder does
     try:
         if in_place:
             if len(payloads[0]) != raw_len:
@@ -599,20 +614,16 @@ def _decode_segment(
             used.append(outbuf)
             target = outbuf[:raw_len]
             if kind == KIND_GENERIC and modes[0] == planes.PLANE_ZSTD:
-                planes._decompress_into(dctx, payloads[0], target)
+                planes._decompress_into(dctxs[0], payloads[0], target)
             elif kind == KIND_GENERIC:
-                np.copyto(target, planes.decode_plane(modes[0], payloads[0], raw_len, dctx, scratch))
+                np.copyto(target, planes.decode_plane(modes[0], payloads[0], raw_len, dctxs[0], scratch))
             else:
-                size = raw_len // width
-                decoded = [
-                    planes.decode_plane(modes[k], payloads[k], size, dctx, scratch, f"plane{k}") for k in range(width)
-                ]
-                planes.merge_planes(decoded, width, transform, target, scratch)
+                crc = planes.decode_planes(modes, payloads, width, transform, target, dctxs, scratch)
             out = target.data
     except ValueError as exc:
         buffers.give(*used)
         raise IntegrityError(f"{label}: {exc}; the archive is damaged, restore from another copy", key=label) from exc
-    if checksums.crc64nvme(out) != raw_crc:
+    if (checksums.crc64nvme(out) if crc is None else crc) != raw_crc:
         buffers.give(*used)
         raise IntegrityError(
             f"{label}: segment checksum mismatch; the archive is damaged, restore from another copy", key=label
@@ -623,62 +634,154 @@ def _decode_segment(
     return _Decoded(out, used, raw_crc)
 
 
-def _submit_segments(
-    reader: _ArchiveReader, pool: ThreadPoolExecutor, out: _InOrder[_Decoded],
-    workers: _Workers, buffers: _Pool, stats: CodecStats, label: str,
-) -> int:
-    """Read and check every segment header, hand each segment to ``pool``; return the segment count.
+@dataclass(slots=True)
+class _Segment:
+    """One segment as read from an archive: its header fields, plane modes and payloads (views of ``inbuf``)."""
 
-    Stops after the trailer tag ``EN`` (the rest of the trailer is left to the caller).
+    kind: int
+    width: int
+    transform: int
+    raw_len: int
+    raw_crc: int
+    modes: list[int]
+    payloads: list[memoryview]
+    inbuf: np.ndarray
+
+
+def _read_segment(reader: _ArchiveReader, buffers: _Pool, stats: CodecStats, expected_offset: int) -> _Segment | None:
+    """Read and check the next segment header and its payloads; None at the trailer tag ``EN``
+    (the rest of the trailer is left to the caller)."""
+    tag = reader.exact(2, "segment table")
+    if tag == b"EN":
+        return None
+    if tag != b"SG":
+        raise reader.fail(f"unexpected segment tag {tag!r}")
+    head = tag + reader.exact(_SEG_HEAD.size - 2, "segment header")
+    _, kind, width, transform, seg_offset, raw_len, raw_crc = _SEG_HEAD.unpack(head)
+    nplanes = 1 if kind == KIND_GENERIC else width
+    if kind not in (KIND_GENERIC, KIND_PLANES) or (kind == KIND_PLANES and width not in planes.UINT_DTYPES):
+        raise reader.fail(f"segment kind {kind} width {width} is invalid")
+    table = reader.exact(_PLANE_ENTRY.size * nplanes, "segment header")
+    (head_crc,) = _U32.unpack(reader.exact(4, "segment header"))
+    if head_crc != checksums.crc32c(head + table):
+        raise reader.fail("segment header checksum mismatch")
+    if seg_offset != expected_offset or raw_len > MAX_SEGMENT or raw_len % (width if nplanes > 1 else 1):
+        raise reader.fail(f"segment at raw offset {seg_offset} (length {raw_len}) does not follow {expected_offset}")
+    entries = [_PLANE_ENTRY.unpack_from(table, i * _PLANE_ENTRY.size) for i in range(nplanes)]
+    plane_size = raw_len // nplanes
+    for mode, stored in entries:
+        if stored > plane_size + 64:
+            raise reader.fail(f"plane of {stored} stored bytes is larger than its {plane_size} raw bytes")
+        stats._count("plane_" + _MODE_NAMES.get(mode, "unknown"))
+    stats._count("generic" if kind == KIND_GENERIC else "planes")
+    total = sum(stored for _, stored in entries)
+    inbuf = buffers.take(total)
+    data = inbuf.data[:total]
+    try:
+        reader.exact_into(data, "segment data")
+    except IntegrityError:
+        buffers.give(inbuf)
+        raise
+    payloads = []
+    at = 0
+    for _, stored in entries:
+        payloads.append(data[at : at + stored])
+        at += stored
+    return _Segment(kind, width, transform, raw_len, raw_crc, [m for m, _ in entries], payloads, inbuf)
+
+
+def _decode(workers: _Workers, buffers: _Pool, label: str, seg: _Segment) -> _Decoded:
+    return _decode_segment(workers, buffers, label, seg.kind, seg.width, seg.transform, seg.raw_len, seg.raw_crc,
+                           seg.modes, seg.payloads, seg.inbuf)
+
+
+class _Relay:
+    """Decoding without reader and writer threads: each of ``threads`` workers (the calling thread is one)
+    takes the next segment from the archive, decodes and checks it, waits for its turn and writes it.
+
+    Reading is serialised by one lock and writing by turns in segment order, so
+    the stream is still read strictly forward and written in order, a segment
+    only after every one before it; one worker reads or writes while the others
+    decode. The first failure (by segment number) stops every worker at its next
+    step and is the one raised. Each worker holds at most one segment.
     """
-    count = 0
-    expected_offset = 0
-    while True:
-        tag = reader.exact(2, "segment table")
-        if tag == b"EN":
-            break
-        if tag != b"SG":
-            raise reader.fail(f"unexpected segment tag {tag!r}")
-        head = tag + reader.exact(_SEG_HEAD.size - 2, "segment header")
-        _, kind, width, transform, seg_offset, raw_len, raw_crc = _SEG_HEAD.unpack(head)
-        nplanes = 1 if kind == KIND_GENERIC else width
-        if kind not in (KIND_GENERIC, KIND_PLANES) or (kind == KIND_PLANES and width not in planes.UINT_DTYPES):
-            raise reader.fail(f"segment kind {kind} width {width} is invalid")
-        table = reader.exact(_PLANE_ENTRY.size * nplanes, "segment header")
-        (head_crc,) = _U32.unpack(reader.exact(4, "segment header"))
-        if head_crc != checksums.crc32c(head + table):
-            raise reader.fail("segment header checksum mismatch")
-        if seg_offset != expected_offset or raw_len > MAX_SEGMENT or raw_len % (width if nplanes > 1 else 1):
-            raise reader.fail(f"segment at raw offset {seg_offset} (length {raw_len}) does not follow {expected_offset}")
-        entries = [_PLANE_ENTRY.unpack_from(table, i * _PLANE_ENTRY.size) for i in range(nplanes)]
-        plane_size = raw_len // nplanes
-        for mode, stored in entries:
-            if stored > plane_size + 64:
-                raise reader.fail(f"plane of {stored} stored bytes is larger than its {plane_size} raw bytes")
-            stats._count("plane_" + _MODE_NAMES.get(mode, "unknown"))
-        stats._count("generic" if kind == KIND_GENERIC else "planes")
-        total = sum(stored for _, stored in entries)
-        inbuf = buffers.take(total)
-        data = inbuf.data[:total]
+
+    def __init__(self, reader: _ArchiveReader, dst: BinaryIO, workers: _Workers, buffers: _Pool,
+                 stats: CodecStats, label: str) -> None:
+        self.reader, self.dst, self.workers, self.buffers, self.stats, self.label = (
+            reader, dst, workers, buffers, stats, label)
+        self.read_lock = threading.Lock()
+        self.turn = threading.Condition()
+        self.next_read = 0  # segment number the next read gets
+        self.next_write = 0  # segment number whose turn it is to be written
+        self.expected_offset = 0
+        self.ended = False  # the trailer tag was read
+        self.error: tuple[int, BaseException] | None = None
+        self.crc = 0
+        self.offset = 0
+
+    def fail(self, index: int, exc: BaseException) -> None:
+        with self.turn:
+            if self.error is None or index < self.error[0]:
+                self.error = (index, exc)
+            self.turn.notify_all()
+
+    def run(self) -> None:
+        while True:
+            with self.read_lock:
+                if self.ended or self.error is not None:
+                    return
+                index = self.next_read
+                try:
+                    seg = _read_segment(self.reader, self.buffers, self.stats, self.expected_offset)
+                except BaseException as exc:
+                    self.fail(index, exc)
+                    return
+                if seg is None:
+                    self.ended = True
+                    return
+                self.next_read += 1
+                self.expected_offset += seg.raw_len
+            try:
+                decoded = _decode(self.workers, self.buffers, self.label, seg)
+            except BaseException as exc:
+                self.fail(index, exc)
+                return
+            with self.turn:  # segments before a failure are still written: the longest verified prefix
+                while self.next_write != index and (self.error is None or self.error[0] > index):
+                    self.turn.wait()
+                if self.error is not None and self.error[0] < index:
+                    self.buffers.give(*decoded.used)
+                    return
+            try:
+                _write(self.dst, decoded.data)
+            except BaseException as exc:
+                self.fail(index, exc)
+                return
+            finally:
+                self.buffers.give(*decoded.used)
+            with self.turn:
+                if _combine_crc64 is not None:
+                    self.crc = _combine_crc64(self.crc, decoded.crc64, len(decoded.data))
+                else:
+                    self.crc = checksums.crc64nvme(decoded.data, self.crc)
+                self.offset += len(decoded.data)
+                self.next_write += 1
+                self.turn.notify_all()
+
+    def go(self, threads: int) -> int:
+        """Run ``threads`` workers to the end of the segments; return the segment count or raise the first error."""
+        helpers = [threading.Thread(target=self.run, name=f"ckz-decode_{i}", daemon=True) for i in range(threads - 1)]
+        for t in helpers:
+            t.start()
         try:
-            reader.exact_into(data, "segment data")
-        except IntegrityError:
-            buffers.give(inbuf)
-            raise
-        payloads = []
-        at = 0
-        for _, stored in entries:
-            payloads.append(data[at : at + stored])
-            at += stored
-        out.put(
-            pool.submit(
-                _decode_segment, workers, buffers, label, kind, width, transform, raw_len, raw_crc,
-                [m for m, _ in entries], payloads, inbuf,
-            )
-        )
-        expected_offset += raw_len
-        count += 1
-    return count
+            self.run()
+        finally:
+            for t in helpers:
+                t.join()
+        if self.error is not None:
+            raise self.error[1]
+        return self.next_read
 
 
 def decode(src: BinaryIO, dst: BinaryIO, *, threads: int = 2) -> CodecStats:
@@ -702,26 +805,12 @@ def decode(src: BinaryIO, dst: BinaryIO, *, threads: int = 2) -> CodecStats:
     workers = _Workers(1)
     block = header.get("block_size")
     buffers = _Pool(block if isinstance(block, int) and 0 < block <= MAX_SEGMENT else BLOCK_SIZE)
-    crc = 0  # of the bytes written so far
-    offset = 0
-    count = 0
-
-    def emit(segment: _Decoded) -> None:
-        nonlocal crc, offset
-        _write(dst, segment.data)
-        if _combine_crc64 is not None:
-            crc = _combine_crc64(crc, segment.crc64, len(segment.data))
-        else:
-            crc = checksums.crc64nvme(segment.data, crc)
-        offset += len(segment.data)
-        buffers.give(*segment.used)
-
+    relay = _Relay(reader, dst, workers, buffers, stats, label)
     try:
-        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckz-decode") as pool:
-            with _InOrder(emit, 2 * threads, "ckz-decode-write") as out:
-                count = _submit_segments(reader, pool, out, workers, buffers, stats, label)
+        count = relay.go(threads)
     finally:
-        buffers.close(workers)  # every worker and the writer are done with them
+        buffers.close(workers)  # every worker is done with them
+    crc, offset = relay.crc, relay.offset
     fields = b"EN" + reader.exact(_TRAILER.size - 2, "trailer")
     _, raw_size, n_segments, trailer_crc = _TRAILER.unpack(fields)
     (fields_crc,) = _U32.unpack(reader.exact(4, "trailer"))

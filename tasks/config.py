@@ -64,6 +64,7 @@ Shape (every key optional unless said)::
     device = "auto"               # "auto", "cpu" or "cuda"
     timeout = "15min"
     loss_tolerance = 0.05         # optional
+    trajectory_rtol = 0.02        # optional; 0 for bit-exact
     allow_globals = ["mypkg.config.TrainConfig"]  # classes the safe loader may unpickle
 
     [runner]                      # where verify, promote and drill fetches fan out
@@ -151,7 +152,8 @@ _POLICY_KEYS = frozenset(
         "keep_hourly", "keep_monthly", "keep_yearly", "keep_best", "timezone",
     }
 )
-_DRILL_KEYS = frozenset({"jobs", "model", "steps", "device", "timeout", "loss_tolerance", "allow_globals"})
+_DRILL_KEYS = frozenset({"jobs", "model", "steps", "device", "timeout", "loss_tolerance", "trajectory_rtol",
+                         "allow_globals"})
 _CATALOG_KEYS = frozenset({"url"})
 _RUNNER_KEYS = frozenset({"kind", "workers", "address", "claim_rows", "lease"})
 #: The task runners ``[runner] kind`` (and ``--runner``) may name.
@@ -192,7 +194,10 @@ class DrillSettings:
     ``model`` is a ``"module:function"`` factory, ``steps`` the number of
     training steps to run (≥ 1), ``timeout`` the wall-clock limit of one
     drill, ``loss_tolerance`` (optional, > 0) the allowed relative difference
-    between the first drill loss and the loss the checkpoint recorded.
+    between the first drill loss and the loss the checkpoint recorded;
+    ``trajectory_rtol`` (optional, 0 for bit-exact) the allowed relative
+    difference between each drill loss and the loss the run recorded at
+    the same step (None: the default of :mod:`ckptier.tasks.drill_trajectory`).
     ``allow_globals`` are ``module.Name`` classes the safe loader may unpickle
     for these jobs (in file order, no duplicates), added to those given on the
     command line: plain data classes only (:mod:`ckptier.formats.allowlist`);
@@ -207,6 +212,7 @@ class DrillSettings:
     timeout: timedelta = DEFAULT_DRILL_TIMEOUT
     loss_tolerance: float | None = None
     allow_globals: tuple[str, ...] = ()
+    trajectory_rtol: float | None = None
 
 
 #: The ``[[policy]]`` keys that state a retention rule; a table without any of
@@ -626,6 +632,7 @@ def _drill(where: str, index: int, data: Any) -> DrillSettings:
         timeout=timeout if timeout is not None else DEFAULT_DRILL_TIMEOUT,
         loss_tolerance=t.get_float("loss_tolerance", None, lo=0.0, hi=None, example=0.05),
         allow_globals=tuple(dict.fromkeys(allow)),
+        trajectory_rtol=t.get_float("trajectory_rtol", None, lo=0.0, hi=10.0, example=0.02),
     )
 
 

@@ -26,7 +26,8 @@ from typing import Any, Self, cast
 from ckptier.formats.registry import DRILLABLE_FORMATS as DRILLABLE
 from ckptier.formats.registry import plugin
 from ckptier.storage.errors import ConfigError
-from ckptier.storage.records import CheckpointRecord, State
+from ckptier.storage.records import CheckpointRecord, Format, State
+from ckptier.tasks.drill_trajectory import DEFAULT_TRAJECTORY_RTOL, Trajectory, compare_trajectory
 
 DEFAULT_LOSS_TOLERANCE = 0.5
 """Relative distance allowed between the first restored loss and the loss the
@@ -101,6 +102,15 @@ def choose_candidates(
     return sorted(chosen, key=newest_first)
 
 
+def factory_needed(record: CheckpointRecord) -> str | None:
+    """Why a drill of ``record`` needs a model factory (``--model``), or None
+    when it can build the model itself (Hugging Face checkpoints with a
+    ``config.json``); pure."""
+    if record.format in (Format.HF, Format.HF_WEIGHTS) and any(f.relpath == "config.json" for f in record.files):
+        return None
+    return plugin(record.format).why_factory
+
+
 def drill_path(record: CheckpointRecord, fetched: Path) -> Path:
     """What the worker loads from ``fetched`` (the checkpoint's copy, its
     files at their relpaths): the directory, or the one file of a
@@ -156,7 +166,10 @@ class DrillRequest(JsonRecord):
     a fresh restore (the ``deterministic`` check; a single rank of a
     single-rank checkpoint). ``progress_path``: where the worker writes the
     stage it is in (None: nowhere); ``parent_pid``: the worker dies with
-    that process (None: it does not watch).
+    that process (None: it does not watch). ``step``: the checkpoint's step
+    as the catalog knows it, which the drill trains on from (steps
+    ``step + 1 .. step + K``) and hands every factory call (``metadata["step"]``);
+    None: the step the checkpoint's own metadata says, else 0.
     """
 
     checkpoint: str
@@ -179,6 +192,7 @@ class DrillRequest(JsonRecord):
     timeout: float = 0.0
     available: Mapping[str, Any] = field(default_factory=dict)
     repeat: bool = True
+    step: int | None = None
 
     @property
     def distributed(self) -> bool:
@@ -217,6 +231,13 @@ class WorkerResult(JsonRecord):
     (whether the operating system confined the worker's writes to its
     scratch directory) and ``confinement`` (how, or why not; measured
     before the worker started; None when run in-process).
+
+    ``first_step``: the step the drill restored (it trained ``first_step +
+    1 .. first_step + K``). ``stack``: the versions it ran on (``python``,
+    ``torch``, ``cuda``, the format's libraries). ``trajectory_rtol``: the
+    tolerance the factory asked for (0: bit-exact; None: the policy's).
+    ``synthetic_batches``: the drill trained on batches of its own (a
+    Hugging Face model built without a factory), not the run's.
     """
 
     checkpoint: str
@@ -255,6 +276,17 @@ class WorkerResult(JsonRecord):
     last_stage: str | None = None
     confined: bool = False
     confinement: str | None = None
+    first_step: int | None = None
+    stack: Mapping[str, str | None] = field(default_factory=dict)
+    trajectory_rtol: float | None = None
+    synthetic_batches: bool = False
+
+    @property
+    def trained_steps(self) -> tuple[int, int] | None:
+        """``(first, last)`` step trained, or None when it trained none."""
+        if self.first_step is None or not self.losses:
+            return None
+        return (self.first_step + 1, self.first_step + len(self.losses))
 
     @property
     def failed(self) -> bool:
@@ -294,6 +326,54 @@ class Verdict:
 
     def to_dict(self) -> dict[str, Any]:
         return {"ok": self.ok, "summary": self.summary, "checks": [asdict(c) for c in self.checks]}
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What the run recorded after the drilled checkpoint (``recorded``: None
+    when it recorded nothing) and the policy's tolerance (``rtol``; 0: bit-exact)."""
+
+    recorded: Trajectory | None
+    rtol: float = DEFAULT_TRAJECTORY_RTOL
+
+
+PASSED, FAILED, NOT_JUDGED = "passed", "failed", "not judged"
+"""The three outcomes of a drill."""
+
+NOT_JUDGED_STAGES: Mapping[str, str] = {
+    "no-model": "no drill model was given",
+    "not-started": "the drill model does not load",
+    "factory": "the drill model does not load",
+    "fit": "the factory does not fit this job",
+    "build": "the drill model could not be built",
+    "unsupported": "this variant cannot be drilled yet",
+    "setup": "the drill could not set up (no device, or its own setup failed)",
+    "rendezvous": "the drill's ranks could not meet",
+}
+"""Stages at which a drill stops without judging the checkpoint, and why in words."""
+
+
+def drill_outcome(ok: bool, stage: str | None) -> tuple[str, str]:
+    """``(outcome, reason)`` of a drill that ended at ``stage`` (None: it ran
+    to the verdict); pure.
+
+    ``passed`` when every check passed. ``not judged`` when the drill
+    stopped for a reason that is not the checkpoint's (:data:`NOT_JUDGED_STAGES`:
+    no model given, a factory that does not load, build or fit, an
+    unsupported variant, no device, the drill's own setup or rendezvous):
+    recorded as history, never as the checkpoint's most recent drill.
+    ``failed`` otherwise: the checkpoint did not fetch, load, restore or
+    train, or a check of the verdict failed (``judge``), or the drill ran
+    out of time or crashed while restoring or training.
+    """
+    if ok:
+        return PASSED, "every check passed"
+    if stage is not None and stage in NOT_JUDGED_STAGES:
+        return NOT_JUDGED, NOT_JUDGED_STAGES[stage]
+    what = {"fetch": "its files could not be fetched and verified", "load": "it does not load",
+            "restore": "it does not restore", "train": "it does not train", "timeout": "the drill ran out of time",
+            "crash": "the drill worker crashed"}.get(stage or "", "a check of the verdict failed")
+    return FAILED, what
 
 
 def _fmt(value: float | None) -> str:
@@ -358,6 +438,7 @@ def judge(
     cuda_rtol: float = DEFAULT_CUDA_RTOL,
     reference: Sequence[WorkerResult] | None = None,
     reshard_rtol: float | None = None,
+    trajectory: Expected | None = None,
 ) -> Verdict:
     """The verdict of a drill of one or more ranks; pure over their numbers.
 
@@ -379,7 +460,11 @@ def judge(
     ``reference`` (a same-size restore of the same checkpoint), ``resumes``:
     rank 0's losses match the reference's step by step within
     ``reshard_rtol`` (default :data:`DEFAULT_RESHARD_RTOL`, or
-    :data:`DEFAULT_RESHARD_RTOL_CUDA` on CUDA).
+    :data:`DEFAULT_RESHARD_RTOL_CUDA` on CUDA). With ``trajectory`` (what
+    the run recorded after the checkpoint's step), ``trajectory``: rank 0's
+    losses retrace the recorded ones (:func:`~ckptier.tasks.drill_trajectory.compare_trajectory`;
+    the factory's ``trajectory_rtol`` wins over the policy's); skipped, with
+    the reason, when there is nothing to compare.
     """
     ordered = sorted(results, key=lambda r: r.rank)
     world = len(ordered)
@@ -500,6 +585,14 @@ def judge(
 
     if reference is not None:
         checks.append(_resumes(ordered, reference, on_cuda, reshard_rtol))
+
+    if trajectory is not None:
+        rtol = zero.trajectory_rtol if zero.trajectory_rtol is not None else trajectory.rtol
+        skip = ("the drill trained on batches of its own (a Hugging Face model built without a factory), "
+                "not the run's; give a factory whose batch(step) is the run's" if zero.synthetic_batches else None)
+        outcome = compare_trajectory(list(zero.losses), (zero.first_step or 0) + 1, trajectory.recorded,
+                                     rtol=rtol, skip_reason=skip)
+        checks.append(Check("trajectory", outcome.status != "failed", outcome.detail))
 
     failed = [c for c in checks if not c.ok]
     if failed:

@@ -48,6 +48,7 @@ from ckptier.tasks.config import DEFAULT_DRILL_STEPS, DEFAULT_DRILL_TIMEOUT, par
 from ckptier.tasks.drill import (
     DEFAULT_LOSS_TOLERANCE,
     DrillRequest,
+    Expected,
     Verdict,
     WorkerResult,
     _finite_or_none,
@@ -596,7 +597,7 @@ class RankedDrill:
                 timings={"fetch_s": timings["fetch_s"], **{k: float(v) for k, v in zero.timings.items()}},
                 peak_memory_bytes=zero.peak_memory_bytes, losses=tuple(_finite_or_none(v) for v in zero.losses),
                 error=zero.error, stage=zero.error_stage, confined=zero.confined, confinement=zero.confinement,
-                started_at=started_at, finished_at=finished_at)
+                trained_steps=zero.trained_steps, stack=dict(zero.stack), started_at=started_at, finished_at=finished_at)
         return DrillReport(
             job=job, step=step, ok=self.verdict.ok,
             summary=f"{job} step {step} ({where}): {self.verdict.summary}{unconfined}",
@@ -605,7 +606,7 @@ class RankedDrill:
             timings=timings, losses=tuple(_finite_or_none(v) for v in zero.losses),
             peak_memory_bytes=max((r.peak_memory_bytes or 0 for r in run.results), default=0) or None,
             confined=confined, confinement=confinement, tier=tier, error=error, stage=stage, reshard=reshard,
-            started_at=started_at, finished_at=finished_at)
+            trained_steps=zero.trained_steps, stack=dict(zero.stack), started_at=started_at, finished_at=finished_at)
 
 
 def run_ranked_drill(
@@ -627,6 +628,8 @@ def run_ranked_drill(
     python: str = sys.executable,
     seed: int = 0,
     single: bool = False,
+    step: int | None = None,
+    trajectory: Expected | None = None,
 ) -> RankedDrill:
     """Drill a checkpoint (format ``fmt``, files ``relpaths`` of ``sizes``)
     on as many ranks as saved it, or on ``world_size`` ranks.
@@ -637,6 +640,9 @@ def run_ranked_drill(
     (:func:`launch_ranks`), the verdict (:func:`~ckptier.tasks.drill.judge`). With a
     ``world_size`` other than the saved one, a same-size restore runs first
     and the verdict says whether the run resumes on ``world_size`` ranks.
+    ``step`` (the catalog's) is what every rank trains on from and every
+    factory is told; ``trajectory`` what the run recorded after it, for the
+    verdict's ``trajectory`` check.
     Everything goes under ``scratch`` (the caller removes it). Raises
     :class:`ConfigError` when the checkpoint cannot be drilled on that many
     ranks (:class:`UnsupportedDrill` for partitioned ranks: not supported
@@ -675,19 +681,19 @@ def run_ranked_drill(
         ref_kind, ref_backend = ref_choice
         reference = _run_once(fmt, ref_plan, sizes, fetch, scratch / f"same-{plan.saved_world}", shared_dir, ref_kind,
                               ref_backend, factory=factory, steps=steps, timeout=timeout, allow_globals=allow_globals,
-                              env_passthrough=env_passthrough, python=python, seed=seed, single=single)
+                              env_passthrough=env_passthrough, python=python, seed=seed, single=single, step=step)
     run = _run_once(fmt, plan, sizes, fetch, scratch / f"ranks-{world}", shared_dir, kind, backend, factory=factory,
                     steps=steps, timeout=timeout, allow_globals=allow_globals, env_passthrough=env_passthrough,
-                    python=python, seed=seed, single=single)
+                    python=python, seed=seed, single=single, step=step)
     run.fetches[:0] = fetches
     verdict = judge(run.results, steps=steps, loss_tolerance=loss_tolerance,
-                          reference=reference.results if reference is not None else None)
+                    reference=reference.results if reference is not None else None, trajectory=trajectory)
     return RankedDrill(fmt, plan.saved_world, plan.layout, run, verdict, reference)
 
 
 def _run_once(fmt: str, plan: RankFiles, sizes: Mapping[str, int], fetch: FetchFn, root: Path, shared_dir: Path,
               kind: str, backend: str, *, factory: str | None, steps: int, timeout: float, allow_globals: Sequence[str],
-              env_passthrough: Sequence[str], python: str, seed: int, single: bool) -> RankedRun:
+              env_passthrough: Sequence[str], python: str, seed: int, single: bool, step: int | None) -> RankedRun:
     started = time.time()
     root.mkdir(parents=True, exist_ok=True)
     missing = [r for r in plan.shared if not (shared_dir / r).is_file()]
@@ -711,7 +717,7 @@ def _run_once(fmt: str, plan: RankFiles, sizes: Mapping[str, int], fetch: FetchF
             store_port=0, result_path=str(scratch.work / "rank-result.json"),
             progress_path=str(scratch.work / "progress"), parent_pid=os.getpid(), timeout=timeout,
             available=scratch.available, seed=seed, allow_globals=tuple(allow_globals),
-            repeat=plan.world == 1 and plan.saved_world == 1,
+            repeat=plan.world == 1 and plan.saved_world == 1, step=step,
         ))
     results = launch_ranks(requests, scratches, timeout=timeout, env_passthrough=env_passthrough, python=python)
     return RankedRun(plan.world, kind, backend, scratches, results, fetches, started)

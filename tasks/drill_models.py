@@ -11,7 +11,8 @@ Python environment) or ``"/path/to/file.py:function"``.
   it takes exactly one positional parameter, with the checkpoint's parsed
   metadata as a ``dict`` (the guide's ``metadata.json``, Hugging Face's
   ``trainer_state.json``, Lightning's top-level scalars and
-  ``hyper_parameters``; ``{}`` when there is none).
+  ``hyper_parameters``), whose ``step`` is always the checkpoint's step as
+  the catalog knows it (the step the drill resumes from).
 * It returns either a ``torch.nn.Module`` or a :class:`DrillSpec`
   ``(model, optimizer, batch, loss)``. Build everything on CPU; the drill
   moves the model to the drill device and loads the checkpoint into it.
@@ -24,7 +25,9 @@ Python environment) or ``"/path/to/file.py:function"``.
   ``SGD(lr=1e-4)`` is used.
 * ``batch(step, device)`` returns the inputs of training step ``step``
   (deterministic: the same step gives the same batch); the drill uses steps
-  ``checkpoint_step + 1 ... checkpoint_step + K``. ``loss(model, batch)``
+  ``S + 1 ... S + K`` where S is the checkpoint's step in the catalog, on
+  every rank (a learning-rate schedule or data position keyed by the step
+  sees the steps the run would have trained next). ``loss(model, batch)``
   returns a scalar tensor. Both are required for any model other than a
   Hugging Face ``transformers`` model (built from the checkpoint's
   ``config.json`` when no factory is given, with a synthetic token batch).
@@ -68,12 +71,21 @@ LossFn = Callable[[nn.Module, Any], Tensor]
 
 @dataclass
 class DrillSpec:
-    """What a factory gives a drill; see the module docstring for the contract."""
+    """What a factory gives a drill; see the module docstring for the contract.
+
+    ``trajectory_rtol``: how close the drill's losses must retrace the
+    run's recorded ones (``0.0``: bit-exact, for a factory that trains
+    deterministically as the run did); None: the job's ``[[drill]]
+    trajectory_rtol``. ``synthetic_batches``: ``batch`` is not the run's
+    data (a Hugging Face model built without a factory), so the drill's
+    losses cannot retrace the run's."""
 
     model: nn.Module
     optimizer: torch.optim.Optimizer | None = None
     batch: BatchFn | None = None
     loss: LossFn | None = None
+    trajectory_rtol: float | None = None
+    synthetic_batches: bool = False
 
 
 def resolve_factory(spec: str) -> Callable[..., Any]:
@@ -193,7 +205,7 @@ def hf_spec(config_dir: str | Path, *, seq_len: int = 32, batch_size: int = 2) -
         value: Tensor = m(**b).loss
         return value
 
-    return DrillSpec(model=model, optimizer=None, batch=batch, loss=loss)
+    return DrillSpec(model=model, optimizer=None, batch=batch, loss=loss, synthetic_batches=True)
 
 
 # --- the optimizer transformers.Trainer builds by default -------------------------

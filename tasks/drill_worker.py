@@ -61,6 +61,7 @@ from ckptier.formats.safe_load import (
     CheckpointLoadError,
     LoadedCheckpoint,
     UnsafeCheckpoint,
+    UnsupportedCheckpoint,
     float_or_none,
     load_checkpoint_dir,
 )
@@ -156,11 +157,11 @@ def _load_optimizer(spec: DrillSpec, loaded: LoadedCheckpoint) -> None:
         unexpected = sorted(set(loaded.optimizer_state) - wanted)
         if missing or unexpected:
             first = f"missing key {missing[0]}" if missing else f"unexpected key {unexpected[0]}"
-            raise DrillFailure("restore", f"optimizer state does not match the factory's optimizer: {first} ({len(missing)} missing, {len(unexpected)} unexpected)")
+            raise DrillFailure("fit", f"optimizer state does not match the factory's optimizer: {first} ({len(missing)} missing, {len(unexpected)} unexpected)")
         for key in wanted:
             src, dst = loaded.optimizer_state[key], template[key]
             if isinstance(dst, torch.Tensor) and tuple(src.shape) != tuple(dst.shape):
-                raise DrillFailure("restore", f"optimizer state shape mismatch for {key}: checkpoint {_shape(src)}, optimizer {_shape(dst)}")
+                raise DrillFailure("fit", f"optimizer state shape mismatch for {key}: checkpoint {_shape(src)}, optimizer {_shape(dst)}")
             template[key] = src
         set_optimizer_state_dict(spec.model, spec.optimizer, template, options=options)
         return
@@ -169,10 +170,10 @@ def _load_optimizer(spec: DrillSpec, loaded: LoadedCheckpoint) -> None:
         raise DrillFailure("restore", "optimizer state is not an Optimizer.state_dict() (needs 'state' and 'param_groups')")
     own = spec.optimizer.state_dict()
     if len(own["param_groups"]) != len(state["param_groups"]):
-        raise DrillFailure("restore", f"optimizer has {len(own['param_groups'])} param groups, checkpoint {len(state['param_groups'])}; build the optimizer as training did")
+        raise DrillFailure("fit", f"optimizer has {len(own['param_groups'])} param groups, checkpoint {len(state['param_groups'])}; build the optimizer as training did")
     for i, (mine, theirs) in enumerate(zip(own["param_groups"], state["param_groups"], strict=True)):
         if len(mine["params"]) != len(theirs["params"]):
-            raise DrillFailure("restore", f"optimizer param group {i} has {len(mine['params'])} parameters, checkpoint {len(theirs['params'])}; build the optimizer as training did")
+            raise DrillFailure("fit", f"optimizer param group {i} has {len(mine['params'])} parameters, checkpoint {len(theirs['params'])}; build the optimizer as training did")
     params = [p for group in spec.optimizer.param_groups for p in group["params"]]
     for pid, pstate in state["state"].items():
         if not isinstance(pid, int) or not 0 <= pid < len(params):
@@ -212,6 +213,37 @@ def _check_per_parameter_state(spec: DrillSpec, state: Mapping[Any, Any], params
 R = TypeVar("R")
 
 
+def _metadata(extra: Mapping[str, Any], request: DrillRequest, saved_step: int | None) -> dict[str, Any]:
+    """What a factory is called with: the checkpoint's metadata, its ``step`` the catalog's."""
+    step = request.step if request.step is not None else saved_step
+    return {**extra, **({"step": step} if step is not None else {})}
+
+
+#: Per format, the distributions whose versions a drill records besides python, torch and CUDA.
+FORMAT_LIBRARIES: Mapping[str, tuple[str, ...]] = {
+    "hf-trainer": ("transformers", "safetensors"), "hf-weights": ("transformers", "safetensors"),
+    "lightning": ("lightning",), "deepspeed": ("deepspeed",), "orbax": ("orbax-checkpoint", "jax"),
+    "megatron": ("megatron-core",), "dcp": (), "guide": (),
+}
+
+
+def drill_stack(fmt: str) -> dict[str, str | None]:
+    """The versions this drill runs on: python, torch, CUDA (None on a
+    CPU-only build), numpy and the format's libraries (None when not
+    installed); read from the installed distributions, nothing imported."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    stack: dict[str, str | None] = {"python": platform.python_version(), "torch": torch.__version__,
+                                    "cuda": torch.version.cuda}
+    for name in ("numpy", *FORMAT_LIBRARIES.get(fmt, ())):
+        try:
+            stack[name] = version(name)
+        except PackageNotFoundError:
+            stack[name] = None
+    return stack
+
+
 class _Restored:
     def __init__(self, spec: DrillSpec, loaded: LoadedCheckpoint, load_s: float, build_s: float, restore_s: float) -> None:
         self.spec, self.loaded = spec, loaded
@@ -233,6 +265,8 @@ def restore(
             loaded = load()
         else:
             loaded = load_checkpoint_dir(request.checkpoint, request.format, extra_allowlist=request.allow_globals)
+    except UnsupportedCheckpoint as exc:  # a variant not restored yet: nothing known to be wrong with it
+        raise DrillFailure("unsupported", str(exc)) from None
     except CkptierError as exc:
         raise DrillFailure("load", str(exc), unsafe=isinstance(exc, UnsafeCheckpoint)) from None
     t1 = time.perf_counter()
@@ -243,7 +277,7 @@ def restore(
         raise DrillFailure("factory", str(exc)) from None
     try:
         if factory is not None:
-            spec = build_spec(factory, loaded.extra, name=request.factory or "factory")
+            spec = build_spec(factory, _metadata(loaded.extra, request, loaded.step), name=request.factory or "factory")
         elif "hf_config_dir" in loaded.extra:
             spec = hf_spec(loaded.extra["hf_config_dir"])
             if loaded.optimizer_state is not None:
@@ -263,7 +297,7 @@ def restore(
     problems = state_dict_problems(spec.model.state_dict(), loaded.model_state)
     if problems:
         more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise DrillFailure("restore", f"checkpoint does not fit the model: {problems[0]}{more}")
+        raise DrillFailure("fit", f"checkpoint does not fit the model: {problems[0]}{more}")
     spec.model.load_state_dict(loaded.model_state, strict=False)  # strictness checked above (tied weights)
     spec.model.to(device)
     spec.model.train()
@@ -440,7 +474,7 @@ def _check_keys(model_sd: Mapping[str, Any], saved: Mapping[str, Any]) -> None:
     problems += [f"unexpected key {k} {_shape(saved[k])} in the checkpoint" for k in saved if k not in model_sd]
     if problems:
         more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise DrillFailure("restore", f"checkpoint does not fit the model: {problems[0]}{more}")
+        raise DrillFailure("fit", f"checkpoint does not fit the model: {problems[0]}{more}")
 
 
 def restore_shards(request: DrillRequest, device: torch.device, progress: _Progress) -> tuple[DrillSpec, dict[str, Any], dict[str, float]]:
@@ -469,7 +503,7 @@ def restore_shards(request: DrillRequest, device: torch.device, progress: _Progr
     prefixed = any(k.startswith("model.") for k in saved)
     t1 = time.perf_counter()
     progress("build")
-    spec = _build(request, extra)
+    spec = _build(request, _metadata(extra, request, step))
     progress("restore")
     names = {id(p): n for n, p in spec.model.named_parameters()}
     spec.model.to(device)
@@ -496,13 +530,13 @@ def restore_shards(request: DrillRequest, device: torch.device, progress: _Progr
         missing, unexpected = sorted(wanted - set(saved_opt)), sorted(set(saved_opt) - wanted)
         if missing or unexpected:
             first = f"missing key {missing[0]}" if missing else f"unexpected key {unexpected[0]}"
-            raise DrillFailure("restore", f"optimizer state does not match the factory's optimizer: {first} "
-                                          f"({len(missing)} missing, {len(unexpected)} unexpected)")
+            raise DrillFailure("fit", f"optimizer state does not match the factory's optimizer: {first} "
+                                      f"({len(missing)} missing, {len(unexpected)} unexpected)")
         for key in wanted:
             have = optim_sd[key]
             if isinstance(have, torch.Tensor) and tuple(have.shape) != tuple(saved_opt[key]):
-                raise DrillFailure("restore", f"optimizer state shape mismatch for {key}: checkpoint {_shape(saved_opt[key])}, "
-                                              f"optimizer {_shape(have.shape)}")
+                raise DrillFailure("fit", f"optimizer state shape mismatch for {key}: checkpoint {_shape(saved_opt[key])}, "
+                                          f"optimizer {_shape(have.shape)}")
         template["optimizer"] = {k: optim_sd[k] for k in wanted}
     try:
         dcp.load(template, storage_reader=reader)
@@ -601,6 +635,7 @@ def run_request(request: DrillRequest) -> WorkerResult:
         "rank": request.rank, "world_size": request.world_size, "checkpoint": request.checkpoint,
         "format": request.format, "steps": request.steps, "backend": request.backend if request.distributed else None,
         "env_keys": tuple(sorted(os.environ)), "torch_version": torch.__version__,
+        "stack": drill_stack(request.format),
     }
     try:
         device = resolve_device(request.device, request.rank)
@@ -626,7 +661,9 @@ def run_request(request: DrillRequest) -> WorkerResult:
             spec, loaded, digest, times = restore_replica(request, device, progress)
             base.update(recorded_loss=loaded.recorded_loss, checkpoint_step=loaded.step,
                         optimizer_loaded=loaded.optimizer_state is not None, also_loaded=tuple(loaded.also_loaded))
-        start = base.get("checkpoint_step") or 0
+        start = request.step if request.step is not None else (base.get("checkpoint_step") or 0)
+        base.update(first_step=start, trajectory_rtol=spec.trajectory_rtol,
+                    synthetic_batches=spec.synthetic_batches)
         losses, info = _guarded_train(spec, request, device, start, progress)
         repeat: list[float] = []
         if request.repeat:  # a fresh restore, trained again: the two runs must agree

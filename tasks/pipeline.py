@@ -17,7 +17,7 @@ import socket
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -58,6 +58,8 @@ from .settings import Run
 
 if TYPE_CHECKING:
     from .apply import ApplyReport, ItemResult, Proof
+    from .drill import Expected
+    from .drill_trajectory import Trajectory
 
 Clock = Callable[[], datetime]
 
@@ -587,7 +589,7 @@ def _drill_passed(catalog: Catalog, config: Config, job: str | None) -> dict[int
     """Checkpoint id -> when its most recent drill passed; read only when some policy sets ``min_drilled``."""
     if not any(p.min_drilled for p in config.policies):
         return {}
-    return drill_passed(catalog.drills(job=job, limit=DRILL_HISTORY))
+    return drill_passed([d for d in catalog.drills(job=job, limit=DRILL_HISTORY) if d.judged])  # not judged: history only
 
 
 def make_plan(catalog: Catalog, config: Config, *, job: str | None, now: datetime) -> Plan:
@@ -908,8 +910,9 @@ def run_drill(run: Run, options: DrillOptions, *, fanout: Any = None) -> list[Dr
     import tempfile
 
     from ckptier.formats.names import allow_global_problem
-    from .drill import DEFAULT_LOSS_TOLERANCE, choose_candidates
+    from .drill import DEFAULT_LOSS_TOLERANCE, Expected, choose_candidates, factory_needed
     from .drill_inputs import check_drill_inputs
+    from .drill_trajectory import DEFAULT_TRAJECTORY_RTOL
 
     catalog, config, stores, now = run.catalog, run.config, run.stores, run.now
     job, step, steps, device, model = options.job, options.step, options.steps, options.device, options.model
@@ -929,8 +932,13 @@ def run_drill(run: Run, options: DrillOptions, *, fanout: Any = None) -> list[Dr
     by_job: dict[str, list[CheckpointRecord]] = {}
     for c in candidates:
         by_job.setdefault(c.job, []).append(c)
-    for job_name in by_job:  # each job's [[drill]] model and device, before any fetch
-        check_drill_inputs(config.drill_for(job_name), model=model, device=device)
+    for job_name, records in by_job.items():  # each job's [[drill]] model and device, before any fetch
+        settings = config.drill_for(job_name)
+        check_drill_inputs(settings, model=model, device=device)
+        if not (model or (settings.model if settings else None)) and (why := factory_needed(records[0])):
+            raise ConfigError(f"job {job_name!r} step {records[0].step}: no drill model given: {why}; pass --model "
+                              "module:function (or set model = \"module:function\" in the job's [[drill]] table of "
+                              "ckptier.toml), a function returning DrillSpec(model, optimizer, batch, loss) built as in training")
     _check_allowed_classes(config, by_job, allow_globals, options.scratch_root)
     reports: list[DrillReport] = []
     for job_name, records in by_job.items():
@@ -940,8 +948,10 @@ def run_drill(run: Run, options: DrillOptions, *, fanout: Any = None) -> list[Dr
         dev = device or settings.device
         limit = timeout or settings.timeout.total_seconds()
         tolerance = settings.loss_tolerance or DEFAULT_LOSS_TOLERANCE
+        rtol = settings.trajectory_rtol if settings.trajectory_rtol is not None else DEFAULT_TRAJECTORY_RTOL
         allowed = tuple(dict.fromkeys([*settings.allow_globals, *allow_globals]))
-        for record in records:
+        unfit: tuple[CheckpointRecord, DrillReport] | None = None  # a newest checkpoint the factory did not fit
+        for index, record in enumerate(records):
             from .prove import prove_record
 
             proven = prove_record(catalog, stores.for_record, record, now=now())
@@ -949,26 +959,96 @@ def run_drill(run: Run, options: DrillOptions, *, fanout: Any = None) -> list[Dr
                 reports.append(_not_started(record, f"{proven.describe()}; verify it again", now(), now()))
                 continue
             started = now()
+            expected = Expected(_recorded_losses(record, cataloged, stores, steps=k), rtol)
             scratch = Path(tempfile.mkdtemp(prefix="ckptier-drill-", dir=options.scratch_root))
             try:
                 report = _drill_checkpoint(record, config, stores, scratch, started=started, now=now, factory=factory,
                                            steps=k, device=dev, timeout=limit, tolerance=tolerance,
-                                           allow_globals=allowed, world_size=world_size, fanout=fanout)
+                                           allow_globals=allowed, world_size=world_size, fanout=fanout,
+                                           trajectory=expected)
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
-            if report.stage in ("unsupported", "not-started"):  # said in the report, not recorded as a failed drill
+            if report.stage == "not-started":  # the operator's factory does not load: nothing recorded
                 reports.append(report)
                 break
+            if unfit is not None:
+                first, first_report = unfit
+                unfit = None
+                if report.stage == "fit" and report.error == first_report.error:
+                    # The same mismatch on the next checkpoint too: the factory does not fit this job. One
+                    # drill, not judged, for the job; the older checkpoints would only repeat it.
+                    note = replace(first_report, summary=f"{first_report.summary} (step {record.step} too)")
+                    _record_drill(catalog, first, note, started=note.started_at, finished=note.finished_at,
+                                  tier=note.tier)
+                    reports.append(note)
+                    break
+                # Only the newest differs from the job, which the factory fits: that checkpoint is wrong.
+                blamed = replace(first_report, stage="restore", summary=(
+                    f"{first.job} step {first.step}: drill failed: restore: {first_report.error}; the factory fits "
+                    f"the job's step {record.step}"))
+                _record_drill(catalog, first, blamed, started=blamed.started_at, finished=blamed.finished_at,
+                              tier=blamed.tier)
+                reports.append(_with_drift(catalog, first, blamed, now()))
+            if report.stage == "fit" and index + 1 < len(records):
+                unfit = (record, report)  # the factory's fault, or this checkpoint's? The next one tells
+                continue
             _record_drill(catalog, record, report, started=started, finished=now(), tier=report.tier)
+            if report.outcome == "failed":
+                report = _with_drift(catalog, record, report, now())
             reports.append(report)
-            if report.ok or report.stage not in LOAD_STAGES:
-                break
+            if report.ok or not report.judged or report.stage not in LOAD_STAGES:
+                break  # not judged: the same cause would stop every older checkpoint of the job too
+        if unfit is not None:  # no later checkpoint could tell (the rest changed since they were verified)
+            first, first_report = unfit
+            _record_drill(catalog, first, first_report, started=first_report.started_at,
+                          finished=first_report.finished_at, tier=first_report.tier)
+            reports.append(first_report)
     return reports
+
+
+def _with_drift(catalog: Catalog, record: CheckpointRecord, report: DrillReport, at: datetime) -> DrillReport:
+    """``report`` with its ``drift`` set (and a ``drill.drift`` event logged)
+    when ``record`` passed an earlier drill under another stack."""
+    from .drill_history import environment_drift
+
+    found = [d for d in environment_drift(catalog.drills(job=record.job, limit=DRILL_HISTORY))
+             if d.checkpoint_id == record.id]
+    if not found:
+        return report
+    text = found[0].text()
+    catalog.log_event("drill.drift", f"{record.job} {text}", now=at, job=record.job, checkpoint_id=record.id)
+    return replace(report, drift=text)
+
+
+def _recorded_losses(record: CheckpointRecord, cataloged: Sequence[CheckpointRecord], stores: StoreCache, *,
+                     steps: int) -> Trajectory | None:
+    """What the run recorded after ``record``'s step (a
+    :class:`~ckptier.tasks.drill_trajectory.Trajectory`, or None), read from
+    its store: the job's ``losses.jsonl`` and the format's own logs; a
+    source that cannot be read is passed over."""
+    from ckptier.storage.base import read_bytes
+    from ckptier.storage.errors import StoreError
+
+    from .drill_trajectory import recorded_trajectory
+
+    def read(location: str) -> bytes | None:
+        try:
+            store, key = stores.locate(location)
+            return read_bytes(store, key, limit=LOSS_LOG_LIMIT)
+        except (StoreError, ValueError, OSError):
+            return None
+
+    return recorded_trajectory(record, cataloged, read, steps=steps)
+
+
+#: The largest loss log a drill reads (a line per step of a long run is a few MB).
+LOSS_LOG_LIMIT = 64 << 20
 
 
 def _drill_checkpoint(record: CheckpointRecord, config: Config, stores: StoreCache, scratch: Path, *, started: datetime,
                       now: Clock, factory: str | None, steps: int, device: str, timeout: float, tolerance: float,
-                      allow_globals: Sequence[str], world_size: int | None, fanout: Any = None) -> DrillReport:
+                      allow_globals: Sequence[str], world_size: int | None, fanout: Any = None,
+                      trajectory: Expected | None = None) -> DrillReport:
     """The drill of ``record`` on as many ranks as saved it (or ``world_size``),
     as a report: ``stage`` ``fetch`` when its files could not be fetched,
     ``unsupported`` when its ranks cannot be drilled yet, ``not-started``
@@ -990,10 +1070,10 @@ def _drill_checkpoint(record: CheckpointRecord, config: Config, stores: StoreCac
         drill = run_ranked_drill(record.format, relpaths, {f.relpath: f.size for f in record.files}, fetch=fetch,
                                  scratch=scratch, factory=factory, steps=steps, device=device, timeout=timeout,
                                  world_size=world_size, allow_globals=allow_globals, loss_tolerance=tolerance,
-                                 single=single)
+                                 single=single, step=record.step, trajectory=trajectory)
     except UnsupportedDrill as exc:
         return replace(_drill_failure(record, started, now(), stage="unsupported", error=str(exc)),
-                       summary=f"{record.job} step {record.step}: not drilled: {exc}",
+                       summary=f"{record.job} step {record.step}: not judged: {exc}",
                        checks=(Check("supported", False, str(exc)),))
     except ConfigError:
         raise
@@ -1003,6 +1083,13 @@ def _drill_checkpoint(record: CheckpointRecord, config: Config, stores: StoreCac
     report = drill.report(job=record.job, step=record.step, device=device, started_at=started, finished_at=finished)
     if report.stage == "factory":  # the operator's factory does not load: says nothing about this checkpoint
         return _not_started(record, f"drill model {factory!r} does not load: {report.error}", started, finished)
+    if not report.judged:  # the drill could not judge: say why, not "failed"
+        from .drill import drill_outcome
+
+        why = drill_outcome(report.ok, report.stage)[1]
+        detail = report.error or ""
+        detail = detail.split(": ", 1)[1] if detail.startswith("rank ") and ": " in detail else detail
+        report = replace(report, summary=f"{record.job} step {record.step}: not judged: {why}: {detail}")
     return report
 
 
@@ -1071,9 +1158,10 @@ def _record_drill(catalog: Catalog, record: CheckpointRecord, report: DrillRepor
         job=record.job, step=record.step, checkpoint_id=record.id, started_at=started, finished_at=finished,
         ok=report.ok, device=report.device, source_tier=tier, verdict=report.verdict_json(),
         timings=dict(report.timings), peak_memory_bytes=report.peak_memory_bytes, error=report.error,
+        outcome=report.outcome, stack=dict(report.stack),
     ))
-    catalog.log_event("drill.ok" if report.ok else "drill.failed", report.summary, now=finished,
-                      job=record.job, checkpoint_id=record.id)
+    kind = {"passed": "drill.ok", "failed": "drill.failed"}.get(report.outcome, "drill.not_judged")
+    catalog.log_event(kind, report.summary, now=finished, job=record.job, checkpoint_id=record.id)
 
 
 # ------------------------------------------------------------------ forget

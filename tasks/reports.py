@@ -32,7 +32,7 @@ from urllib.parse import quote
 from ckptier.storage.records import CheckpointRecord, CopyRecord, CopyState, FileCheck, FileRecord, State, Tier
 
 from .costs import hot_class_of
-from .drill import Check
+from .drill import Check, drill_outcome
 from .retention import Plan, hot_present
 from .tiers import HOT
 
@@ -649,15 +649,16 @@ class Reshard:
 
 #: The keys of a drill report's JSON, in order, for each kind of report (see :meth:`DrillReport.to_json`).
 _DRILL_KEYS = {
-    "worker": ("job", "step", "ok", "summary", "checks", "device", "tier", "timings", "peak_memory_bytes", "losses",
-               "error", "stage", "confined", "confinement", "started_at", "finished_at"),
-    "failure": ("job", "step", "ok", "stage", "error", "summary", "checks", "timings", "device", "tier",
+    "worker": ("job", "step", "ok", "verdict", "summary", "checks", "trained_steps", "device", "tier", "timings",
+               "peak_memory_bytes", "losses", "error", "stage", "confined", "confinement", "stack", "started_at",
+               "finished_at"),
+    "failure": ("job", "step", "ok", "verdict", "stage", "error", "summary", "checks", "timings", "device", "tier",
                 "peak_memory_bytes", "losses", "started_at", "finished_at"),
-    "not-started": ("job", "step", "ok", "stage", "error", "summary", "recorded", "checks", "timings", "device", "tier",
-                    "peak_memory_bytes", "losses", "started_at", "finished_at"),
-    "ranked": ("job", "step", "ok", "summary", "checks", "world_size", "saved_world_size", "layout", "parallel",
-               "backend", "device", "ranks", "timings", "losses", "peak_memory_bytes", "confined", "confinement", "tier",
-               "error", "stage", "reshard", "started_at", "finished_at"),
+    "not-started": ("job", "step", "ok", "verdict", "stage", "error", "summary", "recorded", "checks", "timings",
+                    "device", "tier", "peak_memory_bytes", "losses", "started_at", "finished_at"),
+    "ranked": ("job", "step", "ok", "verdict", "summary", "checks", "trained_steps", "world_size", "saved_world_size",
+               "layout", "parallel", "backend", "device", "ranks", "timings", "losses", "peak_memory_bytes", "confined",
+               "confinement", "tier", "error", "stage", "reshard", "stack", "started_at", "finished_at"),
 }
 
 
@@ -677,7 +678,13 @@ class DrillReport:
     training losses from the restored state (None for a non-finite one);
     ``peak_memory_bytes``. ``confined``: whether the worker's writes were
     confined (``confinement`` says how or why not); None when no worker ran.
-    ``started_at``/``finished_at``: aware UTC.
+    ``started_at``/``finished_at``: aware UTC. ``trained_steps``: the first
+    and last step trained (``(21, 30)`` for 10 steps from step 20; None
+    when none was); ``stack``: the versions the workers ran on (python,
+    torch, CUDA, the format's libraries). :attr:`outcome` is ``passed``,
+    ``failed`` or ``not judged`` (the JSON's ``verdict``). ``drift``: set
+    when the checkpoint passed an earlier drill under another stack (the
+    versions that changed, :mod:`ckptier.tasks.drill_history`).
 
     A multi-rank drill also has ``world_size`` (the ranks it restored into),
     ``saved_world_size``, ``layout`` (``replicated``, ``sharded``),
@@ -711,6 +718,19 @@ class DrillReport:
     backend: str | None = None
     ranks: tuple[DrillRank, ...] = ()
     reshard: Reshard | None = None
+    trained_steps: tuple[int, int] | None = None
+    stack: Mapping[str, str | None] = dataclasses.field(default_factory=dict)
+    drift: str | None = None
+
+    @property
+    def outcome(self) -> str:
+        """``passed``, ``failed`` or ``not judged`` (:func:`~ckptier.tasks.drill.drill_outcome`)."""
+        return drill_outcome(self.ok, self.stage)[0]
+
+    @property
+    def judged(self) -> bool:
+        """Whether the drill judged the checkpoint (``not judged`` never counts as its most recent drill)."""
+        return self.outcome != "not judged"
 
     @property
     def started(self) -> bool:
@@ -734,7 +754,9 @@ class DrillReport:
         kind = ("ranked" if self.multi_rank else "not-started" if not self.recorded
                 else "failure" if self.confined is None else "worker")
         values: dict[str, Any] = {
-            "job": self.job, "step": self.step, "ok": self.ok, "summary": self.summary,
+            "job": self.job, "step": self.step, "ok": self.ok, "verdict": self.outcome, "summary": self.summary,
+            "trained_steps": list(self.trained_steps) if self.trained_steps is not None else None,
+            "stack": dict(self.stack),
             "checks": [c.to_json() for c in self.checks], "device": self.device, "tier": self.tier,
             "timings": dict(self.timings), "peak_memory_bytes": self.peak_memory_bytes, "losses": list(self.losses),
             "error": self.error, "stage": self.stage, "confined": self.confined, "confinement": self.confinement,
@@ -744,13 +766,20 @@ class DrillReport:
             "reshard": self.reshard.to_json() if self.reshard is not None else None,
             "started_at": self.started_at.isoformat(), "finished_at": self.finished_at.isoformat(),
         }
-        return {k: values[k] for k in _DRILL_KEYS[kind] if k != "reshard" or self.reshard is not None}
+        out = {k: values[k] for k in _DRILL_KEYS[kind] if k != "reshard" or self.reshard is not None}
+        if self.drift is not None:
+            out["drift"] = self.drift
+        return out
 
     def verdict_json(self) -> dict[str, Any]:
         """What the catalog keeps of the verdict (``DrillRecord.verdict``): summary, checks, losses,
         confinement and, for a multi-rank drill, its multi-rank fields but the ranks."""
         out: dict[str, Any] = {"summary": self.summary, "checks": [c.to_json() for c in self.checks],
                                "losses": list(self.losses), "confinement": self.confinement}
+        if self.trained_steps is not None:
+            out["trained_steps"] = list(self.trained_steps)
+        if self.drift is not None:
+            out["drift"] = self.drift
         if self.multi_rank:
             out.update(world_size=self.world_size, saved_world_size=self.saved_world_size, layout=self.layout,
                        parallel=self.parallel, backend=self.backend)

@@ -342,6 +342,7 @@ def test_chunked_split_merge_and_nibbles_with_one_reused_scratch(
     # tiny chunks: every loop runs many times and ends on a partial chunk
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(codec_planes, "_CHUNK_BYTES", 64)
+        mp.setattr(codec_planes, "_DECODE_CHUNK_BYTES", 64)
         scratch = codec_planes.Scratch()
         cctx = zstandard.ZstdCompressor(compression_params=codec_planes.plane_params())
         dctx = zstandard.ZstdDecompressor()

@@ -326,7 +326,8 @@ def test_jobs_table_counts_every_fact(facts: Any) -> None:
         "hot_bytes": 7000, "archive_stored_bytes": 1200, "archive_logical_bytes": 3000, "keep_all_bytes": 10000,
         "saved_bytes": 1800, "saved_fraction": 0.18, "verified_coverage": 0.875,
         "last_drill_step": 900, "last_drill_ok": False, "recovery_step": 800, "newest_step": 1000,
-        "usual_interval_s": 3600.0, "alerts": 5, "worst_alert": "critical",
+        "usual_interval_s": 3600.0, "alerts": 6, "worst_alert": "critical",
+        "drill_success_7d": 0.5, "drill_success_30d": 0.5,  # 2 of the 4 judged drills passed
     }
     assert {k: a[k] for k in expected} == expected
     assert a["oldest_verification_age_s"] == pytest.approx(3 * 3600, abs=1)
@@ -345,13 +346,15 @@ def test_alerts_table(facts: Any) -> None:
         ("alpha", "corrupt", "error", "300"),
         ("alpha", "drill-failed", "error", "900"),
         ("alpha", "degraded", "warning", "400"),
+        ("alpha", "recovery-rate", "warning", ""),
         ("alpha", "stale", "warning", "1000"),
         ("beta", "deletion-suspended", "warning", ""),
     ]
+    assert rows[4]["message"].startswith("2 of 4 judged drills passed in the last 7 days (50%): below 80%")
     assert "3 of 3 checkpoints missing from hot storage" in rows[-1]["message"]
     assert "sha256 expected abab…, got cdcd…" in rows[1]["message"]
     only_alpha = Snapshot(facts, now=NOW, job="alpha").table("alerts")
-    assert set(only_alpha["job"]) == {"alpha"} and len(only_alpha) == 5
+    assert set(only_alpha["job"]) == {"alpha"} and len(only_alpha) == 6
 
 
 def test_job_tables(facts: Any) -> None:
@@ -470,10 +473,11 @@ def test_report_formats_share_the_tables(facts: Any, catalog_url: str, tmp_path:
         return out.getvalue()
 
     table = run()
-    assert "Jobs (2)" in table and "Alerts (6)" in table and "only-copy-at-risk" in table
+    assert "Jobs (2)" in table and "Alerts (7)" in table and "only-copy-at-risk" in table
+    assert "(all jobs)     7       2       4   50%" in table  # the recovery success rate over every job
     assert "the only copy of step 600 is a damaged archive copy" in table
     data = json.loads(run(fmt="json"))
-    assert set(data) == {"jobs", "alerts"}
+    assert set(data) == {"jobs", "alerts", "recovery"}
     assert data["jobs"] == records(Snapshot(facts, now=NOW).table("jobs"))
     rows = list(csv.DictReader(io.StringIO(run(fmt="csv"))))
     assert [r["job"] for r in rows] == ["alpha", "beta"] and rows[0]["hot_bytes"] == "7000"
@@ -499,7 +503,7 @@ def test_report_command_starts_nothing_and_creates_nothing(tmp_path: Path) -> No
     build_catalog(url)
     proc = _ckptier("report", "--catalog", url, "--format", "json")
     assert proc.returncode == 0, proc.stderr
-    assert "IMPORTED" not in proc.stderr and set(json.loads(proc.stdout)) == {"jobs", "alerts"}
+    assert "IMPORTED" not in proc.stderr and set(json.loads(proc.stdout)) == {"jobs", "alerts", "recovery"}
     proc = _ckptier("report", "--catalog", url, "--job", "alpha", "--table", "drills", "--format", "csv")
     assert proc.returncode == 0 and proc.stdout.splitlines()[0].startswith("job,step,started_at")
     home = tmp_path / "home"

@@ -174,7 +174,8 @@ def test_automation_definitions_are_valid_prefect_automations() -> None:
     from prefect.events.schemas.automations import AutomationCore
 
     autos = dep.load_automations()
-    expected = {"ckptier-drill-failed": "ckptier.drill.failed", "ckptier-corruption-found": "ckptier.corruption.found"}
+    expected = {"ckptier-drill-failed": "ckptier.drill.failed", "ckptier-corruption-found": "ckptier.corruption.found",
+                "ckptier-drill-not-judged": "ckptier.drill.not-judged", "ckptier-environment-drift": "ckptier.drill.drift"}
     assert {a["name"] for a in autos} == set(expected)
     for raw in autos:
         core = AutomationCore.model_validate(dep.with_block(raw, "9f0c2a52-3c1e-4a6b-8d8e-0f5b3c7d2a11"))

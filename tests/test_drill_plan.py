@@ -428,3 +428,22 @@ def test_the_drill_report_artifact_has_a_row_per_rank_and_the_resharding_outcome
     assert "Resharding 4 -> 2 ranks: **does not resume** (off by 3%)" in text
     assert "| 0 | ok | 2 | 2,048 | 0.5 |" in text and "| 1 | **FAIL** (load: boom) | 1 | 0 | - |" in text
     assert "| rank |" not in render_report([base])  # a single-rank drill: no rank table
+
+
+def test_the_drill_report_artifact_names_the_verdict_steps_and_an_unmeasured_peak() -> None:
+    from datetime import UTC, datetime
+
+    from ckptier.flows.drill import render_report
+    from ckptier.tasks.reports import DrillReport
+
+    at = datetime(2025, 1, 1, tzinfo=UTC)
+    failed = DrillReport(job="j", step=6, ok=False, summary="j step 6: drill failed at fetch: gone", checks=(),
+                         stage="fetch", error="gone", started_at=at, finished_at=at)
+    text = render_report([failed])
+    assert "## j step 6: FAILED" in text and "peak memory not measured" in text and "0 bytes" not in text
+    passed = DrillReport(job="j", step=20, ok=True, summary="j step 20: drill ok", checks=(), peak_memory_bytes=2048,
+                         trained_steps=(21, 30), started_at=at, finished_at=at)
+    assert "peak memory 2,048 bytes, trained steps 21..30" in render_report([passed])
+    unfit = DrillReport(job="j", step=6, ok=False, summary="j step 6: not judged: ...", checks=(), stage="fit",
+                        error="shape mismatch", started_at=at, finished_at=at)
+    assert "## j step 6: NOT JUDGED" in render_report([unfit])

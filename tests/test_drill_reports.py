@@ -1,8 +1,10 @@
 """Drill and fetch reports: typed in the code, the same JSON as before at the edges.
 
-``DrillReport.to_json()`` must give, for every kind of outcome, exactly the
-dict the drill returned before it was typed (same keys in the same order,
-same values), and ``drill --json`` / ``fetch --json`` print ``to_json()``.
+``DrillReport.to_json()`` must give, for every kind of outcome, the dict
+the drill returned before it was typed (same keys in the same order, same
+values) plus its ``verdict`` (``passed``, ``failed``, ``not judged``) and,
+where a worker trained, ``trained_steps`` and ``stack``; and ``drill
+--json`` / ``fetch --json`` print ``to_json()``.
 """
 
 from __future__ import annotations
@@ -28,15 +30,16 @@ T0 = datetime(2025, 3, 1, 12, 0, tzinfo=UTC)
 T1 = T0 + timedelta(seconds=42)
 
 #: The keys of each kind of drill report, in the order the drill wrote them before reports were typed.
-WORKER_KEYS = ["job", "step", "ok", "summary", "checks", "device", "tier", "timings", "peak_memory_bytes", "losses",
-               "error", "stage", "confined", "confinement", "started_at", "finished_at"]
-FAILURE_KEYS = ["job", "step", "ok", "stage", "error", "summary", "checks", "timings", "device", "tier",
+WORKER_KEYS = ["job", "step", "ok", "verdict", "summary", "checks", "trained_steps", "device", "tier", "timings",
+               "peak_memory_bytes", "losses", "error", "stage", "confined", "confinement", "stack", "started_at",
+               "finished_at"]
+FAILURE_KEYS = ["job", "step", "ok", "verdict", "stage", "error", "summary", "checks", "timings", "device", "tier",
                 "peak_memory_bytes", "losses", "started_at", "finished_at"]
-NOT_STARTED_KEYS = ["job", "step", "ok", "stage", "error", "summary", "recorded", "checks", "timings", "device", "tier",
-                    "peak_memory_bytes", "losses", "started_at", "finished_at"]
-RANKED_KEYS = ["job", "step", "ok", "summary", "checks", "world_size", "saved_world_size", "layout", "parallel",
-               "backend", "device", "ranks", "timings", "losses", "peak_memory_bytes", "confined", "confinement", "tier",
-               "error", "stage", "reshard", "started_at", "finished_at"]
+NOT_STARTED_KEYS = ["job", "step", "ok", "verdict", "stage", "error", "summary", "recorded", "checks", "timings",
+                    "device", "tier", "peak_memory_bytes", "losses", "started_at", "finished_at"]
+RANKED_KEYS = ["job", "step", "ok", "verdict", "summary", "checks", "trained_steps", "world_size", "saved_world_size",
+               "layout", "parallel", "backend", "device", "ranks", "timings", "losses", "peak_memory_bytes", "confined",
+               "confinement", "tier", "error", "stage", "reshard", "stack", "started_at", "finished_at"]
 
 
 def _record(job: str = "j", step: int = 5) -> CheckpointRecord:
@@ -47,7 +50,7 @@ def _record(job: str = "j", step: int = 5) -> CheckpointRecord:
 
 def test_a_failed_fetch_reports_as_before() -> None:
     out = _drill_failure(_record(), T0, T1, stage="fetch", error="gone").to_json()
-    assert out == {"job": "j", "step": 5, "ok": False, "stage": "fetch", "error": "gone",
+    assert out == {"job": "j", "step": 5, "ok": False, "verdict": "failed", "stage": "fetch", "error": "gone",
                    "summary": "j step 5: drill failed at fetch: gone",
                    "checks": [{"name": "completed", "ok": False, "detail": "fetch: gone"}], "timings": {},
                    "device": None, "tier": None, "peak_memory_bytes": None, "losses": [],
@@ -58,7 +61,7 @@ def test_a_failed_fetch_reports_as_before() -> None:
 def test_a_drill_that_did_not_start_says_it_was_not_recorded() -> None:
     report = _not_started(_record(), "drill model 'm:f' does not load: boom", T0, T1)
     out = report.to_json()
-    assert out == {"job": "j", "step": 5, "ok": False, "stage": "not-started",
+    assert out == {"job": "j", "step": 5, "ok": False, "verdict": "not judged", "stage": "not-started",
                    "error": "drill model 'm:f' does not load: boom",
                    "summary": "j step 5: drill not started: drill model 'm:f' does not load: boom", "recorded": False,
                    "checks": [{"name": "started", "ok": False, "detail": "drill model 'm:f' does not load: boom"}],

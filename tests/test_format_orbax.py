@@ -178,3 +178,76 @@ def test_orbax_checkpoints_are_tiered_and_a_save_in_flight_is_never_deleted(
     assert main(["fetch", "--job", orbax_run.job, "--step", "2", str(dest)]) == 0
     for rel in orbax_run.steps[2].files:
         assert filecmp.cmp(dest / rel, orbax_run.path(2) / rel, shallow=False), rel
+
+
+def test_orbax_0_12_names_a_save_in_flight_without_a_timestamp() -> None:
+    tmp = "6.orbax-checkpoint-tmp"  # orbax-checkpoint 0.12's temporary_paths: no -{T}
+    keys = {**_step("j", "4"), **{k.replace("j/4", f"j/{tmp}"): v for k, v in _step("j", "4", meta=None).items()}}
+    rec = recognise_listing(keys)
+    assert rec.unrecognised == ()
+    flight = only(rec.checkpoints, 6)
+    assert (flight.prefix, flight.committed) == (f"j/{tmp}", False) and "Orbax save in flight" in flight.reason
+    assert only(rec.checkpoints, 4).committed
+    # a name that merely contains the suffix's letters is not a save in flight
+    rec = recognise_listing(_step("j", "7.orbax-checkpoint-tmpfoo"))
+    assert not [c for c in rec.checkpoints if "in flight" in c.reason]
+
+
+WITH_OPTIMIZER = r"""
+import json, sys
+from pathlib import Path
+import orbax.checkpoint as ocp
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+from tests.fixtures.checkpoints import LR, tiny_batch, tiny_loss, tiny_mlp
+from tests.fixtures.library_checkpoints import orbax_tree
+
+root = Path(sys.argv[1])
+model = tiny_mlp()
+optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+manager = ocp.CheckpointManager(root / "jax" / "opt", options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False))
+losses = {}
+for step in range(1, 10):
+    optimizer.zero_grad()
+    loss = tiny_loss(model, tiny_batch(step))
+    loss.backward()
+    optimizer.step()
+    losses[step] = loss.item()
+    if step == 6:
+        flat = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
+        opt = {}
+        for key, value in flat.items():
+            if key.startswith("state."):
+                fqn, name = key[len("state."):].rsplit(".", 1)
+                opt.setdefault(fqn, {})[name] = value.detach().numpy().copy()
+        manager.save(step, args=ocp.args.Composite(model=ocp.args.StandardSave(orbax_tree(model)),
+                                                   optimizer=ocp.args.StandardSave(opt)))
+manager.wait_until_finished()
+(root / "jax" / "opt" / "losses.jsonl").write_text("".join(json.dumps({"step": k, "loss": v}) + "\n" for k, v in losses.items()))
+"""
+
+
+@pytest.mark.slow
+def test_orbax_optimizer_state_restores_as_optimizer_state_and_retraces_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("orbax.checkpoint", reason="JAX/Orbax are not installed; pip install -e '.[test]'")
+    from ckptier.flows.cli import main
+
+    hot = tmp_path / "hot"
+    subprocess.run([sys.executable, "-c", WITH_OPTIMIZER, str(hot)], cwd=REPO, check=True, capture_output=True,
+                   timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert sorted(p.name for p in (hot / "jax" / "opt" / "6").iterdir() if p.is_dir()) == ["model", "optimizer"]
+    monkeypatch.setenv("CKPTIER_CATALOG_URL", f"sqlite:///{tmp_path / 'catalog.db'}")
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    assert main(["scan", str(hot)]) == 0 and main(["verify"]) == 0
+    capsys.readouterr()
+    code = main(["drill", "--job", "jax/opt", "--device", "cpu", "--steps", "3", "--model", FACTORY, "--json",
+                 "--no-prefect"])
+    (report,) = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["verdict"] == "passed", report["summary"]
+    checks = {c["name"]: c for c in report["checks"]}
+    assert checks["optimizer_continues"]["detail"] == "step counter 6 -> 9", checks  # restored as optimizer state
+    assert checks["trajectory"]["ok"] and checks["trajectory"]["detail"].startswith("3 recorded losses of steps 7..9")
+    assert report["trained_steps"] == [7, 9] and report["stack"]["orbax-checkpoint"]

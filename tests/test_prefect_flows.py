@@ -146,7 +146,8 @@ def test_restore_drill_reports_and_a_failed_drill_fails_the_run_with_its_event(
 
     assert _summary(_artifacts(state.state_details.flow_run_id))["demo-run"]["verified"] == 2
 
-    # A model whose shapes do not match the checkpoint: every candidate fails to restore.
+    # A model whose shapes do not match the checkpoint: the factory does not fit the job (step 25 shows the
+    # same mismatch), so one drill, not judged, one event; nothing blamed on a checkpoint.
     events: list[dict[str, Any]] = []
     real_emit = events_module.emit_event
     monkeypatch.setattr(events_module, "emit_event", lambda **kw: events.append(kw) or real_emit(**kw))
@@ -159,11 +160,11 @@ def test_restore_drill_reports_and_a_failed_drill_fails_the_run_with_its_event(
     assert state.is_failed()
     with pytest.raises(DrillFailed, match="demo-run step"):
         state.result()
-    assert [(e["event"], e["payload"]["step"]) for e in events] == [("ckptier.drill.failed", 50),
-                                                                     ("ckptier.drill.failed", 25)]
-    assert "demo-run step 50: FAILED" in _artifacts(state.state_details.flow_run_id)["drill-report"].data
+    assert [(e["event"], e["payload"]["step"]) for e in events] == [("ckptier.drill.not-judged", 50)]
+    assert "the factory does not fit this job" in events[0]["payload"]["summary"]
+    assert "demo-run step 50: NOT JUDGED" in _artifacts(state.state_details.flow_run_id)["drill-report"].data
     with Catalog.open(tree["catalog_url"]) as cat:
-        assert [(d.step, d.ok) for d in cat.drills()] == [(25, False), (50, False), (50, True)]
+        assert [(d.step, d.ok, d.verdict_name) for d in cat.drills()] == [(50, False, "not judged"), (50, True, "passed")]
 
 
 # ------------------------------------------------------------------ runs that tell the truth

@@ -233,7 +233,10 @@ class EventRecord:
 class DrillRecord:
     """One restore drill. ``timings`` maps phase name to seconds;
     ``peak_memory_bytes`` is the drill process's peak; ``id`` is set on
-    records read back from the catalog."""
+    records read back from the catalog. ``outcome``: ``passed``,
+    ``failed`` or ``not judged`` (None: by ``ok``, as rows written before
+    outcomes were recorded); a drill that was not judged is history only,
+    never a checkpoint's most recent drill. ``stack``: the versions it ran on."""
 
     job: str
     step: int | None
@@ -248,6 +251,22 @@ class DrillRecord:
     peak_memory_bytes: int | None = None
     error: str | None = None
     id: int | None = None
+    outcome: str | None = None
+    stack: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def judged(self) -> bool:
+        """Whether the drill judged the checkpoint (passed or failed)."""
+        return self.outcome != NOT_JUDGED
+
+    @property
+    def verdict_name(self) -> str:
+        """``passed``, ``failed`` or ``not judged``."""
+        return self.outcome or ("passed" if self.ok else "failed")
+
+
+#: The outcome of a drill that could not judge the checkpoint.
+NOT_JUDGED = "not judged"
 
 
 def _aware(now: datetime, name: str = "now") -> datetime:
@@ -958,7 +977,7 @@ class Catalog:
         last_drill: dict[int, DrillOutcome] = {}
         for d in conn.execute(
             select(dr.c.checkpoint_id, dr.c.ok, dr.c.started_at, dr.c.finished_at, dr.c.error, dr.c.verdict)
-            .where(dr.c.checkpoint_id.in_(ids))
+            .where(dr.c.checkpoint_id.in_(ids), or_(dr.c.outcome.is_(None), dr.c.outcome != NOT_JUDGED))
             .order_by(dr.c.checkpoint_id, dr.c.started_at.desc(), dr.c.id.desc())
         ):
             if d.checkpoint_id not in last_drill:
@@ -1749,7 +1768,7 @@ class Catalog:
                         finished_at=finished, ok=drill.ok, device=drill.device,
                         source_tier=drill.source_tier, verdict=dict(drill.verdict),
                         timings=dict(drill.timings), peak_memory_bytes=drill.peak_memory_bytes,
-                        error=drill.error,
+                        error=drill.error, outcome=drill.outcome, stack=dict(drill.stack) or None,
                     ).returning(dr.c.id)
                 ).scalar_one()
             )
@@ -1770,7 +1789,8 @@ class Catalog:
                     job=r.job_name, step=r.ck_step, checkpoint_id=r.checkpoint_id,
                     started_at=r.started_at, finished_at=r.finished_at, ok=bool(r.ok), device=r.device,
                     source_tier=r.source_tier, verdict=r.verdict or {}, timings=r.timings or {},
-                    peak_memory_bytes=r.peak_memory_bytes, error=r.error, id=r.id,
+                    peak_memory_bytes=r.peak_memory_bytes, error=r.error, id=r.id, outcome=r.outcome,
+                    stack=r.stack or {},
                 )
                 for r in conn.execute(q)
             ]

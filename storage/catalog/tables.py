@@ -247,6 +247,10 @@ drills = Table(
     _optional("timings", JSON),
     _optional("peak_memory_bytes", BigInteger),
     _optional("error", Text),
+    # passed, failed or "not judged" (the drill could not judge: never the checkpoint's most recent drill);
+    # NULL on rows written before: read by ok.
+    _optional("outcome", String(16)),
+    _optional("stack", JSON),  # versions the drill ran on: python, torch, cuda, the format's libraries
     Index("ix_drills_job_started", "job_id", "started_at"),
 )
 

@@ -1,0 +1,180 @@
+"""Drills of what the field writes, and verdicts that blame only the checkpoint.
+
+* DeepSpeed ZeRO-2 of 2 data-parallel ranks (written by DeepSpeed): the
+  optimizer partitions are joined and the checkpoint restores on one rank,
+  trains the catalog's steps and retraces the run's losses: ``passed``.
+* DeepSpeed ZeRO-3 of 2 ranks: not restored yet, so ``not judged``, once
+  (the drill does not walk back through the job), never ``failed``, and
+  ``latest`` is unchanged.
+* A factory that does not fit: one ``not judged`` ("the factory does not
+  fit this job"), ``latest`` unchanged; no ``--model`` at all: a usage
+  error before anything is fetched, nothing recorded.
+
+Slow: drills start worker processes.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from ckptier.storage.catalog.api import Catalog
+from tests.fixtures.checkpoints import CheckpointRun
+from tests.test_drill_steps import cli  # noqa: F401 - the command line in a fresh catalog
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+FACTORY = "tests.fixtures.checkpoints:tiny_mlp_drill_spec"
+
+WIDER = textwrap.dedent(
+    '''
+    import torch
+    from torch import nn
+    from ckptier.tasks.drill_models import DrillSpec
+    from tests.fixtures.checkpoints import tiny_batch, tiny_loss
+
+
+    def wider():
+        """The run's MLP with a wider hidden layer: shape mismatch for net.0.weight."""
+        model = nn.Module()
+        model.net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+        model.forward = lambda x: model.net(x)
+        return DrillSpec(model, torch.optim.AdamW(model.parameters(), lr=1e-2), tiny_batch, tiny_loss)
+    '''
+)
+
+
+def _drills(tmp_path: Path) -> list:  # type: ignore[type-arg]
+    with Catalog.open(f"sqlite:///{tmp_path / 'catalog.db'}") as cat:
+        return cat.drills()
+
+
+def _checks(report: dict) -> dict[str, dict]:  # type: ignore[type-arg]
+    return {c["name"]: c for c in report["checks"]}
+
+
+def test_deepspeed_zero2_of_2_ranks_restores_on_one_and_retraces_the_run(
+    deepspeed_zero_runs: Path, tmp_path: Path, cli  # type: ignore[no-untyped-def]  # noqa: F811
+) -> None:
+    hot = tmp_path / "hot"
+    shutil.copytree(deepspeed_zero_runs / "zero2", hot / "zero2")
+    assert cli("scan", str(hot))[0] == 0 and cli("verify")[0] == 0
+    code, out, err = cli("drill", "--job", "zero2/run", "--device", "cpu", "--steps", "3", "--model", FACTORY,
+                         "--json", "--no-prefect")
+    (report,) = json.loads(out)
+    assert code == 0 and report["verdict"] == "passed", (report["summary"], err)
+    assert report["step"] == 6 and report["trained_steps"] == [7, 9]
+    checks = _checks(report)
+    assert checks["optimizer_continues"]["detail"] == "step counter 6 -> 9", checks  # both partitions joined
+    assert checks["trajectory"]["ok"] and checks["trajectory"]["detail"].startswith("3 recorded losses of steps 7..9"), checks
+    assert report["stack"]["deepspeed"]  # the format's library is part of the stack the drill ran on
+
+
+def test_deepspeed_zero3_is_not_judged_once_and_latest_stays(
+    deepspeed_zero_runs: Path, tmp_path: Path, cli  # type: ignore[no-untyped-def]  # noqa: F811
+) -> None:
+    hot = tmp_path / "hot"
+    shutil.copytree(deepspeed_zero_runs / "zero3", hot / "zero3")
+    assert cli("scan", str(hot))[0] == 0 and cli("verify")[0] == 0
+    code, out, _ = cli("drill", "--job", "zero3/run", "--device", "cpu", "--steps", "2", "--model", FACTORY, "--json",
+                       "--no-prefect")
+    reports = json.loads(out)
+    assert code == 1 and [r["verdict"] for r in reports] == ["not judged"], reports  # step 3 was not tried
+    assert "not judged: this variant cannot be drilled yet" in reports[0]["summary"]
+    assert "ZeRO stage 3" in reports[0]["summary"] or "not supported yet" in reports[0]["summary"]
+    (drill,) = _drills(tmp_path)
+    assert (drill.step, drill.outcome, drill.judged) == (6, "not judged", False)
+    code, out, _ = cli("latest", "--job", "zero3/run", "--json")
+    assert code == 0 and json.loads(out)["step"] == 6 and json.loads(out)["proof"] == "verified"
+
+
+def test_a_factory_that_does_not_fit_is_one_not_judged_and_no_model_is_a_usage_error(
+    guide_run: CheckpointRun, tmp_path: Path, cli  # type: ignore[no-untyped-def]  # noqa: F811
+) -> None:
+    hot = tmp_path / "hot"
+    shutil.copytree(guide_run.root, hot)
+    assert cli("scan", str(hot))[0] == 0 and cli("verify")[0] == 0
+    code, _, err = cli("drill", "--job", guide_run.job, "--device", "cpu", "--no-prefect")
+    assert code == 2 and f"job '{guide_run.job}' step 6: no drill model given" in err and "--model" in err, err
+    assert _drills(tmp_path) == []  # nothing fetched, nothing recorded
+
+    factories = tmp_path / "wider.py"
+    factories.write_text(WIDER)
+    code, out, _ = cli("drill", "--job", guide_run.job, "--device", "cpu", "--steps", "2", "--model",
+                       f"{factories}:wider", "--json", "--no-prefect")
+    reports = json.loads(out)
+    assert code == 1 and len(reports) == 1, reports  # the same mismatch would stop every older step: not tried
+    (report,) = reports
+    assert report["verdict"] == "not judged" and report["stage"] == "fit"
+    assert report["summary"].startswith(f"{guide_run.job} step 6: not judged: the factory does not fit this job: "
+                                        "checkpoint does not fit the model: shape mismatch for net.0.weight"), report
+    (drill,) = _drills(tmp_path)
+    assert drill.outcome == "not judged"
+    code, out, _ = cli("latest", "--job", guide_run.job, "--json")
+    assert code == 0 and json.loads(out)["step"] == 6 and not json.loads(out).get("passed_over")
+
+
+LIGHTNING_RUN = textwrap.dedent(
+    '''
+    import sys
+    import torch, lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+    from torch.utils.data import DataLoader
+    from tests.fixtures.checkpoints import LR, tiny_batch, tiny_loss, tiny_mlp
+
+
+    class Tiny(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = tiny_mlp().net
+
+        def forward(self, x):
+            return self.net(x)
+
+        def training_step(self, batch, batch_idx):
+            loss = tiny_loss(self, batch)
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=LR)
+
+
+    trainer = L.Trainer(max_steps=6, logger=CSVLogger(sys.argv[1]), log_every_n_steps=1, enable_progress_bar=False,
+                        enable_model_summary=False, accelerator="cpu", devices=1,
+                        callbacks=[ModelCheckpoint(every_n_train_steps=2, save_top_k=-1)])
+    trainer.fit(Tiny(), train_dataloaders=DataLoader([tiny_batch(s) for s in range(1, 7)], batch_size=None))
+    '''
+)
+
+
+def test_lightning_drill_retraces_the_csv_logger_losses(tmp_path: Path, cli) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
+    """A real Lightning run with CSVLogger: checkpoints in lightning_logs/version_0/checkpoints/, the losses
+    one directory up in metrics.csv, training step N's logged at step N - 1."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("lightning")
+    hot = tmp_path / "hot"
+    subprocess.run([sys.executable, "-c", LIGHTNING_RUN, str(hot)], cwd=REPO, check=True, capture_output=True,
+                   timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert (hot / "lightning_logs" / "version_0" / "metrics.csv").is_file()
+    for ckpt in hot.rglob("*.ckpt"):  # saved an hour ago: past Lightning's settle time, committed
+        os.utime(ckpt, (ckpt.stat().st_mtime - 3600,) * 2)
+    assert cli("scan", str(hot))[0] == 0 and cli("verify")[0] == 0
+    job = "lightning_logs/version_0/checkpoints"
+    code, out, err = cli("drill", "--job", job, "--step", "2", "--device", "cpu", "--steps", "3", "--model", FACTORY,
+                         "--json", "--no-prefect")
+    assert out, err
+    (report,) = json.loads(out)
+    assert code == 0 and report["verdict"] == "passed", (report["summary"], err)
+    assert report["trained_steps"] == [3, 5]
+    trajectory = _checks(report)["trajectory"]
+    assert trajectory["detail"].startswith("3 recorded losses of steps 3..5 retraced") and "metrics.csv" in trajectory["detail"]
