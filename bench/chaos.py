@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Chaos: SIGKILLed and concurrent applies, and generated hostile input, checked after every trial.
 
-usage: python bench/chaos.py [--trials 210] [--concurrent 12] [--swaps 60] [--fuzz 10000] [--rebuild 12] [--seed N]
-                             [--workdir DIR] [--no-pg] [--keep]
+usage: python bench/chaos.py [--trials 210] [--concurrent 12] [--swaps 60] [--fuzz 10000] [--rebuild 12]
+                             [--seed N] [--workdir DIR] [--no-pg] [--keep]
 
 Starts its own ``moto_server`` and PostgreSQL (as tests/fixtures do) on
 127.0.0.1, then runs, from one printed seed (the same seed replays the same
@@ -119,6 +119,20 @@ class Tally:
     crashes: int = 0
     stuck: int = 0
     points: Counter[str] = field(default_factory=Counter)
+
+
+def count_kill(t: Tally, died: bool, point: str, delay: float | None) -> bool:
+    """Count one child's end in ``t``: killed by us (at ``point``, or after ``delay``), or finished."""
+    if not died:
+        t.finished += 1
+        return False
+    t.kills += 1
+    t.points[point if delay is None else "delay"] += 1
+    if delay is None:
+        t.hook_kills += 1
+    else:
+        t.delay_kills += 1
+    return True
 
 
 @dataclass
@@ -933,16 +947,9 @@ class KillTrials:
                 ended = time.monotonic()
                 died = rc == -signal.SIGKILL
                 what = f"{point}#{n}" if delay is None else f"delay {delay:.2f}s"
-                if died:
+                if count_kill(t, died, point, delay):
                     kills += 1
-                    t.kills += 1
-                    t.points[point if delay is None else "delay"] += 1
-                    if delay is None:
-                        t.hook_kills += 1
-                    else:
-                        t.delay_kills += 1
                 else:
-                    t.finished += 1
                     self.learn(kind, child)
                 self.child_outcome(world, child, rc, label=f"{label} round {i + 1} ({what})",
                                    ok=(0, 1) if world.corrupted else (0,))
@@ -1093,6 +1100,7 @@ class SwapTrials:
             check(world, findings, label, s3=k.worlds.s3, since=time.monotonic())
         finally:
             k.dispose(world, before)
+
 
 # ------------------------------------------------------------------------------ rebuild trials
 
@@ -1257,16 +1265,9 @@ def rebuild_trial(worlds: Worlds, findings: Findings, rnd: random.Random, pool: 
                 child.kill_after(delay)
             rc = child.finish()
             what = f"{point}#{n}" if delay is None else f"delay {delay:.2f}s"
-            if rc == -signal.SIGKILL:
+            if count_kill(t, rc == -signal.SIGKILL, point, delay):
                 kills += 1
-                t.kills += 1
-                t.points[point if delay is None else "delay"] += 1
-                if delay is None:
-                    t.hook_kills += 1
-                else:
-                    t.delay_kills += 1
             else:
-                t.finished += 1
                 rep = child.report()
                 if rep is not None:
                     durations.append(rep[0])

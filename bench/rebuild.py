@@ -10,8 +10,7 @@ Builds its own world under ``--workdir`` (default: a new temporary directory):
   (``job-JJ/step-SSSSSSSS/rank-0000/{model,optimizer}.pt``, small real
   ``torch.save`` files, and ``metadata.json`` last, listing each file's size
   and sha256);
-* the catalog of a tiered run: the tree scanned (**timed: the first scan**, as
-  a real ``ckptier scan`` process into an empty SQLite catalog) and verified;
+* the catalog of a tiered run: the tree scanned and verified;
   every ``--archive-every``-th checkpoint of a job archived with the real
   promotion (encode, upload, read back, manifest last) into a local archive,
   its hot copy then deleted and recorded so (as ``apply`` leaves a milestone);
@@ -19,8 +18,10 @@ Builds its own world under ``--workdir`` (default: a new temporary directory):
   checkpoint); each job's catalog backup written to the archive.
 
 Then the catalog is lost, and timed, each a real process into an empty SQLite
-catalog, best of ``--repeat``:
+catalog, interleaved round by round (best of ``--repeat`` rounds):
 
+* the baseline: ``ckptier scan`` of the tree as it was first scanned (written
+  twice from the same seed: the same directories and bytes);
 * ``ckptier rebuild`` (restores the backups, scans the hot tree, reads and
   proves every archive copy: decoded, the archive being local);
 * ``ckptier rebuild`` with the backups moved aside (hot tree and manifests only);
@@ -29,7 +30,7 @@ catalog, best of ``--repeat``:
 Printed: each time, and the ratios rebuild / first scan of the same trees (the
 ``--checkpoints``-checkpoint tree the catalog was first made from). The machine
 is shared: note ``/proc/loadavg`` (printed) and run it on a quiet one for final
-figures. A small run: ``python bench/rebuild.py --checkpoints 2000 --jobs 4``.
+figures (``--repeat 3``). A small run: ``python bench/rebuild.py --checkpoints 2000 --jobs 4``.
 """
 
 from __future__ import annotations
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=10)
     ap.add_argument("--archive-every", type=int, default=10, help="one checkpoint in N of each job is archive-only")
     ap.add_argument("--tombstone-every", type=int, default=50, help="one in N is a tombstone")
-    ap.add_argument("--repeat", type=int, default=1, help="runs of each timed command (best kept)")
+    ap.add_argument("--repeat", type=int, default=1, help="rounds of the timed commands, interleaved (best kept)")
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     a = ap.parse_args(argv)
@@ -159,32 +160,36 @@ def main(argv: list[str] | None = None) -> int:
         build_tree(hot, a.checkpoints, a.jobs, seed=20261201)
         print(f"bench/rebuild: {a.checkpoints:,} checkpoints in {a.jobs} jobs written in {time.monotonic() - t0:.0f} s",
               file=sys.stderr)
-        first_scan, _ = timed(["scan", "--catalog", catalog("first.db"), "--json", str(hot)], env)
-        timed(["verify", "--catalog", catalog("first.db")], env)
-        archived, tombstones = tier(catalog("first.db"), hot, archive, archive_every=a.archive_every,
+        # The tree as it was first scanned, written again (same seed, same bytes, files of their own) for the
+        # baseline's runs: hard links would make every file a link, which scans treat apart.
+        first = work / "first"
+        build_tree(first, a.checkpoints, a.jobs, seed=20261201)
+        timed(["scan", "--catalog", catalog("tiered.db"), "--json", str(hot)], env)
+        timed(["verify", "--catalog", catalog("tiered.db")], env)
+        archived, tombstones = tier(catalog("tiered.db"), hot, archive, archive_every=a.archive_every,
                                     tombstone_every=a.tombstone_every)
-        results: dict[str, float] = {}
-        for name, argv in (
+        moved, aside = archive / ".ckptier", work / "backups-aside"
+        runs = (
+            ("first scan of the same trees (baseline)", ["scan", "--json", str(first)]),
             ("rebuild (with backups)", ["rebuild", "--json"]),
             ("rebuild (no backup)", ["rebuild", "--json"]),
             ("first scan of the hot tree left", ["scan", "--json", str(hot)]),
-        ):
-            moved = archive / ".ckptier"
-            aside = work / "backups-aside"
-            if name == "rebuild (no backup)":
-                moved.rename(aside)
-            best = float("inf")
-            for i in range(a.repeat):
-                url = catalog(f"{name.split()[0]}-{len(results)}-{i}.db")
-                secs, out = timed([argv[0], "--catalog", url, *argv[1:]], env)
-                best = min(best, secs)
+        )
+        results: dict[str, float] = {}
+        for i in range(a.repeat):  # interleaved: each round sees the same load
+            for n, (name, argv) in enumerate(runs):
+                if name == "rebuild (no backup)":
+                    moved.rename(aside)
+                try:
+                    secs, out = timed([argv[0], "--catalog", catalog(f"run-{i}-{n}.db"), *argv[1:]], env)
+                finally:
+                    if name == "rebuild (no backup)":
+                        aside.rename(moved)
+                results[name] = min(secs, results.get(name, float("inf")))
                 if argv[0] == "rebuild":
                     rep = json.loads(out)
-                    copies = sum(x["copies"] for x in rep["archives"])
-                    assert rep["ok"] and copies == archived, rep["problems"][:3]
-            if name == "rebuild (no backup)":
-                aside.rename(moved)
-            results[name] = best
+                    assert rep["ok"] and sum(x["copies"] for x in rep["archives"]) == archived, rep["problems"][:3]
+        first_scan = results.pop(runs[0][0])
         load = open("/proc/loadavg").read().split()[:3] if os.path.exists("/proc/loadavg") else ["?"]
         print(f"ckptier rebuild vs a first scan: {a.checkpoints:,} checkpoints ({a.checkpoints - archived - tombstones:,} "
               f"hot, {archived:,} archive-only, {tombstones:,} tombstones), {a.jobs} jobs, 3 files each; "

@@ -5,7 +5,7 @@ import Prefect or torch, so they answer at once, and they never create a
 catalog: pointed at one that does not exist they say which one they looked
 for. Commands that act (``scan``, ``verify``, ``apply``, ``drill``) run the
 same task code directly, or as a Prefect flow run when ``PREFECT_API_URL``
-is set (so the run shows in the UI); only ``scan`` creates a catalog.
+is set (so the run shows in the UI); only ``scan`` and ``rebuild`` create a catalog.
 
 The catalog is chosen by one precedence (``--catalog``, ``CKPTIER_CATALOG_URL``,
 ``[catalog] url`` in ``ckptier.toml``, the default), and every command that

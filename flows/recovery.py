@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from typing import Any
 
 from ckptier.storage.errors import ConfigError
 
@@ -33,12 +34,7 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
     with open_run(settings, owner="ckptier-rebuild", create=True) as run:
         report = rebuild(run.catalog, run.config, store=run.stores.store, now=run.now, hot_urls=args.urls,
                          archive_urls=args.archive or (), **({"workers": args.workers} if args.workers else {}))
-    if args.json:
-        print_json(report.to_json())
-    else:
-        for line in report.lines():
-            print(line)
-    return 0 if report.ok else 1
+    return _printed(args, report)
 
 
 def cmd_catalog(args: argparse.Namespace) -> int:
@@ -53,6 +49,11 @@ def cmd_catalog(args: argparse.Namespace) -> int:
             raise unknown_job(args.job)
         report = backup_catalog(run.catalog, policy_archives(run.config, run.stores.store), now=run.now(),
                                 jobs=[args.job] if args.job else jobs)
+    return _printed(args, report)
+
+
+def _printed(args: argparse.Namespace, report: Any) -> int:
+    """Print ``report`` (``--json``: its ``to_json()``, else its lines); exit 0 when it is ok, else 1."""
     if args.json:
         print_json(report.to_json())
     else:

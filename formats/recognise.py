@@ -27,6 +27,7 @@ from ckptier.formats.base import Group, Scan, Tally
 from ckptier.formats.metrics import JOB_METRICS, merged, parse_metrics_jsonl
 from ckptier.formats.pattern import PatternRule, recognise_patterns
 from ckptier.formats.registry import ANCHOR_NAMES, ANCHOR_SUFFIXES, ANCHORING, SIDECAR_NAMES, SIDECAR_OWNERS, plugin
+from ckptier.storage.archive_copies import DATA_SUFFIX
 from ckptier.storage.base import ObjectInfo, key_problem
 from ckptier.storage.gc_pause import paused_gc
 from ckptier.storage.local import TEMP_PREFIX
@@ -51,7 +52,7 @@ MANIFEST_SUFFIX = "ckptier-manifest.json"
 #: A directory segment reserved for ckptier's own bookkeeping.
 OWN_DIR = ".ckptier"
 #: Archived (encoded) data objects end with this; they are never a checkpoint's files.
-ARCHIVE_SUFFIX = ".ckz"
+ARCHIVE_SUFFIX = DATA_SUFFIX
 
 
 def is_own_file(key: str) -> bool:

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from .base import ObjectInfo, join_key
-from .codec import CODEC_ID
 from .manifest import MANIFEST_NAME, Manifest, ManifestFile
 
 #: Suffix of an archived (encoded) data object.
@@ -137,6 +136,8 @@ def judge_copy(directory: str, manifest: Manifest | str, objects: Mapping[str, O
     could not be read back) and ``objects`` (the archive's listing by key). Pure.
 
     Raises ``ValueError`` when ``directory`` is not a copy directory (``{job}/step-N``)."""
+    from .codec import CODEC_ID  # here: the codec brings numpy, which recognition (importing the layout) never needs
+
     where = parse_copy_dir(directory)
     if where is None:
         raise ValueError(f"{directory!r} is not an archive copy directory ({{job}}/step-NNNNNNNN)")

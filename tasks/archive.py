@@ -37,7 +37,9 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ckptier.storage import codec as _codec
-from ckptier.storage.archive_copies import BACKUP_PREFIX
+from ckptier.storage.archive_copies import BACKUP_PREFIX, copy_dir, stored_key
+from ckptier.storage.archive_copies import DATA_SUFFIX as _DATA_SUFFIX
+from ckptier.storage.archive_copies import UPLOAD_MARKER as _UPLOAD_MARKER
 from ckptier.storage.base import (
     MultipartUploads,
     ObjectInfo,
@@ -75,15 +77,15 @@ from .reports import JanitorReport
 #: Name of the commit marker in an archive step directory (format recognition
 #: knows it as ckptier's own file, so scanning an archive never mistakes it).
 MANIFEST_NAME = _MANIFEST_NAME
-#: Suffix of archived (encoded) data objects.
-DATA_SUFFIX = ".ckz"
+#: Suffix of archived (encoded) data objects (the layout is :mod:`ckptier.storage.archive_copies`').
+DATA_SUFFIX = _DATA_SUFFIX
 #: Largest manifest we will read (bytes); a manifest of 100k files is ~15 MB.
 MANIFEST_LIMIT = 64 << 20
 #: Read size for streaming copies, bytes.
 CHUNK = 8 << 20
 #: The upload marker, relative to a step directory (under ``.ckptier/``, which
 #: format recognition skips as ckptier's own).
-UPLOAD_MARKER = ".ckptier/upload.json"
+UPLOAD_MARKER = _UPLOAD_MARKER
 #: Largest upload marker we will read (bytes).
 UPLOAD_MARKER_LIMIT = 16 << 20
 
@@ -106,9 +108,8 @@ class HotCopyMismatch(IntegrityError):
 # ----------------------------------------------------------------------------- layout
 
 
-def archive_dir(job: str, step: int) -> str:
-    """The archive key prefix of one checkpoint: ``{job}/step-{step:08d}``."""
-    return join_key(job, f"step-{step:08d}")
+#: The archive key prefix of one checkpoint: ``{job}/step-{step:08d}``.
+archive_dir = copy_dir
 
 
 def data_key(job: str, step: int, relpath: str) -> str:
@@ -298,9 +299,8 @@ def _store_url(store: Store, key: str) -> str:
     return f"{store.url.rstrip('/')}/{key}"
 
 
-def _stored_key(adir: str, m: ManifestFile) -> str:
-    """Key of ``m``'s archived object in the copy at ``adir`` (its manifest entry, else the default name)."""
-    return join_key(adir, m.stored.key if m.stored is not None else m.relpath + DATA_SUFFIX)
+#: Key of a manifest entry's archived object in the copy at a directory (its ``stored.key``, else the default name).
+_stored_key = stored_key
 
 
 def _decode_check(archive: Store, key: str) -> tuple[Digests, Digests]:

@@ -439,15 +439,21 @@ def _restore_backups(catalog: Catalog, archives: Sequence[_Archive]) -> tuple[li
 
 
 def _backup_roots(backups: Mapping[str, ReadBackup]) -> list[str]:
-    """The hot URLs the restored backups record as scanned (else their jobs' hot directories' roots)."""
+    """The hot URL each restored job was scanned under: of the scanned URLs its backup records, the
+    one its hot directory is ``{url}/{job}`` of (the job's name is the path below the scanned URL),
+    else its hot directory's root by that rule. A URL that would give the job another name is
+    never scanned for it."""
     roots: set[str] = set()
     for job, b in backups.items():
-        scanned = [str(u) for u in b.body.get("scanned") or ()]
         hot = (b.body.get("job") or {}).get("hot_url")
-        if scanned:
-            roots.update(scanned)
-        elif isinstance(hot, str) and hot.endswith("/" + job):
-            roots.add(hot[: -len(job) - 1])
+        if not isinstance(hot, str):
+            continue
+        scanned = [str(u).rstrip("/") for u in b.body.get("scanned") or ()]
+        exact = [u for u in scanned if hot == f"{u}/{job}" or (hot == u and u.rpartition("/")[2] == job)]
+        if exact:
+            roots.update(exact)
+        elif (root := infer_hot_root(hot + "/x", job)) is not None:
+            roots.add(root)
     return sorted(roots)
 
 
@@ -481,7 +487,7 @@ def rebuild(
     archives_wanted = list(dict.fromkeys(archive_urls or sorted({p.archive for p in config.policies if p.archive})))
     if not archives_wanted:
         raise ConfigError("rebuild: no archive location: give --archive URL, or name one in a [[policy]] archive "
-                          "of ckptier.toml")
+                          "of ckptier.toml (with no archive tier at all, 'ckptier scan HOT_URL' catalogs the hot tree)")
     for h in hot_urls:
         for wanted in archives_wanted:
             if (how := _overlap(wanted, h)) is not None:

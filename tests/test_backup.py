@@ -140,3 +140,26 @@ def test_the_janitor_never_touches_catalog_backups(tmp_path: Path) -> None:
     rep = janitor(store, now=T0 + timedelta(days=30), older_than=timedelta(hours=1))
     assert rep.not_ours == [] and rep.removed_keys == []
     assert (tmp_path / "archive" / written.url.split("/archive/", 1)[1]).exists()
+
+
+def test_a_backup_from_before_a_column_existed_restores_and_one_from_a_newer_ckptier_is_refused(
+        tmp_path: Path) -> None:
+    with _catalog(tmp_path, f"sqlite:///{tmp_path / 'c.db'}") as cat:
+        exported = export_job(cat, "llm")
+    assert exported is not None
+    old = json.loads(json.dumps(exported))
+    table = old["checkpoints"]
+    i = table["columns"].index("metrics")  # a column added after backups were first written
+    table["columns"].pop(i)
+    for row in table["rows"]:
+        row.pop(i)
+    with Catalog.open(f"sqlite:///{tmp_path / 'old.db'}") as fresh:
+        assert import_job(fresh, old).checkpoints == 1
+        got = fresh.get("llm", 10)
+        assert got is not None and not got.metrics
+    newer = json.loads(json.dumps(exported))
+    newer["files"]["columns"].append("from_the_future")
+    for row in newer["files"]["rows"]:
+        row.append(1)
+    with Catalog.open(f"sqlite:///{tmp_path / 'new.db'}") as fresh, pytest.raises(ValueError, match="newer"):
+        import_job(fresh, newer)

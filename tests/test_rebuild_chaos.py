@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.s3, pytest.mark.postgres]
 def test_a_killed_and_rerun_rebuild_ends_identical_to_an_uninterrupted_one(
     moto_endpoint: str, pg_server: PgServer, tmp_path: Path
 ) -> None:
-    opts = chaos.Options(trials=0, concurrent=0, fuzz=0, rebuild=6, seed=20261201, workdir=tmp_path, quiet=True)
+    opts = chaos.Options(trials=0, concurrent=0, swaps=0, fuzz=0, rebuild=6, seed=20261201, workdir=tmp_path, quiet=True)
     findings = chaos.run(opts, chaos.Services(moto_endpoint, pg_server))
     report = chaos.render(findings, opts, 0.0)
     assert findings.totals == (0, 0, 0), report

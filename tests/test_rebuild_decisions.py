@@ -188,3 +188,35 @@ def test_hot_locations_given_win_and_an_archive_is_never_scanned_as_hot() -> Non
     assert [(h.url, h.origin) for h in hot] == [("s3://b/hot", "given")] and not left
     hot, _ = choose_hot_locations([], [], ms[:1], [])
     assert [(h.url, h.origin) for h in hot] == [("file:///data/hot", "manifest")]
+
+
+def test_recognition_never_claims_an_archive_copys_objects() -> None:
+    """The archive's layout looks like the guide's (``job/step-N/...``): its ``.ckz`` objects are never a
+    checkpoint's files, whatever else is beside them; they are counted, so that scan can say what it saw."""
+    from ckptier.formats import recognise
+
+    keys = {f"{DIR}/ckptier-manifest.json": b"{}", f"{DIR}/.ckptier/upload.json": b"{}",
+            f"{DIR}/metadata.json.ckz": b"x", f"{DIR}/rank-0000/model.pt.ckz": b"x",
+            "runs/llm/step-00000200/metadata.json.ckz": b"x"}  # objects of a copy whose markers were lost
+    rec = recognise((ObjectInfo(k, len(v), 1.0) for k, v in keys.items()), keys.__getitem__, root_name="archive",
+                    now=NOW.timestamp())
+    assert rec.checkpoints == () and rec.unrecognised == ()
+    assert rec.archive_objects == 3 and rec.archive_example is not None and rec.archive_example.endswith(".ckz")
+
+
+def test_a_backup_names_the_hot_url_its_job_was_scanned_under() -> None:
+    """Of the scanned URLs a backup records, only the one the job's name is the path below: scanning
+    another (an outer directory) would catalog the same checkpoints under another job name."""
+    from ckptier.storage.catalog_backup import BackupHeader
+    from ckptier.tasks.backup import ReadBackup
+    from ckptier.tasks.rebuild import _backup_roots
+
+    def backup(job: str, hot: str, scanned: list[str]) -> ReadBackup:
+        return ReadBackup("x", BackupHeader(job, NOW, "0" * 64, 0, {}), {"job": {"hot_url": hot}, "scanned": scanned})
+
+    got = _backup_roots({
+        "runs/llm": backup("runs/llm", "file:///data/hot/runs/llm", ["file:///data", "file:///data/hot"]),
+        "exp": backup("exp", "s3://b/p/exp", []),  # no scan recorded: the rule alone
+        "top": backup("top", "file:///top", ["file:///top"]),  # checkpoints right at the scanned root
+    })
+    assert got == ["file:///data/hot", "file:///top", "s3://b/p"]

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Connection, func, insert, select, update
+from sqlalchemy import Connection, bindparam, func, insert, select, update
 
 from ..records import CopyState, State, Tier
 from .api import Catalog, _parameter_limit
@@ -77,22 +77,34 @@ def _table(columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> dict[str, A
     return {"columns": list(columns), "rows": [[_out(c, v) for c, v in zip(columns, row)] for row in rows]}
 
 
+#: The SQL table behind each exported one (for which of its columns may be left out).
+_SQL = {"checkpoints": ck, "files": fl, "copies": cp, "drills": dr, "events": ev}
+
+
 def _rows(body: Mapping[str, Any], name: str) -> list[list[Any]]:
-    """The rows of table ``name`` (lists in :data:`TABLES` order, times parsed); ``ValueError``
-    when its columns are not this version's."""
+    """The rows of table ``name`` as lists in :data:`TABLES` order, times parsed. A column a
+    backup lacks (written before the column existed) is None where the catalog allows it; a
+    column this version does not know (a newer ckptier wrote it) or a missing required one is a
+    ``ValueError``."""
     table = body.get(name) or {"columns": list(TABLES[name]), "rows": []}
     columns = tuple(table.get("columns", ()))
-    if columns != TABLES[name]:
-        raise ValueError(f"backup table {name} has columns {list(columns)}, expected {list(TABLES[name])}")
-    times = [i for i, c in enumerate(columns) if c in TIME_COLUMNS]
+    unknown = sorted(set(columns) - set(TABLES[name]))
+    if unknown:
+        raise ValueError(f"backup table {name} has columns {unknown} this ckptier does not know: written by a newer one")
+    sql = _SQL[name]
+    required = [c for c in TABLES[name] if c != "step" and c not in columns and not sql.c[c].nullable]
+    if required or "step" not in columns:
+        raise ValueError(f"backup table {name} lacks the columns {required or ['step']}")
+    where = [columns.index(c) if c in columns else None for c in TABLES[name]]
+    times = [i for i, c in enumerate(TABLES[name]) if c in TIME_COLUMNS]
     out = []
-    for row in table["rows"]:
-        if len(row) != len(columns):
-            raise ValueError(f"backup table {name} has a row of {len(row)} values, expected {len(columns)}")
-        row = list(row)
+    for raw in table["rows"]:
+        if len(raw) != len(columns):
+            raise ValueError(f"backup table {name} has a row of {len(raw)} values, expected {len(columns)}")
+        row: list[Any] = [raw[i] if i is not None else None for i in where]
         for i in times:
             if row[i] is not None:
-                row[i] = datetime.fromisoformat(row[i]).astimezone(UTC)
+                row[i] = datetime.fromisoformat(str(row[i])).astimezone(UTC)
         out.append(row)
     return out
 
@@ -312,26 +324,24 @@ def record_rebuilt_copies(catalog: Catalog, job: str, found: Sequence[RebuiltCop
             hot = next((c.new.hot_url for c in found if c.new is not None), None)
             job_id = conn.execute(insert(jb).values(name=job, hot_url=hot, created_at=now).returning(jb.c.id)).scalar_one()
         steps = {int(s): int(i) for i, s in conn.execute(select(ck.c.id, ck.c.step).where(ck.c.job_id == job_id))}
+        fresh = [c for c in found if c.step not in steps and c.new is not None]
+        created = _insert_checkpoints(conn, job_id, fresh, now)
+        steps.update(created)
         existing = {(int(cid), url): (int(i), CopyState(state), verified) for i, cid, url, state, verified in conn.execute(
             select(cp.c.id, cp.c.checkpoint_id, cp.c.url, cp.c.state, cp.c.verified_at)
             .join(ck, ck.c.id == cp.c.checkpoint_id)
             .where(ck.c.job_id == job_id, cp.c.tier == Tier.ARCHIVE.value))}
-        created: list[int] = []
+        inserts: list[list[Any]] = []
+        updates: list[dict[str, Any]] = []
         events: list[dict[str, Any]] = []
         for c in found:
             cid = steps.get(c.step)
             if cid is None:
-                if c.new is None:
-                    continue  # nothing to hang the copy on (the caller reports it)
-                cid = _insert_checkpoint(conn, job_id, c.step, c.new, now)
-                steps[c.step] = cid
-                created.append(c.step)
-            values = {"state": c.state.value, "stored_bytes": c.stored_bytes, "codec": c.codec,
-                      "manifest_key": c.manifest_key, "storage_class": c.storage_class}
+                continue  # nothing to hang the copy on (the caller reports it)
             old = existing.get((cid, c.url))
             if old is None:
-                conn.execute(insert(cp).values(checkpoint_id=cid, tier=Tier.ARCHIVE.value, url=c.url, created_at=now,
-                                               verified_at=c.verified_at, **values))
+                inserts.append([cid, Tier.ARCHIVE.value, c.url, c.state.value, c.stored_bytes, c.codec, c.manifest_key,
+                                now, c.verified_at, c.storage_class])
                 changes.append(CopyChange(c.step, c.url, c.state, None))
                 if c.state != CopyState.PRESENT:
                     events.append(_copy_event(job_id, cid, c.step, c.url, None, c.state, c.detail, now))
@@ -340,25 +350,37 @@ def record_rebuilt_copies(catalog: Catalog, job: str, found: Sequence[RebuiltCop
             if was == c.state and (c.verified_at is None or c.state != CopyState.PRESENT):
                 continue
             # The class the promotion confirmed stays as recorded; the listing's is for new rows only.
-            values.pop("storage_class")
-            conn.execute(update(cp).where(cp.c.id == copy_id).values(
-                verified_at=c.verified_at if c.verified_at is not None else verified, **values))
+            updates.append({"b_id": copy_id, "b_state": c.state.value, "b_stored_bytes": c.stored_bytes,
+                            "b_codec": c.codec, "b_manifest_key": c.manifest_key,
+                            "b_verified_at": c.verified_at if c.verified_at is not None else verified})
             if was != c.state:
                 changes.append(CopyChange(c.step, c.url, c.state, was))
                 events.append(_copy_event(job_id, cid, c.step, c.url, was, c.state, c.detail, now))
+        gone_updates: list[dict[str, Any]] = []
+        by_id = {i: s for s, i in steps.items()}
         for (cid, url), (copy_id, was, _) in existing.items():
             state = gone.get(url)
             if state is None or state == was:
                 continue
-            step = next(s for s, i in steps.items() if i == cid)
-            conn.execute(update(cp).where(cp.c.id == copy_id).values(state=state.value))
-            changes.append(CopyChange(step, url, state, was))
-            events.append(_copy_event(job_id, cid, step, url, was, state, "no copy at this URL in the archive now", now))
+            gone_updates.append({"b_id": copy_id, "b_state": state.value})
+            changes.append(CopyChange(by_id[cid], url, state, was))
+            events.append(_copy_event(job_id, cid, by_id[cid], url, was, state,
+                                      "no copy at this URL in the archive now", now))
+        _insert_rows(conn, cp, ("checkpoint_id", "tier", "url", "state", "stored_bytes", "codec", "manifest_key",
+                                "created_at", "verified_at", "storage_class"), inserts)
+        if updates:
+            conn.execute(update(cp).where(cp.c.id == bindparam("b_id")).values(
+                {k: bindparam("b_" + k) for k in ("state", "stored_bytes", "codec", "manifest_key", "verified_at")}),
+                updates)
+        if gone_updates:
+            conn.execute(update(cp).where(cp.c.id == bindparam("b_id")).values(state=bindparam("b_state")),
+                         gone_updates)
         if created:
-            shown = ", ".join(str(s) for s in created[:3]) + (f" (+{len(created) - 3} more)" if len(created) > 3 else "")
+            shown = ", ".join(str(s) for s in list(created)[:3]) + (
+                f" (+{len(created) - 3} more)" if len(created) > 3 else "")
             events.append({"at": now, "kind": "rebuilt", "job_id": job_id, "checkpoint_id": None,
                            "message": f"{job}: {len(created)} checkpoint(s) rebuilt from their archive manifests, "
-                                      f"steps {shown}", "data": {"steps": created[:1000]}})
+                                      f"steps {shown}", "data": {"steps": list(created)[:1000]}})
         if events:
             conn.execute(insert(ev), events)
     return changes
@@ -374,23 +396,29 @@ def _copy_event(job_id: int, cid: int, step: int, url: str, was: CopyState | Non
                      "by": "rebuild"}}
 
 
-def _insert_checkpoint(conn: Connection, job_id: int, step: int, new: NewCheckpoint, now: datetime) -> int:
-    cid = int(conn.execute(insert(ck).values(
-        job_id=job_id, step=step, format=new.format, location=new.location, state=new.state.value,
-        state_reason=new.state_reason, bytes=sum(f.size for f in new.files), file_count=len(new.files),
-        saved_at=None, first_seen=new.first_seen, last_seen=new.first_seen, missing_since=None,
-        verified_at=new.verified_at, checked_at=new.verified_at, recorded_loss=new.recorded_loss, generation=0,
-    ).returning(ck.c.id)).scalar_one())
-    if new.files:
-        conn.execute(insert(fl), [
-            {"checkpoint_id": cid, "relpath": f.relpath, "size": f.size, "mtime": None, "etag": None,
-             "crc64nvme": f.crc64nvme, "sha256": None, "sha256_expected": f.sha256_expected, "status": f.status,
-             "detail": "from the archive manifest" if f.status else None,
-             "verified_at": new.verified_at if f.status else None}
-            for f in new.files])
+def _insert_checkpoints(conn: Connection, job_id: int, found: Sequence[RebuiltCopy],
+                        now: datetime) -> dict[int, int]:
+    """Insert the checkpoints ``found`` make from their manifests (``RebuiltCopy.new``), with their
+    files and hot copies; their ids by step, in step order."""
+    if not found:
+        return {}
+    new = [(c.step, c.new) for c in sorted(found, key=lambda c: c.step) if c.new is not None]
+    _insert_rows(conn, ck, ("job_id", "step", "format", "location", "state", "state_reason", "bytes", "file_count",
+                            "saved_at", "first_seen", "last_seen", "missing_since", "verified_at", "checked_at",
+                            "recorded_loss", "generation"),
+                 [[job_id, step, n.format, n.location, n.state.value, n.state_reason, sum(f.size for f in n.files),
+                   len(n.files), None, n.first_seen, n.first_seen, None, n.verified_at, n.verified_at, n.recorded_loss, 0]
+                  for step, n in new])
+    wanted = {step for step, _ in new}
+    ids = {int(step): int(cid) for cid, step in conn.execute(select(ck.c.id, ck.c.step).where(ck.c.job_id == job_id))
+           if int(step) in wanted}
+    _insert_rows(conn, fl, ("checkpoint_id", "relpath", "size", "crc64nvme", "sha256_expected", "status", "detail",
+                            "verified_at"),
+                 [[ids[step], f.relpath, f.size, f.crc64nvme, f.sha256_expected, f.status,
+                   "from the archive manifest" if f.status else None, n.verified_at if f.status else None]
+                  for step, n in new for f in n.files])
     # The hot copy is not listed: recorded deleted (as apply leaves a milestone whose hot copy it
     # deleted), so that scans of the hot tree do not take it for a vanished checkpoint.
-    conn.execute(insert(cp).values(checkpoint_id=cid, tier=Tier.HOT.value, url=new.location,
-                                   state=CopyState.DELETED.value, stored_bytes=None, codec=None, manifest_key=None,
-                                   created_at=now, verified_at=None))
-    return cid
+    _insert_rows(conn, cp, ("checkpoint_id", "tier", "url", "state", "created_at"),
+                 [[ids[step], Tier.HOT.value, n.location, CopyState.DELETED.value, now] for step, n in new])
+    return {step: ids[step] for step, _ in new}
