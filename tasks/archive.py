@@ -963,7 +963,11 @@ def overlong_names(relpaths: Collection[str]) -> list[str]:
                                              for part in r.split("/")))
 
 
-def _check_layout(record: CheckpointRecord) -> None:
+def check_layout(record: CheckpointRecord) -> None:
+    """Raise :class:`UnfetchableLayout` when ``record``'s relative paths cannot
+    all be written to one directory tree (a name over :data:`NAME_MAX` bytes, a
+    file that is also a directory); pure. Checked before anything is written,
+    by a fetch and by a drill (whose ranks fetch parts of the record)."""
     overlong = overlong_names([f.relpath for f in record.files])
     if overlong:
         more = f" (and {len(overlong) - 1} more)" if len(overlong) > 1 else ""
@@ -1099,7 +1103,7 @@ def fetch(
     t0 = time.monotonic()
     out = Path(dest)
     check_fetch_dest(out)
-    _check_layout(record)
+    check_layout(record)
     created: list[Path] = []
     stage: Path | None = None
     done = False
@@ -1149,7 +1153,8 @@ def _fetch_into(
 
     if hot is not None and _present(record, Tier.HOT) and record.missing_since is None:
         if record.state != State.VERIFIED:
-            notes.append(f"hot copy skipped: state is {record.state.value}, not verified")
+            why = f": {record.state_reason}" if record.state_reason else ""
+            notes.append(f"hot copy skipped: state is {record.state.value}, not verified{why}")
         elif not all(f.crc64nvme for f in record.files):
             notes.append("hot copy skipped: the catalog has no recorded hash for every file")
         else:

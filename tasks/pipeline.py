@@ -32,7 +32,7 @@ from ckptier.storage.url import canonical_url
 
 from .apply import ApplyContext, ApplyReport, apply_plan
 from .backup import backup_after_apply
-from .archive import archive_dir, check_archive_copy, fetch, janitor, prefix_from_location, promoter
+from .archive import archive_dir, check_archive_copy, check_layout, fetch, janitor, prefix_from_location, promoter
 from .config import Config, DrillSettings, check_archive_locations, policy_grace
 from .fanout import Fanout
 from .forget import archive_places, forget_candidates, still_stored
@@ -944,6 +944,7 @@ def _drill_checkpoint(record: CheckpointRecord, config: Config, stores: StoreCac
     relpaths = [f.relpath for f in record.files]
     single = len(relpaths) == 1 and record.location.rstrip("/").rsplit("/", 1)[-1] == relpaths[0]
     try:
+        check_layout(record)  # the ranks fetch parts of it: the whole must fit one tree
         drill = run_ranked_drill(record.format, relpaths, {f.relpath: f.size for f in record.files}, fetch=fetch,
                                  scratch=scratch, factory=factory, steps=steps, device=device, timeout=timeout,
                                  world_size=world_size, allow_globals=allow_globals, loss_tolerance=tolerance,

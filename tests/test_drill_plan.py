@@ -272,11 +272,17 @@ def test_guide_sharding_is_checked(sharded: object, problem: str | None) -> None
 
 
 def test_partitioned_ranks_are_named_not_restored() -> None:
-    ds = ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    # two model-parallel ranks, each with its ZeRO optimizer partition: each drill rank restores its own
+    ds = ["mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt",
+          "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_0_mp_rank_01_optim_states.pt"]
     plan = plugin("deepspeed").rank_files(ds, lambda rel: b"")
     assert (plan.saved_world, plan.layout) == (2, "partitioned")
-    assert plan.needs[1] == {"mp_rank_00_model_states.pt": None, "zero_pp_rank_1_mp_rank_00_optim_states.pt": None}
-    one = plugin("deepspeed").rank_files(ds[:2], lambda rel: b"", 2)  # one rank: every drill rank restores it whole
+    assert plan.needs[1] == {"mp_rank_01_model_states.pt": None, "zero_pp_rank_0_mp_rank_01_optim_states.pt": None}
+    # one model-parallel rank with ZeRO-1/2 partitions: the drill joins them, every drill rank restores it whole
+    zero2 = ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    joined = plugin("deepspeed").rank_files(zero2, lambda rel: b"", 2)
+    assert (joined.saved_world, joined.layout, joined.world) == (1, "replicated", 2)
+    one = plugin("deepspeed").rank_files(zero2[:2], lambda rel: b"", 2)  # one rank: every drill rank restores it whole
     assert (one.saved_world, one.layout, one.world) == (1, "replicated", 2)
     mega = ["mp_rank_00/model_optim_rng.pt", "mp_rank_01/model_optim_rng.pt"]
     assert plugin("megatron").rank_files(mega, lambda rel: b"").layout == "partitioned"

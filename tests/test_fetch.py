@@ -109,14 +109,23 @@ def test_fetch_refuses_a_destination_that_is_not_new_or_empty(local: dict[str, P
 def test_a_failed_fetch_leaves_nothing_behind(local: dict[str, Path], tmp_path: Path,
                                               capsys: pytest.CaptureFixture[str]) -> None:
     victim = local["step"] / "rank-0000" / "optimizer.pt"  # sorted last: model.pt is written first
+    before = victim.stat()
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0x01
-    victim.write_bytes(bytes(data))
     dest = tmp_path / "restore" / "into" / "here"
+    # Bit rot: the same size and mtime, so only the read finds it, after model.pt was written.
+    victim.write_bytes(bytes(data))
+    os.utime(victim, ns=(before.st_atime_ns, before.st_mtime_ns))
     code, out, err = run(capsys, "fetch", "--job", "demo-run", "--step", "50", str(dest))
-    assert code == 2 and "optimizer.pt" in err and len(err.strip().splitlines()) == 1
+    assert code == 2 and "optimizer.pt" in err and len(err.strip().splitlines()) == 1, err
+    assert "hash" in err or "crc" in err.lower() or "differ" in err, err
     assert not (tmp_path / "restore").exists()  # not DEST, not the parents it made, no staging directory
     assert leftovers(tmp_path) == []
+    # A rewrite the stat sees: the hot copy is no longer trusted, and the refusal names the file.
+    victim.write_bytes(bytes(data))
+    code, out, err = run(capsys, "fetch", "--job", "demo-run", "--step", "50", str(dest))
+    assert code == 2 and "optimizer.pt" in err and "not verified" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "restore").exists() and leftovers(tmp_path) == []
 
 
 def test_a_stale_staging_directory_of_a_killed_fetch_is_removed(local: dict[str, Path], tmp_path: Path,
@@ -180,6 +189,7 @@ def test_s3_key_that_is_also_a_directory_is_refused_before_writing(
     # The drill records the refusal for that checkpoint and restores the next one instead.
     assert run(capsys, "verify")[0] == 0
     code, out, err = run(capsys, "drill", "--job", "demo-run", "--step", "75", "--json")
+    assert out, err
     (report,) = json.loads(out)
     assert code == 1 and report["stage"] == "fetch" and "both a file and the directory" in report["error"]
     code, out, err = run(capsys, "drill", "--job", "demo-run", "--json")

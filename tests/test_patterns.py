@@ -79,17 +79,21 @@ def test_the_prefect_scan_task_uses_the_config_patterns(
     from prefect.logging import disable_run_logger
 
     from ckptier.tasks.prefect_tasks import scan_task
+    from ckptier.tasks.run import open_run
+    from ckptier.tasks.settings import Settings
 
     config = tmp_path / "ckptier.toml"
     config.write_text(RULE)
     url = f"sqlite:///{tmp_path / 'catalog.db'}"
     with disable_run_logger():
-        report = scan_task.fn(str(tree), url, str(config))
+        with open_run(Settings(url, config), create=True) as run:
+            report = scan_task.fn(run, str(tree))
         assert report.committed == 1
-        # the flows pass no config path: the default lookup ($CKPTIER_CONFIG, ./ckptier.toml) applies
+        # a run given no config path: the default lookup ($CKPTIER_CONFIG, ./ckptier.toml) applies
         monkeypatch.setenv("CKPTIER_CONFIG", str(config))
         write_iteration(tree, "gpt", 3000, committed=True)
-        assert scan_task.fn(str(tree), url).committed == 2
+        with open_run(Settings(url)) as run:
+            assert scan_task.fn(run, str(tree)).committed == 2
 
 
 def _info(key: str, mtime: float, size: int = 10) -> ObjectInfo:

@@ -330,7 +330,8 @@ def test_plan_fetch_and_drill_never_trust_a_verdict_about_bytes_that_changed(
         assert code != 0 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
         assert not (env["tmp"] / "restored").exists()
     else:  # the drill passes over it without blaming it, and drills the next one
-        code, out, err = run(capsys, "drill", "--job", JOB, "--step", "200", "--steps", "1", "--json")
+        code, out, err = run(capsys, "drill", "--job", JOB, "--step", "200", "--steps", "1", "--json",
+                             "--model", "ckptier.tasks.drill_models:demo_model")
         assert code != 0
         assert "changed since its verdict" in out + err and "verify it again" in out + err
         code, out, err = run(capsys, "ls", "--json", "--all")
