@@ -283,14 +283,12 @@ def test_deep_verify_reads_archive_copies_and_flags_an_only_copy_at_risk(
 
 @pytest.mark.parametrize("use_prefect", [False, True], ids=["direct", "prefect"])
 def test_demo_runs_the_whole_pipeline(tmp_path: Path, capsys: pytest.CaptureFixture[str], use_prefect: bool,
-                                      monkeypatch: pytest.MonkeyPatch) -> None:
+                                      monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
     """``ckptier demo``: train, leave one save in flight, scan, verify, tier, drill — and say so."""
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
     if use_prefect:
-        from prefect.testing.utilities import prefect_test_harness
-
-        with prefect_test_harness(server_startup_timeout=120):
-            code, out, err = run(capsys, "demo", "--dir", str(tmp_path), "--steps", "200")
+        request.getfixturevalue("prefect_harness")  # the session's one in-process Prefect API
+        code, out, err = run(capsys, "demo", "--dir", str(tmp_path), "--steps", "200")
     else:
         code, out, err = run(capsys, "demo", "--dir", str(tmp_path), "--steps", "200", "--no-prefect")
     assert code == 0, out + err

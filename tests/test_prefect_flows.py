@@ -8,7 +8,6 @@ concurrency limit.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,12 +16,9 @@ import pytest
 from ckptier.tasks.reports import VerifyReport
 
 
-@pytest.fixture(scope="session")
-def harness() -> Iterator[None]:
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
+@pytest.fixture
+def harness(prefect_harness: None) -> None:
+    """The session's one in-process Prefect API (see ``tests/fixtures/prefect_server.py``)."""
 
 
 @pytest.fixture

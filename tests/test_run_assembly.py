@@ -151,12 +151,9 @@ def test_a_run_stays_in_its_process(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ flow runs
 
 
-@pytest.fixture(scope="module")
-def harness() -> Iterator[None]:
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
+@pytest.fixture
+def harness(prefect_harness: None) -> None:
+    """The session's one in-process Prefect API (see ``tests/fixtures/prefect_server.py``)."""
 
 
 @pytest.mark.slow
