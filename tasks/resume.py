@@ -37,15 +37,14 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, Literal
 
+from ckptier.storage.archive_copies import copy_dir as archive_dir
 from ckptier.storage.base import LocalPaths
 from ckptier.storage.catalog.api import DrillRecord, ReadBack, RecoveryRecord
 from ckptier.storage.errors import CkptierError
 from ckptier.storage.records import CheckpointRecord, CopyState, State, Tier
 from ckptier.storage.transitions import pick_latest
 
-from .archive import archive_dir
 from .config import policy_grace
-from .pipeline import fetch_record
 from .prove import ProvenNow, Verdict, prove_record
 from .run import Run
 from .verify import is_single_file, verify_checkpoint, verify_many
@@ -358,6 +357,8 @@ def _fetch(run: Run, record: CheckpointRecord, options: ResumeOptions, attempt: 
 
         raise ConfigError(f"{target} holds an earlier fetch of {record.job} step {record.step} that does not match "
                           f"the catalog ({problem}); remove it and resume again")
+    from .pipeline import fetch_record  # lazy: the archive codec's imports, only when something is fetched
+
     try:
         fetch_record(record, run.config, dest=target, stores=run.stores)
     except CkptierError as exc:

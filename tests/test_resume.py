@@ -299,3 +299,103 @@ def test_the_api_refuses_a_bad_verify_mode(env: dict[str, Path]) -> None:
 
     with pytest.raises(ValueError, match="verify='deep'"):
         resume(JOB, verify="deep")  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ the catalog's recovery events
+
+
+def test_recovery_events_round_trip_newest_first(catalog_url: str) -> None:
+    """On SQLite and PostgreSQL: stored as given, listed newest first, by job and since a time."""
+    with Catalog.open(catalog_url) as cat:
+        first = cat.record_recovery(RecoveryRecord(job="a", started_at=T0, seconds=0.5, outcome="failed",
+                                                   verify="quick", passed_over=((9, "torn"), (8, "changed")),
+                                                   error="nothing provable"))
+        second = cat.record_recovery(RecoveryRecord(job="a", started_at=T0 + timedelta(hours=1), seconds=1.25,
+                                                    outcome="resumed", verify="full", step=7, checkpoint_id=12345,
+                                                    source="archive", path="/cache/a/step-00000007"))
+        cat.record_recovery(RecoveryRecord(job="b", started_at=T0, seconds=0.1, outcome="resumed", verify="full"))
+        got = cat.recoveries(job="a")
+        assert [r.id for r in got] == [second, first]
+        assert got[1].passed_over == ((9, "torn"), (8, "changed")) and got[1].error == "nothing provable"
+        assert got[1].started_at == T0 and got[1].verify == "quick"
+        assert (got[0].step, got[0].source, got[0].path, got[0].seconds) == (7, "archive", "/cache/a/step-00000007", 1.25)
+        assert got[0].checkpoint_id is None  # no such checkpoint: not a dangling reference
+        assert [r.outcome for r in cat.recoveries(job="a", since=T0 + timedelta(minutes=1))] == ["resumed"]
+        assert len(cat.recoveries()) == 3 and len(cat.recoveries(limit=1)) == 1
+
+
+# ------------------------------------------------------------------ every rank: resume_distributed
+
+RANK_SCRIPT = """
+import json, sys
+from ckptier import ResumeError, resume_distributed
+job, rank, where = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+try:
+    r = resume_distributed(job, rendezvous=where, rank=rank, world_size=2, attempt="launch-1", timeout=60)
+    out = {"step": r.step, "path": r.path}
+except ResumeError as exc:
+    out = {"error": str(exc)}
+print(json.dumps({**out, "rank": rank, "torch": "torch" in sys.modules}))
+"""
+
+
+def _ranks(argv_of: list[list[str]], env: dict[str, str]) -> list[dict[str, object]]:
+    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for argv in argv_of]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-2000:]
+    return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+
+
+def test_file_rendezvous_gives_both_ranks_the_same_answer_or_the_same_error(env: dict[str, Path],
+                                                                            tmp_path: Path) -> None:
+    where = tmp_path / "rendezvous"
+    for job in (JOB, "never-trained"):
+        got = _ranks([[sys.executable, "-c", RANK_SCRIPT, job, str(rank), str(where / job)] for rank in (1, 0)],
+                     os.environ.copy())
+        one, zero = sorted(got, key=lambda g: int(g["rank"]))  # type: ignore[call-overload]
+        assert {k: v for k, v in one.items() if k != "rank"} == {k: v for k, v in zero.items() if k != "rank"}
+        assert one["torch"] is False  # no process group: torch is never imported
+        if job == JOB:
+            assert one["step"] == 75 and Path(str(one["path"])) == env["job_dir"] / "step-00000075"
+        else:
+            assert "never-trained" in str(one["error"]) and "no checkpoints in the catalog" in str(one["error"])
+    assert [e.outcome for e in _recoveries(env)] == ["resumed"]  # rank 0 resolved once; the other rank asked nobody
+
+
+def test_a_rank_without_rank_0_times_out_naming_the_rendezvous(tmp_path: Path) -> None:
+    from ckptier import ResumeError, resume_distributed
+
+    with pytest.raises(ResumeError, match=r"rank 1: no answer from rank 0 within 0\.05 s .*resume-j-x\.json"):
+        resume_distributed("j", rendezvous=tmp_path, rank=1, world_size=2, attempt="x", timeout=0.05)
+    with pytest.raises(ValueError, match="rendezvous=DIR"):
+        resume_distributed("j", rank=1, world_size=2, attempt="x")
+    with pytest.raises(ValueError, match="rank 2 of world size 2"):
+        resume_distributed("j", rendezvous=tmp_path, rank=2, world_size=2)
+
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "resume_train.py"
+
+
+@pytest.mark.slow  # 2 launches of 2 ranks, each importing torch and starting a gloo group: 15-60 s on 2 shared cores
+def test_two_gloo_ranks_resume_together_from_the_example(env: dict[str, Path]) -> None:
+    from tests.fixtures.services import free_port
+
+    for job in (JOB, "never-trained"):
+        base = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+        procs = [subprocess.Popen([sys.executable, str(EXAMPLE), "--job", job, "--steps", "1"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}) for rank in (0, 1)]
+        outs = [p.communicate(timeout=120) for p in procs]
+        for p, (_, err) in zip(procs, outs):
+            assert p.returncode == 0, err[-2000:]
+        zero, one = (json.loads(out.strip().splitlines()[-1]) for out, _ in outs)
+        assert (zero["rank"], one["rank"]) == (0, 1)
+        for key in ("step", "path", "passed_over", "error", "losses"):
+            assert zero.get(key) == one.get(key), key  # the same answer, the same load, the same training
+        if job == JOB:
+            assert zero["step"] == 75 and Path(zero["path"]) == env["job_dir"] / "step-00000075"
+        else:
+            assert zero["step"] == 0 and "no checkpoints in the catalog" in zero["error"]
+    assert [e.outcome for e in _recoveries(env)] == ["resumed"]
