@@ -240,11 +240,13 @@ def test_nothing_provable_is_exit_1_in_one_line(env: dict[str, Path], capsys: py
     assert code == 1 and len(err.splitlines()) == 1
     assert err.startswith(f"ckptier: job {JOB!r}: no checkpoint can be proven now")
     assert "step 75: changed since its verdict" in err and "step 25:" in err
+    code, _, err = run(capsys, "resume", "--job", JOB)
+    assert code == 1 and "passed over" not in err  # settled: no longer verified, no longer candidates
     code, _, err = run(capsys, "resume", "--job", "never-trained")
     assert code == 1 and "no checkpoints in the catalog (start from scratch" in err
-    assert [(e.outcome, e.step) for e in _recoveries(env)] == [("failed", None)]
+    assert [(e.outcome, e.step) for e in _recoveries(env)] == [("failed", None)] * 2
     code, out, _ = run(capsys, "resume", "--job", JOB, "--stats")
-    assert code == 0 and "0/1" in out and "0%" in out
+    assert code == 0 and "0/2" in out and "0%" in out
 
 
 @pytest.mark.parametrize(
@@ -399,3 +401,21 @@ def test_two_gloo_ranks_resume_together_from_the_example(env: dict[str, Path]) -
         else:
             assert zero["step"] == 0 and "no checkpoints in the catalog" in zero["error"]
     assert [e.outcome for e in _recoveries(env)] == ["resumed"]
+
+
+def test_drilled_answers_only_a_checkpoint_whose_last_drill_passed(env: dict[str, Path],
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "resume", "--job", JOB, "--drilled", "--quick")
+    assert code == 1 and "no verified checkpoint whose most recent drill passed" in err
+    with Catalog.open(f"sqlite:///{env['catalog']}", create=False) as cat:
+        for step, ok in ((75, False), (50, True)):
+            record = cat.get(JOB, step)
+            assert record is not None
+            cat.record_drill(DrillRecord(job=JOB, step=step, checkpoint_id=record.id, started_at=datetime.now(UTC),
+                                         finished_at=datetime.now(UTC), ok=ok, device="cpu", source_tier="hot",
+                                         error=None if ok else "loss was NaN", outcome="passed" if ok else "failed"))
+    code, out, _ = run(capsys, "resume", "--job", JOB, "--drilled", "--quick", "--json")
+    answer = json.loads(out)
+    assert code == 0 and answer["step"] == 50 and answer["proof"] == "drilled"
+    ((step, why),) = [(p["step"], p["reason"]) for p in answer["passed_over"]]
+    assert step == 75 and "its drill failed" in why and "loss was NaN" in why
