@@ -350,6 +350,7 @@ def _ranks(argv_of: list[list[str]], env: dict[str, str]) -> list[dict[str, obje
     return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
 
 
+@pytest.mark.slow  # 2 launches of 2 processes, each importing the catalog's libraries: 4-10 s on 2 shared cores
 def test_file_rendezvous_gives_both_ranks_the_same_answer_or_the_same_error(env: dict[str, Path],
                                                                             tmp_path: Path) -> None:
     where = tmp_path / "rendezvous"
