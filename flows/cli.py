@@ -119,6 +119,66 @@ def cmd_latest(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_resume(args: argparse.Namespace) -> int:
+    if args.stats:
+        extra = [name for name, given in (("--dest", args.dest), ("--quick", args.quick), ("--drilled", args.drilled))
+                 if given]
+        if extra:
+            raise _usage(f"resume: --stats counts recorded resumes; it takes no {', '.join(extra)} "
+                         "(see 'ckptier resume --help')")
+        return _resume_stats(args)
+    from ckptier.tasks.resume import ResumeError, ResumeOptions, run_resume  # lazy: --help stays light
+    from ckptier.tasks.run import open_run  # lazy: likewise
+
+    dest = Path(args.dest) if args.dest else None
+    if dest is not None and dest.exists() and not dest.is_dir():
+        raise _usage(f"resume: --dest {args.dest}: is a file; give a directory that fetched checkpoints go under")
+    options = ResumeOptions(job=args.job, dest=dest, verify="quick" if args.quick else "full", drilled=args.drilled)
+    settings = settings_of(args, config=True)
+    announce(args, settings.location)
+    with open_run(settings, owner="ckptier-resume") as run:
+        try:
+            answer = run_resume(run, options)
+        except ResumeError as exc:
+            if args.json:
+                print_json({"job": args.job, "resume": None, "reason": _one_line(str(exc)),
+                            "passed_over": [{"step": s, "reason": r} for s, r in exc.passed_over]})
+            print(f"ckptier: {_one_line(str(exc))}", file=sys.stderr)
+            return EXIT_NOT_FOUND
+    if args.json:
+        print_json(answer.to_json())
+        return 0
+    how = "every byte read now" if answer.verify == "full" else "each file looked at now"
+    print(f"{answer.job} step {answer.step}: {answer.path}")
+    print(f"  {answer.proof}, {how}; from the {answer.source} {'copy' if answer.source != 'fetched' else 'tier'}"
+          f", {answer.seconds:.3f} s")
+    for step, why in answer.passed_over:
+        print(f"  passed over step {step}: {why}")
+    return 0
+
+
+def _resume_stats(args: argparse.Namespace) -> int:
+    from ckptier.tasks.resume import recovery_rates  # lazy: likewise
+    from ckptier.tasks.run import utcnow  # lazy: likewise
+
+    with open_existing(args, settings_of(args)) as cat:
+        rates = recovery_rates(cat.recoveries(job=args.job), cat.drills(job=args.job, limit=100_000), now=utcnow())
+    if args.json:
+        print_json([r.to_json() for r in rates])
+        return 0
+    if not rates:
+        print(f"job {args.job!r}: no resumes or drills recorded yet")
+        return 0
+
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{100 * x:.0f}%"
+
+    table([(r.job, "all" if r.days is None else f"{r.days}d", f"{r.resumed}/{r.attempted}", pct(r.rate),
+            f"{r.drills_passed}/{r.drills}", pct(r.drill_rate)) for r in rates],
+          ("JOB", "WINDOW", "RESUMED", "RATE", "DRILLS PASSED", "RATE"))
+    return 0
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from ckptier.tasks.pipeline import merge_plans, plans_by_policy  # lazy: --version and --help stay light
     from ckptier.tasks.prove import prove_keepers  # lazy: likewise
@@ -462,6 +522,17 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("latest", cmd_latest, "newest verified checkpoint of a job whose last drill did not fail (exit 1 if none)")
     sp.add_argument("--job", required=True)
     sp.add_argument("--drilled", action="store_true", help="only a checkpoint whose most recent restore drill passed")
+    sp.add_argument("--json", action="store_true")
+
+    sp = add("resume", cmd_resume, "newest checkpoint of a job proven now, fetched into --dest when only archived: "
+             "the path to load from and the step (exit 1 if none can be proven)")
+    sp.add_argument("--job", required=True)
+    sp.add_argument("--dest", metavar="DIR", help="where a checkpoint with no hot copy is fetched "
+                    "(into DIR/JOB/step-NNNNNNNN)")
+    sp.add_argument("--drilled", action="store_true", help="only a checkpoint whose most recent restore drill passed")
+    sp.add_argument("--quick", action="store_true", help="prove by a stat (or HEAD) of each file, not a full read")
+    sp.add_argument("--stats", action="store_true", help="the job's recovery rate: resumes succeeded / attempted and "
+                    "drills passed / judged, over 7 and 30 days and all time")
     sp.add_argument("--json", action="store_true")
 
     sp = add("plan", cmd_plan, "dry run of retention: keep / promote / delete, with reasons")

@@ -32,7 +32,7 @@ from tests.fixtures.services import free_port
 
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 STORE = "s3://bucket/runs"
-TABLES = ("jobs", "checkpoints", "files", "copies", "decisions", "events", "drills", "scans")
+TABLES = ("jobs", "checkpoints", "files", "copies", "decisions", "events", "drills", "scans", "recoveries")
 
 
 def found(

@@ -101,6 +101,7 @@ def test_each_command_reads_the_config_once_and_opens_the_catalog_once(
         "plan": ("plan",),
         "ls": ("ls",),
         "latest": ("latest", "--job", "demo-run"),
+        "resume": ("resume", "--job", "demo-run", "--quick"),
         "apply --dry-run": ("apply", "--dry-run"),
         "apply": ("apply",),
         "fetch": ("fetch", "--job", "demo-run", "--step", "25", str(tmp_path / "restored")),

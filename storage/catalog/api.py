@@ -69,6 +69,7 @@ from .tables import drills as dr
 from .tables import events as ev
 from .tables import files as fl
 from .tables import jobs as jb
+from .tables import recoveries as rc
 from .tables import scans as sc
 
 COPY_STATES = tuple(s.value for s in CopyState)
@@ -283,6 +284,31 @@ class DrillRecord:
 
 #: The outcome of a drill that could not judge the checkpoint.
 NOT_JUDGED = "not judged"
+
+
+@dataclass(frozen=True)
+class RecoveryRecord:
+    """One ``resume`` call (a recovery event): ``job`` as asked, when it
+    started (``started_at``) and its wall-clock ``seconds``, ``outcome``
+    (``resumed`` or ``failed``), the ``step`` and ``checkpoint_id`` chosen
+    (None when it failed), how it was proven (``verify``: ``full`` or
+    ``quick``), where it is loaded from (``source``: ``hot``, ``archive``,
+    ``fetched``; ``path``), the newer checkpoints ``passed_over`` as
+    ``(step, reason)`` pairs, newest first, and a failed call's ``error``.
+    ``id`` is set on records read back."""
+
+    job: str
+    started_at: datetime
+    seconds: float
+    outcome: str
+    verify: str
+    step: int | None = None
+    checkpoint_id: int | None = None
+    source: str | None = None
+    path: str | None = None
+    passed_over: tuple[tuple[int, str], ...] = ()
+    error: str | None = None
+    id: int | None = None
 
 
 def _aware(now: datetime, name: str = "now") -> datetime:
@@ -1809,6 +1835,49 @@ class Catalog:
                     source_tier=r.source_tier, verdict=r.verdict or {}, timings=r.timings or {},
                     peak_memory_bytes=r.peak_memory_bytes, error=r.error, id=r.id, outcome=r.outcome,
                     stack=r.stack or {},
+                )
+                for r in conn.execute(q)
+            ]
+
+    # -- recovery events ------------------------------------------------------
+
+    def record_recovery(self, recovery: RecoveryRecord) -> int:
+        """Store one recovery event and return its id. The job need not be known
+        to the catalog (an attempt for an unknown name is an attempt); a
+        ``checkpoint_id`` that no longer exists is stored as None."""
+        started = _aware(recovery.started_at, "started_at")
+        with self._write() as conn:
+            cid = recovery.checkpoint_id
+            if cid is not None and conn.execute(select(ck.c.id).where(ck.c.id == cid)).first() is None:
+                cid = None
+            return int(conn.execute(
+                insert(rc).values(
+                    job=recovery.job, started_at=started, seconds=float(recovery.seconds), outcome=recovery.outcome,
+                    step=recovery.step, checkpoint_id=cid, verify=recovery.verify, source=recovery.source,
+                    path=recovery.path, passed_over=[{"step": s, "reason": r} for s, r in recovery.passed_over],
+                    error=recovery.error,
+                ).returning(rc.c.id)
+            ).scalar_one())
+
+    def recoveries(self, *, job: str | None = None, since: datetime | None = None,
+                   limit: int | None = None) -> list[RecoveryRecord]:
+        """Recovery events newest first (by start, then id): of ``job`` (every job
+        without it), started at or after ``since``, at most ``limit``."""
+        q = select(rc)
+        if job is not None:
+            q = q.where(rc.c.job == job)
+        if since is not None:
+            q = q.where(rc.c.started_at >= _aware(since, "since"))
+        q = q.order_by(rc.c.started_at.desc(), rc.c.id.desc())
+        if limit is not None:
+            q = q.limit(limit)
+        with self._read() as conn:
+            return [
+                RecoveryRecord(
+                    job=r.job, started_at=r.started_at, seconds=float(r.seconds), outcome=r.outcome, verify=r.verify,
+                    step=r.step, checkpoint_id=r.checkpoint_id, source=r.source, path=r.path,
+                    passed_over=tuple((int(p["step"]), str(p["reason"])) for p in (r.passed_over or [])),
+                    error=r.error, id=r.id,
                 )
                 for r in conn.execute(q)
             ]

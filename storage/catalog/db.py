@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 #: The newest migration revision. Opening a catalog already at this revision
 #: only reads ``alembic_version`` and never imports Alembic (it costs ~0.2 s
 #: per command); ``tests/test_catalog.py`` checks it equals Alembic's head.
-HEAD_REVISION = "drill_0001"
+HEAD_REVISION = "resume_0001"
 
 #: Seconds a SQLite writer waits for another writer's lock before failing.
 SQLITE_BUSY_TIMEOUT_S = 30.0

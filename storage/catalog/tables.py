@@ -282,3 +282,26 @@ dir_stamps = Table(
     _required("dirs", Text),
     _required("taken_at", UTCDateTime()),
 )
+
+#: One ``resume`` call (a recovery event): the ``job`` asked about (a name, so
+#: that an attempt for a job the catalog does not know counts too), when and
+#: how long, ``outcome`` (resumed / failed), the ``step`` and checkpoint chosen,
+#: how it was proven (``verify``: full / quick), where it is loaded from
+#: (``source``: hot / archive / fetched, ``path``), the newer checkpoints
+#: ``passed_over`` ([{"step", "reason"}], newest first) and a failed call's ``error``.
+recoveries = Table(
+    "recoveries", metadata,
+    _id(),
+    _required("job", String(512)),
+    _required("started_at", UTCDateTime()),
+    _required("seconds", Float),
+    _required("outcome", String(16)),
+    _optional("step", BigInteger),
+    Column("checkpoint_id", ForeignKey("checkpoints.id", ondelete="SET NULL"), nullable=True),
+    _required("verify", String(8)),
+    _optional("source", String(16)),
+    _optional("path", Text),
+    _required("passed_over", JSON),
+    _optional("error", Text),
+    Index("ix_recoveries_job_started", "job", "started_at"),
+)
