@@ -51,6 +51,21 @@ EXIT_ENVIRONMENT = 1
 EXIT_BUSY = 75
 #: Exit status of an error ckptier did not expect (a bug): one line, no traceback.
 EXIT_INTERNAL = 70
+#: Ctrl-C.
+EXIT_INTERRUPTED = 130
+#: Every exit status and what it means: docs/cli.md's table, which a test keeps equal to this.
+EXIT_CODES: dict[int, str] = {
+    0: "success",
+    EXIT_NOT_FOUND: "the command ran and has a finding: no checkpoint to answer with (`latest`), damage found "
+                    "(`verify`), a failed drill or apply step; or the machine refused (a full disk, a read-only "
+                    "filesystem, no permission), said in one line with the path and the fix",
+    EXIT_USER_ERROR: "bad input, refused before anything changed: a usage error, a value out of range, a broken "
+                     "`ckptier.toml`, a catalog that does not exist or is in memory, an unknown job",
+    EXIT_INTERNAL: "a bug (sysexits' EX_SOFTWARE): an error ckptier did not expect, in one line; rerun with "
+                   "`CKPTIER_TRACEBACK=1` for the traceback and report it",
+    EXIT_BUSY: "try again later (sysexits' EX_TEMPFAIL): `apply` skipped work another live run holds",
+    EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
+}
 #: Set to print the traceback of an unexpected error (for a bug report).
 TRACEBACK_ENV = "CKPTIER_TRACEBACK"
 #: ``--runner`` choices (``ckptier.tasks.config.RUNNER_KINDS``, not imported: help answers at once).
@@ -370,6 +385,13 @@ def cmd_report(args: argparse.Namespace) -> int:
                         fmt=args.format, tables=args.table, costs=args.costs)
 
 
+def cmd_completion(args: argparse.Namespace) -> int:
+    from .completion import script  # lazy: only when asked
+
+    print(script(build_parser(), args.shell), end="")
+    return 0
+
+
 # ------------------------------------------------------------------ parser
 
 
@@ -497,6 +519,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--port", type=whole(1, 65_535, what="a TCP port"), default=8765)
     sp.add_argument("--token", help="access token every request must present (default: $CKPTIER_DASHBOARD_TOKEN)")
 
+    sp = add("completion", cmd_completion, "print a shell completion script made from this command line "
+             "(e.g. ckptier completion bash > ~/.local/share/bash-completion/completions/ckptier)")
+    sp.add_argument("shell", choices=("bash", "zsh", "fish"))
+
     sp = add("report", cmd_report, "print the dashboard's tables: jobs and alerts, or one job's with --job")
     sp.add_argument("--job")
     sp.add_argument("--step", type=STEP, help="with --job: one checkpoint's tables")
@@ -561,7 +587,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print("ckptier: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     except BrokenPipeError:
         # The reader went away (``ckptier ls | head``): not an error of ours.
         devnull = os.open(os.devnull, os.O_WRONLY)
