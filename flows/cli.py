@@ -22,11 +22,24 @@ import sys
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import NoReturn
 
 from ckptier import __version__
 from ckptier.storage.errors import CkptierError, ConfigError, EnvironmentFault
 
+from .arguments import (
+    STEP,
+    WORKERS,
+    Parser,
+    UsageError,
+    add_globals,
+    apply_verbosity,
+    check_globals,
+    duration,
+    finish,
+    number,
+    verbosity,
+    whole,
+)
 from .command import announce, open_existing, settings_of
 from .output import checkpoint_json, current_location, human_bytes, iso, print_checkpoints, print_json, table
 
@@ -38,6 +51,21 @@ EXIT_ENVIRONMENT = 1
 EXIT_BUSY = 75
 #: Exit status of an error ckptier did not expect (a bug): one line, no traceback.
 EXIT_INTERNAL = 70
+#: Ctrl-C.
+EXIT_INTERRUPTED = 130
+#: Every exit status and what it means: docs/cli.md's table, which a test keeps equal to this.
+EXIT_CODES: dict[int, str] = {
+    0: "success",
+    EXIT_NOT_FOUND: "the command ran and has a finding: no checkpoint to answer with (`latest`), damage found "
+                    "(`verify`), a failed drill or apply step; or the machine refused (a full disk, a read-only "
+                    "filesystem, no permission), said in one line with the path and the fix",
+    EXIT_USER_ERROR: "bad input, refused before anything changed: a usage error, a value out of range, a broken "
+                     "`ckptier.toml`, a catalog that does not exist or is in memory, an unknown job",
+    EXIT_INTERNAL: "a bug (sysexits' EX_SOFTWARE): an error ckptier did not expect, in one line; rerun with "
+                   "`CKPTIER_TRACEBACK=1` for the traceback and report it",
+    EXIT_BUSY: "try again later (sysexits' EX_TEMPFAIL): `apply` skipped work another live run holds",
+    EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
+}
 #: Set to print the traceback of an unexpected error (for a bug report).
 TRACEBACK_ENV = "CKPTIER_TRACEBACK"
 #: ``--runner`` choices (``ckptier.tasks.config.RUNNER_KINDS``, not imported: help answers at once).
@@ -327,8 +355,6 @@ def cmd_drill(args: argparse.Namespace) -> int:
 
     model = normalise_factory(args.model) if args.model and ":" in args.model else args.model
     check_drill_inputs(model=model, device=args.device, steps=args.steps, timeout=args.timeout)
-    if args.world_size is not None and args.world_size < 1:
-        raise ConfigError(f"--world-size {args.world_size}: a drill runs on at least 1 rank; give e.g. --world-size 2")
     settings = settings_of(args, config=True)
     announce(args, settings.location)
     from ckptier.tasks.pipeline import DrillOptions  # lazy: the acting commands' imports, only when one runs
@@ -357,20 +383,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     base = Path(args.dir) if args.dir else None
     if base is not None and base.exists() and not base.is_dir():
         raise _usage(f"--dir {args.dir}: is a file, not a directory; give a new or empty directory")
-    return run_demo(base, steps=args.steps, use_prefect=not args.no_prefect)
+    return run_demo(base, steps=args.steps, use_prefect=not args.no_prefect, verbosity=verbosity(args))
 
 
 def cmd_janitor(args: argparse.Namespace) -> int:
     from ckptier.flows import runner  # lazy: the acting commands' imports, only when one runs
-    from ckptier.tasks.durations import parse_duration  # lazy: likewise
-
-    try:
-        older_than = parse_duration(args.older_than, what=f"--older-than {args.older_than!r}")
-    except CkptierError as exc:
-        raise _usage(str(exc)) from None
-    if older_than <= timedelta(0):
-        raise _usage(f"--older-than {args.older_than!r}: must be longer than zero, or uploads still being written "
-                     "would be removed; e.g. --older-than 24h")
+    older_than: timedelta = args.older_than  # a duration of at least 1s (the parser's type)
     settings = settings_of(args, config=True)
     announce(args, settings.location)
     report = runner.janitor(older_than=older_than, settings=settings)
@@ -383,13 +401,12 @@ def cmd_janitor(args: argparse.Namespace) -> int:
 
 
 def cmd_forget(args: argparse.Namespace) -> int:
-    from ckptier.tasks.durations import parse_duration  # lazy: --version and --help stay light
-    from ckptier.tasks.pipeline import run_forget  # lazy: likewise
+    from ckptier.tasks.pipeline import run_forget  # lazy: --version and --help stay light
     from ckptier.tasks.run import open_run  # lazy: likewise
 
     if not args.missing:
         raise ConfigError("forget: say what to forget: --missing (rows whose files are gone from every tier)")
-    older = parse_duration(args.older_than, what=f"--older-than {args.older_than!r}") if args.older_than else None
+    older: timedelta | None = args.older_than  # the parser's type
     settings = settings_of(args, config=True)
     announce(args, settings.location)
     with open_run(settings, dry_run=args.dry_run) as run:
@@ -428,66 +445,37 @@ def cmd_report(args: argparse.Namespace) -> int:
                         fmt=args.format, tables=args.table, costs=args.costs)
 
 
+def cmd_completion(args: argparse.Namespace) -> int:
+    from .completion import script  # lazy: only when asked
+
+    print(script(build_parser(), args.shell), end="")
+    return 0
+
+
 # ------------------------------------------------------------------ parser
-
-
-class UsageError(CkptierError):
-    """The command line itself is wrong (a missing or malformed argument)."""
 
 
 def _usage(message: str) -> UsageError:
     return UsageError(message)
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line naming the command and ``--help``."""
-
-    def error(self, message: str) -> NoReturn:
-        command = self.prog.partition(" ")[2]
-        raise UsageError(f"{command + ': ' if command else ''}{message} (see '{self.prog} --help')")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number, e.g. 4") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1, e.g. 4")
-    return value
-
-
-def _step(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a step number, e.g. 1000") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: step numbers are ≥ 0")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds, e.g. 900") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number of seconds, e.g. 900")
-    return value
+#: ``--timeout`` of a drill: seconds, up to 30 days.
+_SECONDS = number(0, 30 * 86400, what="a number of seconds")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="ckptier", description="Keep training checkpoints safe and cheap.")
+    p = Parser(prog="ckptier", description="Keep training checkpoints safe and cheap.",
+               epilog="Global options (--catalog, --config, -v, -q, --json) go before or after the command. "
+                      "Exit codes: docs/cli.md.")
     p.add_argument("--version", action="version", version=f"ckptier {__version__}")
-    common = _Parser(add_help=False)
-    common.add_argument("--catalog", metavar="URL", help="catalog SQLAlchemy URL (default: $CKPTIER_CATALOG_URL, else [catalog] url in ckptier.toml, else SQLite in the user data dir)")
-    common.add_argument("--config", metavar="PATH", help="ckptier.toml with [[policy]] and [[drill]] tables (default: $CKPTIER_CONFIG or ./ckptier.toml)")
-    flowopts = _Parser(add_help=False)
+    add_globals(p, before_command=True)
+    common = Parser(add_help=False)
+    add_globals(common, before_command=False)
+    flowopts = Parser(add_help=False)
     flowopts.add_argument("--no-prefect", action="store_true", help="run directly even when PREFECT_API_URL is set")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
 
-    def add(name: str, func: Callable[[argparse.Namespace], int], help: str, *parents: _Parser) -> argparse.ArgumentParser:
+    def add(name: str, func: Callable[[argparse.Namespace], int], help: str, *parents: Parser) -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help, description=help, parents=[common, *parents])
         sp.set_defaults(func=func)
         return sp
@@ -510,7 +498,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--job")
     sp.add_argument("--deep", action="store_true", help="read every byte even when the store keeps a checksum")
     sp.add_argument("--sample", metavar="K/N", help="verify only the K-th of N disjoint slices of the catalog (auto/N: today's slice)")
-    sp.add_argument("--workers", type=_positive_int, default=4, help="files read in parallel (default 4)")
+    sp.add_argument("--workers", type=WORKERS, default=4, help="files read in parallel (default 4)")
     sp.add_argument("--runner", choices=RUNNERS, help="where files are read: threads here, or dask "
                     "(default: [runner] kind in ckptier.toml, else threads)")
     sp.add_argument("--claim-rows", action="store_true", help="share the work with other ckptier processes on "
@@ -548,39 +536,43 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = add("fetch", cmd_fetch, "restore a checkpoint's original files from any tier, verified, into a new directory DEST")
     sp.add_argument("--job", required=True)
-    sp.add_argument("--step", type=_step, required=True)
+    sp.add_argument("--step", type=STEP, required=True)
     sp.add_argument("dest", metavar="DEST")
     sp.add_argument("--json", action="store_true")
 
     sp = add("drill", cmd_drill, "restore a checkpoint, train a few steps, record whether recovery works", flowopts)
     sp.add_argument("--job")
-    sp.add_argument("--step", type=_step)
-    sp.add_argument("--steps", type=int, default=None, help="training steps (default 10, or the job's [[drill]] steps)")
+    sp.add_argument("--step", type=STEP)
+    sp.add_argument("--steps", type=whole(1, 1_000_000, what="a number of training steps"), default=None, help="training steps (default 10, or the job's [[drill]] steps)")
     sp.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None)
     sp.add_argument("--model", metavar="MODULE:FUNCTION", help="model factory (see README: restore drills)")
-    sp.add_argument("--timeout", type=_seconds, default=None, help="seconds before the drill is killed")
+    sp.add_argument("--timeout", type=_SECONDS, default=None, help="seconds before the drill is killed")
     sp.add_argument("--allow-global", action="append", metavar="MODULE.NAME",
                     help="a class the safe loader may unpickle from this checkpoint (repeatable; adds to [[drill]] allow_globals)")
-    sp.add_argument("--world-size", type=int, default=None, metavar="M",
+    sp.add_argument("--world-size", type=whole(1, 65_536, what="a number of ranks"), default=None, metavar="M",
                     help="restore into M ranks (default: as many as saved the checkpoint) and say whether the run resumes on M")
     sp.add_argument("--runner", choices=RUNNERS, help="where the checkpoint's files are fetched: threads here, or dask "
                     "(default: [runner] kind in ckptier.toml, else threads)")
     sp.add_argument("--json", action="store_true")
 
     sp = add("janitor", cmd_janitor, "abort abandoned multipart uploads and remove what interrupted promotions left (only ckptier's own files)")
-    sp.add_argument("--older-than", default="24h")
+    sp.add_argument("--older-than", metavar="D", default="24h",
+                    type=duration(why="uploads still being written would be removed"),
+                    help="only uploads and leftovers older than D (default 24h)")
     sp.add_argument("--json", action="store_true")
 
     sp = add("forget", cmd_forget, "tombstone checkpoints a scan found missing once storage confirms them gone from every tier")
     sp.add_argument("--job", required=True)
     sp.add_argument("--missing", action="store_true", help="forget rows missing from hot storage (e.g. rotated away by the trainer)")
-    sp.add_argument("--older-than", metavar="D", help="only checkpoints saved more than D ago (e.g. 7d)")
+    sp.add_argument("--older-than", metavar="D", type=duration(timedelta(0)),
+                    help="only checkpoints saved more than D ago (e.g. 7d)")
     sp.add_argument("--dry-run", action="store_true", help="look, but tombstone nothing")
     sp.add_argument("--json", action="store_true")
 
     sp = add("demo", cmd_demo, "the whole pipeline end to end on embedded defaults")
     sp.add_argument("--dir", help="where the demo's hot and archive tiers and catalog live (default: a new temp dir)")
-    sp.add_argument("--steps", type=int, default=300, help="training steps of the demo run")
+    sp.add_argument("--steps", type=whole(0, 100_000, what="a number of training steps"), default=300,
+                    help="training steps of the demo run")
     sp.add_argument("--no-prefect", action="store_true", help="run the demo's steps directly, without Prefect flow runs")
 
     add("serve", cmd_serve, "serve every deployment with its schedule from this process (single host)")
@@ -595,18 +587,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = add("dashboard", cmd_dashboard, "serve the web dashboard over the catalog (http://127.0.0.1:8765/)")
     sp.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; any other needs a token)")
-    sp.add_argument("--port", type=int, default=8765)
+    sp.add_argument("--port", type=whole(1, 65_535, what="a TCP port"), default=8765)
     sp.add_argument("--token", help="access token every request must present (default: $CKPTIER_DASHBOARD_TOKEN)")
+
+    sp = add("completion", cmd_completion, "print a shell completion script made from this command line "
+             "(e.g. ckptier completion bash > ~/.local/share/bash-completion/completions/ckptier)")
+    sp.add_argument("shell", choices=("bash", "zsh", "fish"))
 
     sp = add("report", cmd_report, "print the dashboard's tables: jobs and alerts, or one job's with --job")
     sp.add_argument("--job")
-    sp.add_argument("--step", type=int, help="with --job: one checkpoint's tables")
+    sp.add_argument("--step", type=STEP, help="with --job: one checkpoint's tables")
     sp.add_argument("--costs", action="store_true", help="bytes and monthly cost per tier and class, savings "
                     "against keep-all, recovery point, expected restore time")
     sp.add_argument("--format", choices=("table", "csv", "json"), default="table")
     sp.add_argument("--table", action="append", metavar="NAME", help="a table to print (repeatable): jobs, alerts, "
                     "checkpoints, plan, drills, verifications, events, storage, files, copies, costs, cost_tiers")
-    return p
+    return finish(p)
 
 
 def _one_line(text: str) -> str:
@@ -648,7 +644,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     and the fix, and 1; anything else is a bug: one line, 70."""
     try:
         args = build_parser().parse_args(argv)
-        return int(args.func(args))
+        check_globals(args)
+        undo = apply_verbosity(verbosity(args))
+        try:
+            return int(args.func(args))
+        finally:
+            undo()
     except EnvironmentFault as exc:
         print(f"ckptier: {_one_line(str(exc))}", file=sys.stderr)
         return EXIT_ENVIRONMENT
@@ -657,7 +658,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print("ckptier: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     except BrokenPipeError:
         # The reader went away (``ckptier ls | head``): not an error of ours.
         devnull = os.open(os.devnull, os.O_WRONLY)

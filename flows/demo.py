@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -156,12 +158,70 @@ def _pipeline_prefect(hot: Path, catalog_url: str, config_path: Path) -> dict[st
     return demo_flow()
 
 
-def run_demo(base: Path | None, *, steps: int = 300, use_prefect: bool = True) -> int:
-    """Run the demo in ``base`` (a new temporary directory when None); returns the exit code."""
-    from ckptier.tasks.demo import train_demo_run  # lazy: torch, only when the demo runs
+#: The demo's log, in its directory: Prefect's flow and task run logs and ckptier's own.
+LOG_FILE = "demo.log"
 
+
+@contextmanager
+def logs_to(path: Path, *, prefect: bool) -> Iterator[None]:
+    """While open, what ckptier's loggers and (with ``prefect``) Prefect's console handlers would
+    print on stderr goes to ``path`` instead: the demo's quiet default (``-v`` keeps them on
+    stderr). Everything is put back on exit."""
+    import logging  # lazy: only the quiet demo redirects logs
+
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s | %(levelname)-7s | %(name)s - %(message)s"))
+    moved: list[tuple[logging.Logger, logging.Handler]] = []
+    if prefect:
+        import prefect.main  # noqa: F401 - sets up Prefect's logging, whose console handlers are swapped here
+        from prefect.logging.handlers import PrefectConsoleHandler  # lazy: likewise
+
+        for logger in [logging.getLogger(), *(logging.getLogger(n) for n in list(logging.root.manager.loggerDict))]:
+            for h in list(logger.handlers):
+                if isinstance(h, PrefectConsoleHandler):
+                    logger.removeHandler(h)
+                    logger.addHandler(handler)
+                    moved.append((logger, h))
+    ckptier = logging.getLogger("ckptier")
+    propagate = ckptier.propagate
+    ckptier.addHandler(handler)
+    ckptier.propagate = False
+    try:
+        yield
+    finally:
+        ckptier.removeHandler(handler)
+        ckptier.propagate = propagate
+        for logger, h in moved:
+            logger.removeHandler(handler)
+            logger.addHandler(h)
+        handler.close()
+
+
+def next_steps(base: Path, catalog_url: str) -> list[str]:
+    """What the demo prints last: where its files are and how to run ckptier on one's own checkpoints."""
+    return [
+        f"the demo's files (catalog, hot and archive tiers, ckptier.toml, {LOG_FILE}) are in {base}; "
+        f"look around with 'ckptier ls --catalog {catalog_url}', then remove them: rm -r {base}",
+        "next, your own checkpoints: catalog them, prove them, and write a policy in ./ckptier.toml:",
+        "  ckptier scan /path/to/checkpoints && ckptier verify",
+        "  [[policy]]",
+        '  jobs = "*"',
+        "  keep_last = 5",
+        '  milestones = "log"',
+        '  archive = "file:///path/to/archive"',
+        "then 'ckptier plan' shows what would be kept, promoted and deleted, and 'ckptier apply' does it",
+    ]
+
+
+def run_demo(base: Path | None, *, steps: int = 300, use_prefect: bool = True, verbosity: int = 0) -> int:
+    """Run the demo in ``base`` (a new temporary directory when None); returns the exit code.
+
+    Quiet by default: Prefect's run logs and ckptier's own go to ``demo.log`` in
+    ``base`` (its path printed first); with ``verbosity`` above 0 (``-v``) they stay on stderr.
+    """
     if use_prefect:
         start_prefect()  # first: a Prefect that cannot start is said before anything is written
+    temporary = base is None
     base = (base or Path(tempfile.mkdtemp(prefix="ckptier-demo-"))).absolute()
     hot, archive = base / "hot", base / "archive"
     hot.mkdir(parents=True, exist_ok=True)
@@ -170,7 +230,19 @@ def run_demo(base: Path | None, *, steps: int = 300, use_prefect: bool = True) -
     catalog_url = f"sqlite:///{base / 'catalog.db'}"
 
     print(f"catalog: {catalog_url} (the demo's own)")
-    print(f"ckptier demo in {base}")
+    print(f"ckptier demo in {base}{' (a new temporary directory)' if temporary else ''}")
+    quiet = verbosity <= 0
+    if quiet:
+        logs = "Prefect's flow and task run logs and ckptier's warnings" if use_prefect else "ckptier's warnings"
+        print(f"log: {base / LOG_FILE} ({logs}; -v shows them here)")
+    with logs_to(base / LOG_FILE, prefect=use_prefect) if quiet else nullcontext():
+        return _run(base, hot, archive, catalog_url, config_path, steps=steps, use_prefect=use_prefect)
+
+
+def _run(base: Path, hot: Path, archive: Path, catalog_url: str, config_path: Path, *, steps: int,
+         use_prefect: bool) -> int:
+    from ckptier.tasks.demo import train_demo_run  # lazy: torch, only when the demo runs
+
     run = train_demo_run(hot, steps=steps)
     print(f"1. trained {steps} steps on CPU; {len(run.steps)} checkpoints in {run.job_dir} "
           f"(step {run.in_flight} still in flight: no metadata.json yet)")
@@ -198,5 +270,7 @@ def run_demo(base: Path | None, *, steps: int = 300, use_prefect: bool = True) -
     for d in result["drill"]:
         print(f"6. restore drill: {d.summary}")
         ok = ok and d.ok
-    print(f"\ncatalog: {catalog_url}\nlook around: ckptier ls --catalog {catalog_url}")
+    print()
+    for line in next_steps(base, catalog_url):
+        print(line)
     return 0 if ok and not result["apply"].failed else 1

@@ -17,10 +17,11 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from ckptier.storage.errors import ConfigError
-from ckptier.tasks.advise import DTYPE_BYTES, OPTIMIZER_STATES, Request, advise, observe_job
+from ckptier.tasks.advise import DTYPE_BYTES, MAX_RUN_LENGTH, OPTIMIZER_STATES, Request, advise, observe_job
 from ckptier.tasks.durations import parse_duration
 from ckptier.tasks.tiers import ALL_CLASSES
 
+from .arguments import duration, number, whole
 from .command import open_existing, settings_of
 from .output import human_bytes, print_json
 
@@ -48,12 +49,6 @@ def parse_bytes(text: str, *, what: str, per_second: bool = False) -> float:
     unit = m.group(2).lower()
     base = 1024 if m.group(3) else 1000
     return float(m.group(1)) * (base ** (_UNITS.index(unit) + 1) if unit else 1)
-
-
-def _duration(text: str | None, flag: str) -> timedelta | None:
-    if text is None:
-        return None
-    return parse_duration(text, what=f"{flag} {text!r}")
 
 
 def as_json(value: Any) -> Any:
@@ -129,12 +124,12 @@ def cmd_advise(args: argparse.Namespace) -> int:
         dtype=args.dtype, optimizer=args.optimizer, state_dtype=args.state_dtype,
         master_weights={"fp32": True, "none": False, None: None}[args.master_weights],
         ranks=args.ranks,
-        write_window=_duration(args.write_window, "--write-window"),
+        write_window=args.write_window,
         write_bandwidth=parse_bytes(args.write_bandwidth, what="--write-bandwidth", per_second=True) if args.write_bandwidth else None,
-        interval=_duration(args.interval, "--interval"),
-        mtbf=_duration(args.mtbf, "--mtbf"),
-        restart=_duration(args.restart, "--restart"),
-        run_length=_duration(args.run_length, "--run-length"),
+        interval=args.interval,
+        mtbf=args.mtbf,
+        restart=args.restart,
+        run_length=args.run_length,
         steps_per_save=args.steps_per_save,
         codec_ratio=args.codec_ratio,
         hot_class=args.hot_class,
@@ -192,6 +187,8 @@ def render_advice(a: Any) -> list[str]:
     if st.restore_cost is not None:
         coldest = [x for x in f.stored if x.tier == "archive"][-1]
         lines.append(f"            reading one archived checkpoint back from {coldest.storage_class}: {money(st.restore_cost, c)}{star}")
+    if st.approximation:
+        lines.extend(textwrap.wrap(f"({st.approximation})", 110, initial_indent=" " * 12, subsequent_indent=" " * 13))
     if star:
         lines.append(f"            * {st.price_note}")
     else:
@@ -252,15 +249,15 @@ def add_commands(add: Callable[..., argparse.ArgumentParser]) -> None:
     sp.add_argument("--state-dtype", choices=tuple(DTYPE_BYTES), help="dtype of the optimizer's moments (default bf16)")
     sp.add_argument("--master-weights", choices=("fp32", "none"),
                     help="fp32: mixed precision saves an fp32 master copy of the weights (default unless --dtype fp32)")
-    sp.add_argument("--ranks", type=int, help="ranks sharing a save (default 1)")
-    sp.add_argument("--write-window", metavar="D", help="time a save may take (default 5min)")
+    sp.add_argument("--ranks", type=whole(1, 1_000_000, what="a number of ranks"), help="ranks sharing a save (default 1)")
+    sp.add_argument("--write-window", metavar="D", type=duration(), help="time a save may take (default 5min)")
     sp.add_argument("--write-bandwidth", metavar="RATE", help="what storage really delivers, e.g. 2GB/s (default: exactly what the window needs)")
-    sp.add_argument("--interval", metavar="D", help="planned time between saves (default 30min)")
-    sp.add_argument("--mtbf", metavar="D", help="mean time between failures of the job (default 8h)")
-    sp.add_argument("--restart", metavar="D", help="time to restart after a failure (default 0)")
-    sp.add_argument("--run-length", metavar="D", help="length of the run (default 21d)")
-    sp.add_argument("--steps-per-save", type=int, metavar="N", help="training steps between saves (default 1000)")
-    sp.add_argument("--codec-ratio", type=float, metavar="R", help="archive compression ratio (default 1.24)")
+    sp.add_argument("--interval", metavar="D", type=duration(), help="planned time between saves (default 30min)")
+    sp.add_argument("--mtbf", metavar="D", type=duration(), help="mean time between failures of the job (default 8h)")
+    sp.add_argument("--restart", metavar="D", type=duration(timedelta(0)), help="time to restart after a failure (default 0)")
+    sp.add_argument("--run-length", metavar="D", type=duration(timedelta(hours=1), MAX_RUN_LENGTH), help="length of the run (default 21d)")
+    sp.add_argument("--steps-per-save", type=whole(1, 10**12, what="a number of steps"), metavar="N", help="training steps between saves (default 1000)")
+    sp.add_argument("--codec-ratio", type=number(0, 1000, what="a compression ratio"), metavar="R", help="archive compression ratio (default 1.24)")
     sp.add_argument("--hot-class", choices=ALL_CLASSES, help="where hot checkpoints are billed (default hot: local storage)")
     sp.add_argument("--part-size", metavar="SIZE", help="multipart part size of saves to S3 (default 8MiB)")
     sp.add_argument("--policy", metavar="PATH", help="ckptier.toml whose policy and prices to use (default: --config)")

@@ -17,8 +17,8 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from ckptier.storage.errors import ConfigError
 
+from .arguments import WORKERS
 from .command import announce, settings_of
 from .output import print_json
 
@@ -27,8 +27,6 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
     from ckptier.tasks.rebuild import rebuild  # lazy: --version and --help stay light
     from ckptier.tasks.run import open_run  # lazy: likewise
 
-    if args.workers is not None and args.workers < 1:
-        raise ConfigError(f"rebuild --workers {args.workers}: must be at least 1, e.g. --workers 8")
     settings = settings_of(args, config=True)
     announce(args, settings.location)
     with open_run(settings, owner="ckptier-rebuild", create=True) as run:
@@ -71,7 +69,7 @@ def add_commands(add: Callable[..., argparse.ArgumentParser]) -> None:
                     help="hot locations to scan (default: those the backups record, else the manifests' sources)")
     sp.add_argument("--archive", action="append", metavar="URL",
                     help="archive location to read (repeatable; default: every [[policy]] archive)")
-    sp.add_argument("--workers", type=int, default=None, help="manifests read and copies proven at once (default 8)")
+    sp.add_argument("--workers", type=WORKERS, default=None, help="manifests read and copies proven at once (default 8)")
     sp.add_argument("--json", action="store_true")
 
     sp = add("catalog", cmd_catalog, "catalog maintenance: 'backup' writes each job's catalog backup to its archive "

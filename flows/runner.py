@@ -111,6 +111,9 @@ def _flow_settings(settings: Settings) -> dict[str, Any]:
 def scan(urls: list[str], *, settings: Settings, use_prefect: bool, progress: bool = True,
          inventory: str | None = None, full: bool = False) -> list[ScanReport]:
     """Scan each URL (``pipeline.run_scan``); one :class:`ScanReport` per URL on both paths."""
+    from ckptier.storage.catalog.db import refuse_in_memory  # lazy: as the operations below
+
+    refuse_in_memory(settings.location.url)  # before a flow run starts: open_run refuses it there too
     if inventory is not None and len(urls) != 1:
         raise ConfigError(f"--inventory {inventory} names the report of one bucket; scan one s3:// URL with it, "
                           f"not {len(urls)}")

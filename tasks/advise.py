@@ -74,6 +74,18 @@ _STATE_NAMES = {"adamw": "moments", "adam": "moments", "sgd-momentum": "momentum
 ARCHIVE_PART_SIZE = 16 << 20
 #: When the synthetic run starts (a Monday, 00:00 UTC): fixed, so advice is reproducible.
 SIM_START = datetime(2024, 1, 1, tzinfo=UTC)
+#: The most saves the synthetic run simulates. A run with more (saves every
+#: second, or a job whose copied tree has saves 0.2 ms apart) is simulated
+#: with one save standing for ``k`` (:func:`simulation_scale`): the three-week
+#: run the storage guide describes (1,008 saves) is simulated save by save.
+MAX_SIM_SAVES = 1_100
+#: The most nights the synthetic run plans; a longer run plans every ``j`` nights.
+MAX_SIM_NIGHTS = 100
+#: The most simulated saves times planned nights: what a policy that keeps every
+#: save costs the planner (about 0.3 s here at this bound; a policy that keeps a few costs far less).
+MAX_SIM_WORK = 40_000
+#: The longest run advice is given for (ten years: far past any training run, well inside the calendar).
+MAX_RUN_LENGTH = timedelta(days=3650)
 
 Origin = Literal["given", "measured", "default"]
 
@@ -257,6 +269,8 @@ class Night:
     keep_all_monthly_cost: float
     recovery_points: int = 0
     recovery_gaps: tuple[str, ...] = ()
+    #: Days this state is held (what storage is billed for): 1, or ``j`` when only every ``j``-th night is planned.
+    days: int = 1
 
     def tier_bytes(self, tier: str) -> int:
         """Bytes stored in ``tier`` (``"hot"`` or ``"archive"``), all classes together."""
@@ -297,6 +311,8 @@ class StorageForecast:
     price_note: str
     prices_assumed: bool
     currency: str
+    #: How the simulation was coarsened to stay bounded (:func:`simulation_scale`), or None when it is exact.
+    approximation: str | None = None
 
 
 @dataclass(frozen=True)
@@ -403,6 +419,50 @@ def _ranks(record: CheckpointRecord) -> int | None:
 # ------------------------------------------------------------------ the simulation
 
 
+@dataclass(frozen=True)
+class SimulationScale:
+    """How :func:`simulate_storage` bounds its work: ``saves`` real saves over the run,
+    each simulated save standing for ``per_save`` of them (1: every save simulated),
+    and the plan carried out every ``every_nights`` nights (1: every night)."""
+
+    saves: int
+    per_save: int
+    every_nights: int
+
+    @property
+    def exact(self) -> bool:
+        return self.per_save == 1 and self.every_nights == 1
+
+    def note(self, interval: timedelta) -> str | None:
+        """The approximation in one line, or None when the simulation is exact."""
+        if self.exact:
+            return None
+        parts = []
+        if self.per_save > 1:
+            parts.append(
+                f"{self.saves:,} saves are simulated as one save every {format_duration(interval * self.per_save)} "
+                f"standing for {self.per_save:,} (sizes, keep-all and requests count every save; what keep_within "
+                f"and milestones finer than that keep is underestimated up to {self.per_save:,}x)"
+            )
+        if self.every_nights > 1:
+            parts.append(f"the plan is carried out every {self.every_nights} nights instead of every night "
+                         "(hot bytes between runs overestimated)")
+        return "approximation: " + "; ".join(parts)
+
+
+def simulation_scale(run_length: timedelta, interval: timedelta, nights: int) -> SimulationScale:
+    """The coarsening that keeps a simulation of ``nights`` nights with a save every
+    ``interval`` over ``run_length`` within :data:`MAX_SIM_NIGHTS` planned nights,
+    :data:`MAX_SIM_SAVES` simulated saves and :data:`MAX_SIM_WORK` simulated saves
+    times planned nights, so that any input is simulated in under a second (the
+    planner runs a few times a night over the live checkpoints). Pure."""
+    saves = int(run_length / interval)
+    every = max(1, math.ceil(nights / MAX_SIM_NIGHTS))
+    planned = math.ceil(nights / every)
+    most = max(1, min(MAX_SIM_SAVES, MAX_SIM_WORK // max(1, planned)))
+    return SimulationScale(saves, max(1, math.ceil(saves / most)), every)
+
+
 def simulate_storage(
     policy: Policy,
     *,
@@ -438,6 +498,13 @@ def simulate_storage(
     for a local archive). Every night records which recovery points had to
     be held and any that were not (:func:`recovery_gaps`). No restore drill
     is simulated, so ``min_drilled`` holds nothing here.
+
+    Bounded (:func:`simulation_scale`): a run of more than
+    :data:`MAX_SIM_SAVES` saves simulates one save every ``k`` intervals
+    with ``k`` times the steps, each standing for ``k`` saves (a night's
+    ``saves`` and keep-all bytes still count every real save); a run of
+    more than :data:`MAX_SIM_NIGHTS` nights is planned every ``j`` nights,
+    each :class:`Night` holding its state for ``days = j``.
     """
     if size <= 0 or interval <= timedelta(0) or steps_per_save <= 0 or run_length <= timedelta(0) or codec_ratio <= 0:
         raise ConfigError(
@@ -451,13 +518,20 @@ def simulate_storage(
     if settle:
         last_verified = start + total * interval + timedelta(hours=1)
         nights = max(nights, math.ceil((last_verified - start) / timedelta(days=1)))
+    scale = simulation_scale(run_length, interval, nights)
+    real_interval, real_total = interval, total
+    interval, steps_per_save, total = interval * scale.per_save, steps_per_save * scale.per_save, total // scale.per_save
+    planned_days = list(range(scale.every_nights, nights + 1, scale.every_nights))
+    if not planned_days or planned_days[-1] != nights:
+        planned_days.append(nights)
     s3_archive = bool(policy.archive and policy.archive.startswith("s3://"))
     live: dict[int, CheckpointRecord] = {}
     steps: list[int] = []  # every save's step, deleted ones included, ascending
     promoted_at: dict[int, datetime] = {}
     out: list[Night] = []
     saved = 0
-    for day in range(1, nights + 1):
+    previous = 0
+    for day in planned_days:
         now = start + timedelta(days=day)
         while saved < total and start + (saved + 1) * interval <= now:
             saved += 1
@@ -473,8 +547,11 @@ def simulate_storage(
         for cid in apply_night(live, policy, now=now, codec_ratio=codec_ratio, plan=plan):
             promoted_at[cid] = now
         required, gaps = recovery_gaps(before, live.values(), steps, policy, now=now)
-        out.append(_night(day, saved, size, live.values(), promoted_at, now, policy, s3_archive, hot_class, prices,
-                          required, gaps))
+        real_saves = min(real_total, int((now - start) / real_interval))
+        out.append(dataclasses.replace(
+            _night(day, real_saves, size, live.values(), promoted_at, now, policy, s3_archive, hot_class, prices,
+                   required, gaps), days=day - previous))
+        previous = day
     return tuple(out)
 
 
@@ -759,6 +836,9 @@ def advise(
     )
 
     run_length = pick("run_length", dur)
+    if not timedelta(0) < run_length <= MAX_RUN_LENGTH:
+        raise ConfigError(f"--run-length {dur(run_length)}: must be longer than zero and at most "
+                          f"{dur(MAX_RUN_LENGTH)}, e.g. 21d")
     steps = pick("steps_per_save", measured=obs.steps_per_save if obs else None, how=f"median step gap of {where}")
     ratio = pick("codec_ratio", lambda r: f"{r:.3g}", measured=obs.codec_ratio if obs else None,
                  how=f"original over stored bytes of the archive copies of job {obs.job}" if obs else "")
@@ -768,8 +848,9 @@ def advise(
     part = pick("part_size", lambda p: f"{p / (1 << 20):g} MiB")
     nights = simulate_storage(policy, size=total, interval=planned, steps_per_save=steps, run_length=run_length,
                               codec_ratio=ratio, hot_class=hot_class, prices=prices)
+    scale = simulation_scale(run_length, planned, nights[-1].day)
     storage = forecast(nights, policy, policy_name, prices, size=total, ratio=ratio, ranks=ranks,
-                        hot_class=hot_class, part=part, run_length=run_length)
+                        hot_class=hot_class, part=part, run_length=run_length, approximation=scale.note(planned))
     return Advice(obs.job if obs else None, sizing, bw, interval_advice, storage, tuple(assumptions))
 
 
@@ -781,7 +862,8 @@ def _decimal_bytes(n: float) -> str:
 
 
 def forecast(nights: Sequence[Night], policy: Policy, policy_name: str | None, prices: Prices, *, size: int,
-             ratio: float, ranks: int, hot_class: str, part: int, run_length: timedelta) -> StorageForecast:
+             ratio: float, ranks: int, hot_class: str, part: int, run_length: timedelta,
+             approximation: str | None = None) -> StorageForecast:
     """The :class:`StorageForecast` of ``nights`` (from :func:`simulate_storage` with the same
     ``policy``, ``size``, ``ratio`` as codec ratio and ``hot_class``): the last night's state and
     cost, requests for ``ranks`` objects per checkpoint uploaded in parts of ``part`` bytes, and
@@ -800,8 +882,8 @@ def forecast(nights: Sequence[Night], policy: Policy, policy_name: str | None, p
         used.add(first_class)
     day_fraction = 86400 / MONTH_SECONDS
     months = run_length.total_seconds() / MONTH_SECONDS
-    run_cost = sum(n.monthly_cost for n in nights) * day_fraction + requests
-    keep_all_run = sum(n.keep_all_monthly_cost for n in nights) * day_fraction + saves_requests
+    run_cost = sum(n.monthly_cost * n.days for n in nights) * day_fraction + requests
+    keep_all_run = sum(n.keep_all_monthly_cost * n.days for n in nights) * day_fraction + saves_requests
     archive = [s for s in final.stored if s.tier == "archive"]
     restore = None
     if archive:
@@ -827,4 +909,5 @@ def forecast(nights: Sequence[Night], policy: Policy, policy_name: str | None, p
         price_note=prices.note(used),
         prices_assumed=prices.assumed(used),
         currency=prices.currency,
+        approximation=approximation,
     )

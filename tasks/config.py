@@ -689,8 +689,10 @@ def _array_of_tables(where: str, doc: dict[str, Any], key: str) -> list[Any]:
 def parse_config(text: str, *, where: str = DEFAULT_FILE) -> Config:
     """Parse and validate the text of a ``ckptier.toml``. ``where`` names it in errors.
 
-    A file with no ``[[policy]]`` table gets the built-in default policy.
+    A file with no ``[[policy]]`` table gets the built-in default policy; a leading UTF-8
+    byte order mark is ignored.
     """
+    text = text.removeprefix("\ufeff")  # a UTF-8 byte order mark, as Windows editors write one
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -839,6 +841,10 @@ def load_config(path: str | Path | None = None) -> Config:
     """
     explicit = path if path is not None else os.environ.get(ENV_VAR) or None
     file = Path(explicit) if explicit is not None else Path(DEFAULT_FILE)
+    if file.is_dir():
+        origin = "" if path is not None or explicit is None else f" (from ${ENV_VAR})"
+        raise ConfigError(f"config file {str(file)!r}{origin} is a directory; give the file itself, "
+                          f"e.g. {str(file / DEFAULT_FILE)!r}")
     if not file.is_file():
         if explicit is None:
             return default_config()

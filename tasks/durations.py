@@ -38,7 +38,7 @@ from datetime import datetime, timedelta, tzinfo
 from ckptier.storage.errors import ConfigError
 
 __all__ = [
-    "FIXED_UNITS", "Span", "UNITS", "duration_problem", "format_duration", "parse_duration", "parse_span",
+    "FIXED_UNITS", "DurationTooLong", "Span", "UNITS", "duration_problem", "format_duration", "parse_duration", "parse_span",
 ]
 
 #: Seconds in each fixed unit, largest first (the order :func:`format_duration` writes them in).
@@ -126,7 +126,23 @@ def parse_duration(text: str, *, what: str | None = None) -> timedelta:
     sign or a fraction; its one line starts with ``what`` (how the caller
     names the value, e.g. ``--older-than '6m'``; default ``duration '6m'``).
     """
-    return timedelta(seconds=sum(int(n) * _SECONDS[u] for n, u in _parts(text, what, False)))
+    return _fixed(sum(int(n) * _SECONDS[u] for n, u in _parts(text, what, False)), text, what)
+
+
+class DurationTooLong(ConfigError):
+    """A duration longer than any :class:`~datetime.timedelta` (``99999999999d``)."""
+
+
+#: The longest fixed duration there is (``timedelta.max``), in whole seconds.
+_MAX_SECONDS = int(timedelta.max.total_seconds())
+
+
+def _fixed(seconds: int, text: str, what: str | None) -> timedelta:
+    """``seconds`` as a timedelta; one-line :class:`ConfigError` when no timedelta is that long."""
+    if seconds > _MAX_SECONDS:
+        raise DurationTooLong(f"{what or f'duration {text!r}'}: too long; a duration is at most "
+                          f"{timedelta.max.days:,}d, e.g. '36h' or '30d'")
+    return timedelta(seconds=seconds)
 
 
 def parse_span(text: str, *, what: str | None = None) -> Span:
@@ -137,7 +153,9 @@ def parse_span(text: str, *, what: str | None = None) -> Span:
     parts = _parts(text, what, True)
     months = sum(int(n) * _MONTHS[u] for n, u in parts if u in _MONTHS)
     seconds = sum(int(n) * _SECONDS[u] for n, u in parts if u in _SECONDS)
-    return Span(months, timedelta(seconds=seconds))
+    if months > 12 * 9000:
+        raise DurationTooLong(f"{what or f'duration {text!r}'}: too long; months and years count at most 9000y, e.g. '6mo'")
+    return Span(months, _fixed(seconds, text, what))
 
 
 def format_duration(delta: timedelta | Span) -> str:

@@ -444,8 +444,9 @@ class KeepWithin:
 
     def keeps(self, checkpoints: Sequence[CheckpointRecord], now: datetime) -> dict[int, str]:
         cutoff = Span.of(self.duration).before(now, zone(self.timezone))
+        name = str(self)  # once: a keep-all window keeps every checkpoint
         return {
-            c.id: f"{self}: saved {_time_of(c).isoformat()}"
+            c.id: f"{name}: saved {_time_of(c).isoformat()}"
             for c in _verified(checkpoints)
             if _time_of(c) >= cutoff
         }

@@ -32,6 +32,7 @@ from typing import NoReturn
 
 from ckptier.storage.base import Store
 from ckptier.storage.catalog.api import Catalog
+from ckptier.storage.catalog.db import refuse_in_memory
 from ckptier.storage.errors import ConfigError
 from ckptier.storage.records import CheckpointRecord
 from ckptier.storage.url import canonical_url, open_store, parse_location
@@ -271,8 +272,12 @@ def open_run(settings: Settings | None = None, *, owner: str = "ckptier", dry_ru
     or ``./ckptier.toml`` and the catalog they choose), the catalog opened once
     (created only with ``create``), a fresh store cache, the UTC clock unless
     ``now`` is given, and an owner unique to this process (:func:`run_owner`
-    with ``owner`` as its prefix). Closes the catalog on exit."""
+    with ``owner`` as its prefix). Closes the catalog on exit. A run that may
+    create its catalog refuses an in-memory one (``sqlite://``): it would
+    vanish with the process."""
     settings = settings if settings is not None else Settings()
     config = settings.config
+    if create:
+        refuse_in_memory(settings.location.url)  # a catalog a run creates outlives the run
     with Catalog.open(settings.location.url, create=create) as catalog:
         yield Run.of(catalog, config=config, now=now or utcnow, owner=run_owner(owner), dry_run=dry_run)

@@ -297,6 +297,10 @@ def test_demo_runs_the_whole_pipeline(tmp_path: Path, capsys: pytest.CaptureFixt
     assert "promote done" in out and "restore drill: demo-run step 175" in out and "drill ok" in out
     assert (tmp_path / "archive" / "demo-run" / "step-00000050" / "ckptier-manifest.json").exists()
     assert not (tmp_path / "hot" / "demo-run" / "step-00000025").exists()  # rolling checkpoint deleted
+    # Quiet by default: the logs go to a file it names; it ends with where its files are and what next.
+    assert f"log: {tmp_path / 'demo.log'}" in out and (tmp_path / "demo.log").exists()
+    assert "| INFO" not in err and f"rm -r {tmp_path}" in out
+    assert "ckptier scan /path/to/checkpoints" in out and "  [[policy]]\n" in out and "keep_last = 5" in out
 
 
 def test_drill_falls_back_past_a_checkpoint_that_does_not_restore(
@@ -573,8 +577,8 @@ def _drill_rows() -> list[tuple[list[str], str]]:
 
     rows = [(["--model", "nosuchmod:f"], "no module named 'nosuchmod'"),
             (["--model", "ckptier.tasks.drill_models:no_such_factory"], "defines no 'no_such_factory'"),
-            (["--steps", "0"], "--steps 0"),
-            (["--steps", "-2"], "--steps -2")]
+            (["--steps", "0"], "--steps: '0' is out of range"),
+            (["--steps", "-2"], "--steps: '-2' is out of range")]
     if cuda_problem() is not None:
         rows.append((["--device", "cuda"], "--device cuda"))
     return rows

@@ -92,6 +92,20 @@ def cases(w: dict[str, Path]) -> list[Case]:
         Case("fetch-without-job", ("fetch", "--step", "50", new), "--job"),
         Case("fetch-step-not-a-number", ("fetch", "--job", "demo-run", "--step", "x", new), "--step"),
         Case("fetch-negative-step", ("fetch", "--job", "demo-run", "--step", "-5", new), "--step"),
+        Case("fetch-step-too-large", ("fetch", "--job", "demo-run", "--step", "99999999999999999999999", new),
+             "--step: '99999999999999999999999' is out of range: a step number from 0 to 9,223,372,036,854,775,807"),
+        Case("abbreviated-option", ("ls", "--al"), "unrecognized arguments: --al"),
+        Case("abbreviated-global-option", ("ls", "--cat", "sqlite://"), "--cat"),
+        Case("global-option-before-command", ("--catalog", missing, "ls"), "ckptier scan"),
+        Case("json-before-a-command-without-it", ("--json", "demo"), "no JSON output"),
+        Case("completion-unknown-shell", ("completion", "tcsh"), "invalid choice"),
+        Case("advise-interval-negative", ("advise", "--params", "7e9", "--interval", "-1h"), "--interval: '-1h' is negative"),
+        Case("advise-params-negative", ("advise", "--params", "-7e9"), "'-7e9'"),
+        Case("advise-run-length-too-long", ("advise", "--params", "7e9", "--run-length", "99999d"), "to 3650d"),
+        Case("advise-ranks-negative", ("advise", "--params", "7e9", "--ranks", "-2"), "--ranks: '-2' is out of range"),
+        Case("drill-world-size-negative", ("drill", "--world-size", "-2"), "--world-size: '-2' is out of range"),
+        Case("dashboard-port-too-large", ("dashboard", "--port", "70000"), "from 1 to 65,535"),
+        Case("report-step-too-large", ("report", "--job", "demo-run", "--step", "99999999999999999999999"), "--step"),
         Case("scan-without-url", ("scan",), "URL"),
         # verify
         Case("verify-workers-0", ("verify", "--workers", "0"), "--workers"),
@@ -125,7 +139,8 @@ def cases(w: dict[str, Path]) -> list[Case]:
         # janitor
         Case("janitor-older-than-0", ("janitor", "--older-than", "0s"), "--older-than"),
         Case("janitor-older-than-word", ("janitor", "--older-than", "soon"), "--older-than"),
-        Case("janitor-older-than-negative", ("janitor", "--older-than", "-1h"), "--older-than"),
+        Case("janitor-older-than-negative", ("janitor", "--older-than", "-1h"), "'-1h' is negative"),
+        Case("janitor-older-than-too-long", ("janitor", "--older-than", "99999999999d"), "from 1s to 36500d"),
         # demo
         Case("demo-dir-is-a-file", ("demo", "--dir", file_), "is a file"),
         Case("demo-steps-0", ("demo", "--steps", "0"), "--steps"),
@@ -159,6 +174,8 @@ def cases(w: dict[str, Path]) -> list[Case]:
              "pip install 'ckptier[postgres]'", env={"PYTHONPATH": str(root / "no-psycopg")}),
         # jobs and steps
         Case("ls-unknown-job", ("ls", "--job", "nope"), "nope"),
+        Case("ls-empty-job", ("ls", "--job", ""), "--job: '' is empty"),
+        Case("plan-empty-job", ("plan", "--job", " "), "is empty"),
         Case("latest-unknown-job", ("latest", "--job", "nope"), "nope"),
         Case("plan-unknown-job", ("plan", "--job", "nope"), "nope"),
         Case("fetch-unknown-job", ("fetch", "--job", "nope", "--step", "1", new), "nope"),
@@ -169,6 +186,10 @@ def cases(w: dict[str, Path]) -> list[Case]:
         Case("fetch-into-a-full-dir", ("fetch", "--job", "demo-run", "--step", "50", full), "not empty"),
         # config files
         Case("config-missing", ("plan", "--config", "/nonexistent/ckptier.toml"), "does not exist"),
+        Case("config-is-a-directory", ("plan", "--config", full), f"is a directory; give the file itself, e.g. '{full}/ckptier.toml'"),
+        Case("scan-into-memory", ("scan", str(w["hot"]), "--catalog", "sqlite://"), "in-memory database"),
+        Case("scan-into-memory-path", ("scan", str(w["hot"]), "--catalog", "sqlite:///:memory:"), "in-memory database"),
+        Case("rebuild-into-memory", ("rebuild", str(w["hot"]), "--catalog", "sqlite://"), "in-memory database"),
         Case("config-env-missing", ("ls",), "CKPTIER_CONFIG",
              env={"CKPTIER_CONFIG": "/nonexistent/ckptier.toml", "CKPTIER_CATALOG_URL": None}),
         Case("config-not-toml", ("plan", "--config", str(root / "broken.toml")), "TOML"),
@@ -246,3 +267,151 @@ def test_bad_invocations_fail_in_one_short_line(world: dict[str, Path]) -> None:
     # Read-only commands pointed at a typo created nothing.
     assert not (root / "no").exists()
     assert not (home / "data").exists() and not (home / ".local").exists()
+
+
+# ------------------------------------------------------------------ what the fixes must still let through
+
+
+def _script(*argv: str, env: dict[str, str] | None = None, cwd: Path | None = None,
+            timeout: int = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([ckptier_script(), *argv], capture_output=True, text=True, timeout=timeout, check=False,
+                          env={**os.environ, **(env or {})}, cwd=cwd)
+
+
+def test_global_options_go_before_or_after_the_command(world: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    """``ckptier --catalog URL --json ls`` is ``ckptier ls --catalog URL --json``; after the command wins."""
+    import json
+
+    from ckptier.flows.cli import main
+
+    url = f"sqlite:///{world['catalog']}"
+    assert main(["ls", "--catalog", url, "--json"]) == 0
+    after = json.loads(capsys.readouterr().out)
+    assert main(["--catalog", url, "--json", "ls"]) == 0
+    before = json.loads(capsys.readouterr().out)
+    assert before == after and len(after) >= 3
+    assert main(["--catalog", "sqlite:////nonexistent/x.db", "ls", "--catalog", url, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == after
+    assert main(["-q", "--config", str(world["config"]), "plan", "--catalog", url, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)
+
+
+def test_a_config_with_a_byte_order_mark_reads_as_without(world: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from ckptier.flows.cli import main
+
+    bom = world["root"] / "bom.toml"
+    bom.write_bytes(b"\xef\xbb\xbf" + world["config"].read_bytes())
+    url = f"sqlite:///{world['catalog']}"
+    assert main(["plan", "--catalog", url, "--config", str(world["config"]), "--json"]) == 0
+    plain = [(r["step"], r["action"]) for r in json.loads(capsys.readouterr().out)]
+    assert main(["plan", "--catalog", url, "--config", str(bom), "--json"]) == 0
+    assert [(r["step"], r["action"]) for r in json.loads(capsys.readouterr().out)] == plain
+    assert any(action == "promote" for _, action in plain)  # the policy of the file was read, not the default
+
+
+@pytest.fixture(scope="module")
+def copied_tree(world: dict[str, Path]) -> str:
+    """A job copied in one go (``cp -r``): 60 checkpoints whose files are milliseconds apart."""
+    import json
+
+    from ckptier.flows.cli import main
+
+    src = world["hot"] / "demo-run" / "step-00000025"
+    job = world["root"] / "copied" / "job-copied"
+    job.mkdir(parents=True)
+    for i in range(1, 61):
+        d = job / f"step-{i * 25:08d}"
+        shutil.copytree(src, d)
+        meta = json.loads((d / "metadata.json").read_text())
+        (d / "metadata.json").write_text(json.dumps({**meta, "step": i * 25}))
+    url = f"sqlite:///{world['root'] / 'copied.db'}"
+    assert main(["scan", str(job.parent), "--catalog", url, "--json"]) == 0
+    return url
+
+
+@pytest.mark.parametrize("argv", [
+    ("advise", "--params", "7e9", "--job", "job-copied"),
+    ("advise", "--params", "7e9", "--interval", "1s"),
+    ("advise", "--params", "7e9", "--interval", "1s", "--run-length", "3650d", "--json"),
+], ids=["copied-tree", "interval-1s", "ten-years-of-1s"])
+def test_advise_ends_at_once_whatever_the_interval(copied_tree: str, argv: tuple[str, ...], tmp_path: Path) -> None:
+    """Saves 0.2 ms apart once meant billions of simulated saves (it never ended): the
+    simulation is bounded and says how it approximated. The timeout is generous (a slow
+    CI machine); a run that finishes at all proves the bound."""
+    proc = _script(*argv, "--catalog", copied_tree, cwd=tmp_path, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "approximation: " in proc.stdout and "standing for" in proc.stdout
+
+
+def test_bash_completion_is_made_from_the_parser(tmp_path: Path) -> None:
+    from ckptier.flows.arguments import subparsers
+    from ckptier.flows.cli import build_parser
+
+    proc = _script("completion", "bash", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    commands = subparsers(build_parser())
+    assert {"scan", "ls", "advise", "rebuild", "completion"} <= set(commands)
+    for name in commands:
+        assert f" {name} " in proc.stdout or f"        {name})" in proc.stdout, name
+    script = tmp_path / "ckptier.bash"
+    script.write_text(proc.stdout)
+    shell = subprocess.run(
+        ["bash", "-c", f'source {script} && declare -F _ckptier && complete -p ckptier && '
+                       'COMP_WORDS=(ckptier drill --device ""); COMP_CWORD=3; _ckptier; echo "${COMPREPLY[*]}"; '
+                       'COMP_WORDS=(ckptier lat); COMP_CWORD=1; _ckptier; echo "${COMPREPLY[*]}"'],
+        capture_output=True, text=True, timeout=30, check=False)
+    assert shell.returncode == 0, shell.stderr
+    lines = shell.stdout.splitlines()
+    assert lines[0] == "_ckptier" and "-F _ckptier ckptier" in lines[1]
+    assert lines[2] == "auto cpu cuda" and lines[3] == "latest"
+    for shell_name in ("zsh", "fish"):
+        out = _script("completion", shell_name, cwd=tmp_path).stdout
+        assert all(name in out for name in commands), shell_name
+
+
+def test_the_exit_codes_table_is_the_code() -> None:
+    """docs/cli.md's table lists exactly :data:`EXIT_CODES`, and every ``EXIT_*`` constant is in it."""
+    import re
+
+    from ckptier.flows import cli
+
+    doc = (Path(__file__).parents[1] / "docs" / "cli.md").read_text()
+    table = dict(re.findall(r"^\| (\d+) \| (.+) \|$", doc, flags=re.MULTILINE))
+    assert {int(k): v for k, v in table.items()} == cli.EXIT_CODES
+    constants = {v for k, v in vars(cli).items() if k.startswith("EXIT_") and isinstance(v, int)}
+    assert constants <= set(cli.EXIT_CODES) and 0 in cli.EXIT_CODES
+
+
+def test_verbosity_reaches_prefect_and_ckptier_and_is_undone(monkeypatch: pytest.MonkeyPatch) -> None:
+    import logging
+
+    from ckptier.flows.arguments import apply_verbosity
+
+    monkeypatch.delenv("PREFECT_LOGGING_LEVEL", raising=False)
+    logger = logging.getLogger("ckptier")
+    level = logger.level
+    undo = apply_verbosity(-1)
+    assert os.environ["PREFECT_LOGGING_LEVEL"] == "ERROR" == os.environ["PREFECT_SERVER_LOGGING_LEVEL"]
+    assert logger.level == logging.ERROR
+    undo()
+    assert "PREFECT_LOGGING_LEVEL" not in os.environ and logger.level == level
+    undo = apply_verbosity(2)
+    assert os.environ["PREFECT_LOGGING_LEVEL"] == "DEBUG" and logger.level == logging.DEBUG
+    undo()
+    assert apply_verbosity(0) is not None and "PREFECT_LOGGING_LEVEL" not in os.environ
+
+
+def test_every_option_of_every_command_is_checked_by_the_shared_layer() -> None:
+    """No parser takes abbreviations, every --job refuses '', and no option is a bare int or float
+    (unbounded: 99999999999999999999999 reached the catalog and ended in exit 70)."""
+    from ckptier.flows.arguments import JOB, _walk
+    from ckptier.flows.cli import build_parser
+
+    for parser in _walk(build_parser()):
+        assert parser.allow_abbrev is False, parser.prog
+        for action in parser._actions:
+            assert action.type not in (int, float), f"{parser.prog} {action.option_strings}"
+            if action.dest == "job" and action.option_strings:
+                assert action.type is JOB, parser.prog

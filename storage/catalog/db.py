@@ -235,6 +235,28 @@ def _normalise(url: str) -> URL:
 POSTGRES_EXTRA_HINT = "pip install 'ckptier[postgres]'"
 
 
+def in_memory(url: str) -> bool:
+    """Whether ``url`` names an in-memory SQLite database (``sqlite://``, ``sqlite:///:memory:``,
+    ``mode=memory``): one that vanishes with the process. Pure; False for a URL that is not valid."""
+    try:
+        u = make_url(url)
+    except ArgumentError:
+        return False
+    if u.get_backend_name() != "sqlite":
+        return False
+    return (u.database or "") in ("", ":memory:") or u.query.get("mode") == "memory" or ":memory:" in (u.database or "")
+
+
+def refuse_in_memory(url: str) -> None:
+    """Raise :class:`ConfigError` when ``url`` is :func:`in_memory`: for a command that writes
+    a catalog, which would vanish when the command ends (and report success)."""
+    if in_memory(url):
+        raise ConfigError(
+            f"catalog {mask_url(url)} is an in-memory database: what this command writes would be gone when it "
+            "ends; give a file, e.g. --catalog sqlite:////path/catalog.db (or leave --catalog out for the default)"
+        )
+
+
 def make_engine(url: str, *, create: bool = True) -> Engine:
     """An engine for ``url`` set up as the module docstring describes (no I/O
     on PostgreSQL; on SQLite the file's directory is created and checked).
