@@ -190,7 +190,7 @@ def test_plan_apply_fetch_rescan_drill(env: dict[str, Path], capsys: pytest.Capt
         (["ls", "--job", "nope"], "nope"),
         (["latest", "--job", "nope"], "nope"),
         (["verify", "--sample", "9/7"], "--sample"),
-        (["fetch", "--job", "nope", "--step", "1", "/tmp/x"], "nope"),
+        (["fetch", "--job", "nope", "--step", "1", "/nonexistent/ckptier-fetch-dest"], "nope"),
         (["ls", "--catalog", "nosuchdialect://x"], "nosuchdialect"),
     ],
 )
