@@ -23,7 +23,7 @@ from ckptier.tasks.reports import DrillReport
 from ckptier.tasks.run import open_run
 from ckptier.tasks.settings import Settings
 
-from .artifacts import publish_catalog_summary, publish_dashboard_links
+from .artifacts import md_code, md_text, publish_catalog_summary, publish_dashboard_links
 from .events import DRILL_FAILED, DRILL_NOT_JUDGED, ENVIRONMENT_DRIFT, emit_ckptier_event
 from .runner import FailedWithReport
 
@@ -38,28 +38,35 @@ class DrillNotStarted(DrillFailed):
 
 
 def render_not_started(job: str | None, step: int | None, why: str) -> str:
-    """The drill report of a drill that could not start."""
-    what = (f"{job} step {step}" if step is not None else job) if job else "every job"
-    return "\n".join(["# Restore drill", "", f"## {what}: NOT STARTED", "", why, "",
+    """The drill report of a drill that could not start (what came from the catalog or the
+    operator escaped, :func:`~ckptier.flows.artifacts.md_text`)."""
+    what = (f"{md_text(job)} step {step}" if step is not None else md_text(job)) if job else "every job"
+    return "\n".join(["# Restore drill", "", f"## {what}: NOT STARTED", "", md_text(why), "",
                       "Nothing was restored and nothing is recorded against any checkpoint.", ""])
 
 
+def peak_memory_text(report: DrillReport) -> str:
+    """``1,234 bytes``, or ``not measured`` when no worker got as far as measuring it (a
+    failed or not started drill: never ``0 bytes``)."""
+    return f"{report.peak_memory_bytes:,} bytes" if report.peak_memory_bytes else "not measured"
+
+
 def render_report(reports: Sequence[DrillReport]) -> str:
-    """The drill report as markdown: one section per drill, a table of checks and timings."""
+    """The drill report as markdown: one section per drill, a table of checks and timings;
+    everything from the catalog, the checkpoint or the worker escaped (:func:`md_text`)."""
     lines = ["# Restore drill", ""]
     for r in reports:
         mark = "NOT STARTED" if not r.started else r.outcome.upper()
-        peak = "not measured" if r.peak_memory_bytes is None else f"{r.peak_memory_bytes:,} bytes"
         trained = f", trained steps {r.trained_steps[0]}..{r.trained_steps[1]}" if r.trained_steps else ""
-        lines += [f"## {r.job} step {r.step}: {mark}", "", r.summary, "",
-                  f"device `{r.device or '-'}`, tier `{r.tier or '-'}`, peak memory {peak}{trained}", "",
-                  *([r.confinement, ""] if r.confinement else []),
+        lines += [f"## {md_text(r.job)} step {r.step}: {mark}", "", md_text(r.summary), "",
+                  f"device {md_code(r.device)}, tier {md_code(r.tier)}, peak memory {peak_memory_text(r)}{trained}", "",
+                  *([md_text(r.confinement), ""] if r.confinement else []),
                   "| check | result | detail |", "| --- | --- | --- |"]
-        lines += [f"| {c.name} | {'ok' if c.ok else '**FAIL**'} | {c.detail} |" for c in r.checks]
+        lines += [f"| {md_text(c.name)} | {'ok' if c.ok else '**FAIL**'} | {md_text(c.detail)} |" for c in r.checks]
         lines += _ranks_section(r)
         if r.timings:
             lines += ["", "| phase | seconds |", "| --- | ---: |"]
-            lines += [f"| {k} | {v:.3f} |" for k, v in r.timings.items() if not k.endswith("_at")]
+            lines += [f"| {md_text(k)} | {v:.3f} |" for k, v in r.timings.items() if not k.endswith("_at")]
         lines.append("")
     return "\n".join(lines)
 
@@ -73,11 +80,11 @@ def _ranks_section(report: DrillReport) -> list[str]:
     lines = [""]
     if (reshard := report.reshard) is not None:
         lines += [f"Resharding {reshard.from_world} -> {reshard.to_world} ranks: "
-                  f"{'resumes' if reshard.resumes else '**does not resume**'} ({reshard.detail or '-'})", ""]
+                  f"{'resumes' if reshard.resumes else '**does not resume**'} ({md_text(reshard.detail)})", ""]
     lines += ["| rank | result | files | scratch bytes | first loss |", "| ---: | --- | ---: | ---: | ---: |"]
     for rank in report.ranks:
         loss = rank.losses[0] if rank.losses else None
-        result = "ok" if rank.ok else f"**FAIL** ({rank.stage or '-'}: {rank.error or '-'})"
+        result = "ok" if rank.ok else f"**FAIL** ({md_text(rank.stage)}: {md_text(rank.error)})"
         lines.append(f"| {rank.rank} | {result} | {len(rank.files)} | {rank.held_bytes or 0:,} | "
                      f"{'-' if loss is None else f'{loss:.6g}'} |")
     return lines

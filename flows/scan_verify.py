@@ -22,7 +22,7 @@ from ckptier.tasks.run import open_run
 from ckptier.tasks.scan import ScanReport
 from ckptier.tasks.settings import Settings
 
-from .artifacts import publish_catalog_summary, publish_dashboard_links
+from .artifacts import md_code, md_text, publish_catalog_summary, publish_dashboard_links
 from .events import CORRUPTION_FOUND, emit_checkpoint_event
 from .output import human_bytes
 from .runner import FailedWithReport, resolve_sample
@@ -33,19 +33,12 @@ class CorruptionFound(FailedWithReport):
     ``report`` is what the run would have returned."""
 
 
-def _cell(value: Any) -> str:
-    """A markdown table cell: ``-`` for nothing, pipes escaped, one line."""
-    if value is None or value == "":
-        return "-"
-    return " ".join(str(value).split()).replace("|", "\\|")
-
-
 def _expected_actual(f: FileProblem, side: str) -> str:
     size, sha256, crc = (f.expected_size, f.expected_sha256, f.expected_crc64nvme) if side == "expected" else \
         (f.actual_size, f.actual_sha256, f.actual_crc64nvme)
     parts = [f"{size:,} bytes" if size is not None else None,
-             f"sha256 `{sha256}`" if sha256 else None,
-             f"crc64nvme `{crc}`" if crc else None]
+             f"sha256 {md_code(sha256)}" if sha256 else None,
+             f"crc64nvme {md_code(crc)}" if crc else None]
     return "<br>".join(p for p in parts if p) or "-"
 
 
@@ -81,7 +74,7 @@ def render_verification(report: VerifyReport, scans: Sequence[ScanReport] = ()) 
     if report.by_job:
         lines += ["| job | checked | verified | corrupt | degraded archive copies | read errors | read | skipped |",
                   "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-        lines += [f"| {_cell(j.job)} | {j.checked} | {j.verified} | {j.corrupt} | {j.degraded} | "
+        lines += [f"| {md_text(j.job)} | {j.checked} | {j.verified} | {j.corrupt} | {j.degraded} | "
                   f"{j.errors} | {human_bytes(j.bytes_read)} | {human_bytes(j.bytes_skipped)} |"
                   for j in report.by_job]
         lines.append("")
@@ -93,23 +86,23 @@ def render_verification(report: VerifyReport, scans: Sequence[ScanReport] = ()) 
     for d in bad:
         what = "archive copy" if d.tier == "archive" else "hot copy"
         found = "" if d.row is not None else ", found by the scan"
-        lines += [f"### {_cell(d.job)} step {d.step}: {d.state} ({what}{found})", ""]
+        lines += [f"### {md_text(d.job)} step {d.step}: {d.state} ({what}{found})", ""]
         if d.detail:
-            lines += [_cell(d.detail), ""]
+            lines += [md_text(d.detail), ""]
         r = d.row
         if r is None:
             continue
         if r.files:
             lines += ["| file | status | expected | actual | detail |", "| --- | --- | --- | --- | --- |"]
-            lines += [f"| `{_cell(f.relpath)}` | {f.status} | {_expected_actual(f, 'expected')} | "
-                      f"{_expected_actual(f, 'actual')} | {_cell(f.detail)} |" for f in r.files]
+            lines += [f"| {md_code(f.relpath)} | {f.status} | {_expected_actual(f, 'expected')} | "
+                      f"{_expected_actual(f, 'actual')} | {md_text(f.detail)} |" for f in r.files]
             lines.append("")
         for p in r.problems or ():
-            lines.append(f"- {_cell(p)}")
+            lines.append(f"- {md_text(p)}")
         if r.problems:
             lines.append("")
         if r.extra:
-            lines += ["Files the catalog does not know: " + ", ".join(f"`{_cell(x)}`" for x in r.extra), ""]
+            lines += ["Files the catalog does not know: " + ", ".join(md_code(x) for x in r.extra), ""]
     return "\n".join(lines) + "\n"
 
 
