@@ -32,7 +32,7 @@ from ckptier.tasks.settings import Settings, require_written_policy
 
 from .artifacts import md_code, md_text, publish_catalog_summary, publish_dashboard_links
 from .output import human_bytes
-from .runner import FailedWithReport
+from .runner import FailedWithReport, RunnerChoice, runner_kind
 
 
 
@@ -163,7 +163,7 @@ def tiering_flow(
     config_path: str | None = None,
     catalog_url: str | None = None,
     lease_minutes: int = 60,
-    runner: str | None = None,
+    runner: RunnerChoice = "config",
 ) -> TieringRun:
     """Plan retention and, with ``apply``, promote milestones and delete rolling checkpoints.
 
@@ -172,12 +172,12 @@ def tiering_flow(
 
     Args:
         apply: Carry out the plan. Off (the default) is a dry run that only publishes the plan.
-        job: Only this job (default: every job).
-        config_path: ckptier.toml with the [[policy]] tables (default: CKPTIER_CONFIG or ./ckptier.toml).
-        catalog_url: Catalog SQLAlchemy URL (default: CKPTIER_CATALOG_URL, else the config's [catalog] url, else SQLite).
+        job: Only this job. Empty: every job.
+        config_path: ckptier.toml with the [[policy]] tables. Empty: CKPTIER_CONFIG, else ./ckptier.toml.
+        catalog_url: Catalog SQLAlchemy URL. Empty: CKPTIER_CATALOG_URL, else the config's [catalog] url, else SQLite.
         lease_minutes: How long this run waits for another tiering run of the same job to finish
             (checkpoint leases themselves are short and kept alive while the run lives).
-        runner: Where archive copies are made: threads or dask (default: the config's [runner] kind).
+        runner: Where archive copies are made: threads or dask; config: the [runner] kind of ckptier.toml (threads when unset).
     """
     with open_run(Settings(catalog_url, config_path), dry_run=not apply) as run:
         jobs = [job] if job else run.catalog.jobs()
@@ -187,7 +187,7 @@ def tiering_flow(
         with hold_job_locks(locks, timeout_seconds=lease_minutes * 60.0):
             plan = plan_task(run, job)
             publish_plan(plan)
-            report = apply_task(run, job, runner)
+            report = apply_task(run, job, runner_kind(runner))
         if apply:
             publish_outcome(report)
         summary = publish_catalog_summary(run)
