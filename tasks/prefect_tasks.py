@@ -243,7 +243,7 @@ def plan_task(run: Run, job: str | None) -> dict[str, Any]:
     return {"rows": render_plan_table(plan), "forecast": {**asdict(forecast), "freed_bytes": forecast.freed_bytes}}
 
 
-@task(name="catalog-summary", cache_policy=NO_CACHE)
+@task(name="catalog-summary", task_run_name="catalog summary", cache_policy=NO_CACHE)
 def catalog_summary_task(run: Run) -> list[dict[str, Any]]:
     """Every job of the catalog: checkpoints by state, bytes per tier (:class:`ckptier.tasks.reports.JobSummary`)."""
     return [asdict(j) for j in pipeline.catalog_summary(run)]

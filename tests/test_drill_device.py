@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 import pytest
 
@@ -73,3 +74,27 @@ def test_a_run_left_at_the_built_in_values_drills_as_the_job_says(asked: tuple, 
     steps, device, timeout = asked
     assert drill_values(table, steps=steps, device=device, timeout=timeout) == expected
     assert drill_values(DrillSettings(), steps=None, device=None, timeout=None) == (10, "auto", 900.0)
+
+
+def _report(ok: bool, stage: str | None, summary: str) -> Any:
+    from datetime import UTC, datetime
+
+    from ckptier.tasks.reports import DrillReport
+
+    at = datetime(2026, 1, 1, tzinfo=UTC)
+    return DrillReport(job="j", step=5, ok=ok, summary=summary, checks=(), started_at=at, finished_at=at, stage=stage)
+
+
+@pytest.mark.parametrize(("reports", "state"), [
+    ([(True, None, "j step 5: drill ok")], ("COMPLETED", "Completed", "j step 5: drill ok")),
+    ([(False, "load", "j step 5: drill failed: load"), (True, None, "j step 4: drill ok")],
+     ("FAILED", "Failed", "j step 5: drill failed: load")),
+    ([(False, "fit", "j step 5: not judged: fit")], ("FAILED", "Not judged", "j step 5: not judged: fit")),
+    ([(False, "fit", "k: not judged"), (False, "judge", "j: drill failed")], ("FAILED", "Failed", "j: drill failed; k: not judged")),
+])
+def test_the_drill_task_state_is_its_verdict(reports: list[tuple[bool, str | None, str]],
+                                              state: tuple[str, str, str]) -> None:
+    from ckptier.tasks.prefect_tasks import drill_state
+
+    got = drill_state([_report(*r) for r in reports])
+    assert (got.type.value, got.name, got.message) == state
