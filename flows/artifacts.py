@@ -27,8 +27,9 @@ from ckptier.tasks.run import Run
 
 from .output import human_bytes
 
-#: Markdown punctuation that makes inline structure anywhere in a line (emphasis, code, links, tables, strikethrough).
-_MD_INLINE = re.compile(r"([\\`*_\[\]|~!])")
+#: Markdown punctuation that makes inline structure anywhere in a line (emphasis, code, links, tables,
+#: strikethrough); ``_`` only where it could open or close emphasis (not inside a word: snake_case stays as is).
+_MD_INLINE = re.compile(r"([\\`*\[\]|~!]|(?<![A-Za-z0-9])_|_(?![A-Za-z0-9]))")
 #: What makes a block (a heading, list, quote, rule, setext underline) at the start of a line.
 _MD_BLOCK_START = re.compile(r"^(#|[-+=]|\d+[.)])")
 
