@@ -310,10 +310,19 @@ def load_flow(spec: DeploymentSpec) -> Any:
                           "fix prefect.yaml or reinstall ckptier") from None
 
 
+def job_variables_for(spec: DeploymentSpec, pool: str | None) -> dict[str, Any]:
+    """The work pool job variables of ``spec``'s deployment on ``pool``: on the GPU pool (the
+    YAML's ``ckptier-gpu``, whatever it is named), ``CKPTIER_GPU_POOL`` in the flow-run
+    process's environment, so that a drill there expects a GPU; nothing elsewhere. Pure."""
+    from ckptier.tasks.drill_inputs import GPU_POOL_ENV
+
+    return {"env": {GPU_POOL_ENV: pool}} if pool is not None and spec.work_pool == GPU_POOL else {}
+
+
 def build_deployment(spec: DeploymentSpec, parameters: Mapping[str, Any], *, work_pool: str | None,
                      concurrency_limit: int | None = None, name: str | None = None) -> Any:
     """A ``RunnerDeployment`` (named ``name``, default the spec's) whose update leaves
-    schedules alone (they are reconciled by slug)."""
+    schedules alone (they are reconciled by slug); on the GPU pool with :func:`job_variables_for`."""
     from prefect.types.entrypoint import EntrypointType
 
     flow = load_flow(spec)
@@ -328,7 +337,7 @@ def build_deployment(spec: DeploymentSpec, parameters: Mapping[str, Any], *, wor
         name=name or spec.name, parameters=dict(parameters), description=spec.description or None, tags=list(spec.tags),
         concurrency_limit=concurrency_limit if concurrency_limit is not None else spec.concurrency_limit,
         paused=False, enforce_parameter_schema=True, work_pool_name=work_pool,
-        entrypoint_type=EntrypointType.MODULE_PATH,
+        job_variables=job_variables_for(spec, work_pool) or None, entrypoint_type=EntrypointType.MODULE_PATH,
     )
     # from_flow marks ``schedules=[]`` as set, and an update that carries a schedules list makes
     # the server drop every schedule when any lacks a slug (UI-made ones do). Unset it so the

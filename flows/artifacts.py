@@ -3,11 +3,19 @@
 Rendering only: the figures come from the tasks' typed results
 (:mod:`ckptier.tasks.reports`); bytes are shown in decimal units, as
 storage bills them.
+
+Everything an artifact shows that comes from storage or the catalog (job
+names, paths, error text, reasons) goes through :func:`md_text` or
+:func:`md_code` first: the Prefect UI renders markdown with HTML, so a job
+directory named ``<img src=https://...>`` would otherwise put an element in
+every viewer's page (and make their browser fetch that URL), and a ``|``
+would break a table.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -18,6 +26,40 @@ from ckptier.tasks.reports import dashboard_job_url, dashboard_url
 from ckptier.tasks.run import Run
 
 from .output import human_bytes
+
+#: Markdown punctuation that makes inline structure anywhere in a line (emphasis, code, links, tables,
+#: strikethrough); ``_`` only where it could open or close emphasis (not inside a word: snake_case stays as is).
+_MD_INLINE = re.compile(r"([\\`*\[\]|~!]|(?<![A-Za-z0-9])_|_(?![A-Za-z0-9]))")
+#: What makes a block (a heading, list, quote, rule, setext underline) at the start of a line.
+_MD_BLOCK_START = re.compile(r"^(#|[-+=]|\d+[.)])")
+
+
+def md_text(value: object) -> str:
+    """``value`` as inert markdown text that renders as itself: on one line, ``&``, ``<`` and
+    ``>`` as HTML entities (no element can form), markdown punctuation backslash-escaped
+    (no emphasis, link, image, code span or table cell boundary), nothing that starts a
+    block. ``-`` for None or empty. Use it for every storage-derived value outside a code span."""
+    text = " ".join(str("" if value is None else value).split())
+    if not text:
+        return "-"
+    text = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    text = _MD_INLINE.sub(r"\\\1", text)
+    return _MD_BLOCK_START.sub(lambda m: m.group(1)[:-1] + "\\" + m.group(1)[-1], text, count=1)
+
+
+def md_code(value: object) -> str:
+    """``value`` as a markdown code span that shows it verbatim, safe inside a table cell: one
+    line, a backtick fence longer than any run of backticks in it (so none ends the span
+    early), ``|`` escaped (GFM removes the backslash inside a cell). HTML inside a code
+    span is text, never an element. ``-`` for None or empty."""
+    text = " ".join(str("" if value is None else value).split())
+    if not text:
+        return "-"
+    text = text.replace("|", "\\|")
+    fence = "`" * (max((len(run) for run in re.findall(r"`+", text)), default=0) + 1)
+    pad = " " if "`" in text else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
 
 #: Dashboard links published per run at most; a run over more jobs links the overview too.
 MAX_DASHBOARD_LINKS = 20
@@ -63,8 +105,8 @@ def publish_dashboard_links(jobs: Iterable[str]) -> list[str]:
     if not urls:
         return []
     for job, url in urls:
-        create_link_artifact(url, link_text=f"{job} on the ckptier dashboard",
-                             description=f"Job {job}: checkpoints, tiers, drills and verifications")
+        create_link_artifact(url, link_text=f"{md_text(job)} on the ckptier dashboard",
+                             description=f"Job {md_text(job)}: checkpoints, tiers, drills and verifications")
     out = [url for _, url in urls]
     if len(names) > MAX_DASHBOARD_LINKS:
         overview = dashboard_url(os.environ) or ""

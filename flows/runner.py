@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from ckptier.storage.errors import CkptierError, ConfigError
 from ckptier.tasks.prefect_api import check_prefect_api
@@ -32,6 +32,14 @@ if TYPE_CHECKING:
     from ckptier.tasks.settings import Settings
 
 R = TypeVar("R")
+
+#: A flow's ``runner`` parameter, a select in the Prefect UI: ``config`` is the ``[runner] kind`` of ckptier.toml.
+RunnerChoice = Literal["config", "threads", "dask"]
+
+
+def runner_kind(choice: str | None) -> str | None:
+    """The ``runner`` the tasks take from a flow's :data:`RunnerChoice` (None: the config's ``[runner] kind``)."""
+    return None if choice in (None, "config") else choice
 
 
 class FlowFailed(CkptierError):

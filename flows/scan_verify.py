@@ -22,10 +22,10 @@ from ckptier.tasks.run import open_run
 from ckptier.tasks.scan import ScanReport
 from ckptier.tasks.settings import Settings
 
-from .artifacts import publish_catalog_summary, publish_dashboard_links
+from .artifacts import md_code, md_text, publish_catalog_summary, publish_dashboard_links
 from .events import CORRUPTION_FOUND, emit_checkpoint_event
 from .output import human_bytes
-from .runner import FailedWithReport, resolve_sample
+from .runner import FailedWithReport, RunnerChoice, resolve_sample, runner_kind
 
 
 class CorruptionFound(FailedWithReport):
@@ -33,19 +33,12 @@ class CorruptionFound(FailedWithReport):
     ``report`` is what the run would have returned."""
 
 
-def _cell(value: Any) -> str:
-    """A markdown table cell: ``-`` for nothing, pipes escaped, one line."""
-    if value is None or value == "":
-        return "-"
-    return " ".join(str(value).split()).replace("|", "\\|")
-
-
 def _expected_actual(f: FileProblem, side: str) -> str:
     size, sha256, crc = (f.expected_size, f.expected_sha256, f.expected_crc64nvme) if side == "expected" else \
         (f.actual_size, f.actual_sha256, f.actual_crc64nvme)
     parts = [f"{size:,} bytes" if size is not None else None,
-             f"sha256 `{sha256}`" if sha256 else None,
-             f"crc64nvme `{crc}`" if crc else None]
+             f"sha256 {md_code(sha256)}" if sha256 else None,
+             f"crc64nvme {md_code(crc)}" if crc else None]
     return "<br>".join(p for p in parts if p) or "-"
 
 
@@ -81,7 +74,7 @@ def render_verification(report: VerifyReport, scans: Sequence[ScanReport] = ()) 
     if report.by_job:
         lines += ["| job | checked | verified | corrupt | degraded archive copies | read errors | read | skipped |",
                   "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-        lines += [f"| {_cell(j.job)} | {j.checked} | {j.verified} | {j.corrupt} | {j.degraded} | "
+        lines += [f"| {md_text(j.job)} | {j.checked} | {j.verified} | {j.corrupt} | {j.degraded} | "
                   f"{j.errors} | {human_bytes(j.bytes_read)} | {human_bytes(j.bytes_skipped)} |"
                   for j in report.by_job]
         lines.append("")
@@ -93,23 +86,23 @@ def render_verification(report: VerifyReport, scans: Sequence[ScanReport] = ()) 
     for d in bad:
         what = "archive copy" if d.tier == "archive" else "hot copy"
         found = "" if d.row is not None else ", found by the scan"
-        lines += [f"### {_cell(d.job)} step {d.step}: {d.state} ({what}{found})", ""]
+        lines += [f"### {md_text(d.job)} step {d.step}: {d.state} ({what}{found})", ""]
         if d.detail:
-            lines += [_cell(d.detail), ""]
+            lines += [md_text(d.detail), ""]
         r = d.row
         if r is None:
             continue
         if r.files:
             lines += ["| file | status | expected | actual | detail |", "| --- | --- | --- | --- | --- |"]
-            lines += [f"| `{_cell(f.relpath)}` | {f.status} | {_expected_actual(f, 'expected')} | "
-                      f"{_expected_actual(f, 'actual')} | {_cell(f.detail)} |" for f in r.files]
+            lines += [f"| {md_code(f.relpath)} | {f.status} | {_expected_actual(f, 'expected')} | "
+                      f"{_expected_actual(f, 'actual')} | {md_text(f.detail)} |" for f in r.files]
             lines.append("")
         for p in r.problems or ():
-            lines.append(f"- {_cell(p)}")
+            lines.append(f"- {md_text(p)}")
         if r.problems:
             lines.append("")
         if r.extra:
-            lines += ["Files the catalog does not know: " + ", ".join(f"`{_cell(x)}`" for x in r.extra), ""]
+            lines += ["Files the catalog does not know: " + ", ".join(md_code(x) for x in r.extra), ""]
     return "\n".join(lines) + "\n"
 
 
@@ -171,9 +164,9 @@ def scan_flow(
 
     Args:
         urls: Where checkpoints are written: paths, file:///path or s3://bucket/prefix.
-        catalog_url: Catalog SQLAlchemy URL (default: CKPTIER_CATALOG_URL, else the config's [catalog] url, else SQLite in the data dir).
-        config_path: ckptier.toml path (default: CKPTIER_CONFIG or ./ckptier.toml): its [catalog] url, [[pattern]] rules, each job's grace and [[inventory]] tables.
-        inventory: S3 Inventory report read instead of listing (one s3:// URL only); else ckptier.toml's [[inventory]].
+        catalog_url: Catalog SQLAlchemy URL. Empty: CKPTIER_CATALOG_URL, else the config's [catalog] url, else SQLite in the data dir.
+        config_path: ckptier.toml path, for its [catalog] url, [[pattern]] rules, each job's grace and [[inventory]] tables. Empty: CKPTIER_CONFIG, else ./ckptier.toml.
+        inventory: S3 Inventory report read instead of listing (one s3:// URL only). Empty: ckptier.toml's [[inventory]].
         full: List every local directory, even those unchanged since the last scan.
     """
     with open_run(Settings(catalog_url, config_path), create=True) as run:
@@ -191,7 +184,7 @@ def verify_flow(
     workers: int = 4,
     catalog_url: str | None = None,
     config_path: str | None = None,
-    runner: str | None = None,
+    runner: RunnerChoice = "config",
     sweep_since: str | None = None,
 ) -> VerifyReport:
     """Verify checkpoints (the report with ``by_job``); fails the run (and emits an event)
@@ -201,18 +194,18 @@ def verify_flow(
     hashes), ``verify-progress`` and ``catalog-summary``.
 
     Args:
-        job: Only this job (default: every job).
+        job: Only this job. Empty: every job.
         deep: Read every byte even when the store keeps a full-object checksum.
-        sample: K/N verifies the K-th of N disjoint slices; auto/N picks tonight's slice.
+        sample: K/N verifies the K-th of N disjoint slices; auto/N picks tonight's slice. Empty: no slice, what needs it.
         workers: Files read in parallel.
-        catalog_url: Catalog SQLAlchemy URL (default: CKPTIER_CATALOG_URL, else the config's [catalog] url, else SQLite in the data dir).
-        config_path: ckptier.toml path (default: CKPTIER_CONFIG or ./ckptier.toml): its [catalog] url, each job's grace and [runner].
-        runner: Where the checkpoints are read: threads or dask (default: the config's [runner] kind).
-        sweep_since: With [runner] claim_rows: the ISO 8601 start of the sweep this run shares with others (default: now).
+        catalog_url: Catalog SQLAlchemy URL. Empty: CKPTIER_CATALOG_URL, else the config's [catalog] url, else SQLite in the data dir.
+        config_path: ckptier.toml path, for its [catalog] url, each job's grace and [runner]. Empty: CKPTIER_CONFIG, else ./ckptier.toml.
+        runner: Where the checkpoints are read: threads or dask; config: the [runner] kind of ckptier.toml (threads when unset).
+        sweep_since: With [runner] claim_rows: the ISO 8601 start of the sweep this run shares with others. Empty: now.
     """
     options = VerifyOptions(job=job, deep=deep, sample=resolve_sample(sample, datetime.now(UTC)), workers=workers)
     with open_run(Settings(catalog_url, config_path)) as run:
-        report = verify_task(run, options, runner, sweep_since)
+        report = verify_task(run, options, runner_kind(runner), sweep_since)
         publish_verification(report)
         summary = publish_catalog_summary(run)
     publish_dashboard_links(_jobs(job, summary))
@@ -229,7 +222,7 @@ def scan_verify_flow(
     workers: int = 4,
     catalog_url: str | None = None,
     config_path: str | None = None,
-    runner: str | None = None,
+    runner: RunnerChoice = "config",
     sweep_since: str | None = None,
 ) -> dict[str, Any]:
     """Scan, then verify: the hourly (and, with ``sample``, nightly) catalog upkeep.
@@ -241,12 +234,12 @@ def scan_verify_flow(
         urls: Where checkpoints are written: paths, file:///path or s3://bucket/prefix.
         verify: Verify new and changed checkpoints after scanning.
         deep: Read every byte even when the store keeps a full-object checksum.
-        sample: K/N or auto/N: deep-read one slice of the catalog (every byte every N runs).
+        sample: K/N or auto/N: deep-read one slice of the catalog (every byte every N runs). Empty: no slice.
         workers: Files read in parallel.
-        catalog_url: Catalog SQLAlchemy URL (default: CKPTIER_CATALOG_URL, else the config's [catalog] url, else SQLite in the data dir).
-        config_path: ckptier.toml path (default: CKPTIER_CONFIG or ./ckptier.toml): its [catalog] url, [[pattern]] rules, each job's grace, [[inventory]] tables and [runner].
-        runner: Where the checkpoints are read: threads or dask (default: the config's [runner] kind).
-        sweep_since: With [runner] claim_rows: the ISO 8601 start of the sweep this run shares with others (default: now).
+        catalog_url: Catalog SQLAlchemy URL. Empty: CKPTIER_CATALOG_URL, else the config's [catalog] url, else SQLite in the data dir.
+        config_path: ckptier.toml path, for its [catalog] url, [[pattern]] rules, each job's grace, [[inventory]] tables and [runner]. Empty: CKPTIER_CONFIG, else ./ckptier.toml.
+        runner: Where the checkpoints are read: threads or dask; config: the [runner] kind of ckptier.toml (threads when unset).
+        sweep_since: With [runner] claim_rows: the ISO 8601 start of the sweep this run shares with others. Empty: now.
     """
     result: dict[str, Any] = {}
     with open_run(Settings(catalog_url, config_path), create=True) as run:
@@ -254,7 +247,7 @@ def scan_verify_flow(
         result["scans"] = scans
         if verify:
             options = VerifyOptions(deep=deep, sample=resolve_sample(sample, datetime.now(UTC)), workers=workers)
-            report = verify_task(run, options, runner, sweep_since)
+            report = verify_task(run, options, runner_kind(runner), sweep_since)
             publish_verification(report, scans)
             result["verify"] = report
         elif corruption_in(NOTHING_VERIFIED, scans):

@@ -30,9 +30,9 @@ from ckptier.tasks.reports import ApplyRunReport
 from ckptier.tasks.run import open_run
 from ckptier.tasks.settings import Settings, require_written_policy
 
-from .artifacts import publish_catalog_summary, publish_dashboard_links
+from .artifacts import md_code, md_text, publish_catalog_summary, publish_dashboard_links
 from .output import human_bytes
-from .runner import FailedWithReport
+from .runner import FailedWithReport, RunnerChoice, runner_kind
 
 
 
@@ -101,28 +101,29 @@ def render_outcome(report: ApplyRunReport) -> str:
     if o.tiers:
         lines += ["| tier | storage class | copies written | written (stored) | logical | copies deleted | freed |",
                   "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
-        lines += [f"| {t.tier} | {t.storage_class} | {t.written} | {human_bytes(t.written_bytes)} | "
+        lines += [f"| {md_text(t.tier)} | {md_text(t.storage_class)} | {t.written} | {human_bytes(t.written_bytes)} | "
                   f"{human_bytes(t.logical_bytes)} | {t.deleted} | {human_bytes(t.freed_bytes)} |"
                   for t in o.tiers]
         lines.append("")
     if o.promoted:
         lines += ["## Promoted", "", "| job | step | size | stored | storage class | archive copy |",
                   "| --- | ---: | ---: | ---: | --- | --- |"]
-        lines += [f"| {p.job} | {p.step} | {human_bytes(p.bytes)} | {human_bytes(p.stored_bytes)} | "
-                  f"{p.storage_class} | `{p.url}` |" for p in o.promoted]
+        lines += [f"| {md_text(p.job)} | {p.step} | {human_bytes(p.bytes)} | {human_bytes(p.stored_bytes)} | "
+                  f"{md_text(p.storage_class)} | {md_code(p.url)} |" for p in o.promoted]
         lines.append("")
     if o.deleted:
         lines += ["## Deleted", "", "| job | step | what | size | freed | storage class |",
                   "| --- | ---: | --- | ---: | ---: | --- |"]
-        lines += [f"| {d.job} | {d.step} | {'hot copy' if d.scope == 'hot-copy' else 'checkpoint'} | "
-                  f"{human_bytes(d.bytes)} | {human_bytes(d.freed_bytes)} | {d.storage_class} |"
+        lines += [f"| {md_text(d.job)} | {d.step} | {'hot copy' if d.scope == 'hot-copy' else 'checkpoint'} | "
+                  f"{human_bytes(d.bytes)} | {human_bytes(d.freed_bytes)} | {md_text(d.storage_class)} |"
                   for d in o.deleted]
         lines.append("")
     undone = [i for i in report.items if i.outcome in ("held", "deferred", "failed", "partial", "fenced")]
     if undone:
         lines += ["## Not done (a later run resumes)", "", "| job | step | action | outcome | detail |",
                   "| --- | ---: | --- | --- | --- |"]
-        lines += [f"| {i.job} | {i.step} | {i.action} | {i.outcome} | {i.detail} |" for i in undone]
+        lines += [f"| {md_text(i.job)} | {i.step} | {md_text(i.action)} | {md_text(i.outcome)} | {md_text(i.detail)} |"
+                  for i in undone]
         lines.append("")
     return "\n".join(lines)
 
@@ -162,7 +163,7 @@ def tiering_flow(
     config_path: str | None = None,
     catalog_url: str | None = None,
     lease_minutes: int = 60,
-    runner: str | None = None,
+    runner: RunnerChoice = "config",
 ) -> TieringRun:
     """Plan retention and, with ``apply``, promote milestones and delete rolling checkpoints.
 
@@ -171,12 +172,12 @@ def tiering_flow(
 
     Args:
         apply: Carry out the plan. Off (the default) is a dry run that only publishes the plan.
-        job: Only this job (default: every job).
-        config_path: ckptier.toml with the [[policy]] tables (default: CKPTIER_CONFIG or ./ckptier.toml).
-        catalog_url: Catalog SQLAlchemy URL (default: CKPTIER_CATALOG_URL, else the config's [catalog] url, else SQLite).
+        job: Only this job. Empty: every job.
+        config_path: ckptier.toml with the [[policy]] tables. Empty: CKPTIER_CONFIG, else ./ckptier.toml.
+        catalog_url: Catalog SQLAlchemy URL. Empty: CKPTIER_CATALOG_URL, else the config's [catalog] url, else SQLite.
         lease_minutes: How long this run waits for another tiering run of the same job to finish
             (checkpoint leases themselves are short and kept alive while the run lives).
-        runner: Where archive copies are made: threads or dask (default: the config's [runner] kind).
+        runner: Where archive copies are made: threads or dask; config: the [runner] kind of ckptier.toml (threads when unset).
     """
     with open_run(Settings(catalog_url, config_path), dry_run=not apply) as run:
         jobs = [job] if job else run.catalog.jobs()
@@ -186,7 +187,7 @@ def tiering_flow(
         with hold_job_locks(locks, timeout_seconds=lease_minutes * 60.0):
             plan = plan_task(run, job)
             publish_plan(plan)
-            report = apply_task(run, job, runner)
+            report = apply_task(run, job, runner_kind(runner))
         if apply:
             publish_outcome(report)
         summary = publish_catalog_summary(run)

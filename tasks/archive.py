@@ -720,12 +720,14 @@ class FetchBatch:
     """A fan-out work item of :func:`fetch`: write ``files`` of the store at
     ``store_url`` (decoded when ``decode``: an archive copy) into the staging
     directory ``stage``, each verified before it is renamed into place. Plain
-    data: a worker in another process opens the store itself."""
+    data: a worker in another process opens the store itself. ``label``
+    names the checkpoint (``job@step``) for the task run that fetches it."""
 
     store_url: str
     stage: str
     files: tuple[FetchFile, ...]
     decode: bool
+    label: str = ""
 
 
 @dataclass(frozen=True)
@@ -757,13 +759,13 @@ def fetch_batch(store: Store, batch: FetchBatch) -> list[FetchedFile]:
 
 
 def _fetch_fanned(fanout: Fanout, store: Store, stage: Path, files: list[FetchFile], *,
-                  decode: bool) -> tuple[list[Path], int]:
+                  decode: bool, label: str = "") -> tuple[list[Path], int]:
     """:func:`_fetch_files` as :class:`FetchBatch` work items on ``fanout``
     (:class:`ckptier.tasks.fanout.Fanout`), in relpath order. Every item has
     finished before anything is raised (nothing writes into ``stage`` once the
     caller clears it); the first failure in relpath order is raised."""
     ordered = sorted(files, key=lambda f: f.relpath)
-    work = [FetchBatch(store.url, str(stage), b, decode) for b in batches(ordered, fanout.parallelism, most=8)]
+    work = [FetchBatch(store.url, str(stage), b, decode, label) for b in batches(ordered, fanout.parallelism, most=8)]
     results = list(fanout.map(fetch_work, work, errors=True))
     for r in results:
         if isinstance(r, BaseException):
@@ -1168,7 +1170,7 @@ def _fetch_into(
                 if fanout is not None:
                     paths, total = _fetch_fanned(fanout, hot, out, [
                         FetchFile(f.relpath, hot_file_key(prefix, record, f.relpath), f.size, f.crc64nvme)
-                        for f in record.files], decode=False)
+                        for f in record.files], decode=False, label=f"{record.job}@{record.step}")
                 else:
                     paths, total = _fetch_files(
                         record, out, expected, fill_hot, lambda r: _store_url(hot, hot_file_key(prefix, record, r))
@@ -1206,7 +1208,7 @@ def _fetch_into(
             if fanout is not None:
                 paths, total = _fetch_fanned(fanout, archive, out, [
                     FetchFile(f.relpath, _stored_key(adir, listed[f.relpath]), *expected[f.relpath])
-                    for f in record.files], decode=True)
+                    for f in record.files], decode=True, label=f"{record.job}@{record.step}")
             else:
                 paths, total = _fetch_files(
                     record, out, expected, fill_archive, lambda r: _store_url(archive, _stored_key(adir, listed[r]))

@@ -155,7 +155,7 @@ _POLICY_KEYS = frozenset(
     }
 )
 _DRILL_KEYS = frozenset({"jobs", "model", "steps", "device", "timeout", "loss_tolerance", "trajectory_rtol",
-                         "allow_globals"})
+                         "allow_globals", "require_gpu"})
 _CATALOG_KEYS = frozenset({"url"})
 _RUNNER_KEYS = frozenset({"kind", "workers", "address", "claim_rows", "lease"})
 #: The task runners ``[runner] kind`` (and ``--runner``) may name.
@@ -205,6 +205,10 @@ class DrillSettings:
     command line: plain data classes only (:mod:`ckptier.formats.allowlist`);
     standard-library, numpy and torch ones are checked when the file is
     loaded, the user's own modules when a drill starts.
+    ``require_gpu``: whether a drill on device ``auto`` must find a GPU
+    (True: fail without one; False: drill on CPU, saying so loudly; None,
+    the default: required on ckptier's GPU work pool, not elsewhere;
+    :func:`ckptier.tasks.drill_inputs.decide_device`).
     """
 
     jobs: str = "*"
@@ -215,6 +219,22 @@ class DrillSettings:
     loss_tolerance: float | None = None
     allow_globals: tuple[str, ...] = ()
     trajectory_rtol: float | None = None
+    require_gpu: bool | None = None
+
+
+def drill_values(table: DrillSettings, *, steps: int | None, device: str | None,
+                 timeout: float | None) -> tuple[int, str, float]:
+    """The steps, device and timeout (seconds) a drill of a job under ``table`` (its
+    ``[[drill]]``, or the defaults) runs with. A value asked for (``--steps``, a flow
+    parameter) wins, except None and the built-in default itself (10 steps, device
+    ``auto``, 15 minutes), which take the table's: the Prefect form shows the built-in
+    values, and a run left at them drills each job as its ``[[drill]]`` says, on the
+    command line and in a flow run alike."""
+    k = steps if steps is not None and steps != DEFAULT_DRILL_STEPS else table.steps
+    dev = device if device is not None and device != "auto" else table.device
+    limit = (timeout if timeout is not None and timeout != DEFAULT_DRILL_TIMEOUT.total_seconds()
+             else table.timeout.total_seconds())
+    return k, dev, limit
 
 
 #: The ``[[policy]]`` keys that state a retention rule; a table without any of
@@ -642,6 +662,7 @@ def _drill(where: str, index: int, data: Any) -> DrillSettings:
         loss_tolerance=t.get_float("loss_tolerance", None, lo=0.0, hi=None, example=0.05),
         allow_globals=tuple(dict.fromkeys(allow)),
         trajectory_rtol=t.get_float("trajectory_rtol", None, lo=0.0, hi=10.0, example=0.02),
+        require_gpu=t.get_bool("require_gpu", False) if t.has("require_gpu") else None,
     )
 
 

@@ -13,7 +13,10 @@ answer in milliseconds and import neither torch nor the factory's module:
   worker;
 * ``--device cuda``: torch's own ``version.py`` says whether the installed
   build has CUDA (or ROCm), and the kernel whether a GPU driver is loaded;
-* ``--steps`` and ``--timeout`` must be positive.
+* ``--steps`` and ``--timeout`` must be positive;
+* a GPU where one is expected (:func:`decide_device`): on ckptier's GPU
+  work pool, or under ``[[drill]] require_gpu = true``, a drill on device
+  ``auto`` with no GPU visible fails instead of quietly running on CPU.
 
 Every problem is a one-line :class:`ConfigError` naming the value and the fix.
 """
@@ -25,7 +28,8 @@ import difflib
 import importlib.machinery
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +39,50 @@ from .config import DrillSettings, parse_factory_spec
 
 #: Names a factory module lists in an error (the first few it defines).
 _NAMES_SHOWN = 6
+
+#: Set (to the pool's name) in the flow-run processes of ckptier's GPU work pool: ``ckptier deploy``
+#: puts it in the restore-drill deployment's job variables; a drill there expects a GPU.
+GPU_POOL_ENV = "CKPTIER_GPU_POOL"
+
+
+@dataclass(frozen=True)
+class DeviceChoice:
+    """Where a drill runs: ``device`` (``auto``, ``cpu``, ``cuda``) and ``fallback``, the
+    sentence the report and its summary carry when a GPU was expected but the drill
+    runs on CPU (None otherwise)."""
+
+    device: str
+    fallback: str | None = None
+
+
+def _visible(environ: Mapping[str, str]) -> str:
+    value = environ.get("CUDA_VISIBLE_DEVICES")
+    return "CUDA_VISIBLE_DEVICES unset" if value is None else f"CUDA_VISIBLE_DEVICES={value!r}"
+
+
+def decide_device(device: str, *, require_gpu: bool | None, gpu_pool: str | None, gpus: int,
+                  environ: Mapping[str, str]) -> DeviceChoice:
+    """Where a drill asked for ``device`` runs, given the ``[[drill]] require_gpu`` of its job,
+    the GPU work pool it runs on (``gpu_pool``, None: none) and the ``gpus`` visible to it; pure.
+
+    ``cpu`` always runs on CPU (the operator asked for it). With a GPU visible, ``auto``
+    and ``cuda`` run as asked. With none: ``cuda`` fails; ``auto`` fails when a GPU is
+    required (``require_gpu`` true, or None on a GPU pool), and otherwise runs on CPU:
+    quietly when nothing expected a GPU (``require_gpu`` None off the GPU pool, a
+    laptop), saying so loudly when ``require_gpu`` is false. Raises a one-line
+    :class:`ConfigError` naming ``CUDA_VISIBLE_DEVICES`` and the switch."""
+    if device == "cpu" or gpus > 0:
+        return DeviceChoice(device)
+    where = f"no GPU visible on this worker ({_visible(environ)})"
+    if device != "auto":
+        raise ConfigError(f"drill device {device!r}: {where}; use device auto or cpu, or run the drill where a GPU is")
+    required = require_gpu if require_gpu is not None else gpu_pool is not None
+    if required:
+        why = "[[drill]] require_gpu = true" if require_gpu else f"drills on work pool {gpu_pool!r} need one"
+        raise ConfigError(f"{where}, and {why}; set [[drill]] require_gpu = false to drill on CPU")
+    if require_gpu is False:
+        return DeviceChoice("cpu", f"FELL BACK TO CPU: {where}; [[drill]] require_gpu = false lets it drill on CPU")
+    return DeviceChoice(device)
 
 
 def check_drill_inputs(
@@ -60,11 +108,11 @@ def check_drill_inputs(
         problem = factory_problem(spec)
         if problem is not None:
             raise ConfigError(f"{origin} {spec!r}: {problem}")
-    dev = device or (settings.device if settings is not None else None)
+    dev = device if device not in (None, "auto") else (settings.device if settings is not None else device)
     if dev is not None and dev.startswith("cuda"):
         problem = cuda_problem()
         if problem is not None:
-            origin = "--device" if device else "[[drill]] device"
+            origin = "--device" if device not in (None, "auto") else "[[drill]] device"
             raise ConfigError(f"{origin} {dev}: {problem}; use --device cpu or auto")
 
 

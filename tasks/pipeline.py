@@ -15,6 +15,7 @@ No Prefect here.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -735,7 +736,12 @@ class DrillOptions:
     (``--allow-global``), besides the job's ``[[drill]] allow_globals``.
     ``world_size``: restore into that many ranks (None: as many as saved the
     checkpoint). ``scratch_root``: where the scratch directories go (None:
-    the system's temporary directory).
+    the system's temporary directory). ``gpu_pool``: the GPU work pool the
+    drill runs on (None: none), where device ``auto`` needs a GPU unless the
+    job's ``[[drill]] require_gpu`` is false
+    (:func:`ckptier.tasks.drill_inputs.decide_device`). ``steps``, ``device``
+    and ``timeout`` at their built-in values take the job's ``[[drill]]``
+    ones (:func:`ckptier.tasks.config.drill_values`).
     """
 
     job: str | None = None
@@ -747,6 +753,7 @@ class DrillOptions:
     allow_globals: tuple[str, ...] = ()
     world_size: int | None = None
     scratch_root: Path | None = None
+    gpu_pool: str | None = None
 
 
 def run_drill(run: Run, options: DrillOptions, *, fanout: Any = None) -> list[DrillReport]:
@@ -789,7 +796,9 @@ def run_drill(run: Run, options: DrillOptions, *, fanout: Any = None) -> list[Dr
 
     from ckptier.formats.names import allow_global_problem
     from .drill import DEFAULT_LOSS_TOLERANCE, Expected, choose_candidates, factory_needed
-    from .drill_inputs import check_drill_inputs
+    from .config import drill_values
+    from .drill_inputs import DeviceChoice, check_drill_inputs, decide_device
+    from .drill_launch import cuda_device_count
     from .drill_trajectory import DEFAULT_TRAJECTORY_RTOL
 
     catalog, config, stores, now = run.catalog, run.config, run.stores, run.now
@@ -810,9 +819,17 @@ def run_drill(run: Run, options: DrillOptions, *, fanout: Any = None) -> list[Dr
     by_job: dict[str, list[CheckpointRecord]] = {}
     for c in candidates:
         by_job.setdefault(c.job, []).append(c)
+    gpus: int | None = None
+    devices: dict[str, DeviceChoice] = {}
     for job_name, records in by_job.items():  # each job's [[drill]] model and device, before any fetch
         settings = config.drill_for(job_name)
         check_drill_inputs(settings, model=model, device=device)
+        table = settings or DrillSettings()
+        asked = drill_values(table, steps=steps, device=device, timeout=timeout)[1]
+        if asked != "cpu" and gpus is None:
+            gpus = cuda_device_count()
+        devices[job_name] = decide_device(asked, require_gpu=table.require_gpu, gpu_pool=options.gpu_pool,
+                                          gpus=gpus or 0, environ=os.environ)
         if not (model or (settings.model if settings else None)) and (why := factory_needed(records[0])):
             raise ConfigError(f"job {job_name!r} step {records[0].step}: no drill model given: {why}; pass --model "
                               "module:function (or set model = \"module:function\" in the job's [[drill]] table of "
@@ -822,9 +839,8 @@ def run_drill(run: Run, options: DrillOptions, *, fanout: Any = None) -> list[Dr
     for job_name, records in by_job.items():
         settings = config.drill_for(job_name) or DrillSettings()  # no [[drill]]: the defaults
         factory = model or settings.model or None
-        k = steps or settings.steps
-        dev = device or settings.device
-        limit = timeout or settings.timeout.total_seconds()
+        k, _, limit = drill_values(settings, steps=steps, device=device, timeout=timeout)
+        dev, fallback = devices[job_name].device, devices[job_name].fallback
         tolerance = settings.loss_tolerance or DEFAULT_LOSS_TOLERANCE
         rtol = settings.trajectory_rtol if settings.trajectory_rtol is not None else DEFAULT_TRAJECTORY_RTOL
         allowed = tuple(dict.fromkeys([*settings.allow_globals, *allow_globals]))
@@ -846,6 +862,8 @@ def run_drill(run: Run, options: DrillOptions, *, fanout: Any = None) -> list[Dr
                                            trajectory=expected)
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
+            if fallback is not None:  # a GPU was expected: the report and its recorded summary say it ran on CPU
+                report = replace(report, device_note=fallback, summary=f"{report.summary} ({fallback})")
             if report.stage == "not-started":  # the operator's factory does not load: nothing recorded
                 reports.append(report)
                 break

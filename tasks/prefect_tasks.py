@@ -8,11 +8,18 @@ no input to hash). Retries happen only for transient storage errors
 (:func:`ckptier.storage.errors.is_transient`); everything else fails at once.
 Kept apart from the pure cores so that read-only commands never import
 Prefect.
+
+Every task run is named after what it acts on (``verify llama-7b@12000``,
+``drill demo-run@50``, ``fetch demo-run@50 (2 files)``, ``scan s3://b/p``:
+:func:`run_name`), and the drill task's state is its verdict
+(:func:`drill_state`): Completed when every drill passed, Failed with the
+failed drill's summary otherwise, and a Failed state named ``Not judged``
+when no drill failed but one could not judge its checkpoint.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -20,12 +27,14 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.logging import get_run_logger
+from prefect.client.schemas.objects import State
+from prefect.states import Completed, Failed
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from ckptier.storage.errors import ConfigError, is_transient
 
 from . import pipeline
-from .archive import fetch_work, promote_work
+from .archive import FetchBatch, PromoteWork, fetch_work, promote_work
 from .config import RunnerSettings
 from .fanout import default_workers, runner_settings, settle
 from .reports import ApplyRunReport, DrillReport, VerifyReport, verification_by_job
@@ -33,7 +42,7 @@ from .retention import render_plan_table
 from .run import Run, row_claims
 from .scan import ScanReport
 from .settings import require_written_policy
-from .verify import verify_work
+from .verify import VerifyWork, verify_work
 
 
 def retry_if_transient(task: Any, task_run: Any, state: Any) -> bool:
@@ -45,7 +54,49 @@ def retry_if_transient(task: Any, task_run: Any, state: Any) -> bool:
     return False
 
 
-@task(name="scan", retries=2, retry_delay_seconds=10, retry_condition_fn=retry_if_transient, cache_policy=NO_CACHE)
+def checkpoint_label(job: str, step: int | None) -> str:
+    """``llama-7b@12000``: how a task run names a checkpoint (``@newest`` without a step)."""
+    return f"{job}@{'newest' if step is None else step}"
+
+
+def _several(labels: Sequence[str]) -> str:
+    """``a@1``, ``a@1, b@2``, or ``a@1 and 4 more``."""
+    if len(labels) <= 2:
+        return ", ".join(labels) or "nothing"
+    return f"{labels[0]} and {len(labels) - 1} more"
+
+
+def run_name(verb: str, parameters: Mapping[str, Any]) -> str:
+    """The name of a ``verb`` task run from its parameters: the checkpoints, job or URL it acts on. Pure."""
+    work = parameters.get("work")
+    if isinstance(work, VerifyWork):
+        return f"{verb} {_several([checkpoint_label(r.job, r.step) for r in work.records])}"
+    if isinstance(work, PromoteWork):
+        return f"{verb} {checkpoint_label(work.record.job, work.record.step)}"
+    if isinstance(work, FetchBatch):
+        files = f"{len(work.files)} file{'s' if len(work.files) != 1 else ''}"
+        return f"{verb} {work.label} ({files})" if work.label else f"{verb} {files} from {work.store_url}"
+    if "url" in parameters:
+        return f"{verb} {parameters['url']}"
+    options = parameters.get("options")
+    job = getattr(options, "job", None) if options is not None else parameters.get("job")
+    if job is None:
+        return f"{verb} every job"
+    step = getattr(options, "step", None)
+    return f"{verb} {checkpoint_label(job, step) if verb == 'drill' else job}"
+
+
+def _named(verb: str) -> Any:
+    """A ``task_run_name`` callable: :func:`run_name` of ``verb`` (Prefect passes the parameters
+    to a callable with a ``parameters`` argument; typed Any: Prefect's protocol for it also
+    demands a classmethod no function has)."""
+    def name(parameters: dict[str, Any]) -> str:
+        return run_name(verb, parameters)
+
+    return name
+
+
+@task(name="scan", task_run_name=_named("scan"), retries=2, retry_delay_seconds=10, retry_condition_fn=retry_if_transient, cache_policy=NO_CACHE)
 def scan_task(run: Run, url: str, inventory: str | None = None, full: bool = False) -> ScanReport:
     """List one URL and bring ``run``'s catalog in line with it, with the config's ``[[pattern]]``
     rules and each job's grace; from an S3 Inventory report instead (``inventory``, else the
@@ -57,7 +108,7 @@ def scan_task(run: Run, url: str, inventory: str | None = None, full: bool = Fal
     return report
 
 
-@task(name="verify", retries=1, retry_delay_seconds=30, retry_condition_fn=retry_if_transient, cache_policy=NO_CACHE)
+@task(name="verify", task_run_name=_named("verify"), retries=1, retry_delay_seconds=30, retry_condition_fn=retry_if_transient, cache_policy=NO_CACHE)
 def verify_task(run: Run, options: pipeline.VerifyOptions, runner: str | None = None,
                 sweep_since: str | None = None) -> VerifyReport:
     """Verify what needs it (or the sample) and record the results; the :class:`VerifyReport`
@@ -89,11 +140,11 @@ def verify_task(run: Run, options: pipeline.VerifyOptions, runner: str | None = 
 
 
 #: The operations' fan-out work functions as Prefect tasks; a failure retries only when transient.
-verify_work_task = task(name="verify-checkpoints", retries=2, retry_delay_seconds=5,
+verify_work_task = task(name="verify-checkpoints", task_run_name=_named("verify"), retries=2, retry_delay_seconds=5,
                         retry_condition_fn=retry_if_transient)(verify_work)
-promote_work_task = task(name="promote-checkpoint", retries=2, retry_delay_seconds=10,
-                         retry_condition_fn=retry_if_transient)(promote_work)
-fetch_work_task = task(name="fetch-files", retries=2, retry_delay_seconds=5,
+promote_work_task = task(name="promote-checkpoint", task_run_name=_named("promote"), retries=2,
+                         retry_delay_seconds=10, retry_condition_fn=retry_if_transient)(promote_work)
+fetch_work_task = task(name="fetch-files", task_run_name=_named("fetch"), retries=2, retry_delay_seconds=5,
                        retry_condition_fn=retry_if_transient)(fetch_work)
 WORK_TASKS: dict[Callable[..., Any], Any] = {verify_work: verify_work_task, promote_work: promote_work_task,
                                               fetch_work: fetch_work_task}
@@ -184,7 +235,7 @@ class ProgressArtifact:
         self.last = pct
 
 
-@task(name="plan-retention", cache_policy=NO_CACHE)
+@task(name="plan-retention", task_run_name=_named("plan"), cache_policy=NO_CACHE)
 def plan_task(run: Run, job: str | None) -> dict[str, Any]:
     """The retention plan: ``rows`` (job, step, action, scope, reasons, bytes) and ``forecast``,
     the hot bytes carrying it out frees (:class:`ckptier.tasks.reports.FreedForecast`)."""
@@ -192,13 +243,13 @@ def plan_task(run: Run, job: str | None) -> dict[str, Any]:
     return {"rows": render_plan_table(plan), "forecast": {**asdict(forecast), "freed_bytes": forecast.freed_bytes}}
 
 
-@task(name="catalog-summary", cache_policy=NO_CACHE)
+@task(name="catalog-summary", task_run_name="catalog summary", cache_policy=NO_CACHE)
 def catalog_summary_task(run: Run) -> list[dict[str, Any]]:
     """Every job of the catalog: checkpoints by state, bytes per tier (:class:`ckptier.tasks.reports.JobSummary`)."""
     return [asdict(j) for j in pipeline.catalog_summary(run)]
 
 
-@task(name="apply-retention", retries=1, retry_delay_seconds=60, retry_condition_fn=retry_if_transient,
+@task(name="apply-retention", task_run_name=_named("apply"), retries=1, retry_delay_seconds=60, retry_condition_fn=retry_if_transient,
       cache_policy=NO_CACHE)
 def apply_task(run: Run, job: str | None, runner: str | None = None) -> ApplyRunReport:
     """Promote milestones, then delete what the policy lets go (fenced, batched; short leases kept alive by a heartbeat);
@@ -221,9 +272,28 @@ def apply_task(run: Run, job: str | None, runner: str | None = None) -> ApplyRun
     return report
 
 
-@task(name="drill", cache_policy=NO_CACHE)
-def drill_task(run: Run, options: pipeline.DrillOptions, runner: str | None = None) -> list[DrillReport]:
-    """Fetch, safely load, train K steps, judge and record (see ``pipeline.run_drill``); one report per drill.
+def drill_state(reports: Sequence[DrillReport]) -> State:
+    """The drill task run's final state, its verdict over ``reports`` (carried as its data). Pure.
+
+    Completed (message: the summaries) when every drill passed; Failed with the
+    failed drills' summaries when any failed; otherwise, when one could not judge
+    its checkpoint (the factory does not fit, ranks not supported, ...), a Failed
+    state named ``Not judged``: nothing was proven, and the flow run fails too, so
+    a green task inside a red run would mislead."""
+    failed = [r for r in reports if not r.ok and r.judged]
+    unjudged = [r for r in reports if not r.judged]
+    if failed:
+        return Failed(message="; ".join(r.summary for r in failed + unjudged), data=list(reports))
+    if unjudged:
+        return Failed(name="Not judged", message="; ".join(r.summary for r in unjudged), data=list(reports))
+    return Completed(message="; ".join(r.summary for r in reports), data=list(reports))
+
+
+@task(name="drill", task_run_name=_named("drill"), cache_policy=NO_CACHE)
+def drill_task(run: Run, options: pipeline.DrillOptions, runner: str | None = None) -> State:
+    """Fetch, safely load, train K steps, judge and record (see ``pipeline.run_drill``); the task
+    run ends in :func:`drill_state` of the reports (one per drill), which its result holds:
+    call it with ``return_state=True`` and read ``state.result(raise_on_failure=False)``.
 
     The checkpoint's files are fetched by ``fetch-files`` task runs, a batch
     of files each, on the task runner ``[runner]`` names (``runner``
@@ -236,4 +306,4 @@ def drill_task(run: Run, options: pipeline.DrillOptions, runner: str | None = No
         fanout.close()
     for r in reports:
         (log.info if r.ok else log.error)(r.summary)
-    return reports
+    return drill_state(reports)

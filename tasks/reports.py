@@ -815,6 +815,8 @@ class DrillReport:
     ``failed`` or ``not judged`` (the JSON's ``verdict``). ``drift``: set
     when the checkpoint passed an earlier drill under another stack (the
     versions that changed, :mod:`ckptier.tasks.drill_history`).
+    ``device_note``: set when a GPU was expected and the drill ran on CPU
+    instead (``[[drill]] require_gpu = false``); the summary ends with it too.
 
     A multi-rank drill also has ``world_size`` (the ranks it restored into),
     ``saved_world_size``, ``layout`` (``replicated``, ``sharded``),
@@ -851,6 +853,7 @@ class DrillReport:
     trained_steps: tuple[int, int] | None = None
     stack: Mapping[str, str | None] = dataclasses.field(default_factory=dict)
     drift: str | None = None
+    device_note: str | None = None
 
     @property
     def outcome(self) -> str:
@@ -899,6 +902,8 @@ class DrillReport:
         out = {k: values[k] for k in _DRILL_KEYS[kind] if k != "reshard" or self.reshard is not None}
         if self.drift is not None:
             out["drift"] = self.drift
+        if self.device_note is not None:
+            out["device_note"] = self.device_note
         return out
 
     def verdict_json(self) -> dict[str, Any]:

@@ -24,6 +24,7 @@ import pytest
 from ckptier.deployments import serve as dep
 from ckptier.storage.errors import ConfigError
 
+from .fixtures.parameter_form import form_problems
 from .fixtures.prefect_server import PrefectServer
 from .fixtures.services import free_port, unavailable
 
@@ -58,9 +59,19 @@ def test_entrypoints_load_and_parameters_are_documented_for_the_ui_form() -> Non
             assert name in props, f"{spec.name}: parameter {name} not in the flow signature"
         for name, schema in props.items():
             assert schema.get("description"), f"{spec.name}: parameter {name} has no description (UI form)"
+        assert form_problems(props, flow.parameters.required or []) == [], spec.name
     drill = dep.load_flow(BY_NAME["restore-drill"]).parameters.properties
-    assert {"enum": ["auto", "cpu", "cuda"], "type": "string"} in drill["device"]["anyOf"]
-    assert {"type": "integer"} in drill["steps"]["anyOf"]
+    assert (drill["device"]["enum"], drill["device"]["default"]) == (["auto", "cpu", "cuda"], "auto")
+    assert (drill["steps"]["type"], drill["steps"]["default"]) == ("integer", 10)
+    assert drill["runner"]["enum"] == ["config", "threads", "dask"]
+
+
+def test_only_the_gpu_pool_deployment_tells_its_runs_they_expect_a_gpu() -> None:
+    from ckptier.tasks.drill_inputs import GPU_POOL_ENV
+
+    assert dep.job_variables_for(BY_NAME["restore-drill"], "my-gpus") == {"env": {GPU_POOL_ENV: "my-gpus"}}
+    assert dep.job_variables_for(BY_NAME["restore-drill"], None) == {}  # served: one host, no pool
+    assert dep.job_variables_for(BY_NAME["tiering"], dep.PROCESS_POOL) == {}
 
 
 def _yaml(schedule: str, *, extra: str = "") -> str:
@@ -264,7 +275,8 @@ def test_deployments_schedules_schemas_and_limits_are_as_defined(deployed: Prefe
                                                   "config_path": str(demo_dir / "ckptier.toml")}
         assert deps["tiering"].parameters["apply"] is False
         assert deps["tiering"].parameters["config_path"] == str(demo_dir / "ckptier.toml")
-        assert deps["restore-drill"].parameter_openapi_schema["properties"]["device"]["anyOf"][0]["enum"] == ["auto", "cpu", "cuda"]
+        assert deps["restore-drill"].parameter_openapi_schema["properties"]["device"]["enum"] == ["auto", "cpu", "cuda"]
+        assert deps["restore-drill"].job_variables == {"env": {"CKPTIER_GPU_POOL": dep.GPU_POOL}}
         pools = {p.name: p for p in client.read_work_pools()}
         assert pools[dep.GPU_POOL].concurrency_limit == 1 and pools[dep.GPU_POOL].type == "process"
         assert pools[dep.PROCESS_POOL].concurrency_limit is None
