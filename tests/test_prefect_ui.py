@@ -1,7 +1,7 @@
 """What an operator sees in the Prefect UI, against a real ``prefect server``.
 
-One module, one server (the session's ``prefect_server``, its settings held
-for the module): the deployments' Custom run forms (every parameter with a
+One module, one server (the session's in-process Prefect API, the one every
+flow run of the session uses): the deployments' Custom run forms (every parameter with a
 default is typed with it; choices are selects), the task runs of a drill
 flow run (named after the checkpoint, their states the verdict: one drill
 passing, one failing), and the artifacts of runs over hostile job names
@@ -20,7 +20,6 @@ import pytest
 from markdown_it import MarkdownIt
 
 from .fixtures.parameter_form import form_problems
-from .fixtures.prefect_server import PrefectServer
 
 # Slow: the server's start (shared by the session), a scan-verify and two drill flow runs (~35 s here).
 pytestmark = [pytest.mark.prefect_server, pytest.mark.slow]
@@ -32,25 +31,25 @@ RENDER = MarkdownIt("commonmark", {"html": True}).enable("table")
 
 
 @pytest.fixture(scope="module")
-def server(prefect_server: PrefectServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServer]:
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+def server(prefect_harness: None) -> Iterator[str]:
+    """The session's in-process Prefect API (a ``prefect server`` of its own, see
+    ``tests/fixtures/prefect_server.py``): the flows run here talk to it, so their task runs and
+    artifacts are read back from it. Yields its API URL."""
+    from prefect.settings import PREFECT_API_URL
 
-    old = {k: os.environ.get(k) for k in ("PREFECT_API_URL", "CKPTIER_DASHBOARD_URL")}
-    os.environ["PREFECT_API_URL"] = prefect_server.api_url
+    old = os.environ.get("CKPTIER_DASHBOARD_URL")
     os.environ["CKPTIER_DASHBOARD_URL"] = "http://dash.example:8765/"
     try:
-        with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
-            yield prefect_server
+        yield str(PREFECT_API_URL.value())
     finally:
-        for key, value in old.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        if old is None:
+            os.environ.pop("CKPTIER_DASHBOARD_URL", None)
+        else:
+            os.environ["CKPTIER_DASHBOARD_URL"] = old
 
 
 @pytest.fixture(scope="module")
-def tree(server: PrefectServer, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def tree(server: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Two demo runs under hostile job names, scanned and verified by a scan-verify flow run."""
     from ckptier.flows.scan_verify import scan_verify_flow
     from ckptier.tasks.demo import train_demo_run
@@ -105,21 +104,28 @@ def _assert_inert(artifacts: list[Any]) -> None:
             assert isinstance(json.loads(a.data), list)
 
 
-def test_every_deployment_form_types_its_defaults_and_shows_selects(server: PrefectServer,
+def test_every_deployment_form_types_its_defaults_and_shows_selects(server: str,
                                                                     tree: dict[str, Any]) -> None:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import VariableCreate
 
     from ckptier.deployments import serve as dep
 
+    created: list[str] = []
     with get_client(sync_client=True) as client:
         for name, value in (("ckptier_scan_urls", [str(tree["hot"])]), ("ckptier_catalog_url", tree["catalog_url"]),
                             ("ckptier_config_path", tree["config"])):
             if client.read_variable_by_name(name) is None:
                 client.create_variable(VariableCreate(name=name, value=value))
-    assert dep.deploy_all(automations=None, quiet=True) == 0
-    with get_client(sync_client=True) as client:
-        deployments = {d.name: d for d in client.read_deployments()}
+                created.append(name)
+    try:
+        assert dep.deploy_all(automations=None, quiet=True) == 0
+        with get_client(sync_client=True) as client:
+            deployments = {d.name: d for d in client.read_deployments()}
+    finally:  # the API is the session's: later flow runs must not find this module's Variables
+        with get_client(sync_client=True) as client:
+            for name in created:
+                client.delete_variable_by_name(name)
     for spec in dep.load_specs():  # the deployments the README has users create
         schema = deployments[spec.name].parameter_openapi_schema
         assert form_problems(schema["properties"], schema.get("required") or []) == [], spec.name
@@ -130,7 +136,7 @@ def test_every_deployment_form_types_its_defaults_and_shows_selects(server: Pref
 
 
 def test_a_passing_drill_names_its_task_runs_after_the_checkpoint_and_ends_completed(
-        server: PrefectServer, tree: dict[str, Any]) -> None:
+        server: str, tree: dict[str, Any]) -> None:
     from ckptier.flows.drill import restore_drill_flow
 
     state = restore_drill_flow(job=IMG_JOB, step=50, steps=2, catalog_url=tree["catalog_url"],
@@ -152,7 +158,7 @@ def test_a_passing_drill_names_its_task_runs_after_the_checkpoint_and_ends_compl
 
 
 def test_a_failing_drill_fails_its_task_run_with_the_verdict_and_the_flow_run(
-        server: PrefectServer, tree: dict[str, Any]) -> None:
+        server: str, tree: dict[str, Any]) -> None:
     from ckptier.flows.drill import DrillFailed, restore_drill_flow
 
     factory = tree["base"] / "nan_model.py"
