@@ -153,7 +153,7 @@ def test_every_duration_key_and_option_uses_the_one_parser(tmp_path, capsys) -> 
         code = main([argv[0], "--catalog", f"sqlite:///{tmp_path}/none.db", *argv[1:]] if argv[0] == "janitor" else argv)
         err = capsys.readouterr().err.strip()
         assert code == 2 and "minutes or months?" in err and err.count("\n") == 0, err
-        assert f"{argv[-2]} '{argv[-1]}'" in err
+        assert f"{argv[-2]}: '{argv[-1]}'" in err
 
 
 def test_plan_day_buckets_follow_the_timezone_key() -> None:
