@@ -35,13 +35,18 @@ def server(prefect_harness: None) -> Iterator[str]:
     """The session's in-process Prefect API (a ``prefect server`` of its own, see
     ``tests/fixtures/prefect_server.py``): the flows run here talk to it, so their task runs and
     artifacts are read back from it. Yields its API URL."""
+    from prefect.events.worker import EventsWorker
     from prefect.settings import PREFECT_API_URL
 
+    # Task runs reach the API as events, through one events worker per process, bound to the API
+    # it first met (an earlier test's server): drained, the next one is this API's.
+    EventsWorker.drain_all()
     old = os.environ.get("CKPTIER_DASHBOARD_URL")
     os.environ["CKPTIER_DASHBOARD_URL"] = "http://dash.example:8765/"
     try:
         yield str(PREFECT_API_URL.value())
     finally:
+        EventsWorker.drain_all()
         if old is None:
             os.environ.pop("CKPTIER_DASHBOARD_URL", None)
         else:
