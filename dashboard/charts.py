@@ -18,6 +18,12 @@ from markupsafe import Markup, escape
 
 from .format import human_bytes
 
+#: Columns of marks per lane of the step chart at most: checkpoints sharing a column merge, so a job of
+#: 5,000 (or 500,000) checkpoints draws a few hundred rects, not one per checkpoint.
+MAX_MARK_COLUMNS = 300
+#: Columns of a time chart's line at most: changes within one column merge (it keeps the value it
+#: starts from, its lowest and highest, and the one it ends on), so a line has a few hundred vertices.
+MAX_LINE_COLUMNS = 200
 #: Which state wins a pixel shared by several checkpoints (first wins).
 STATE_PRIORITY = ("corrupt", "degraded", "missing", "incomplete", "committed", "verified", "drilled", "present", "deleted")
 
@@ -102,11 +108,12 @@ def step_chart(marks: Sequence[Mark], *, milestones: Sequence[int] = (), recover
         out.append(f'<path class="milestone" d="M{xm - 4:.1f},{top - 9} L{xm + 4:.1f},{top - 9} L{xm:.1f},{top - 2} Z">'
                    f'<title>milestone: step {m:,}</title></path>')
 
-    # Ticks, merged per pixel column.
+    # Ticks, merged per column (at most MAX_MARK_COLUMNS per lane).
     tick_w = max(1.5, min(8.0, plot_w / max(len(set(steps)), 1) * 0.7))
+    column_w = max(tick_w, 1.0, plot_w / MAX_MARK_COLUMNS)
     buckets: dict[tuple[str, int], list[Mark]] = {}
     for mark in marks:
-        buckets.setdefault((mark.lane, int(x(mark.step) // max(tick_w, 1.0))), []).append(mark)
+        buckets.setdefault((mark.lane, int(x(mark.step) // column_w)), []).append(mark)
     for (lane, _px), group in sorted(buckets.items(), key=lambda kv: (kv[0][0], kv[1][0].step)):
         y = top + lanes.index(lane) * lane_height
         group.sort(key=lambda m: (STATE_PRIORITY.index(m.cls) if m.cls in STATE_PRIORITY else 99, m.step))
@@ -126,6 +133,42 @@ def step_chart(marks: Sequence[Mark], *, milestones: Sequence[int] = (), recover
                    f'recovery point {recovery_step:,}</text>')
     out.append("</svg>")
     return Markup("".join(out))
+
+
+def step_points(points: Sequence[tuple[float, float]], column_w: float) -> list[tuple[float, float]]:
+    """The vertices of a step line through ``points`` (x ascending: each value holds until the next x).
+
+    Points whose x fall in the same ``column_w``-wide column merge: the line
+    reaches the column at the value it held, spans the lowest and highest
+    value inside it, and leaves at the last one, so that a line of any
+    length has at most six vertices per column and every peak is still
+    drawn.
+    """
+    out: list[tuple[float, float]] = []
+    i, n = 0, len(points)
+    width = max(column_w, 1e-9)
+    while i < n:
+        col = int(points[i][0] // width)
+        j = i
+        while j + 1 < n and int(points[j + 1][0] // width) == col:
+            j += 1
+        x0 = points[i][0]
+        if out:
+            out.append((x0, out[-1][1]))  # the held value, carried to this column
+        if j == i:
+            out.append(points[i])
+        else:
+            ys = [p[1] for p in points[i:j + 1]]
+            first, last = ys[0], ys[-1]
+            out.append((x0, first))
+            for v in (min(ys), max(ys)):
+                if v not in (first, last):
+                    out.append((x0, v))
+            out.append((x0, last))
+            if points[j][0] != x0:
+                out.append((points[j][0], last))
+        i = j + 1
+    return out
 
 
 def _time_label(t: datetime, span_s: float) -> str:
@@ -197,11 +240,7 @@ def time_chart(times: Sequence[datetime], series: Sequence[Series], *, width: in
     for s in series:
         if not len(s.values):
             continue
-        pts: list[tuple[float, float]] = []
-        for i, (t, v) in enumerate(zip(ts, s.values, strict=True)):
-            if i:
-                pts.append((x(t), pts[-1][1]))
-            pts.append((x(t), y(v)))
+        pts = step_points([(x(t), y(v)) for t, v in zip(ts, s.values, strict=True)], plot_w / MAX_LINE_COLUMNS)
         if held_since is not None:
             pts.append((left + plot_w, pts[-1][1]))
         path = " ".join(f"{'M' if i == 0 else 'L'}{px:.1f},{py:.1f}" for i, (px, py) in enumerate(pts))

@@ -18,6 +18,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pandas as pd
 import pytest
 from fastapi.testclient import TestClient
@@ -670,3 +671,117 @@ def test_drill_post_needs_a_matching_csrf_token_and_same_origin(sqlite_facts: An
     assert stranger.post("/drill", data={"job": "alpha", "csrf": csrf}).status_code == 403
     unreachable = PrefectDrills("http://127.0.0.1:9/api")
     assert not unreachable.status().enabled and "does not answer" in unreachable.status().reason
+
+
+# ------------------------------------------------------------------ the drill button's catalog, bad numbers
+
+
+class FakePrefectAPI:
+    """A Prefect API as the drill button uses it (httpx.MockTransport): the deployment, flow runs by id."""
+
+    def __init__(self) -> None:
+        self.created: list[dict[str, Any]] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if request.method == "GET" and path == "/api/deployments/name/restore-drill/restore-drill":
+            return httpx.Response(200, json={"id": "dep-1", "paused": False})
+        if request.method == "POST" and path == "/api/deployments/dep-1/create_flow_run":
+            self.created.append(json.loads(request.content))
+            return httpx.Response(201, json=self._run(len(self.created)))
+        if request.method == "GET" and path.startswith("/api/flow_runs/run-"):
+            return httpx.Response(200, json=self._run(int(path.rsplit("-", 1)[1])))
+        return httpx.Response(404, json={"detail": "not found"})
+
+    def _run(self, n: int) -> dict[str, Any]:
+        return {"id": f"run-{n}", "name": f"drill-{n}", "state": {"name": "Scheduled"}}
+
+
+def test_drill_button_drills_the_catalog_on_screen_not_the_deployments(tmp_path: Path) -> None:
+    """Two catalogs share job ``alpha``; the dashboard over B sends B (and its config) to the flow run,
+    whatever catalog the deployment's Variables name, and the page says which catalog that is."""
+    from ckptier.tasks.config import load_config
+
+    urls = {}
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        urls[name] = f"sqlite:///{tmp_path / name / 'catalog.db'}"
+        build_catalog(urls[name])
+    config = tmp_path / "b" / "ckptier.toml"
+    config.write_text(POLICY)
+    api = FakePrefectAPI()
+    drills = PrefectDrills("http://prefect.test/api", environ={}, transport=httpx.MockTransport(api))
+    here = os.getcwd()
+    os.chdir(tmp_path)  # a relative SQLite path and config: the flow run gets them absolute
+    try:
+        source = open_source("sqlite:///b/catalog.db", load_config("b/ckptier.toml"))
+    finally:
+        os.chdir(here)
+    with source:
+        client = _client(source, prefect=drills)
+        page = client.get("/jobs/alpha").text
+        assert f'id="drill-catalog">{urls["b"]}</code>' in page and f'id="drill-config">{config}</code>' in page
+        r = client.post("/drill", data={"job": "alpha", "csrf": client.cookies.get(security.CSRF_COOKIE)},
+                        follow_redirects=False)
+        assert r.status_code == 303 and r.headers["location"] == "/jobs/alpha?run=run-1#drill", r.text
+        client.get("/checkpoint?job=alpha&step=800")
+        r = client.post("/drill", data={"job": "alpha", "step": "800", "csrf": client.cookies.get(security.CSRF_COOKIE)},
+                        follow_redirects=False)
+        assert r.status_code == 303
+    assert [c["parameters"] for c in api.created] == [
+        {"job": "alpha", "catalog_url": urls["b"], "config_path": str(config)},
+        {"job": "alpha", "step": 800, "catalog_url": urls["b"], "config_path": str(config)},
+    ]
+    assert all(c["tags"] == ["ckptier-dashboard"] for c in api.created)
+
+
+def test_drill_button_withholds_the_catalog_password_and_says_so(facts: Any, catalog_url: str) -> None:
+    if facts.catalog.dialect != "postgresql":
+        pytest.skip("only a PostgreSQL URL carries a password here")
+    from sqlalchemy.engine import make_url
+
+    with_password = make_url(catalog_url).set(password="Sup3rSecret").render_as_string(hide_password=False)
+    api = FakePrefectAPI()
+    with open_source(with_password, facts.config) as source:
+        client = _client(source, prefect=PrefectDrills("http://prefect.test/api", environ={},
+                                                      transport=httpx.MockTransport(api)))
+        page = client.get("/jobs/alpha").text
+        assert "Sup3rSecret" not in page and "its password is not sent to Prefect" in page
+        client.post("/drill", data={"job": "alpha", "csrf": client.cookies.get(security.CSRF_COOKIE)})
+    (sent,) = api.created
+    assert "Sup3rSecret" not in json.dumps(sent)
+    assert make_url(sent["parameters"]["catalog_url"]) == make_url(catalog_url)._replace(password=None)
+    assert "config_path" not in sent["parameters"]  # this dashboard has no config file: the worker's own
+
+
+@pytest.mark.parametrize(("path", "fragment"), [
+    ("/checkpoint?job=alpha&step=99999999999999999999999", "step=99999999999999999999999 is out of range"),
+    ("/checkpoint?job=alpha&step=9223372036854775808", "is out of range; give one from 0 to 9,223,372,036,854,775,807"),
+    ("/checkpoint?job=alpha&step=-1", "step=-1 is out of range"),
+    ("/checkpoint?job=alpha&step=1e3", "step=1e3 is not a whole number"),
+    ("/checkpoint?job=alpha&step=" + "9" * 5000, "is out of range"),
+    ("/checkpoint?job=alpha", "step is missing"),
+    ("/checkpoint?step=800", "job is missing"),
+    ("/data/files.csv?job=alpha&step=99999999999999999999999", "step=99999999999999999999999 is out of range"),
+    ("/jobs/alpha?page=0", "page=0 is out of range"),
+    ("/jobs/alpha?page=99999999999999999999999", "page=99999999999999999999999 is out of range"),
+    ("/jobs/alpha?per=100000", "per=100000 is out of range; give one from 10 to 500"),
+    ("/jobs/alpha?per=x", "per=x is not a whole number"),
+])
+def test_out_of_range_numbers_are_a_400_naming_the_parameter(sqlite_facts: Any, path: str, fragment: str) -> None:
+    r = _client(sqlite_facts).get(path)
+    assert r.status_code == 400 and fragment in r.text, (path, r.status_code, r.text[:300])
+    assert "Traceback" not in r.text and "internal error" not in r.text
+
+
+def test_drill_form_step_is_bounded_like_the_query(sqlite_facts: Any) -> None:
+    client = _client(sqlite_facts)
+    client.get("/jobs/alpha")
+    r = client.post("/drill", data={"job": "alpha", "step": "99999999999999999999999",
+                                    "csrf": client.cookies.get(security.CSRF_COOKIE)})
+    assert r.status_code == 400 and "step=99999999999999999999999 is out of range" in r.text
+
+
+def test_largest_step_the_catalog_holds_is_a_404_not_a_400(sqlite_facts: Any) -> None:
+    r = _client(sqlite_facts).get(f"/checkpoint?job=alpha&step={2**63 - 1}")
+    assert r.status_code == 404 and "has no step 9223372036854775807" in r.text
