@@ -46,7 +46,7 @@ from ckptier import __version__
 from ckptier.storage.errors import CkptierError
 from ckptier.storage.records import HELD_COPY_STATES, CopyState
 
-from . import charts, params, security
+from . import background, charts, params, security
 from .alerts import format_age
 from .params import BadParam
 from .format import display, human_bytes, missing, python_rows, to_csv, to_json
@@ -88,11 +88,15 @@ def _templates() -> Environment:
 
 
 def create_app(source: Source, *, token: str | None = None, prefect: PrefectDrills | None = None,
-               clock: Callable[[], datetime] = utcnow) -> FastAPI:
+               clock: Callable[[], datetime] = utcnow, background_wait: float = background.WAIT_S) -> FastAPI:
     """The dashboard over ``source``. ``token``: required of every request
     when set; ``prefect``: the drill button's API link (None: disabled);
-    ``clock``: aware UTC now."""
+    ``clock``: aware UTC now; ``background_wait``: seconds a page waits for
+    the background tables (tonight's plan, cost over time) being built
+    (``app.state.background``, a :class:`~.background.Background`)."""
     app = FastAPI(title="ckptier dashboard", docs_url=None, redoc_url=None, openapi_url=None)
+    slow = background.Background(source, clock)
+    app.state.background = slow
     env = _templates()
     drills = prefect or PrefectDrills(None)
     css = (HERE / "static" / "style.css").read_bytes()
@@ -157,6 +161,7 @@ def create_app(source: Source, *, token: str | None = None, prefect: PrefectDril
             return error(request, 500, "Cannot read the catalog", str(exc))
         totals = _totals(jobs)
         return page(request, "overview.html", now=now, jobs=python_rows(jobs), totals=totals,
+                    **_background(slow.get(background_wait)),
                     jobs_view=table_view(TABLES["jobs"], jobs),
                     alerts=table_view(TABLES["alerts"], alerts, columns=["severity", "job", "kind", "steps", "message"]),
                     drills=table_view(TABLES["drills"], snap.table("drills"), limit=OVERVIEW_ROWS,
@@ -167,7 +172,8 @@ def create_app(source: Source, *, token: str | None = None, prefect: PrefectDril
     @app.get("/costs", response_class=HTMLResponse)
     def costs_page(request: Request) -> Response:
         now = clock()
-        return page(request, "costs.html", now=now, **_costs(Snapshot(source, now=now)))
+        return page(request, "costs.html", now=now, **_costs(Snapshot(source, now=now)),
+                    **_background(slow.get(background_wait)))
 
     @app.get("/jobs/{job:path}", response_class=HTMLResponse)
     def job_page(request: Request, job: str, run: str | None = None) -> Response:
@@ -379,6 +385,33 @@ def drill_target(source: Source) -> DrillTarget:
     cfg = source.config.source
     return DrillTarget(catalog_url=source.run_url, config_path=str(cfg) if cfg is not None else None,
                        password_withheld=bool(source.engine.url.password))
+
+
+def _background(built: background.Built | None) -> dict[str, Any]:
+    """What the overview and costs pages draw from the background tables: ``tonight`` (a table
+    view), ``tonight_totals``, ``cost_svg``, ``background`` (the build, None while the first runs)
+    and ``background_errors``."""
+    out: dict[str, Any] = {"background": built, "tonight": None, "tonight_totals": None, "cost_svg": None,
+                           "cost_view": None, "cost_now": None, "background_errors": dict(built.errors) if built else {}}
+    if built is None:
+        return out
+    tonight = built.tables.get("tonight")
+    if tonight is not None:
+        out["tonight"] = table_view(TABLES["tonight"], tonight, columns=[
+            "job", "promote", "promote_bytes", "delete", "delete_bytes", "freed_bytes", "hot_bytes", "hot_bytes_after",
+            "note"])
+        out["tonight_totals"] = {k: int(tonight[k].sum()) for k in
+                                 ("promote", "promote_bytes", "delete", "delete_bytes", "freed_bytes", "hot_bytes")}
+    history = built.tables.get("cost_history")
+    if history is not None:
+        out["cost_view"] = table_view(TABLES["cost_history"], history, limit=0)
+        out["cost_now"] = float(history["monthly_cost"].iloc[-1]) if len(history) else None
+        out["cost_svg"] = charts.time_chart(list(history["at"]), [
+            charts.Series("tier-hot", "hot", list(history["hot_monthly_cost"])),
+            charts.Series("tier-archive", "archive", list(history["archive_monthly_cost"]), fill=True),
+            charts.Series("cost-total", "total", list(history["monthly_cost"])),
+        ], fmt=lambda v: display(v, "money"), label="cost over time", height=180)
+    return out
 
 
 def _hot_url(snap: Snapshot) -> str | None:

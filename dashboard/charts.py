@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
+import numpy as np
 import pandas as pd
 from markupsafe import Markup, escape
 
@@ -192,20 +193,26 @@ class Series:
 
 
 def time_chart(times: Sequence[datetime], series: Sequence[Series], *, width: int = 1100, height: int = 200,
-               fmt: Callable[[float], str] = human_bytes) -> Markup:
+               fmt: Callable[[float], str] = human_bytes, label: str = "storage over time") -> Markup:
     """Step lines over time (a value holds until the next point), y from 0.
 
     When the last point only carries the values forward to now and that
     flat tail is longer than all the changes before it, the axis ends
     shortly after the last change and a note says the values held since
-    (so a burst of activity is not squeezed into the left edge).
+    (so a burst of activity is not squeezed into the left edge). ``label``
+    names the chart (its ``aria-label``). Each line has at most a few
+    hundred vertices (:func:`step_points`), however many points it has.
     """
     if len(times) == 0:
         return Markup(f'<svg class="chart" viewBox="0 0 {width} 60" role="img" aria-label="no history">'
                       f'<text x="70" y="34" class="muted">no history yet</text></svg>')
     left, right, top, bottom = 70, 16, 24, 34
     plot_w, plot_h = width - left - right, height - top - bottom
-    ts = [pd.Timestamp(t).timestamp() for t in times]
+    stamps = pd.DatetimeIndex(times)
+    if stamps.tz is None:
+        stamps = stamps.tz_localize("UTC")
+    epoch = np.asarray((stamps - pd.Timestamp(0, tz="UTC")) / pd.Timedelta(seconds=1), dtype=np.float64)
+    ts = epoch.tolist()
     tz = pd.Timestamp(times[0]).tz
     t0, t_end = ts[0], ts[-1]
     held_since: float | None = None
@@ -215,7 +222,7 @@ def time_chart(times: Sequence[datetime], series: Sequence[Series], *, width: in
             held_since = ts[-2]
             t_end = ts[-2] + max(busy * 0.12, 1.0)
     span = max(t_end - t0, 1e-3)
-    vmax = max([max(s.values) for s in series if len(s.values)] + [1])
+    vmax = float(max([max(s.values) for s in series if len(s.values)] + [1]))
     yticks = nice_ticks(0, vmax * 1.05, 4)
     ymax = max(yticks[-1], vmax)
 
@@ -225,7 +232,8 @@ def time_chart(times: Sequence[datetime], series: Sequence[Series], *, width: in
     def y(v: float) -> float:
         return top + plot_h - v / ymax * plot_h
 
-    out = [f'<svg class="chart" viewBox="0 0 {width} {height}" role="img" aria-label="storage over time">']
+    xs = (left + (np.minimum(epoch, t_end) - t0) / span * plot_w).tolist()
+    out = [f'<svg class="chart" viewBox="0 0 {width} {height}" role="img" aria-label="{escape(label)}">']
     for v in yticks:
         out.append(f'<line class="grid" x1="{left}" y1="{y(v):.1f}" x2="{left + plot_w}" y2="{y(v):.1f}"/>')
         out.append(f'<text class="axis-label" x="{left - 6}" y="{y(v) + 4:.1f}" text-anchor="end">{escape(fmt(v))}</text>')
@@ -240,7 +248,8 @@ def time_chart(times: Sequence[datetime], series: Sequence[Series], *, width: in
     for s in series:
         if not len(s.values):
             continue
-        pts = step_points([(x(t), y(v)) for t, v in zip(ts, s.values, strict=True)], plot_w / MAX_LINE_COLUMNS)
+        ys = (top + plot_h - np.asarray(s.values, dtype=np.float64) / ymax * plot_h).tolist()
+        pts = step_points(list(zip(xs, ys, strict=True)), plot_w / MAX_LINE_COLUMNS)
         if held_since is not None:
             pts.append((left + plot_w, pts[-1][1]))
         path = " ".join(f"{'M' if i == 0 else 'L'}{px:.1f},{py:.1f}" for i, (px, py) in enumerate(pts))

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 #: The largest step the catalog holds (a signed 64-bit ``BIGINT`` column).
 MAX_STEP = 2**63 - 1
 #: Rows per page of a paginated table: the default and the bounds of ``?per=``.
-PAGE_SIZE = 100
+PAGE_SIZE = 50
 MIN_PAGE_SIZE = 10
 MAX_PAGE_SIZE = 500
 #: The highest ``?page=`` accepted (far past any table; a page past the end shows the last one).

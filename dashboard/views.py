@@ -141,7 +141,7 @@ def cell(value: Any, kind: str, *, row: dict[str, Any], job: str | None) -> Cell
     if missing(value):
         return Cell(text, cls="muted")
     if kind == "job":
-        return Cell(text, href=job_url(str(value)), cls="job")
+        return Cell(text, href=job_url(str(value)), cls="job", title=text)  # the stylesheet truncates long names
     if kind == "step":
         owner = row.get("job") if isinstance(row.get("job"), str) and row.get("job") else job
         return Cell(text, href=checkpoint_url(owner, int(value)) if owner else None, cls="num")
