@@ -199,7 +199,7 @@ class Snapshot:
 
         try:
             run = Run.of(self.catalog, config=self.source.config, now=lambda: self.now)
-            return merge_plans([p for _, p in plans_by_policy(run, job=self.job)])
+            return merge_plans([p for _, p in plans_by_policy(run, job=self.job, records=self.records)])
         except ConfigError:
             return None
 
