@@ -185,6 +185,106 @@ def replay(raw: Any, statements: Sequence[tuple[str, Any]]) -> tuple[float, list
     return total, each
 
 
+def capture(engine: Any, client: TestClient, path: str) -> list[tuple[str, Any]]:
+    """The statements one ``GET path`` executes (transaction control left out)."""
+    cap = Capture()
+    sa.event.listen(engine, "before_cursor_execute", cap)
+    try:
+        assert client.get(path).status_code == 200, path
+    finally:
+        sa.event.remove(engine, "before_cursor_execute", cap)
+    return [(s, p) for s, p in cap.statements if not s.lstrip().upper().startswith(("BEGIN", "COMMIT", "ROLLBACK", "PRAGMA"))]
+
+
+class Chromium:
+    """Headless Chromium behind chromedriver (W3C WebDriver), for navigation timing."""
+
+    def __init__(self) -> None:
+        import shutil
+        import subprocess
+        import tempfile
+
+        import httpx
+
+        chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+        driver = shutil.which("chromedriver")
+        if chromium is None or driver is None:
+            raise RuntimeError("chromium and chromedriver are not installed")
+        self.http = httpx.Client(timeout=120)
+        self.port = _free_port()
+        self.proc = subprocess.Popen([driver, f"--port={self.port}"], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, start_new_session=True)
+        self.url = f"http://127.0.0.1:{self.port}"
+        _wait(lambda: self.http.get(self.url + "/status", timeout=2).json()["value"]["ready"])
+        self.profile = tempfile.mkdtemp(prefix="ckptier-bench-chromium-")
+        args = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
+                "--disable-extensions", "--hide-scrollbars", "--window-size=1366,900", f"--user-data-dir={self.profile}"]
+        r = self.http.post(self.url + "/session", json={"capabilities": {"alwaysMatch": {
+            "browserName": "chrome", "goog:chromeOptions": {"binary": chromium, "args": args}}}})
+        r.raise_for_status()
+        self.base = f"{self.url}/session/{r.json()['value']['sessionId']}"
+
+    def navigate(self, url: str) -> dict[str, float]:
+        """Open ``url``; the navigation's timing in ms since it started: response end, DOM complete, load end."""
+        self.http.post(self.base + "/url", json={"url": url}).raise_for_status()
+        got = self.http.post(self.base + "/execute/sync", json={"args": [], "script": (
+            "const n = performance.getEntriesByType('navigation')[0];"
+            "return [n.responseStart, n.responseEnd, n.domComplete, n.loadEventEnd, n.transferSize];")}).json()["value"]
+        return dict(zip(("ttfb", "response", "dom", "load", "bytes"), got, strict=True))
+
+    def close(self) -> None:
+        import os
+        import shutil
+        import signal
+
+        try:
+            self.http.delete(self.base)
+        finally:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=20)
+            shutil.rmtree(self.profile, ignore_errors=True)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait(ready: Any, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if ready():
+                return
+        except Exception:  # noqa: BLE001 - not up yet
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError("did not start in time")
+        time.sleep(0.2)
+
+
+def serve(app: Any) -> tuple[str, Any]:
+    """``app`` served by uvicorn on a free loopback port in a thread; its URL and the server."""
+    import threading
+
+    import httpx
+    import uvicorn
+
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False))
+    threading.Thread(target=server.run, daemon=True).start()
+    url = f"http://127.0.0.1:{port}"
+    _wait(lambda: httpx.get(url + "/static/style.css", timeout=2).status_code == 200)
+    return url, server
+
+
+#: The pages measured: path, name, target ratio to its raw SQL.
+PAGES = (("/", "overview", 2.0), ("/jobs/llama-07", "job page", 3.0))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default="/tmp/ckptier-bench-dashboard")
@@ -193,6 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--files", type=int, default=10, help="files per checkpoint")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--rebuild", action="store_true")
+    ap.add_argument("--no-browser", action="store_true", help="measure in process only (no Chromium)")
     args = ap.parse_args(argv)
 
     path = Path(args.dir) / "catalog.db"
@@ -210,45 +311,72 @@ def main(argv: Sequence[str] | None = None) -> int:
                   for t in ("jobs", "checkpoints", "files", "copies", "events", "drills")}
     print("catalog: " + ", ".join(f"{v:,} {k}" for k, v in counts.items()))
 
-    client = TestClient(create_app(source, clock=lambda: now), base_url="http://127.0.0.1:8765")
-    first = client.get("/")
-    assert first.status_code == 200 and "llama-00" in first.text, first.text[:500]
+    app = create_app(source, clock=lambda: now)
+    # Tonight's plan and the cost history are built in the background (seconds here): built once,
+    # before anything is measured, and not again during the run, as between a dashboard's rebuilds.
+    app.state.background.ttl = float("inf")
+    t = time.perf_counter()
+    built = app.state.background.get(wait=600)
+    assert built is not None and not built.errors, built
+    print(f"background tables (tonight's plan, cost over time) built in {time.perf_counter() - t:.1f} s")
+    client = TestClient(app, base_url="http://127.0.0.1:8765")
+    first = {p: client.get(p) for p, _, _ in PAGES}
+    assert all(r.status_code == 200 for r in first.values()) and "llama-00" in first["/"].text
+    statements = {p: capture(engine, client, p) for p, _, _ in PAGES}
 
-    capture = Capture()
-    sa.event.listen(engine, "before_cursor_execute", capture)
-    client.get("/")
-    sa.event.remove(engine, "before_cursor_execute", capture)
-    statements = [(s, p) for s, p in capture.statements if not s.lstrip().upper().startswith(("BEGIN", "COMMIT", "ROLLBACK", "PRAGMA"))]
+    browser: Chromium | None = None
+    served = ""
+    server: Any = None
+    if not args.no_browser:
+        try:
+            browser = Chromium()
+            served, server = serve(app)
+            for p, _, _ in PAGES:
+                browser.navigate(served + p)  # warm: the stylesheet cached, the first-page costs paid
+        except (RuntimeError, OSError) as exc:
+            print(f"browser timing skipped: {exc}")
+            browser = None
 
     raw = engine.raw_connection()
-    raw_times, page_times, job_times = [], [], []
-    per_statement: list[list[float]] = []
+    times: dict[str, dict[str, list[float]]] = {p: {"raw": [], "page": [], "browser": []} for p, _, _ in PAGES}
+    per_statement: dict[str, list[list[float]]] = {p: [] for p, _, _ in PAGES}
     for _ in range(args.repeat):
-        total, each = replay(raw, statements)
-        raw_times.append(total)
-        per_statement.append(each)
-        t = time.perf_counter()
-        r = client.get("/")
-        page_times.append(time.perf_counter() - t)
-        assert r.status_code == 200
-        t = time.perf_counter()
-        assert client.get("/jobs/llama-07").status_code == 200
-        job_times.append(time.perf_counter() - t)
+        for p, _, _ in PAGES:
+            total, each = replay(raw, statements[p])
+            times[p]["raw"].append(total)
+            per_statement[p].append(each)
+            t = time.perf_counter()
+            assert client.get(p).status_code == 200
+            times[p]["page"].append(time.perf_counter() - t)
+            if browser is not None:
+                times[p]["browser"].append(browser.navigate(served + p)["load"] / 1000)
     raw.close()
 
-    best_raw, best_page = min(raw_times), min(page_times)
-    print(f"overview statements: {len(statements)} (drills read per job through Catalog.drills)")
-    slowest = sorted(range(len(statements)), key=lambda i: -statistics.median(e[i] for e in per_statement))[:4]
-    for i in slowest:
-        sql = " ".join(statements[i][0].split())
-        print(f"  {statistics.median(e[i] for e in per_statement) * 1000:7.1f} ms  {sql[:110]}…")
-    print(f"raw SQL (baseline), best of {args.repeat}:   {best_raw * 1000:8.1f} ms")
-    print(f"overview GET /, best of {args.repeat}:       {best_page * 1000:8.1f} ms  ({len(first.content):,} bytes of HTML)")
-    print(f"ratio overview / raw SQL:            {best_page / best_raw:8.2f}x   (target <= 2x)")
-    print(f"job page GET /jobs/llama-07 (info):  {min(job_times) * 1000:8.1f} ms  "
-          f"({math.floor(args.checkpoints / args.jobs):,} checkpoints in that job)")
+    ok = True
+    for p, name, target in PAGES:
+        t = times[p]
+        best_raw, best_page = min(t["raw"]), min(t["page"])
+        print(f"{name} {p}: {len(statements[p])} statements, {len(first[p].content):,} bytes of HTML")
+        slowest = sorted(range(len(statements[p])), key=lambda i: -statistics.median(e[i] for e in per_statement[p]))[:3]
+        for i in slowest:
+            sql = " ".join(statements[p][i][0].split())
+            print(f"  {statistics.median(e[i] for e in per_statement[p]) * 1000:7.1f} ms  {sql[:100]}…")
+        print(f"  raw SQL (baseline), best of {args.repeat}:     {best_raw * 1000:8.1f} ms")
+        print(f"  in process GET, best of {args.repeat}:         {best_page * 1000:8.1f} ms  "
+              f"{best_page / best_raw:5.2f}x   (target <= {target:g}x)")
+        ratio = best_page / best_raw
+        if t["browser"]:
+            best_browser = min(t["browser"])
+            ratio = best_browser / best_raw
+            print(f"  Chromium navigation to load end, best of {args.repeat}: {best_browser * 1000:8.1f} ms  "
+                  f"{ratio:5.2f}x   (target <= {target:g}x)")
+        ok = ok and ratio <= target
+    print(f"({math.floor(args.checkpoints / args.jobs):,} checkpoints in the job measured)")
+    if browser is not None:
+        browser.close()
+        server.should_exit = True
     source.close()
-    return 0 if best_page / best_raw <= 2.0 else 1
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

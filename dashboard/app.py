@@ -31,6 +31,7 @@ import logging
 import secrets
 import shlex
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -45,19 +46,21 @@ from ckptier import __version__
 from ckptier.storage.errors import CkptierError
 from ckptier.storage.records import HELD_COPY_STATES, CopyState
 
-from . import charts, security
+from . import background, charts, params, security
 from .alerts import format_age
+from .params import BadParam
 from .format import display, human_bytes, missing, python_rows, to_csv, to_json
 from .prefect_api import DrillError, PrefectDrills
 from .source import Source
 from .tables import TABLES, Snapshot, TableError
-from .views import checkpoint_url, data_url, job_url, table_view
+from .views import TableView, checkpoint_url, data_url, job_url, page_href, table_view
 
 log = logging.getLogger("ckptier.dashboard")
 
 HERE = Path(__file__).resolve().parent
-#: Rows of a job's checkpoint table drawn on the page (the downloads hold all of them).
-PAGE_ROWS = 500
+#: The paginated tables of a job page and the query parameter of each one's page.
+JOB_PAGERS = {"checkpoints": "page", "plan": "plan_page", "drills": "drills_page",
+              "verifications": "verifications_page", "events": "events_page"}
 #: Rows of the recent drills and events drawn on the overview.
 OVERVIEW_ROWS = 12
 CSP = ("default-src 'none'; style-src 'self'; img-src 'self' data:; form-action 'self'; "
@@ -85,15 +88,21 @@ def _templates() -> Environment:
 
 
 def create_app(source: Source, *, token: str | None = None, prefect: PrefectDrills | None = None,
-               clock: Callable[[], datetime] = utcnow) -> FastAPI:
+               clock: Callable[[], datetime] = utcnow, background_wait: float = background.WAIT_S) -> FastAPI:
     """The dashboard over ``source``. ``token``: required of every request
     when set; ``prefect``: the drill button's API link (None: disabled);
-    ``clock``: aware UTC now."""
+    ``clock``: aware UTC now; ``background_wait``: seconds a page waits for
+    the background tables (tonight's plan, cost over time) being built
+    (``app.state.background``, a :class:`~.background.Background`)."""
     app = FastAPI(title="ckptier dashboard", docs_url=None, redoc_url=None, openapi_url=None)
+    slow = background.Background(source, clock)
+    app.state.background = slow
     env = _templates()
     drills = prefect or PrefectDrills(None)
     css = (HERE / "static" / "style.css").read_bytes()
     env.globals["css_version"] = hashlib.sha256(css).hexdigest()[:12]  # a new stylesheet is never served from cache
+    on_screen = drill_target(source)
+    env.globals["drill_target"] = on_screen
 
     def page(request: Request, template: str, status: int = 200, **ctx: Any) -> HTMLResponse:
         csrf = request.cookies.get(security.CSRF_COOKIE) or security.new_csrf()
@@ -107,6 +116,12 @@ def create_app(source: Source, *, token: str | None = None, prefect: PrefectDril
 
     def error(request: Request, status: int, title: str, message: str) -> HTMLResponse:
         return page(request, "error.html", status=status, title=title, message=message)
+
+    @app.exception_handler(BadParam)
+    def bad_param(request: Request, exc: BadParam) -> Response:
+        if request.url.path.startswith("/data/"):
+            return PlainTextResponse(str(exc), status_code=400)
+        return error(request, 400, "Bad request", str(exc))
 
     @app.middleware("http")
     async def guard(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
@@ -146,6 +161,7 @@ def create_app(source: Source, *, token: str | None = None, prefect: PrefectDril
             return error(request, 500, "Cannot read the catalog", str(exc))
         totals = _totals(jobs)
         return page(request, "overview.html", now=now, jobs=python_rows(jobs), totals=totals,
+                    **_background(slow.get(background_wait)),
                     jobs_view=table_view(TABLES["jobs"], jobs),
                     alerts=table_view(TABLES["alerts"], alerts, columns=["severity", "job", "kind", "steps", "message"]),
                     drills=table_view(TABLES["drills"], snap.table("drills"), limit=OVERVIEW_ROWS,
@@ -156,10 +172,16 @@ def create_app(source: Source, *, token: str | None = None, prefect: PrefectDril
     @app.get("/costs", response_class=HTMLResponse)
     def costs_page(request: Request) -> Response:
         now = clock()
-        return page(request, "costs.html", now=now, **_costs(Snapshot(source, now=now)))
+        return page(request, "costs.html", now=now, **_costs(Snapshot(source, now=now)),
+                    **_background(slow.get(background_wait)))
 
     @app.get("/jobs/{job:path}", response_class=HTMLResponse)
     def job_page(request: Request, job: str, run: str | None = None) -> Response:
+        query = dict(request.query_params)
+        per = params.int_param("per", query.get("per"), params.PER, default=params.PAGE_SIZE)
+        assert per is not None
+        pages = {name: params.int_param(param, query.get(param), params.PAGE, default=1)
+                 for name, param in JOB_PAGERS.items()}
         now = clock()
         snap = Snapshot(source, now=now, job=job)
         try:
@@ -171,9 +193,8 @@ def create_app(source: Source, *, token: str | None = None, prefect: PrefectDril
         policy = source.config.policy_for(job)
         plan = snap.plan
         recovery = row.get("recovery_step")
-        marks = [m for r in python_rows(cks) for m in _marks(r)]
         milestones = [int(s) for s in cks["step"] if policy is not None and policy.is_milestone(int(s))]
-        step_svg = charts.step_chart(marks, milestones=milestones, recovery_step=recovery)
+        step_svg = charts.step_chart(_marks(cks, job), milestones=milestones, recovery_step=recovery)
         times = list(storage["at"])
         storage_svg = charts.time_chart(times, [
             charts.Series("tier-hot", "hot", list(storage["hot_bytes"])),
@@ -181,27 +202,36 @@ def create_app(source: Source, *, token: str | None = None, prefect: PrefectDril
             charts.Series("tier-archive-logical", "archive logical", list(storage["archive_logical_bytes"])),
         ])
         newest_first = cks.sort_values("step", ascending=False)
+
+        def paged(name: str, df: pd.DataFrame, columns: list[str]) -> TableView:
+            param = JOB_PAGERS[name]
+            page_no = pages[name] or 1
+            return table_view(TABLES[name], df, job=job, columns=columns, param=param,
+                              paging=(page_no, per, page_href(job_url(job), query, param, name)))
+
         return page(
             request, "job.html", now=now, job=job, row=row, hot_url=security.redact(_hot_url(snap)),
             policy=str(policy) if policy is not None else None, refused=(plan.refused_jobs.get(job) if plan else None),
             alerts=table_view(TABLES["alerts"], snap.table("alerts"), job=job, columns=["severity", "kind", "steps", "message"]),
-            step_svg=step_svg, storage_svg=storage_svg, storage_now=python_rows(storage)[-1] if len(storage) else None,
-            checkpoints=table_view(TABLES["checkpoints"], newest_first, job=job, limit=PAGE_ROWS,
-                                   columns=["step", "state", "proof", "last_drill", "bytes", "hot", "archive",
-                                            "archive_stored_bytes", "milestone", "saved_at", "verified_at", "reason"]),
-            plan=table_view(TABLES["plan"], snap.table("plan"), job=job, columns=["step", "state", "action", "bytes", "reasons"]),
-            drills=table_view(TABLES["drills"], snap.table("drills"), job=job,
-                              columns=["started_at", "step", "ok", "seconds", "device", "tier", "first_loss", "summary"]),
-            verifications=table_view(TABLES["verifications"], snap.table("verifications"), job=job,
-                                     columns=["at", "step", "kind", "message"], limit=100),
-            events=table_view(TABLES["events"], snap.table("events"), job=job, columns=["at", "step", "kind", "message"],
-                              limit=100),
+            step_svg=step_svg, storage_svg=storage_svg, storage_now=python_rows(storage.tail(1))[-1] if len(storage) else None,
+            checkpoints=paged("checkpoints", newest_first, ["step", "state", "proof", "last_drill", "bytes", "hot", "archive",
+                                                            "archive_stored_bytes", "milestone", "saved_at", "verified_at",
+                                                            "reason"]),
+            plan=paged("plan", snap.table("plan"), ["step", "state", "action", "bytes", "reasons"]),
+            drills=paged("drills", snap.table("drills"),
+                         ["started_at", "step", "ok", "seconds", "device", "tier", "first_loss", "summary"]),
+            verifications=paged("verifications", snap.table("verifications"), ["at", "step", "kind", "message"]),
+            events=paged("events", snap.table("events"), ["at", "step", "kind", "message"]),
             drill=drills.status(), run=drills.flow_run(run) if run else None, run_id=run, drill_step=None,
-            storage_view=table_view(TABLES["storage"], storage, job=job), **_costs(snap, job=job),
+            storage_view=table_view(TABLES["storage"], storage, job=job, limit=0), **_costs(snap, job=job),
         )
 
     @app.get("/checkpoint", response_class=HTMLResponse)
-    def checkpoint_page(request: Request, job: str, step: int, run: str | None = None) -> Response:
+    def checkpoint_page(request: Request, job: str | None = None, step: str | None = None,
+                        run: str | None = None) -> Response:
+        if not job:
+            raise BadParam("job is missing: open a checkpoint as /checkpoint?job=J&step=N")
+        step = params.required_int("step", step, params.STEP)
         now = clock()
         snap = Snapshot(source, now=now, job=job, step=step)
         try:
@@ -223,7 +253,8 @@ def create_app(source: Source, *, token: str | None = None, prefect: PrefectDril
         )
 
     @app.get("/data/{name}.{fmt}")
-    def download(request: Request, name: str, fmt: str, job: str | None = None, step: int | None = None) -> Response:
+    def download(request: Request, name: str, fmt: str, job: str | None = None, step: str | None = None) -> Response:
+        step = params.int_param("step", step, params.STEP)
         if fmt not in ("csv", "json"):
             return PlainTextResponse(f"format {fmt!r} is not offered: use .csv or .json", status_code=404)
         snap = Snapshot(source, now=clock(), job=job, step=step)
@@ -247,12 +278,16 @@ def create_app(source: Source, *, token: str | None = None, prefect: PrefectDril
         if why is not None:
             return error(request, 403, "Drill refused", f"refused to start a drill: {why}")
         job = form.get("job", "")
-        step_text = form.get("step", "").strip()
-        if not job or (step_text and not step_text.isdigit()):
-            return error(request, 400, "Drill refused", "the drill form needs a job (and a numeric step, if any)")
-        step = int(step_text) if step_text else None
+        if not job:
+            return error(request, 400, "Drill refused", "the drill form needs a job")
         try:
-            run = drills.start(job=job, step=step, idempotency_key=form.get("nonce") or None)
+            step = params.int_param("step", form.get("step"), params.STEP)
+        except BadParam as exc:
+            return error(request, 400, "Drill refused", f"refused to start a drill: {exc}")
+        try:
+            run = drills.start(job=job, step=step, catalog_url=on_screen.catalog_url,
+                               config_path=on_screen.config_path,
+                               idempotency_key=form.get("nonce") or None)
         except DrillError as exc:
             return error(request, 503, "Drill not started", str(exc))
         target = checkpoint_url(job, step) + "&" if step is not None else job_url(job) + "?"
@@ -331,26 +366,80 @@ def _costs(snap: Snapshot, *, job: str | None = None) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class DrillTarget:
+    """What the drill button hands the flow run, so that it drills the catalog on screen.
+
+    ``catalog_url``: :attr:`Source.run_url` (absolute SQLite path, no
+    password); ``config_path``: the dashboard's ``ckptier.toml``, absolute
+    (None: the worker's own); ``password_withheld``: the catalog URL had a
+    password, which the worker must supply itself.
+    """
+
+    catalog_url: str
+    config_path: str | None
+    password_withheld: bool
+
+
+def drill_target(source: Source) -> DrillTarget:
+    cfg = source.config.source
+    return DrillTarget(catalog_url=source.run_url, config_path=str(cfg) if cfg is not None else None,
+                       password_withheld=bool(source.engine.url.password))
+
+
+def _background(built: background.Built | None) -> dict[str, Any]:
+    """What the overview and costs pages draw from the background tables: ``tonight`` (a table
+    view), ``tonight_totals``, ``cost_svg``, ``background`` (the build, None while the first runs)
+    and ``background_errors``."""
+    out: dict[str, Any] = {"background": built, "tonight": None, "tonight_totals": None, "cost_svg": None,
+                           "cost_view": None, "cost_now": None, "background_errors": dict(built.errors) if built else {}}
+    if built is None:
+        return out
+    tonight = built.tables.get("tonight")
+    if tonight is not None:
+        out["tonight"] = table_view(TABLES["tonight"], tonight, columns=[
+            "job", "promote", "promote_bytes", "delete", "delete_bytes", "freed_bytes", "hot_bytes", "hot_bytes_after",
+            "note"])
+        out["tonight_totals"] = {k: int(tonight[k].sum()) for k in
+                                 ("promote", "promote_bytes", "delete", "delete_bytes", "freed_bytes", "hot_bytes")}
+    history = built.tables.get("cost_history")
+    if history is not None:
+        out["cost_view"] = table_view(TABLES["cost_history"], history, limit=0)
+        out["cost_now"] = float(history["monthly_cost"].iloc[-1]) if len(history) else None
+        out["cost_svg"] = charts.time_chart(list(history["at"]), [
+            charts.Series("tier-hot", "hot", list(history["hot_monthly_cost"])),
+            charts.Series("tier-archive", "archive", list(history["archive_monthly_cost"]), fill=True),
+            charts.Series("cost-total", "total", list(history["monthly_cost"])),
+        ], fmt=lambda v: display(v, "money"), label="cost over time", height=180)
+    return out
+
+
 def _hot_url(snap: Snapshot) -> str | None:
     urls = snap.jobs["hot_url"].dropna()
     return str(urls.iloc[0]) if len(urls) else None
 
 
-def _marks(row: dict[str, Any]) -> list[charts.Mark]:
-    """The step-chart marks of one checkpoint row: one per tier holding it, or a tombstone."""
-    job, step, state = str(row["job"]), int(row["step"]), str(row["state"])
-    cls = row["proof"] if row["proof"] == "drilled" else state
-    href = checkpoint_url(job, step)
-    tiers = [t for t in ("hot", "archive") if row[t] in HELD_COPY_STATES]
-    text = f"step {step:,}: {state}" + (f", {row['proof']}" if row["proof"] and row["proof"] != state else "")
+def _marks(cks: pd.DataFrame, job: str) -> list[charts.Mark]:
+    """The step-chart marks of a job's checkpoints table: one per tier holding a checkpoint, or a tombstone."""
+    base = checkpoint_url(job, 0).removesuffix("0")  # every step's link is this plus the step
     out = []
-    for t in tiers:
-        gone = t == "hot" and not missing(row.get("missing_since"))
-        copy_cls = "degraded" if row[t] == CopyState.DEGRADED else ("missing" if gone else cls)
-        out.append(charts.Mark(step, t, copy_cls, f"{text}; {t} copy {row[t]}", href))
-    if not tiers:
-        out.append(charts.Mark(step, "deleted" if state == "deleted" else "hot", "deleted" if state == "deleted" else "missing",
-                               f"{text}; no copy holds it", href))
+    for step, state, proof, hot, archive, missing_since in zip(
+            cks["step"], cks["state"], cks["proof"], cks["hot"], cks["archive"], cks["missing_since"], strict=True):
+        step, state = int(step), str(state)
+        cls = proof if proof == "drilled" else state
+        href = f"{base}{step}"
+        text = f"step {step:,}: {state}" + (f", {proof}" if proof and proof != state else "")
+        held = False
+        for t, copy in (("hot", hot), ("archive", archive)):
+            if copy not in HELD_COPY_STATES:
+                continue
+            held = True
+            gone = t == "hot" and not missing(missing_since)
+            copy_cls = "degraded" if copy == CopyState.DEGRADED else ("missing" if gone else cls)
+            out.append(charts.Mark(step, t, copy_cls, f"{text}; {t} copy {copy}", href))
+        if not held:
+            out.append(charts.Mark(step, "deleted" if state == "deleted" else "hot",
+                                   "deleted" if state == "deleted" else "missing", f"{text}; no copy holds it", href))
     return out
 
 

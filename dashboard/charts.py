@@ -13,11 +13,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
+import numpy as np
 import pandas as pd
 from markupsafe import Markup, escape
 
 from .format import human_bytes
 
+#: Columns of marks per lane of the step chart at most: checkpoints sharing a column merge, so a job of
+#: 5,000 (or 500,000) checkpoints draws a few hundred rects, not one per checkpoint.
+MAX_MARK_COLUMNS = 300
+#: Columns of a time chart's line at most: changes within one column merge (it keeps the value it
+#: starts from, its lowest and highest, and the one it ends on), so a line has a few hundred vertices.
+MAX_LINE_COLUMNS = 200
 #: Which state wins a pixel shared by several checkpoints (first wins).
 STATE_PRIORITY = ("corrupt", "degraded", "missing", "incomplete", "committed", "verified", "drilled", "present", "deleted")
 
@@ -102,11 +109,12 @@ def step_chart(marks: Sequence[Mark], *, milestones: Sequence[int] = (), recover
         out.append(f'<path class="milestone" d="M{xm - 4:.1f},{top - 9} L{xm + 4:.1f},{top - 9} L{xm:.1f},{top - 2} Z">'
                    f'<title>milestone: step {m:,}</title></path>')
 
-    # Ticks, merged per pixel column.
+    # Ticks, merged per column (at most MAX_MARK_COLUMNS per lane).
     tick_w = max(1.5, min(8.0, plot_w / max(len(set(steps)), 1) * 0.7))
+    column_w = max(tick_w, 1.0, plot_w / MAX_MARK_COLUMNS)
     buckets: dict[tuple[str, int], list[Mark]] = {}
     for mark in marks:
-        buckets.setdefault((mark.lane, int(x(mark.step) // max(tick_w, 1.0))), []).append(mark)
+        buckets.setdefault((mark.lane, int(x(mark.step) // column_w)), []).append(mark)
     for (lane, _px), group in sorted(buckets.items(), key=lambda kv: (kv[0][0], kv[1][0].step)):
         y = top + lanes.index(lane) * lane_height
         group.sort(key=lambda m: (STATE_PRIORITY.index(m.cls) if m.cls in STATE_PRIORITY else 99, m.step))
@@ -126,6 +134,42 @@ def step_chart(marks: Sequence[Mark], *, milestones: Sequence[int] = (), recover
                    f'recovery point {recovery_step:,}</text>')
     out.append("</svg>")
     return Markup("".join(out))
+
+
+def step_points(points: Sequence[tuple[float, float]], column_w: float) -> list[tuple[float, float]]:
+    """The vertices of a step line through ``points`` (x ascending: each value holds until the next x).
+
+    Points whose x fall in the same ``column_w``-wide column merge: the line
+    reaches the column at the value it held, spans the lowest and highest
+    value inside it, and leaves at the last one, so that a line of any
+    length has at most six vertices per column and every peak is still
+    drawn.
+    """
+    out: list[tuple[float, float]] = []
+    i, n = 0, len(points)
+    width = max(column_w, 1e-9)
+    while i < n:
+        col = int(points[i][0] // width)
+        j = i
+        while j + 1 < n and int(points[j + 1][0] // width) == col:
+            j += 1
+        x0 = points[i][0]
+        if out:
+            out.append((x0, out[-1][1]))  # the held value, carried to this column
+        if j == i:
+            out.append(points[i])
+        else:
+            ys = [p[1] for p in points[i:j + 1]]
+            first, last = ys[0], ys[-1]
+            out.append((x0, first))
+            for v in (min(ys), max(ys)):
+                if v not in (first, last):
+                    out.append((x0, v))
+            out.append((x0, last))
+            if points[j][0] != x0:
+                out.append((points[j][0], last))
+        i = j + 1
+    return out
 
 
 def _time_label(t: datetime, span_s: float) -> str:
@@ -149,20 +193,26 @@ class Series:
 
 
 def time_chart(times: Sequence[datetime], series: Sequence[Series], *, width: int = 1100, height: int = 200,
-               fmt: Callable[[float], str] = human_bytes) -> Markup:
+               fmt: Callable[[float], str] = human_bytes, label: str = "storage over time") -> Markup:
     """Step lines over time (a value holds until the next point), y from 0.
 
     When the last point only carries the values forward to now and that
     flat tail is longer than all the changes before it, the axis ends
     shortly after the last change and a note says the values held since
-    (so a burst of activity is not squeezed into the left edge).
+    (so a burst of activity is not squeezed into the left edge). ``label``
+    names the chart (its ``aria-label``). Each line has at most a few
+    hundred vertices (:func:`step_points`), however many points it has.
     """
     if len(times) == 0:
         return Markup(f'<svg class="chart" viewBox="0 0 {width} 60" role="img" aria-label="no history">'
                       f'<text x="70" y="34" class="muted">no history yet</text></svg>')
     left, right, top, bottom = 70, 16, 24, 34
     plot_w, plot_h = width - left - right, height - top - bottom
-    ts = [pd.Timestamp(t).timestamp() for t in times]
+    stamps = pd.DatetimeIndex(times)
+    if stamps.tz is None:
+        stamps = stamps.tz_localize("UTC")
+    epoch = np.asarray((stamps - pd.Timestamp(0, tz="UTC")) / pd.Timedelta(seconds=1), dtype=np.float64)
+    ts = epoch.tolist()
     tz = pd.Timestamp(times[0]).tz
     t0, t_end = ts[0], ts[-1]
     held_since: float | None = None
@@ -172,7 +222,7 @@ def time_chart(times: Sequence[datetime], series: Sequence[Series], *, width: in
             held_since = ts[-2]
             t_end = ts[-2] + max(busy * 0.12, 1.0)
     span = max(t_end - t0, 1e-3)
-    vmax = max([max(s.values) for s in series if len(s.values)] + [1])
+    vmax = float(max([max(s.values) for s in series if len(s.values)] + [1]))
     yticks = nice_ticks(0, vmax * 1.05, 4)
     ymax = max(yticks[-1], vmax)
 
@@ -182,7 +232,8 @@ def time_chart(times: Sequence[datetime], series: Sequence[Series], *, width: in
     def y(v: float) -> float:
         return top + plot_h - v / ymax * plot_h
 
-    out = [f'<svg class="chart" viewBox="0 0 {width} {height}" role="img" aria-label="storage over time">']
+    xs = (left + (np.minimum(epoch, t_end) - t0) / span * plot_w).tolist()
+    out = [f'<svg class="chart" viewBox="0 0 {width} {height}" role="img" aria-label="{escape(label)}">']
     for v in yticks:
         out.append(f'<line class="grid" x1="{left}" y1="{y(v):.1f}" x2="{left + plot_w}" y2="{y(v):.1f}"/>')
         out.append(f'<text class="axis-label" x="{left - 6}" y="{y(v) + 4:.1f}" text-anchor="end">{escape(fmt(v))}</text>')
@@ -197,11 +248,8 @@ def time_chart(times: Sequence[datetime], series: Sequence[Series], *, width: in
     for s in series:
         if not len(s.values):
             continue
-        pts: list[tuple[float, float]] = []
-        for i, (t, v) in enumerate(zip(ts, s.values, strict=True)):
-            if i:
-                pts.append((x(t), pts[-1][1]))
-            pts.append((x(t), y(v)))
+        ys = (top + plot_h - np.asarray(s.values, dtype=np.float64) / ymax * plot_h).tolist()
+        pts = step_points(list(zip(xs, ys, strict=True)), plot_w / MAX_LINE_COLUMNS)
         if held_since is not None:
             pts.append((left + plot_w, pts[-1][1]))
         path = " ".join(f"{'M' if i == 0 else 'L'}{px:.1f},{py:.1f}" for i, (px, py) in enumerate(pts))

@@ -78,18 +78,21 @@ class PrefectDrills:
     """The drill button's link to Prefect. Thread-safe; availability is cached for :data:`STATUS_TTL_S`."""
 
     def __init__(self, api_url: str | None, *, environ: Mapping[str, str] | None = None,
-                 deployment: str = DRILL_DEPLOYMENT) -> None:
+                 deployment: str = DRILL_DEPLOYMENT, transport: httpx.BaseTransport | None = None) -> None:
+        """``transport``: how requests travel (None: the network; tests hand an
+        :class:`httpx.MockTransport` that plays a Prefect API)."""
         env = dict(os.environ if environ is None else environ)
         self.api_url = api_url.rstrip("/") if api_url else None
         self.ui_url = ui_url(self.api_url, env) if self.api_url else None
         self.deployment = deployment
         self._headers = _headers(env)
+        self._transport = transport
         self._lock = threading.Lock()
         self._cached: tuple[float, DrillStatus] | None = None
 
     def _client(self) -> httpx.Client:
         assert self.api_url is not None
-        return httpx.Client(base_url=self.api_url, headers=self._headers, timeout=TIMEOUT_S)
+        return httpx.Client(base_url=self.api_url, headers=self._headers, timeout=TIMEOUT_S, transport=self._transport)
 
     def status(self, *, fresh: bool = False) -> DrillStatus:
         """Can a drill be started now? Never raises."""
@@ -127,14 +130,25 @@ class PrefectDrills:
                                str(data.get("id")))
         return DrillStatus(True, f"starts deployment {self.deployment} on {shown}", str(data["id"]))
 
-    def start(self, *, job: str, step: int | None, idempotency_key: str | None = None) -> FlowRun:
-        """Create a flow run of the drill deployment for ``job`` (and ``step``); raises :class:`DrillError`."""
+    def start(self, *, job: str, step: int | None, catalog_url: str | None = None, config_path: str | None = None,
+              idempotency_key: str | None = None) -> FlowRun:
+        """Create a flow run of the drill deployment for ``job`` (and ``step``); raises :class:`DrillError`.
+
+        ``catalog_url`` and ``config_path``, when given, become the run's
+        ``catalog_url`` / ``config_path`` parameters, which outrank the
+        deployment's own (its Variables): the drill reads and records in
+        that catalog, not in whichever one the deployment names.
+        """
         status = self.status(fresh=True)
         if not status.enabled or status.deployment_id is None:
             raise DrillError(status.reason)
         parameters: dict[str, Any] = {"job": job}
         if step is not None:
             parameters["step"] = step
+        if catalog_url is not None:
+            parameters["catalog_url"] = catalog_url
+        if config_path is not None:
+            parameters["config_path"] = config_path
         body: dict[str, Any] = {"parameters": parameters, "state": {"type": "SCHEDULED", "name": "Scheduled"},
                                 "tags": ["ckptier-dashboard"]}
         if idempotency_key:

@@ -9,11 +9,11 @@ command does.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from sqlalchemy import Engine, text
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
 from ckptier.storage.catalog import db
@@ -37,6 +37,15 @@ class Source:
     config: Config
     url: str
 
+    @property
+    def run_url(self) -> str:
+        """The catalog URL to hand a flow run (the drill button's): a SQLite
+        path made absolute, so a worker started elsewhere opens the same
+        file; no password (a flow run's parameters are stored and shown by
+        Prefect: the worker supplies it, e.g. PostgreSQL's ``PGPASSWORD`` or
+        ``~/.pgpass``)."""
+        return flow_run_url(self.engine.url)
+
     def close(self) -> None:
         self.catalog.close()
 
@@ -45,6 +54,13 @@ class Source:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def flow_run_url(url: URL) -> str:
+    """``url`` as a flow run's parameter: see :attr:`Source.run_url`."""
+    if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
+        url = url.set(database=str(Path(url.database).expanduser().resolve()))
+    return url._replace(password=None).render_as_string(hide_password=False)  # URL.set ignores None
 
 
 def default_url() -> str:
@@ -85,6 +101,8 @@ def open_source(url: str | None, config: Config) -> Source:
     path = _sqlite_path(url)
     if path is not None and not path.is_file():
         raise ConfigError(f"no catalog at {path}: {_FIX}")
+    if path is not None:  # absolute, so that the file stays the same one whatever the working directory becomes
+        url = make_url(url).set(database=str(path.resolve())).render_as_string(hide_password=False)
     engine = db.make_engine(url)
     try:
         if not _has_schema(engine):
@@ -99,4 +117,6 @@ def open_source(url: str | None, config: Config) -> Source:
         if engine.url.password:
             reason = reason.replace(str(engine.url.password), "***")
         raise ConfigError(f"cannot open catalog {db.mask_url(engine.url)}: {reason}; check the URL and the server") from exc
+    if config.source is not None:  # absolute too: the drill button hands it to a flow run started elsewhere
+        config = replace(config, source=Path(config.source).resolve())
     return Source(engine=engine, catalog=Catalog(engine), config=config, url=db.mask_url(engine.url))

@@ -199,7 +199,7 @@ class Snapshot:
 
         try:
             run = Run.of(self.catalog, config=self.source.config, now=lambda: self.now)
-            return merge_plans([p for _, p in plans_by_policy(run, job=self.job)])
+            return merge_plans([p for _, p in plans_by_policy(run, job=self.job, records=self.records)])
         except ConfigError:
             return None
 
@@ -545,6 +545,61 @@ def build_cost_tiers(s: Snapshot) -> pd.DataFrame:
     return _records(rows, "cost_tiers")
 
 
+def build_tonight(s: Snapshot) -> pd.DataFrame:
+    """Per job, what the next tiering run (``ckptier apply``) would do if it ran now: the plan's
+    promotions and deletions with their bytes, and the hot bytes carrying it out frees
+    (:func:`ckptier.tasks.pipeline.plan_with_forecast`, as ``ckptier plan`` and the tiering flow
+    forecast it). A job whose plan cannot be made says why in ``note``."""
+    from ckptier.tasks.pipeline import plan_with_forecast
+    from ckptier.tasks.run import Run
+
+    run = Run.of(s.catalog, config=s.source.config, now=lambda: s.now)
+    rows = []
+    for name in s.jobs["job"]:
+        row: dict[str, Any] = {"job": name, "keep": 0, "promote": 0, "promote_bytes": 0, "delete": 0, "delete_bytes": 0,
+                               "freed_bytes": 0, "hot_bytes": 0, "hot_bytes_after": 0, "note": ""}
+        try:
+            plan, forecast = plan_with_forecast(run, job=name)
+        except ConfigError as exc:
+            rows.append({**row, "note": redact(str(exc)) or ""})
+            continue
+        for i in plan.items:
+            if i.action in ("keep", "promote", "delete"):
+                row[i.action] += 1
+            if i.action in ("promote", "delete"):
+                row[f"{i.action}_bytes"] += i.bytes
+        row.update(freed_bytes=forecast.freed_bytes, hot_bytes=forecast.hot_bytes,
+                   hot_bytes_after=forecast.hot_bytes - forecast.freed_bytes)
+        if name in plan.refused_jobs:
+            row["note"] = redact(plan.refused_jobs[name]) or ""
+        elif s.policies.get(name) is None:
+            row["note"] = "no [[policy]] matches this job: nothing is deleted"
+        rows.append(row)
+    return _records(rows, "tonight")
+
+
+def build_cost_history(s: Snapshot) -> pd.DataFrame:
+    """Monthly storage cost over time, of every job (or of ``job``): the bytes each tier held
+    (:mod:`.history`) at today's price per byte of that tier (each tier's monthly cost in the
+    ``costs`` table over its bytes; one rate per tier across the jobs)."""
+    if s.job is not None:
+        s.jobs  # noqa: B018 - raises for an unknown job
+    copies = q.frame(s.source.engine, q.storage_copies(s.job))
+    events = q.frame(s.source.engine, q.storage_events(s.job))
+    history = storage_history(copies, events, now=s.now)
+    costs = s.table("costs")
+    rates = {}
+    for tier in ("hot", "archive"):
+        nbytes = float(costs[f"{tier}_bytes"].sum())
+        rates[tier] = float(costs[f"{tier}_monthly_cost"].sum()) / nbytes if nbytes else 0.0
+    df = pd.DataFrame({"at": history["at"], "hot_bytes": history["hot_bytes"],
+                       "archive_stored_bytes": history["archive_stored_bytes"]})
+    df["hot_monthly_cost"] = df["hot_bytes"] * rates["hot"]
+    df["archive_monthly_cost"] = df["archive_stored_bytes"] * rates["archive"]
+    df["monthly_cost"] = df["hot_monthly_cost"] + df["archive_monthly_cost"]
+    return df
+
+
 # ------------------------------------------------------------------ checkpoint tables
 
 
@@ -778,6 +833,29 @@ register(TableSpec("cost_tiers", "Costs per tier and class", "catalog", (
     C("currency", "text", "Currency"),
     C("price_source", "text", "Prices"),
 ), build_cost_tiers, "bytes and monthly cost per job, tier and storage class"))
+
+
+register(TableSpec("tonight", "Tonight's plan", "catalog", (
+    C("job", "job", "Job"),
+    C("keep", "int", "Keep"),
+    C("promote", "int", "Promote", "milestones the run copies to the archive tier"),
+    C("promote_bytes", "bytes", "Promote size"),
+    C("delete", "int", "Delete", "checkpoints (or hot copies) the run deletes"),
+    C("delete_bytes", "bytes", "Delete size"),
+    C("freed_bytes", "bytes", "Frees", "hot bytes freed: the deletions, and promoted milestones' hot copies let go"),
+    C("hot_bytes", "bytes", "Hot now"),
+    C("hot_bytes_after", "bytes", "Hot after"),
+    C("note", "text", "Note"),
+), build_tonight, "what the next tiering run ('ckptier apply') would promote, delete and free if it ran now"))
+
+register(TableSpec("cost_history", "Cost over time", "catalog", (
+    C("at", "time", "At"),
+    C("hot_bytes", "bytes", "Hot"),
+    C("archive_stored_bytes", "bytes", "Archive stored"),
+    C("hot_monthly_cost", "money", "Hot / month"),
+    C("archive_monthly_cost", "money", "Archive / month"),
+    C("monthly_cost", "money", "Monthly cost"),
+), build_cost_history, "monthly storage cost over time at today's price per byte of each tier"))
 
 
 def tables_for(scope: Scope) -> list[TableSpec]:

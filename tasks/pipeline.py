@@ -405,15 +405,18 @@ def _keep_unmanaged(records: Iterable[CheckpointRecord]) -> list[PlanItem]:
     ]
 
 
-def plans_by_policy(run: Run, *, job: str | None = None) -> list[tuple[Policy | None, Plan]]:
+def plans_by_policy(run: Run, *, job: str | None = None,
+                    records: Sequence[CheckpointRecord] | None = None) -> list[tuple[Policy | None, Plan]]:
     """One retention plan per ``[[policy]]`` of ``run.config`` that matches some job
     (``None``: jobs no policy matches), at ``run.now()``.
 
     Reads the catalog (checkpoints, tombstones without their files, and the
     drill history for ``min_drilled``), changes nothing. Jobs no
-    ``[[policy]]`` matches are kept whole.
+    ``[[policy]]`` matches are kept whole. ``records``: the checkpoints of
+    ``job`` (of every job when None), tombstones included, already read by
+    the caller (the planner needs no files): they are not read again.
     """
-    groups, passed = _policy_groups(run.catalog, run.config, job=job)
+    groups, passed = _policy_groups(run.catalog, run.config, job=job, records=records)
     now = run.now()
     out: list[tuple[Policy | None, Plan]] = []
     for policy, cs in groups:
@@ -424,18 +427,24 @@ def plans_by_policy(run: Run, *, job: str | None = None) -> list[tuple[Policy | 
     return out
 
 
-def _policy_groups(catalog: Catalog, config: Config, *, job: str | None
+def _policy_groups(catalog: Catalog, config: Config, *, job: str | None,
+                   records: Sequence[CheckpointRecord] | None = None,
                    ) -> tuple[list[tuple[Policy | None, list[CheckpointRecord]]], dict[int, datetime]]:
     """The checkpoints (tombstones without files included) grouped by the policy that
-    governs them, and the drill history ``min_drilled`` needs."""
-    records = catalog.checkpoints(job=job, include_deleted=False)
-    if job and not records:
+    governs them, and the drill history ``min_drilled`` needs. ``records``: see
+    :func:`plans_by_policy`."""
+    if records is None:
+        live = catalog.checkpoints(job=job, include_deleted=False)
+        # Tombstones only let the plan say when a milestone passes over one; they are never planned.
+        tombstones = catalog.checkpoints(job=job, states=[State.DELETED], with_files=False)
+    else:
+        live = [c for c in records if c.state != State.DELETED]
+        tombstones = [c for c in records if c.state == State.DELETED]
+    if job and not live:
         raise unknown_job(job)
     passed = _drill_passed(catalog, config, job)
-    # Tombstones only let the plan say when a milestone passes over one; they are never planned.
-    tombstones = catalog.checkpoints(job=job, states=[State.DELETED], with_files=False)
     groups: dict[int, tuple[Policy | None, list[CheckpointRecord]]] = {}
-    for c in [*records, *tombstones]:
+    for c in [*live, *tombstones]:
         policy = config.policy_for(c.job)
         groups.setdefault(id(policy), (policy, []))[1].append(c)
     return list(groups.values()), passed

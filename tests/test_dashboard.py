@@ -18,6 +18,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pandas as pd
 import pytest
 from fastapi.testclient import TestClient
@@ -670,3 +671,204 @@ def test_drill_post_needs_a_matching_csrf_token_and_same_origin(sqlite_facts: An
     assert stranger.post("/drill", data={"job": "alpha", "csrf": csrf}).status_code == 403
     unreachable = PrefectDrills("http://127.0.0.1:9/api")
     assert not unreachable.status().enabled and "does not answer" in unreachable.status().reason
+
+
+# ------------------------------------------------------------------ the drill button's catalog, bad numbers
+
+
+class FakePrefectAPI:
+    """A Prefect API as the drill button uses it (httpx.MockTransport): the deployment, flow runs by id."""
+
+    def __init__(self) -> None:
+        self.created: list[dict[str, Any]] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if request.method == "GET" and path == "/api/deployments/name/restore-drill/restore-drill":
+            return httpx.Response(200, json={"id": "dep-1", "paused": False})
+        if request.method == "POST" and path == "/api/deployments/dep-1/create_flow_run":
+            self.created.append(json.loads(request.content))
+            return httpx.Response(201, json=self._run(len(self.created)))
+        if request.method == "GET" and path.startswith("/api/flow_runs/run-"):
+            return httpx.Response(200, json=self._run(int(path.rsplit("-", 1)[1])))
+        return httpx.Response(404, json={"detail": "not found"})
+
+    def _run(self, n: int) -> dict[str, Any]:
+        return {"id": f"run-{n}", "name": f"drill-{n}", "state": {"name": "Scheduled"}}
+
+
+def test_drill_button_drills_the_catalog_on_screen_not_the_deployments(tmp_path: Path) -> None:
+    """Two catalogs share job ``alpha``; the dashboard over B sends B (and its config) to the flow run,
+    whatever catalog the deployment's Variables name, and the page says which catalog that is."""
+    from ckptier.tasks.config import load_config
+
+    urls = {}
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        urls[name] = f"sqlite:///{tmp_path / name / 'catalog.db'}"
+        build_catalog(urls[name])
+    config = tmp_path / "b" / "ckptier.toml"
+    config.write_text(POLICY)
+    api = FakePrefectAPI()
+    drills = PrefectDrills("http://prefect.test/api", environ={}, transport=httpx.MockTransport(api))
+    here = os.getcwd()
+    os.chdir(tmp_path)  # a relative SQLite path and config: the flow run gets them absolute
+    try:
+        source = open_source("sqlite:///b/catalog.db", load_config("b/ckptier.toml"))
+    finally:
+        os.chdir(here)
+    with source:
+        client = _client(source, prefect=drills)
+        page = client.get("/jobs/alpha").text
+        assert f'id="drill-catalog">{urls["b"]}</code>' in page and f'id="drill-config">{config}</code>' in page
+        r = client.post("/drill", data={"job": "alpha", "csrf": client.cookies.get(security.CSRF_COOKIE)},
+                        follow_redirects=False)
+        assert r.status_code == 303 and r.headers["location"] == "/jobs/alpha?run=run-1#drill", r.text
+        client.get("/checkpoint?job=alpha&step=800")
+        r = client.post("/drill", data={"job": "alpha", "step": "800", "csrf": client.cookies.get(security.CSRF_COOKIE)},
+                        follow_redirects=False)
+        assert r.status_code == 303
+    assert [c["parameters"] for c in api.created] == [
+        {"job": "alpha", "catalog_url": urls["b"], "config_path": str(config)},
+        {"job": "alpha", "step": 800, "catalog_url": urls["b"], "config_path": str(config)},
+    ]
+    assert all(c["tags"] == ["ckptier-dashboard"] for c in api.created)
+
+
+def test_drill_button_withholds_the_catalog_password_and_says_so(facts: Any, catalog_url: str) -> None:
+    if facts.catalog.dialect != "postgresql":
+        pytest.skip("only a PostgreSQL URL carries a password here")
+    from sqlalchemy.engine import make_url
+
+    with_password = make_url(catalog_url).set(password="Sup3rSecret").render_as_string(hide_password=False)
+    api = FakePrefectAPI()
+    with open_source(with_password, facts.config) as source:
+        client = _client(source, prefect=PrefectDrills("http://prefect.test/api", environ={},
+                                                      transport=httpx.MockTransport(api)))
+        page = client.get("/jobs/alpha").text
+        assert "Sup3rSecret" not in page and "its password is not sent to Prefect" in page
+        client.post("/drill", data={"job": "alpha", "csrf": client.cookies.get(security.CSRF_COOKIE)})
+    (sent,) = api.created
+    assert "Sup3rSecret" not in json.dumps(sent)
+    assert make_url(sent["parameters"]["catalog_url"]) == make_url(catalog_url)._replace(password=None)
+    assert "config_path" not in sent["parameters"]  # this dashboard has no config file: the worker's own
+
+
+@pytest.mark.parametrize(("path", "fragment"), [
+    ("/checkpoint?job=alpha&step=99999999999999999999999", "step=99999999999999999999999 is out of range"),
+    ("/checkpoint?job=alpha&step=9223372036854775808", "is out of range; give one from 0 to 9,223,372,036,854,775,807"),
+    ("/checkpoint?job=alpha&step=-1", "step=-1 is out of range"),
+    ("/checkpoint?job=alpha&step=1e3", "step=1e3 is not a whole number"),
+    ("/checkpoint?job=alpha&step=" + "9" * 5000, "is out of range"),
+    ("/checkpoint?job=alpha", "step is missing"),
+    ("/checkpoint?step=800", "job is missing"),
+    ("/data/files.csv?job=alpha&step=99999999999999999999999", "step=99999999999999999999999 is out of range"),
+    ("/jobs/alpha?page=0", "page=0 is out of range"),
+    ("/jobs/alpha?page=99999999999999999999999", "page=99999999999999999999999 is out of range"),
+    ("/jobs/alpha?per=100000", "per=100000 is out of range; give one from 10 to 500"),
+    ("/jobs/alpha?per=x", "per=x is not a whole number"),
+])
+def test_out_of_range_numbers_are_a_400_naming_the_parameter(sqlite_facts: Any, path: str, fragment: str) -> None:
+    r = _client(sqlite_facts).get(path)
+    assert r.status_code == 400 and fragment in r.text, (path, r.status_code, r.text[:300])
+    assert "Traceback" not in r.text and "internal error" not in r.text
+
+
+def test_drill_form_step_is_bounded_like_the_query(sqlite_facts: Any) -> None:
+    client = _client(sqlite_facts)
+    client.get("/jobs/alpha")
+    r = client.post("/drill", data={"job": "alpha", "step": "99999999999999999999999",
+                                    "csrf": client.cookies.get(security.CSRF_COOKIE)})
+    assert r.status_code == 400 and "step=99999999999999999999999 is out of range" in r.text
+
+
+def test_largest_step_the_catalog_holds_is_a_404_not_a_400(sqlite_facts: Any) -> None:
+    r = _client(sqlite_facts).get(f"/checkpoint?job=alpha&step={2**63 - 1}")
+    assert r.status_code == 404 and "has no step 9223372036854775807" in r.text
+
+
+# ------------------------------------------------------------------ pagination, compact charts, tonight's plan
+
+
+def test_job_page_tables_are_paginated_with_links(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'catalog.db'}"
+    with Catalog.open(url) as cat:
+        cat.record_scan(STORE, Recognition(tuple(_found("long", s, hours(s / 100)) for s in range(100, 2501, 100)), (), 50),
+                        now=hours(26), scope_prefix="long")
+    with open_source(url, parse_config(POLICY)) as source:
+        client = _client(source)
+        first = client.get("/jobs/long?per=10").text
+        assert "rows 1–10 of 25 · page 1 of 3" in first and "more rows in the downloads" not in first
+        steps = [int(s) for s in _steps_in(first)]
+        assert steps == list(range(2500, 1500, -100))  # newest first
+        assert 'href="/jobs/long?per=10&amp;page=2#checkpoints"' in first
+        last = client.get("/jobs/long?per=10&page=3").text
+        assert "rows 21–25 of 25 · page 3 of 3" in last and _steps_in(last) == ["500", "400", "300", "200", "100"]
+        assert client.get("/jobs/long?per=10&page=999").text.count("page 3 of 3") == 1  # past the end: the last page
+        assert "page 1 of" not in client.get("/jobs/long").text  # 25 rows fit one default page: no pager
+
+
+def _steps_in(page: str) -> list[str]:
+    """The steps of the checkpoints table on a job page, in order."""
+    import re
+
+    table = page[page.index('id="t-checkpoints"'):]
+    table = table[:table.index("</table>")]
+    return re.findall(r'<td class="num"><a href="/checkpoint\?job=[^&]+&amp;step=(\d+)">', table)
+
+
+def test_step_chart_is_compact_for_thousands_of_checkpoints() -> None:
+    marks = [charts.Mark(s, "deleted" if s % 7 else "hot", "deleted" if s % 7 else "verified", f"step {s}",
+                         f"/checkpoint?job=j&step={s}") for s in range(1000, 5_001_000, 1000)]
+    marks.append(charts.Mark(2_500_000, "hot", "corrupt", "step 2500000", "/checkpoint?job=j&step=2500000"))
+    svg = str(charts.step_chart(marks))
+    rects = svg.count('<rect class="mark')
+    assert rects <= 2 * charts.MAX_MARK_COLUMNS and len(svg) < 200_000, (rects, len(svg))
+    assert svg.count("st-corrupt") == 1  # the worst state of a merged column still shows
+    assert "checkpoints, steps" in svg  # a merged column says what it holds
+
+
+def test_time_chart_lines_are_decimated_but_keep_their_peaks() -> None:
+    n = 20_000
+    times = [T0 + timedelta(minutes=i) for i in range(n)]
+    values = [1000 + (i % 50) for i in range(n)]
+    values[12_345] = 99_999  # one spike
+    svg = str(charts.time_chart(times, [charts.Series("tier-hot", "hot", values)]))
+    path = svg[svg.index('<path class="line tier-hot" d="') + 31:]
+    path = path[:path.index('"')]
+    vertices = path.count("L") + 1
+    assert vertices <= 6 * charts.MAX_LINE_COLUMNS + 2, vertices
+    ys = [float(p.split(",")[1]) for p in path.replace("M", "").split(" L")]
+    assert min(ys) < 30  # the spike reaches the top of the plot
+    pts = charts.step_points([(0.0, 5.0), (0.2, 1.0), (0.4, 9.0), (0.6, 3.0), (3.0, 4.0)], 1.0)
+    assert pts == [(0.0, 5.0), (0.0, 1.0), (0.0, 9.0), (0.0, 3.0), (0.6, 3.0), (3.0, 3.0), (3.0, 4.0)]
+
+
+def test_overview_shows_tonights_plan_and_a_cost_chart(sqlite_facts: Any) -> None:
+    client = _client(sqlite_facts, background_wait=60)
+    home = client.get("/").text
+    plan = Snapshot(sqlite_facts, now=NOW, job="alpha").table("plan")
+    deletes = plan[plan["action"].str.startswith("delete")]
+    tonight = Snapshot(sqlite_facts, now=NOW).table("tonight").set_index("job")
+    assert int(tonight.loc["alpha", "delete"]) == len(deletes) == 2
+    assert int(tonight.loc["alpha", "delete_bytes"]) == int(deletes["bytes"].sum()) == 2000
+    assert int(tonight.loc["alpha", "freed_bytes"]) == 2000 and int(tonight.loc["alpha", "hot_bytes_after"]) == 5000
+    assert "deletion suspended for job 'beta'" in tonight.loc["beta", "note"]
+    assert 'id="t-tonight"' in home and "delete <b>2</b> (2.0 kB) and free <b>2.0 kB</b> of 7.0 kB hot" in home
+    assert "planned at 14:00:00 UTC" in home
+    assert 'aria-label="cost over time"' in home and 'href="/data/cost_history.csv"' in home
+    assert 'aria-label="cost over time"' in client.get("/costs").text
+    history = Snapshot(sqlite_facts, now=NOW).table("cost_history")
+    costs = Snapshot(sqlite_facts, now=NOW).table("costs")
+    assert history["monthly_cost"].iloc[-1] == pytest.approx(costs["monthly_cost"].sum(), rel=1e-6)
+    jobs = Snapshot(sqlite_facts, now=NOW).table("jobs")
+    assert list(history["at"]) == sorted(history["at"]) and history["at"].iloc[-1] == pd.Timestamp(NOW)
+    assert history["hot_bytes"].iloc[-1] == jobs["hot_bytes"].sum() == 7000
+
+
+def test_overview_does_not_wait_for_a_slow_plan(sqlite_facts: Any) -> None:
+    client = _client(sqlite_facts, background_wait=0)
+    home = client.get("/").text
+    assert 'id="tonight-pending"' in home and "being computed, reload in a moment" in home
+    client.app.state.background.get(wait=60)  # type: ignore[attr-defined]
+    assert 'id="t-tonight"' in client.get("/").text

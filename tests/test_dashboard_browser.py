@@ -10,7 +10,11 @@ Three ``ckptier dashboard`` processes serve:
 * a catalog whose job directory is named ``<img src=x onerror=alert(1)>``,
   without a Prefect API: the name renders as text (no alert, no img
   element) and the drill button says why it is disabled;
-* the demo catalog behind a token: refused without it, open with it.
+* the demo catalog behind a token: refused without it, open with it;
+* a copy of the demo catalog (the same job name, ``demo-run``) plus a job
+  with a 100-character name, with the same Prefect API: the drill button
+  drills this catalog, not the deployment's; the tables stay inside a
+  1,366-pixel window; pagination, tonight's plan and the cost chart.
 
 Every page visited is kept as a PNG in ``$CKPTIER_SCREENSHOTS`` when set
 (``docs/screenshots/`` holds the overview, job and checkpoint pages taken
@@ -123,14 +127,14 @@ class Browser:
                 return None
             raise
 
-    def screenshot(self, name: str, max_height: int = 6000) -> Path:
+    def screenshot(self, name: str, max_height: int = 6000, width: int = 1400) -> Path:
         """The page, down to ``max_height`` pixels (the window is stretched to the document's
-        height), as ``<shots>/<name>.png``."""
+        height), ``width`` wide (the window stays that wide), as ``<shots>/<name>.png``."""
         height = int(self.script("return document.documentElement.scrollHeight"))
         height = min(height, max_height)
-        self.cmd("POST", "/window/rect", {"width": 1400, "height": max(height, 600)})
+        self.cmd("POST", "/window/rect", {"width": width, "height": max(height, 600)})
         png = base64.b64decode(self.cmd("GET", "/screenshot"))
-        self.cmd("POST", "/window/rect", {"width": 1400, "height": 900})
+        self.cmd("POST", "/window/rect", {"width": width, "height": 900})
         path = self.shots / f"{name}.png"
         path.write_bytes(png)
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000, f"{name}: no real screenshot"
@@ -358,14 +362,27 @@ def _without_ages(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: v for k, v in r.items() if not k.endswith("_age_s") and k not in ("message", "reasons")} for r in rows]
 
 
-def _check_downloads(b: Browser, demo_dir: Path, page: str) -> list[str]:
-    """Click every download link on the current page; each file must be the table ``ckptier report`` prints."""
+def _open_overview(b: Browser, base: str) -> None:
+    """Open the overview once tonight's plan and the cost chart, built in the background, are on it."""
+    deadline = time.monotonic() + 60
+    b.open(base + "/")
+    while not (b.find_all("#t-tonight") and b.find_all("#cost-history svg")) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        b.open(base + "/")
+
+
+def _check_downloads(b: Browser, demo_dir: Path, page: str, checked: set[str]) -> list[str]:
+    """Click every download link on the current page not in ``checked`` (which gains them); each
+    file must be the table ``ckptier report`` prints."""
     seen = []
     for link in b.find_all("a.dl"):
         href = b.attr(link, "href") or ""
         query = dict(p.split("=", 1) for p in urlsplit(href).query.split("&") if "=" in p)
         job = unquote(query["job"]) if "job" in query else None
         step = query.get("step")
+        if href in checked:  # the same table on an earlier page (each costs a 'ckptier report' process)
+            continue
+        checked.add(href)
         saved = b.download(link)
         table, fmt = Path(urlsplit(href).path).stem, Path(urlsplit(href).path).suffix[1:]
         text = saved.read_text()
@@ -374,7 +391,7 @@ def _check_downloads(b: Browser, demo_dir: Path, page: str) -> list[str]:
             got, want = json.loads(text), json.loads(report)[table]
         else:
             got, want = list(csv.DictReader(io.StringIO(text))), list(csv.DictReader(io.StringIO(report)))
-        if table == "storage":  # its last row is the moment of the request
+        if table in ("storage", "cost_history"):  # their last row is the moment of the request
             got, want = got[:-1], want[:-1]
         assert got and _without_ages(got) == _without_ages(want), (page, href)
         seen.append(f"{table}.{fmt}")
@@ -385,16 +402,18 @@ def _check_downloads(b: Browser, demo_dir: Path, page: str) -> list[str]:
 @pytest.mark.prefect_server
 def test_walkthrough_overview_job_checkpoint_downloads(browser: Browser, demo_dashboard: Dashboard, demo_dir: Path) -> None:
     b = browser
-    b.open(demo_dashboard.url + "/")
+    _open_overview(b, demo_dashboard.url)
     assert b.alert() is None
     text = b.page_text()
     assert "JOBS" in text.upper() and "demo-run" in text and "SAVED VS KEEP-ALL" in text.upper()
     b.screenshot("overview")
-    assert {"jobs.csv", "jobs.json"} <= set(_check_downloads(b, demo_dir, "overview"))
+    checked: set[str] = set()
+    assert {"jobs.csv", "jobs.json", "tonight.csv", "cost_history.json"} <= set(
+        _check_downloads(b, demo_dir, "overview", checked))
 
     b.click(b.find("#costs-link"))  # every job's costs, then the job's own
     assert b.url.endswith("/costs") and "Expected restore" in b.text(b.find("#t-costs"))
-    assert {"costs.csv", "costs.json", "cost_tiers.csv", "cost_tiers.json"} <= set(_check_downloads(b, demo_dir, "costs"))
+    assert {"costs.csv", "costs.json", "cost_tiers.csv", "cost_tiers.json"} <= set(_check_downloads(b, demo_dir, "costs", checked))
     b.click(b.find('#t-costs a[href="/jobs/demo-run"]'))
     assert b.url.endswith("/jobs/demo-run") and b.find_all("#t-cost_tiers tbody tr")
     costs = b.text(b.find("#costs"))
@@ -409,7 +428,7 @@ def test_walkthrough_overview_job_checkpoint_downloads(browser: Browser, demo_da
         assert heading in text.upper()
     assert "recovery point 275" in text and "drill ok" in text
     b.screenshot("job", max_height=1800)
-    got = set(_check_downloads(b, demo_dir, "job"))
+    got = set(_check_downloads(b, demo_dir, "job", checked))
     assert {"checkpoints.csv", "plan.json", "drills.csv", "storage.json", "events.csv", "costs.json", "cost_tiers.csv"} <= got
 
     b.click(b.find('#t-checkpoints a[href="/checkpoint?job=demo-run&step=275"]'))
@@ -419,7 +438,7 @@ def test_walkthrough_overview_job_checkpoint_downloads(browser: Browser, demo_da
     text = b.page_text()
     assert "rank-0000/model.pt" in text and "drilled" in text
     b.screenshot("checkpoint")
-    assert {"files.csv", "copies.json"} <= set(_check_downloads(b, demo_dir, "checkpoint"))
+    assert {"files.csv", "copies.json"} <= set(_check_downloads(b, demo_dir, "checkpoint", checked))
     b.click(b.find("#job-link"))
     assert b.url.endswith("/jobs/demo-run")
 
@@ -512,3 +531,145 @@ def test_token_is_refused_then_accepted(browser: Browser, demo_dir: Path, tmp_pa
         assert TOKEN not in d.log.read_text()
     finally:
         _stop(d)
+
+
+# ------------------------------------------------------------------ a second catalog: the same job name, a long one
+
+LONG = "run-" + "abcdefghij" * 9 + "-wxyz-"  # 100 characters
+KEY_COLUMNS = ("Last drill", "Recovery point", "Newest save", "Alerts")
+
+
+@pytest.fixture(scope="module")
+def twin_dir(tmp_path_factory: pytest.TempPathFactory, demo_dir: Path) -> Path:
+    """A copy of the demo catalog (its ``demo-run`` rows point at the demo's files) plus job ``LONG``."""
+    from ckptier.storage.catalog.api import Catalog
+    from ckptier.tasks import pipeline
+    from ckptier.tasks.run import Run
+
+    assert len(LONG) == 100
+    base = tmp_path_factory.mktemp("twin")
+    shutil.copy2(demo_dir / "catalog.db", base / "catalog.db")
+    shutil.copy2(demo_dir / "ckptier.toml", base / "ckptier.toml")
+    for step in ("step-00000250", "step-00000275"):
+        shutil.copytree(demo_dir / "hot" / "demo-run" / step, base / "hot" / LONG / step)
+    with Catalog.open(f"sqlite:///{base / 'catalog.db'}") as cat:
+        pipeline.run_scan(Run.of(cat), [str(base / "hot")])
+        pipeline.run_verify(Run.of(cat))
+        assert sorted(cat.jobs()) == sorted(["demo-run", LONG])
+    return base
+
+
+@pytest.fixture(scope="module")
+def twin_dashboard(tmp_path_factory: pytest.TempPathFactory, twin_dir: Path, deployed: dict[str, Any]) -> Iterator[Dashboard]:
+    root = tmp_path_factory.mktemp("dash-twin")
+    d = _serve(root, "twin", twin_dir / "catalog.db", twin_dir / "ckptier.toml",
+               _env(root, PREFECT_API_URL=deployed["server"].api_url))
+    yield d
+    _stop(d)
+
+
+def _drills(catalog: Path) -> int:
+    from ckptier.storage.catalog.api import Catalog
+
+    with Catalog.open(f"sqlite:///{catalog}") as cat:
+        return len(cat.drills(job="demo-run"))
+
+
+@pytest.mark.prefect_server
+def test_drill_button_drills_the_catalog_on_screen(browser: Browser, twin_dashboard: Dashboard, twin_dir: Path,
+                                                   demo_dir: Path, deployed: dict[str, Any]) -> None:
+    """The deployment's Variables name the demo catalog; this dashboard shows its copy (same job name).
+    The flow run gets the copy's catalog and config, and a drill run with them is recorded there."""
+    b = browser
+    b.open(twin_dashboard.url + "/jobs/demo-run")
+    url, config = f"sqlite:///{twin_dir / 'catalog.db'}", str(twin_dir / "ckptier.toml")
+    assert b.text(b.find("#drill-catalog")) == url and b.text(b.find("#drill-config")) == config
+    assert "The drill reads and records in catalog" in b.text(b.find("#drill-target"))
+    b.click(b.find("#drill-button"))
+    link = b.attr(b.find("#drill-started a"), "href") or ""
+    run_id = link.rsplit("/", 1)[-1]
+    deployed["runs"].append(run_id)
+    b.screenshot("drill-catalog", max_height=900)
+    params = httpx.get(f"{deployed['server'].api_url}/flow_runs/{run_id}", timeout=10).json()["parameters"]
+    assert params == {"job": "demo-run", "catalog_url": url, "config_path": config}
+    # What a worker does with them (the flow opens the run from the same two settings as the command line):
+    before = {"demo": _drills(demo_dir / "catalog.db"), "twin": _drills(twin_dir / "catalog.db")}
+    proc = subprocess.run([sys.executable, "-m", "ckptier.flows.cli", "drill", "--catalog", params["catalog_url"],
+                           "--config", params["config_path"], "--job", params["job"], "--steps", "2"],
+                          capture_output=True, text=True, timeout=300, env=_env(twin_dir))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert _drills(twin_dir / "catalog.db") == before["twin"] + 1 and _drills(demo_dir / "catalog.db") == before["demo"]
+
+
+def _rects(b: Browser, selector: str) -> list[dict[str, Any]]:
+    return list(b.script("return Array.from(document.querySelectorAll(arguments[0])).map(e => {"
+                         "const r = e.getBoundingClientRect(); return {text: e.innerText.trim(), left: r.left, "
+                         "right: r.right, width: r.width, title: e.getAttribute('title')}; })", selector))
+
+
+@pytest.mark.prefect_server
+def test_a_100_character_job_name_pushes_no_column_off_screen(browser: Browser, twin_dashboard: Dashboard) -> None:
+    b = browser
+    b.cmd("POST", "/window/rect", {"width": 1366, "height": 900})
+    try:
+        b.open(twin_dashboard.url + "/")
+        inner = float(b.script("return window.innerWidth"))
+        heads = {h["text"].split("\n")[0]: h for h in _rects(b, "#t-jobs thead th")}
+        for name in KEY_COLUMNS:
+            assert 0 <= heads[name]["left"] and heads[name]["right"] <= inner, (name, heads[name], inner)
+        (cell,) = [c for c in _rects(b, "#t-jobs td.job") if c["title"] == LONG]
+        assert cell["right"] <= heads["Checkpoints"]["left"] + 1 and cell["width"] <= 0.2 * inner  # cut, not widened
+        assert b.script("return document.documentElement.scrollWidth") <= inner
+        wrap = b.script("const w = document.querySelector('#t-jobs').parentElement; return [w.scrollWidth, w.clientWidth]")
+        assert wrap[0] <= wrap[1], wrap  # nothing to scroll sideways to
+        b.screenshot("long-job-name-overview", max_height=1400, width=1366)
+        b.open(twin_dashboard.url + "/costs")
+        heads = {" ".join(h["text"].split()): h for h in _rects(b, "#t-costs thead th")}
+        off = [(k, h["left"], h["right"]) for k, h in heads.items() if not (0 <= h["left"] and h["right"] <= inner)]
+        widths = b.script("return [document.documentElement.scrollWidth, document.querySelector('main').scrollWidth, "
+                          "document.querySelector('#t-costs').parentElement.clientWidth]")
+        assert "Saved / month" in heads and not off, (off, inner, widths)
+        assert any(c["title"] == LONG for c in _rects(b, "#t-costs td.job"))
+        b.screenshot("long-job-name-costs", max_height=1400, width=1366)
+    finally:
+        b.cmd("POST", "/window/rect", {"width": 1400, "height": 900})
+
+
+@pytest.mark.prefect_server
+def test_job_page_pages_through_its_checkpoints(browser: Browser, twin_dashboard: Dashboard) -> None:
+    b = browser
+    b.open(twin_dashboard.url + "/jobs/demo-run?per=10")
+    pager = b.text(b.find("#pager-checkpoints"))
+    total = int(pager.split(" of ")[1].split(" ")[0])
+    assert total > 10 and pager.startswith(f"rows 1–10 of {total} · page 1 of 2"), pager
+    first = [int(b.text(e).replace(",", "")) for e in b.find_all("#t-checkpoints tbody td:first-child")]
+    assert len(first) == 10 and first == sorted(first, reverse=True)
+    b.click(b.find("#pager-checkpoints a.page-next"))
+    assert "page=2" in b.url and "per=10" in b.url and b.url.endswith("#checkpoints")
+    second = [int(b.text(e).replace(",", "")) for e in b.find_all("#t-checkpoints tbody td:first-child")]
+    assert len(second) == total - 10 and max(second) < min(first)
+    assert b.text(b.find("#pager-checkpoints")).startswith(f"rows 11–{total} of {total} · page 2 of 2")
+    b.screenshot("job-pagination", max_height=2400)
+    b.click(b.find("#pager-checkpoints a.page-first"))
+    assert "page=1" in b.url and [int(b.text(e).replace(",", "")) for e in
+                                  b.find_all("#t-checkpoints tbody td:first-child")] == first
+    assert b.find_all('svg[aria-label="checkpoints by step"] rect.mark')
+
+
+@pytest.mark.prefect_server
+def test_overview_shows_tonights_plan_and_the_cost_chart(browser: Browser, twin_dashboard: Dashboard,
+                                                         twin_dir: Path) -> None:
+    b = browser
+    _open_overview(b, twin_dashboard.url)
+    summary = b.text(b.find("#tonight-summary"))
+    assert "The next tiering run" in summary and "would promote" in summary and "if it ran now" in summary
+    plan = json.loads(_report(twin_dir, "tonight", "json"))["tonight"]  # the table 'ckptier report' prints
+    shown = b.script("return Array.from(document.querySelectorAll('#t-tonight tbody tr')).map(r => "
+                     "[r.cells[0].title, r.cells[1].innerText, r.cells[3].innerText])")
+    assert sorted(shown) == sorted([p["job"], f"{p['promote']:,}", f"{p['delete']:,}"] for p in plan)
+    assert {p["job"] for p in plan} == {"demo-run", LONG}
+    assert b.find_all('svg[aria-label="cost over time"] path.line')
+    b.screenshot("overview-tonight", max_height=1600)
+    b.click(b.find("#costs-link"))
+    assert b.find_all('#cost-history svg[aria-label="cost over time"] path.line')
+    b.screenshot("costs-chart", max_height=1600)
