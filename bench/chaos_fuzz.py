@@ -167,7 +167,9 @@ def zip_bomb(inflated: int, *, lie: bool) -> bytes:
         buf = io.BytesIO()
         with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED) as zf:
             zf.writestr(zipfile.ZipInfo("archive/data.pkl"), b"\x80\x02}q\x00.", compress_type=zipfile.ZIP_STORED)
-            with zf.open(zipfile.ZipInfo("archive/data/0"), "w") as fh:
+            member = zipfile.ZipInfo("archive/data/0")
+            member.compress_type = zipfile.ZIP_DEFLATED  # a ZipInfo is stored unless told
+            with zf.open(member, "w") as fh:
                 zero = bytes(1 << 20)
                 for _ in range(inflated >> 20):
                     fh.write(zero)
