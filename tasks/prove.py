@@ -27,13 +27,12 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Literal, Protocol
 
-from ckptier.storage.base import LocalPaths, ObjectInfo, Store
+from ckptier.storage.base import LocalPaths, ObjectInfo, Store, file_key
 from ckptier.storage.errors import CkptierError, NotFollowed, NotFound, StoreError
 from ckptier.storage.records import CheckpointRecord, CopyState, State, Tier
 from ckptier.storage.transitions import Change, Latest, file_change
 
 from .retention import Policy, keepers
-from .verify import file_key
 
 __all__ = ["FileNow", "ProvenNow", "Verdict", "prove_now", "prove_record", "settle"]
 
