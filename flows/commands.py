@@ -170,16 +170,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from ckptier.tasks.retention import floors, render_plan_table  # lazy: likewise
     from ckptier.tasks.run import open_run  # lazy: likewise
     from ckptier.tasks.settings import policy_origin, unwritten_policy_problem  # lazy: likewise
+    from ckptier.storage.records import State  # lazy: likewise
 
     settings = settings_of(args, config=True)
     config = settings.config
     announce(args, settings.location)
     with open_run(settings) as run:
-        # The checkpoints the deletions rest on are looked at now (a stat each): one whose files
-        # changed since its verdict is no longer trusted, and the plan rests on others.
-        prove_keepers(run.catalog, run.stores.for_record, run.catalog.checkpoints(job=args.job), config.policy_for,
-                      now=run.now)
-        by_policy = plans_by_policy(run, job=args.job)
+        cat = run.catalog
+        # Read once and without files (the planner needs none): 100,000 checkpoints, not their 300,000 file rows.
+        records = cat.checkpoints(job=args.job, include_deleted=True, with_files=False)
+        # The checkpoints the deletions rest on are looked at now (a stat each, their files read for it): one
+        # whose files changed since its verdict is no longer trusted, and the plan rests on others.
+        proven = prove_keepers(cat, run.stores.for_record, [r for r in records if r.state != State.DELETED],
+                               config.policy_for, now=run.now, files_of=lambda r: cat.get(r.job, r.step))
+        if any(p.verdict == "changed" for p in proven):  # settled: their states moved, so read them again
+            records = cat.checkpoints(job=args.job, include_deleted=True, with_files=False)
+        by_policy = plans_by_policy(run, job=args.job, records=records)
     plan = merge_plans([p for _, p in by_policy])
     rows = render_plan_table(plan)
     for warning in plan.warnings:
