@@ -133,3 +133,14 @@ def test_version_and_help_import_no_handler_and_stay_in_budget(argv: list[str], 
     assert loaded == []
     own = sum(us for name, us in imported.items() if name.startswith(" ckptier"))  # " " follows the "|"
     assert 0 < own <= VERSION_IMPORT_BUDGET_US, f"ckptier's own imports took {own} µs"
+
+
+def test_verify_imports_the_codec_only_when_it_needs_it(catalog: str, tmp_path: Path) -> None:
+    """``verify --deep`` of checkpoints with no archive copy and no torch file hashes them without the
+    archive codec (numpy, zstandard), torch or Prefect."""
+    proc, modules = _modules(["verify", "--deep", "--json", "--no-prefect", "--catalog", catalog], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["totals"]["verified"] == 2  # it read both checkpoints
+    assert "ckptier.tasks.pipeline" in modules  # the acting path really ran
+    codec = ("numpy", "zstandard", "torch", "prefect", "ckptier.storage.codec", "ckptier.storage.codec_planes")
+    assert [m for m in modules if any(m == h or m.startswith(h + ".") for h in codec)] == []
