@@ -1,6 +1,8 @@
 """The planning commands: ``ckptier advise`` and ``ckptier lifecycle``.
 
-Thin: parse the arguments, read the config and (for ``--job``) the catalog,
+Imported by every command (their parsers are built with the others'), so
+only the standard library and light modules load here; each handler imports
+what it needs. Thin: parse the arguments, read the config and (for ``--job``) the catalog,
 call the pure cores (:mod:`ckptier.tasks.advise`,
 :mod:`ckptier.tasks.lifecycle`), print. Neither starts Prefect or imports
 torch.
@@ -17,13 +19,11 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from ckptier.storage.errors import ConfigError
-from ckptier.tasks.advise import DTYPE_BYTES, MAX_RUN_LENGTH, OPTIMIZER_STATES, Request, advise, observe_job
-from ckptier.tasks.durations import parse_duration
 from ckptier.tasks.tiers import ALL_CLASSES
+from ckptier.tasks.units import DTYPE_BYTES, MAX_RUN_LENGTH, OPTIMIZER_STATES, human_bytes
 
 from .arguments import duration, number, whole
 from .command import open_existing, settings_of
-from .output import human_bytes, print_json
 
 _SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 _COUNT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmbgt]?)\s*$", re.IGNORECASE)
@@ -97,7 +97,10 @@ def count(n: float) -> str:
 
 
 def cmd_advise(args: argparse.Namespace) -> int:
+    from ckptier.tasks.advise import Request, advise, observe_job  # lazy: every command builds this parser
     from ckptier.tasks.config import default_policy, load_config  # lazy: --version and --help stay light
+
+    from .output import print_json  # lazy: likewise
 
     config = load_config(args.policy or args.config)
     observed = None
@@ -203,6 +206,8 @@ def render_advice(a: Any) -> list[str]:
 
 
 def _seconds(a: Any) -> float:
+    from ckptier.tasks.durations import parse_duration  # lazy: every command builds this parser
+
     return parse_duration(a.value).total_seconds()
 
 
@@ -212,6 +217,8 @@ def _seconds(a: Any) -> float:
 def cmd_lifecycle(args: argparse.Namespace) -> int:
     from ckptier.tasks.lifecycle import job_prefix_url, lifecycle_for_job  # lazy: --version and --help stay light
     from ckptier.tasks.run import unknown_job  # lazy: likewise
+
+    from .output import print_json  # lazy: likewise
 
     settings = settings_of(args, config=True)
     config = settings.config

@@ -20,7 +20,6 @@ from typing import Any
 
 from .arguments import WORKERS
 from .command import announce, settings_of
-from .output import print_json
 
 
 def cmd_rebuild(args: argparse.Namespace) -> int:
@@ -52,6 +51,8 @@ def cmd_catalog(args: argparse.Namespace) -> int:
 
 def _printed(args: argparse.Namespace, report: Any) -> int:
     """Print ``report`` (``--json``: its ``to_json()``, else its lines); exit 0 when it is ok, else 1."""
+    from .output import print_json  # lazy: every command builds this parser; output's imports only to print
+
     if args.json:
         print_json(report.to_json())
     else:

@@ -28,7 +28,7 @@ from typing import Any, BinaryIO, Literal, NamedTuple, Protocol, runtime_checkab
 
 from .errors import InvalidKey
 from .records import DeleteResult as DeleteResult  # the result of Store.delete_many, held by DeleteInterrupted too
-from .records import slot_setters
+from .records import CheckpointRecord, slot_setters
 
 #: S3's limit on keys in one DeleteObjects call; stores batch to this size.
 MAX_DELETE_BATCH = 1000
@@ -573,6 +573,16 @@ def validate_key(key: str) -> str:
 def join_key(*parts: str) -> str:
     """Join key parts with ``/``, ignoring empty parts and stray slashes."""
     return "/".join(p.strip("/") for p in parts if p.strip("/"))
+
+
+def is_single_file(prefix: str, record: CheckpointRecord) -> bool:
+    """True when ``prefix`` is the key of the checkpoint's only file (Lightning-style)."""
+    return len(record.files) == 1 and prefix.rsplit("/", 1)[-1] == record.files[0].relpath
+
+
+def file_key(prefix: str, record: CheckpointRecord, relpath: str) -> str:
+    """The store key of ``relpath``: ``prefix/relpath``, or ``prefix`` itself for a single-file checkpoint."""
+    return prefix if is_single_file(prefix, record) else join_key(prefix, relpath)
 
 
 def read_bytes(store: Store, key: str, *, limit: int | None = None) -> bytes:

@@ -55,7 +55,6 @@ from collections.abc import Callable, Generator, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .codec_layout import torch_storages
 from .records import Shortfall
 
 try:  # CLMUL CRC-32: ~10x zlib's (see the module docstring)
@@ -565,6 +564,8 @@ def _zip_member(c: Checker, s: _ZipState) -> Generator[tuple[Any, ...], Any, boo
                 return True
     if name.endswith(".pkl") and method == 0 and length <= MAX_PICKLE:
         body = yield ("peek", length, where)
+        from .codec_layout import torch_storages  # lazy: the codec's imports (numpy, zstandard) only for a torch zip
+
         try:
             s.storages, _ = torch_storages(body)
         except Exception:  # noqa: BLE001 - not torch's data.pkl: lengths come from descriptors

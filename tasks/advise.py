@@ -62,13 +62,10 @@ from .retention import (
     plan_retention,
 )
 from .tiers import ALL_CLASSES, HOT, class_at, class_rank
+from .units import DTYPE_BYTES as DTYPE_BYTES  # re-exported: the parser reads them from units
+from .units import MAX_RUN_LENGTH as MAX_RUN_LENGTH
+from .units import OPTIMIZER_STATES as OPTIMIZER_STATES
 
-#: Bytes per element of each dtype a checkpoint may hold.
-DTYPE_BYTES: Mapping[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
-#: Per-parameter state buffers each optimizer keeps (0 for adafactor: its
-#: factored second moments are O(rows + cols) per matrix, under 0.1% of the
-#: parameters for matrices of 2,048 or more rows and columns).
-OPTIMIZER_STATES: Mapping[str, int] = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0, "adafactor": 0}
 _STATE_NAMES = {"adamw": "moments", "adam": "moments", "sgd-momentum": "momentum buffer"}
 #: ckptier's own multipart part size for archive uploads (S3Store's default).
 ARCHIVE_PART_SIZE = 16 << 20
@@ -84,8 +81,6 @@ MAX_SIM_NIGHTS = 100
 #: The most simulated saves times planned nights: what a policy that keeps every
 #: save costs the planner (about 0.3 s here at this bound; a policy that keeps a few costs far less).
 MAX_SIM_WORK = 40_000
-#: The longest run advice is given for (ten years: far past any training run, well inside the calendar).
-MAX_RUN_LENGTH = timedelta(days=3650)
 
 Origin = Literal["given", "measured", "default"]
 

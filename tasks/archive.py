@@ -34,9 +34,8 @@ from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
-from ckptier.storage import codec as _codec
 from ckptier.storage.archive_copies import BACKUP_PREFIX, copy_dir, stored_key
 from ckptier.storage.archive_copies import DATA_SUFFIX as _DATA_SUFFIX
 from ckptier.storage.archive_copies import UPLOAD_MARKER as _UPLOAD_MARKER
@@ -73,6 +72,21 @@ from ckptier.tasks.verify import (
 
 from .fanout import Fanout, batches, worker_stores
 from .reports import JanitorReport
+
+
+if TYPE_CHECKING:
+    from ckptier.storage import codec as _codec
+else:
+    class _Codec:
+        """:mod:`ckptier.storage.codec`, imported on first use: its numpy and zstandard cost every
+        command that imports this module (``verify`` through the pipeline) ~0.1 s of start-up."""
+
+        def __getattr__(self, name: str) -> Any:
+            from ckptier.storage import codec  # lazy: only when bytes are encoded or decoded
+
+            return getattr(codec, name)
+
+    _codec = _Codec()
 
 #: Name of the commit marker in an archive step directory (format recognition
 #: knows it as ckptier's own file, so scanning an archive never mistakes it).

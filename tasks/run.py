@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from ckptier.storage.base import Store
 from ckptier.storage.catalog.api import Catalog
@@ -38,9 +38,11 @@ from ckptier.storage.records import CheckpointRecord
 from ckptier.storage.url import canonical_url, open_store, parse_location
 from ckptier.storage.wrappers import resuming
 
-from .config import Config, RunnerSettings, default_config
 from .leases import DEFAULT_TTL as DEFAULT_LEASE_TTL
 from .settings import Settings
+
+if TYPE_CHECKING:  # the config's imports (formats, S3) only when a run reads it: `ckptier latest` stays light
+    from .config import Config, RunnerSettings
 
 #: What the operations are given to tell the time: aware UTC.
 Clock = Callable[[], datetime]
@@ -238,6 +240,8 @@ class Run:
         """A run around ``catalog``, already open (the caller closes it): ``config``
         default the built-in defaults, a fresh store cache unless ``stores``,
         ``owner`` used as it is."""
+        from .config import default_config  # lazy: the config's imports only for a run (see the imports)
+
         return cls(catalog=catalog, config=config if config is not None else default_config(),
                    stores=stores if stores is not None else StoreCache(roots=catalog.hot_locations), now=now,
                    owner=owner, dry_run=dry_run)

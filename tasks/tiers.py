@@ -14,9 +14,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 from ckptier.storage.errors import ConfigError
-from ckptier.storage.records import CheckpointRecord
+
+if TYPE_CHECKING:  # annotations only: the command line's parser reads ALL_CLASSES without the records' imports
+    from ckptier.storage.records import CheckpointRecord
 
 #: Local/POSIX storage (priced as one class: ``[prices] hot``).
 HOT = "hot"

@@ -34,7 +34,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import date
 
-from ckptier.storage.base import ObjectInfo, Store, join_key
+from ckptier.storage.base import ObjectInfo, Store
+from ckptier.storage.base import file_key as file_key, is_single_file as is_single_file  # re-exported: they live with the keys
 from ckptier.storage.errors import CkptierError, ConfigError, IntegrityError, NotFollowed, NotFound, StoreError
 from ckptier.storage.hashing import DEFAULT_CHUNK, Digests, hash_stream, store_crc64nvme
 from ckptier.storage.records import CheckpointRecord, FileCheck, FileRecord, FileStatus, Format, State
@@ -238,16 +239,6 @@ def _examples(items: Sequence[str]) -> str:
 
 
 # -- I/O ------------------------------------------------------------------------
-
-
-def is_single_file(prefix: str, record: CheckpointRecord) -> bool:
-    """True when ``prefix`` is the key of the checkpoint's only file (Lightning-style)."""
-    return len(record.files) == 1 and prefix.rsplit("/", 1)[-1] == record.files[0].relpath
-
-
-def file_key(prefix: str, record: CheckpointRecord, relpath: str) -> str:
-    """The store key of ``relpath``: ``prefix/relpath``, or ``prefix`` itself for a single-file checkpoint."""
-    return prefix if is_single_file(prefix, record) else join_key(prefix, relpath)
 
 
 def _check(f: FileRecord, status: FileStatus, detail: str | None, d: Digests | None = None, size: int | None = None) -> FileCheck:

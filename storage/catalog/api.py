@@ -955,9 +955,23 @@ class Catalog:
             .exists()
         )
         with self._read() as conn:
-            candidates = self._load(conn, [jb.c.name == job, ck.c.state == State.VERIFIED.value, has_copy],
-                                    with_files=False)
-            latest = transitions.pick_latest(candidates, drilled=drilled)
+            ids = list(conn.execute(
+                select(ck.c.id).join(jb, jb.c.id == ck.c.job_id)
+                .where(jb.c.name == job, ck.c.state == State.VERIFIED.value, has_copy)
+                .order_by(ck.c.step.desc())
+            ).scalars())
+            # Newest first, a few at a time (8, 32, 128...): the answer is nearly always among the
+            # newest, so a launcher's `ckptier latest` loads a handful of rows, not the job's 1,000.
+            # pick_latest looks newest first and stops at its answer, so a prefix answers as all would.
+            candidates: list[CheckpointRecord] = []
+            latest = transitions.pick_latest((), drilled=drilled)
+            start, size = 0, 8
+            while start < len(ids):
+                candidates += self._load(conn, [ck.c.id.in_(ids[start:start + size])], with_files=False)
+                start, size = start + size, size * 4
+                latest = transitions.pick_latest(candidates, drilled=drilled)
+                if latest.record is not None:
+                    break
             if latest.record is None:
                 return latest
             record = self._load(conn, [ck.c.id == latest.record.id], with_files=True)[0]
