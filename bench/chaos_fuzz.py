@@ -866,6 +866,9 @@ class Fuzz:
         self.rnd.shuffle(dirs)
         for i, (p, d) in enumerate(dirs[: max(1, len(dirs) * 2 // 3)]):
             other = dirs[(i + 1) % len(dirs)][1] if len(dirs) > 1 else None
+            manifest = d / "ckptier-manifest.json"
+            if manifest.is_symlink() or not manifest.is_file():
+                continue  # already mangled as another copy's neighbour (a swap, a loop): once is enough
             p.archived_damage = damage_copy(d, self.rnd, b, other)
             b.manifests += 1
 
