@@ -193,7 +193,7 @@ def create_app(source: Source, *, token: str | None = None, prefect: PrefectDril
         policy = source.config.policy_for(job)
         plan = snap.plan
         recovery = row.get("recovery_step")
-        milestones = [int(s) for s in cks["step"] if policy is not None and policy.is_milestone(int(s))]
+        milestones = [int(s) for s in cks.loc[cks["milestone"].astype(bool), "step"]]  # the policy's, per row
         step_svg = charts.step_chart(_marks(cks, job), milestones=milestones, recovery_step=recovery)
         times = list(storage["at"])
         storage_svg = charts.time_chart(times, [

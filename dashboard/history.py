@@ -94,11 +94,12 @@ def storage_history(copies: pd.DataFrame, events: pd.DataFrame, *, now: datetime
     slots: dict[tuple[int, str], _Slot] = {}
     created = _times(copies["created_at"])
     saved = _times(copies["saved_at"])
+    # Plain Python lists: iterating pandas columns element by element costs more than the loop's work.
     for cid, tier, state, stored_bytes, logical, c_at, s_at in zip(
-            copies["checkpoint_id"], copies["tier"], copies["state"], copies["stored_bytes"], copies["bytes"], created,
-            saved, strict=True):
+            copies["checkpoint_id"].tolist(), copies["tier"].tolist(), copies["state"].tolist(),
+            copies["stored_bytes"].tolist(), copies["bytes"].tolist(), created, saved, strict=True):
         key = (int(cid), str(tier))
-        stored = int(stored_bytes) if pd.notna(stored_bytes) else int(logical)
+        stored = int(stored_bytes) if stored_bytes is not None and stored_bytes == stored_bytes else int(logical)
         start = c_at
         if tier == "hot" and s_at is not None:
             start = min(start, s_at)
@@ -115,9 +116,9 @@ def storage_history(copies: pd.DataFrame, events: pd.DataFrame, *, now: datetime
 
     if len(events):
         ordered = events.sort_values("at", kind="stable")
-        for at, kind, cid, data in zip(_times(ordered["at"]), ordered["kind"], ordered["checkpoint_id"], ordered["data"],
-                                       strict=True):
-            if at is None or pd.isna(cid):
+        for at, kind, cid, data in zip(_times(ordered["at"]), ordered["kind"].tolist(),
+                                       ordered["checkpoint_id"].tolist(), ordered["data"].tolist(), strict=True):
+            if at is None or cid is None or cid != cid:  # cid != cid: NaN
                 continue
             move = _tier_move(str(kind), data if isinstance(data, Mapping) else None)
             if move is None:

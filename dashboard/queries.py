@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import pandas as pd
-from sqlalchemy import Engine, Select, and_, case, exists, func, literal, or_, select, true
+from sqlalchemy import Engine, Select, String, and_, case, exists, func, literal, or_, select, true, type_coerce
 
 from ckptier.storage.catalog import db
 from ckptier.storage.catalog.tables import checkpoints as ck
@@ -177,13 +177,21 @@ def restorable(checkpoint_ids: Sequence[int]) -> Select[Any]:
     ).where(ck.c.id.in_(list(checkpoint_ids)))
 
 
+def _as_stored(column: Any) -> Any:
+    """A time column as the driver returns it (SQLite: ISO text; PostgreSQL: a naive UTC
+    datetime), without the per-value conversion to an aware datetime: for a statement
+    whose times are converted in one vectorized pass (``pd.to_datetime(utc=True)``)."""
+    return type_coerce(column, String).label(column.name)
+
+
 def storage_copies(job: str | None) -> Select[Any]:
     """Every copy of ``job``'s checkpoints (None: every job's), tombstones included:
     ``checkpoint_id``, ``step``, ``tier``, ``state``, ``stored_bytes``,
-    ``bytes`` (logical), ``created_at``, ``saved_at``."""
+    ``bytes`` (logical), ``created_at``, ``saved_at`` (times as stored, naive UTC:
+    see :func:`_as_stored`)."""
     return (
         select(cp.c.checkpoint_id, ck.c.step, cp.c.tier, cp.c.state, cp.c.stored_bytes, ck.c.bytes,
-               cp.c.created_at, ck.c.saved_at)
+               _as_stored(cp.c.created_at), _as_stored(ck.c.saved_at))
         .select_from(cp.join(ck, ck.c.id == cp.c.checkpoint_id).join(jb, jb.c.id == ck.c.job_id))
         .where(true() if job is None else jb.c.name == job)
         .order_by(cp.c.created_at, cp.c.id)
@@ -192,9 +200,9 @@ def storage_copies(job: str | None) -> Select[Any]:
 
 def storage_events(job: str | None) -> Select[Any]:
     """The events of ``job`` (None: every job's) that change which copies hold bytes: ``at``,
-    ``kind``, ``checkpoint_id``, ``data``, oldest first."""
+    ``kind``, ``checkpoint_id``, ``data``, oldest first (``at`` as stored: see :func:`_as_stored`)."""
     return (
-        select(ev.c.at, ev.c.kind, ev.c.checkpoint_id, ev.c.data)
+        select(_as_stored(ev.c.at), ev.c.kind, ev.c.checkpoint_id, ev.c.data)
         .select_from(ev.join(jb, jb.c.id == ev.c.job_id))
         .where(true() if job is None else jb.c.name == job, ev.c.checkpoint_id.is_not(None),
                or_(ev.c.kind.in_(STORAGE_EVENT_KINDS), ev.c.kind.like("copy-%")))
