@@ -1,4 +1,4 @@
-"""The ``ckptier`` command line (the contract README.md documents).
+"""The ``ckptier`` command line (the contract docs/commands.md documents).
 
 The parser is built from a lazy command table: each command names its
 handler (in :mod:`ckptier.flows.commands` unless said otherwise), imported
@@ -181,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--step", type=STEP)
     sp.add_argument("--steps", type=whole(1, 1_000_000, what="a number of training steps"), default=None, help="training steps (default 10, or the job's [[drill]] steps)")
     sp.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None)
-    sp.add_argument("--model", metavar="MODULE:FUNCTION", help="model factory (see README: restore drills)")
+    sp.add_argument("--model", metavar="MODULE:FUNCTION", help="model factory (see docs/restore-drills.md)")
     sp.add_argument("--timeout", type=_SECONDS, default=None, help="seconds before the drill is killed")
     sp.add_argument("--allow-global", action="append", metavar="MODULE.NAME",
                     help="a class the safe loader may unpickle from this checkpoint (repeatable; adds to [[drill]] allow_globals)")

@@ -199,7 +199,7 @@ def render_advice(a: Any) -> list[str]:
     for origin, label in (("measured", "measured"), ("given", "given"), ("default", "assumed")):
         shown = [f"{x.name} {x.value}" for x in a.assumptions if x.origin == origin and x.name != "params"]
         if shown:
-            tail = " (defaults; each one's source: --json, or the README)" if origin == "default" else ""
+            tail = " (defaults; each one's source: --json, or docs/planning-and-pricing.md)" if origin == "default" else ""
             text = ", ".join(shown) + tail
             lines.extend(textwrap.wrap(text, 110, initial_indent=f"{label:<12}", subsequent_indent=" " * 12))
     return lines

@@ -487,9 +487,9 @@ def test_a_drill_alert_links_the_flow_run_and_the_dashboard(deployed: PrefectSer
     assert "Dashboard: http://dash.example:8765/jobs/no-such-job" in body, body
 
 
-def test_readme_walkthrough_waits_for_the_api_before_setting_variables() -> None:
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    walk = readme.split("### Walkthrough (one machine)", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+def test_prefect_walkthrough_waits_for_the_api_before_setting_variables() -> None:
+    guide = (Path(__file__).parents[1] / "docs" / "prefect.md").read_text()
+    walk = guide.split("## Walkthrough (one machine)", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
     commands = [line.split("#", 1)[0].strip() for line in walk.splitlines() if line.split("#", 1)[0].strip()]
     start = next(i for i, c in enumerate(commands) if c.startswith("prefect server start"))
     wait = next(i for i, c in enumerate(commands) if "/api/health" in c)
