@@ -1,4 +1,4 @@
-"""The command line end to end on local directories: the contract README.md documents.
+"""The command line end to end on local directories: the contract docs/commands.md documents.
 
 Runs ``ckptier`` in-process through ``main()`` (and once as a real console
 script) against checkpoints a training loop writes with ``torch.save``.
