@@ -92,9 +92,6 @@ def format_age(delta: timedelta | None) -> str:
 # ------------------------------------------------------------------ proof
 
 
-PROOF_LEVELS = ("committed", "verified", "drilled")
-
-
 def proof_level(state: str, last_drill_ok: bool | None) -> str:
     """A checkpoint's proof: ``committed`` < ``verified`` (every file's bytes
     matched) < ``drilled`` (verified, and its most recent drill passed); ""

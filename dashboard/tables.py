@@ -857,7 +857,3 @@ register(TableSpec("cost_history", "Cost over time", "catalog", (
     C("archive_monthly_cost", "money", "Archive / month"),
     C("monthly_cost", "money", "Monthly cost"),
 ), build_cost_history, "monthly storage cost over time at today's price per byte of each tier"))
-
-
-def tables_for(scope: Scope) -> list[TableSpec]:
-    return [t for t in TABLES.values() if t.scope == scope]

@@ -28,7 +28,7 @@ from types import MappingProxyType
 
 from ckptier.storage.errors import ConfigError
 
-from .tiers import ALL_CLASSES, NEEDS_RESTORE
+from .tiers import NEEDS_RESTORE
 
 #: Bytes in a billed GB (AWS bills storage per 2^30 bytes).
 BILLING_GB = 1 << 30
@@ -157,7 +157,3 @@ def requests_for(nbytes: int, objects: int, part_size: int) -> int:
     per_object = nbytes / objects
     parts = 1 if per_object <= part_size else math.ceil(per_object / part_size) + 2  # + create and complete
     return objects * parts
-
-
-def known_class(name: str) -> bool:
-    return name in ALL_CLASSES
