@@ -99,10 +99,6 @@ PROOF_WORKERS = 4
 TAG_WORKERS = 8
 
 
-class ApplyFailed(CkptierError):
-    """A run finished with failed items; the report says which."""
-
-
 @dataclass(frozen=True)
 class Unproven:
     """Why a keeper was not proven: ``failed`` when its copy was read and is
@@ -173,13 +169,6 @@ class ApplyReport:
         if self.canary_failures:
             parts.append(f"canary failed on {len(self.canary_failures)} store(s)")
         return ", ".join(parts)
-
-    def raise_for_failures(self) -> None:
-        """Raise :class:`ApplyFailed` naming the first failure when anything failed."""
-        if self.ok:
-            return
-        first = self.failures[0].detail if self.failures else next(iter(self.canary_failures.values()))
-        raise ApplyFailed(f"apply: {self.summary()}; first failure: {first}; re-run apply to resume")
 
 
 # ---------------------------------------------------------------- pure decisions
@@ -426,8 +415,8 @@ def apply_plan(
     Errors of one item are recorded on it and the run goes on with the next
     (the store raising ``Unavailable`` after its retries stops deletions from
     that store for the rest of the run). Nothing raises for an item's
-    failure: call :meth:`ApplyReport.raise_for_failures` to turn failures
-    into an exception. Idempotent: re-running the same plan after a crash
+    failure: :attr:`ApplyReport.ok` and :attr:`ApplyReport.failures` say
+    what failed (the command line exits 1 on them). Idempotent: re-running the same plan after a crash
     finishes the remaining work and repeats nothing that was recorded.
     """
     run = _Run(plan, context, proven=proven if proven is not None else set())

@@ -21,7 +21,7 @@ from ckptier.storage.catalog.api import Catalog, FileCheck
 from ckptier.storage.hashing import hash_bytes
 from ckptier.storage.local import LocalStore
 from ckptier.storage.records import CheckpointRecord, FileRef, Format, Found, Recognition, State
-from ckptier.tasks.apply import ApplyContext, ApplyFailed, apply_plan, delete_refusal
+from ckptier.tasks.apply import ApplyContext, apply_plan, delete_refusal
 from ckptier.tasks.archive import manifest_key, prefix_from_location
 from ckptier.tasks.retention import KeepLast, Milestones, Plan, PlanItem, Policy, plan_retention
 
@@ -274,8 +274,8 @@ def test_failed_promotion_defers_the_jobs_deletes_and_a_rerun_finishes(world: Wo
     assert [r.outcome for r in report.items if r.action == "promote"] == ["failed", "failed"]
     assert {r.outcome for r in report.items if r.action == "delete"} == {"deferred"}
     assert all(world.on_disk(s) for s in STEPS)
-    with pytest.raises(ApplyFailed, match="re-run apply"):
-        report.raise_for_failures()
+    assert [f.action for f in report.failures] == ["promote", "promote"]
+    assert all("503 SlowDown (injected)" in f.detail for f in report.failures), report.failures
     # Every lease was given back despite the failures.
     assert all(world.catalog.claim(r.id, "probe", now=world.clock(), ttl=timedelta(seconds=1)) is not None
                for r in world.catalog.checkpoints())
