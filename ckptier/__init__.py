@@ -3,7 +3,10 @@
 The names a training script writes are exported here and kept across
 internal moves: :func:`resume` and :func:`resume_distributed` (the newest
 checkpoint proven now, and where to load it from), their answer
-:class:`Resume` and their error :class:`ResumeError`. They are loaded on
+:class:`Resume` and their error :class:`ResumeError`; and what a drill's
+model factory is written with: :class:`DrillSpec` and the helpers
+:func:`demo_model`, :func:`demo_batch`, :func:`demo_loss`, :func:`hf_spec`,
+:func:`trainer_optimizer` and :func:`train_step`. They are loaded on
 first use, so ``import ckptier`` costs nothing and imports neither torch
 nor Prefect.
 """
@@ -14,10 +17,32 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["Resume", "ResumeError", "__version__", "resume", "resume_distributed"]
+__all__ = [
+    "DrillSpec",
+    "Resume",
+    "ResumeError",
+    "__version__",
+    "demo_batch",
+    "demo_loss",
+    "demo_model",
+    "hf_spec",
+    "resume",
+    "resume_distributed",
+    "train_step",
+    "trainer_optimizer",
+]
 
 if TYPE_CHECKING:
     from ckptier.launch import resume, resume_distributed
+    from ckptier.tasks.drill_models import (
+        DrillSpec,
+        demo_batch,
+        demo_loss,
+        demo_model,
+        hf_spec,
+        train_step,
+        trainer_optimizer,
+    )
     from ckptier.tasks.resume import Resume, ResumeError
 
 #: Public name -> the module that holds it.
@@ -26,6 +51,10 @@ _EXPORTS = {
     "resume_distributed": "ckptier.launch",
     "Resume": "ckptier.tasks.resume",
     "ResumeError": "ckptier.tasks.resume",
+    **dict.fromkeys(
+        ("DrillSpec", "demo_batch", "demo_loss", "demo_model", "hf_spec", "train_step", "trainer_optimizer"),
+        "ckptier.tasks.drill_models",
+    ),
 }
 
 

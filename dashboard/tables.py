@@ -26,18 +26,19 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from functools import cached_property
 from typing import Any, Literal
 
 import pandas as pd
 
-from ckptier.storage.catalog.api import DrillRecord
+from ckptier.storage.catalog.api import DrillRecord, RecoveryRecord
 from ckptier.storage.errors import ConfigError
 from ckptier.storage.records import CheckpointRecord
 from ckptier.storage.transitions import latest_drill, latest_drills
 from ckptier.tasks.costs import JobCosts
-from ckptier.tasks.drill_history import environment_drift, recovery_rate, recovery_rates
+from ckptier.tasks.drill_history import ALL_JOBS, WINDOWS_DAYS, environment_drift, recovery_rate, recovery_rates
+from ckptier.tasks.resume import RESUMED
 
 from . import alerts as al
 from . import queries as q
@@ -157,6 +158,16 @@ class Snapshot:
         return {name: self.catalog.drills(job=name, limit=DRILL_WINDOW) for name in self.jobs["job"]}
 
     @cached_property
+    def recoveries(self) -> dict[str, list[RecoveryRecord]]:
+        """Recovery events (``resume`` calls) of the longest rate window, by job, newest first: of
+        the snapshot's job, or of every job asked about (a name the catalog does not know too)."""
+        since = self.now - timedelta(days=max(WINDOWS_DAYS))
+        out: dict[str, list[RecoveryRecord]] = {}
+        for e in self.catalog.recoveries(job=self.job, since=since):
+            out.setdefault(e.job, []).append(e)
+        return out
+
+    @cached_property
     def latest_drill(self) -> dict[int, DrillRecord]:
         """The most recent drill of each drilled checkpoint (by id; :func:`ckptier.storage.transitions.latest_drill`)."""
         return latest_drills(d for records in self.drills.values() for d in records)
@@ -259,6 +270,14 @@ def _first_loss(d: DrillRecord) -> float | None:
 _HELD_LABELS = {(1, 0): "hot_only", (1, 1): "hot_and_archive", (0, 1): "archive_only", (0, 0): "no_copy"}
 
 
+def resume_counts(events: Iterable[RecoveryRecord], *, days: int, now: datetime) -> tuple[int, int]:
+    """Recoveries ``(attempted, resumed)`` among ``events`` started in the ``days`` days up to
+    ``now`` (both ends included, as drills' rates count theirs); pure."""
+    since = now - timedelta(days=days)
+    mine = [e for e in events if since <= e.started_at <= now]
+    return len(mine), sum(e.outcome == RESUMED for e in mine)
+
+
 def _per_job(frame: pd.DataFrame, column: str, how: str, names: Sequence[str], *, fill: Any = 0) -> pd.Series:
     """``frame[column]`` aggregated per job (``sum``/``min``/``max``), one value per name in ``names``."""
     if frame.empty:
@@ -331,6 +350,9 @@ def build_jobs(s: Snapshot) -> pd.DataFrame:
             "last_drill_ok": last.ok if last else None,
             **{f"drill_success_{days}d": recovery_rate(s.drills.get(name) or [], job=name, days=days, now=s.now).rate
                for days in (7, 30)},
+            **{f"{key}_{days}d": n for days in (7, 30) for key, n in
+               zip(("resumes", "resumed"), resume_counts(s.recoveries.get(name) or [], days=days, now=s.now),
+                   strict=True)},
             "recovery_step": int(rec["step"]) if rec is not None else None,
             "recovery_saved_at": _opt(rec["saved_at"]) if rec is not None else None,
             "recovery_age_s": _age_s(s.now, _opt(rec["saved_at"])) if rec is not None else None,
@@ -672,6 +694,10 @@ register(TableSpec("jobs", "Jobs", "catalog", (
     C("last_drill_ok", "verdict", "Last drill verdict"),
     C("drill_success_7d", "ratio", "Drills passed 7d", "passed / judged drills over the last 7 days"),
     C("drill_success_30d", "ratio", "Drills passed 30d", "passed / judged drills over the last 30 days"),
+    C("resumes_7d", "int", "Resumes 7d", "recoveries attempted ('ckptier resume' calls) over the last 7 days"),
+    C("resumed_7d", "int", "Resumed 7d", "recoveries that succeeded (a proven checkpoint answered) over the last 7 days"),
+    C("resumes_30d", "int", "Resumes 30d", "recoveries attempted over the last 30 days"),
+    C("resumed_30d", "int", "Resumed 30d", "recoveries that succeeded over the last 30 days"),
     C("recovery_step", "step", "Recovery point", "newest checkpoint whose most recent drill passed"),
     C("recovery_saved_at", "time", "Recovery point saved"),
     C("recovery_age_s", "age", "Recovery point age"),
@@ -735,9 +761,18 @@ register(TableSpec("drills", "Restore drills", "catalog", (
 ), build_drills, "restore drills, newest first"))
 
 def build_recovery(s: Snapshot) -> pd.DataFrame:
-    """Recovery success rate: per job and over every job, passed / judged drills over 7 and 30 days."""
-    rows = [{"job": r.job, "days": r.days, "passed": r.passed, "judged": r.judged, "rate": r.rate}
-            for r in recovery_rates(s.drills, now=s.now)]
+    """Recovery success rate: per job and over every job, over 7 and 30 days, passed / judged
+    drills and resumed / attempted recoveries (``ckptier resume`` calls; a job asked about that the
+    catalog does not know has a row too, its drills none)."""
+    by_job = {**{name: [] for name in s.recoveries}, **s.drills}
+    every = [e for events in s.recoveries.values() for e in events]
+    rows = []
+    for r in recovery_rates(by_job, now=s.now):
+        attempted, resumed = resume_counts(every if r.job == ALL_JOBS else s.recoveries.get(r.job) or [],
+                                           days=r.days, now=s.now)
+        rows.append({"job": r.job, "days": r.days, "passed": r.passed, "judged": r.judged, "rate": r.rate,
+                     "resumes": attempted, "resumed": resumed,
+                     "resume_rate": round(resumed / attempted, 4) if attempted else None})
     return _records(rows, "recovery")
 
 
@@ -747,7 +782,11 @@ register(TableSpec("recovery", "Recovery success rate", "catalog", (
     C("passed", "int", "Passed"),
     C("judged", "int", "Judged", "passed + failed (not judged drills do not count)"),
     C("rate", "ratio", "Rate"),
-), build_recovery, "drills passed / judged over 7 and 30 days, per job and over every job"))
+    C("resumes", "int", "Resumes", "recoveries attempted: 'ckptier resume' calls (and the Python API's)"),
+    C("resumed", "int", "Resumed", "recoveries that succeeded: a checkpoint proven and returned"),
+    C("resume_rate", "ratio", "Resume rate", "resumed / resumes"),
+), build_recovery, "drills passed / judged and recoveries resumed / attempted over 7 and 30 days, per job and over "
+   "every job"))
 
 register(TableSpec("verifications", "Verification history", "catalog", (
     C("at", "time", "At"),

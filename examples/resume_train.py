@@ -23,8 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ckptier import ResumeError, resume_distributed
-from ckptier.tasks.drill_models import demo_model, train_step
+from ckptier import ResumeError, demo_model, resume_distributed, train_step
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 read back by ``ckptier rebuild``.
 
 What storage cannot tell about a job (its tombstones, verification history,
-copies' states, drills and events) is exported (:func:`ckptier.storage.catalog.restore.export_job`)
+copies' states, drills, events and recovery events) is exported (:func:`ckptier.storage.catalog.restore.export_job`)
 into one object per job and backup (:mod:`ckptier.storage.catalog_backup`), written to the archive
 tier of the job's ``[[policy]]``, in the bucket's default storage class
 (readable without a restore)::

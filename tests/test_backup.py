@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptier.storage.catalog.api import Catalog, DrillRecord
+from ckptier.storage.catalog.api import Catalog, DrillRecord, RecoveryRecord
 from ckptier.storage.catalog.restore import export_job, import_job
 from ckptier.storage.catalog_backup import BackupCorrupt, decode_backup, decode_header, encode_backup
 from ckptier.storage.local import LocalStore
@@ -163,3 +163,44 @@ def test_a_backup_from_before_a_column_existed_restores_and_one_from_a_newer_ckp
         row.append(1)
     with Catalog.open(f"sqlite:///{tmp_path / 'new.db'}") as fresh, pytest.raises(ValueError, match="newer"):
         import_job(fresh, newer)
+
+
+def _recoveries(cat: Catalog, job: str) -> list[tuple[object, ...]]:
+    return [(r.started_at, r.seconds, r.outcome, r.verify, r.step, r.source, r.path, r.passed_over, r.error,
+             r.checkpoint_id is not None) for r in cat.recoveries(job=job)]
+
+
+def test_recovery_events_are_backed_up_and_restored(tmp_path: Path, catalog_url: str) -> None:
+    store = LocalStore(tmp_path / "archive")
+    with _catalog(tmp_path, catalog_url) as cat:
+        r = cat.get("llm", 10)
+        assert r is not None
+        first = backup_job(cat, "llm", store, now=T0)
+        cat.record_recovery(RecoveryRecord("llm", T0 + timedelta(minutes=1), 0.25, "resumed", "full", step=10,
+                                           checkpoint_id=r.id, source="hot", path="/h/llm/step-00000010",
+                                           passed_over=((12, "model.pt: size 3, the catalog has 50"),)))
+        cat.record_recovery(RecoveryRecord("llm", T0 + timedelta(minutes=2), 0.5, "failed", "quick",
+                                           error="no checkpoint of llm can be proven"))
+        cat.record_recovery(RecoveryRecord("other", T0, 0.1, "failed", "full", error="unknown job"))
+        second = backup_job(cat, "llm", store, now=T0 + timedelta(minutes=3))
+        assert second.written and second.header.counts["recoveries"] == 2  # a new recovery is a change
+        before = _recoveries(cat, "llm")
+    assert len(before) == 2
+    body = decode_backup((tmp_path / "archive" / second.url.split("/archive/", 1)[1]).read_bytes(), where="x")[1]
+    with Catalog.open(f"sqlite:///{tmp_path / 'restored.db'}") as fresh:
+        restored = import_job(fresh, body)
+        assert restored.recoveries == 2
+        assert _recoveries(fresh, "llm") == before  # the resumed one linked to its checkpoint again
+        assert fresh.recoveries(job="other") == []
+    assert first.written
+
+
+def test_a_backup_from_before_recoveries_were_kept_restores_with_none(tmp_path: Path) -> None:
+    with _catalog(tmp_path, f"sqlite:///{tmp_path / 'c.db'}") as cat:
+        cat.record_recovery(RecoveryRecord("llm", T0, 0.1, "failed", "full", error="x"))
+        exported = export_job(cat, "llm")
+    assert exported is not None and len(exported["recoveries"]["rows"]) == 1
+    old = {k: v for k, v in exported.items() if k != "recoveries"}
+    with Catalog.open(f"sqlite:///{tmp_path / 'old.db'}") as fresh:
+        restored = import_job(fresh, old)
+        assert restored.checkpoints == 1 and restored.recoveries == 0 and fresh.recoveries() == []

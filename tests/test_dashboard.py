@@ -872,3 +872,61 @@ def test_overview_does_not_wait_for_a_slow_plan(sqlite_facts: Any) -> None:
     assert 'id="tonight-pending"' in home and "being computed, reload in a moment" in home
     client.app.state.background.get(wait=60)  # type: ignore[attr-defined]
     assert 'id="t-tonight"' in client.get("/").text
+
+
+# ------------------------------------------------------------------ recovery events
+
+
+def _recovering_catalog(tmp_path: Path) -> str:
+    """The facts, plus recovery events: alpha resumed and failed within 7 days, resumed 10 days
+    ago and 40 days ago; a name the catalog does not know failed once."""
+    from ckptier.storage.catalog.api import RecoveryRecord
+
+    url = f"sqlite:///{tmp_path / 'catalog.db'}"
+    build_catalog(url)
+    with Catalog.open(url) as cat:
+        for job, at, outcome in (("alpha", hours(10), "resumed"), ("alpha", hours(11), "failed"),
+                                 ("alpha", hours(-240), "resumed"), ("alpha", hours(-960), "resumed"),
+                                 ("ghost", hours(12), "failed")):
+            cat.record_recovery(RecoveryRecord(job, at, 0.5, outcome, "full", step=800 if outcome == "resumed" else None,
+                                               error=None if outcome == "resumed" else "no checkpoint can be proven"))
+    return url
+
+
+def test_recoveries_attempted_and_succeeded_per_job_over_7_and_30_days(tmp_path: Path) -> None:
+    url = _recovering_catalog(tmp_path)
+    with open_source(url, parse_config(POLICY)) as source:
+        rows = {(r["job"], r["days"]): (r["resumes"], r["resumed"], r["resume_rate"])
+                for r in records(Snapshot(source, now=NOW).table("recovery"))}
+        assert rows[("alpha", 7)] == (2, 1, 0.5) and rows[("alpha", 30)] == (3, 2, pytest.approx(0.6667))
+        assert rows[("beta", 7)] == (0, 0, None) and rows[("ghost", 30)] == (1, 0, 0.0)
+        assert rows[("(all jobs)", 7)] == (3, 1, pytest.approx(0.3333)) and rows[("(all jobs)", 30)][:2] == (4, 2)
+        jobs = Snapshot(source, now=NOW).table("jobs").set_index("job")
+        assert [int(jobs.at["alpha", c]) for c in ("resumes_7d", "resumed_7d", "resumes_30d", "resumed_30d")] == [2, 1, 3, 2]
+        assert int(jobs.at["beta", "resumes_30d"]) == 0
+        one = {(r["job"], r["days"]) for r in records(Snapshot(source, now=NOW, job="alpha").table("recovery"))}
+        assert ("ghost", 7) not in one and ("alpha", 7) in one
+
+        client = _client(source)
+        home = client.get("/").text
+        assert "resumed 1/2 (7d), 2/3 (30d)" in home and home.count('class="sub resumes"') == 1  # beta: none
+        assert "resumed 1/2 (7d), 2/3 (30d)" in client.get("/jobs/alpha").text
+        assert "resumed" not in client.get("/jobs/beta").text.split('class="s"', 1)[-1].split("</div>", 1)[0]
+
+    config = tmp_path / "ckptier.toml"
+    config.write_text(POLICY)
+    out = io.StringIO()
+    assert print_report(catalog_url=url, config_path=str(config), job=None, step=None, fmt="table", tables=None,
+                        now=NOW, out=out) == 0
+    text = out.getvalue()
+    section = text.split("Recovery success rate", 1)[1]
+    assert "Resumes" in section and "Resumed" in section and "Resume rate" in section
+    assert any(line.split()[:2] == ["alpha", "30"] and line.split()[-3:] == ["3", "2", "67%"]
+               for line in section.splitlines()), section
+    out = io.StringIO()
+    assert print_report(catalog_url=url, config_path=str(config), job=None, step=None, fmt="json", tables=None,
+                        now=NOW, out=out) == 0
+    data = json.loads(out.getvalue())
+    assert {(r["job"], r["days"], r["resumes"], r["resumed"]) for r in data["recovery"]} >= {
+        ("alpha", 7, 2, 1), ("alpha", 30, 3, 2), ("ghost", 7, 1, 0)}
+    assert {(r["job"], r["resumes_7d"], r["resumed_30d"]) for r in data["jobs"]} == {("alpha", 2, 2), ("beta", 0, 0)}

@@ -331,3 +331,27 @@ def test_rebuild_refuses_a_catalog_it_did_not_fill_and_an_archive_given_as_hot(
     lose_catalog(world)
     code, _, err = run(capsys, "rebuild", "--catalog", world.catalog_url, world.archive_url + "/demo-run")
     assert code == 2 and "never scanned as hot" in err
+
+
+def test_rebuild_brings_back_the_recovery_events(world: World, capsys: pytest.CaptureFixture[str]) -> None:
+    """Resumes recorded after the last apply reach the archive with ``catalog backup`` and come
+    back with the rebuild: the recovery rate survives losing the catalog."""
+    from ckptier.storage.catalog.api import Catalog
+
+    tier_it(world, capsys)
+    steps = [json.loads(ok(capsys, "resume", "--catalog", world.catalog_url, "--job", JOB, "--json",
+                           *([verify] if verify else [])))["step"] for verify in ("--quick", None)]
+    ok(capsys, "catalog", "backup", "--catalog", world.catalog_url)
+
+    def recoveries() -> list[tuple[Any, ...]]:
+        with Catalog.open(world.catalog_url) as cat:
+            return [(r.started_at, r.outcome, r.verify, r.step, r.source, r.path, r.passed_over,
+                     r.checkpoint_id is not None) for r in cat.recoveries(job=JOB)]
+
+    before = recoveries()
+    assert [r[1:4] for r in before] == [("resumed", "full", steps[1]), ("resumed", "quick", steps[0])]
+    lose_catalog(world)
+    ok(capsys, "rebuild", "--catalog", world.catalog_url, "--json")
+    assert recoveries() == before
+    stats = json.loads(ok(capsys, "resume", "--catalog", world.catalog_url, "--job", JOB, "--stats", "--json"))
+    assert [(r["days"], r["attempted"], r["resumed"]) for r in stats] == [(7, 2, 2), (30, 2, 2), (None, 2, 2)]

@@ -404,6 +404,23 @@ def test_two_gloo_ranks_resume_together_from_the_example(env: dict[str, Path]) -
     assert [e.outcome for e in _recoveries(env)] == ["resumed"]
 
 
+@pytest.mark.slow  # torchrun itself starting 2 gloo ranks: 15-60 s on 2 shared cores
+def test_torchrun_runs_the_example_on_two_gloo_ranks(env: dict[str, Path]) -> None:
+    """The docstring's command as written (torchrun's own launcher and rendezvous), ranks agreeing."""
+    logs = env["tmp"] / "torchrun-logs"  # each rank's stdout in its own file (on one stream they interleave)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "--redirects", "1", "--log-dir", str(logs),
+                           str(EXAMPLE), "--job", JOB, "--steps", "1", "--quick"],
+                          capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    outs = sorted(logs.rglob("stdout.log"))
+    by_rank = {line["rank"]: line for line in (json.loads(p.read_text().strip().splitlines()[-1]) for p in outs)}
+    assert sorted(by_rank) == [0, 1], [p.read_text()[-500:] for p in outs]
+    assert by_rank[0]["step"] == by_rank[1]["step"] == 75 and by_rank[0]["losses"] == by_rank[1]["losses"]
+    assert Path(by_rank[0]["path"]) == env["job_dir"] / "step-00000075" == Path(by_rank[1]["path"])
+    assert [(e.outcome, e.verify) for e in _recoveries(env)] == [("resumed", "quick")]  # rank 0 asked, once
+
+
 def test_drilled_answers_only_a_checkpoint_whose_last_drill_passed(env: dict[str, Path],
                                                                   capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(capsys, "resume", "--job", JOB, "--drilled", "--quick")

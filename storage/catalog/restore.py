@@ -2,7 +2,7 @@
 
 * :func:`export_job` reads every row of one job that storage cannot tell
   (checkpoints and tombstones, files with their verification history, copies,
-  drills, events) as the JSON-ready body of a catalog backup
+  drills, events, recovery events) as the JSON-ready body of a catalog backup
   (:mod:`ckptier.storage.catalog_backup`).
 * :func:`import_job` writes such a body into a catalog that does not know the
   job yet, in one transaction: a job is restored whole or not at all, so a
@@ -37,6 +37,7 @@ from .tables import drills as dr
 from .tables import events as ev
 from .tables import files as fl
 from .tables import jobs as jb
+from .tables import recoveries as rc
 from .tables import scans as sc
 
 #: Columns of each exported table, in order (``step`` names the checkpoint a row belongs to).
@@ -50,13 +51,17 @@ COPY_COLUMNS = ("step", "tier", "url", "state", "stored_bytes", "codec", "manife
 DRILL_COLUMNS = ("step", "started_at", "finished_at", "ok", "device", "source_tier", "verdict", "timings",
                  "peak_memory_bytes", "error")
 EVENT_COLUMNS = ("step", "at", "kind", "message", "data")
+#: A recovery event's ``step`` is the step it chose (None when it failed), which also names its checkpoint.
+RECOVERY_COLUMNS = ("step", "started_at", "seconds", "outcome", "verify", "source", "path", "passed_over", "error")
 TABLES = {"checkpoints": CHECKPOINT_COLUMNS, "files": FILE_COLUMNS, "copies": COPY_COLUMNS, "drills": DRILL_COLUMNS,
-          "events": EVENT_COLUMNS}
+          "events": EVENT_COLUMNS, "recoveries": RECOVERY_COLUMNS}
 #: Columns holding times (ISO 8601 text in a backup).
 TIME_COLUMNS = frozenset({"saved_at", "first_seen", "last_seen", "missing_since", "verified_at", "checked_at",
                           "created_at", "started_at", "finished_at", "at"})
 #: Most events of one job a backup keeps (the newest): the log grows without bound, the rest does not.
 MAX_EVENTS = 20_000
+#: Most recovery events of one job a backup keeps (the newest), for the same reason.
+MAX_RECOVERIES = 20_000
 #: The event a rebuild logs first in the catalog it fills (what lets a later run resume it).
 REBUILD_STARTED = "rebuild.started"
 
@@ -78,14 +83,15 @@ def _table(columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> dict[str, A
 
 
 #: The SQL table behind each exported one (for which of its columns may be left out).
-_SQL = {"checkpoints": ck, "files": fl, "copies": cp, "drills": dr, "events": ev}
+_SQL = {"checkpoints": ck, "files": fl, "copies": cp, "drills": dr, "events": ev, "recoveries": rc}
 
 
 def _rows(body: Mapping[str, Any], name: str) -> list[list[Any]]:
     """The rows of table ``name`` as lists in :data:`TABLES` order, times parsed. A column a
     backup lacks (written before the column existed) is None where the catalog allows it; a
     column this version does not know (a newer ckptier wrote it) or a missing required one is a
-    ``ValueError``."""
+    ``ValueError``. A table a backup lacks (``recoveries``, in backups written before recovery
+    events were kept) has no rows."""
     table = body.get(name) or {"columns": list(TABLES[name]), "rows": []}
     columns = tuple(table.get("columns", ()))
     unknown = sorted(set(columns) - set(TABLES[name]))
@@ -170,6 +176,9 @@ def export_job(catalog: Catalog, job: str) -> dict[str, Any] | None:
         events = conn.execute(
             select(ck.c.step, *(ev.c[c] for c in EVENT_COLUMNS[1:])).outerjoin(ck, ck.c.id == ev.c.checkpoint_id)
             .where(ev.c.id.in_(newest)).order_by(ev.c.at, ev.c.id)).all()
+        recoveries = conn.execute(
+            select(*(rc.c[c] for c in RECOVERY_COLUMNS)).where(rc.c.job == job)
+            .order_by(rc.c.started_at.desc(), rc.c.id.desc()).limit(MAX_RECOVERIES)).all()[::-1]
         scans = sorted(set(conn.execute(select(sc.c.url).distinct()).scalars()))
     hot = head.hot_url or ""
     return {
@@ -180,6 +189,7 @@ def export_job(catalog: Catalog, job: str) -> dict[str, Any] | None:
         "copies": _table(COPY_COLUMNS, copies),
         "drills": _table(DRILL_COLUMNS, drills),
         "events": _table(EVENT_COLUMNS, events),
+        "recoveries": _table(RECOVERY_COLUMNS, recoveries),
     }
 
 
@@ -194,6 +204,7 @@ class Restored:
     copies: int = 0
     drills: int = 0
     events: int = 0
+    recoveries: int = 0
     already: bool = False
 
 
@@ -228,9 +239,13 @@ def import_job(catalog: Catalog, body: Mapping[str, Any]) -> Restored:
         _insert_rows(conn, cp, ("checkpoint_id", *COPY_COLUMNS[1:]), copies)
         _insert_rows(conn, dr, ("job_id", "checkpoint_id", *DRILL_COLUMNS[1:]), drills)
         _insert_rows(conn, ev, ("job_id", "checkpoint_id", *EVENT_COLUMNS[1:]), events)
+        # A recovery names its job by name; its chosen step links it to that checkpoint again.
+        recoveries = [[name, ids.get(r[0]) if r[0] is not None else None, *r] for r in tables["recoveries"]]
+        _insert_rows(conn, rc, ("job", "checkpoint_id", *RECOVERY_COLUMNS), recoveries)
     return Restored(name, checkpoints=len(checkpoints),
                     tombstones=sum(r[CHECKPOINT_COLUMNS.index("state")] == State.DELETED.value for r in checkpoints),
-                    files=len(files), copies=len(copies), drills=len(drills), events=len(events))
+                    files=len(files), copies=len(copies), drills=len(drills), events=len(events),
+                    recoveries=len(recoveries))
 
 
 def rebuild_started(catalog: Catalog) -> tuple[int, bool]:
