@@ -77,3 +77,36 @@ def test_an_old_factory_file_still_drills_by_its_spec(tmp_path: object) -> None:
     with pytest.warns(DeprecationWarning):
         spec = resolve_factory(f"{factory}:make")()
     assert isinstance(spec, DrillSpec)
+
+
+def _python_blocks(path: str) -> list[str]:
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / path).read_text()
+    return [block.split("```", 1)[0] for block in text.split("```python\n")[1:]]
+
+
+def test_docs_drills_factory_snippet_imports_from_ckptier_and_builds_an_exact_spec() -> None:
+    blocks = [b for b in _python_blocks("docs/drills.md") if "DrillSpec" in b]
+    assert blocks, "docs/drills.md shows no factory written with DrillSpec"
+    for block in blocks:
+        assert "from ckptier import DrillSpec" in block and "ckptier.tasks" not in block
+    namespace: dict[str, object] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        exec(compile(blocks[0], "docs/drills.md", "exec"), namespace)
+    spec = namespace["exact"]()  # type: ignore[operator]
+    from ckptier import DrillSpec
+
+    assert isinstance(spec, DrillSpec) and spec.trajectory_rtol == 0.0
+
+
+def test_docs_tell_users_the_top_level_import_not_the_internal_module() -> None:
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    for page in ("docs/drills.md", "docs/restore-drills.md"):
+        text = (root / page).read_text()
+        assert "ckptier.tasks.drill_models.DrillSpec" not in text, page
+        assert "ckptier.tasks.models" not in text or "DeprecationWarning" in text, page
+    assert "from ckptier import DrillSpec" in (root / "docs/restore-drills.md").read_text()
