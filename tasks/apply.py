@@ -74,6 +74,8 @@ from datetime import datetime, timedelta
 from typing import Any, Literal, Protocol
 
 from ckptier.storage.base import MAX_DELETE_BATCH, Canary, DeleteResult, ObjectInfo, ProvenDeletes, Store, Taggable
+from ckptier.storage.base import file_key as hot_file_key
+from ckptier.storage.base import is_single_file
 from ckptier.storage.catalog.api import DeleteIntent, LeaseHolder, LinkedFile
 from ckptier.storage.transitions import Change
 from ckptier.storage.errors import CkptierError, DeleteInterrupted, NotFound, StoreError, Unavailable
@@ -85,8 +87,7 @@ from .reports import ItemResult, Outcome, Proof
 from .leases import DEFAULT_TTL, Lease, LeaseCatalog, LeaseKeeper, this_process
 from .lifecycle import DELETE_TAG, KEEP_TAG
 from .prove import prove_now, settle
-from .verify import file_key as hot_file_key
-from .verify import is_single_file, verify_many
+from .verify import verify_many
 from .retention import (DEFAULT_MAX_MISSING_FRACTION, Plan, PlanItem, Policy, hot_present, keepers, plan_retention,
                         shrink_guard)
 
@@ -946,8 +947,6 @@ class _Run:
             sizes = {hot_file_key(prefix, record, f.relpath): f.size for f in record.files}
             keys, why = live_keys(store, prefix, record, list(sizes))
             if why is None:
-                from .verify import is_single_file
-
                 why = link_refusal(record, store.url, prefix, cat.links(store.url.rstrip("/") + "/"),
                                    single=is_single_file(prefix, record))
             if why is not None:

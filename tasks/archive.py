@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ckptier.storage.archive_copies import BACKUP_PREFIX, copy_dir, stored_key
+from ckptier.storage.base import file_key as hot_file_key
 from ckptier.storage.archive_copies import DATA_SUFFIX as _DATA_SUFFIX
 from ckptier.storage.archive_copies import UPLOAD_MARKER as _UPLOAD_MARKER
 from ckptier.storage.base import (
@@ -66,9 +67,6 @@ from ckptier.storage.manifest import MANIFEST_NAME as _MANIFEST_NAME
 from ckptier.storage.manifest import Manifest, ManifestFile, StoredObject
 from ckptier.storage.records import HELD_COPY_STATES, CheckpointRecord, FileRecord, State, Tier
 from ckptier.storage.s3 import RESTORE_CLASSES, RESTORE_HOURS
-from ckptier.tasks.verify import (
-    file_key as hot_file_key,  # the single-file rule lives there
-)
 
 from .fanout import Fanout, batches, worker_stores
 from .reports import JanitorReport

@@ -19,11 +19,9 @@ from dataclasses import dataclass
 from functools import partial
 from datetime import datetime, timedelta
 
-from ckptier.storage.base import Store
+from ckptier.storage.base import Store, file_key, is_single_file
 from ckptier.storage.errors import NotFound, StoreError
 from ckptier.storage.records import CheckpointRecord, CopyState, State, Tier
-
-from .verify import file_key, is_single_file
 
 
 def forget_candidates(

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ckptier.storage.archive_copies import copy_dir as archive_dir
-from ckptier.storage.base import LocalPaths
+from ckptier.storage.base import LocalPaths, is_single_file
 from ckptier.storage.catalog.api import DrillRecord, ReadBack, RecoveryRecord
 from ckptier.storage.errors import CkptierError
 from ckptier.storage.records import CheckpointRecord, CopyState, State, Tier
@@ -47,7 +47,7 @@ from ckptier.storage.transitions import pick_latest
 from .config import policy_grace
 from .prove import ProvenNow, Verdict, prove_record
 from .run import Run
-from .verify import is_single_file, verify_checkpoint, verify_many
+from .verify import verify_checkpoint, verify_many
 
 __all__ = [
     "Action", "RecoveryRate", "Resume", "ResumeError", "ResumeOptions", "VerifyMode", "merged_passed_over",

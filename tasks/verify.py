@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from datetime import date
 
 from ckptier.storage.base import ObjectInfo, Store
-from ckptier.storage.base import file_key as file_key, is_single_file as is_single_file  # re-exported: they live with the keys
+from ckptier.storage.base import file_key, is_single_file
 from ckptier.storage.errors import CkptierError, ConfigError, IntegrityError, NotFollowed, NotFound, StoreError
 from ckptier.storage.hashing import DEFAULT_CHUNK, Digests, hash_stream, store_crc64nvme
 from ckptier.storage.records import CheckpointRecord, FileCheck, FileRecord, FileStatus, Format, State
