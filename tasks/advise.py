@@ -62,9 +62,7 @@ from .retention import (
     plan_retention,
 )
 from .tiers import ALL_CLASSES, HOT, class_at, class_rank
-from .units import DTYPE_BYTES as DTYPE_BYTES  # re-exported: the parser reads them from units
-from .units import MAX_RUN_LENGTH as MAX_RUN_LENGTH
-from .units import OPTIMIZER_STATES as OPTIMIZER_STATES
+from .units import DTYPE_BYTES, MAX_RUN_LENGTH, OPTIMIZER_STATES
 
 _STATE_NAMES = {"adamw": "moments", "adam": "moments", "sgd-momentum": "momentum buffer"}
 #: ckptier's own multipart part size for archive uploads (S3Store's default).
