@@ -27,10 +27,6 @@ from .output import checkpoint_json, current_location, human_bytes, iso, print_c
 DEMO_SAVE_EVERY = 25
 
 
-def _usage(message: str) -> UsageError:
-    return UsageError(message)
-
-
 # ------------------------------------------------------------------ helpers
 
 
@@ -109,7 +105,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
         extra = [name for name, given in (("--dest", args.dest), ("--quick", args.quick), ("--drilled", args.drilled))
                  if given]
         if extra:
-            raise _usage(f"resume: --stats counts recorded resumes; it takes no {', '.join(extra)} "
+            raise UsageError(f"resume: --stats counts recorded resumes; it takes no {', '.join(extra)} "
                          "(see 'ckptier resume --help')")
         return _resume_stats(args)
     from ckptier.tasks.resume import ResumeError, ResumeOptions, run_resume  # lazy: --help stays light
@@ -117,7 +113,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
     dest = Path(args.dest) if args.dest else None
     if dest is not None and dest.exists() and not dest.is_dir():
-        raise _usage(f"resume: --dest {args.dest}: is a file; give a directory that fetched checkpoints go under")
+        raise UsageError(f"resume: --dest {args.dest}: is a file; give a directory that fetched checkpoints go under")
     options = ResumeOptions(job=args.job, dest=dest, verify="quick" if args.quick else "full", drilled=args.drilled)
     settings = settings_of(args, config=True)
     announce(args, settings.location)
@@ -341,11 +337,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from ckptier.flows.demo import run_demo  # lazy: the demo's imports (torch), only when it runs
 
     if args.steps < 2 * DEMO_SAVE_EVERY:
-        raise _usage(f"--steps {args.steps}: the demo saves every {DEMO_SAVE_EVERY} steps and needs at least two "
+        raise UsageError(f"--steps {args.steps}: the demo saves every {DEMO_SAVE_EVERY} steps and needs at least two "
                      f"saves; give --steps {2 * DEMO_SAVE_EVERY} or more (default 300)")
     base = Path(args.dir) if args.dir else None
     if base is not None and base.exists() and not base.is_dir():
-        raise _usage(f"--dir {args.dir}: is a file, not a directory; give a new or empty directory")
+        raise UsageError(f"--dir {args.dir}: is a file, not a directory; give a new or empty directory")
     return run_demo(base, steps=args.steps, use_prefect=not args.no_prefect, verbosity=verbosity(args))
 
 
