@@ -38,7 +38,7 @@ from ckptier.storage.records import CheckpointRecord
 from ckptier.storage.transitions import latest_drill, latest_drills
 from ckptier.tasks.costs import JobCosts
 from ckptier.tasks.drill_history import ALL_JOBS, WINDOWS_DAYS, environment_drift, recovery_rate, recovery_rates
-from ckptier.tasks.resume import RESUMED
+from ckptier.tasks.resume import recovery_rates as resume_rates
 
 from . import alerts as al
 from . import queries as q
@@ -168,6 +168,19 @@ class Snapshot:
         return out
 
     @cached_property
+    def resumes(self) -> dict[tuple[str, int], tuple[int, int]]:
+        """``(attempted, resumed)`` recoveries of each job and window (:data:`WINDOWS_DAYS`), and over
+        every job (:data:`ALL_JOBS`), counting events started up to now: the same counts as
+        ``ckptier report`` (:func:`ckptier.tasks.resume.recovery_rates`)."""
+        events = [e for es in self.recoveries.values() for e in es if e.started_at <= self.now]
+        out = {(r.job, int(r.days)): (r.attempted, r.resumed)
+               for r in resume_rates(events, (), now=self.now, windows=WINDOWS_DAYS) if r.days is not None}
+        for days in WINDOWS_DAYS:
+            mine = [v for (_, d), v in out.items() if d == days]
+            out[(ALL_JOBS, days)] = (sum(a for a, _ in mine), sum(r for _, r in mine))
+        return out
+
+    @cached_property
     def latest_drill(self) -> dict[int, DrillRecord]:
         """The most recent drill of each drilled checkpoint (by id; :func:`ckptier.storage.transitions.latest_drill`)."""
         return latest_drills(d for records in self.drills.values() for d in records)
@@ -270,14 +283,6 @@ def _first_loss(d: DrillRecord) -> float | None:
 _HELD_LABELS = {(1, 0): "hot_only", (1, 1): "hot_and_archive", (0, 1): "archive_only", (0, 0): "no_copy"}
 
 
-def resume_counts(events: Iterable[RecoveryRecord], *, days: int, now: datetime) -> tuple[int, int]:
-    """Recoveries ``(attempted, resumed)`` among ``events`` started in the ``days`` days up to
-    ``now`` (both ends included, as drills' rates count theirs); pure."""
-    since = now - timedelta(days=days)
-    mine = [e for e in events if since <= e.started_at <= now]
-    return len(mine), sum(e.outcome == RESUMED for e in mine)
-
-
 def _per_job(frame: pd.DataFrame, column: str, how: str, names: Sequence[str], *, fill: Any = 0) -> pd.Series:
     """``frame[column]`` aggregated per job (``sum``/``min``/``max``), one value per name in ``names``."""
     if frame.empty:
@@ -351,8 +356,7 @@ def build_jobs(s: Snapshot) -> pd.DataFrame:
             **{f"drill_success_{days}d": recovery_rate(s.drills.get(name) or [], job=name, days=days, now=s.now).rate
                for days in (7, 30)},
             **{f"{key}_{days}d": n for days in (7, 30) for key, n in
-               zip(("resumes", "resumed"), resume_counts(s.recoveries.get(name) or [], days=days, now=s.now),
-                   strict=True)},
+               zip(("resumes", "resumed"), s.resumes.get((name, days), (0, 0)), strict=True)},
             "recovery_step": int(rec["step"]) if rec is not None else None,
             "recovery_saved_at": _opt(rec["saved_at"]) if rec is not None else None,
             "recovery_age_s": _age_s(s.now, _opt(rec["saved_at"])) if rec is not None else None,
@@ -765,11 +769,9 @@ def build_recovery(s: Snapshot) -> pd.DataFrame:
     drills and resumed / attempted recoveries (``ckptier resume`` calls; a job asked about that the
     catalog does not know has a row too, its drills none)."""
     by_job = {**{name: [] for name in s.recoveries}, **s.drills}
-    every = [e for events in s.recoveries.values() for e in events]
     rows = []
     for r in recovery_rates(by_job, now=s.now):
-        attempted, resumed = resume_counts(every if r.job == ALL_JOBS else s.recoveries.get(r.job) or [],
-                                           days=r.days, now=s.now)
+        attempted, resumed = s.resumes.get((r.job, r.days), (0, 0))
         rows.append({"job": r.job, "days": r.days, "passed": r.passed, "judged": r.judged, "rate": r.rate,
                      "resumes": attempted, "resumed": resumed,
                      "resume_rate": round(resumed / attempted, 4) if attempted else None})
