@@ -57,6 +57,7 @@ pytest_plugins = [] if CHECKOUT_PROBLEM is not None else [
     "tests.fixtures.services",
     "tests.fixtures.pg",
     "tests.fixtures.s3",
+    "tests.fixtures.rgw",
     "tests.fixtures.checkpoints",
     "tests.fixtures.dist_checkpoints",
     "tests.fixtures.library_checkpoints",
