@@ -345,6 +345,9 @@ class S3Store:
         self.list_page_size = list_page_size
         self.list_workers = max(1, list_workers)
         self.part_size = part_size
+        #: Whether CompleteMultipartUpload honours ``If-None-Match: *`` here (None: not probed yet; the
+        #: canary probes it). Unless True, a multipart ``write(if_absent=True)`` HEAD-checks the key.
+        self.conditional_multipart_complete: bool | None = None
         self.client = client if client is not None else self._make_client(
             profile, endpoint_url, max_attempts, connect_timeout, read_timeout
         )
@@ -755,6 +758,16 @@ class S3Store:
         confirmed (``None`` when it confirmed none); ``mtime`` is ``None``
         (call ``stat`` when it matters). ``if_absent`` sends
         ``If-None-Match: *``; a 412 becomes ``AlreadyExists``.
+
+        A multipart write with ``if_absent`` also sends ``If-None-Match: *``
+        on CompleteMultipartUpload, but some servers ignore it there (Ceph
+        RGW 16.2 overwrites silently). Unless :meth:`canary` has found the
+        condition honoured (:attr:`conditional_multipart_complete`), such a
+        write HEADs the key before the upload starts and again just before
+        it completes, and raises ``AlreadyExists`` if the object is there:
+        an existing object is never overwritten; two writers racing for the
+        same absent key may both succeed (the last one wins), as with any
+        store whose ``if_absent`` is not atomic.
         """
         full = self._full_key(key)
         if isinstance(data, (bytes, bytearray, memoryview)) and len(data) <= self.multipart_threshold:
@@ -776,7 +789,18 @@ class S3Store:
         response = self._call("put_object", key, **kwargs)
         return ObjectInfo(key=key, size=len(body), etag=response.get("ETag"), checksum=self._checksum_of(response))
 
+    def _refuse_if_present(self, key: str) -> None:
+        """Raise ``AlreadyExists`` if ``key`` exists (for stores that ignore a conditional multipart complete)."""
+        try:
+            self.stat(key)
+        except NotFound:
+            return
+        raise AlreadyExists(f"{self.url}/{key}: already exists", url=self.url, key=key)
+
     def _multipart(self, key: str, full: str, head: bytes, stream: BinaryIO, if_absent: bool) -> ObjectInfo:
+        check_first = if_absent and self.conditional_multipart_complete is not True
+        if check_first:
+            self._refuse_if_present(key)
         create: dict[str, Any] = {"Bucket": self.bucket, "Key": full}
         if self.storage_class:
             create["StorageClass"] = self.storage_class
@@ -836,6 +860,8 @@ class S3Store:
                 complete["ChecksumType"] = "FULL_OBJECT"
             if if_absent:
                 complete["IfNoneMatch"] = "*"
+                if check_first:
+                    self._refuse_if_present(key)
             response = self._call("complete_multipart_upload", key, **complete)
         except BaseException:
             self._abort_quietly(full, upload_id)
@@ -1079,6 +1105,11 @@ class S3Store:
         is already running (409 RestoreAlreadyInProgress); ``"ready"``: the
         object is readable (already restored, or in a class that needs no
         restore). Idempotent. See :data:`RESTORE_HOURS` for how long it takes.
+
+        A server without RestoreObject (501 NotImplemented, e.g. Ceph RGW
+        16.2) has no object to restore: the object's class is read with a
+        HEAD and ``"ready"`` returned unless that class is one of
+        :data:`RESTORE_CLASSES` (then a :class:`StoreError` says so).
         """
         import botocore.exceptions as bex
 
@@ -1091,6 +1122,13 @@ class S3Store:
             code, _ = _error_code(exc)
             if code == "RestoreAlreadyInProgress":
                 return "in-progress"
+            if code == "NotImplemented":
+                cls = self.stat(key).storage_class  # NotFound when absent
+                if cls in RESTORE_CLASSES:
+                    raise StoreError(f"{self.url}/{key}: object is in {cls} but this S3 server does not implement "
+                                     "RestoreObject; restore it with the server's own tools",
+                                     url=self.url, key=key) from exc
+                return "ready"
             if code == "InvalidObjectState":  # not in an archival class: readable as it is
                 return "ready"
             raise self._translate(exc, key) from exc
@@ -1116,6 +1154,13 @@ class S3Store:
         ``Unavailable`` as usual for those causes) naming
         ``CKPTIER_S3_CHECKSUMS=when_required`` when the store rejects checksum
         headers or mangles the bytes.
+
+        It also probes whether CompleteMultipartUpload honours
+        ``If-None-Match: *`` (a one-part upload completed over the canary
+        object) and records the answer in
+        :attr:`conditional_multipart_complete`; a store that ignores it
+        passes the canary (``write(if_absent=True)`` then HEAD-checks) and a
+        warning is logged.
         """
         key = f"{CANARY_PREFIX}{uuid.uuid4().hex}"
         payload = b"ckptier canary\n" + os.urandom(48) + bytes(range(256))
@@ -1125,6 +1170,8 @@ class S3Store:
                 self.write(key, payload)
                 with self.open_read(key) as fh:
                     back = fh.read()
+                if back == payload:
+                    self._probe_conditional_complete(key, payload)
             except (AccessDenied, NotFound, Unavailable):
                 raise
             except StoreError as exc:
@@ -1146,6 +1193,27 @@ class S3Store:
             except Exception as exc:  # the original error matters more
                 log.warning("%s: could not delete canary object %s: %s", self.url, key, exc)
         self._sweep_stale_canaries(stale_after_s)
+
+    def _probe_conditional_complete(self, key: str, existing: bytes) -> None:
+        """Complete a one-part upload over the existing canary ``key`` with ``If-None-Match: *``;
+        set :attr:`conditional_multipart_complete` from whether the store refused it."""
+        full = self._full_key(key)
+        upload_id = self._call("create_multipart_upload", key, Bucket=self.bucket, Key=full)["UploadId"]
+        try:
+            part = self._call("upload_part", key, Bucket=self.bucket, Key=full, UploadId=upload_id,
+                              PartNumber=1, Body=b"ckptier canary: must not replace the object\n")
+            self._call("complete_multipart_upload", key, Bucket=self.bucket, Key=full, UploadId=upload_id,
+                       IfNoneMatch="*", MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": part["ETag"]}]})
+        except AlreadyExists:
+            self.conditional_multipart_complete = True
+            self._abort_quietly(full, upload_id)
+            return
+        except BaseException:
+            self._abort_quietly(full, upload_id)
+            raise
+        self.conditional_multipart_complete = False
+        log.warning("%s: the store ignores If-None-Match on CompleteMultipartUpload; large if_absent writes "
+                    "HEAD-check the key first", self.url)
 
     def _sweep_stale_canaries(self, stale_after_s: float) -> None:
         """Delete canary objects older than ``stale_after_s`` (best effort: a warning, never an error)."""

@@ -42,7 +42,7 @@ from ckptier.storage.errors import AlreadyExists, InvalidKey, NotFound, StoreErr
 from ckptier.storage.local import LocalStore
 from ckptier.storage.s3 import S3Store
 from ckptier.storage.wrappers import RetryingStore
-from tests.fixtures.s3 import S3Bucket
+from tests.fixtures.s3 import S3Bucket, S3Server
 
 MiB = 1 << 20
 BIG = 12 * MiB + 12345  # over the S3 test threshold, not a multiple of the part size
@@ -895,6 +895,7 @@ def s3_store(bucket: S3Bucket, prefix: str = "", **kwargs: Any) -> S3Store:
 
 
 @pytest.mark.s3
+@pytest.mark.s3_servers("moto", "rgw")
 class TestS3Store(StoreContract, S3Capabilities):
     concurrent_if_absent_is_atomic = False
 
@@ -921,12 +922,34 @@ class TestS3Store(StoreContract, S3Capabilities):
         assert read_bytes(store, "v/obj") == b"same bytes"
         assert store.delete_proven([now]).deleted == ["v/obj"]
 
+    def test_canary_finds_whether_a_multipart_complete_is_conditional(self, store: S3Store,
+                                                                     s3_server: S3Server) -> None:
+        assert store.conditional_multipart_complete is None  # not probed yet: if_absent HEAD-checks
+        store.canary()
+        assert store.conditional_multipart_complete is s3_server.capabilities.conditional_multipart_complete
+        assert [i.key for i in store.list()] == []  # the probe's upload was aborted, its object deleted
+
+    @pytest.mark.parametrize("probed", [False, True])
+    def test_a_multipart_if_absent_write_never_overwrites(self, store: S3Store, s3_server: S3Server,
+                                                         probed: bool) -> None:
+        """Before the canary, and after it on either kind of server, the existing object stays."""
+        if probed:
+            store.canary()
+        store.write("m/obj", b"first")
+        with pytest.raises(AlreadyExists):
+            store.write("m/obj", io.BytesIO(payload(BIG)), if_absent=True)
+        assert read_bytes(store, "m/obj") == b"first"
+        assert store.list_multipart_uploads() == []  # the refused upload left nothing
+        store.write("m/new", io.BytesIO(payload(BIG)), if_absent=True)
+        assert read_bytes(store, "m/new") == payload(BIG)
+
     def test_url(self, s3_bucket: S3Bucket) -> None:
         assert s3_store(s3_bucket).url == f"s3://{s3_bucket.name}"
         assert s3_store(s3_bucket, "/runs/a/").url == f"s3://{s3_bucket.name}/runs/a"
 
 
 @pytest.mark.s3
+@pytest.mark.s3_servers("moto", "rgw")
 class TestS3StoreWithPrefix(StoreContract, S3Capabilities):
     """Keys are relative to the prefix; objects outside it are invisible."""
 
@@ -954,6 +977,7 @@ class TestS3StoreWithPrefix(StoreContract, S3Capabilities):
 
 
 @pytest.mark.s3
+@pytest.mark.s3_servers("moto", "rgw")
 class TestRetryingS3Store(StoreContract, S3Capabilities):
     concurrent_if_absent_is_atomic = False
 
