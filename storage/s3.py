@@ -503,6 +503,18 @@ class S3Store:
                     key=key,
                 )
             message = exc.response.get("Error", {}).get("Message", "") if hasattr(exc, "response") else ""
+            detail = f" ({message})" if message else ""
+            if code == "InvalidArgument" and self.storage_class:
+                return StoreError(
+                    f"{where}: S3 error InvalidArgument{detail} writing storage class {self.storage_class!r}: "
+                    "this server may not offer that class; set the policy's storage_class to one it has "
+                    "(STANDARD is always there) or configure the class on the server",
+                    url=self.url, key=key)
+            if code == "MissingContentLength" or status == 411:
+                return StoreError(
+                    f"{where}: S3 error {code or status}{detail}: the server refuses streamed uploads with "
+                    f"trailing checksums; set {CHECKSUMS_ENV}=when_required for this endpoint ({self.endpoint})",
+                    url=self.url, key=key)
             return StoreError(
                 f"{where}: S3 error {code or status}: {message or exc}".rstrip(": "), url=self.url, key=key
             )
