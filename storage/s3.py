@@ -195,6 +195,17 @@ def listing_parser_factory() -> Any:
     return factory
 
 
+def _seconds(modified: Any) -> float | None:
+    """An object's mtime in whole seconds (``None`` when the server sent no LastModified).
+
+    HEAD's ``Last-Modified`` header (HTTP date) has whole seconds while a
+    listing's ``LastModified`` may carry milliseconds (Ceph RGW sends them;
+    AWS sends ``.000``): truncated here, a listing and a HEAD of the same
+    object always agree, so a scan's mtime never looks changed to a stat.
+    """
+    return float(int(modified.timestamp())) if modified is not None else None
+
+
 _NOT_FOUND = {"NoSuchKey", "404", "NotFound", "NoSuchVersion"}
 _DENIED = {
     "AccessDenied",
@@ -611,7 +622,7 @@ class S3Store:
                 ObjectInfo(
                     key=key,
                     size=int(obj.get("Size", 0)),
-                    mtime=modified.timestamp() if modified is not None else None,
+                    mtime=_seconds(modified),
                     etag=obj.get("ETag"),
                     storage_class=obj.get("StorageClass"),
                 )
@@ -751,7 +762,7 @@ class S3Store:
         return ObjectInfo(
             key=key,
             size=size,
-            mtime=modified.timestamp() if modified is not None else None,
+            mtime=_seconds(modified),
             etag=head.get("ETag"),
             checksum=self._checksum_of(head),
             storage_class=head.get("StorageClass") or "STANDARD",

@@ -582,8 +582,9 @@ def test_sigkill_mid_multipart_leaves_no_archive_copy_and_janitor_aborts_it(s3_b
     stuck = archive.list_multipart_uploads()
     assert [k for k, _, _ in stuck] == ["llm/step-00000100/model.pt.ckz"]
 
-    # (moto reports a fixed 2010 "Initiated" time, so the age rule is tested below with a fake.)
-    rep = janitor(archive, now=datetime.now(UTC), older_than=timedelta(hours=1))
+    # An hour after the kill the upload is stale on every server (moto reports a fixed 2010 "Initiated"
+    # time, RGW the real one); the age rule itself is tested below with a fake.
+    rep = janitor(archive, now=datetime.now(UTC) + timedelta(hours=2), older_than=timedelta(hours=1))
     assert [k for k, _ in rep.aborted_uploads] == ["llm/step-00000100/model.pt.ckz"]
     assert archive.list_multipart_uploads() == []
 

@@ -151,6 +151,7 @@ def test_text_form_validation() -> None:
 
 
 @pytest.mark.s3
+@pytest.mark.s3_needs("stored_checksums")
 def test_s3_full_object_checksum_equals_ours(s3_bucket) -> None:
     """S3's ChecksumCRC64NVME (single PUT and multipart FULL_OBJECT) equals our value on the same bytes."""
     client, bucket = s3_bucket.client, s3_bucket.name

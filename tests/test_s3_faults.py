@@ -29,7 +29,7 @@ from ckptier.storage.errors import (
 from ckptier.storage.hashing import hash_bytes
 from ckptier.storage.s3 import CANARY_PREFIX, S3Store
 from ckptier.storage.wrappers import RetryingStore
-from tests.fixtures.s3 import S3Bucket, make_client
+from tests.fixtures.s3 import S3Bucket, S3Server, make_client
 from tests.fixtures.services import free_port
 
 pytestmark = pytest.mark.s3
@@ -249,6 +249,7 @@ def test_versioned_bucket_delete_reports_markers_only(store: S3Store, s3_bucket:
 # -- conditional create ----------------------------------------------------------
 
 
+@pytest.mark.s3_needs("conditional_multipart_complete")  # elsewhere the HEAD-check is not atomic (documented)
 def test_conditional_create_race_loser_gets_already_exists(store: S3Store, client: Any, s3_bucket: S3Bucket) -> None:
     """Another writer completes the same key while our multipart upload is in flight.
 
@@ -368,11 +369,13 @@ def test_environment_picks_endpoint_and_credentials(s3_env: str, s3_bucket: S3Bu
 # -- checksums ---------------------------------------------------------------------
 
 
-def test_put_stores_full_object_crc64nvme(store: S3Store) -> None:
+def test_put_stores_full_object_crc64nvme(store: S3Store, s3_server: S3Server) -> None:
     data = b"checkpoint bytes" * 1000
     info = store.write("c/small", data)
-    assert info.checksum == f"crc64nvme:{crc(data)}"
-    assert store.stat("c/small").checksum == f"crc64nvme:{crc(data)}"
+    # a server that keeps no checksums (RGW 16.2) reports none: never a value it did not compute
+    expected = f"crc64nvme:{crc(data)}" if s3_server.capabilities.stored_checksums else None
+    assert info.checksum == expected
+    assert store.stat("c/small").checksum == expected
 
 
 def test_object_without_checksum_has_none(store: S3Store, s3_bucket: S3Bucket) -> None:
@@ -403,7 +406,8 @@ def test_etag_is_never_taken_for_a_checksum(store: S3Store, client: Any) -> None
     assert info.etag is not None
 
 
-def test_multipart_stream_round_trips_with_full_object_checksum(store: S3Store, client: Any) -> None:
+def test_multipart_stream_round_trips_with_full_object_checksum(store: S3Store, client: Any,
+                                                                 s3_server: S3Server) -> None:
     data = bytes(range(256)) * (13 * MiB // 256) + b"tail"
     parts: list[int] = []
     hook(client, "UploadPart", lambda request, **_: parts.append(1))
@@ -413,7 +417,7 @@ def test_multipart_stream_round_trips_with_full_object_checksum(store: S3Store, 
     stat = store.stat("m/big")
     assert stat.size == len(data)
     assert stat.etag is not None and stat.etag.strip('"').endswith("-3")
-    assert stat.checksum == f"crc64nvme:{crc(data)}"
+    assert stat.checksum == (f"crc64nvme:{crc(data)}" if s3_server.capabilities.stored_checksums else None)
     with store.open_read("m/big") as fh:
         assert fh.read() == data
     assert store.list_multipart_uploads() == []
