@@ -22,7 +22,13 @@ baseline, measured in the same run:
   planning: in a process that has already imported everything and opened the
   catalog, the catalog read and the planning ``plan`` does
   (``Catalog.checkpoints`` without files, then ``plans_by_policy``), timed
-  inside it (target: at most 2x).
+  inside it (target: at most 2x);
+* ``ckptier resume --job J --quick --json`` against ``ckptier latest --job J
+  --json`` (target: at most 1.5x): the newest checkpoint proven now by a
+  ``stat`` of each of its files and the recovery event recorded. The files
+  of that checkpoint (only that one) are written for real under
+  ``DIR/runs``, with the sizes and mtimes the catalog holds, so that both
+  commands find it intact; the other checkpoints are not on disk.
 
 Building the catalogs takes about half a minute the first time; a run about a minute.
 
@@ -33,9 +39,11 @@ Run: ``python bench/cli.py [--checkpoints 100000] [--jobs 100] [--repeat 5] [--r
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 import shutil
+import sqlite3
 import subprocess
 import sys
 import time
@@ -44,6 +52,8 @@ from pathlib import Path
 
 ROOT = Path("/tmp/ckptier-bench-cli")
 FILES = ("rank-0000/model.pt", "rank-0000/optimizer.pt", "metadata.json")
+#: The size the catalog records for ``FILES[i]``.
+SIZES = tuple(1000 + i for i in range(len(FILES)))
 
 #: Reads every checkpoint row and prints it as JSON: what printing 100,000 rows costs at least.
 SQLITE_REFERENCE = r"""
@@ -58,8 +68,27 @@ sys.stdout.write("[\n" + ",\n".join("  " + json.dumps(dict(zip(keys, r))) for r 
 """
 
 
-def build_catalog(path: Path, checkpoints: int, jobs: int) -> None:
-    """A catalog of ``checkpoints`` verified guide-layout checkpoints, written through the catalog API."""
+def mtime_of(step: int) -> float:
+    """The mtime the catalog records for the files of ``step``."""
+    return 1.7e9 + step
+
+
+def materialize(runs: Path, job: str, step: int) -> Path:
+    """Write the files of ``job`` step ``step`` under ``runs`` as the catalog holds them
+    (sizes :data:`SIZES`, mtime :func:`mtime_of`), so that a ``stat`` of each proves it; its directory."""
+    where = runs / job / f"step-{step:08d}"
+    for rel, size in zip(FILES, SIZES, strict=True):
+        path = where / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.is_file() or path.stat().st_size != size:
+            path.write_bytes(b"\0" * size)
+        os.utime(path, (mtime_of(step), mtime_of(step)))
+    return where
+
+
+def build_catalog(path: Path, checkpoints: int, jobs: int, runs: Path) -> None:
+    """A catalog of ``checkpoints`` verified guide-layout checkpoints, written through the catalog API,
+    as a scan of ``runs`` records them (the files themselves are not written)."""
     from ckptier.storage.catalog.api import Catalog
     from ckptier.storage.records import FileRef, Format, Found, Recognition
 
@@ -74,15 +103,13 @@ def build_catalog(path: Path, checkpoints: int, jobs: int) -> None:
         for s in range(per_job):
             step = (s + 1) * 100
             prefix = f"{job}/step-{step:08d}"
-            refs = tuple(FileRef(key=f"{prefix}/{rel}", relpath=rel, size=1000 + i, mtime=1.7e9 + step)
-                         for i, rel in enumerate(FILES))
+            refs = tuple(FileRef(key=f"{prefix}/{rel}", relpath=rel, size=size, mtime=mtime_of(step))
+                         for rel, size in zip(FILES, SIZES, strict=True))
             found.append(Found(job=job, step=step, format=Format.GUIDE, prefix=prefix, files=refs,
                                committed=True, reason="metadata.json present"))
     with Catalog.open(url) as cat:  # one listing of the whole store, as a scan records it
-        cat.record_scan("file:///data/runs", Recognition(tuple(found), (), len(found) * len(FILES)), now=now)
+        cat.record_scan(runs.as_uri(), Recognition(tuple(found), (), len(found) * len(FILES)), now=now)
     # Verification results for 100,000 checkpoints: set directly (this is generated data).
-    import sqlite3
-
     conn = sqlite3.connect(path)
     with conn:
         conn.execute("UPDATE checkpoints SET state = 'verified', verified_at = ?", (now.isoformat(" "),))
@@ -131,6 +158,36 @@ def in_process(code: str, env: dict[str, str]) -> float:
     return float(proc.stdout.split()[-1])
 
 
+def check_resume(ckptier: str, env: dict[str, str], job: str, newest: Path) -> None:
+    """Exit unless ``resume --quick`` answers ``newest`` from its hot copy with nothing passed over (what
+    the row times), and unless that answer rests on its files: with one of them gone it must pass over it."""
+    argv = [ckptier, "resume", "--job", job, "--quick", "--json"]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, check=False)
+    answer = json.loads(proc.stdout) if proc.returncode == 0 else {}
+    if (answer.get("path"), answer.get("source"), answer.get("passed_over")) != (str(newest), "hot", []):
+        sys.exit(f"bench/cli: {' '.join(argv)} did not answer {newest} from its hot copy: {proc.stdout[-500:]}")
+    # With a file gone the newest must be passed over; that is recorded (no longer verified), so this
+    # asks a copy of the catalog and leaves the bench's own as it was.
+    catalog = Path(env["CKPTIER_CATALOG_URL"].removeprefix("sqlite:///"))
+    scratch = catalog.with_name(catalog.stem + "-scratch.db")
+    probe = newest / FILES[-1]
+    src, dst = sqlite3.connect(catalog), sqlite3.connect(scratch)
+    with src, dst:
+        src.backup(dst)
+    src.close()
+    dst.close()
+    probe.rename(probe.with_suffix(".away"))
+    try:
+        gone = subprocess.run(argv, capture_output=True, text=True, check=False,
+                              env={**env, "CKPTIER_CATALOG_URL": f"sqlite:///{scratch}"})
+    finally:
+        probe.with_suffix(".away").rename(probe)
+        for p in scratch.parent.glob(scratch.name + "*"):
+            p.unlink()
+    if gone.returncode == 0 and json.loads(gone.stdout).get("path") == str(newest):
+        sys.exit(f"bench/cli: resume --quick answered {newest} with {probe.name} gone: it did not look at the files")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoints", type=int, default=100_000)
@@ -141,12 +198,13 @@ def main() -> int:
     args = ap.parse_args()
 
     root: Path = args.dir
-    catalogs = {jobs: root / f"catalog-{args.checkpoints}x{jobs}.db" for jobs in (args.jobs, 1)}
+    runs = root / "runs"  # the store the catalogs were scanned from ("-runs": catalogs that name it)
+    catalogs = {jobs: root / f"catalog-{args.checkpoints}x{jobs}-runs.db" for jobs in (args.jobs, 1)}
     for jobs, catalog in catalogs.items():
         if args.rebuild or not catalog.exists():
             for p in root.glob(f"{catalog.name}*"):
                 p.unlink()
-            build_catalog(catalog, args.checkpoints, jobs)
+            build_catalog(catalog, args.checkpoints, jobs, runs)
     catalog, one_job = catalogs[args.jobs], catalogs[1]
     script = Path(sys.executable).parent / "ckptier"
     ckptier = str(script) if script.exists() else shutil.which("ckptier") or "ckptier"
@@ -155,6 +213,8 @@ def main() -> int:
     plan_env = {**env, "CKPTIER_CATALOG_URL": f"sqlite:///{one_job}"}
     job = f"job-{args.jobs // 2:03d}"
     per_job = args.checkpoints // args.jobs
+    newest = materialize(runs, job, per_job * 100)  # the job's newest checkpoint, on disk for both to prove
+    latest_json = f"ckptier latest --job {job} --json"
     sqlalchemy_base = 'python -c "import sqlalchemy"'
     rows_base = f"sqlite3 rows as JSON ({args.checkpoints:,} rows)"
     plan_base = f"in-process planning (one job of {args.checkpoints:,})"
@@ -163,12 +223,14 @@ def main() -> int:
         ("python -c pass", [sys.executable, "-c", "pass"], env, None, None),
         ("ckptier --version", [ckptier, "--version"], env, "python -c pass", 2.0),
         (sqlalchemy_base, [sys.executable, "-c", "import sqlalchemy"], env, None, None),
-        (f"ckptier latest --job {job} --json", [ckptier, "latest", "--job", job, "--json"], env, sqlalchemy_base, 1.2),
+        (latest_json, [ckptier, "latest", "--job", job, "--json"], env, sqlalchemy_base, 1.2),
         (f"ckptier latest --job {job}", [ckptier, "latest", "--job", job], env, sqlalchemy_base, 1.2),
         (f"ckptier ls --job {job} --json ({per_job:,} rows)", [ckptier, "ls", "--job", job, "--json"], env,
          sqlalchemy_base, 1.2),
         (f"ckptier ls --job {job}", [ckptier, "ls", "--job", job], env, sqlalchemy_base, 1.2),
         (f"ckptier plan --job {job}", [ckptier, "plan", "--job", job], env, sqlalchemy_base, None),
+        (f"ckptier resume --job {job} --quick --json", [ckptier, "resume", "--job", job, "--quick", "--json"], env,
+         latest_json, 1.5),
         (rows_base, [sys.executable, "-c", SQLITE_REFERENCE, str(catalog)], env, None, None),
         (f"ckptier ls --json ({args.checkpoints:,} rows)", [ckptier, "ls", "--json"], env, rows_base, None),
         (f"ckptier ls ({args.checkpoints:,} rows)", [ckptier, "ls"], env, rows_base, None),
@@ -179,6 +241,7 @@ def main() -> int:
     cpu = dict(wall)
     for _, argv, e, _, _ in contenders:  # warm the page cache and the bytecode caches
         timed(argv, e)
+    check_resume(ckptier, env, job, newest)
     planning = float("inf")
     for _ in range(args.repeat):
         for name, argv, e, _, _ in contenders:

@@ -51,15 +51,17 @@ def resume(job: str, *, catalog: str | None = None, config: str | os.PathLike[st
     :class:`~ckptier.storage.errors.CkptierError` (one line) for a catalog
     or config that cannot be used, and ``ValueError`` for a bad ``verify``.
     """
-    from ckptier.tasks.config import Config as _Config
     from ckptier.tasks.resume import ResumeOptions, run_resume
     from ckptier.tasks.run import open_run
     from ckptier.tasks.settings import Settings
 
     options = ResumeOptions(job=job, dest=Path(dest) if dest is not None else None, verify=verify, drilled=drilled)
-    settings = (Settings(catalog, None, config=config) if isinstance(config, _Config)
-                else Settings(catalog, os.fspath(config) if config is not None else None))
-    with open_run(settings, owner="ckptier-resume") as run:
+    settings = (Settings(catalog, os.fspath(config) if config is not None else None)
+                if config is None or isinstance(config, str | os.PathLike) else Settings(catalog, None, config=config))
+    if options.needs_config:
+        settings.config  # noqa: B018 - read now: a broken file is reported before the catalog is touched
+    # A quick resume that fetches nothing never reads the config (nor imports its parser), as `ckptier resume --quick`.
+    with open_run(settings, owner="ckptier-resume", config_on_use=True) as run:
         return run_resume(run, options)
 
 

@@ -115,9 +115,11 @@ def cmd_resume(args: argparse.Namespace) -> int:
     if dest is not None and dest.exists() and not dest.is_dir():
         raise UsageError(f"resume: --dest {args.dest}: is a file; give a directory that fetched checkpoints go under")
     options = ResumeOptions(job=args.job, dest=dest, verify="quick" if args.quick else "full", drilled=args.drilled)
-    settings = settings_of(args, config=True)
+    # The config is read first when the resume will use it (a broken one is reported before anything
+    # else); a --quick one that fetches nothing never does, and costs what `latest` costs.
+    settings = settings_of(args, config=options.needs_config)
     announce(args, settings.location)
-    with open_run(settings, owner="ckptier-resume") as run:
+    with open_run(settings, owner="ckptier-resume", config_on_use=True) as run:
         try:
             answer = run_resume(run, options)
         except ResumeError as exc:

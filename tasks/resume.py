@@ -25,7 +25,9 @@ call is recorded as a recovery event (:class:`~ckptier.storage.catalog.api.Recov
 from which :func:`recovery_rates` counts recoveries attempted and succeeded
 per job. The decisions (:func:`next_step`, :func:`merged_passed_over`,
 :func:`recovery_rates`) are pure; :func:`run_resume` does the I/O. No
-Prefect, no torch.
+Prefect, no torch; a ``quick`` resume that fetches nothing imports neither
+the config's parser, the formats, the reading path of ``verify`` nor the
+archive codec (it costs what ``ckptier latest`` costs, plus the recovery event).
 """
 
 from __future__ import annotations
@@ -37,17 +39,13 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, Literal
 
-from ckptier.storage.archive_copies import copy_dir as archive_dir
 from ckptier.storage.base import LocalPaths, is_single_file
 from ckptier.storage.catalog.api import DrillRecord, ReadBack, RecoveryRecord
 from ckptier.storage.errors import CkptierError
 from ckptier.storage.records import CheckpointRecord, CopyState, State, Tier
-from ckptier.storage.transitions import pick_latest
 
-from .config import policy_grace
 from .prove import ProvenNow, Verdict, prove_record
 from .run import Run
-from .verify import verify_checkpoint, verify_many
 
 __all__ = [
     "Action", "RecoveryRate", "Resume", "ResumeError", "ResumeOptions", "VerifyMode", "merged_passed_over",
@@ -93,6 +91,13 @@ class ResumeOptions:
     def __post_init__(self) -> None:
         if self.verify not in VERIFY_MODES:
             raise ValueError(f"verify={self.verify!r}: give 'full' (read every byte now) or 'quick' (a stat of each file)")
+
+    @property
+    def needs_config(self) -> bool:
+        """Whether this resume may use the config: a full read (the job's grace for what
+        a manifest requires) or a fetch into ``dest`` (the archive's settings). A ``quick``
+        resume without ``dest`` never does, so it need not read ``ckptier.toml``."""
+        return self.verify == "full" or self.dest is not None
 
 
 @dataclass(frozen=True)
@@ -248,7 +253,7 @@ def run_resume(run: Run, options: ResumeOptions) -> Resume:
     started, clock = run.now(), time.monotonic()
     attempt = _Attempt()
     try:
-        answer = _resolve(run, options, attempt)
+        answer, checkpoint_id = _resolve(run, options, attempt)
     except CkptierError as exc:
         passed = getattr(exc, "passed_over", tuple(attempt.passed))
         run.catalog.record_recovery(RecoveryRecord(
@@ -257,32 +262,32 @@ def run_resume(run: Run, options: ResumeOptions) -> Resume:
         raise
     seconds = round(time.monotonic() - clock, 3)
     answer = replace(answer, seconds=seconds)
-    record = run.catalog.get(options.job, answer.step)
     run.catalog.record_recovery(RecoveryRecord(
         job=options.job, started_at=started, seconds=seconds, outcome=RESUMED, verify=options.verify,
-        step=answer.step, checkpoint_id=record.id if record is not None else None, source=answer.source,
+        step=answer.step, checkpoint_id=checkpoint_id, source=answer.source,
         path=answer.path, passed_over=answer.passed_over))
     return answer
 
 
-def _resolve(run: Run, options: ResumeOptions, attempt: _Attempt) -> Resume:
+def _resolve(run: Run, options: ResumeOptions, attempt: _Attempt) -> tuple[Resume, int]:
+    """The answer and the chosen checkpoint's id. Each candidate is the one ``latest`` would
+    answer once those already passed over are left out (:meth:`Catalog.choose_latest`, read
+    fresh each time: a few of the newest rows, never every checkpoint of the job)."""
     catalog, job = run.catalog, options.job
-    candidates = catalog.checkpoints(job=job, states=[State.VERIFIED], with_files=False)
     tried: set[int] = set()
     while True:
-        latest = pick_latest([c for c in candidates if c.id not in tried], drilled=options.drilled)
-        if latest.record is None:
+        latest = catalog.choose_latest(job, drilled=options.drilled, exclude=tried)
+        record = latest.record
+        if record is None:
             raise ResumeError(_nothing(run, options, merged_passed_over(attempt.passed, latest.passed_over)),
                               job=job, passed_over=merged_passed_over(attempt.passed, latest.passed_over))
-        tried.add(latest.record.id)
-        record = catalog.get_by_id(latest.record.id)
-        if record is None or record.state != State.VERIFIED:  # changed under us: not a candidate any more
-            continue
+        tried.add(record.id)
         chosen = _prove(run, record, options, attempt)
         if chosen is not None:
             proof = latest.proof.value if latest.proof is not None else State.VERIFIED.value
             return Resume(job=job, step=record.step, path=chosen.path, proof=proof, verify=options.verify,
-                          source=chosen.source, passed_over=merged_passed_over(attempt.passed, latest.passed_over))
+                          source=chosen.source,
+                          passed_over=merged_passed_over(attempt.passed, latest.passed_over)), record.id
 
 
 def _nothing(run: Run, options: ResumeOptions, passed: Sequence[tuple[int, str]]) -> str:
@@ -327,6 +332,9 @@ def _prove(run: Run, record: CheckpointRecord, options: ResumeOptions, attempt: 
 
 def _read_now(run: Run, record: CheckpointRecord, attempt: _Attempt) -> bool:
     """Read the hot copy as ``verify`` does and record the result; False (passed over) unless still verified."""
+    from .config import policy_grace  # lazy: the config's and the read path's imports, only for a full read
+    from .verify import verify_many
+
     ((_, outcome),) = list(verify_many(run.stores.for_record, [record], deep=False, workers=4))
     (state,) = run.catalog.record_verifications(
         [ReadBack(record.id, tuple(outcome.results), grace=policy_grace(run.config)(record.job),
@@ -343,6 +351,8 @@ def _read_now(run: Run, record: CheckpointRecord, attempt: _Attempt) -> bool:
 def _fetch(run: Run, record: CheckpointRecord, options: ResumeOptions, attempt: _Attempt, *,
            source: str) -> _Chosen | None:
     assert options.dest is not None
+    from ckptier.storage.archive_copies import copy_dir as archive_dir  # lazy: only when something is fetched
+
     target = Path(options.dest) / archive_dir(record.job, record.step)
     single = is_single_file(record.location.rstrip("/"), record)
 
@@ -378,6 +388,8 @@ def _fetched_problem(target: Path, record: CheckpointRecord, *, quick: bool) -> 
                 return f"{f.relpath}: {'missing' if size is None else f'{size} bytes, cataloged {f.size}'}"
         return None
     from ckptier.storage.url import open_store
+
+    from .verify import verify_checkpoint  # lazy: like the full read
 
     outcome = verify_checkpoint(open_store(target.as_uri()), "", record, deep=True)
     bad = [f"{r.relpath}: {r.detail or r.status}" for r in outcome.results if r.status != "ok"]

@@ -201,7 +201,10 @@ class Run:
     :func:`open_run` (or :meth:`Run.of`) and handed down: the open
     ``catalog``, the ``config``, ``stores`` (each store opened once per
     run), the clock ``now`` (aware UTC), the ``owner`` named in leases and
-    events, and ``dry_run`` (nothing written). Immutable.
+    events, and ``dry_run`` (nothing written). Immutable. ``config`` may be
+    given as a function that reads it: it is then called on the first use
+    of :attr:`config` only, once (a run that never looks at the config
+    never imports its parser, nor the formats and S3 that it checks).
 
     A run holds an open catalog and stays in its process: pickled (Prefect
     pickles a task's parameters with the context of the task runs it fans
@@ -210,20 +213,30 @@ class Run:
     pydantic) would copy a dataclass field by field into such a context.
     """
 
-    __slots__ = ("catalog", "config", "stores", "now", "owner", "dry_run")
+    __slots__ = ("catalog", "_config", "stores", "now", "owner", "dry_run")
 
     catalog: Catalog
-    config: Config
+    _config: Config | Callable[[], Config]
     stores: StoreCache
     now: Clock
     owner: str
     dry_run: bool
 
-    def __init__(self, *, catalog: Catalog, config: Config, stores: StoreCache, now: Clock, owner: str,
-                 dry_run: bool = False) -> None:
-        for name, value in (("catalog", catalog), ("config", config), ("stores", stores), ("now", now),
+    def __init__(self, *, catalog: Catalog, config: Config | Callable[[], Config], stores: StoreCache, now: Clock,
+                 owner: str, dry_run: bool = False) -> None:
+        for name, value in (("catalog", catalog), ("_config", config), ("stores", stores), ("now", now),
                             ("owner", owner), ("dry_run", dry_run)):
             object.__setattr__(self, name, value)
+
+    @property
+    def config(self) -> Config:
+        """The run's ``ckptier.toml``, read now when the run was given a function that reads it
+        (raising its :class:`~ckptier.storage.errors.ConfigError` when it is broken), then kept."""
+        config = self._config
+        if callable(config):
+            config = config()
+            object.__setattr__(self, "_config", config)
+        return config
 
     def __setattr__(self, name: str, value: object) -> NoReturn:
         raise AttributeError(f"a Run is immutable ({name})")
@@ -235,14 +248,16 @@ class Run:
         return DetachedRun, (self.owner,)
 
     @classmethod
-    def of(cls, catalog: Catalog, *, config: Config | None = None, now: Clock = utcnow, owner: str = "ckptier",
-           dry_run: bool = False, stores: StoreCache | None = None) -> Run:
+    def of(cls, catalog: Catalog, *, config: Config | Callable[[], Config] | None = None, now: Clock = utcnow,
+           owner: str = "ckptier", dry_run: bool = False, stores: StoreCache | None = None) -> Run:
         """A run around ``catalog``, already open (the caller closes it): ``config``
-        default the built-in defaults, a fresh store cache unless ``stores``,
-        ``owner`` used as it is."""
-        from .config import default_config  # lazy: the config's imports only for a run (see the imports)
+        (or the function that reads it on first use) default the built-in
+        defaults, a fresh store cache unless ``stores``, ``owner`` used as it is."""
+        if config is None:
+            from .config import default_config  # lazy: the config's imports only for a run (see the imports)
 
-        return cls(catalog=catalog, config=config if config is not None else default_config(),
+            config = default_config()
+        return cls(catalog=catalog, config=config,
                    stores=stores if stores is not None else StoreCache(roots=catalog.hot_locations), now=now,
                    owner=owner, dry_run=dry_run)
 
@@ -270,7 +285,7 @@ class DetachedRun:
 
 @contextmanager
 def open_run(settings: Settings | None = None, *, owner: str = "ckptier", dry_run: bool = False,
-             create: bool = False, now: Clock | None = None) -> Iterator[Run]:
+             create: bool = False, now: Clock | None = None, config_on_use: bool = False) -> Iterator[Run]:
     """The composition root of a run: the config ``settings`` read (at most
     once, :class:`~ckptier.tasks.settings.Settings`; default: ``$CKPTIER_CONFIG``
     or ``./ckptier.toml`` and the catalog they choose), the catalog opened once
@@ -278,9 +293,12 @@ def open_run(settings: Settings | None = None, *, owner: str = "ckptier", dry_ru
     ``now`` is given, and an owner unique to this process (:func:`run_owner`
     with ``owner`` as its prefix). Closes the catalog on exit. A run that may
     create its catalog refuses an in-memory one (``sqlite://``): it would
-    vanish with the process."""
+    vanish with the process. ``config_on_use``: the config is read when the
+    run first uses it (never, for one that does not), not before the catalog
+    is opened; for a command that reads it only on some paths (``resume
+    --quick``), and that reads it itself first when it is sure to need it."""
     settings = settings if settings is not None else Settings()
-    config = settings.config
+    config: Config | Callable[[], Config] = (lambda: settings.config) if config_on_use else settings.config
     if create:
         refuse_in_memory(settings.location.url)  # a catalog a run creates outlives the run
     with Catalog.open(settings.location.url, create=create) as catalog:

@@ -82,6 +82,7 @@ def sqlalchemy_modules(tmp_path_factory: pytest.TempPathFactory) -> set[str]:
     ["latest", "--job", "imports-run"],
     ["ls", "--job", "imports-run", "--json"],
     ["ls"],
+    ["resume", "--job", "imports-run", "--quick", "--json"],  # a stat of each file: no read path, no config
 ], ids=" ".join)
 def test_read_only_commands_import_no_heavy_module(argv: list[str], catalog: str, sqlalchemy_modules: set[str],
                                                    tmp_path: Path) -> None:

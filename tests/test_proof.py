@@ -73,6 +73,17 @@ def test_latest_passes_over_a_failed_drill_and_drilled_asks_for_a_passed_one(cat
     assert cat.latest(JOB, drilled=True).step == 1  # type: ignore[union-attr]
 
 
+def test_latest_leaves_out_the_checkpoints_excluded(cat: Catalog) -> None:
+    """What ``resume`` asks after passing over the newest: the next one ``latest`` would answer."""
+    four, two = cat.get(JOB, 4), cat.get(JOB, 2)
+    assert four is not None and two is not None
+    latest = cat.choose_latest(JOB, exclude={four.id})
+    assert latest.record is not None and latest.record.step == 2 and latest.record.files
+    assert [s for s, _ in latest.passed_over] == [3]  # the failed drill is still named
+    assert cat.choose_latest(JOB, exclude={four.id, two.id}).record.step == 1  # type: ignore[union-attr]
+    assert cat.choose_latest(JOB, exclude={four.id, two.id, cat.get(JOB, 1).id}).record is None  # type: ignore[union-attr]
+
+
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     code = main(list(argv))
     out, err = capsys.readouterr()

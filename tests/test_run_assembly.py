@@ -126,6 +126,29 @@ def test_read_only_commands_given_the_catalog_never_read_the_config(
     assert counter.take("ls") == (0, 1)
     _ok(capsys, "latest", "--job", "demo-run", "--catalog", catalog, code=1)  # nothing verified yet
     assert counter.take("latest") == (0, 1)
+    # A quick resume that fetches nothing never uses the config; a full one reads it (the job's grace).
+    _ok(capsys, "resume", "--job", "demo-run", "--quick", "--catalog", catalog, code=1)
+    assert counter.take("resume --quick") == (0, 1)
+    _ok(capsys, "resume", "--job", "demo-run", "--catalog", catalog, code=1)
+    assert counter.take("resume") == (1, 1)
+
+
+def test_a_run_given_a_config_reader_reads_it_on_first_use_only(tmp_path: Path) -> None:
+    from ckptier.storage.catalog.api import Catalog
+    from ckptier.tasks.config import default_config
+    from ckptier.tasks.run import Run
+
+    reads: list[int] = []
+
+    def read() -> Any:
+        reads.append(1)
+        return default_config()
+
+    with Catalog.open(f"sqlite:///{tmp_path / 'catalog.db'}") as cat:
+        run = Run.of(cat, config=read)
+        assert reads == []
+        first = run.config
+        assert run.config is first and reads == [1]
 
 
 def test_a_run_stays_in_its_process(tmp_path: Path) -> None:

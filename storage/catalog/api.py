@@ -943,12 +943,14 @@ class Catalog:
         """The checkpoint of ``job`` safe to resume from, or None: see :meth:`choose_latest`."""
         return self.choose_latest(job, drilled=drilled).record
 
-    def choose_latest(self, job: str, *, drilled: bool = False) -> transitions.Latest:
+    def choose_latest(self, job: str, *, drilled: bool = False,
+                      exclude: Collection[int] = ()) -> transitions.Latest:
         """The highest-step ``verified`` checkpoint of ``job`` that still has a
         ``present`` copy in some tier and whose most recent drill did not fail
         (with ``drilled``: passed), its proof, and the newer ones passed over
         with why (:func:`ckptier.storage.transitions.pick_latest`). The
-        chosen record carries its files."""
+        chosen record carries its files. ``exclude``: ids of checkpoints not
+        to consider (those a caller already looked at and passed over)."""
         has_copy = (
             select(cp.c.id)
             .where(cp.c.checkpoint_id == ck.c.id, cp.c.state == CopyState.PRESENT.value)
@@ -960,6 +962,8 @@ class Catalog:
                 .where(jb.c.name == job, ck.c.state == State.VERIFIED.value, has_copy)
                 .order_by(ck.c.step.desc())
             ).scalars())
+            if exclude:
+                ids = [i for i in ids if i not in exclude]
             # Newest first, a few at a time (8, 32, 128...): the answer is nearly always among the
             # newest, so a launcher's `ckptier latest` loads a handful of rows, not the job's 1,000.
             # pick_latest looks newest first and stops at its answer, so a prefix answers as all would.
