@@ -606,3 +606,15 @@ def as_stream(data: bytes | BinaryIO) -> BinaryIO:
     if isinstance(data, (bytes, bytearray, memoryview)):
         return io.BytesIO(bytes(data))
     return data
+
+
+def whole_seconds(mtime: float) -> float:
+    """An S3 object's mtime as ckptier records it: truncated to whole seconds.
+
+    HEAD's ``Last-Modified`` header (an HTTP date) has whole seconds while a
+    listing's or an inventory report's ``LastModified`` may carry
+    milliseconds (Ceph RGW sends them; AWS lists ``.000``). Truncated in every
+    path, a listing, an inventory and a HEAD of the same object agree, so a
+    scan's mtime never looks changed to a later stat.
+    """
+    return float(int(mtime))

@@ -39,7 +39,7 @@ from datetime import UTC, datetime
 from typing import IO, Any
 from urllib.parse import unquote_plus
 
-from .base import ObjectInfo, Store, key_problem, read_bytes
+from .base import ObjectInfo, Store, key_problem, read_bytes, whole_seconds
 from .errors import ConfigError, IntegrityError, NotFound
 from .url import parse_url
 
@@ -152,7 +152,7 @@ def _to_info(key: str, prefix: str, size: Any, modified: Any, etag: Any, storage
         mtime = datetime.fromisoformat(str(modified).replace("Z", "+00:00")).timestamp()  # noqa: FURB162
     cls = None if _missing(storage_class) else str(storage_class)
     return ObjectInfo(key=rel, size=0 if _missing(size) else int(size),
-                      mtime=mtime, etag=_etag(etag), storage_class=cls)
+                      mtime=None if mtime is None else whole_seconds(mtime), etag=_etag(etag), storage_class=cls)
 
 
 def csv_rows(stream: IO[bytes], schema: tuple[str, ...], *, bucket: str, prefix: str) -> Iterator[ObjectInfo]:

@@ -51,6 +51,7 @@ from .base import (
     key_problem,
     tags_problem,
     validate_key,
+    whole_seconds,
 )
 from .errors import (
     AccessDenied,
@@ -196,14 +197,8 @@ def listing_parser_factory() -> Any:
 
 
 def _seconds(modified: Any) -> float | None:
-    """An object's mtime in whole seconds (``None`` when the server sent no LastModified).
-
-    HEAD's ``Last-Modified`` header (HTTP date) has whole seconds while a
-    listing's ``LastModified`` may carry milliseconds (Ceph RGW sends them;
-    AWS sends ``.000``): truncated here, a listing and a HEAD of the same
-    object always agree, so a scan's mtime never looks changed to a stat.
-    """
-    return float(int(modified.timestamp())) if modified is not None else None
+    """``LastModified`` (a datetime) as :func:`~.base.whole_seconds`; ``None`` when the server sent none."""
+    return whole_seconds(modified.timestamp()) if modified is not None else None
 
 
 _NOT_FOUND = {"NoSuchKey", "404", "NotFound", "NoSuchVersion"}
