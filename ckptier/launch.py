@@ -56,8 +56,10 @@ def resume(job: str, *, catalog: str | None = None, config: str | os.PathLike[st
     from ckptier.tasks.settings import Settings
 
     options = ResumeOptions(job=job, dest=Path(dest) if dest is not None else None, verify=verify, drilled=drilled)
-    settings = (Settings(catalog, os.fspath(config) if config is not None else None)
-                if config is None or isinstance(config, str | os.PathLike) else Settings(catalog, None, config=config))
+    if isinstance(config, str | os.PathLike):
+        settings = Settings(catalog, os.fspath(config))
+    else:  # None (the default file) or a Config already read
+        settings = Settings(catalog, None, config=config)
     if options.needs_config:
         settings.config  # noqa: B018 - read now: a broken file is reported before the catalog is touched
     # A quick resume that fetches nothing never reads the config (nor imports its parser), as `ckptier resume --quick`.
