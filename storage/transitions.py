@@ -67,6 +67,7 @@ __all__ = [
     "completeness",
     "discovered",
     "file_change",
+    "mtime_tells",
     "on_files_changed",
     "on_scan",
     "on_vanished",
@@ -315,13 +316,25 @@ class Change:
     now: ObjectInfo | None = None
 
 
+def mtime_tells(old_etag: str | None, new_etag: str | None) -> bool:
+    """Whether an mtime that moved means other bytes: only where no ETag tells.
+
+    An object's ETag (with its size) names its bytes; its ``Last-Modified`` is
+    metadata that some S3 servers move without a write (Ceph RGW does on
+    PutObjectTagging, so ckptier's own delete tag would make every object it
+    proved look replaced). Where both sides have an ETag, the ETag decides; a
+    local file has none, and its mtime counts.
+    """
+    return old_etag is None or new_etag is None
+
+
 def file_change(f: FileRecord, info: ObjectInfo | None) -> str | None:
     """Why ``info`` (a fresh ``stat`` or HEAD of ``f``'s key; ``None``: not there)
     contradicts the catalog's ``f``, or ``None`` when it is the same file as far
     as its metadata tells: size, ETag (where both have one), mtime (within
-    :data:`MTIME_TOLERANCE`) and what it is (a plain file, or a link to the
-    same key). A file the catalog holds as missing that is there again is a
-    change too."""
+    :data:`MTIME_TOLERANCE`, where no ETag tells: :func:`mtime_tells`) and what
+    it is (a plain file, or a link to the same key). A file the catalog holds
+    as missing that is there again is a change too."""
     if info is None:
         return None if f.status == "missing" else f"{f.relpath} is gone"
     if f.status == "missing":
@@ -333,7 +346,8 @@ def file_change(f: FileRecord, info: ObjectInfo | None) -> str | None:
         return f"{f.relpath} size {f.size} -> {info.size} bytes"
     if f.etag is not None and info.etag is not None and f.etag != info.etag:
         return f"{f.relpath} etag {f.etag} -> {info.etag}"
-    if f.mtime is not None and info.mtime is not None and abs(f.mtime - info.mtime) > MTIME_TOLERANCE:
+    if (f.mtime is not None and info.mtime is not None and abs(f.mtime - info.mtime) > MTIME_TOLERANCE
+            and mtime_tells(f.etag, info.etag)):
         return f"{f.relpath} mtime {f.mtime:.3f} -> {info.mtime:.3f}"
     return None
 

@@ -1,9 +1,10 @@
 """The Taggable capability (``put_object_tagging`` / ``get_object_tagging``),
-run against every taggable store and wrapper over a real moto_server; and the
+run against every taggable store and wrapper over moto and Ceph RGW; and the
 stores that cannot tag say so through the protocol."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +113,27 @@ class TestRetryingS3StoreTagging(TestS3StoreTagging):
     def store(self, s3_bucket: S3Bucket) -> Any:
         self.bucket, self.prefix = s3_bucket, ""
         return RetryingStore(_s3(s3_bucket), sleep=lambda _s: None)
+
+
+@pytest.mark.s3
+def test_a_tagged_object_is_still_the_object_proven(s3_bucket: S3Bucket) -> None:
+    """Tagging is metadata: after ckptier's own tag the object is the one it looked at before,
+    on every server (RGW moves Last-Modified on PutObjectTagging; S3 and moto do not)."""
+    from ckptier.storage.records import FileRecord
+    from ckptier.storage.transitions import file_change
+
+    store = _s3(s3_bucket)
+    store.write("step-00000001/model.pt", b"weights")
+    (before,) = list(store.list("step-00000001/"))
+    catalogued = FileRecord("model.pt", before.size, before.mtime, before.etag, None, None, "ok", None)
+    time.sleep(1.1)  # Last-Modified has whole seconds: a moved one shows
+    store.put_object_tagging("step-00000001/model.pt", {"ckptier:retention": "delete"})
+    (listed,) = list(store.list("step-00000001/"))
+    assert file_change(catalogued, listed) is None
+    assert file_change(catalogued, store.stat("step-00000001/model.pt")) is None
+    store.write("step-00000001/model.pt", b"WEIGHTS")  # same size, other bytes: a replacement shows
+    assert file_change(catalogued, store.stat("step-00000001/model.pt")) == (
+        f"model.pt etag {before.etag} -> {store.stat('step-00000001/model.pt').etag}")
 
 
 @pytest.mark.s3

@@ -331,6 +331,11 @@ def info(size: int = 6000, mtime: float = 1_700_000_000.0, etag: str | None = No
          "rank-0000/optimizer.pt is now a symlink to job/step-00000200/rank-0000/optimizer.pt"),
         (ON_S3, info(10, etag='"e1"'), None),
         (ON_S3, info(10, etag='"e2"'), 'model.pt etag "e1" -> "e2"'),  # same size, replaced
+        # The same ETag and size with a later Last-Modified: the same bytes, its metadata touched
+        # (Ceph RGW moves Last-Modified on PutObjectTagging, as ckptier's own delete tag does).
+        (ON_S3, info(10, mtime=1_700_000_007.0, etag='"e1"'), None),
+        (ON_S3, info(10, mtime=1_700_000_007.0, etag='"e2"'), 'model.pt etag "e1" -> "e2"'),
+        (ON_S3, info(10, mtime=1_700_000_007.0), "model.pt mtime 1700000000.000 -> 1700000007.000"),  # no ETag now
         (GONE, None, None),  # already held as missing: nothing new
         (GONE, info(), "rank-0000/model.pt is back"),
     ],

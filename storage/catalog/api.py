@@ -757,8 +757,8 @@ class Catalog:
                     file_inserts.setdefault(_FILE_INSERT_COLUMNS, []).append(
                         (cid, ref.relpath, ref.size, ref.mtime, ref.etag, exp, ref.link))
                     continue
-                same_bytes = (row[_F_SIZE] == ref.size and row[_F_MTIME] == ref.mtime and row[_F_ETAG] == ref.etag
-                              and row[_F_LINK] == ref.link)
+                same_bytes = (row[_F_SIZE] == ref.size and row[_F_ETAG] == ref.etag and row[_F_LINK] == ref.link
+                              and (row[_F_MTIME] == ref.mtime or not transitions.mtime_tells(row[_F_ETAG], ref.etag)))
                 if same_bytes and row[_F_EXP] == exp and row[_F_STATUS] != "missing":
                     continue
                 changed_names.append(ref.relpath)
