@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -16,7 +16,7 @@ from ckptier.formats import recognise
 from ckptier.storage.base import ObjectInfo, read_bytes
 from ckptier.storage.s3 import S3Store
 
-from tests.fixtures.s3 import make_client
+from tests.fixtures.s3 import S3Server, make_client
 from tests.test_s3_faults import error_xml, fake_response
 
 pytestmark = [pytest.mark.s3, pytest.mark.slow]
@@ -44,19 +44,25 @@ def layout() -> dict[str, bytes]:
     return keys
 
 
-@pytest.fixture(scope="module")
-def filled(moto_endpoint: str) -> Iterator[tuple[str, str, dict[str, bytes]]]:
-    """One bucket for the module, filled once (PUTs in parallel), under the prefix ``runs``."""
-    import uuid
+_FILLED: dict[str, tuple[str, str, dict[str, bytes]]] = {}
 
-    client = make_client(moto_endpoint, max_pool_connections=16)
-    name = f"ckptier-list-{uuid.uuid4().hex[:12]}"
-    client.create_bucket(Bucket=name)
-    keys = layout()
-    with ThreadPoolExecutor(12) as pool:
-        list(pool.map(lambda kv: client.put_object(Bucket=name, Key=f"runs/{kv[0]}", Body=kv[1]), keys.items()))
-    client.put_object(Bucket=name, Key="other/outside", Body=b"o")  # outside the store's prefix
-    yield moto_endpoint, name, keys
+
+@pytest.fixture
+def filled(s3_server: S3Server) -> tuple[str, str, dict[str, bytes]]:
+    """One bucket per server for the module, filled once (PUTs in parallel), under the prefix ``runs``.
+
+    The tests only read it, so every test of the module on one server shares it.
+    """
+    if s3_server.name not in _FILLED:
+        client = make_client(s3_server.endpoint, max_pool_connections=16)
+        name = f"ckptier-list-{uuid.uuid4().hex[:12]}"
+        client.create_bucket(Bucket=name)
+        keys = layout()
+        with ThreadPoolExecutor(12) as pool:
+            list(pool.map(lambda kv: client.put_object(Bucket=name, Key=f"runs/{kv[0]}", Body=kv[1]), keys.items()))
+        client.put_object(Bucket=name, Key="other/outside", Body=b"o")  # outside the store's prefix
+        _FILLED[s3_server.name] = (s3_server.endpoint, name, keys)
+    return _FILLED[s3_server.name]
 
 
 def store_for(endpoint: str, bucket: str, *, workers: int, **config: Any) -> S3Store:
@@ -185,10 +191,10 @@ def test_closing_the_listing_early_stops_its_threads(filled: tuple[str, str, dic
     assert not [t.name for t in threading.enumerate() if t.name.startswith("ckptier-s3-list")]
 
 
-def test_missing_bucket_is_not_found(moto_endpoint: str) -> None:
+def test_missing_bucket_is_not_found(s3_server: S3Server) -> None:
     from ckptier.storage.errors import NotFound
 
-    store = S3Store("ckptier-no-such-bucket-xyz", client=make_client(moto_endpoint), list_workers=4)
+    store = S3Store("ckptier-no-such-bucket-xyz", client=make_client(s3_server.endpoint), list_workers=4)
     with pytest.raises(NotFound, match="bucket does not exist"):
         list(store.list())
 
