@@ -266,6 +266,20 @@ def test_zero3_weights_are_reassembled_bit_exactly_with_the_optimizer_state(
         assert float(state["step"]) == step and bool(state["exp_avg_sq"].gt(0).all()), name
 
 
+def test_zero3_loads_without_importing_deepspeed(deepspeed_zero_runs: Path) -> None:
+    code = (
+        "import sys; from pathlib import Path\n"
+        "from ckptier.formats.safe_load import load_checkpoint_dir\n"
+        f"loaded = load_checkpoint_dir(Path({str(deepspeed_zero_runs / 'zero3' / 'run' / 'global_step6')!r}), 'deepspeed')\n"
+        "print(len(loaded.model_state), sorted(loaded.optimizer_state['state']), loaded.step,"
+        " [m for m in sys.modules if m.split('.')[0] == 'deepspeed'])\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["4", "[0,", "1,", "2,", "3]", "6", "[]"]
+
+
 def test_zero3_optimizer_state_retrains_to_the_runs_own_weights(deepspeed_zero_runs: Path) -> None:
     """Restored at step 3 and trained on steps 4..6 as DeepSpeed trained them (AdamW,
     the gradient norm clipped to 1.0, DeepSpeed's default), the model reaches the
