@@ -38,9 +38,9 @@ class CheckpointLoadError(CkptierError):
 
 
 class UnsupportedCheckpoint(CheckpointLoadError):
-    """A checkpoint in a variant the drill cannot restore yet (ZeRO stage 3,
-    model-parallel ranks...): nothing is known to be wrong with it, so a
-    drill that meets one is ``not judged``, never ``failed``."""
+    """A checkpoint in a variant the drill cannot restore yet (model-parallel
+    ranks, ZeRO stage 3 with frozen parameters...): nothing is known to be
+    wrong with it, so a drill that meets one is ``not judged``, never ``failed``."""
 
 
 @dataclass

@@ -284,6 +284,10 @@ def test_partitioned_ranks_are_named_not_restored() -> None:
     assert (joined.saved_world, joined.layout, joined.world) == (1, "replicated", 2)
     one = plugin("deepspeed").rank_files(zero2[:2], lambda rel: b"", 2)  # one rank: every drill rank restores it whole
     assert (one.saved_world, one.layout, one.world) == (1, "replicated", 2)
+    # ZeRO-3 of 2 data-parallel ranks (weights partitioned too): joined into one replica as well
+    zero3 = [f"zero_pp_rank_{dp}_mp_rank_00_{kind}_states.pt" for dp in range(2) for kind in ("model", "optim")]
+    z3 = plugin("deepspeed").rank_files(zero3, lambda rel: b"", 2)
+    assert (z3.saved_world, z3.layout, z3.world, plugin("deepspeed").saved_ranks(zero3)) == (1, "replicated", 2, 1)
     mega = ["mp_rank_00/model_optim_rng.pt", "mp_rank_01/model_optim_rng.pt"]
     assert plugin("megatron").rank_files(mega, lambda rel: b"").layout == "partitioned"
     assert plugin("megatron").saved_ranks(mega) == 2 and plugin("lightning").saved_ranks(["a.ckpt"]) == 1

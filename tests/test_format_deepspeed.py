@@ -15,10 +15,12 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
-from ckptier.formats.deepspeed import LIBRARY_GLOBALS, rank_shortfalls
+from ckptier.formats.deepspeed import LIBRARY_GLOBALS, rank_shortfalls, zero3_slices
 from ckptier.formats.safe_load import (
     UnsafeCheckpoint,
     load_checkpoint_dir,
@@ -73,6 +75,17 @@ def test_a_missing_rank_file_is_a_shortfall_named_by_deepspeeds_numbering() -> N
         "mp_rank_01_model_states.pt", "zero_pp_rank_1_mp_rank_01_optim_states.pt"]
     assert "rank file(s) missing: mp_rank_01_model_states.pt (absent" in c.reason
     assert rank_shortfalls({n: 1 for n in ZERO2}) == []
+
+
+def test_a_zero3_rank_with_model_states_but_no_optimizer_states_or_the_reverse_is_a_shortfall() -> None:
+    zero3 = [f"zero_pp_rank_{dp}_mp_rank_00_{kind}_states.pt" for dp in range(3) for kind in ("model", "optim")]
+    assert rank_shortfalls(dict.fromkeys(zero3)) == []
+    torn = [n for n in zero3 if n not in ("zero_pp_rank_2_mp_rank_00_optim_states.pt",
+                                          "zero_pp_rank_1_mp_rank_00_model_states.pt")]
+    assert [s.relpath for s in rank_shortfalls(dict.fromkeys(torn))] == [
+        "zero_pp_rank_1_mp_rank_00_model_states.pt", "zero_pp_rank_2_mp_rank_00_optim_states.pt"]
+    rec = recognise_listing(_ds_listing({6: torn}, "global_step6"))
+    assert "rank file(s) missing" in only(rec.checkpoints, 6).reason
 
 
 def test_without_a_latest_tag_a_step_commits_once_settled() -> None:
@@ -212,3 +225,144 @@ def test_cli_scan_ls_verify_and_drill_a_deepspeed_job(
     (report,) = json.loads(capsys.readouterr().out)
     assert report["ok"] and report["step"] == 6, report["summary"]
     assert LocalStore(hot).stat("ds/run/latest").size > 0  # the drill read a copy; the hot store is untouched
+
+
+# --- ZeRO stage 3 ----------------------------------------------------------------
+
+
+def test_zero3_pieces_are_one_per_parameter_each_padded_to_a_whole_share() -> None:
+    shapes = [(16, 8), (16,), (1, 16), (1,)]  # the tiny MLP: 161 values
+    assert zero3_slices(shapes, 2) == ([(0, 64, 128), (64, 8, 16), (72, 8, 16), (80, 1, 1)], 81)
+    assert zero3_slices(shapes, 3) == ([(0, 43, 128), (43, 6, 16), (49, 6, 16), (55, 1, 1)], 56)
+    assert zero3_slices([], 2) == ([], 0)
+
+
+def _zero3_copy(runs: Path, tmp_path: Path, step: int = 6) -> Path:
+    out = tmp_path / f"global_step{step}"
+    shutil.copytree(runs / "zero3" / "run" / f"global_step{step}", out)
+    return out
+
+
+@pytest.mark.parametrize("step", [3, 6])
+def test_zero3_weights_are_reassembled_bit_exactly_with_the_optimizer_state(
+    deepspeed_zero_runs: Path, step: int
+) -> None:
+    import torch
+
+    from tests.fixtures.checkpoints import LR, tiny_mlp
+
+    loaded = load_checkpoint_dir(deepspeed_zero_runs / "zero3" / "run" / f"global_step{step}", Format.DEEPSPEED)
+    reference = torch.load(deepspeed_zero_runs / "reference" / f"zero3_step{step}.pt", weights_only=True)
+    assert list(loaded.model_state) == list(reference) == list(tiny_mlp().state_dict())
+    for name, weight in reference.items():  # gathered from the ranks at the save
+        assert loaded.model_state[name].dtype == weight.dtype and torch.equal(loaded.model_state[name], weight), name
+    assert loaded.step == step and loaded.extra["dp_world_size"] == 2
+    model = tiny_mlp()
+    model.load_state_dict(loaded.model_state)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    optimizer.load_state_dict(loaded.optimizer_state)
+    for (name, param), state in zip(model.named_parameters(), optimizer.state.values(), strict=True):
+        assert state["exp_avg"].shape == state["exp_avg_sq"].shape == param.shape, name
+        assert float(state["step"]) == step and bool(state["exp_avg_sq"].gt(0).all()), name
+
+
+def test_zero3_loads_without_importing_deepspeed(deepspeed_zero_runs: Path) -> None:
+    code = (
+        "import sys; from pathlib import Path\n"
+        "from ckptier.formats.safe_load import load_checkpoint_dir\n"
+        f"loaded = load_checkpoint_dir(Path({str(deepspeed_zero_runs / 'zero3' / 'run' / 'global_step6')!r}), 'deepspeed')\n"
+        "print(len(loaded.model_state), sorted(loaded.optimizer_state['state']), loaded.step,"
+        " [m for m in sys.modules if m.split('.')[0] == 'deepspeed'])\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["4", "[0,", "1,", "2,", "3]", "6", "[]"]
+
+
+def test_zero3_optimizer_state_retrains_to_the_runs_own_weights(deepspeed_zero_runs: Path) -> None:
+    """Restored at step 3 and trained on steps 4..6 as DeepSpeed trained them (AdamW,
+    the gradient norm clipped to 1.0, DeepSpeed's default), the model reaches the
+    run's own step-6 weights; with fresh optimizer state it does not."""
+    import torch
+
+    from tests.fixtures.checkpoints import LR, tiny_batch, tiny_loss, tiny_mlp
+
+    loaded = load_checkpoint_dir(deepspeed_zero_runs / "zero3" / "run" / "global_step3", Format.DEEPSPEED)
+    reference = torch.load(deepspeed_zero_runs / "reference" / "zero3_step6.pt", weights_only=True)
+
+    def distance(restore_optimizer: bool) -> float:
+        model = tiny_mlp()
+        model.load_state_dict(loaded.model_state)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        if restore_optimizer:
+            optimizer.load_state_dict(loaded.optimizer_state)
+        for step in (4, 5, 6):
+            optimizer.zero_grad()
+            tiny_loss(model, tiny_batch(step)).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+        return max(float((model.state_dict()[k] - w).abs().max()) for k, w in reference.items())
+
+    assert distance(True) < 1e-6
+    assert distance(False) > 1e-3  # the Adam moments matter: the check can fail
+
+
+def _resave(path: Path, change: Callable[[Any], None]) -> None:
+    import torch
+
+    obj = torch.load(path, weights_only=False)  # the test's own fixture, re-saved with one thing changed
+    change(obj)
+    torch.save(obj, path)
+
+
+def test_zero3_shards_that_cannot_restore_are_named_in_one_line(deepspeed_zero_runs: Path, tmp_path: Path) -> None:
+    from ckptier.formats.loaded import CheckpointLoadError, UnsupportedCheckpoint
+
+    missing = _zero3_copy(deepspeed_zero_runs, tmp_path / "missing")
+    (missing / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    with pytest.raises(CheckpointLoadError) as caught:
+        load_checkpoint_dir(missing, Format.DEEPSPEED)
+    assert not isinstance(caught.value, UnsupportedCheckpoint)
+    assert str(caught.value) == (f"{missing}: ZeRO stage 3 of 2 data-parallel ranks lacks "
+                                 "zero_pp_rank_1_mp_rank_00_optim_states.pt; every rank's model and optimizer states "
+                                 "are needed: re-fetch or re-verify the checkpoint")
+
+    mixed = _zero3_copy(deepspeed_zero_runs, tmp_path / "mixed")  # rank 1's files from the step-3 save
+    for f in ("zero_pp_rank_1_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"):
+        shutil.copy(deepspeed_zero_runs / "zero3" / "run" / "global_step3" / f, mixed / f)
+    with pytest.raises(CheckpointLoadError, match=r"zero_pp_rank_1_mp_rank_00_model_states\.pt: of step 3, but "
+                       r"zero_pp_rank_0_mp_rank_00_model_states\.pt of step 6: the ranks' files are of different saves$"):
+        load_checkpoint_dir(mixed, Format.DEEPSPEED)
+
+    adam = _zero3_copy(deepspeed_zero_runs, tmp_path / "adam")  # only the optimizer file of rank 1 is older
+    shutil.copy(deepspeed_zero_runs / "zero3" / "run" / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+                adam / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    with pytest.raises(CheckpointLoadError, match="disagree on step of sub-group 0: the ranks saved different steps"):
+        load_checkpoint_dir(adam, Format.DEEPSPEED)
+
+    result = run_request(DrillRequest(str(missing), "deepspeed", FACTORY, 2, "cpu", str(tmp_path / "r.json")))
+    assert result.error_stage == "load" and "lacks zero_pp_rank_1_mp_rank_00_optim_states.pt" in (result.error or "")
+    assert "\n" not in (result.error or "")
+
+
+def test_zero3_layouts_the_reader_does_not_understand_are_unsupported(deepspeed_zero_runs: Path, tmp_path: Path) -> None:
+    import torch
+    from ckptier.formats.loaded import UnsupportedCheckpoint
+
+    padded = _zero3_copy(deepspeed_zero_runs, tmp_path / "padded")  # alignment padding after the pieces
+    for dp in (0, 1):
+        _resave(padded / f"zero_pp_rank_{dp}_mp_rank_00_optim_states.pt", lambda o: o["optimizer_state_dict"].update(
+            fp32_flat_groups=[torch.cat([g, torch.zeros(3)]) for g in o["optimizer_state_dict"]["fp32_flat_groups"]]))
+    with pytest.raises(UnsupportedCheckpoint, match=r"zero_pp_rank_0_mp_rank_00_optim_states\.pt: not supported yet: "
+                       r"fp32 flat group 0 holds 84 values, where param_shapes' pieces over 2 ranks take 81$"):
+        load_checkpoint_dir(padded, Format.DEEPSPEED)
+
+    frozen = _zero3_copy(deepspeed_zero_runs, tmp_path / "frozen")
+    _resave(frozen / "zero_pp_rank_0_mp_rank_00_model_states.pt",
+            lambda o: o.update(frozen_param_shapes={"net.0.weight": torch.Size([16, 8])}))
+    with pytest.raises(UnsupportedCheckpoint, match="not supported yet: ZeRO stage 3 with frozen parameters$"):
+        load_checkpoint_dir(frozen, Format.DEEPSPEED)
+
+    result = run_request(DrillRequest(str(padded), "deepspeed", FACTORY, 2, "cpu", str(tmp_path / "r.json")))
+    assert result.error_stage == "unsupported" and "fp32 flat group 0 holds 84 values" in (result.error or "")
