@@ -495,6 +495,10 @@ class TreeWriter:
 # ------------------------------------------------------------------------------ S3 key sets
 
 
+#: S3's limit on a key's length, in bytes of UTF-8.
+S3_KEY_MAX = 1024
+
+
 def s3_case(b: Batch, rnd: random.Random, s3: Any, bucket: str, base: str, name: str) -> None:
     """One job's objects in S3: a well-formed checkpoint or two, and keys only S3 allows."""
     job = f"{name}/{rnd.choice(['llm', 'ünï', 'a b', 'x' * 200])}"
@@ -503,11 +507,13 @@ def s3_case(b: Batch, rnd: random.Random, s3: Any, bucket: str, base: str, name:
         prefix = f"{job}/step-{step:08d}"
         files = guide_files(rnd, step)
         hostile = rnd.random() < 0.6
+        # The longest key S3 allows (1,024 bytes of UTF-8; real servers refuse longer ones).
+        longest = "rank-0000/" + "y" * (S3_KEY_MAX - len(f"{base}/{prefix}/rank-0000/.pt".encode())) + ".pt"
         if hostile:
             extra = rnd.choice([
                 "rank-0000//model.pt", "./rank-0000/model.pt", "rank-0000/./x.pt", "rank-0000/../model.pt",
                 "rank-0000/", "rank-0000/model.pt/", "rank-0000/model.pt/inner.pt", "rank-0000",
-                "rank-0000\\model.pt", "rank-0000/\x01ctl.pt", "rank-0000/" + "y" * 900 + ".pt",
+                "rank-0000\\model.pt", "rank-0000/\x01ctl.pt", longest,
                 "rank-0000/e\u0301.pt", "rank-0000/\u00e9.pt", ".ckptier-canary/zz", "ckptier-manifest.json",
                 "rank-0000/.ckptier-tmp-1", "metadata.json/x",
             ])

@@ -21,17 +21,18 @@ import chaos  # noqa: E402
 import chaos_fuzz  # noqa: E402
 
 from tests.fixtures.pg import PgServer  # noqa: E402
+from tests.fixtures.s3 import S3Server  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.s3, pytest.mark.postgres]
 
 
 @pytest.mark.timeout(900)  # about a minute of CPU; far more wall time on a loaded machine
 def test_a_short_chaos_run_finds_no_violation_no_crash_and_nothing_stuck(
-    moto_endpoint: str, pg_server: PgServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    s3_server: S3Server, pg_server: PgServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(chaos_fuzz, "BATCH", 40)  # two batches: a local tree, then S3 key sets
     opts = chaos.Options(trials=4, concurrent=1, swaps=3, fuzz=80, seed=20261130, workdir=tmp_path, quiet=True)
-    findings = chaos.run(opts, chaos.Services(moto_endpoint, pg_server))
+    findings = chaos.run(opts, chaos.Services(s3_server.endpoint, pg_server))
     report = chaos.render(findings, opts, 0.0)
     assert findings.totals == (0, 0, 0), report
     kill_kinds = [findings.tallies[k] for k in chaos.KINDS]  # every kind was tried

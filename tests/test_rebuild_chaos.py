@@ -18,16 +18,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import chaos  # noqa: E402
 
 from tests.fixtures.pg import PgServer  # noqa: E402
+from tests.fixtures.s3 import S3Server  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.s3, pytest.mark.postgres]
 
 
 @pytest.mark.timeout(900)
 def test_a_killed_and_rerun_rebuild_ends_identical_to_an_uninterrupted_one(
-    moto_endpoint: str, pg_server: PgServer, tmp_path: Path
+    s3_server: S3Server, pg_server: PgServer, tmp_path: Path
 ) -> None:
     opts = chaos.Options(trials=0, concurrent=0, swaps=0, fuzz=0, rebuild=6, seed=20261201, workdir=tmp_path, quiet=True)
-    findings = chaos.run(opts, chaos.Services(moto_endpoint, pg_server))
+    findings = chaos.run(opts, chaos.Services(s3_server.endpoint, pg_server))
     report = chaos.render(findings, opts, 0.0)
     assert findings.totals == (0, 0, 0), report
     tallies = [t for k, t in findings.tallies.items() if k.startswith("rebuild-")]
