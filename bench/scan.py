@@ -8,7 +8,9 @@ processes (interpreter start and imports included), best of ``--repeat``:
   and ``metadata.json``) in a fresh moto server on 127.0.0.1 (see serve_moto).
   Baseline: ``aws s3 ls --recursive s3://BUCKET/PREFIX/ > /dev/null``.
   Contender: ``ckptier scan s3://BUCKET/PREFIX --json`` into a fresh SQLite
-  catalog each time (a first scan).
+  catalog each time (a first scan). ``--s3-server rgw`` runs the same part on
+  a one-node Ceph RGW started as the tests start it (``tests/fixtures/rgw.py``;
+  needs ``radosgw ceph-mon ceph-osd ceph-common``), filled with parallel PUTs.
 * **local**: 1,000,000 files (1,000 guide-layout checkpoints x 1,000 files:
   500 ranks x ``model.pt`` + ``optimizer.pt``, plus ``metadata.json``), built
   once under ``/tmp/ckptier-bench-scan/tree`` and reused (``--clean``
@@ -39,6 +41,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -309,6 +312,42 @@ def serving(cmd: list[str], port: int, env: dict[str, str], name: str) -> Iterat
         proc.wait(timeout=30)
 
 
+@contextmanager
+def rgw(bucket: str, prefix: str, checkpoints: int, files: int, jobs: int) -> Iterator[str]:
+    """A fresh one-node Ceph RGW (the test suite's, ``tests/fixtures/rgw.py``) on
+    127.0.0.1, filled over HTTP with parallel PutObjects; its endpoint URL.
+
+    RGW has no in-process backend to fill, so the bucket is filled the way a
+    training job would fill it, 32 PUTs at a time.
+    """
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.fixtures.rgw import start_rgw
+    from tests.fixtures.s3 import make_client
+
+    t0 = time.perf_counter()
+    try:
+        server = start_rgw()
+    except BaseException as exc:  # the fixture skips/fails through pytest's outcome exceptions
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        sys.exit(f"bench/scan: {exc}")
+    try:
+        client = make_client(server.endpoint, max_pool_connections=32)
+        client.create_bucket(Bucket=bucket)
+        started = time.perf_counter() - t0
+
+        def put(item: tuple[str, bytes]) -> None:
+            client.put_object(Bucket=bucket, Key=f"{prefix}/{item[0]}", Body=item[1])
+
+        with ThreadPoolExecutor(32) as pool:
+            n = sum(1 for _ in pool.map(put, s3_keys(checkpoints, files, jobs)))
+        print(f"  Ceph RGW at {server.endpoint} holds {n:,} objects (started in {started:.0f} s, "
+              f"filled in {time.perf_counter() - t0 - started:.0f} s)", flush=True)
+        yield str(server.endpoint)
+    finally:
+        server.stop()
+
+
 def run_s3(args: argparse.Namespace) -> dict[str, Any]:
     env = dict(os.environ, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
                AWS_DEFAULT_REGION="us-east-1")
@@ -318,12 +357,14 @@ def run_s3(args: argparse.Namespace) -> dict[str, Any]:
     checkpoints = max(1, args.s3_objects // files)
     objects = checkpoints * files
     bucket, prefix = "bench", "runs"
-    print(f"\nS3: {objects:,} objects ({checkpoints:,} checkpoints x {files} files) into a fresh moto_server",
-          flush=True)
-    with moto(env, bucket, prefix, checkpoints, files, args.jobs, not args.moto_as_is) as endpoint:
+    server = "a fresh moto_server" if args.s3_server == "moto" else "a fresh one-node Ceph RGW"
+    print(f"\nS3: {objects:,} objects ({checkpoints:,} checkpoints x {files} files) into {server}", flush=True)
+    serve = (moto(env, bucket, prefix, checkpoints, files, args.jobs, not args.moto_as_is) if args.s3_server == "moto"
+             else rgw(bucket, prefix, checkpoints, files, args.jobs))
+    with serve as endpoint:
         env["AWS_ENDPOINT_URL"] = endpoint
         cmd = f"aws s3 ls --recursive s3://{bucket}/{prefix}/ > /dev/null"
-        return compare("s3", "aws s3 ls --recursive", lambda: timed(cmd, env, shell=True)[0],
+        return compare(f"s3 on {args.s3_server}", "aws s3 ls --recursive", lambda: timed(cmd, env, shell=True)[0],
                        f"s3://{bucket}/{prefix}", env, args.repeat, objects)
 
 
@@ -365,6 +406,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--local-files-per-checkpoint", type=int, default=1_000)
     p.add_argument("--jobs", type=int, default=10, help="checkpoints are spread over this many jobs")
     p.add_argument("--repeat", type=int, default=3, help="best of N (default 3)")
+    p.add_argument("--s3-server", choices=("moto", "rgw"), default="moto",
+                   help="the S3 server of the S3 part: moto (default) or a one-node Ceph RGW (radosgw, as the tests "
+                        "start it)")
     p.add_argument("--moto-as-is", action="store_true",
                    help="run moto's listing unchanged (O(bucket) per page; about a minute per listing)")
     p.add_argument("--serve-moto", nargs=7, help=argparse.SUPPRESS)
