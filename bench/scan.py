@@ -12,7 +12,9 @@ processes (interpreter start and imports included), best of ``--repeat``:
   a one-node Ceph RGW started as the tests start it (``tests/fixtures/rgw.py``;
   needs ``radosgw ceph-mon ceph-osd ceph-common``), filled with parallel PUTs.
 * **local**: 1,000,000 files (1,000 guide-layout checkpoints x 1,000 files:
-  500 ranks x ``model.pt`` + ``optimizer.pt``, plus ``metadata.json``), built
+  500 ranks x ``model.pt`` + ``optimizer.pt``, plus ``metadata.json``; with
+  ``--layout small-dirs`` 110,000 files: 10,000 checkpoints x 5 ranks x 2
+  files, plus ``metadata.json``, 60,000 directories), built
   once under ``/tmp/ckptier-bench-scan/tree`` and reused (``--clean``
   removes it at the end). Page cache warm. Baseline:
   ``find DIR -type f > /dev/null``. Contender: ``ckptier scan DIR --json``
@@ -404,6 +406,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--s3-files-per-checkpoint", type=int, default=100)
     p.add_argument("--local-checkpoints", type=int, default=1_000)
     p.add_argument("--local-files-per-checkpoint", type=int, default=1_000)
+    p.add_argument("--layout", choices=("large-dirs", "small-dirs"), default="large-dirs",
+                   help="the local tree: large-dirs (default: 1,000 checkpoints x 1,000 files) or small-dirs "
+                        "(10,000 checkpoints x 11 files: 5 ranks x 2 files + metadata.json); sets the two "
+                        "--local-* figures")
     p.add_argument("--jobs", type=int, default=10, help="checkpoints are spread over this many jobs")
     p.add_argument("--repeat", type=int, default=3, help="best of N (default 3)")
     p.add_argument("--s3-server", choices=("moto", "rgw"), default="moto",
@@ -414,6 +420,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--serve-moto", nargs=7, help=argparse.SUPPRESS)
     p.add_argument("--clean", action="store_true", help=f"remove {TREE_ROOT} at the end")
     args = p.parse_args(argv)
+    if args.layout == "small-dirs":
+        args.local_checkpoints, args.local_files_per_checkpoint = 10_000, 10
     if args.serve_moto:
         port, bucket, prefix, checkpoints, files, jobs, mode = args.serve_moto
         serve_moto(int(port), bucket, prefix, int(checkpoints), int(files), int(jobs), mode == "fast")
