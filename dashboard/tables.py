@@ -432,7 +432,6 @@ def _copy_cells(record: CheckpointRecord) -> dict[str, Any]:
 def build_checkpoints(s: Snapshot) -> pd.DataFrame:
     """Every checkpoint of the job, tombstones included, by step."""
     policy = s.policies.get(s.job or "")
-    rules = policy.milestones if policy is not None else ()  # Policy.is_milestone, its rules read once
     rows = []
     for r in s.records:
         if s.step is not None and r.step != s.step:
@@ -447,7 +446,7 @@ def build_checkpoints(s: Snapshot) -> pd.DataFrame:
             "format": r.format.value,
             "bytes": r.bytes,
             **_copy_cells(r),
-            "milestone": any(m.is_milestone(r.step) for m in rules),
+            "milestone": policy is not None and policy.is_milestone(r.step),
             "saved_at": r.saved_at,
             "verified_at": r.verified_at,
             "missing_since": r.missing_since,

@@ -1154,12 +1154,6 @@ class S3Store:
             raise self._translate(exc, key) from exc
         return "requested" if answer.get("ResponseMetadata", {}).get("HTTPStatusCode") == 202 else "ready"
 
-    def versioning_enabled(self) -> bool:
-        """True when the bucket keeps old versions (status Enabled or Suspended),
-        so a plain delete only adds a delete marker."""
-        answer = self._call("get_bucket_versioning", None, Bucket=self.bucket)
-        return answer.get("Status") in ("Enabled", "Suspended")
-
     def canary(self, *, stale_after_s: float = STALE_CANARY_AGE_S) -> None:
         """Prove the endpoint stores and returns bytes unchanged; raise if not.
 

@@ -252,7 +252,8 @@ DEFAULT_RULES: tuple[Rule, ...] = (KeepLast(3),)
 class RunnerSettings:
     """``[runner]``: where the per-checkpoint work (verify, promote, drill fetch) runs.
 
-    ``kind`` ``threads``: a thread pool in this process (the default).
+    ``kind`` ``threads``: in this process (the default; verification reads
+    on a pool of threads, promotions and drill fetches run one by one).
     ``dask``: a Dask cluster, either a local one of ``workers`` worker
     processes started for the run, or the existing one at ``address``
     (``tcp://host:8786``). ``claim_rows``: claim catalog rows under a lease

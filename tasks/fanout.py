@@ -1,4 +1,4 @@
-"""Fan the per-checkpoint work out: a thread pool here, or a Dask cluster.
+"""Fan the per-checkpoint work out: to a Dask cluster, or to Prefect task runs.
 
 A :class:`Fanout` runs a work function over many work items and yields the
 results in input order. The operations bring their own work functions
@@ -13,9 +13,13 @@ writer of the results (unless rows are claimed: see
 :func:`ckptier.tasks.pipeline.run_verify`). A worker opens its stores
 through :func:`worker_stores`.
 
-Executors:
+Executors (:func:`open_fanout` picks one from ``[runner]``):
 
-- :class:`ThreadFanout`: threads in this process (``[runner] kind = "threads"``).
+- ``[runner] kind = "threads"`` (the default) has none: :func:`open_fanout`
+  gives None and each operation does its work in this process, without work
+  items: verification reads on :func:`ckptier.tasks.verify.verify_many`'s
+  pool of ``workers`` threads, shared by the files of every checkpoint;
+  promotions and a drill's file fetches run one after another.
 - :class:`DaskFanout`: a Dask cluster through ``distributed`` directly (the
   command line, which runs without Prefect): a local cluster of
   ``workers`` processes on 127.0.0.1, or the one at ``address``.
@@ -35,7 +39,6 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -57,7 +60,7 @@ RETRY_DELAY_S = 1.0
 class Fanout(Protocol):
     """Runs ``fn`` over ``items`` somewhere; results in input order."""
 
-    #: ``threads``, ``dask`` or ``prefect-threads``/``prefect-dask``: for reports.
+    #: ``dask`` or ``prefect-threads``/``prefect-dask``: for reports.
     name: str
     #: How many items run at once (a batching hint).
     parallelism: int
@@ -92,26 +95,6 @@ def retrying(fn: Callable[[T], R], item: T, *, attempts: int = ATTEMPTS, delay: 
                 raise
             time.sleep(delay * 2 ** (n - 1))
     raise AssertionError("unreachable")  # pragma: no cover
-
-
-class ThreadFanout:
-    """A pool of ``workers`` threads in this process."""
-
-    name = "threads"
-
-    def __init__(self, workers: int = 4) -> None:
-        if workers < 1:
-            raise ConfigError(f"runner workers = {workers}: must be at least 1, e.g. workers = 4")
-        self.parallelism = workers
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptier-fanout")
-
-    def map(self, fn: Callable[[T], R], items: Sequence[T], *, errors: bool = False) -> Iterator[Any]:
-        futures = [self._pool.submit(retrying, fn, item) for item in items]
-        for f in futures:
-            yield settle(f.result, errors)
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 class DaskFanout:
@@ -192,7 +175,8 @@ def runner_settings(base: RunnerSettings, override: str | None) -> RunnerSetting
 
 def open_fanout(settings: RunnerSettings, *, workers: int = 4) -> Fanout | None:
     """The executor ``settings`` names, outside Prefect: None for ``threads``
-    (the callers' own thread pools, today's path), a :class:`DaskFanout` for ``dask``."""
+    (each operation does its work in this process: see the module
+    docstring), a :class:`DaskFanout` for ``dask``."""
     if settings.kind == "dask":
         return DaskFanout(workers=settings.workers, address=settings.address)
     return None

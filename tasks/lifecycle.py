@@ -1,9 +1,9 @@
 """A job's retention policy as S3 bucket lifecycle rules: a backstop S3 enforces itself.
 
 Pure: builds the ``LifecycleConfiguration`` document (boto3's shape, the
-JSON ``aws s3api put-bucket-lifecycle-configuration`` takes) and says which
-objects a rule applies to, without touching a store. What S3 can enforce by
-itself, and only that:
+JSON ``aws s3api put-bucket-lifecycle-configuration`` takes) without
+touching a store; S3 itself decides which objects a rule applies to. What S3
+can enforce by itself, and only that:
 
 * **archive tiers**: archive copies under the job's archive prefix move to
   colder classes by age (the policy's ``archive_tiers``);
@@ -11,9 +11,10 @@ itself, and only that:
   under the job's hot prefix that carry the tag
   ``ckptier:retention = delete`` (:data:`DELETE_TAG`) expire. ckptier sets
   that tag only on the files of checkpoints its plan deletes
-  (:func:`deletion_targets`; ``ckptier apply`` tags them once it has
-  decided, before it deletes them), so the store never expires a checkpoint the
-  plan keeps: every expiring rule is scoped by prefix AND tag;
+  (``ckptier apply`` tags the files it is about to delete once it has
+  recorded the delete intent: :func:`ckptier.tasks.apply.tag_keys`), so the
+  store never expires a checkpoint the plan keeps: every expiring rule is
+  scoped by prefix AND tag;
 * **housekeeping** under both prefixes: noncurrent versions expire (a
   versioned bucket otherwise keeps deleted checkpoints' bytes forever),
   delete markers left without versions go, incomplete multipart uploads are
@@ -36,7 +37,7 @@ from ckptier.storage.errors import ConfigError
 from ckptier.storage.records import CheckpointRecord
 from ckptier.storage.url import parse_location, parse_url
 
-from .retention import Plan, Policy
+from .retention import Policy
 from .tiers import NEEDS_RESTORE, lifecycle_problem
 
 #: The tag ckptier puts on every hot file of a checkpoint its plan deletes
@@ -79,7 +80,7 @@ class LifecycleConfig:
         return {"Rules": [copy.deepcopy(dict(r)) for r in self.rules]}
 
 
-# ------------------------------------------------------------------ prefixes and targets
+# ------------------------------------------------------------------ the job's prefix
 
 
 def job_prefix_url(records: Sequence[CheckpointRecord]) -> str | None:
@@ -103,27 +104,6 @@ def job_prefix_url(records: Sequence[CheckpointRecord]) -> str | None:
             break
         common.append(parts[0])
     return roots.pop() + "".join(f"{p}/" for p in common)
-
-
-def hot_file_urls(record: CheckpointRecord) -> tuple[str, ...]:
-    """URLs of the checkpoint's files in the hot store (its location itself
-    for a single-file checkpoint), in the catalog's file order."""
-    loc = record.location.rstrip("/")
-    if len(record.files) == 1 and loc.rsplit("/", 1)[-1] == record.files[0].relpath:
-        return (loc,)
-    return tuple(f"{loc}/{f.relpath}" for f in record.files)
-
-
-def deletion_targets(plan: Plan, records: Sequence[CheckpointRecord]) -> dict[int, tuple[str, ...]]:
-    """For every checkpoint ``plan`` deletes (either scope), the hot file URLs
-    to tag with :data:`DELETE_TAG`, by checkpoint id. Nothing the plan keeps
-    or promotes is ever a target; archive copies never are."""
-    by_id = {r.id: r for r in records}
-    return {
-        i.checkpoint_id: hot_file_urls(by_id[i.checkpoint_id])
-        for i in plan.items
-        if i.action == "delete" and i.checkpoint_id in by_id
-    }
 
 
 # ------------------------------------------------------------------ rules
@@ -258,70 +238,3 @@ def lifecycle_for_job(
         rules.append(_housekeeping(job, "archive", archive_prefix, archive_noncurrent_days, abort_multipart_days))
         notes.append("archive copies never expire: retention never deletes them")
     return LifecycleConfig(job, bucket, hot_prefix, archive_prefix, tuple(rules), tuple(notes))
-
-
-# ------------------------------------------------------------------ S3's matching
-
-
-def rule_applies(rule: Mapping[str, Any], key: str, tags: Mapping[str, str], size: int | None = None) -> bool:
-    """Whether S3 applies ``rule`` to the object ``key`` with ``tags`` and ``size`` bytes.
-
-    Mirrors S3's documented semantics: only ``Status = Enabled`` rules act;
-    a ``Filter`` holds exactly one of ``Prefix`` (a literal, case-sensitive
-    key prefix: no wildcards; ``""`` matches every key), ``Tag`` (the object
-    has that key with exactly that value), ``ObjectSizeGreaterThan`` /
-    ``ObjectSizeLessThan`` (strict, in bytes), or ``And`` (every condition
-    it lists holds); an empty ``Filter`` matches every object; a rule with no
-    ``Filter`` uses its legacy top-level ``Prefix``. Raises ``ValueError``
-    for a malformed filter (S3 would reject the configuration).
-    """
-    if rule.get("Status") != "Enabled":
-        return False
-    if "Filter" not in rule:
-        return key.startswith(rule.get("Prefix", ""))
-    f = rule["Filter"]
-    conditions = [k for k in ("Prefix", "Tag", "ObjectSizeGreaterThan", "ObjectSizeLessThan", "And") if k in f]
-    if len(f) != len(conditions) or len(conditions) > 1:
-        raise ValueError(f"rule {rule.get('ID')!r}: a Filter holds exactly one of Prefix, Tag, ObjectSize*, And; got {sorted(f)}")
-    if not conditions:
-        return True
-    if "And" in f:
-        both = f["And"]
-        unknown = set(both) - {"Prefix", "Tags", "ObjectSizeGreaterThan", "ObjectSizeLessThan"}
-        if unknown:
-            raise ValueError(f"rule {rule.get('ID')!r}: And holds unknown keys {sorted(unknown)}")
-        return (
-            key.startswith(both.get("Prefix", ""))
-            and all(tags.get(t["Key"]) == t["Value"] for t in both.get("Tags", ()))
-            and _size_ok(both, size)
-        )
-    if "Prefix" in f:
-        return key.startswith(f["Prefix"])
-    if "Tag" in f:
-        return bool(tags.get(f["Tag"]["Key"]) == f["Tag"]["Value"])
-    return _size_ok(f, size)
-
-
-def _size_ok(f: Mapping[str, Any], size: int | None) -> bool:
-    if "ObjectSizeGreaterThan" in f and (size is None or not size > f["ObjectSizeGreaterThan"]):
-        return False
-    return not ("ObjectSizeLessThan" in f and (size is None or not size < f["ObjectSizeLessThan"]))
-
-
-def expires_current(rule: Mapping[str, Any]) -> bool:
-    """True when ``rule`` expires current object versions (``Expiration`` by
-    ``Days`` or ``Date``; ``ExpiredObjectDeleteMarker`` removes only markers)."""
-    exp = rule.get("Expiration") or {}
-    return "Days" in exp or "Date" in exp
-
-
-def matching_keys(
-    rules: Sequence[Mapping[str, Any]],
-    objects: Mapping[str, tuple[Mapping[str, str], int]],
-    *,
-    expiring_only: bool = False,
-) -> set[str]:
-    """Keys of ``objects`` (key → (tags, size)) that any of ``rules`` applies
-    to (only rules that expire current versions with ``expiring_only``)."""
-    chosen = [r for r in rules if not expiring_only or expires_current(r)]
-    return {k for k, (tags, size) in objects.items() if any(rule_applies(r, k, tags, size) for r in chosen)}

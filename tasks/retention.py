@@ -796,13 +796,9 @@ class Policy:
         return tuple(r for r in self.rules if isinstance(r, Milestones))
 
     def is_milestone(self, step: int) -> bool:
-        """True when ``step`` is itself a milestone step of some rule (see :meth:`milestone_holders`)."""
+        """True when ``step`` is itself a milestone step of some rule (:meth:`Milestones.is_milestone`);
+        which checkpoint *holds* a milestone is :meth:`Milestones.keeps`, as planning asks it."""
         return any(m.is_milestone(step) for m in self.milestones)
-
-    def milestone_holders(self, checkpoints: Sequence[CheckpointRecord], now: datetime) -> set[int]:
-        """Ids of the checkpoints of ONE job that hold (or, committed, will hold) a milestone."""
-        live = [c for c in checkpoints if c.state != State.DELETED]
-        return {cid for m in self.milestones for cid in m.keeps(live, now)}
 
 
 # ---------------------------------------------------------------------------- plan

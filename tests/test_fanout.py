@@ -21,8 +21,8 @@ from ckptier.storage.errors import ConfigError, Unavailable
 from ckptier.storage.records import FileCheck, State
 from ckptier.tasks.config import RunnerSettings, parse_config
 from ckptier.tasks.fanout import (
-    ThreadFanout,
     batches,
+    open_fanout,
     retrying,
     runner_settings,
 )
@@ -298,12 +298,14 @@ def test_dask_claims_and_threads_agree_on_the_same_catalog(dask_cluster: Any, tm
         assert all(cat.lease_holder(c.id, now=datetime.now(UTC)) is None for c in cat.checkpoints())
 
 
-def test_thread_fanout_keeps_order() -> None:
-    fan = ThreadFanout(3)
-    try:
-        assert list(fan.map(lambda x: x * x, list(range(20)))) == [x * x for x in range(20)]
-    finally:
-        fan.close()
+def test_the_threads_runner_reads_here_and_keeps_order(tmp_path: Path) -> None:
+    """``kind = "threads"`` opens no executor: verification reads on this process's
+    pool of ``workers`` threads, and its rows come in the candidates' order."""
+    assert open_fanout(RunnerSettings()) is None
+    assert open_fanout(runner_settings(RunnerSettings(kind="dask", workers=2), "threads")) is None
+    with scanned(make_tree(tmp_path / "hot", 20), f"sqlite:///{tmp_path / 'catalog.db'}") as cat:
+        report = run_verify(Run.of(cat), VerifyOptions(deep=True, workers=3))
+    assert [(r.step, r.state) for r in report.checkpoints] == [(s, "verified") for s in range(1, 21)]
 
 
 @pytest.mark.slow

@@ -1,10 +1,11 @@
 """``ckptier lifecycle``: the policy as S3 lifecycle rules.
 
-Pure tests of the rules and of the matcher that mirrors S3's documented
-filter semantics; then against a real moto_server: the configuration is
-accepted and round-trips, the delete tag lands on exactly the files the plan
-deletes, and the rules' filters match exactly those (moto stores lifecycle
-rules without enforcing them, so the matcher is what checks the filters).
+Pure tests of the rules and of the tests' model of S3's documented filter
+semantics (``tests/fixtures/s3_lifecycle.py``); then against real S3 servers
+(moto, Ceph RGW): the configuration is accepted and round-trips, the delete
+tag lands on exactly the files the plan deletes, and the rules' filters match
+exactly those (moto stores lifecycle rules without enforcing them, so the
+model is what checks the filters).
 """
 
 from __future__ import annotations
@@ -26,20 +27,14 @@ from ckptier.storage.records import (
     Tier,
 )
 from ckptier.storage.s3 import S3Store
-from ckptier.tasks.lifecycle import (
-    DELETE_TAG,
-    deletion_targets,
-    expires_current,
-    hot_file_urls,
-    job_prefix_url,
-    lifecycle_for_job,
-    matching_keys,
-    rule_applies,
-)
-from ckptier.tasks.retention import KeepLast, Milestones, Policy, plan_retention
+from ckptier.storage.base import file_key
+from ckptier.tasks.lifecycle import DELETE_TAG, job_prefix_url, lifecycle_for_job
+from ckptier.tasks.retention import KeepLast, Milestones, Plan, Policy, plan_retention
+from ckptier.tasks.run import StoreCache
 from ckptier.tasks.tiers import ArchiveTier
 
 from tests.fixtures.s3 import S3Bucket
+from tests.fixtures.s3_lifecycle import expires_current, matching_keys, rule_applies
 from tests.test_apply_faults import s3_world  # noqa: F401 - the S3 world fixture
 
 D = timedelta(days=1)
@@ -62,7 +57,21 @@ def record(id: int, step: int, location: str, relpaths: tuple[str, ...] = ("rank
     )
 
 
-# ------------------------------------------------------------------ the matcher
+def hot_keys(r: CheckpointRecord) -> tuple[str, ...]:
+    """The keys of ``r``'s hot files in its bucket, in the catalog's file order,
+    as a run names them: the location split by the run's store cache
+    (:meth:`StoreCache.for_record`, apply's ``hot_for``), then each file's key
+    (:func:`ckptier.storage.base.file_key`, what apply tags and deletes)."""
+    _, prefix = StoreCache().for_record(r)
+    return tuple(file_key(prefix, r, f.relpath) for f in r.files)
+
+
+def deleted_ids(plan: Plan) -> set[int]:
+    """Ids of the checkpoints ``plan`` deletes, either scope."""
+    return {i.checkpoint_id for i in plan.items if i.action == "delete"}
+
+
+# ------------------------------------------------------------------ the matcher (the tests' model of S3)
 
 
 RULES: dict[str, dict[str, Any]] = {
@@ -140,18 +149,17 @@ def test_job_prefix_url() -> None:
     assert job_prefix_url([]) is None
 
 
-def test_hot_file_urls_and_deletion_targets() -> None:
-    assert hot_file_urls(record(1, 1000, "s3://bkt/runs/llama/step-00001000")) == (
-        "s3://bkt/runs/llama/step-00001000/rank-0000/model.pt", "s3://bkt/runs/llama/step-00001000/metadata.json")
+def test_hot_keys_and_the_plans_deletions() -> None:
+    assert hot_keys(record(1, 1000, "s3://bkt/runs/llama/step-00001000")) == (
+        "runs/llama/step-00001000/rank-0000/model.pt", "runs/llama/step-00001000/metadata.json")
     single = record(1, 10, "s3://bkt/ckpt/epoch=0-step=10.ckpt", ("epoch=0-step=10.ckpt",))
-    assert hot_file_urls(single) == ("s3://bkt/ckpt/epoch=0-step=10.ckpt",)
+    assert hot_keys(single) == ("ckpt/epoch=0-step=10.ckpt",)
     records = _catalog()
     plan = plan_retention(records, policy(), now=NOW)
-    targets = deletion_targets(plan, records)
-    deleted = {i.checkpoint_id for i in plan.items if i.action == "delete"}
-    assert set(targets) == deleted and deleted  # exactly the plan's deletions, both scopes
+    deleted = deleted_ids(plan)
+    assert deleted and deleted <= {r.id for r in records}  # the plan deletes some, both scopes
     kept = {i.checkpoint_id for i in plan.items if i.action != "delete"}
-    assert not set(targets) & kept
+    assert not deleted & kept
     assert any(i.scope == "hot-copy" for i in plan.items if i.action == "delete")  # archived milestones' hot copies
 
 
@@ -247,8 +255,8 @@ def test_configuration_is_accepted_and_filters_match_exactly_the_tagged_files(s3
     neighbour = [record(100 + i, step, f"s3://{bkt}/runs/llama-2/step-{step:08d}", job="llama-2")
                  for i, step in enumerate((1000, 3000))]
     for r in records + neighbour:
-        for url in hot_file_urls(r):
-            c.put_object(Bucket=bkt, Key=url.removeprefix(f"s3://{bkt}/"), Body=b"x" * 50)
+        for key in hot_keys(r):
+            c.put_object(Bucket=bkt, Key=key, Body=b"x" * 50)
     archive_keys = {f"archive/llama/step-{s:08d}/{name}" for s in (1000, 2000, 5000)
                     for name in ("rank-0000/model.pt.ckz", "ckptier-manifest.json")}
     for key in archive_keys | {"archive/llama-2/step-00001000/ckptier-manifest.json"}:
@@ -257,11 +265,12 @@ def test_configuration_is_accepted_and_filters_match_exactly_the_tagged_files(s3
     # ckptier tags what its plan deletes (both scopes), in this job only
     p = Policy((KeepLast(2), Milestones(log=True)), archive=f"s3://{bkt}/archive", archive_tiers=TIERS)
     plan = plan_retention(records, p, now=NOW)
-    targets = {u.removeprefix(f"s3://{bkt}/") for urls in deletion_targets(plan, records).values() for u in urls}
+    deleted = deleted_ids(plan)
+    targets = {k for r in records if r.id in deleted for k in hot_keys(r)}
     store = S3Store(bkt, client=c)
     for key in sorted(targets):
         store.put_object_tagging(key, dict([DELETE_TAG]))
-    other_job = {u.removeprefix(f"s3://{bkt}/") for u in hot_file_urls(neighbour[0])}
+    other_job = set(hot_keys(neighbour[0]))
     for key in other_job:  # llama-2's own deletions: not this job's rule's business
         store.put_object_tagging(key, dict([DELETE_TAG]))
 
@@ -278,11 +287,9 @@ def test_configuration_is_accepted_and_filters_match_exactly_the_tagged_files(s3
     # the tag sits on exactly the files of the checkpoints the plan deletes (plus llama-2's)
     tagged = {k for k, (tags, _) in objects.items() if tags.get(DELETE_TAG[0]) == DELETE_TAG[1]}
     assert tagged == targets | other_job
-    deleted_ids = {i.checkpoint_id for i in plan.items if i.action == "delete"}
-    assert targets == {u.removeprefix(f"s3://{bkt}/") for r in records if r.id in deleted_ids for u in hot_file_urls(r)}
     # S3 would expire exactly this job's tagged files, nothing the plan keeps, nothing of llama-2
     assert matching_keys(got, objects, expiring_only=True) == targets
-    kept = {u.removeprefix(f"s3://{bkt}/") for r in records if r.id not in deleted_ids for u in hot_file_urls(r)}
+    kept = {k for r in records if r.id not in deleted for k in hot_keys(r)}
     assert kept and not kept & matching_keys(got, objects, expiring_only=True)
     # and would move exactly this job's archive objects between classes
     tiers_rule = next(r for r in got if r["ID"].endswith("archive-tiers"))
@@ -417,10 +424,10 @@ def _tagged(objects: dict[str, tuple[dict[str, str], int]], tag: tuple[str, str]
     return {k for k, (tags, _) in objects.items() if tags.get(tag[0]) == tag[1]}
 
 
-def _plan_targets(world: Any, bucket: S3Bucket) -> set[str]:
-    records = world.catalog.checkpoints()
-    targets = deletion_targets(world.plan(), records)
-    return {u.removeprefix(f"s3://{bucket.name}/") for urls in targets.values() for u in urls}
+def _plan_targets(world: Any) -> set[str]:
+    """The bucket keys of the hot files of every checkpoint the world's plan deletes."""
+    deleted = deleted_ids(world.plan())
+    return {k for r in world.catalog.checkpoints() if r.id in deleted for k in hot_keys(r)}
 
 
 @pytest.mark.s3
@@ -428,7 +435,7 @@ def test_apply_tags_exactly_what_it_deletes_before_deleting(request: pytest.Fixt
     from tests.test_apply import DELETED_STEPS
 
     w = request.getfixturevalue("s3_world")
-    targets = _plan_targets(w, s3_bucket)
+    targets = _plan_targets(w)
     assert {k.split("/")[2] for k in targets} == {f"step-{s:08d}" for s in DELETED_STEPS}
     witness = TagWitness(w.hot)
     report = w.apply(hot=witness)
@@ -442,7 +449,7 @@ def test_apply_tags_exactly_what_it_deletes_before_deleting(request: pytest.Fixt
 def test_a_run_stopped_before_deleting_leaves_the_lifecycle_rule_exactly_the_plans_deletions(
         request: pytest.FixtureRequest, s3_bucket: S3Bucket) -> None:
     w = request.getfixturevalue("s3_world")
-    targets = _plan_targets(w, s3_bucket)
+    targets = _plan_targets(w)
     report = w.apply(hot=TagWitness(w.hot, refuse_deletes=True))
     assert not report.ok and not report.deleted
     objects = _bucket_tags(s3_bucket)

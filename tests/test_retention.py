@@ -915,7 +915,9 @@ def _held_hot(policy: Policy, cs: Sequence[CheckpointRecord], drilled: dict[int,
 
 
 def _holders(policy: Policy, cs: Sequence[CheckpointRecord]) -> set[int]:
-    return {cid for job in {c.job for c in cs} for cid in policy.milestone_holders([c for c in cs if c.job == job], NOW)}
+    """Ids that hold (or, committed, will hold) a milestone: each milestone rule's
+    :meth:`Milestones.keeps` over each job's live checkpoints (planning's own question)."""
+    return _rule_kept(policy, cs, (Milestones,))
 
 
 def _rule_kept(policy: Policy, cs: Sequence[CheckpointRecord], kinds: tuple[type, ...]) -> set[int]:

@@ -233,9 +233,13 @@ def test_delete_objects_batches_never_exceed_1000(store: S3Store, client: Any) -
 
 
 def test_versioned_bucket_delete_reports_markers_only(store: S3Store, s3_bucket: S3Bucket) -> None:
-    assert store.versioning_enabled() is False
+    # A delete's own answer says whether it only added a marker (no bucket-wide
+    # GetBucketVersioning): unversioned, the object is gone, no marker...
+    store.write("v/0", b"unversioned")
+    before = store.delete_many(["v/0"])
+    assert before.deleted == ["v/0"] and before.markers_only == []
+    # ...versioned, the delete only adds a marker.
     s3_bucket.client.put_bucket_versioning(Bucket=s3_bucket.name, VersioningConfiguration={"Status": "Enabled"})
-    assert store.versioning_enabled() is True
     store.write("v/a", b"version 1")
     store.write("v/a", b"version 2")
     result = store.delete_many(["v/a"])
