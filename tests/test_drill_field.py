@@ -290,11 +290,13 @@ def test_hf_trainer_drill_retraces_the_logged_losses_and_a_wrong_data_order_fail
     trajectory = checks["trajectory"]
     assert trajectory["ok"] and trajectory["detail"].startswith("4 recorded losses of steps 3..6 retraced"), trajectory
     assert "checkpoint-4/trainer_state.json" in trajectory["detail"]  # the nearest later checkpoint first
+    logged = _logged_losses(hot / hf_run.job / "checkpoint-6")
+    # the run's random stream resumed from rng_state.pth: GPT-2's dropout masks are the run's, the losses its own
+    assert report["losses"] == pytest.approx([logged[s] for s in range(3, 7)], rel=1e-5), (report["losses"], logged)
 
     code, wrong = _hf_drill(cli, hf_run, factories, "inputs_from_one", step=2, steps=4)
     assert code == 1 and wrong["verdict"] == "failed" and wrong["trained_steps"] == [3, 6]
     assert [c["name"] for c in wrong["checks"] if not c["ok"]] == ["trajectory"], wrong["checks"]
-    logged = _logged_losses(hot / hf_run.job / "checkpoint-6")
     deviation = {s: abs(mine - logged[s]) / logged[s] for s, mine in enumerate(wrong["losses"], start=3)}
     at = max(deviation, key=deviation.__getitem__)
     assert deviation[at] > 0.02
@@ -327,3 +329,4 @@ def test_hf_trainer_drill_compares_window_means_when_logging_steps_is_2(
     means = {6: (losses[5] + losses[6]) / 2, 8: (losses[7] + losses[8]) / 2}
     worst = max(abs(means[s] - logged[s]) / logged[s] for s in means)
     assert f"largest deviation {worst:.2g};" in trajectory["detail"], (trajectory, worst)
+    assert worst < 1e-5  # the run's own dropout masks (rng_state.pth): like with like, the same numbers
