@@ -236,12 +236,15 @@ def _load_hf(path: Path, allow: Sequence[Any]) -> LoadedCheckpoint:
     optimizer = safe_torch_load(path / "optimizer.pt", extra_allowlist=allow) if (path / "optimizer.pt").is_file() else None
     state = read_json(path / "trainer_state.json") if (path / "trainer_state.json").is_file() else {}
     also: list[str] = []
+    rng_state = None
     for side in sorted([*path.glob("rng_state*.pth"), path / "scheduler.pt"]):
         if side.is_file():
-            safe_torch_load(side, extra_allowlist=allow)
+            value = safe_torch_load(side, extra_allowlist=allow)
             also.append(side.name)
+            if side.name == "rng_state.pth" and isinstance(value, dict):  # one process's (rng_state_<rank>.pth: ranks')
+                rng_state = value
     extra = dict(state)
     if (path / "config.json").is_file():
         extra["hf_config_dir"] = str(path)
     step = state.get("global_step") if isinstance(state.get("global_step"), int) else step_from_name(path)
-    return LoadedCheckpoint(model, optimizer, extra, "torch", step, _hf_recorded_loss(state), also)
+    return LoadedCheckpoint(model, optimizer, extra, "torch", step, _hf_recorded_loss(state), also, rng_state)

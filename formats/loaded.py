@@ -56,6 +56,10 @@ class LoadedCheckpoint:
     top-level scalars and hyper_parameters); ``step`` and ``recorded_loss`` are
     taken from it when present. ``also_loaded`` lists side files that were
     safely loaded to prove they restore (scheduler, RNG states).
+    ``rng_state``: the run's random-number states at the save, where the
+    format keeps them for one process (Hugging Face Trainer's
+    ``rng_state.pth``: ``python``, ``numpy``, ``cpu``...), for the drill to
+    continue the run's random stream (dropout masks); None elsewhere.
     """
 
     model_state: dict[str, torch.Tensor]
@@ -65,6 +69,7 @@ class LoadedCheckpoint:
     step: int | None = None
     recorded_loss: float | None = None
     also_loaded: list[str] = field(default_factory=list)
+    rng_state: dict[str, Any] | None = None
 
 
 def read_json(path: Path) -> dict[str, Any]:

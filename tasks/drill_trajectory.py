@@ -4,7 +4,9 @@ A drill restores step S and trains steps S+1 .. S+K. When the run recorded
 its losses for those steps, the drill's K losses must retrace them: the same
 weights, optimizer state and batches give the same losses (bit for bit on
 the same hardware, within float rounding of a different reduction order
-elsewhere). A drill on the wrong steps, a shard restored into the wrong
+elsewhere; random draws such as dropout are the run's own only where the
+checkpoint saved its random-number states, Hugging Face's ``rng_state.pth``,
+and otherwise start from the drill's seed, within the tolerance). A drill on the wrong steps, a shard restored into the wrong
 rows or an optimizer state that did not take moves them by far more.
 
 Where a run records its losses (first found wins, in this order):

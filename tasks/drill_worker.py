@@ -313,6 +313,35 @@ def _seed(seed: int) -> None:
         torch.cuda.manual_seed_all(seed)
 
 
+def resume_rng(states: Mapping[str, Any] | None) -> list[str]:
+    """Continue the run's random streams where its checkpoint saved them
+    (:attr:`~ckptier.formats.loaded.LoadedCheckpoint.rng_state`: ``python``,
+    ``numpy``, ``cpu``), over the drill's own seed: dropout draws the run's
+    masks, so a model with dropout retraces the run's losses exactly. CUDA
+    generators are left at the seed. Returns the generators resumed; a state
+    that does not fit its generator is skipped (the seed stays)."""
+    import random
+
+    resumed: list[str] = []
+    if not states:
+        return resumed
+
+    def set_numpy(state: Any) -> None:
+        import numpy
+
+        numpy.random.set_state(state)
+
+    for name, apply in (("python", random.setstate), ("numpy", set_numpy), ("cpu", torch.set_rng_state)):
+        if name not in states:
+            continue
+        try:
+            apply(states[name])
+        except (TypeError, ValueError, RuntimeError, ImportError):
+            continue
+        resumed.append(name)
+    return resumed
+
+
 def _peak_memory(device: torch.device) -> tuple[int, str]:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device)), "cuda"
@@ -559,9 +588,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def train(spec: DrillSpec, request: DrillRequest, device: torch.device, start: int, progress: _Progress) -> tuple[list[float], dict[str, Any]]:
+def train(spec: DrillSpec, request: DrillRequest, device: torch.device, start: int, progress: _Progress,
+          rng: Mapping[str, Any] | None = None) -> tuple[list[float], dict[str, Any]]:
     """K steps from the restored state, steps ``start + 1 .. start + K``, on
     the same batches as every other rank; per-step losses and measurements.
+    The random streams start from the request's seed, then from the run's
+    saved states where the checkpoint has them (``rng``, :func:`resume_rng`).
     A trainable parameter is a problem on this rank when its gradient is
     missing at every step or non-finite at some step; on every rank when it
     was zero everywhere (reduced over the ranks once, at the end)."""
@@ -569,6 +601,7 @@ def train(spec: DrillSpec, request: DrillRequest, device: torch.device, start: i
 
     progress("train")
     _seed(request.seed)
+    resume_rng(rng)
     params = [(n, p) for n, p in _inner(spec.model).named_parameters() if p.requires_grad]
     present = torch.zeros(len(params), dtype=torch.bool)
     nonzero = torch.zeros(len(params), dtype=torch.float32)
@@ -614,9 +647,9 @@ def train(spec: DrillSpec, request: DrillRequest, device: torch.device, start: i
 
 
 def _guarded_train(spec: DrillSpec, request: DrillRequest, device: torch.device, start: int,
-                   progress: _Progress) -> tuple[list[float], dict[str, Any]]:
+                   progress: _Progress, rng: Mapping[str, Any] | None = None) -> tuple[list[float], dict[str, Any]]:
     try:
-        return train(spec, request, device, start, progress)
+        return train(spec, request, device, start, progress, rng)
     except CkptierError:
         raise
     except Exception as exc:  # the user's model failing in forward/backward
@@ -652,6 +685,7 @@ def run_request(request: DrillRequest) -> WorkerResult:
             rendezvous_s = time.perf_counter() - t0
         progress("load")
         digest = None
+        rng: dict[str, Any] | None = None
         if request.layout == "sharded":
             base["parallel"] = "fsdp2"
             spec, notes, times = restore_shards(request, device, progress)
@@ -661,16 +695,17 @@ def run_request(request: DrillRequest) -> WorkerResult:
             spec, loaded, digest, times = restore_replica(request, device, progress)
             base.update(recorded_loss=loaded.recorded_loss, checkpoint_step=loaded.step,
                         optimizer_loaded=loaded.optimizer_state is not None, also_loaded=tuple(loaded.also_loaded))
+            rng = loaded.rng_state
         start = request.step if request.step is not None else (base.get("checkpoint_step") or 0)
         base.update(first_step=start, trajectory_rtol=spec.trajectory_rtol,
                     synthetic_batches=spec.synthetic_batches)
-        losses, info = _guarded_train(spec, request, device, start, progress)
+        losses, info = _guarded_train(spec, request, device, start, progress, rng)
         repeat: list[float] = []
         if request.repeat:  # a fresh restore, trained again: the two runs must agree
             del spec
             progress("load")
-            spec, _, _, times = restore_replica(request, device, progress)
-            repeat, _ = _guarded_train(spec, request, device, start, progress)
+            spec, loaded, _, times = restore_replica(request, device, progress)
+            repeat, _ = _guarded_train(spec, request, device, start, progress, loaded.rng_state)
         peak, kind = _peak_memory(device)
         progress("done")
         return WorkerResult(

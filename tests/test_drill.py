@@ -535,6 +535,27 @@ def test_real_hf_trainer_checkpoint_loads_safely(hf_run) -> None:  # type: ignor
     assert loaded.recorded_loss == pytest.approx(hf_run.steps[newest].recorded_loss)
     assert any(name.startswith("rng_state") for name in loaded.also_loaded)  # numpy RNG state via the allowlist
     assert "hf_config_dir" in loaded.extra and "transformer.wte.weight" in loaded.model_state
+    assert loaded.rng_state is not None and {"python", "numpy", "cpu"} <= set(loaded.rng_state)
+
+
+def test_resume_rng_continues_the_saved_streams_and_skips_a_state_that_does_not_fit() -> None:
+    import random
+
+    import numpy as np
+
+    from ckptier.tasks.drill_worker import resume_rng
+
+    torch.manual_seed(3)
+    saved = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.get_rng_state()}
+    expected = (random.random(), float(np.random.rand()), torch.rand(3))
+    torch.manual_seed(0)
+    assert resume_rng(saved) == ["python", "numpy", "cpu"]
+    assert (random.random(), float(np.random.rand())) == expected[:2] and torch.equal(torch.rand(3), expected[2])
+    torch.manual_seed(0)
+    seeded = torch.rand(3)
+    torch.manual_seed(0)
+    assert resume_rng({"cpu": "not a generator state", "cuda": saved["cpu"]}) == [] and resume_rng(None) == []
+    assert torch.equal(torch.rand(3), seeded)  # the seed stays
 
 
 # --- drills without a factory, end to end through the subprocess, allowlists -------------

@@ -11,6 +11,13 @@
 * A ZeRO-3 variant not restored yet (2 model-parallel ranks): ``not
   judged``, once (the drill does not walk back through the job), never
   ``failed``, and ``latest`` is unchanged.
+* Hugging Face ``transformers.Trainer`` (real runs of the tiny GPT-2): the
+  drill of an earlier checkpoint with a factory that steps as the Trainer
+  does on the run's own inputs trains the catalog's steps and retraces the
+  losses of the later checkpoints' ``trainer_state.json``; with
+  ``logging_steps=2`` each logged loss (a 2-step mean) is compared with the
+  mean of the drill's losses over the same 2 steps; the run's batches fed
+  from the first again fail ``trajectory`` at the largest deviation.
 * A factory that does not fit: one ``not judged`` ("the factory does not
   fit this job"), ``latest`` unchanged; no ``--model`` at all: a usage
   error before anything is fetched, nothing recorded.
@@ -229,3 +236,97 @@ def test_lightning_drill_retraces_the_csv_logger_losses(tmp_path: Path, cli) -> 
     assert report["trained_steps"] == [3, 5]
     trajectory = _checks(report)["trajectory"]
     assert trajectory["detail"].startswith("3 recorded losses of steps 3..5 retraced") and "metrics.csv" in trajectory["detail"]
+
+
+HF_FACTORIES = '''
+from tests.fixtures.checkpoints import hf_trainer_drill_spec
+
+
+def the_runs_inputs(metadata):
+    return hf_trainer_drill_spec(metadata, {inputs!r})
+
+
+def inputs_from_one(metadata):
+    """The run's inputs, but from its first batch again whatever the step the checkpoint was saved at."""
+    spec = hf_trainer_drill_spec(metadata, {inputs!r})
+    run_batch, start = spec.batch, metadata["step"]
+    spec.batch = lambda step, device: run_batch(step - start, device)
+    return spec
+'''
+
+
+def _logged_losses(checkpoint: Path) -> dict[int, float]:
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    return {e["step"]: e["loss"] for e in state["log_history"] if "loss" in e}
+
+
+def _hf_drill(cli, run: CheckpointRun, factories: Path, factory: str, *, step: int,  # type: ignore[no-untyped-def]  # noqa: F811
+              steps: int) -> tuple[int, dict]:  # type: ignore[type-arg]
+    code, out, err = cli("drill", "--job", run.job, "--step", str(step), "--device", "cpu",
+                         "--steps", str(steps), "--model", f"{factories}:{factory}", "--json", "--no-prefect")
+    assert out, err
+    (report,) = json.loads(out)
+    return code, report
+
+
+def test_hf_trainer_drill_retraces_the_logged_losses_and_a_wrong_data_order_fails(
+    hf_run: CheckpointRun, tmp_path: Path, cli  # type: ignore[no-untyped-def]  # noqa: F811
+) -> None:
+    """A real ``transformers.Trainer`` run (logging every step): the drill of checkpoint-2 trains steps 3..6
+    and retraces the loss each later checkpoint's ``trainer_state.json`` logged for them; a factory that
+    feeds the run's batches from the first again fails ``trajectory`` at its largest deviation."""
+    assert hf_run.inputs is not None
+    hot = tmp_path / "hot"
+    shutil.copytree(hf_run.root, hot)
+    factories = tmp_path / "hf_factories.py"
+    factories.write_text(HF_FACTORIES.format(inputs=str(hf_run.inputs)))
+    assert cli("scan", str(hot))[0] == 0 and cli("verify")[0] == 0
+
+    code, report = _hf_drill(cli, hf_run, factories, "the_runs_inputs", step=2, steps=4)
+    assert code == 0 and report["verdict"] == "passed", report["summary"]
+    assert report["step"] == 2 and report["trained_steps"] == [3, 6]
+    checks = _checks(report)
+    assert checks["optimizer_continues"]["detail"] == "step counter 2 -> 6", checks
+    trajectory = checks["trajectory"]
+    assert trajectory["ok"] and trajectory["detail"].startswith("4 recorded losses of steps 3..6 retraced"), trajectory
+    assert "checkpoint-4/trainer_state.json" in trajectory["detail"]  # the nearest later checkpoint first
+    logged = _logged_losses(hot / hf_run.job / "checkpoint-6")
+    # the run's random stream resumed from rng_state.pth: GPT-2's dropout masks are the run's, the losses its own
+    assert report["losses"] == pytest.approx([logged[s] for s in range(3, 7)], rel=1e-5), (report["losses"], logged)
+
+    code, wrong = _hf_drill(cli, hf_run, factories, "inputs_from_one", step=2, steps=4)
+    assert code == 1 and wrong["verdict"] == "failed" and wrong["trained_steps"] == [3, 6]
+    assert [c["name"] for c in wrong["checks"] if not c["ok"]] == ["trajectory"], wrong["checks"]
+    deviation = {s: abs(mine - logged[s]) / logged[s] for s, mine in enumerate(wrong["losses"], start=3)}
+    at = max(deviation, key=deviation.__getitem__)
+    assert deviation[at] > 0.02
+    assert _checks(wrong)["trajectory"]["detail"].startswith(
+        f"the drill does not retrace the run: at step {at} the loss is {wrong['losses'][at - 3]:.6g}, "
+        f"the run recorded {logged[at]:.6g} (relative {deviation[at]:.2g}, rtol 0.02; "), _checks(wrong)["trajectory"]
+
+
+def test_hf_trainer_drill_compares_window_means_when_logging_steps_is_2(
+    hf_window_run: CheckpointRun, tmp_path: Path, cli  # type: ignore[no-untyped-def]  # noqa: F811
+) -> None:
+    """``logging_steps=2``, saves every 3: each logged loss is the mean of 2 steps. The drill of checkpoint-3
+    trains steps 4..8; the windows 5..6 and 7..8 are compared with the means of its own losses there, and
+    3..4 (begun before the checkpoint) not at all."""
+    assert hf_window_run.inputs is not None
+    hot = tmp_path / "hot"
+    shutil.copytree(hf_window_run.root, hot)
+    factories = tmp_path / "hf_factories.py"
+    factories.write_text(HF_FACTORIES.format(inputs=str(hf_window_run.inputs)))
+    assert cli("scan", str(hot))[0] == 0 and cli("verify")[0] == 0
+    logged = _logged_losses(hot / hf_window_run.job / "checkpoint-9")
+    assert sorted(logged) == [2, 4, 6, 8]
+
+    code, report = _hf_drill(cli, hf_window_run, factories, "the_runs_inputs", step=3, steps=5)
+    assert code == 0 and report["verdict"] == "passed", report["summary"]
+    assert report["trained_steps"] == [4, 8]
+    trajectory = _checks(report)["trajectory"]
+    assert trajectory["ok"] and trajectory["detail"].startswith("2 recorded losses of steps 4..8 retraced"), trajectory
+    losses = dict(enumerate(report["losses"], start=4))
+    means = {6: (losses[5] + losses[6]) / 2, 8: (losses[7] + losses[8]) / 2}
+    worst = max(abs(means[s] - logged[s]) / logged[s] for s in means)
+    assert f"largest deviation {worst:.2g};" in trajectory["detail"], (trajectory, worst)
+    assert worst < 1e-5  # the run's own dropout masks (rng_state.pth): like with like, the same numbers
