@@ -717,6 +717,37 @@ def test_buckets_count_in_the_policys_time_zone() -> None:
         Policy((KeepDaily(1, timezone="Europe/Berlin"),))
 
 
+def _first_scanned_today(*saved: datetime | None) -> list[CheckpointRecord]:
+    """Saves made at ``saved`` (None: no save time known, first seen 2 days ago) that the catalog first saw now."""
+    out = []
+    for i, t in enumerate(saved):
+        c = ckpt(i + 1, "run", 100 * (i + 1), t or NOW - 2 * D)
+        out.append(dataclasses.replace(c, saved_at=t, first_seen=NOW if t else NOW - 2 * D))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("rule", "saved", "expected"),
+    [
+        # a bucket old enough to be scanned for the first time today still holds its days
+        pytest.param(KeepDaily(3), (NOW - 5 * D, NOW - 4 * D, NOW - 3 * D), [100, 200, 300], id="daily-old-bucket"),
+        pytest.param(KeepDaily(1), (NOW - 5 * D, NOW - 4 * D, NOW - 3 * D), [300], id="daily-newest-day"),
+        pytest.param(KeepHourly(2), (NOW - 5 * H, NOW - 4 * H, NOW - 3 * H), [200, 300], id="hourly"),
+        pytest.param(KeepWithin(4 * D + H), (NOW - 5 * D, NOW - 4 * D, NOW - 3 * D), [200, 300], id="within"),
+        # without a save time, when the catalog first saw it (2 days ago)
+        pytest.param(KeepWithin(D), (NOW - 5 * D, None), [], id="within-first-seen"),
+        pytest.param(KeepWithin(3 * D), (NOW - 5 * D, None), [200], id="within-first-seen-inside"),
+        pytest.param(KeepDaily(3), (NOW - 5 * D, None, NOW - 3 * D), [100, 200, 300], id="daily-first-seen"),
+    ],
+)
+def test_rules_count_a_save_at_its_save_time_not_when_first_seen(
+    rule: object, saved: tuple[datetime | None, ...], expected: list[int]
+) -> None:
+    """``saved_at`` (the newest file's mtime) dates a checkpoint, else ``first_seen``: a first scan of old saves
+    must not put them all in today."""
+    assert _kept_steps(rule, _first_scanned_today(*saved)) == expected
+
+
 def test_keep_within_months_counts_back_on_the_calendar() -> None:
     now = datetime(2024, 3, 31, 12, tzinfo=UTC)
     cs = _at(datetime(2024, 2, 29, 11, tzinfo=UTC), datetime(2024, 2, 29, 12, tzinfo=UTC), datetime(2023, 3, 31, 12, tzinfo=UTC))

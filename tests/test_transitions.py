@@ -118,6 +118,43 @@ def test_scan_reasons_name_the_missing_files_and_the_deadline() -> None:
     assert "corrupt if still so at 2026-03-01T13:50:00+00:00 (grace 2h)" in (reason or "")
 
 
+def _young_reason(*short: Shortfall) -> str:
+    verdict = completeness(short, saved_at=YOUNG, first_seen=OLD, now=NOW, grace=GRACE)
+    assert verdict is not None and verdict[0] == State.INCOMPLETE
+    return verdict[1]
+
+
+#: The reason a rescan writes for a young save that lacks ABSENT and SHORT.
+BOTH_YOUNG = _young_reason(ABSENT, SHORT)
+
+
+@pytest.mark.parametrize(
+    ("old", "s", "state", "reason"),
+    [
+        # a corrupt checkpoint keeps its evidence: a shortfall found now does not replace why it is corrupt
+        pytest.param(row(State.CORRUPT, "rank-0000/model.pt: sha256 mismatch"), seen(short=(ABSENT,)),
+                     State.CORRUPT, "rank-0000/model.pt: sha256 mismatch", id="corrupt-keeps-evidence"),
+        pytest.param(row(State.CORRUPT, "rank-0000/model.pt: sha256 mismatch", saved=YOUNG),
+                     seen(short=(ABSENT,), saved=YOUNG), State.CORRUPT, "rank-0000/model.pt: sha256 mismatch",
+                     id="corrupt-young-shortfall-keeps-evidence"),
+        # an incomplete one's reason follows what is still short
+        pytest.param(row(State.INCOMPLETE, "1 file(s) that metadata.json requires not present yet: an older list",
+                         saved=YOUNG), seen(short=(ABSENT, SHORT), saved=YOUNG),
+                     State.INCOMPLETE, BOTH_YOUNG, id="incomplete-refreshes-shortfalls"),
+        pytest.param(row(State.INCOMPLETE, BOTH_YOUNG, saved=YOUNG),
+                     seen(short=(ABSENT, SHORT), saved=YOUNG), State.INCOMPLETE,
+                     BOTH_YOUNG, id="incomplete-same-shortfalls"),
+        # committed with a young shortfall: incomplete, naming it
+        pytest.param(row(State.COMMITTED, "evidence"), seen(short=(ABSENT, SHORT), saved=YOUNG), State.INCOMPLETE,
+                     BOTH_YOUNG, id="committed-to-incomplete"),
+    ],
+)
+def test_scan_reasons_kept_or_refreshed(old: Row, s: Seen, state: State, reason: str | None) -> None:
+    assert "2 file(s)" in BOTH_YOUNG
+    got = on_scan(old, s, label="j step 1", location="file:///x/j/step-1", now=NOW, grace=GRACE)
+    assert (got.state, got.reason) == (state, reason)
+
+
 def test_a_young_shortfall_rescanned_writes_the_same_reason() -> None:
     """The reason does not move with the clock, so an unchanged rescan changes nothing."""
     first = on_scan(row(State.COMMITTED), seen(short=(ABSENT,), saved=YOUNG), label="j", location="x", now=NOW,
@@ -253,10 +290,10 @@ def test_verification_refuses_unknown_files_and_statuses() -> None:
 
 
 def rec(step: int, state: State = State.VERIFIED, *, drill: DrillOutcome | None = None,
-        copy_state: str = "present") -> CheckpointRecord:
+        copy_state: str = "present", saved: datetime | None = OLD, first_seen: datetime = OLD) -> CheckpointRecord:
     return CheckpointRecord(
         id=step, job="j", step=step, format=Format.GUIDE, state=state, location=f"file:///j/{step}", bytes=1,
-        saved_at=OLD, first_seen=OLD, last_seen=OLD, missing_since=None,
+        saved_at=saved, first_seen=first_seen, last_seen=OLD, missing_since=None,
         verified_at=NOW - timedelta(hours=step) if state == State.VERIFIED else None, state_reason=None,
         copies=(CopyRecord(Tier.HOT, f"file:///j/{step}", copy_state, 1, None),), last_drill=drill,
     )
@@ -276,6 +313,11 @@ FAILED = DrillOutcome(False, NOW - timedelta(minutes=1), "load: unexpected key '
         (rec(5, State.COMMITTED, drill=PASSED), Proof.COMMITTED, OLD),  # files changed since the drill
         (rec(6, State.CORRUPT), None, None),
         (rec(7, State.INCOMPLETE), None, None),
+        # committed since the save, not since the catalog first saw it (a first scan of old saves)
+        pytest.param(rec(8, State.COMMITTED, saved=OLD, first_seen=YOUNG), Proof.COMMITTED, OLD,
+                     id="committed-since-saved"),
+        pytest.param(rec(9, State.COMMITTED, saved=None, first_seen=YOUNG), Proof.COMMITTED, YOUNG,
+                     id="committed-since-first-seen-without-save-time"),
     ],
 )
 def test_proof_levels(record: CheckpointRecord, proof: Proof | None, at: datetime | None) -> None:
