@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 
@@ -19,10 +22,13 @@ from ckptier.storage.records import (
 )
 from ckptier.storage.base import ObjectInfo
 from ckptier.storage.transitions import (
+    DEFAULT_GRACE,
+    MTIME_TOLERANCE,
     Change,
     Proof,
     Row,
     Seen,
+    Transition,
     completeness,
     discovered,
     file_change,
@@ -50,6 +56,10 @@ def row(state: State, reason: str | None = "r", *, saved: datetime | None = OLD,
 def seen(committed: bool = True, *, short: tuple[Shortfall, ...] = (), saved: datetime | None = OLD,
          changed: tuple[str, ...] = (), gone: tuple[str, ...] = (), still_gone: tuple[str, ...] = ()) -> Seen:
     return Seen(committed, "evidence" if committed else "no evidence", saved, short, changed, gone, still_gone)
+
+
+def scan_t(old: Row | None, s: Seen) -> Transition:
+    return on_scan(old, s, label="j step 1", location="file:///x/j/step-1", now=NOW, grace=GRACE)
 
 
 def scan(old: Row | None, s: Seen) -> tuple[State, str | None, list[str], frozenset[str]]:
@@ -178,11 +188,28 @@ def test_scan_times() -> None:
     assert discovered("j", [1, 2, 3, 4]).message == "j: 4 new checkpoint(s), steps 1, 2, 3 (+1 more)"
 
 
-def test_incomplete_saves_forget_files_that_went_away() -> None:
-    assert on_scan(row(State.INCOMPLETE), seen(False, gone=("a",)), label="j", location="x", now=NOW,
-                   grace=GRACE).forget_gone_files
-    assert not on_scan(row(State.VERIFIED), seen(gone=("a",)), label="j", location="x", now=NOW,
-                       grace=GRACE).forget_gone_files
+@pytest.mark.parametrize(
+    ("transition", "forget"),
+    [
+        pytest.param(lambda: scan_t(row(State.INCOMPLETE), seen(False, gone=("a",))), True, id="incomplete"),
+        pytest.param(lambda: scan_t(row(State.VERIFIED), seen(gone=("a",))), False, id="verified"),
+        pytest.param(lambda: scan_t(None, seen(False)), True, id="new-incomplete"),
+        pytest.param(lambda: scan_t(None, seen()), False, id="new-committed"),
+        pytest.param(lambda: scan_t(None, seen(short=(ABSENT,), saved=YOUNG)), True, id="new-in-flight"),
+        pytest.param(lambda: on_vanished(row(State.COMMITTED), label="j", location="x", now=NOW), False,
+                     id="vanished"),
+        pytest.param(lambda: on_files_changed(row(State.VERIFIED, verified=OLD), [VANISHED], label="j"), False,
+                     id="stat"),
+    ],
+)
+def test_incomplete_saves_forget_files_that_went_away(transition: Callable[[], Transition], forget: bool) -> None:
+    """A save in flight still changes its file set: its gone files are dropped, not kept as missing."""
+    assert transition().forget_gone_files is forget
+
+
+def test_the_default_grace_is_the_documented_one() -> None:
+    """docs/retention.md: ``grace`` defaults to ``"2h"``."""
+    assert DEFAULT_GRACE == timedelta(hours=2)
 
 
 @pytest.mark.parametrize(
@@ -363,6 +390,11 @@ def info(size: int = 6000, mtime: float = 1_700_000_000.0, etag: str | None = No
     [
         (CATALOGED, info(), None),
         (CATALOGED, info(mtime=1_700_000_000.0004), None),  # within the catalog's precision
+        # exactly the tolerance apart is still within it (files dated at the epoch, as reproducible builds do)
+        pytest.param(dataclasses.replace(CATALOGED, mtime=0.0), info(mtime=MTIME_TOLERANCE), None,
+                     id="at-the-tolerance"),
+        pytest.param(dataclasses.replace(CATALOGED, mtime=0.0), info(mtime=2 * MTIME_TOLERANCE),
+                     "rank-0000/model.pt mtime 0.000 -> 0.002", id="past-the-tolerance"),
         (CATALOGED, info(size=1000), "rank-0000/model.pt size 6000 -> 1000 bytes"),  # truncated in place
         (CATALOGED, info(mtime=1_700_003_600.0), "rank-0000/model.pt mtime 1700000000.000 -> 1700003600.000"),
         (CATALOGED, None, "rank-0000/model.pt is gone"),
@@ -415,3 +447,47 @@ def test_what_a_stat_mismatch_does_to_a_state(old: Row, changes: list[Change], s
         assert t.verified_at is None and "rank-0000/model.pt" in (t.reason or "")
     if state == old.state and old.state != State.COMMITTED:
         assert (t.reason, t.verified_at) == (old.reason, old.verified_at)
+
+
+# -- how much an event's data names -------------------------------------------------------
+
+MANY = tuple(f"rank-{i:04d}/model.pt" for i in range(150))
+MANY_SHORT = tuple(Shortfall(name, "metadata.json") for name in MANY)
+MANY_FILES = tuple(fr(name) for name in MANY)
+
+
+def _scan_data(old: Row | None, s: Seen) -> dict[str, Any]:
+    t = on_scan(old, s, label="j step 1", location="file:///x", now=NOW, grace=GRACE)
+    return dict(t.events[0].data or {})
+
+
+def _verify_data(results: list[FileCheck]) -> dict[str, Any]:
+    t = on_verification(row(State.COMMITTED), MANY_FILES, results, label="j", now=NOW, grace=GRACE).transition
+    return dict(t.events[0].data or {})
+
+
+@pytest.mark.parametrize(
+    ("data", "key", "count"),
+    [
+        pytest.param(lambda: _scan_data(None, seen(short=MANY_SHORT)), "files", 100, id="new-corrupt"),
+        pytest.param(lambda: _scan_data(row(State.COMMITTED), seen(short=MANY_SHORT)), "files", 100,
+                     id="committed-to-corrupt"),
+        pytest.param(lambda: _scan_data(row(State.VERIFIED, verified=OLD), seen(changed=MANY)), "files", 100,
+                     id="verified-changed"),
+        pytest.param(lambda: _scan_data(row(State.CORRUPT), seen(changed=MANY)), "files", 100, id="corrupt-changed"),
+        pytest.param(lambda: _scan_data(row(State.COMMITTED), seen(changed=MANY)), "files", 100,
+                     id="committed-changed"),
+        pytest.param(lambda: dict(on_files_changed(row(State.VERIFIED, verified=OLD),
+                                                   [Change(n, f"{n} is gone") for n in MANY], label="j")
+                                  .events[0].data or {}), "files", 100, id="stat-changed"),
+        pytest.param(lambda: _verify_data([fc(n, "corrupt") for n in MANY]), "bad", 100, id="verify-bad"),
+        pytest.param(lambda: _verify_data([fc(MANY[0], "corrupt"), *(fc(n, "error") for n in MANY[1:])]), "errors",
+                     100, id="verify-errors"),
+        pytest.param(lambda: _verify_data([fc(f"x{n}", "missing", short=Shortfall(f"x{n}", "metadata.json"))
+                                           for n in MANY]), "absent", 100, id="verify-absent"),
+        pytest.param(lambda: dict(discovered("j", list(range(1500))).data or {}), "steps", 1000, id="discovered"),
+    ],
+)
+def test_event_data_names_at_most_a_hundred_files(data: Callable[[], dict[str, Any]], key: str, count: int) -> None:
+    """Events name the first 100 files (1,000 steps), whatever the size of the checkpoint."""
+    assert len(data()[key]) == count
