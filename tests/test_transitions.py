@@ -174,6 +174,33 @@ def test_a_young_shortfall_rescanned_writes_the_same_reason() -> None:
     assert later.state == State.INCOMPLETE and later.reason == first.reason and later.events == ()
 
 
+@pytest.mark.parametrize(
+    ("grace", "shown"),
+    [
+        pytest.param(timedelta(days=1), "1d", id="days"),
+        pytest.param(timedelta(hours=2), "2h", id="hours"),
+        pytest.param(timedelta(minutes=2), "2m", id="minutes"),
+        pytest.param(timedelta(seconds=90), "90s", id="seconds"),
+        pytest.param(timedelta(hours=25), "25h", id="hours-past-a-day"),
+    ],
+)
+def test_the_reason_names_the_grace_in_its_largest_whole_unit(grace: timedelta, shown: str) -> None:
+    verdict = completeness((ABSENT,), saved_at=NOW, first_seen=OLD, now=NOW, grace=grace)
+    assert verdict is not None and verdict[1].endswith(f"(grace {shown})")
+
+
+@pytest.mark.parametrize(
+    ("steps", "message"),
+    [
+        pytest.param([7], "j: 1 new checkpoint(s), steps 7", id="one"),
+        pytest.param([1, 2, 3], "j: 3 new checkpoint(s), steps 1, 2, 3", id="three-named-none-more"),
+        pytest.param([1, 2, 3, 4, 5], "j: 5 new checkpoint(s), steps 1, 2, 3 (+2 more)", id="five"),
+    ],
+)
+def test_messages_name_three_and_count_the_rest(steps: list[int], message: str) -> None:
+    assert discovered("j", steps).message == message
+
+
 def test_scan_times() -> None:
     changed = on_scan(row(State.VERIFIED, verified=OLD), seen(changed=("a",)), label="j", location="x", now=NOW,
                       grace=GRACE)
@@ -278,6 +305,21 @@ def test_verification_results(state: State, results: list[FileCheck], expected: 
     got, got_reason, events = verify(state, results)
     assert got == expected and reason in (got_reason or "")
     assert events == ([] if got == state else [expected.value])
+
+
+@pytest.mark.parametrize(
+    ("results", "reason"),
+    [
+        pytest.param([fc("a", "corrupt", "crc64nvme X, recorded Y"), fc("b", "ok")], "a: crc64nvme X, recorded Y",
+                     id="one-bad"),
+        pytest.param([fc("a", "missing"), fc("b", "corrupt", "truncated")], "a: missing (+1 more bad files)",
+                     id="two-bad"),
+        pytest.param([fc("b", "corrupt", "truncated"), fc("a", "missing")], "b: truncated (+1 more bad files)",
+                     id="two-bad-the-first-named"),
+    ],
+)
+def test_a_corrupt_verdict_names_the_first_bad_file_and_counts_the_rest(results: list[FileCheck], reason: str) -> None:
+    assert verify(State.VERIFIED, results)[:2] == (State.CORRUPT, reason)
 
 
 def test_a_young_checkpoint_with_absent_listed_files_is_incomplete_not_corrupt() -> None:
