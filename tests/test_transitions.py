@@ -201,6 +201,21 @@ def test_messages_name_three_and_count_the_rest(steps: list[int], message: str) 
     assert discovered("j", steps).message == message
 
 
+@pytest.mark.parametrize(
+    ("old", "s"),
+    [
+        pytest.param(row(State.INCOMPLETE, BOTH_YOUNG, saved=YOUNG, verified=OLD), seen(short=(ABSENT, SHORT), saved=YOUNG),
+                     id="incomplete-same-shortfalls"),
+        pytest.param(row(State.CORRUPT, "bytes", verified=OLD), seen(short=(ABSENT,)), id="corrupt-shortfall"),
+        pytest.param(row(State.VERIFIED, verified=OLD), seen(), id="verified"),
+        pytest.param(row(State.COMMITTED), seen(), id="committed"),
+    ],
+)
+def test_a_rescan_that_finds_the_same_thing_writes_nothing(old: Row, s: Seen) -> None:
+    t = scan_t(old, s)
+    assert (t.state, t.reason, t.verified_at, t.events) == (old.state, old.reason, old.verified_at, ())
+
+
 def test_scan_times() -> None:
     changed = on_scan(row(State.VERIFIED, verified=OLD), seen(changed=("a",)), label="j", location="x", now=NOW,
                       grace=GRACE)
