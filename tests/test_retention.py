@@ -16,7 +16,7 @@ import json
 import math
 import os
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta, UTC
 from pathlib import Path
 
@@ -579,6 +579,70 @@ def test_rule_validation() -> None:
         Policy((KeepLast(1),), max_missing_fraction=1.5)
     with pytest.raises(ConfigError):
         Policy((KeepLast(1),), hot_after_archive="drop")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        pytest.param(lambda: KeepLast(-1), "keep_last = -1: must be ≥ 0, e.g. keep_last = 3", id="keep_last"),
+        pytest.param(lambda: KeepHourly(-1), "keep_hourly = -1: must be ≥ 0, e.g. keep_hourly = 24", id="keep_hourly"),
+        pytest.param(lambda: KeepDaily(-1), "keep_daily = -1: must be ≥ 0, e.g. keep_daily = 7", id="keep_daily"),
+        pytest.param(lambda: KeepWeekly(-1), "keep_weekly = -1: must be ≥ 0, e.g. keep_weekly = 4", id="keep_weekly"),
+        pytest.param(lambda: KeepMonthly(-1), "keep_monthly = -1: must be ≥ 0, e.g. keep_monthly = 12",
+                     id="keep_monthly"),
+        pytest.param(lambda: KeepYearly(-1), "keep_yearly = -1: must be ≥ 0, e.g. keep_yearly = 5", id="keep_yearly"),
+        pytest.param(lambda: Milestones(), "give exactly one of log, every_n_steps, every or steps (got 0)",
+                     id="milestones-none"),
+        pytest.param(lambda: Milestones(log=True, every=10), "(got 2)", id="milestones-two"),
+        pytest.param(lambda: Milestones(every=0), "milestones every_n_steps = 0: must be > 0", id="every-zero"),
+        pytest.param(lambda: Milestones(interval=timedelta(milliseconds=500)), "must be at least 1s",
+                     id="interval-under-a-second"),
+        pytest.param(lambda: Milestones(interval=H, match="exact"), "remove milestone_match = \"exact\"",
+                     id="interval-exact"),
+        pytest.param(lambda: Milestones(every=10, max_to_keep=0), "milestones max_to_keep = 0: must be ≥ 1",
+                     id="max_to_keep-zero"),
+        pytest.param(lambda: Milestones(every=10, max_to_keep=True), "milestones max_to_keep = True: must be ≥ 1",
+                     id="max_to_keep-bool"),
+        pytest.param(lambda: Milestones(steps=(5, -1)), "milestones steps [5, -1]: steps must be ≥ 0",
+                     id="negative-step"),
+        pytest.param(lambda: Milestones(log=True, match="near"), "milestone_match = 'near'", id="match"),  # type: ignore[arg-type]
+        pytest.param(lambda: Policy((KeepLast(0),)), "keeps nothing", id="keeps-nothing"),
+        pytest.param(lambda: Policy((KeepLast(1),), min_verified=-1), "min_verified = -1: must be ≥ 0", id="min_verified"),
+        pytest.param(lambda: Policy((KeepLast(1),), grace=-H), "must be ≥ 0, e.g. '2h'", id="grace"),
+        pytest.param(lambda: Policy((KeepLast(1),), max_missing_fraction=-0.1), "must be between 0 and 1",
+                     id="fraction-below"),
+        pytest.param(lambda: Policy((KeepLast(1),), max_missing_fraction=1.5), "must be between 0 and 1",
+                     id="fraction-above"),
+        pytest.param(lambda: Policy((KeepLast(1),), min_drilled=-1), "min_drilled = -1: must be ≥ 0", id="min_drilled"),
+        pytest.param(lambda: Policy((KeepLast(1),), archive_after=timedelta(0)), "must be longer than zero",
+                     id="archive_after"),
+        pytest.param(lambda: Policy((KeepLast(1),), archive_when="later"), "archive_when = 'later'",  # type: ignore[arg-type]
+                     id="archive_when"),
+    ],
+)
+def test_rule_validation_messages(make: Callable[[], object], message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        make()
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda: KeepLast(0), id="keep_last-0"),
+        pytest.param(lambda: Milestones(interval=timedelta(seconds=1)), id="interval-1s"),
+        pytest.param(lambda: Milestones(every=1, max_to_keep=1), id="max_to_keep-1"),
+        pytest.param(lambda: Milestones(steps=(0,)), id="step-0"),
+        pytest.param(lambda: Milestones(log=True, match="exact"), id="log-exact"),
+        pytest.param(lambda: Policy((KeepLast(1),), min_verified=0, grace=timedelta(0), min_drilled=0), id="zeros"),
+        pytest.param(lambda: Policy((KeepLast(1),), max_missing_fraction=0.0), id="fraction-0"),
+        pytest.param(lambda: Policy((KeepLast(1),), max_missing_fraction=1.0), id="fraction-1"),
+        pytest.param(lambda: Policy((KeepLast(1),), archive_when="leaving_hot", archive_after=timedelta(seconds=1)),
+                     id="archive-settings"),
+    ],
+)
+def test_rule_validation_edges_are_allowed(make: Callable[[], object]) -> None:
+    assert make() is not None
 
 
 def test_new_rule_strings_are_readable() -> None:
