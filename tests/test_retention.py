@@ -645,6 +645,31 @@ def test_rule_validation_edges_are_allowed(make: Callable[[], object]) -> None:
     assert make() is not None
 
 
+@pytest.mark.parametrize(
+    ("rule", "lo", "hi", "held"),
+    [
+        pytest.param(Milestones(every=10), 5, 25, (10, 20, 2), id="every"),
+        pytest.param(Milestones(every=10), 10, 20, (20, 20, 1), id="every-lo-excluded-hi-included"),
+        pytest.param(Milestones(every=10), 11, 19, None, id="every-none-between"),
+        pytest.param(Milestones(every=10), -1, 0, (0, 0, 1), id="every-step-zero"),
+        pytest.param(Milestones(every=10), 0, 0, None, id="every-empty-range-at-zero"),
+        pytest.param(Milestones(every=10), 5, 0, None, id="every-reversed-to-zero"),
+        pytest.param(Milestones(every=10), -20, -5, None, id="every-negative"),
+        pytest.param(Milestones(every=10), -1, 10, (10, 10, 1), id="every-from-before-zero"),
+        pytest.param(Milestones(log=True), 0, 100, (1, 100, 7), id="log"),
+        pytest.param(Milestones(log=True), 2, 4, None, id="log-none-between"),
+        pytest.param(Milestones(log=True), 1, 2, (2, 2, 1), id="log-one"),
+        pytest.param(Milestones(log=True), 100, 50, None, id="log-reversed"),
+        pytest.param(Milestones(steps=(30, 10, 20, 10)), 10, 30, (20, 30, 2), id="steps"),
+        pytest.param(Milestones(steps=(30, 10, 20, 10)), -1, 10, (10, 10, 1), id="steps-first"),
+        pytest.param(Milestones(interval=H), 0, 100, None, id="interval-has-no-steps"),
+    ],
+)
+def test_milestones_between(rule: Milestones, lo: int, hi: int, held: tuple[int, int, int] | None) -> None:
+    """``between(lo, hi)``: the milestone steps M with lo < M <= hi, as (smallest, largest, count)."""
+    assert rule.between(lo, hi) == held
+
+
 def test_new_rule_strings_are_readable() -> None:
     assert str(KeepHourly(24)) == "keep_hourly 24" and str(KeepMonthly(12)) == "keep_monthly 12"
     assert str(KeepYearly(5, timezone="Europe/Berlin")) == "keep_yearly 5"
