@@ -126,9 +126,12 @@ TARGETS: dict[str, Target] = {
     ),
 }
 
-#: (file, function, mutation) -> why no test can kill it. Keep it short and honest:
-#: a mutant that changes what any caller could observe is not equivalent.
-EQUIVALENT: dict[tuple[str, str, str], str] = {
+#: (file, function, the line's text, mutation) -> why no test can kill it. Keep it short
+#: and honest: a mutant that changes what any caller could observe is not equivalent.
+EQUIVALENT: dict[tuple[str, str, str, str], str] = {
+    ("tasks/retention.py", "Milestones._at_or_after_keeps", "held_up_to = -1  # every milestone at or below this "
+     "step has its holder", "int+1: `1` -> `(2)`"):
+        "held_up_to -2 for -1: between(lo, hi) answers the same for every lo < 0 (max(lo, 0), bisection, hi < 0)",
 }
 
 
@@ -148,10 +151,12 @@ class Mutant:
     original: str
     replacement: str
     what: str
+    context: str  # the source line the mutant is on, stripped
 
     @property
-    def key(self) -> tuple[str, str, str]:
-        return self.path, self.function, self.what
+    def key(self) -> tuple[str, str, str, str]:
+        """How :data:`EQUIVALENT` names it: file, function, its line's text, the mutation."""
+        return self.path, self.function, self.context, self.what
 
     def __str__(self) -> str:
         return f"{self.path}:{self.line} ({self.function}) {self.what}"
@@ -282,7 +287,8 @@ class _Collector(ast.NodeVisitor):
         what = f"{label}: `{_short(original)}` -> `{_short(replacement)}`"
         assert node.end_lineno is not None and node.end_col_offset is not None
         self.mutants.append(Mutant(self.path, self.function, node.lineno, node.col_offset, node.end_lineno,
-                                   node.end_col_offset, original, replacement, what))
+                                   node.end_col_offset, original, replacement, what,
+                                   self.lines[node.lineno - 1].strip()))
 
 
 def mutants_of(target: Target, root: Path = ROOT) -> list[Mutant]:

@@ -883,6 +883,36 @@ def test_max_to_keep_holds_the_newest_milestones_only() -> None:
     assert {i.step for i in plan.by_action("promote")} == {5000, 6000}
 
 
+def _passed_over(n: int) -> list[CheckpointRecord]:
+    """``n`` corrupt saves at steps 1000, 1001, ... (a minute apart from 00:10), then a verified one."""
+    t = datetime(2024, 5, 20, 0, 10, tzinfo=UTC)
+    return [ckpt(i + 1, "run", 1000 + i, t + i * timedelta(minutes=1), State.CORRUPT if i < n else State.VERIFIED)
+            for i in range(n + 1)]
+
+
+def _three(n: int) -> str:
+    return "; ".join(f"step {1000 + i} is corrupt" for i in range(min(n, 3)))
+
+
+@pytest.mark.parametrize(
+    ("rule", "n", "ending"),
+    [
+        pytest.param(Milestones(every=1000), 1, "step 1001 (step 1000 is corrupt)", id="every-one"),
+        pytest.param(Milestones(every=1000), 3, f"step 1003 ({_three(3)})", id="every-three"),
+        pytest.param(Milestones(every=1000), 4, f"step 1004 ({_three(4)} (+1 more))", id="every-four"),
+        pytest.param(Milestones(every=1000), 6, f"step 1006 ({_three(6)} (+3 more))", id="every-six"),
+        pytest.param(Milestones(interval=6 * H), 1, "step 1001 (step 1000 is corrupt)", id="interval-one"),
+        pytest.param(Milestones(interval=6 * H), 3, f"step 1003 ({_three(3)})", id="interval-three"),
+        pytest.param(Milestones(interval=6 * H), 4, f"step 1004 ({_three(4)} (+1 more))", id="interval-four"),
+        pytest.param(Milestones(interval=6 * H), 6, f"step 1006 ({_three(6)} (+3 more))", id="interval-six"),
+    ],
+)
+def test_a_holder_names_three_saves_passed_over_and_counts_the_rest(rule: Milestones, n: int, ending: str) -> None:
+    cs = _passed_over(n)
+    kept = rule.keeps(cs, NOW)
+    assert list(kept) == [cs[-1].id] and kept[cs[-1].id].endswith(ending)
+
+
 def test_interval_milestones_keep_the_first_save_of_each_interval() -> None:
     t = datetime(2024, 5, 20, 0, 10, tzinfo=UTC)
     cs = _at(t, t + H, t + 5 * H, t + 6 * H, t + 13 * H)  # 00:10 01:10 05:10 | 06:10 | 13:10
