@@ -132,6 +132,12 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
     ("tasks/retention.py", "Milestones._at_or_after_keeps", "held_up_to = -1  # every milestone at or below this "
      "step has its holder", "int+1: `1` -> `(2)`"):
         "held_up_to -2 for -1: between(lo, hi) answers the same for every lo < 0 (max(lo, 0), bisection, hi < 0)",
+    ("tasks/retention.py", "Milestones.cadence_warning", "if len(steps) < 2:", "int-1: `2` -> `(1)`"):
+        "one step leaves the gcd d = 0, and `d <= 1` answers None as `len(steps) < 2` did",
+    ("tasks/retention.py", "Milestones.cadence_warning", "r = steps[0] % d", "int+1: `0` -> `(1)`"):
+        "d divides every gap between steps, so every step has the same residue mod d",
+    ("tasks/retention.py", "Milestones.cadence_warning", "r = steps[0] % d", "int-1: `0` -> `(-1)`"):
+        "d divides every gap between steps, so every step has the same residue mod d",
 }
 
 

@@ -401,6 +401,39 @@ def test_exact_match_warns_when_the_first_milestone_on_a_save_is_beyond_the_run(
     assert _holding(steps) == {3600}
 
 
+FIX = 'use milestone_match = "at_or_after" (the default) to keep the first save at or after each'
+LOG_EXACT = Milestones(log=True, match="exact")
+
+
+@pytest.mark.parametrize(
+    ("rule", "steps", "warning"),
+    [
+        pytest.param(Milestones(every=1000), [1200], None, id="one-save"),
+        pytest.param(Milestones(every=1000), [1200, 2400],
+                     "milestones every 1000 steps: saves come every 1200 steps, so every save holds a milestone and "
+                     "none is ever deleted; set every_n_steps above 1200", id="two-saves"),
+        pytest.param(Milestones(every=1000), [1000, 2200],
+                     "milestones every 1000 steps: saves come every 1200 steps (at step 1000 mod 1200), so every "
+                     "save holds a milestone and none is ever deleted; set every_n_steps above 1200",
+                     id="cadence-from-the-gaps"),
+        pytest.param(Milestones(every=1), [5, 6, 7], None, id="every-step-is-no-cadence"),
+        pytest.param(Milestones(every=1), [5, 6, 8], None, id="irregular"),
+        # the first step of the 1-2-5 series on a save is looked for up to step 10^18
+        pytest.param(LOG_EXACT, [4, 47, 90],
+                     "milestones log (1-2-5 series) (exact match): saves come every 43 steps (at step 4 mod 43), so "
+                     "4 of the 4 milestones from step 4 to 90 can never be kept (the first that can is step "
+                     f"{10**18}); {FIX}", id="log-first-at-10^18"),
+        pytest.param(LOG_EXACT, [44, 93, 142],
+                     "milestones log (1-2-5 series) (exact match): saves come every 49 steps (at step 44 mod 49) and "
+                     f"no step of the 1-2-5 series falls on a save, so no milestone is ever kept; {FIX}",
+                     id="log-first-past-10^18"),
+    ],
+)
+def test_cadence_warnings(rule: Milestones, steps: list[int], warning: str | None) -> None:
+    cs = [ckpt(i + 1, "run", step, NOW - H) for i, step in enumerate(steps)]
+    assert rule.cadence_warning(cs) == warning
+
+
 def test_milestones_denser_than_the_saves_warn_that_everything_is_kept() -> None:
     plan = plan_retention(_saves("run", 1200, 10), Policy((KeepLast(1), Milestones(every=1000)), archive=ARCH), now=NOW)
     assert _holding(plan) == {1200 * i for i in range(1, 11)}
