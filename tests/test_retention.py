@@ -427,6 +427,18 @@ LOG_EXACT = Milestones(log=True, match="exact")
                      "milestones log (1-2-5 series) (exact match): saves come every 49 steps (at step 44 mod 49) and "
                      f"no step of the 1-2-5 series falls on a save, so no milestone is ever kept; {FIX}",
                      id="log-first-past-10^18"),
+        # explicit steps: the first five named, the rest counted
+        pytest.param(Milestones(steps=(2500, 3600), match="exact"), [1200, 2400, 3600],
+                     "milestones at steps 2500, 3600 (exact match): saves come every 1200 steps, so milestone step "
+                     f"2500 never falls on a save; {FIX}", id="steps-one-never"),
+        pytest.param(Milestones(steps=(100, 200, 300, 400, 500), match="exact"), [1200, 2400, 3600],
+                     "milestones at steps 100, 200, 300, 400, 500 (exact match): saves come every 1200 steps, so "
+                     f"milestone steps 100, 200, 300, 400, 500 never fall on a save; {FIX}", id="steps-five-never"),
+        pytest.param(Milestones(steps=(100, 200, 300, 400, 500, 600), match="exact"), [1200, 2400, 3600],
+                     "milestones at steps 100, 200, 300, 400, 500, 600 (exact match): saves come every 1200 steps, so "
+                     f"milestone steps 100, 200, 300, 400, 500 (+1 more) never fall on a save; {FIX}",
+                     id="steps-six-never"),
+        pytest.param(Milestones(steps=(1200, 3600), match="exact"), [1200, 2400, 3600], None, id="steps-all-on-saves"),
     ],
 )
 def test_cadence_warnings(rule: Milestones, steps: list[int], warning: str | None) -> None:
