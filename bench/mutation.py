@@ -510,12 +510,15 @@ def run_module(name: str, args: argparse.Namespace) -> dict[str, object]:
                 free.append(r)
 
         start = time.monotonic()
-        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        pool = ThreadPoolExecutor(max_workers=args.jobs)
+        try:
             for i, o in enumerate(pool.map(one, to_run), 1):
                 outcomes.append(o)
                 if args.verbose or o.status not in ("killed",):
                     retried = f"  [{o.detail}]" if o.detail.startswith("timed out") else ""
                     print(f"   [{i}/{len(to_run)}] {o.status:8} {o.seconds:5.1f} s  {o.mutant}{retried}", flush=True)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)  # Ctrl-C: the mutants not started are not run
         elapsed = time.monotonic() - start
     finally:
         for r in runners:
