@@ -663,6 +663,15 @@ def test_rule_validation() -> None:
                      id="archive_after"),
         pytest.param(lambda: Policy((KeepLast(1),), archive_when="later"), "archive_when = 'later'",  # type: ignore[arg-type]
                      id="archive_when"),
+        pytest.param(lambda: KeepBest(" ", "min", 1), "keep_best metric = ' ': name the metric", id="best-metric"),
+        pytest.param(lambda: KeepBest("loss", "low", 1), "keep_best mode = 'low'", id="best-mode"),  # type: ignore[arg-type]
+        pytest.param(lambda: KeepBest("loss", "min", 0), "keep_best n = 0: must be a whole number ≥ 1", id="best-n-0"),
+        pytest.param(lambda: KeepBest("loss", "min", True), "keep_best n = True", id="best-n-bool"),
+        pytest.param(lambda: Policy((Pinned(()),)), "keeps nothing", id="pinned-nothing"),
+        pytest.param(lambda: Policy((KeepWithin(Span(1), timezone="Europe/Berlin"),)),
+                     "rule keep_within 1mo counts in Europe/Berlin, the policy in timezone UTC", id="within-months-zone"),
+        pytest.param(lambda: Policy((Milestones(interval=H, timezone="Europe/Berlin"),)),
+                     "counts in Europe/Berlin, the policy in timezone UTC", id="interval-zone"),
     ],
 )
 def test_rule_validation_messages(make: Callable[[], object], message: str) -> None:
@@ -684,6 +693,11 @@ def test_rule_validation_messages(make: Callable[[], object], message: str) -> N
         pytest.param(lambda: Policy((KeepLast(1),), max_missing_fraction=1.0), id="fraction-1"),
         pytest.param(lambda: Policy((KeepLast(1),), archive_when="leaving_hot", archive_after=timedelta(seconds=1)),
                      id="archive-settings"),
+        pytest.param(lambda: KeepBest("loss", "max", 1), id="best-1"),
+        pytest.param(lambda: Policy((KeepLast(0), Pinned((5,)))), id="pinned-keeps"),
+        # a rule whose decisions depend on no calendar may name another zone
+        pytest.param(lambda: Policy((KeepWithin(D, timezone="Europe/Berlin"),)), id="within-days-any-zone"),
+        pytest.param(lambda: Policy((Milestones(every=10, timezone="Europe/Berlin"),)), id="every-any-zone"),
     ],
 )
 def test_rule_validation_edges_are_allowed(make: Callable[[], object]) -> None:
@@ -801,6 +815,29 @@ def test_keep_best_warns_when_the_metric_is_missing() -> None:
     plan = plan_retention(_scored([None, None]), Policy((KeepLast(1), KeepBest("eval_los", "min", 1, False))), now=NOW)
     assert "no verified checkpoint records eval_los, so this rule keeps nothing" in plan.warnings[0]
     assert not plan_retention(_scored([0.3, 0.2]), Policy((KeepBest("eval_loss", "min", 1),)), now=NOW).warnings
+
+
+@pytest.mark.parametrize(
+    ("values", "keep_without", "warns"),
+    [
+        pytest.param([None, None, 0.3, 0.2], True, False, id="half-unscored"),
+        pytest.param([None, None, None, 0.2], True, True, id="most-unscored"),
+        pytest.param([None, 0.2], False, False, id="some-unscored-left-to-other-rules"),
+        pytest.param([None, None], False, True, id="none-scored"),
+        pytest.param([0.3, 0.2], True, False, id="all-scored"),
+        pytest.param([], True, False, id="no-checkpoints"),
+    ],
+)
+def test_keep_best_warnings(values: list[float | None], keep_without: bool, warns: bool) -> None:
+    rule = KeepBest("eval_loss", "min", 1, keep_without_metric=keep_without)
+    assert (rule.warning(_scored(values)) is not None) is warns
+
+
+def test_keep_best_names_every_tie() -> None:
+    kept = KeepBest("eval_loss", "min", 1, keep_without_metric=False).keeps(_scored([0.5, 0.5, 0.5, 0.9]), NOW)
+    assert list(kept.values()) == [
+        "keep_best 1 by eval_loss (min): best 1 of 1, eval_loss = 0.5 (tied with step 200 and 1 more: newer steps "
+        "rank first)"]
 
 
 def test_keep_best_validation() -> None:
