@@ -39,6 +39,7 @@ from ckptier.tasks.retention import (
     Milestones,
     Pinned,
     Plan,
+    PlanItem,
     Policy,
     drill_passed,
     hot_present,
@@ -46,6 +47,7 @@ from ckptier.tasks.retention import (
     newest_drilled,
     plan_retention,
     render_plan_table,
+    shrink_guard,
     stages,
     zone,
 )
@@ -1340,3 +1342,71 @@ def test_the_best_ranked_are_proven_before_a_worse_one_is_deleted() -> None:
     policy = Policy((KeepLast(1), KeepBest("eval_loss", "min", 2, keep_without_metric=False)), min_verified=0)
     plan = plan_retention(cs, policy, now=NOW)
     assert [k.step for k in keepers(cs, policy, plan.items)] == [600, 400, 200]
+
+
+# --------------------------------------------------------------- the pure helpers, as tables
+
+
+def _live(n: int, missing: int = 0, deleted: int = 0) -> list[CheckpointRecord]:
+    """``n`` checkpoints of job "run" (the first ``missing`` missing from hot storage), plus ``deleted`` tombstones
+    that are missing too."""
+    out = [ckpt(i + 1, "run", 100 * (i + 1), NOW - D, missing=i < missing) for i in range(n)]
+    return out + [ckpt(n + i + 1, "run", 100 * (n + i + 1), NOW - D, State.DELETED, missing=True) for i in range(deleted)]
+
+
+@pytest.mark.parametrize(
+    ("cs", "fraction", "suspended"),
+    [
+        pytest.param(_live(4, 2), 0.5, None, id="half-is-not-more-than-half"),
+        pytest.param(_live(4, 3), 0.5, "3 of 4 checkpoints missing from hot storage (75% > max_missing_fraction 50%)",
+                     id="more-than-half"),
+        pytest.param(_live(2, 2), 1.0, "2 of 2 checkpoints missing from hot storage (100% > max_missing_fraction 100%)",
+                     id="all-missing-even-at-1"),
+        pytest.param(_live(4, 0), 0.0, None, id="none-missing-at-0"),
+        pytest.param(_live(4, 1), 0.0, "1 of 4 checkpoints", id="one-missing-at-0"),
+        pytest.param(_live(2, 0, deleted=5), 0.5, None, id="tombstones-do-not-count"),
+        pytest.param(_live(0, 0, deleted=2), 0.5, None, id="only-tombstones"),
+        pytest.param([], 0.5, None, id="nothing"),
+    ],
+)
+def test_shrink_guard(cs: list[CheckpointRecord], fraction: float, suspended: str | None) -> None:
+    got = shrink_guard(cs, fraction)
+    if suspended is None:
+        assert got is None
+    else:
+        assert got is not None and got.startswith("deletion suspended for job 'run': ") and suspended in got
+        assert got.endswith("'ckptier forget --job run --missing' tombstones those gone from every tier")
+
+
+@pytest.mark.parametrize(
+    ("c", "present"),
+    [
+        pytest.param(ckpt(1, "run", 100, NOW), True, id="no-copies-recorded"),
+        pytest.param(ckpt(1, "run", 100, NOW, missing=True), False, id="missing"),
+        pytest.param(ckpt(1, "run", 100, NOW, hot_gone=True), False, id="hot-copy-deleted"),
+        pytest.param(dataclasses.replace(ckpt(1, "run", 100, NOW), copies=(
+            CopyRecord(Tier.HOT, "file:///hot/run/100", "missing", 1, None),)), False, id="hot-copy-missing"),
+        pytest.param(dataclasses.replace(ckpt(1, "run", 100, NOW), copies=(
+            CopyRecord(Tier.ARCHIVE, "s3://arch/run/100", "missing", 1, None),)), True, id="archive-copy-missing"),
+        pytest.param(dataclasses.replace(ckpt(1, "run", 100, NOW), copies=(
+            CopyRecord(Tier.HOT, "file:///hot/run/100", "degraded", 1, None),)), True, id="hot-copy-degraded"),
+    ],
+)
+def test_hot_present(c: CheckpointRecord, present: bool) -> None:
+    assert hot_present(c) is present
+
+
+def test_newest_drilled_counts_live_checkpoints_newest_first() -> None:
+    cs = _live(5) + [ckpt(9, "run", 900, NOW - D, State.DELETED)]
+    passed = {c.id: NOW for c in cs if c.id != 4}
+    assert [c.step for c in newest_drilled(cs, passed, 2)] == [500, 300]
+    assert [c.step for c in newest_drilled(cs, passed, 9)] == [500, 300, 200, 100]
+    assert newest_drilled(cs, passed, 0) == [] and newest_drilled(cs, {}, 3) == []
+
+
+def test_plan_sums_bytes_by_action() -> None:
+    plan = Plan(items=[PlanItem("run", s, s, a, ("r",), b) for s, a, b in
+                       ((1, "keep", 10), (2, "keep", 5), (3, "promote", 7), (4, "delete", 3), (5, "delete", 1))])
+    assert plan.summary() == {"keep": 2, "promote": 1, "delete": 2, "bytes_kept": 15, "bytes_promoted": 7,
+                              "bytes_deleted": 4}
+    assert [i.step for i in plan.by_action("delete")] == [4, 5]
