@@ -1410,3 +1410,40 @@ def test_plan_sums_bytes_by_action() -> None:
     assert plan.summary() == {"keep": 2, "promote": 1, "delete": 2, "bytes_kept": 15, "bytes_promoted": 7,
                               "bytes_deleted": 4}
     assert [i.step for i in plan.by_action("delete")] == [4, 5]
+
+
+def _incomplete(age: timedelta, **kw: object) -> list[CheckpointRecord]:
+    """Two verified saves, then an incomplete one saved ``age`` ago (step 300)."""
+    return [ckpt(1, "run", 100, NOW - D), ckpt(2, "run", 200, NOW - D), ckpt(3, "run", 300, NOW - age, State.INCOMPLETE,
+                                                                            **kw)]  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("cs", "policy", "action", "reason"),
+    [
+        pytest.param(_incomplete(2 * H - timedelta(seconds=1)), Policy((KeepLast(2),)), "keep",
+                     "in flight: incomplete for 1h59min59s < grace 2h", id="in-flight"),
+        pytest.param(_incomplete(2 * H), Policy((KeepLast(2),)), "keep",
+                     "stale incomplete: past grace 2h: candidate for review", id="stale-at-grace"),
+        pytest.param(_incomplete(2 * H), Policy((KeepLast(2),), delete_stale_incomplete=True), "delete",
+                     "stale incomplete: past grace 2h; delete_stale_incomplete is set", id="stale-deleted"),
+        pytest.param(_incomplete(2 * H, missing=True), Policy((KeepLast(2),), delete_stale_incomplete=True), "keep",
+                     "stale incomplete: past grace 2h: candidate for review", id="stale-missing-kept"),
+        pytest.param(_incomplete(2 * H), Policy((KeepLast(2), Pinned((300,))), delete_stale_incomplete=True), "keep",
+                     "stale incomplete: past grace 2h: candidate for review", id="stale-pinned-kept"),
+    ],
+)
+def test_incomplete_saves_in_flight_and_stale(cs: list[CheckpointRecord], policy: Policy, action: str,
+                                              reason: str) -> None:
+    item = _item(plan_retention(cs, policy, now=NOW), "run", 300)
+    assert (item.action, item.reasons[0]) == (action, reason)
+
+
+def test_min_drilled_ranks_its_recovery_points() -> None:
+    cs = _live(4)
+    passed = {c.id: NOW - H for c in cs}
+    plan = plan_retention(cs, Policy((KeepLast(1),), min_drilled=2, min_verified=0), now=NOW, drill_passed=passed)
+    assert [r for r in _item(plan, "run", 300).reasons] == [
+        f"min_drilled 2: #2 newest drill-passed recovery point (drill passed {(NOW - H).isoformat()})"]
+    assert _item(plan, "run", 400).reasons[-1].startswith("min_drilled 2: newest drill-passed recovery point")
+    assert _item(plan, "run", 200).action == "delete"
