@@ -138,6 +138,9 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
         "d divides every gap between steps, so every step has the same residue mod d",
     ("tasks/retention.py", "Milestones.cadence_warning", "r = steps[0] % d", "int-1: `0` -> `(-1)`"):
         "d divides every gap between steps, so every step has the same residue mod d",
+    ("tasks/retention.py", "AbsentFloor.apply", 'if d.action == "delete":  # unreachable by construction; belt and braces',
+     "compare: `d.action == \"delete\"` -> `(d.action != 'delete')`"):
+        "every earlier stage keeps a checkpoint missing from hot storage, so both set keep on a keep",
 }
 
 
