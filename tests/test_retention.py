@@ -429,6 +429,10 @@ LOG_EXACT = Milestones(log=True, match="exact")
                      "milestones log (1-2-5 series) (exact match): saves come every 49 steps (at step 44 mod 49) and "
                      f"no step of the 1-2-5 series falls on a save, so no milestone is ever kept; {FIX}",
                      id="log-first-past-10^18"),
+        pytest.param(LOG_EXACT, list(range(800, 20001, 800)),
+                     "milestones log (1-2-5 series) (exact match): saves come every 800 steps, so 4 of the 5 milestones "
+                     f"from step 800 to 20000 can never be kept (only step 20000 falls on a save); {FIX}",
+                     id="log-the-last-save-on-a-milestone"),
         # explicit steps: the first five named, the rest counted
         pytest.param(Milestones(steps=(2500, 3600), match="exact"), [1200, 2400, 3600],
                      "milestones at steps 2500, 3600 (exact match): saves come every 1200 steps, so milestone step "
@@ -1447,3 +1451,98 @@ def test_min_drilled_ranks_its_recovery_points() -> None:
         f"min_drilled 2: #2 newest drill-passed recovery point (drill passed {(NOW - H).isoformat()})"]
     assert _item(plan, "run", 400).reasons[-1].startswith("min_drilled 2: newest drill-passed recovery point")
     assert _item(plan, "run", 200).action == "delete"
+
+
+def test_policy_and_rule_defaults_are_the_documented_ones() -> None:
+    """docs/retention.md's table of settings; keep_best as Orbax's BestN keeps checkpoints without the metric."""
+    p = Policy((KeepLast(1),))
+    assert (p.min_verified, p.min_drilled, p.grace, p.delete_stale_incomplete, p.max_missing_fraction,
+            p.hot_after_archive, p.archive_when) == (2, 0, 2 * H, False, 0.5, "delete", "immediately")
+    best = KeepBest("eval_loss")
+    assert (best.mode, best.n, best.keep_without_metric) == ("min", 1, True)
+
+
+@pytest.mark.parametrize(
+    ("policy", "shown"),
+    [
+        pytest.param(Policy((KeepLast(3),)), "keep_last 3, grace 2h, min_verified 2", id="plain"),
+        pytest.param(Policy((KeepDaily(1),)), "keep_daily 1, timezone UTC, grace 2h, min_verified 2",
+                     id="calendar-rule-names-its-zone"),
+        pytest.param(Policy((KeepLast(1), Pinned((300, 100))), min_drilled=1), "keep_last 1, pinned 100, 300, grace 2h, "
+                     "min_verified 2, min_drilled 1", id="pinned-sorted-min_drilled"),
+        pytest.param(Policy((KeepLast(1),), archive=ARCH, archive_after=14 * D, archive_when="leaving_hot"),
+                     f"keep_last 1, grace 2h, min_verified 2, archive {ARCH} (hot after archive: delete), "
+                     "archive_after 2w, archive_when leaving_hot", id="archive-settings"),
+        pytest.param(Policy((KeepLast(1),), archive=ARCH), f"keep_last 1, grace 2h, min_verified 2, archive {ARCH} "
+                     "(hot after archive: delete)", id="archive-defaults"),
+    ],
+)
+def test_policy_strings(policy: Policy, shown: str) -> None:
+    assert str(policy) == shown
+
+
+def test_interval_milestones_are_aligned_to_1_january_1970() -> None:
+    """7-day intervals start on Thursdays, as 1 January 1970 was one (6-hour ones at 00:00, 06:00...)."""
+    monday = datetime(2024, 5, 20, 9, tzinfo=UTC)
+    cs = _at(monday, monday + 2 * D, monday + 3 * D)  # Monday, Wednesday | Thursday
+    kept = Milestones(interval=7 * D).keeps(cs, NOW)
+    assert sorted(c.step for c in cs if c.id in kept) == [100, 300]
+    assert kept[cs[0].id].startswith("milestones every 1w of save time: holds the interval from 2024-05-16 00:00 (UTC)")
+    assert kept[cs[2].id].startswith("milestones every 1w of save time: holds the interval from 2024-05-23 00:00 (UTC)")
+
+
+def test_the_log_series_reaches_every_signed_64_bit_step() -> None:
+    assert Milestones(log=True).between(4 * 10**18, 2**63 - 1) == (5 * 10**18, 5 * 10**18, 1)
+    assert Milestones(log=True).between(0, 1) == (1, 1, 1)
+
+
+def test_milestone_holders_leave_tombstones_out() -> None:
+    cs = [ckpt(1, "run", 100, NOW - D), ckpt(2, "run", 200, NOW - D, State.DELETED)]
+    assert Policy((Milestones(steps=(100, 200)),)).milestone_holders(cs, NOW) == {1}
+
+
+def _archived(*copies: tuple[str, datetime | None]) -> CheckpointRecord:
+    """A verified milestone (step 100) whose archive copies are ``(state, verified_at)``."""
+    c = ckpt(1, "run", 100, NOW - 10 * D)
+    return dataclasses.replace(c, copies=tuple(CopyRecord(Tier.ARCHIVE, f"s3://arch/run/100/{i}", state, 8, at)
+                                               for i, (state, at) in enumerate(copies)))
+
+
+@pytest.mark.parametrize(
+    ("milestone", "reason"),
+    [
+        pytest.param(_archived(("present", NOW - 3 * D)), f"archived copy verified at {(NOW - 3 * D).isoformat()}; "
+                     "hot copy not needed", id="one"),
+        pytest.param(_archived(("present", NOW - 3 * D), ("present", NOW - 2 * D), ("missing", NOW - D)),
+                     f"archived copy verified at {(NOW - 2 * D).isoformat()}; hot copy not needed",
+                     id="the-newest-present-verified"),
+    ],
+)
+def test_a_milestone_hot_copy_goes_once_archived_naming_when(milestone: CheckpointRecord, reason: str) -> None:
+    cs = [milestone, ckpt(2, "run", 200, NOW - D), ckpt(3, "run", 300, NOW - H)]
+    plan = plan_retention(cs, Policy((KeepLast(2), Milestones(steps=(100,))), archive=ARCH), now=NOW)
+    item = _item(plan, "run", 100)
+    assert (item.action, item.scope, item.reasons[-1]) == ("delete", "hot-copy", reason)
+
+
+@pytest.mark.parametrize(
+    ("age", "policy", "action", "reason"),
+    [
+        pytest.param(3 * D, Policy((KeepLast(1), Milestones(steps=(100,))), archive=ARCH, archive_after=14 * D),
+                     "keep", "no verified archive copy yet: archive_after 2w: promoted once older (saved 3d ago)",
+                     id="too-young"),
+        pytest.param(14 * D, Policy((KeepLast(1), Milestones(steps=(100,))), archive=ARCH, archive_after=14 * D),
+                     "promote", f"no verified archive copy yet: promote to {ARCH}", id="exactly-archive_after-old"),
+        pytest.param(3 * D, Policy((KeepLast(2), Milestones(steps=(100,))), archive=ARCH, archive_when="leaving_hot"),
+                     "keep", "no verified archive copy yet: archive_when leaving_hot: promoted when no other rule keeps "
+                     "it in hot storage", id="leaving-hot-held"),
+        pytest.param(3 * D, Policy((KeepLast(1), Milestones(steps=(100,))), archive=ARCH, archive_when="leaving_hot"),
+                     "promote", f"no verified archive copy yet: promote to {ARCH}", id="leaving-hot-left"),
+        pytest.param(3 * D, Policy((KeepLast(2), Milestones(steps=(100,))), archive=ARCH), "promote",
+                     f"no verified archive copy yet: promote to {ARCH}", id="immediately-while-held"),
+    ],
+)
+def test_when_a_milestone_is_promoted(age: timedelta, policy: Policy, action: str, reason: str) -> None:
+    cs = [ckpt(1, "run", 100, NOW - age), ckpt(2, "run", 200, NOW - H)]
+    item = _item(plan_retention(cs, policy, now=NOW), "run", 100)
+    assert (item.action, item.reasons[-1]) == (action, reason)
