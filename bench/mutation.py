@@ -142,6 +142,8 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
         "2**63 - 2 for 2**63 - 1: no step of the 1-2-5 series lies between them",
     ("tasks/retention.py", "<module>", "_LOG_SERIES = tuple(_log_series(2**63 - 1))", "int-1: `1` -> `(0)`"):
         "2**63 for 2**63 - 1: no step of the 1-2-5 series lies between them",
+    ("tasks/retention.py", "<module>", "_LOG_SERIES = tuple(_log_series(2**63 - 1))", "arith: `2**63 - 1` -> `(2 ** 63 + 1)`"):
+        "2**63 + 1 for 2**63 - 1: no step of the 1-2-5 series lies between them",
     ("tasks/retention.py", "AbsentFloor.apply", 'if d.action == "delete":  # unreachable by construction; belt and braces',
      "compare: `d.action == \"delete\"` -> `(d.action != 'delete')`"):
         "every earlier stage keeps a checkpoint missing from hot storage, so both set keep on a keep",
