@@ -144,6 +144,12 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
         "2**63 for 2**63 - 1: no step of the 1-2-5 series lies between them",
     ("tasks/retention.py", "<module>", "_LOG_SERIES = tuple(_log_series(2**63 - 1))", "arith: `2**63 - 1` -> `(2 ** 63 + 1)`"):
         "2**63 + 1 for 2**63 - 1: no step of the 1-2-5 series lies between them",
+    ("tasks/retention.py", "<module>", "_LOG_SERIES = tuple(_log_series(2**63 - 1))", "int+1: `2` -> `(3)`"):
+        "3**63 for 2**63: the longer series reaches past every signed 64-bit step (the catalog's), so no answer changes",
+    ("tasks/retention.py", "<module>", "_LOG_SERIES = tuple(_log_series(2**63 - 1))", "int+1: `63` -> `(64)`"):
+        "2**64 for 2**63: the longer series reaches past every signed 64-bit step (the catalog's), so no answer changes",
+    ("tasks/retention.py", "newest_drilled", "return _newest_first(passed)[:n] if n > 0 else []", "int-1: `0` -> `(-1)`"):
+        "n > -1 for n > 0 differs only at n = 0, where [:0] is [] as well",
     ("tasks/retention.py", "AbsentFloor.apply", 'if d.action == "delete":  # unreachable by construction; belt and braces',
      "compare: `d.action == \"delete\"` -> `(d.action != 'delete')`"):
         "every earlier stage keeps a checkpoint missing from hot storage, so both set keep on a keep",
