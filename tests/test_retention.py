@@ -1546,3 +1546,15 @@ def test_when_a_milestone_is_promoted(age: timedelta, policy: Policy, action: st
     cs = [ckpt(1, "run", 100, NOW - age), ckpt(2, "run", 200, NOW - H)]
     item = _item(plan_retention(cs, policy, now=NOW), "run", 100)
     assert (item.action, item.reasons[-1]) == (action, reason)
+
+
+def test_the_newest_verified_reason_comes_first() -> None:
+    plan = plan_retention(_live(3), Policy((KeepLast(2),)), now=NOW)
+    assert _item(plan, "run", 300).reasons == ("newest verified checkpoint of the job", "keep_last 2: #1 newest verified")
+
+
+def test_stale_incomplete_saves_are_kept_for_review_unless_told() -> None:
+    from ckptier.tasks.retention import InFlightFloor
+
+    assert str(InFlightFloor(2 * H)) == "incomplete saves in flight for up to grace 2h; stale ones kept for review"
+    assert str(InFlightFloor(2 * H, True)).endswith("stale ones deleted (delete_stale_incomplete)")
