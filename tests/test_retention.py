@@ -1558,3 +1558,25 @@ def test_stale_incomplete_saves_are_kept_for_review_unless_told() -> None:
 
     assert str(InFlightFloor(2 * H)) == "incomplete saves in flight for up to grace 2h; stale ones kept for review"
     assert str(InFlightFloor(2 * H, True)).endswith("stale ones deleted (delete_stale_incomplete)")
+
+
+def _keepers_case() -> tuple[list[CheckpointRecord], list[PlanItem]]:
+    cs = _live(5) + [ckpt(6, "run", 600, NOW - H, State.COMMITTED)]
+    items = [PlanItem("run", c.step, c.id, "delete" if c.id in (1, 2, 4) else "keep", ("r",), 1) for c in cs]
+    return cs, items
+
+
+@pytest.mark.parametrize(
+    ("policy", "steps"),
+    [
+        pytest.param(Policy((KeepLast(1),), min_verified=1), [500], id="newest"),
+        pytest.param(Policy((KeepLast(1),), min_verified=2), [500, 300], id="the-floor-of-what-is-not-deleted"),
+        pytest.param(Policy((KeepLast(2),), min_verified=0), [500, 400], id="keep_last"),
+        pytest.param(None, [500, 300], id="no-policy-every-verified-not-deleted"),
+    ],
+)
+def test_keepers(policy: Policy | None, steps: list[int]) -> None:
+    from ckptier.tasks.retention import keepers
+
+    cs, items = _keepers_case()
+    assert [c.step for c in keepers(cs, policy, items)] == steps
