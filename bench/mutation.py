@@ -150,6 +150,8 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
         "2**64 for 2**63: the longer series reaches past every signed 64-bit step (the catalog's), so no answer changes",
     ("tasks/retention.py", "newest_drilled", "return _newest_first(passed)[:n] if n > 0 else []", "int-1: `0` -> `(-1)`"):
         "n > -1 for n > 0 differs only at n = 0, where [:0] is [] as well",
+    ("tasks/retention.py", "KeepBest.warning", "if not verified or not without:", "boolop: `not verified or not without` -> `(not verified and (not without))`"):
+        "with no checkpoint without the metric, neither later test can hold (0 * 2 > n, 0 == n), so None either way",
     ("tasks/retention.py", "AbsentFloor.apply", 'if d.action == "delete":  # unreachable by construction; belt and braces',
      "compare: `d.action == \"delete\"` -> `(d.action != 'delete')`"):
         "every earlier stage keeps a checkpoint missing from hot storage, so both set keep on a keep",
