@@ -17,12 +17,15 @@ from typing import Any, BinaryIO
 import pytest
 
 from ckptier.storage.base import DeleteResult, ObjectInfo, Store
-from ckptier.storage.catalog.api import Catalog, FileCheck
+from ckptier.storage.catalog.api import Catalog, DeleteIntent, FileCheck, LinkedFile
 from ckptier.storage.hashing import hash_bytes
 from ckptier.storage.local import LocalStore
-from ckptier.storage.records import CheckpointRecord, FileRef, Format, Found, Recognition, State
-from ckptier.tasks.apply import ApplyContext, apply_plan, delete_refusal
+from ckptier.storage.records import (CheckpointRecord, CopyRecord, CopyState, FileRef, Format, Found, Recognition,
+                                     State, Tier)
+from ckptier.tasks.apply import (ApplyContext, ApplyReport, _batches, apply_plan, delete_refusal, intent_progress,
+                                 link_refusal)
 from ckptier.tasks.archive import manifest_key, prefix_from_location
+from ckptier.tasks.reports import ItemResult, Proof
 from ckptier.tasks.retention import KeepLast, Milestones, Plan, PlanItem, Policy, plan_retention
 
 T0 = datetime(2026, 3, 1, 0, 0, tzinfo=UTC)
@@ -381,3 +384,172 @@ def test_zombie_whose_lease_expired_cannot_tombstone(tmp_path: Path, catalog_url
     assert rival.mark_deleted(target.id, owner="run-new", generation=taken[0], now=w.clock(), reasons=["test"])
     rival.close()
     w.catalog.close()
+
+
+# ------------------------------------------------------------ the pure decisions, as tables
+
+def _rec(id: int, state: State = State.VERIFIED, *, missing: bool = False, hot: CopyState | None = None,
+         archive: CopyState | None = None, archive_verified: bool = True) -> CheckpointRecord:
+    """Checkpoint ``id`` of JOB at step 100 * id; ``hot``/``archive``: the state of a recorded copy in that tier."""
+    copies = []
+    if hot is not None:
+        copies.append(CopyRecord(Tier.HOT, f"file:///hot/{JOB}/{id}", hot, 10, None))
+    if archive is not None:
+        copies.append(CopyRecord(Tier.ARCHIVE, f"s3://arch/{JOB}/{id}", archive, 8, T0 if archive_verified else None))
+    return CheckpointRecord(
+        id=id, job=JOB, step=100 * id, format=Format.GUIDE, state=state, location=f"file:///hot/{JOB}/{id}",
+        bytes=10, saved_at=T0, first_seen=T0, last_seen=T0, missing_since=T0 if missing else None,
+        verified_at=T0 if state == State.VERIFIED else None, state_reason=None, copies=tuple(copies),
+    )
+
+
+def _item(r: CheckpointRecord, scope: str = "checkpoint", state: str = "verified") -> PlanItem:
+    return PlanItem(JOB, r.step, r.id, "delete", ("rolling",), r.bytes, scope, state)  # type: ignore[arg-type]
+
+
+R1, R2, R3, R4 = (_rec(i) for i in (1, 2, 3, 4))  # R4: the newest verified
+
+
+@pytest.mark.parametrize(
+    ("item", "record", "job", "fraction", "refusal"),
+    [
+        pytest.param(_item(R1), None, [R2, R3, R4], 0.5, "no longer in the catalog", id="vanished-row"),
+        pytest.param(_item(R1), _rec(1, State.DELETED), [R2, R3, R4], 0.5, "already deleted", id="deleted"),
+        pytest.param(_item(R1), _rec(1, State.COMMITTED), [R2, R3, R4], 0.5,
+                     "state is now committed (plan saw verified); not deleting", id="no-longer-verified"),
+        pytest.param(_item(R1, state="incomplete"), _rec(1, State.INCOMPLETE), [R2, R3, R4], 0.5, None,
+                     id="stale-incomplete-planned-as-such"),
+        pytest.param(_item(R1), _rec(1, State.INCOMPLETE), [R2, R3, R4], 0.5,
+                     "state is now incomplete (plan saw verified); not deleting", id="incomplete-planned-verified"),
+        pytest.param(_item(R1), _rec(1, missing=True), [R2, R3, R4], 0.5,
+                     f"missing from hot storage since {T0.isoformat()}; nothing to delete", id="missing"),
+        pytest.param(_item(R1), _rec(1, hot=CopyState.MISSING), [R2, R3, R4], 0.5,
+                     "the catalog records no present hot copy; nothing to delete", id="hot-copy-missing"),
+        pytest.param(_item(R1), _rec(1, hot=CopyState.DELETED), [R2, R3, R4], 0.5,
+                     "the catalog records no present hot copy; nothing to delete", id="hot-copy-deleted"),
+        pytest.param(_item(R1), _rec(1, hot=CopyState.PRESENT, archive=CopyState.MISSING), [R2, R3, R4], 0.5, None,
+                     id="only-an-archive-copy-missing"),
+        # the shrink guard: more than the fraction missing, or every other checkpoint when the record is not listed
+        pytest.param(_item(R1), R1, [R1, _rec(2, missing=True), _rec(3, missing=True), R4], 0.5, None,
+                     id="half-missing-is-not-more-than-half"),
+        pytest.param(_item(R1), R1, [R1, _rec(2, missing=True), _rec(3, missing=True), _rec(4, missing=True)], 0.5,
+                     "listing shrank: 3 of 4 checkpoints of job 'llm' missing from hot storage (> 50%); check the "
+                     "scanned URL, rescan, then apply", id="shrunk"),
+        pytest.param(_item(R1), R1, [_rec(2, missing=True), _rec(3, missing=True)], 1.0,
+                     "listing shrank: 2 of 2 checkpoints of job 'llm' missing from hot storage (> 100%); check the "
+                     "scanned URL, rescan, then apply", id="all-others-missing"),
+        pytest.param(_item(R1), R1, [R1, R4, *(_rec(i, State.DELETED, missing=True) for i in (2, 3))], 0.5, None,
+                     id="tombstones-do-not-count"),
+        pytest.param(_item(R1), R1, [], 0.5, None, id="no-job-records"),
+        # the newest verified checkpoint
+        pytest.param(_item(R4), R4, [R1, R2, R3, R4], 0.5, "newest verified checkpoint of the job; never deleted",
+                     id="newest"),
+        pytest.param(_item(R3), R3, [R1, R2, R3, _rec(4, State.COMMITTED)], 0.5,
+                     "newest verified checkpoint of the job; never deleted", id="newest-verified-under-a-committed"),
+        pytest.param(_item(R3), R3, [R4, R3, R2, R1], 0.5, None, id="not-newest"),
+        pytest.param(_item(_rec(4, archive=CopyState.PRESENT), "hot-copy"), _rec(4, archive=CopyState.PRESENT),
+                     [R1, R2, R3, _rec(4, archive=CopyState.PRESENT)], 0.5, None, id="newest-hot-copy-archived"),
+        # hot-copy deletes need a verified archive copy now
+        pytest.param(_item(R1, "hot-copy"), R1, [R1, R2, R3, R4], 0.5,
+                     "hot-copy delete planned but no verified archive copy is recorded now", id="hot-copy-no-archive"),
+        pytest.param(_item(R1, "hot-copy"), _rec(1, archive=CopyState.PRESENT, archive_verified=False),
+                     [R1, R2, R3, R4], 0.5, "hot-copy delete planned but no verified archive copy is recorded now",
+                     id="hot-copy-unverified-archive"),
+        pytest.param(_item(R1, "hot-copy"), _rec(1, archive=CopyState.PRESENT), [R1, R2, R3, R4], 0.5, None,
+                     id="hot-copy-archived"),
+    ],
+)
+def test_delete_refusals(item: PlanItem, record: CheckpointRecord | None, job: list[CheckpointRecord],
+                         fraction: float, refusal: str | None) -> None:
+    assert delete_refusal(item, record, job, max_missing_fraction=fraction) == refusal
+
+
+@pytest.mark.parametrize(
+    ("files", "listed", "present", "progress"),
+    [
+        pytest.param(None, 3, 3, "not-started", id="count-unrecorded-all-present"),
+        pytest.param(None, 3, 2, "started", id="count-unrecorded-one-gone"),
+        pytest.param(3, 3, 3, "not-started", id="all-present"),
+        pytest.param(3, 3, 2, "started", id="one-gone"),
+        pytest.param(3, 2, 2, "started", id="a-rescan-dropped-one"),
+        pytest.param(2, 3, 3, "not-started", id="more-listed-than-it-was-to-delete"),
+    ],
+)
+def test_intent_progress(files: int | None, listed: int, present: int, progress: str) -> None:
+    intent = DeleteIntent(1, JOB, 100, "checkpoint", T0, files)
+    assert intent_progress(intent, listed, present) == progress
+
+
+def _link(cid: int, link: str, *, location: str = "file:///hot/other/step-5", relpath: str = "model.pt") -> LinkedFile:
+    return LinkedFile(cid, "other", 5 * cid, location, relpath, link)
+
+
+TAIL = ("; a checkpoint another one links into is deleted only once that one no longer does")
+
+
+@pytest.mark.parametrize(
+    ("prefix", "links", "single", "refusal"),
+    [
+        pytest.param("llm/step-100", [], False, None, id="no-links"),
+        pytest.param("llm/step-100", [_link(1, "llm/step-100/model.pt")], False, None, id="its-own-link"),
+        pytest.param("llm/step-100", [_link(2, "llm/step-100/model.pt")], False,
+                     "kept: other step 10's model.pt is a symlink to llm/step-100/model.pt" + TAIL, id="one"),
+        pytest.param("llm/step-100/", [_link(2, "llm/step-100/a"), _link(3, "llm/step-100/b", relpath="b.pt")], False,
+                     "kept: other step 10's model.pt is a symlink to llm/step-100/a (+1 more)" + TAIL, id="two"),
+        pytest.param("llm/step-100", [_link(2, "llm/step-1000/model.pt")], False, None, id="a-longer-name"),
+        pytest.param("llm/step-100", [_link(2, "llm/step-100/model.pt", location="file:///other/x")], False, None,
+                     id="another-store"),
+        pytest.param("llm/step-100", [_link(2, "llm/step-100/model.pt", location="file:///hotter/x")], False, None,
+                     id="a-store-whose-name-starts-alike"),
+        pytest.param("", [_link(2, "anything/at/all")], False,
+                     "kept: other step 10's model.pt is a symlink to anything/at/all" + TAIL, id="the-store-root"),
+        pytest.param("llm/model.pt", [_link(2, "llm/model.pt")], True,
+                     "kept: other step 10's model.pt is a symlink to llm/model.pt" + TAIL, id="single-file"),
+        pytest.param("llm/model.pt", [_link(2, "llm/model.pt.bak")], True, None, id="single-file-alike"),
+    ],
+)
+def test_link_refusals(prefix: str, links: list[LinkedFile], single: bool, refusal: str | None) -> None:
+    assert link_refusal(R1, "file:///hot/", prefix, links, single=single) == refusal
+
+
+def test_deletes_go_in_batches_of_at_most_a_thousand_keys() -> None:
+    keys = [f"k{i}" for i in range(2500)]
+    batches = _batches(keys)
+    assert [len(b) for b in batches] == [1000, 1000, 500]
+    assert [k for b in batches for k in b] == keys
+    assert _batches(["a", "b", "c"], 2) == [["a", "b"], ["c"]] and _batches([]) == []
+
+
+def _result(action: str, outcome: str, freed: int = 0) -> ItemResult:
+    return ItemResult(JOB, 1, 1, action, "checkpoint", outcome, "d", 10, freed)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("report", "summary", "ok"),
+    [
+        pytest.param(ApplyReport(False), "promote 0, delete 0 (0 bytes freed)", True, id="empty"),
+        pytest.param(ApplyReport(True, [_result("promote", "would"), _result("delete", "would", 7)]),
+                     "would promote 1, would delete 1 (7 bytes freed)", True, id="dry-run"),
+        pytest.param(ApplyReport(False, [_result("promote", "done"), _result("promote", "held"),
+                                         _result("delete", "done", 10), _result("delete", "done", 5),
+                                         _result("delete", "skipped"), _result("delete", "deferred"),
+                                         _result("delete", "deferred")],
+                                 proofs=[Proof(JOB, 1, 1, "hot", True, "ok", 100, 20),
+                                         Proof(JOB, 2, 2, "archive", True, "ok", 30)]),
+                     "promote 1, delete 2 (15 bytes freed), skipped 1, held 1, deferred 2, proved 2 of 2 keepers "
+                     "(130 bytes read, 20 by store checksum)", True, id="done"),
+        pytest.param(ApplyReport(False, [_result("promote", "failed"), _result("delete", "partial", 3),
+                                         _result("delete", "fenced")],
+                                 proofs=[Proof(JOB, 1, 1, "hot", False, "bad", 4)]),
+                     "promote 0, delete 0 (3 bytes freed), failed 1, partial 1, fenced 1, proved 0 of 1 keepers "
+                     "(4 bytes read, 0 by store checksum)", False, id="failures"),
+        pytest.param(ApplyReport(False, canary_failures={"s3://b": "put failed"}),
+                     "promote 0, delete 0 (0 bytes freed), canary failed on 1 store(s)", False, id="canary"),
+    ],
+)
+def test_apply_report_summary(report: ApplyReport, summary: str, ok: bool) -> None:
+    assert report.summary() == summary
+    assert report.ok is ok
+    assert [i.outcome for i in report.held] == ["held"] * sum(1 for i in report.items if i.outcome == "held")
+    assert {i.outcome for i in report.failures} <= {"failed", "partial", "fenced"}
+    assert len(report.failures) == sum(1 for i in report.items if i.outcome in ("failed", "partial", "fenced"))

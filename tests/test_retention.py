@@ -16,7 +16,7 @@ import json
 import math
 import os
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta, UTC
 from pathlib import Path
 
@@ -39,6 +39,7 @@ from ckptier.tasks.retention import (
     Milestones,
     Pinned,
     Plan,
+    PlanItem,
     Policy,
     drill_passed,
     hot_present,
@@ -46,6 +47,7 @@ from ckptier.tasks.retention import (
     newest_drilled,
     plan_retention,
     render_plan_table,
+    shrink_guard,
     stages,
     zone,
 )
@@ -401,6 +403,55 @@ def test_exact_match_warns_when_the_first_milestone_on_a_save_is_beyond_the_run(
     assert _holding(steps) == {3600}
 
 
+FIX = 'use milestone_match = "at_or_after" (the default) to keep the first save at or after each'
+LOG_EXACT = Milestones(log=True, match="exact")
+
+
+@pytest.mark.parametrize(
+    ("rule", "steps", "warning"),
+    [
+        pytest.param(Milestones(every=1000), [1200], None, id="one-save"),
+        pytest.param(Milestones(every=1000), [1200, 2400],
+                     "milestones every 1000 steps: saves come every 1200 steps, so every save holds a milestone and "
+                     "none is ever deleted; set every_n_steps above 1200", id="two-saves"),
+        pytest.param(Milestones(every=1000), [1000, 2200],
+                     "milestones every 1000 steps: saves come every 1200 steps (at step 1000 mod 1200), so every "
+                     "save holds a milestone and none is ever deleted; set every_n_steps above 1200",
+                     id="cadence-from-the-gaps"),
+        pytest.param(Milestones(every=1), [5, 6, 7], None, id="every-step-is-no-cadence"),
+        pytest.param(Milestones(every=1), [5, 6, 8], None, id="irregular"),
+        # the first step of the 1-2-5 series on a save is looked for up to step 10^18
+        pytest.param(LOG_EXACT, [4, 47, 90],
+                     "milestones log (1-2-5 series) (exact match): saves come every 43 steps (at step 4 mod 43), so "
+                     "4 of the 4 milestones from step 4 to 90 can never be kept (the first that can is step "
+                     f"{10**18}); {FIX}", id="log-first-at-10^18"),
+        pytest.param(LOG_EXACT, [44, 93, 142],
+                     "milestones log (1-2-5 series) (exact match): saves come every 49 steps (at step 44 mod 49) and "
+                     f"no step of the 1-2-5 series falls on a save, so no milestone is ever kept; {FIX}",
+                     id="log-first-past-10^18"),
+        pytest.param(LOG_EXACT, list(range(800, 20001, 800)),
+                     "milestones log (1-2-5 series) (exact match): saves come every 800 steps, so 4 of the 5 milestones "
+                     f"from step 800 to 20000 can never be kept (only step 20000 falls on a save); {FIX}",
+                     id="log-the-last-save-on-a-milestone"),
+        # explicit steps: the first five named, the rest counted
+        pytest.param(Milestones(steps=(2500, 3600), match="exact"), [1200, 2400, 3600],
+                     "milestones at steps 2500, 3600 (exact match): saves come every 1200 steps, so milestone step "
+                     f"2500 never falls on a save; {FIX}", id="steps-one-never"),
+        pytest.param(Milestones(steps=(100, 200, 300, 400, 500), match="exact"), [1200, 2400, 3600],
+                     "milestones at steps 100, 200, 300, 400, 500 (exact match): saves come every 1200 steps, so "
+                     f"milestone steps 100, 200, 300, 400, 500 never fall on a save; {FIX}", id="steps-five-never"),
+        pytest.param(Milestones(steps=(100, 200, 300, 400, 500, 600), match="exact"), [1200, 2400, 3600],
+                     "milestones at steps 100, 200, 300, 400, 500, 600 (exact match): saves come every 1200 steps, so "
+                     f"milestone steps 100, 200, 300, 400, 500 (+1 more) never fall on a save; {FIX}",
+                     id="steps-six-never"),
+        pytest.param(Milestones(steps=(1200, 3600), match="exact"), [1200, 2400, 3600], None, id="steps-all-on-saves"),
+    ],
+)
+def test_cadence_warnings(rule: Milestones, steps: list[int], warning: str | None) -> None:
+    cs = [ckpt(i + 1, "run", step, NOW - H) for i, step in enumerate(steps)]
+    assert rule.cadence_warning(cs) == warning
+
+
 def test_milestones_denser_than_the_saves_warn_that_everything_is_kept() -> None:
     plan = plan_retention(_saves("run", 1200, 10), Policy((KeepLast(1), Milestones(every=1000)), archive=ARCH), now=NOW)
     assert _holding(plan) == {1200 * i for i in range(1, 11)}
@@ -581,6 +632,109 @@ def test_rule_validation() -> None:
         Policy((KeepLast(1),), hot_after_archive="drop")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        pytest.param(lambda: KeepLast(-1), "keep_last = -1: must be ≥ 0, e.g. keep_last = 3", id="keep_last"),
+        pytest.param(lambda: KeepHourly(-1), "keep_hourly = -1: must be ≥ 0, e.g. keep_hourly = 24", id="keep_hourly"),
+        pytest.param(lambda: KeepDaily(-1), "keep_daily = -1: must be ≥ 0, e.g. keep_daily = 7", id="keep_daily"),
+        pytest.param(lambda: KeepWeekly(-1), "keep_weekly = -1: must be ≥ 0, e.g. keep_weekly = 4", id="keep_weekly"),
+        pytest.param(lambda: KeepMonthly(-1), "keep_monthly = -1: must be ≥ 0, e.g. keep_monthly = 12",
+                     id="keep_monthly"),
+        pytest.param(lambda: KeepYearly(-1), "keep_yearly = -1: must be ≥ 0, e.g. keep_yearly = 5", id="keep_yearly"),
+        pytest.param(lambda: Milestones(), "give exactly one of log, every_n_steps, every or steps (got 0)",
+                     id="milestones-none"),
+        pytest.param(lambda: Milestones(log=True, every=10), "(got 2)", id="milestones-two"),
+        pytest.param(lambda: Milestones(every=0), "milestones every_n_steps = 0: must be > 0", id="every-zero"),
+        pytest.param(lambda: Milestones(interval=timedelta(milliseconds=500)), "must be at least 1s",
+                     id="interval-under-a-second"),
+        pytest.param(lambda: Milestones(interval=H, match="exact"), "remove milestone_match = \"exact\"",
+                     id="interval-exact"),
+        pytest.param(lambda: Milestones(every=10, max_to_keep=0), "milestones max_to_keep = 0: must be ≥ 1",
+                     id="max_to_keep-zero"),
+        pytest.param(lambda: Milestones(every=10, max_to_keep=True), "milestones max_to_keep = True: must be ≥ 1",
+                     id="max_to_keep-bool"),
+        pytest.param(lambda: Milestones(steps=(5, -1)), "milestones steps [5, -1]: steps must be ≥ 0",
+                     id="negative-step"),
+        pytest.param(lambda: Milestones(log=True, match="near"), "milestone_match = 'near'", id="match"),  # type: ignore[arg-type]
+        pytest.param(lambda: Policy((KeepLast(0),)), "keeps nothing", id="keeps-nothing"),
+        pytest.param(lambda: Policy((KeepLast(1),), min_verified=-1), "min_verified = -1: must be ≥ 0", id="min_verified"),
+        pytest.param(lambda: Policy((KeepLast(1),), grace=-H), "must be ≥ 0, e.g. '2h'", id="grace"),
+        pytest.param(lambda: Policy((KeepLast(1),), max_missing_fraction=-0.1), "must be between 0 and 1",
+                     id="fraction-below"),
+        pytest.param(lambda: Policy((KeepLast(1),), max_missing_fraction=1.5), "must be between 0 and 1",
+                     id="fraction-above"),
+        pytest.param(lambda: Policy((KeepLast(1),), min_drilled=-1), "min_drilled = -1: must be ≥ 0", id="min_drilled"),
+        pytest.param(lambda: Policy((KeepLast(1),), archive_after=timedelta(0)), "must be longer than zero",
+                     id="archive_after"),
+        pytest.param(lambda: Policy((KeepLast(1),), archive_when="later"), "archive_when = 'later'",  # type: ignore[arg-type]
+                     id="archive_when"),
+        pytest.param(lambda: KeepBest(" ", "min", 1), "keep_best metric = ' ': name the metric", id="best-metric"),
+        pytest.param(lambda: KeepBest("loss", "low", 1), "keep_best mode = 'low'", id="best-mode"),  # type: ignore[arg-type]
+        pytest.param(lambda: KeepBest("loss", "min", 0), "keep_best n = 0: must be a whole number ≥ 1", id="best-n-0"),
+        pytest.param(lambda: KeepBest("loss", "min", True), "keep_best n = True", id="best-n-bool"),
+        pytest.param(lambda: Policy((Pinned(()),)), "keeps nothing", id="pinned-nothing"),
+        pytest.param(lambda: Policy((KeepWithin(Span(1), timezone="Europe/Berlin"),)),
+                     "rule keep_within 1mo counts in Europe/Berlin, the policy in timezone UTC", id="within-months-zone"),
+        pytest.param(lambda: Policy((Milestones(interval=H, timezone="Europe/Berlin"),)),
+                     "counts in Europe/Berlin, the policy in timezone UTC", id="interval-zone"),
+    ],
+)
+def test_rule_validation_messages(make: Callable[[], object], message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        make()
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda: KeepLast(0), id="keep_last-0"),
+        pytest.param(lambda: Milestones(interval=timedelta(seconds=1)), id="interval-1s"),
+        pytest.param(lambda: Milestones(every=1, max_to_keep=1), id="max_to_keep-1"),
+        pytest.param(lambda: Milestones(steps=(0,)), id="step-0"),
+        pytest.param(lambda: Milestones(log=True, match="exact"), id="log-exact"),
+        pytest.param(lambda: Policy((KeepLast(1),), min_verified=0, grace=timedelta(0), min_drilled=0), id="zeros"),
+        pytest.param(lambda: Policy((KeepLast(1),), max_missing_fraction=0.0), id="fraction-0"),
+        pytest.param(lambda: Policy((KeepLast(1),), max_missing_fraction=1.0), id="fraction-1"),
+        pytest.param(lambda: Policy((KeepLast(1),), archive_when="leaving_hot", archive_after=timedelta(seconds=1)),
+                     id="archive-settings"),
+        pytest.param(lambda: KeepBest("loss", "max", 1), id="best-1"),
+        pytest.param(lambda: Policy((KeepLast(0), Pinned((5,)))), id="pinned-keeps"),
+        # a rule whose decisions depend on no calendar may name another zone
+        pytest.param(lambda: Policy((KeepWithin(D, timezone="Europe/Berlin"),)), id="within-days-any-zone"),
+        pytest.param(lambda: Policy((Milestones(every=10, timezone="Europe/Berlin"),)), id="every-any-zone"),
+    ],
+)
+def test_rule_validation_edges_are_allowed(make: Callable[[], object]) -> None:
+    assert make() is not None
+
+
+@pytest.mark.parametrize(
+    ("rule", "lo", "hi", "held"),
+    [
+        pytest.param(Milestones(every=10), 5, 25, (10, 20, 2), id="every"),
+        pytest.param(Milestones(every=10), 10, 20, (20, 20, 1), id="every-lo-excluded-hi-included"),
+        pytest.param(Milestones(every=10), 11, 19, None, id="every-none-between"),
+        pytest.param(Milestones(every=10), -1, 0, (0, 0, 1), id="every-step-zero"),
+        pytest.param(Milestones(every=10), 0, 0, None, id="every-empty-range-at-zero"),
+        pytest.param(Milestones(every=10), 5, 0, None, id="every-reversed-to-zero"),
+        pytest.param(Milestones(every=10), -20, -5, None, id="every-negative"),
+        pytest.param(Milestones(every=10), -1, 10, (10, 10, 1), id="every-from-before-zero"),
+        pytest.param(Milestones(log=True), 0, 100, (1, 100, 7), id="log"),
+        pytest.param(Milestones(log=True), 2, 4, None, id="log-none-between"),
+        pytest.param(Milestones(log=True), 1, 2, (2, 2, 1), id="log-one"),
+        pytest.param(Milestones(log=True), 100, 50, None, id="log-reversed"),
+        pytest.param(Milestones(steps=(30, 10, 20, 10)), 10, 30, (20, 30, 2), id="steps"),
+        pytest.param(Milestones(steps=(30, 10, 20, 10)), -1, 10, (10, 10, 1), id="steps-first"),
+        pytest.param(Milestones(interval=H), 0, 100, None, id="interval-has-no-steps"),
+    ],
+)
+def test_milestones_between(rule: Milestones, lo: int, hi: int, held: tuple[int, int, int] | None) -> None:
+    """``between(lo, hi)``: the milestone steps M with lo < M <= hi, as (smallest, largest, count)."""
+    assert rule.between(lo, hi) == held
+
+
 def test_new_rule_strings_are_readable() -> None:
     assert str(KeepHourly(24)) == "keep_hourly 24" and str(KeepMonthly(12)) == "keep_monthly 12"
     assert str(KeepYearly(5, timezone="Europe/Berlin")) == "keep_yearly 5"
@@ -669,6 +823,29 @@ def test_keep_best_warns_when_the_metric_is_missing() -> None:
     assert not plan_retention(_scored([0.3, 0.2]), Policy((KeepBest("eval_loss", "min", 1),)), now=NOW).warnings
 
 
+@pytest.mark.parametrize(
+    ("values", "keep_without", "warns"),
+    [
+        pytest.param([None, None, 0.3, 0.2], True, False, id="half-unscored"),
+        pytest.param([None, None, None, 0.2], True, True, id="most-unscored"),
+        pytest.param([None, 0.2], False, False, id="some-unscored-left-to-other-rules"),
+        pytest.param([None, None], False, True, id="none-scored"),
+        pytest.param([0.3, 0.2], True, False, id="all-scored"),
+        pytest.param([], True, False, id="no-checkpoints"),
+    ],
+)
+def test_keep_best_warnings(values: list[float | None], keep_without: bool, warns: bool) -> None:
+    rule = KeepBest("eval_loss", "min", 1, keep_without_metric=keep_without)
+    assert (rule.warning(_scored(values)) is not None) is warns
+
+
+def test_keep_best_names_every_tie() -> None:
+    kept = KeepBest("eval_loss", "min", 1, keep_without_metric=False).keeps(_scored([0.5, 0.5, 0.5, 0.9]), NOW)
+    assert list(kept.values()) == [
+        "keep_best 1 by eval_loss (min): best 1 of 1, eval_loss = 0.5 (tied with step 200 and 1 more: newer steps "
+        "rank first)"]
+
+
 def test_keep_best_validation() -> None:
     with pytest.raises(ConfigError, match="mode"):
         KeepBest("eval_loss", "lowest", 3)  # type: ignore[arg-type]
@@ -717,6 +894,37 @@ def test_buckets_count_in_the_policys_time_zone() -> None:
         Policy((KeepDaily(1, timezone="Europe/Berlin"),))
 
 
+def _first_scanned_today(*saved: datetime | None) -> list[CheckpointRecord]:
+    """Saves made at ``saved`` (None: no save time known, first seen 2 days ago) that the catalog first saw now."""
+    out = []
+    for i, t in enumerate(saved):
+        c = ckpt(i + 1, "run", 100 * (i + 1), t or NOW - 2 * D)
+        out.append(dataclasses.replace(c, saved_at=t, first_seen=NOW if t else NOW - 2 * D))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("rule", "saved", "expected"),
+    [
+        # a bucket old enough to be scanned for the first time today still holds its days
+        pytest.param(KeepDaily(3), (NOW - 5 * D, NOW - 4 * D, NOW - 3 * D), [100, 200, 300], id="daily-old-bucket"),
+        pytest.param(KeepDaily(1), (NOW - 5 * D, NOW - 4 * D, NOW - 3 * D), [300], id="daily-newest-day"),
+        pytest.param(KeepHourly(2), (NOW - 5 * H, NOW - 4 * H, NOW - 3 * H), [200, 300], id="hourly"),
+        pytest.param(KeepWithin(4 * D + H), (NOW - 5 * D, NOW - 4 * D, NOW - 3 * D), [200, 300], id="within"),
+        # without a save time, when the catalog first saw it (2 days ago)
+        pytest.param(KeepWithin(D), (NOW - 5 * D, None), [], id="within-first-seen"),
+        pytest.param(KeepWithin(3 * D), (NOW - 5 * D, None), [200], id="within-first-seen-inside"),
+        pytest.param(KeepDaily(3), (NOW - 5 * D, None, NOW - 3 * D), [100, 200, 300], id="daily-first-seen"),
+    ],
+)
+def test_rules_count_a_save_at_its_save_time_not_when_first_seen(
+    rule: object, saved: tuple[datetime | None, ...], expected: list[int]
+) -> None:
+    """``saved_at`` (the newest file's mtime) dates a checkpoint, else ``first_seen``: a first scan of old saves
+    must not put them all in today."""
+    assert _kept_steps(rule, _first_scanned_today(*saved)) == expected
+
+
 def test_keep_within_months_counts_back_on_the_calendar() -> None:
     now = datetime(2024, 3, 31, 12, tzinfo=UTC)
     cs = _at(datetime(2024, 2, 29, 11, tzinfo=UTC), datetime(2024, 2, 29, 12, tzinfo=UTC), datetime(2023, 3, 31, 12, tzinfo=UTC))
@@ -761,6 +969,36 @@ def test_max_to_keep_holds_the_newest_milestones_only() -> None:
     one = _item(plan, "run", 1000)
     assert (one.action, one.scope) == ("delete", "hot-copy")
     assert {i.step for i in plan.by_action("promote")} == {5000, 6000}
+
+
+def _passed_over(n: int) -> list[CheckpointRecord]:
+    """``n`` corrupt saves at steps 1000, 1001, ... (a minute apart from 00:10), then a verified one."""
+    t = datetime(2024, 5, 20, 0, 10, tzinfo=UTC)
+    return [ckpt(i + 1, "run", 1000 + i, t + i * timedelta(minutes=1), State.CORRUPT if i < n else State.VERIFIED)
+            for i in range(n + 1)]
+
+
+def _three(n: int) -> str:
+    return "; ".join(f"step {1000 + i} is corrupt" for i in range(min(n, 3)))
+
+
+@pytest.mark.parametrize(
+    ("rule", "n", "ending"),
+    [
+        pytest.param(Milestones(every=1000), 1, "step 1001 (step 1000 is corrupt)", id="every-one"),
+        pytest.param(Milestones(every=1000), 3, f"step 1003 ({_three(3)})", id="every-three"),
+        pytest.param(Milestones(every=1000), 4, f"step 1004 ({_three(4)} (+1 more))", id="every-four"),
+        pytest.param(Milestones(every=1000), 6, f"step 1006 ({_three(6)} (+3 more))", id="every-six"),
+        pytest.param(Milestones(interval=6 * H), 1, "step 1001 (step 1000 is corrupt)", id="interval-one"),
+        pytest.param(Milestones(interval=6 * H), 3, f"step 1003 ({_three(3)})", id="interval-three"),
+        pytest.param(Milestones(interval=6 * H), 4, f"step 1004 ({_three(4)} (+1 more))", id="interval-four"),
+        pytest.param(Milestones(interval=6 * H), 6, f"step 1006 ({_three(6)} (+3 more))", id="interval-six"),
+    ],
+)
+def test_a_holder_names_three_saves_passed_over_and_counts_the_rest(rule: Milestones, n: int, ending: str) -> None:
+    cs = _passed_over(n)
+    kept = rule.keeps(cs, NOW)
+    assert list(kept) == [cs[-1].id] and kept[cs[-1].id].endswith(ending)
 
 
 def test_interval_milestones_keep_the_first_save_of_each_interval() -> None:
@@ -1110,3 +1348,237 @@ def test_the_best_ranked_are_proven_before_a_worse_one_is_deleted() -> None:
     policy = Policy((KeepLast(1), KeepBest("eval_loss", "min", 2, keep_without_metric=False)), min_verified=0)
     plan = plan_retention(cs, policy, now=NOW)
     assert [k.step for k in keepers(cs, policy, plan.items)] == [600, 400, 200]
+
+
+# --------------------------------------------------------------- the pure helpers, as tables
+
+
+def _live(n: int, missing: int = 0, deleted: int = 0) -> list[CheckpointRecord]:
+    """``n`` checkpoints of job "run" (the first ``missing`` missing from hot storage), plus ``deleted`` tombstones
+    that are missing too."""
+    out = [ckpt(i + 1, "run", 100 * (i + 1), NOW - D, missing=i < missing) for i in range(n)]
+    return out + [ckpt(n + i + 1, "run", 100 * (n + i + 1), NOW - D, State.DELETED, missing=True) for i in range(deleted)]
+
+
+@pytest.mark.parametrize(
+    ("cs", "fraction", "suspended"),
+    [
+        pytest.param(_live(4, 2), 0.5, None, id="half-is-not-more-than-half"),
+        pytest.param(_live(4, 3), 0.5, "3 of 4 checkpoints missing from hot storage (75% > max_missing_fraction 50%)",
+                     id="more-than-half"),
+        pytest.param(_live(2, 2), 1.0, "2 of 2 checkpoints missing from hot storage (100% > max_missing_fraction 100%)",
+                     id="all-missing-even-at-1"),
+        pytest.param(_live(4, 0), 0.0, None, id="none-missing-at-0"),
+        pytest.param(_live(4, 1), 0.0, "1 of 4 checkpoints", id="one-missing-at-0"),
+        pytest.param(_live(2, 0, deleted=5), 0.5, None, id="tombstones-do-not-count"),
+        pytest.param(_live(0, 0, deleted=2), 0.5, None, id="only-tombstones"),
+        pytest.param([], 0.5, None, id="nothing"),
+    ],
+)
+def test_shrink_guard(cs: list[CheckpointRecord], fraction: float, suspended: str | None) -> None:
+    got = shrink_guard(cs, fraction)
+    if suspended is None:
+        assert got is None
+    else:
+        assert got is not None and got.startswith("deletion suspended for job 'run': ") and suspended in got
+        assert got.endswith("'ckptier forget --job run --missing' tombstones those gone from every tier")
+
+
+@pytest.mark.parametrize(
+    ("c", "present"),
+    [
+        pytest.param(ckpt(1, "run", 100, NOW), True, id="no-copies-recorded"),
+        pytest.param(ckpt(1, "run", 100, NOW, missing=True), False, id="missing"),
+        pytest.param(ckpt(1, "run", 100, NOW, hot_gone=True), False, id="hot-copy-deleted"),
+        pytest.param(dataclasses.replace(ckpt(1, "run", 100, NOW), copies=(
+            CopyRecord(Tier.HOT, "file:///hot/run/100", "missing", 1, None),)), False, id="hot-copy-missing"),
+        pytest.param(dataclasses.replace(ckpt(1, "run", 100, NOW), copies=(
+            CopyRecord(Tier.ARCHIVE, "s3://arch/run/100", "missing", 1, None),)), True, id="archive-copy-missing"),
+        pytest.param(dataclasses.replace(ckpt(1, "run", 100, NOW), copies=(
+            CopyRecord(Tier.HOT, "file:///hot/run/100", "degraded", 1, None),)), True, id="hot-copy-degraded"),
+    ],
+)
+def test_hot_present(c: CheckpointRecord, present: bool) -> None:
+    assert hot_present(c) is present
+
+
+def test_newest_drilled_counts_live_checkpoints_newest_first() -> None:
+    cs = _live(5) + [ckpt(9, "run", 900, NOW - D, State.DELETED)]
+    passed = {c.id: NOW for c in cs if c.id != 4}
+    assert [c.step for c in newest_drilled(cs, passed, 2)] == [500, 300]
+    assert [c.step for c in newest_drilled(cs, passed, 9)] == [500, 300, 200, 100]
+    assert newest_drilled(cs, passed, 0) == [] and newest_drilled(cs, {}, 3) == []
+
+
+def test_plan_sums_bytes_by_action() -> None:
+    plan = Plan(items=[PlanItem("run", s, s, a, ("r",), b) for s, a, b in
+                       ((1, "keep", 10), (2, "keep", 5), (3, "promote", 7), (4, "delete", 3), (5, "delete", 1))])
+    assert plan.summary() == {"keep": 2, "promote": 1, "delete": 2, "bytes_kept": 15, "bytes_promoted": 7,
+                              "bytes_deleted": 4}
+    assert [i.step for i in plan.by_action("delete")] == [4, 5]
+
+
+def _incomplete(age: timedelta, **kw: object) -> list[CheckpointRecord]:
+    """Two verified saves, then an incomplete one saved ``age`` ago (step 300)."""
+    return [ckpt(1, "run", 100, NOW - D), ckpt(2, "run", 200, NOW - D), ckpt(3, "run", 300, NOW - age, State.INCOMPLETE,
+                                                                            **kw)]  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("cs", "policy", "action", "reason"),
+    [
+        pytest.param(_incomplete(2 * H - timedelta(seconds=1)), Policy((KeepLast(2),)), "keep",
+                     "in flight: incomplete for 1h59min59s < grace 2h", id="in-flight"),
+        pytest.param(_incomplete(2 * H), Policy((KeepLast(2),)), "keep",
+                     "stale incomplete: past grace 2h: candidate for review", id="stale-at-grace"),
+        pytest.param(_incomplete(2 * H), Policy((KeepLast(2),), delete_stale_incomplete=True), "delete",
+                     "stale incomplete: past grace 2h; delete_stale_incomplete is set", id="stale-deleted"),
+        pytest.param(_incomplete(2 * H, missing=True), Policy((KeepLast(2),), delete_stale_incomplete=True), "keep",
+                     "stale incomplete: past grace 2h: candidate for review", id="stale-missing-kept"),
+        pytest.param(_incomplete(2 * H), Policy((KeepLast(2), Pinned((300,))), delete_stale_incomplete=True), "keep",
+                     "stale incomplete: past grace 2h: candidate for review", id="stale-pinned-kept"),
+    ],
+)
+def test_incomplete_saves_in_flight_and_stale(cs: list[CheckpointRecord], policy: Policy, action: str,
+                                              reason: str) -> None:
+    item = _item(plan_retention(cs, policy, now=NOW), "run", 300)
+    assert (item.action, item.reasons[0]) == (action, reason)
+
+
+def test_min_drilled_ranks_its_recovery_points() -> None:
+    cs = _live(4)
+    passed = {c.id: NOW - H for c in cs}
+    plan = plan_retention(cs, Policy((KeepLast(1),), min_drilled=2, min_verified=0), now=NOW, drill_passed=passed)
+    assert [r for r in _item(plan, "run", 300).reasons] == [
+        f"min_drilled 2: #2 newest drill-passed recovery point (drill passed {(NOW - H).isoformat()})"]
+    assert _item(plan, "run", 400).reasons[-1].startswith("min_drilled 2: newest drill-passed recovery point")
+    assert _item(plan, "run", 200).action == "delete"
+
+
+def test_policy_and_rule_defaults_are_the_documented_ones() -> None:
+    """docs/retention.md's table of settings; keep_best as Orbax's BestN keeps checkpoints without the metric."""
+    p = Policy((KeepLast(1),))
+    assert (p.min_verified, p.min_drilled, p.grace, p.delete_stale_incomplete, p.max_missing_fraction,
+            p.hot_after_archive, p.archive_when) == (2, 0, 2 * H, False, 0.5, "delete", "immediately")
+    best = KeepBest("eval_loss")
+    assert (best.mode, best.n, best.keep_without_metric) == ("min", 1, True)
+
+
+@pytest.mark.parametrize(
+    ("policy", "shown"),
+    [
+        pytest.param(Policy((KeepLast(3),)), "keep_last 3, grace 2h, min_verified 2", id="plain"),
+        pytest.param(Policy((KeepDaily(1),)), "keep_daily 1, timezone UTC, grace 2h, min_verified 2",
+                     id="calendar-rule-names-its-zone"),
+        pytest.param(Policy((KeepLast(1), Pinned((300, 100))), min_drilled=1), "keep_last 1, pinned 100, 300, grace 2h, "
+                     "min_verified 2, min_drilled 1", id="pinned-sorted-min_drilled"),
+        pytest.param(Policy((KeepLast(1),), archive=ARCH, archive_after=14 * D, archive_when="leaving_hot"),
+                     f"keep_last 1, grace 2h, min_verified 2, archive {ARCH} (hot after archive: delete), "
+                     "archive_after 2w, archive_when leaving_hot", id="archive-settings"),
+        pytest.param(Policy((KeepLast(1),), archive=ARCH), f"keep_last 1, grace 2h, min_verified 2, archive {ARCH} "
+                     "(hot after archive: delete)", id="archive-defaults"),
+    ],
+)
+def test_policy_strings(policy: Policy, shown: str) -> None:
+    assert str(policy) == shown
+
+
+def test_interval_milestones_are_aligned_to_1_january_1970() -> None:
+    """7-day intervals start on Thursdays, as 1 January 1970 was one (6-hour ones at 00:00, 06:00...)."""
+    monday = datetime(2024, 5, 20, 9, tzinfo=UTC)
+    cs = _at(monday, monday + 2 * D, monday + 3 * D)  # Monday, Wednesday | Thursday
+    kept = Milestones(interval=7 * D).keeps(cs, NOW)
+    assert sorted(c.step for c in cs if c.id in kept) == [100, 300]
+    assert kept[cs[0].id].startswith("milestones every 1w of save time: holds the interval from 2024-05-16 00:00 (UTC)")
+    assert kept[cs[2].id].startswith("milestones every 1w of save time: holds the interval from 2024-05-23 00:00 (UTC)")
+
+
+def test_the_log_series_reaches_every_signed_64_bit_step() -> None:
+    assert Milestones(log=True).between(4 * 10**18, 2**63 - 1) == (5 * 10**18, 5 * 10**18, 1)
+    assert Milestones(log=True).between(0, 1) == (1, 1, 1)
+
+
+def test_milestone_holders_leave_tombstones_out() -> None:
+    cs = [ckpt(1, "run", 100, NOW - D), ckpt(2, "run", 200, NOW - D, State.DELETED)]
+    assert Policy((Milestones(steps=(100, 200)),)).milestone_holders(cs, NOW) == {1}
+
+
+def _archived(*copies: tuple[str, datetime | None]) -> CheckpointRecord:
+    """A verified milestone (step 100) whose archive copies are ``(state, verified_at)``."""
+    c = ckpt(1, "run", 100, NOW - 10 * D)
+    return dataclasses.replace(c, copies=tuple(CopyRecord(Tier.ARCHIVE, f"s3://arch/run/100/{i}", state, 8, at)
+                                               for i, (state, at) in enumerate(copies)))
+
+
+@pytest.mark.parametrize(
+    ("milestone", "reason"),
+    [
+        pytest.param(_archived(("present", NOW - 3 * D)), f"archived copy verified at {(NOW - 3 * D).isoformat()}; "
+                     "hot copy not needed", id="one"),
+        pytest.param(_archived(("present", NOW - 3 * D), ("present", NOW - 2 * D), ("missing", NOW - D)),
+                     f"archived copy verified at {(NOW - 2 * D).isoformat()}; hot copy not needed",
+                     id="the-newest-present-verified"),
+    ],
+)
+def test_a_milestone_hot_copy_goes_once_archived_naming_when(milestone: CheckpointRecord, reason: str) -> None:
+    cs = [milestone, ckpt(2, "run", 200, NOW - D), ckpt(3, "run", 300, NOW - H)]
+    plan = plan_retention(cs, Policy((KeepLast(2), Milestones(steps=(100,))), archive=ARCH), now=NOW)
+    item = _item(plan, "run", 100)
+    assert (item.action, item.scope, item.reasons[-1]) == ("delete", "hot-copy", reason)
+
+
+@pytest.mark.parametrize(
+    ("age", "policy", "action", "reason"),
+    [
+        pytest.param(3 * D, Policy((KeepLast(1), Milestones(steps=(100,))), archive=ARCH, archive_after=14 * D),
+                     "keep", "no verified archive copy yet: archive_after 2w: promoted once older (saved 3d ago)",
+                     id="too-young"),
+        pytest.param(14 * D, Policy((KeepLast(1), Milestones(steps=(100,))), archive=ARCH, archive_after=14 * D),
+                     "promote", f"no verified archive copy yet: promote to {ARCH}", id="exactly-archive_after-old"),
+        pytest.param(3 * D, Policy((KeepLast(2), Milestones(steps=(100,))), archive=ARCH, archive_when="leaving_hot"),
+                     "keep", "no verified archive copy yet: archive_when leaving_hot: promoted when no other rule keeps "
+                     "it in hot storage", id="leaving-hot-held"),
+        pytest.param(3 * D, Policy((KeepLast(1), Milestones(steps=(100,))), archive=ARCH, archive_when="leaving_hot"),
+                     "promote", f"no verified archive copy yet: promote to {ARCH}", id="leaving-hot-left"),
+        pytest.param(3 * D, Policy((KeepLast(2), Milestones(steps=(100,))), archive=ARCH), "promote",
+                     f"no verified archive copy yet: promote to {ARCH}", id="immediately-while-held"),
+    ],
+)
+def test_when_a_milestone_is_promoted(age: timedelta, policy: Policy, action: str, reason: str) -> None:
+    cs = [ckpt(1, "run", 100, NOW - age), ckpt(2, "run", 200, NOW - H)]
+    item = _item(plan_retention(cs, policy, now=NOW), "run", 100)
+    assert (item.action, item.reasons[-1]) == (action, reason)
+
+
+def test_the_newest_verified_reason_comes_first() -> None:
+    plan = plan_retention(_live(3), Policy((KeepLast(2),)), now=NOW)
+    assert _item(plan, "run", 300).reasons == ("newest verified checkpoint of the job", "keep_last 2: #1 newest verified")
+
+
+def test_stale_incomplete_saves_are_kept_for_review_unless_told() -> None:
+    from ckptier.tasks.retention import InFlightFloor
+
+    assert str(InFlightFloor(2 * H)) == "incomplete saves in flight for up to grace 2h; stale ones kept for review"
+    assert str(InFlightFloor(2 * H, True)).endswith("stale ones deleted (delete_stale_incomplete)")
+
+
+def _keepers_case() -> tuple[list[CheckpointRecord], list[PlanItem]]:
+    cs = _live(5) + [ckpt(6, "run", 600, NOW - H, State.COMMITTED)]
+    items = [PlanItem("run", c.step, c.id, "delete" if c.id in (1, 2, 4) else "keep", ("r",), 1) for c in cs]
+    return cs, items
+
+
+@pytest.mark.parametrize(
+    ("policy", "steps"),
+    [
+        pytest.param(Policy((KeepLast(1),), min_verified=1), [500], id="newest"),
+        pytest.param(Policy((KeepLast(1),), min_verified=2), [500, 300], id="the-floor-of-what-is-not-deleted"),
+        pytest.param(Policy((KeepLast(2),), min_verified=0), [500, 400], id="keep_last"),
+        pytest.param(None, [500, 300], id="no-policy-every-verified-not-deleted"),
+    ],
+)
+def test_keepers(policy: Policy | None, steps: list[int]) -> None:
+    from ckptier.tasks.retention import keepers
+
+    cs, items = _keepers_case()
+    assert [c.step for c in keepers(cs, policy, items)] == steps

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 
@@ -19,10 +22,13 @@ from ckptier.storage.records import (
 )
 from ckptier.storage.base import ObjectInfo
 from ckptier.storage.transitions import (
+    DEFAULT_GRACE,
+    MTIME_TOLERANCE,
     Change,
     Proof,
     Row,
     Seen,
+    Transition,
     completeness,
     discovered,
     file_change,
@@ -50,6 +56,10 @@ def row(state: State, reason: str | None = "r", *, saved: datetime | None = OLD,
 def seen(committed: bool = True, *, short: tuple[Shortfall, ...] = (), saved: datetime | None = OLD,
          changed: tuple[str, ...] = (), gone: tuple[str, ...] = (), still_gone: tuple[str, ...] = ()) -> Seen:
     return Seen(committed, "evidence" if committed else "no evidence", saved, short, changed, gone, still_gone)
+
+
+def scan_t(old: Row | None, s: Seen) -> Transition:
+    return on_scan(old, s, label="j step 1", location="file:///x/j/step-1", now=NOW, grace=GRACE)
 
 
 def scan(old: Row | None, s: Seen) -> tuple[State, str | None, list[str], frozenset[str]]:
@@ -118,6 +128,43 @@ def test_scan_reasons_name_the_missing_files_and_the_deadline() -> None:
     assert "corrupt if still so at 2026-03-01T13:50:00+00:00 (grace 2h)" in (reason or "")
 
 
+def _young_reason(*short: Shortfall) -> str:
+    verdict = completeness(short, saved_at=YOUNG, first_seen=OLD, now=NOW, grace=GRACE)
+    assert verdict is not None and verdict[0] == State.INCOMPLETE
+    return verdict[1]
+
+
+#: The reason a rescan writes for a young save that lacks ABSENT and SHORT.
+BOTH_YOUNG = _young_reason(ABSENT, SHORT)
+
+
+@pytest.mark.parametrize(
+    ("old", "s", "state", "reason"),
+    [
+        # a corrupt checkpoint keeps its evidence: a shortfall found now does not replace why it is corrupt
+        pytest.param(row(State.CORRUPT, "rank-0000/model.pt: sha256 mismatch"), seen(short=(ABSENT,)),
+                     State.CORRUPT, "rank-0000/model.pt: sha256 mismatch", id="corrupt-keeps-evidence"),
+        pytest.param(row(State.CORRUPT, "rank-0000/model.pt: sha256 mismatch", saved=YOUNG),
+                     seen(short=(ABSENT,), saved=YOUNG), State.CORRUPT, "rank-0000/model.pt: sha256 mismatch",
+                     id="corrupt-young-shortfall-keeps-evidence"),
+        # an incomplete one's reason follows what is still short
+        pytest.param(row(State.INCOMPLETE, "1 file(s) that metadata.json requires not present yet: an older list",
+                         saved=YOUNG), seen(short=(ABSENT, SHORT), saved=YOUNG),
+                     State.INCOMPLETE, BOTH_YOUNG, id="incomplete-refreshes-shortfalls"),
+        pytest.param(row(State.INCOMPLETE, BOTH_YOUNG, saved=YOUNG),
+                     seen(short=(ABSENT, SHORT), saved=YOUNG), State.INCOMPLETE,
+                     BOTH_YOUNG, id="incomplete-same-shortfalls"),
+        # committed with a young shortfall: incomplete, naming it
+        pytest.param(row(State.COMMITTED, "evidence"), seen(short=(ABSENT, SHORT), saved=YOUNG), State.INCOMPLETE,
+                     BOTH_YOUNG, id="committed-to-incomplete"),
+    ],
+)
+def test_scan_reasons_kept_or_refreshed(old: Row, s: Seen, state: State, reason: str | None) -> None:
+    assert "2 file(s)" in BOTH_YOUNG
+    got = on_scan(old, s, label="j step 1", location="file:///x/j/step-1", now=NOW, grace=GRACE)
+    assert (got.state, got.reason) == (state, reason)
+
+
 def test_a_young_shortfall_rescanned_writes_the_same_reason() -> None:
     """The reason does not move with the clock, so an unchanged rescan changes nothing."""
     first = on_scan(row(State.COMMITTED), seen(short=(ABSENT,), saved=YOUNG), label="j", location="x", now=NOW,
@@ -125,6 +172,48 @@ def test_a_young_shortfall_rescanned_writes_the_same_reason() -> None:
     later = on_scan(row(State.INCOMPLETE, first.reason, saved=YOUNG), seen(short=(ABSENT,), saved=YOUNG), label="j",
                     location="x", now=NOW + timedelta(minutes=30), grace=GRACE)
     assert later.state == State.INCOMPLETE and later.reason == first.reason and later.events == ()
+
+
+@pytest.mark.parametrize(
+    ("grace", "shown"),
+    [
+        pytest.param(timedelta(days=1), "1d", id="days"),
+        pytest.param(timedelta(hours=2), "2h", id="hours"),
+        pytest.param(timedelta(minutes=2), "2m", id="minutes"),
+        pytest.param(timedelta(seconds=90), "90s", id="seconds"),
+        pytest.param(timedelta(hours=25), "25h", id="hours-past-a-day"),
+    ],
+)
+def test_the_reason_names_the_grace_in_its_largest_whole_unit(grace: timedelta, shown: str) -> None:
+    verdict = completeness((ABSENT,), saved_at=NOW, first_seen=OLD, now=NOW, grace=grace)
+    assert verdict is not None and verdict[1].endswith(f"(grace {shown})")
+
+
+@pytest.mark.parametrize(
+    ("steps", "message"),
+    [
+        pytest.param([7], "j: 1 new checkpoint(s), steps 7", id="one"),
+        pytest.param([1, 2, 3], "j: 3 new checkpoint(s), steps 1, 2, 3", id="three-named-none-more"),
+        pytest.param([1, 2, 3, 4, 5], "j: 5 new checkpoint(s), steps 1, 2, 3 (+2 more)", id="five"),
+    ],
+)
+def test_messages_name_three_and_count_the_rest(steps: list[int], message: str) -> None:
+    assert discovered("j", steps).message == message
+
+
+@pytest.mark.parametrize(
+    ("old", "s"),
+    [
+        pytest.param(row(State.INCOMPLETE, BOTH_YOUNG, saved=YOUNG, verified=OLD), seen(short=(ABSENT, SHORT), saved=YOUNG),
+                     id="incomplete-same-shortfalls"),
+        pytest.param(row(State.CORRUPT, "bytes", verified=OLD), seen(short=(ABSENT,)), id="corrupt-shortfall"),
+        pytest.param(row(State.VERIFIED, verified=OLD), seen(), id="verified"),
+        pytest.param(row(State.COMMITTED), seen(), id="committed"),
+    ],
+)
+def test_a_rescan_that_finds_the_same_thing_writes_nothing(old: Row, s: Seen) -> None:
+    t = scan_t(old, s)
+    assert (t.state, t.reason, t.verified_at, t.events) == (old.state, old.reason, old.verified_at, ())
 
 
 def test_scan_times() -> None:
@@ -141,11 +230,28 @@ def test_scan_times() -> None:
     assert discovered("j", [1, 2, 3, 4]).message == "j: 4 new checkpoint(s), steps 1, 2, 3 (+1 more)"
 
 
-def test_incomplete_saves_forget_files_that_went_away() -> None:
-    assert on_scan(row(State.INCOMPLETE), seen(False, gone=("a",)), label="j", location="x", now=NOW,
-                   grace=GRACE).forget_gone_files
-    assert not on_scan(row(State.VERIFIED), seen(gone=("a",)), label="j", location="x", now=NOW,
-                       grace=GRACE).forget_gone_files
+@pytest.mark.parametrize(
+    ("transition", "forget"),
+    [
+        pytest.param(lambda: scan_t(row(State.INCOMPLETE), seen(False, gone=("a",))), True, id="incomplete"),
+        pytest.param(lambda: scan_t(row(State.VERIFIED), seen(gone=("a",))), False, id="verified"),
+        pytest.param(lambda: scan_t(None, seen(False)), True, id="new-incomplete"),
+        pytest.param(lambda: scan_t(None, seen()), False, id="new-committed"),
+        pytest.param(lambda: scan_t(None, seen(short=(ABSENT,), saved=YOUNG)), True, id="new-in-flight"),
+        pytest.param(lambda: on_vanished(row(State.COMMITTED), label="j", location="x", now=NOW), False,
+                     id="vanished"),
+        pytest.param(lambda: on_files_changed(row(State.VERIFIED, verified=OLD), [VANISHED], label="j"), False,
+                     id="stat"),
+    ],
+)
+def test_incomplete_saves_forget_files_that_went_away(transition: Callable[[], Transition], forget: bool) -> None:
+    """A save in flight still changes its file set: its gone files are dropped, not kept as missing."""
+    assert transition().forget_gone_files is forget
+
+
+def test_the_default_grace_is_the_documented_one() -> None:
+    """docs/retention.md: ``grace`` defaults to ``"2h"``."""
+    assert DEFAULT_GRACE == timedelta(hours=2)
 
 
 @pytest.mark.parametrize(
@@ -216,6 +322,21 @@ def test_verification_results(state: State, results: list[FileCheck], expected: 
     assert events == ([] if got == state else [expected.value])
 
 
+@pytest.mark.parametrize(
+    ("results", "reason"),
+    [
+        pytest.param([fc("a", "corrupt", "crc64nvme X, recorded Y"), fc("b", "ok")], "a: crc64nvme X, recorded Y",
+                     id="one-bad"),
+        pytest.param([fc("a", "missing"), fc("b", "corrupt", "truncated")], "a: missing (+1 more bad files)",
+                     id="two-bad"),
+        pytest.param([fc("b", "corrupt", "truncated"), fc("a", "missing")], "b: truncated (+1 more bad files)",
+                     id="two-bad-the-first-named"),
+    ],
+)
+def test_a_corrupt_verdict_names_the_first_bad_file_and_counts_the_rest(results: list[FileCheck], reason: str) -> None:
+    assert verify(State.VERIFIED, results)[:2] == (State.CORRUPT, reason)
+
+
 def test_a_young_checkpoint_with_absent_listed_files_is_incomplete_not_corrupt() -> None:
     results = [fc("a", "ok"), fc("b", "ok"), fc("c", "missing", "listed", short=ABSENT)]
     state, reason, events = verify(State.COMMITTED, results, saved=YOUNG)
@@ -253,10 +374,10 @@ def test_verification_refuses_unknown_files_and_statuses() -> None:
 
 
 def rec(step: int, state: State = State.VERIFIED, *, drill: DrillOutcome | None = None,
-        copy_state: str = "present") -> CheckpointRecord:
+        copy_state: str = "present", saved: datetime | None = OLD, first_seen: datetime = OLD) -> CheckpointRecord:
     return CheckpointRecord(
         id=step, job="j", step=step, format=Format.GUIDE, state=state, location=f"file:///j/{step}", bytes=1,
-        saved_at=OLD, first_seen=OLD, last_seen=OLD, missing_since=None,
+        saved_at=saved, first_seen=first_seen, last_seen=OLD, missing_since=None,
         verified_at=NOW - timedelta(hours=step) if state == State.VERIFIED else None, state_reason=None,
         copies=(CopyRecord(Tier.HOT, f"file:///j/{step}", copy_state, 1, None),), last_drill=drill,
     )
@@ -276,6 +397,11 @@ FAILED = DrillOutcome(False, NOW - timedelta(minutes=1), "load: unexpected key '
         (rec(5, State.COMMITTED, drill=PASSED), Proof.COMMITTED, OLD),  # files changed since the drill
         (rec(6, State.CORRUPT), None, None),
         (rec(7, State.INCOMPLETE), None, None),
+        # committed since the save, not since the catalog first saw it (a first scan of old saves)
+        pytest.param(rec(8, State.COMMITTED, saved=OLD, first_seen=YOUNG), Proof.COMMITTED, OLD,
+                     id="committed-since-saved"),
+        pytest.param(rec(9, State.COMMITTED, saved=None, first_seen=YOUNG), Proof.COMMITTED, YOUNG,
+                     id="committed-since-first-seen-without-save-time"),
     ],
 )
 def test_proof_levels(record: CheckpointRecord, proof: Proof | None, at: datetime | None) -> None:
@@ -321,6 +447,11 @@ def info(size: int = 6000, mtime: float = 1_700_000_000.0, etag: str | None = No
     [
         (CATALOGED, info(), None),
         (CATALOGED, info(mtime=1_700_000_000.0004), None),  # within the catalog's precision
+        # exactly the tolerance apart is still within it (files dated at the epoch, as reproducible builds do)
+        pytest.param(dataclasses.replace(CATALOGED, mtime=0.0), info(mtime=MTIME_TOLERANCE), None,
+                     id="at-the-tolerance"),
+        pytest.param(dataclasses.replace(CATALOGED, mtime=0.0), info(mtime=2 * MTIME_TOLERANCE),
+                     "rank-0000/model.pt mtime 0.000 -> 0.002", id="past-the-tolerance"),
         (CATALOGED, info(size=1000), "rank-0000/model.pt size 6000 -> 1000 bytes"),  # truncated in place
         (CATALOGED, info(mtime=1_700_003_600.0), "rank-0000/model.pt mtime 1700000000.000 -> 1700003600.000"),
         (CATALOGED, None, "rank-0000/model.pt is gone"),
@@ -378,3 +509,47 @@ def test_what_a_stat_mismatch_does_to_a_state(old: Row, changes: list[Change], s
         assert t.verified_at is None and "rank-0000/model.pt" in (t.reason or "")
     if state == old.state and old.state != State.COMMITTED:
         assert (t.reason, t.verified_at) == (old.reason, old.verified_at)
+
+
+# -- how much an event's data names -------------------------------------------------------
+
+MANY = tuple(f"rank-{i:04d}/model.pt" for i in range(150))
+MANY_SHORT = tuple(Shortfall(name, "metadata.json") for name in MANY)
+MANY_FILES = tuple(fr(name) for name in MANY)
+
+
+def _scan_data(old: Row | None, s: Seen) -> dict[str, Any]:
+    t = on_scan(old, s, label="j step 1", location="file:///x", now=NOW, grace=GRACE)
+    return dict(t.events[0].data or {})
+
+
+def _verify_data(results: list[FileCheck]) -> dict[str, Any]:
+    t = on_verification(row(State.COMMITTED), MANY_FILES, results, label="j", now=NOW, grace=GRACE).transition
+    return dict(t.events[0].data or {})
+
+
+@pytest.mark.parametrize(
+    ("data", "key", "count"),
+    [
+        pytest.param(lambda: _scan_data(None, seen(short=MANY_SHORT)), "files", 100, id="new-corrupt"),
+        pytest.param(lambda: _scan_data(row(State.COMMITTED), seen(short=MANY_SHORT)), "files", 100,
+                     id="committed-to-corrupt"),
+        pytest.param(lambda: _scan_data(row(State.VERIFIED, verified=OLD), seen(changed=MANY)), "files", 100,
+                     id="verified-changed"),
+        pytest.param(lambda: _scan_data(row(State.CORRUPT), seen(changed=MANY)), "files", 100, id="corrupt-changed"),
+        pytest.param(lambda: _scan_data(row(State.COMMITTED), seen(changed=MANY)), "files", 100,
+                     id="committed-changed"),
+        pytest.param(lambda: dict(on_files_changed(row(State.VERIFIED, verified=OLD),
+                                                   [Change(n, f"{n} is gone") for n in MANY], label="j")
+                                  .events[0].data or {}), "files", 100, id="stat-changed"),
+        pytest.param(lambda: _verify_data([fc(n, "corrupt") for n in MANY]), "bad", 100, id="verify-bad"),
+        pytest.param(lambda: _verify_data([fc(MANY[0], "corrupt"), *(fc(n, "error") for n in MANY[1:])]), "errors",
+                     100, id="verify-errors"),
+        pytest.param(lambda: _verify_data([fc(f"x{n}", "missing", short=Shortfall(f"x{n}", "metadata.json"))
+                                           for n in MANY]), "absent", 100, id="verify-absent"),
+        pytest.param(lambda: dict(discovered("j", list(range(1500))).data or {}), "steps", 1000, id="discovered"),
+    ],
+)
+def test_event_data_names_at_most_a_hundred_files(data: Callable[[], dict[str, Any]], key: str, count: int) -> None:
+    """Events name the first 100 files (1,000 steps), whatever the size of the checkpoint."""
+    assert len(data()[key]) == count
