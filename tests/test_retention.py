@@ -1319,11 +1319,13 @@ def test_milestones_never_slide_when_a_holder_loses_its_hot_copy(
 @PROP
 @given(catalogs(), policies())
 def test_in_flight_never_counts_toward_keep_last(cs: list[CheckpointRecord], policy: Policy) -> None:
-    """Adding in-flight saves above every step changes no other decision."""
+    """Adding in-flight saves above every step (and after every save: the newest save in time
+    too, as a save above every step is) changes no other decision."""
     base = plan_retention(cs, policy, now=NOW)
     top = max((c.step for c in cs), default=0)
+    newest = max([NOW - timedelta(seconds=1)] + [(c.saved_at or c.first_seen) + timedelta(seconds=1) for c in cs])
     extra = [
-        ckpt(10_000 + k, job, top + 10 * (k + 1), NOW - timedelta(seconds=1), State.INCOMPLETE)
+        ckpt(10_000 + k, job, top + 10 * (k + 1), newest, State.INCOMPLETE)
         for k, job in enumerate(sorted({c.job for c in cs}))
     ]
     if any(policy.is_milestone(c.step) or any(isinstance(r, Pinned) and c.step in r.steps for r in policy.rules) for c in extra):
