@@ -24,6 +24,14 @@ os.environ.setdefault("PREFECT_API_ENABLE_METRICS", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+# Property tests draw the same examples on every run (a CI run is reproducible and never
+# fails by chance); CKPTIER_HYPOTHESIS=explore draws fresh ones, for hunting new cases.
+from hypothesis import settings as _hypothesis_settings  # noqa: E402 - after the environment above
+
+_hypothesis_settings.register_profile("ckptier", derandomize=True, print_blob=True)
+_hypothesis_settings.register_profile("explore", derandomize=False, print_blob=True)
+_hypothesis_settings.load_profile("explore" if os.environ.get("CKPTIER_HYPOTHESIS") == "explore" else "ckptier")
+
 #: The checkout these tests belong to: the code they test must be its own.
 ROOT = Path(__file__).resolve().parent.parent
 

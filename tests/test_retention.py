@@ -1501,8 +1501,11 @@ def test_the_log_series_reaches_every_signed_64_bit_step() -> None:
 
 
 def test_milestone_holders_leave_tombstones_out() -> None:
+    """Planning hands a milestone rule the job's tombstones too: a tombstone never holds one."""
     cs = [ckpt(1, "run", 100, NOW - D), ckpt(2, "run", 200, NOW - D, State.DELETED)]
-    assert Policy((Milestones(steps=(100, 200)),)).milestone_holders(cs, NOW) == {1}
+    assert set(Milestones(steps=(100, 200)).keeps(cs, NOW)) == {1}
+    plan = plan_retention(cs, Policy((Milestones(steps=(100, 200)),)), now=NOW)
+    assert [(i.step, i.action) for i in plan.items] == [(100, "keep")]  # the tombstone: no item, held by nothing
 
 
 def _archived(*copies: tuple[str, datetime | None]) -> CheckpointRecord:
