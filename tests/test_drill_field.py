@@ -36,26 +36,12 @@ import pytest
 
 from ckptier.storage.catalog.api import Catalog
 from tests.fixtures.checkpoints import CheckpointRun
-from tests.test_drill_steps import cli  # noqa: F401 - the command line in a fresh catalog
+from tests.test_drill_steps import OFF_BY_THE_STEP, cli  # noqa: F401 - the command line in a fresh catalog; a factory off by the step
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 FACTORY = "tests.fixtures.checkpoints:tiny_mlp_drill_spec"
-
-OFF_BY_THE_STEP = textwrap.dedent(
-    '''
-    from tests.fixtures.checkpoints import tiny_batch, tiny_mlp_drill_spec
-
-
-    def batches_from_one(metadata):
-        """Trains on batches 1, 2, 3... whatever the step the checkpoint was saved at."""
-        spec = tiny_mlp_drill_spec(metadata)
-        start = metadata["step"]
-        spec.batch = lambda step, device: tiny_batch(step - start, device)
-        return spec
-    '''
-)
 
 WIDER = textwrap.dedent(
     '''
@@ -84,30 +70,15 @@ def _checks(report: dict) -> dict[str, dict]:  # type: ignore[type-arg]
     return {c["name"]: c for c in report["checks"]}
 
 
-def test_deepspeed_zero2_of_2_ranks_restores_on_one_and_retraces_the_run(
-    deepspeed_zero_runs: Path, tmp_path: Path, cli  # type: ignore[no-untyped-def]  # noqa: F811
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_deepspeed_zero_of_2_ranks_restores_on_one_and_retraces_the_run(
+    deepspeed_zero_runs: Path, tmp_path: Path, cli, stage: str  # type: ignore[no-untyped-def]  # noqa: F811
 ) -> None:
+    """ZeRO 2 (optimizer states partitioned) and ZeRO 3 (the weights too) of 2 ranks restore on one."""
     hot = tmp_path / "hot"
-    shutil.copytree(deepspeed_zero_runs / "zero2", hot / "zero2")
+    shutil.copytree(deepspeed_zero_runs / stage, hot / stage)
     assert cli("scan", str(hot))[0] == 0 and cli("verify")[0] == 0
-    code, out, err = cli("drill", "--job", "zero2/run", "--device", "cpu", "--steps", "3", "--model", FACTORY,
-                         "--json", "--no-prefect")
-    (report,) = json.loads(out)
-    assert code == 0 and report["verdict"] == "passed", (report["summary"], err)
-    assert report["step"] == 6 and report["trained_steps"] == [7, 9]
-    checks = _checks(report)
-    assert checks["optimizer_continues"]["detail"] == "step counter 6 -> 9", checks  # both partitions joined
-    assert checks["trajectory"]["ok"] and checks["trajectory"]["detail"].startswith("3 recorded losses of steps 7..9"), checks
-    assert report["stack"]["deepspeed"]  # the format's library is part of the stack the drill ran on
-
-
-def test_deepspeed_zero3_of_2_ranks_restores_on_one_and_retraces_the_run(
-    deepspeed_zero_runs: Path, tmp_path: Path, cli  # type: ignore[no-untyped-def]  # noqa: F811
-) -> None:
-    hot = tmp_path / "hot"
-    shutil.copytree(deepspeed_zero_runs / "zero3", hot / "zero3")
-    assert cli("scan", str(hot))[0] == 0 and cli("verify")[0] == 0
-    code, out, err = cli("drill", "--job", "zero3/run", "--device", "cpu", "--steps", "3", "--model", FACTORY,
+    code, out, err = cli("drill", "--job", f"{stage}/run", "--device", "cpu", "--steps", "3", "--model", FACTORY,
                          "--json", "--no-prefect")
     (report,) = json.loads(out)
     assert code == 0 and report["verdict"] == "passed", (report["summary"], err)
@@ -115,14 +86,15 @@ def test_deepspeed_zero3_of_2_ranks_restores_on_one_and_retraces_the_run(
     checks = _checks(report)
     assert checks["optimizer_continues"]["detail"] == "step counter 6 -> 9", checks  # both ranks' Adam partitions
     assert checks["trajectory"]["ok"] and checks["trajectory"]["detail"].startswith("3 recorded losses of steps 7..9"), checks
-    rows = {r["step"]: r["loss"] for r in map(json.loads, (hot / "zero3" / "run" / "losses.jsonl").read_text().splitlines())}
+    assert report["stack"]["deepspeed"]  # the format's library is part of the stack the drill ran on
+    rows = {r["step"]: r["loss"] for r in map(json.loads, (hot / stage / "run" / "losses.jsonl").read_text().splitlines())}
     assert report["losses"][0] == pytest.approx(rows[7], rel=1e-5)  # the weights, whole: step 7's loss is the run's
     # (steps 8, 9 only within the trajectory's tolerance: DeepSpeed clipped the gradient norm to 1.0, its default,
     # and the factory does not; test_format_deepspeed.py retrains with the clip and reaches the run's weights)
 
     factories = tmp_path / "off_by_the_step.py"
     factories.write_text(OFF_BY_THE_STEP)
-    code, out, _ = cli("drill", "--job", "zero3/run", "--device", "cpu", "--steps", "3", "--model",
+    code, out, _ = cli("drill", "--job", f"{stage}/run", "--device", "cpu", "--steps", "3", "--model",
                        f"{factories}:batches_from_one", "--json", "--no-prefect")
     (wrong,) = json.loads(out)
     assert code == 1 and wrong["verdict"] == "failed" and wrong["trained_steps"] == [7, 9]

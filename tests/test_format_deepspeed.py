@@ -156,17 +156,23 @@ def test_deepspeed_classes_are_never_imported_and_unknown_ones_are_refused(deeps
     with pytest.raises(UnsafeCheckpoint, match="deepspeed.runtime") as caught:
         safe_torch_load(optim)  # the generic loader knows nothing of DeepSpeed's classes
     assert caught.value.global_name in LIBRARY_GLOBALS
+    assert _loaded_in_a_fresh_process(deepspeed_run.path(6)) == ["4", "[0,", "1,", "2,", "3]", "6", "[]"]
+
+
+def _loaded_in_a_fresh_process(path: Path) -> list[str]:
+    """Load the DeepSpeed checkpoint at ``path`` in a new interpreter; what it printed, split:
+    model tensors, optimizer state ids, the step, and every ``deepspeed`` module imported."""
     code = (
         "import sys; from pathlib import Path\n"
         "from ckptier.formats.safe_load import load_checkpoint_dir\n"
-        f"loaded = load_checkpoint_dir(Path({str(deepspeed_run.path(6))!r}), 'deepspeed')\n"
+        f"loaded = load_checkpoint_dir(Path({str(path)!r}), 'deepspeed')\n"
         "print(len(loaded.model_state), sorted(loaded.optimizer_state['state']), loaded.step,"
         " [m for m in sys.modules if m.split('.')[0] == 'deepspeed'])\n"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env, check=False)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["4", "[0,", "1,", "2,", "3]", "6", "[]"]
+    return done.stdout.split()
 
 
 def test_zero_optimizer_state_is_cut_back_into_the_torch_optimizers(deepspeed_run: CheckpointRun) -> None:
@@ -267,17 +273,8 @@ def test_zero3_weights_are_reassembled_bit_exactly_with_the_optimizer_state(
 
 
 def test_zero3_loads_without_importing_deepspeed(deepspeed_zero_runs: Path) -> None:
-    code = (
-        "import sys; from pathlib import Path\n"
-        "from ckptier.formats.safe_load import load_checkpoint_dir\n"
-        f"loaded = load_checkpoint_dir(Path({str(deepspeed_zero_runs / 'zero3' / 'run' / 'global_step6')!r}), 'deepspeed')\n"
-        "print(len(loaded.model_state), sorted(loaded.optimizer_state['state']), loaded.step,"
-        " [m for m in sys.modules if m.split('.')[0] == 'deepspeed'])\n"
-    )
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env, check=False)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["4", "[0,", "1,", "2,", "3]", "6", "[]"]
+    assert _loaded_in_a_fresh_process(deepspeed_zero_runs / "zero3" / "run" / "global_step6") == [
+        "4", "[0,", "1,", "2,", "3]", "6", "[]"]
 
 
 def test_zero3_optimizer_state_retrains_to_the_runs_own_weights(deepspeed_zero_runs: Path) -> None:
