@@ -375,7 +375,7 @@ class Milestones:
                         f"(every {period} steps) can be kept; {fix}")
             return None
         if self.log:
-            first = next((m for m in _log_series(10**18) if m % d == r), None)
+            first = next((m for m in _LOG_SERIES if m % d == r), None)  # every step a catalog can hold
             if first is None:
                 return f"{self}: {saves} and no step of the 1-2-5 series falls on a save, so no milestone is ever kept; {fix}"
             series = [m for m in _log_series(steps[-1]) if m >= steps[0]]

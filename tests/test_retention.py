@@ -420,15 +420,20 @@ LOG_EXACT = Milestones(log=True, match="exact")
                      id="cadence-from-the-gaps"),
         pytest.param(Milestones(every=1), [5, 6, 7], None, id="every-step-is-no-cadence"),
         pytest.param(Milestones(every=1), [5, 6, 8], None, id="irregular"),
-        # the first step of the 1-2-5 series on a save is looked for up to step 10^18
+        # the first step of the 1-2-5 series on a save is looked for up to the largest step (2^63 - 1)
         pytest.param(LOG_EXACT, [4, 47, 90],
                      "milestones log (1-2-5 series) (exact match): saves come every 43 steps (at step 4 mod 43), so "
                      "4 of the 4 milestones from step 4 to 90 can never be kept (the first that can is step "
                      f"{10**18}); {FIX}", id="log-first-at-10^18"),
         pytest.param(LOG_EXACT, [44, 93, 142],
-                     "milestones log (1-2-5 series) (exact match): saves come every 49 steps (at step 44 mod 49) and "
+                     "milestones log (1-2-5 series) (exact match): saves come every 49 steps (at step 44 mod 49), so "
+                     "2 of the 2 milestones from step 44 to 142 can never be kept (the first that can is step "
+                     f"{2 * 10**18}); {FIX}", id="log-first-past-10^18"),
+        # 1, 2 and 5 times a power of ten: never a multiple of 3
+        pytest.param(LOG_EXACT, [3, 6, 9],
+                     "milestones log (1-2-5 series) (exact match): saves come every 3 steps and "
                      f"no step of the 1-2-5 series falls on a save, so no milestone is ever kept; {FIX}",
-                     id="log-first-past-10^18"),
+                     id="log-never-on-a-multiple-of-3"),
         pytest.param(LOG_EXACT, list(range(800, 20001, 800)),
                      "milestones log (1-2-5 series) (exact match): saves come every 800 steps, so 4 of the 5 milestones "
                      f"from step 800 to 20000 can never be kept (only step 20000 falls on a save); {FIX}",
