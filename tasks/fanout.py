@@ -173,7 +173,7 @@ def runner_settings(base: RunnerSettings, override: str | None) -> RunnerSetting
     raise ConfigError(f"--runner {override!r}: must be threads or dask")
 
 
-def open_fanout(settings: RunnerSettings, *, workers: int = 4) -> Fanout | None:
+def open_fanout(settings: RunnerSettings) -> Fanout | None:
     """The executor ``settings`` names, outside Prefect: None for ``threads``
     (each operation does its work in this process: see the module
     docstring), a :class:`DaskFanout` for ``dask``."""
