@@ -241,18 +241,24 @@ def _hf_drill(cli, run: CheckpointRun, factories: Path, factory: str, *, step: i
     return code, report
 
 
+def _scanned_hf_run(run: CheckpointRun, tmp_path: Path, cli) -> tuple[Path, Path]:  # type: ignore[no-untyped-def]  # noqa: F811
+    """``run`` copied to a hot tree, scanned and verified, and the factories module fed its inputs."""
+    assert run.inputs is not None
+    hot = tmp_path / "hot"
+    shutil.copytree(run.root, hot)
+    factories = tmp_path / "hf_factories.py"
+    factories.write_text(HF_FACTORIES.format(inputs=str(run.inputs)))
+    assert cli("scan", str(hot))[0] == 0 and cli("verify")[0] == 0
+    return hot, factories
+
+
 def test_hf_trainer_drill_retraces_the_logged_losses_and_a_wrong_data_order_fails(
     hf_run: CheckpointRun, tmp_path: Path, cli  # type: ignore[no-untyped-def]  # noqa: F811
 ) -> None:
     """A real ``transformers.Trainer`` run (logging every step): the drill of checkpoint-2 trains steps 3..6
     and retraces the loss each later checkpoint's ``trainer_state.json`` logged for them; a factory that
     feeds the run's batches from the first again fails ``trajectory`` at its largest deviation."""
-    assert hf_run.inputs is not None
-    hot = tmp_path / "hot"
-    shutil.copytree(hf_run.root, hot)
-    factories = tmp_path / "hf_factories.py"
-    factories.write_text(HF_FACTORIES.format(inputs=str(hf_run.inputs)))
-    assert cli("scan", str(hot))[0] == 0 and cli("verify")[0] == 0
+    hot, factories = _scanned_hf_run(hf_run, tmp_path, cli)
 
     code, report = _hf_drill(cli, hf_run, factories, "the_runs_inputs", step=2, steps=4)
     assert code == 0 and report["verdict"] == "passed", report["summary"]
@@ -283,12 +289,7 @@ def test_hf_trainer_drill_compares_window_means_when_logging_steps_is_2(
     """``logging_steps=2``, saves every 3: each logged loss is the mean of 2 steps. The drill of checkpoint-3
     trains steps 4..8; the windows 5..6 and 7..8 are compared with the means of its own losses there, and
     3..4 (begun before the checkpoint) not at all."""
-    assert hf_window_run.inputs is not None
-    hot = tmp_path / "hot"
-    shutil.copytree(hf_window_run.root, hot)
-    factories = tmp_path / "hf_factories.py"
-    factories.write_text(HF_FACTORIES.format(inputs=str(hf_window_run.inputs)))
-    assert cli("scan", str(hot))[0] == 0 and cli("verify")[0] == 0
+    hot, factories = _scanned_hf_run(hf_window_run, tmp_path, cli)
     logged = _logged_losses(hot / hf_window_run.job / "checkpoint-9")
     assert sorted(logged) == [2, 4, 6, 8]
 
