@@ -35,7 +35,7 @@ from datetime import datetime, timedelta
 from typing import Protocol
 
 from ckptier.storage.records import CheckpointRecord, State
-from ckptier.storage.transitions import latest_drills
+from ckptier.storage.transitions import DrillLike, latest_drills
 
 from .config import Config
 from .prices import Prices
@@ -43,20 +43,20 @@ from .retention import Policy, hot_present
 from .tiers import HOT, class_at, class_rank, hot_class_of
 
 
-class DrillLike(Protocol):
-    """What costs read of a drill (``ckptier.storage.catalog.api.DrillRecord`` fits)."""
-
-    job: str
-    step: int | None
-    checkpoint_id: int | None
-    started_at: datetime
-    finished_at: datetime | None
-    ok: bool
-    source_tier: str | None
-    timings: Mapping[str, float]
+class CostedDrill(DrillLike, Protocol):
+    """What costs read of a drill besides what every rule reads of one
+    (:class:`~ckptier.storage.transitions.DrillLike`; the catalog's
+    ``DrillRecord`` fits): its job and step, the tier it fetched from and its
+    phase timings."""
 
     @property
-    def judged(self) -> bool: ...
+    def job(self) -> str: ...
+    @property
+    def step(self) -> int | None: ...
+    @property
+    def source_tier(self) -> str | None: ...
+    @property
+    def timings(self) -> Mapping[str, float]: ...
 
 
 @dataclass(frozen=True)
@@ -137,7 +137,7 @@ def archive_class_of(url: str, verified_at: datetime | None, policy: Policy | No
 
 
 def fetch_throughputs(
-    drills: Iterable[DrillLike], sizes: Mapping[int, int]
+    drills: Iterable[CostedDrill], sizes: Mapping[int, int]
 ) -> dict[tuple[str, str], list[float]]:
     """Fetch throughputs (bytes/s) the drills measured, by (job, source tier):
     the drilled checkpoint's bytes (``sizes`` by checkpoint id) over the
@@ -153,7 +153,7 @@ def fetch_throughputs(
     return out
 
 
-def recovery_point(records: Sequence[CheckpointRecord], drills: Iterable[DrillLike], now: datetime) -> RecoveryPoint | None:
+def recovery_point(records: Sequence[CheckpointRecord], drills: Iterable[CostedDrill], now: datetime) -> RecoveryPoint | None:
     """The newest checkpoint of ``records`` (one job) whose most recent drill
     passed (:func:`ckptier.storage.transitions.latest_drill`) and that still has a
     present copy, or None."""
@@ -173,7 +173,7 @@ def recovery_point(records: Sequence[CheckpointRecord], drills: Iterable[DrillLi
 
 def cost_tables(
     records: Sequence[CheckpointRecord],
-    drills: Iterable[DrillLike],
+    drills: Iterable[CostedDrill],
     config: Config,
     *,
     now: datetime,

@@ -46,7 +46,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from ckptier.storage.errors import ConfigError
 from ckptier.storage.records import CheckpointRecord, CopyState, State, Tier
-from ckptier.storage.transitions import latest_drills
+from ckptier.storage.transitions import DrillLike, latest_drills
 from ckptier.tasks.durations import Span, format_duration
 from ckptier.tasks.durations import parse_duration  # noqa: F401 - re-exported for older imports
 from ckptier.tasks.tiers import ArchiveTier
@@ -1373,22 +1373,7 @@ def plan_retention(
     )
 
 
-class DrillOutcome(Protocol):
-    """What :func:`drill_passed` reads of a drill record (the catalog's ``DrillRecord`` fits)."""
-
-    @property
-    def checkpoint_id(self) -> int | None: ...
-    @property
-    def ok(self) -> bool: ...
-    @property
-    def started_at(self) -> datetime: ...
-    @property
-    def finished_at(self) -> datetime | None: ...
-    @property
-    def judged(self) -> bool: ...
-
-
-def drill_passed(drills: Iterable[DrillOutcome]) -> dict[int, datetime]:
+def drill_passed(drills: Iterable[DrillLike]) -> dict[int, datetime]:
     """Checkpoint id -> when its most recent drill passed, for checkpoints whose most
     recent drill (:func:`ckptier.storage.transitions.latest_drill`, the catalog's own
     definition) passed. Pure; order-independent."""

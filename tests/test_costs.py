@@ -22,7 +22,7 @@ from ckptier.storage.records import (
 )
 from ckptier.tasks.config import Config, parse_config
 from ckptier.tasks.costs import (
-    DrillLike,
+    CostedDrill,
     JobCosts,
     cost_tables,
     fetch_throughputs,
@@ -190,7 +190,7 @@ class _Drill:
 
 
 def test_any_drill_shaped_record_will_do() -> None:
-    d: DrillLike = _Drill("llama", 5000, 5, NOW - H, None, True, "hot", {"fetch_s": 2.0})
+    d: CostedDrill = _Drill("llama", 5000, 5, NOW - H, None, True, "hot", {"fetch_s": 2.0})
     rows = cost_tables(RECORDS, [d], CONFIG, now=NOW)
     llama = rows[1]
     assert llama.recovery_point is not None and llama.recovery_point.drilled_at == NOW - H
