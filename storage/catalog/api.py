@@ -36,6 +36,8 @@ concern's protocol.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ..records import FileCheck
 from .copies import CatalogCopies
 from .core import COPY_STATES, DELETE_SCOPES, FILE_STATUSES
@@ -97,3 +99,37 @@ class Catalog(
 
     Open with :meth:`Catalog.open`; safe to share between threads.
     """
+
+
+if TYPE_CHECKING:
+    from .protocols import (
+        CopyCatalog,
+        HistoryCatalog,
+        QueryCatalog,
+        RowClaimCatalog,
+        ScanCatalog,
+        TombstoneCatalog,
+        VerifyCatalog,
+    )
+
+    def _implements(
+        scans: CatalogScans,
+        queries: CatalogQueries,
+        verification: CatalogVerification,
+        copies: CatalogCopies,
+        leases: CatalogLeases,
+        deletes: CatalogDeletes,
+        history: CatalogHistory,
+        catalog: Catalog,
+    ) -> None:
+        """Never called: mypy's proof that each concern implements its protocol
+        and that :class:`Catalog` implements them all."""
+        _scans: ScanCatalog = scans
+        _queries: QueryCatalog = queries
+        _verification: VerifyCatalog = verification
+        _copies: CopyCatalog = copies
+        _leases: RowClaimCatalog = leases
+        _deletes: TombstoneCatalog = deletes
+        _history: HistoryCatalog = history
+        _all: tuple[ScanCatalog, QueryCatalog, VerifyCatalog, CopyCatalog, RowClaimCatalog, TombstoneCatalog,
+                    HistoryCatalog] = (catalog, catalog, catalog, catalog, catalog, catalog, catalog)
