@@ -67,7 +67,7 @@ the proofs, which a real run makes before deleting).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -77,6 +77,14 @@ from ckptier.storage.base import MAX_DELETE_BATCH, Canary, DeleteResult, ObjectI
 from ckptier.storage.base import file_key as hot_file_key
 from ckptier.storage.base import is_single_file
 from ckptier.storage.catalog.api import DeleteIntent, LeaseHolder, LinkedFile
+from ckptier.storage.catalog.protocols import (
+    CheckpointReads,
+    CopyCatalog,
+    DecisionLog,
+    DeleteCatalog,
+    LeaseCatalog,
+    ProofCatalog,
+)
 from ckptier.storage.transitions import Change
 from ckptier.storage.errors import CkptierError, DeleteInterrupted, NotFound, StoreError, Unavailable
 from ckptier.storage.records import CheckpointRecord, CopyState, FileCheck, State, Tier
@@ -84,7 +92,7 @@ from ckptier.storage.wrappers import DryRunStore
 
 from .archive import ArchiveCheck, HotCopyMismatch, check_archive_copy, promote
 from .reports import ItemResult, Outcome, Proof
-from .leases import DEFAULT_TTL, Lease, LeaseCatalog, LeaseKeeper, this_process
+from .leases import DEFAULT_TTL, Lease, LeaseKeeper, this_process
 from .lifecycle import DELETE_TAG, KEEP_TAG
 from .prove import prove_now, settle
 from .verify import verify_many
@@ -260,48 +268,11 @@ def _batches(keys: Sequence[Any], size: int = MAX_DELETE_BATCH) -> list[Sequence
 # -------------------------------------------------------------------- catalog side
 
 
-class ApplyCatalog(LeaseCatalog, Protocol):
-    """What :func:`apply_plan` reads and writes in the catalog
+class ApplyCatalog(LeaseCatalog, CheckpointReads, CopyCatalog, DecisionLog, ProofCatalog, DeleteCatalog, Protocol):
+    """What :func:`apply_plan` reads and writes in the catalog: leases, the
+    checkpoints and their symlinked files, copies, decisions and events,
+    read-backs and settled file changes, fenced deletes
     (:class:`~ckptier.storage.catalog.api.Catalog` fits)."""
-
-    def get_by_id(self, checkpoint_id: int) -> CheckpointRecord | None: ...
-
-    def checkpoints(self, *, job: str | None = None, states: Iterable[State] | None = None,
-                    include_deleted: bool = False, with_files: bool = True) -> list[CheckpointRecord]: ...
-
-    def delete_intents(self, *, job: str | None = None) -> list[DeleteIntent]: ...
-
-    def add_copy(self, checkpoint_id: int, *, tier: Tier, url: str, state: CopyState = CopyState.PRESENT,
-                 stored_bytes: int | None, codec: str | None, manifest_key: str | None,
-                 verified_at: datetime | None, now: datetime, storage_class: str | None = None) -> None: ...
-
-    def set_copy_state(self, checkpoint_id: int, *, tier: Tier, url: str, state: CopyState,
-                       now: datetime) -> None: ...
-
-    def record_decisions(self, rows: Sequence[tuple[int, str, Sequence[str]]], *, policy: str,
-                         now: datetime) -> None: ...
-
-    def log_event(self, kind: str, message: str, *, now: datetime, job: str | None = None,
-                  checkpoint_id: int | None = None, data: Mapping[str, Any] | None = None) -> None: ...
-
-    def record_verification(self, checkpoint_id: int, results: Sequence[FileCheck], *, now: datetime,
-                            grace: timedelta = ..., extra: Sequence[str] = ()) -> State: ...
-
-    def record_delete_intent(self, checkpoint_id: int, *, owner: str, generation: int, scope: str, files: int,
-                             now: datetime) -> bool: ...
-
-    def links(self, scope: str) -> list[LinkedFile]: ...
-
-    def record_file_changes(self, checkpoint_id: int, changes: Sequence[Change], *, now: datetime) -> State: ...
-
-    def clear_delete_intent(self, checkpoint_id: int, *, owner: str, generation: int, now: datetime,
-                            why: str) -> bool: ...
-
-    def mark_deleted(self, checkpoint_id: int, *, owner: str, generation: int, now: datetime,
-                     reasons: Sequence[str]) -> bool: ...
-
-    def mark_hot_copy_deleted(self, checkpoint_id: int, *, owner: str, generation: int, now: datetime,
-                              reasons: Sequence[str]) -> bool: ...
 
 
 class _ReadOnlyCatalog:
@@ -336,7 +307,8 @@ class _ReadOnlyCatalog:
         return True
 
     def record_verification(self, checkpoint_id: int, results: Sequence[FileCheck], *, now: datetime,
-                            grace: timedelta = timedelta(0), extra: Sequence[str] = ()) -> State:
+                            grace: timedelta = timedelta(0), extra: Sequence[str] = (),
+                            claim: tuple[str, int] | None = None) -> State:
         raise AssertionError("a dry run proves nothing: apply returns before proving keepers")
 
     def links(self, scope: str) -> list[LinkedFile]:

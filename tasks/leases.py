@@ -19,12 +19,13 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Protocol, Self, cast
+from typing import Self, cast
 
 from ckptier.storage.catalog.api import LeaseHolder, ProcessId
+from ckptier.storage.catalog.protocols import LeaseCatalog, RowClaimCatalog
 
 log = logging.getLogger(__name__)
 
@@ -123,29 +124,6 @@ class Lease:
     generation: int
     expires: datetime
     lost: bool = False
-
-
-class LeaseCatalog(Protocol):
-    """What :class:`LeaseKeeper` needs of the catalog
-    (:class:`~ckptier.storage.catalog.api.Catalog` fits)."""
-
-    def claim(self, checkpoint_id: int, owner: str, *, now: datetime, ttl: timedelta,
-              process: ProcessId | None = None, take_over: Callable[[LeaseHolder], bool] | None = None) -> int | None: ...
-
-    def renew(self, checkpoint_id: int, owner: str, generation: int, *, now: datetime,
-              ttl: timedelta) -> datetime | None: ...
-
-    def release(self, checkpoint_id: int, owner: str, generation: int) -> bool: ...
-
-    def lease_holder(self, checkpoint_id: int, *, now: datetime) -> LeaseHolder | None: ...
-
-
-class RowClaimCatalog(LeaseCatalog, Protocol):
-    """A :class:`LeaseCatalog` that also claims rows in batches (what
-    :meth:`LeaseKeeper.claim_rows` needs; the catalog fits)."""
-
-    def claim_rows(self, ids: Sequence[int], owner: str, *, now: datetime, ttl: timedelta, since: datetime,
-                   limit: int, process: ProcessId | None = None) -> list[tuple[int, int]]: ...
 
 
 class LeaseKeeper:

@@ -28,6 +28,7 @@ from datetime import datetime
 from typing import Literal, Protocol
 
 from ckptier.storage.base import LocalPaths, ObjectInfo, Store, file_key
+from ckptier.storage.catalog.protocols import LatestChoice, SettleCatalog
 from ckptier.storage.errors import CkptierError, NotFollowed, NotFound, StoreError
 from ckptier.storage.records import CheckpointRecord, CopyState, State, Tier
 from ckptier.storage.transitions import Change, Latest, file_change
@@ -129,12 +130,6 @@ def prove_now(store: Store, prefix: str, record: CheckpointRecord) -> ProvenNow:
     return ProvenNow(record, files, "changed" if changed else "intact")
 
 
-class SettleCatalog(Protocol):
-    """What :func:`settle` needs of the catalog."""
-
-    def record_file_changes(self, checkpoint_id: int, changes: Sequence[Change], *, now: datetime) -> State: ...
-
-
 def settle(catalog: SettleCatalog, proven: ProvenNow, *, now: datetime) -> State:
     """Record what :func:`prove_now` found (nothing when every file is as
     cataloged, or nothing could be told): the changed files' new size, mtime
@@ -166,8 +161,9 @@ def prove_record(catalog: SettleCatalog, store_for: Callable[[CheckpointRecord],
     return proven
 
 
-class LatestCatalog(SettleCatalog, Protocol):
-    def choose_latest(self, job: str, *, drilled: bool = False) -> Latest: ...
+class LatestCatalog(SettleCatalog, LatestChoice, Protocol):
+    """What :func:`latest_proven` needs of the catalog: the choice of the latest
+    checkpoint, and settling what a look at its files found."""
 
 
 def latest_proven(catalog: LatestCatalog, store_for: Callable[[CheckpointRecord], tuple[Store, str]], job: str, *,

@@ -17,7 +17,7 @@ import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 
-from ckptier.storage.catalog import api as catalog_api
+from ckptier.storage.catalog import scans as catalog_scans
 from ckptier.storage.catalog.api import Catalog, DrillRecord, FileCheck, UnknownCheckpoint
 from ckptier.storage.catalog.db import (
     default_catalog_url,
@@ -303,14 +303,14 @@ def test_deleted_checkpoint_reappearing_is_revived_with_an_event(cat: Catalog) -
 def test_failure_mid_job_leaves_that_job_untouched_and_earlier_jobs_written(
     cat: Catalog, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = catalog_api._insert_files
+    real = catalog_scans._insert_files
 
     def failing(conn: Any, columns: tuple[str, ...], rows: list[tuple[Any, ...]]) -> int:
         if any(row[1] == "boom.pt" for row in rows):
             raise RuntimeError("injected failure")
         return real(conn, columns, rows)
 
-    monkeypatch.setattr(catalog_api, "_insert_files", failing)
+    monkeypatch.setattr(catalog_scans, "_insert_files", failing)
     listing = recog(found("a", 1), found("b", 1, files={"ok.pt": 1, "boom.pt": 2}), found("c", 1))
     with pytest.raises(RuntimeError, match="injected"):
         cat.record_scan(STORE, listing, now=T0)
@@ -773,14 +773,14 @@ def test_new_file_rows_leave_out_only_columns_that_are_empty_for_every_file(cat:
 
 def test_new_file_rows_refuse_a_column_that_new_rows_do_not_have(cat: Catalog) -> None:
     with cat._engine.begin() as conn, pytest.raises(ValueError, match=r"\['crc64nvme'\].*use some of checkpoint_id"):
-        catalog_api._insert_files(conn, ("checkpoint_id", "relpath", "size", "crc64nvme"), [(1, "a", 1, "x")])
+        catalog_scans._insert_files(conn, ("checkpoint_id", "relpath", "size", "crc64nvme"), [(1, "a", 1, "x")])
 
 
 @pytest.mark.parametrize("per", [1, 3, 500])
 def test_new_file_rows_go_many_to_a_statement_and_each_lands_once(
     cat: Catalog, statements: Statements, monkeypatch: pytest.MonkeyPatch, per: int
 ) -> None:
-    monkeypatch.setattr(catalog_api, "FILE_ROWS_PER_INSERT", per)
+    monkeypatch.setattr(catalog_scans, "FILE_ROWS_PER_INSERT", per)
     files = {f"rank-{r:04d}/model.pt": 1000 + r for r in range(7)}
     cat.record_scan(STORE, recog(found("many", 1, files=files), found("many", 2, files=files)), now=T0)
     inserts = [s for s in statements.writes() if s.upper().startswith("INSERT INTO FILES")]
@@ -796,8 +796,8 @@ def test_new_file_rows_stay_within_the_drivers_parameter_limit(
     cat: Catalog, statements: Statements, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with cat._engine.connect() as conn:
-        assert catalog_api._parameter_limit(conn) >= (999 if conn.dialect.name == "sqlite" else 65_535)
-    monkeypatch.setattr(catalog_api, "_parameter_limit", lambda conn: 10)  # two rows of 5 columns at most
+        assert catalog_scans._parameter_limit(conn) >= (999 if conn.dialect.name == "sqlite" else 65_535)
+    monkeypatch.setattr(catalog_scans, "_parameter_limit", lambda conn: 10)  # two rows of 5 columns at most
     files = {f"f{i}.pt": i + 1 for i in range(5)}
     cat.record_scan(STORE, recog(found("tight", 1, files=files)), now=T0)
     inserts = [s for s in statements.writes() if s.upper().startswith("INSERT INTO FILES")]

@@ -30,7 +30,8 @@ from typing import Any
 from sqlalchemy import Connection, bindparam, func, insert, select, update
 
 from ..records import CopyState, State, Tier
-from .api import Catalog, _parameter_limit
+from .api import Catalog
+from .core import _parameter_limit
 from .tables import checkpoints as ck
 from .tables import copies as cp
 from .tables import drills as dr
