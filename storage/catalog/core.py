@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sqlite3
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any, Self
@@ -43,9 +43,6 @@ DELETE_SCOPES = ("checkpoint", "hot-copy")
 
 FILE_STATUSES = transitions.FILE_STATUSES
 
-#: How many file names a state reason or event message lists before "+N more".
-_NAMES_SHOWN = 3
-
 #: First key of the PostgreSQL advisory locks that serialise scans of one job.
 _SCAN_LOCK_CLASS = 0x636B73  # "cks"
 
@@ -71,12 +68,6 @@ def _aware(now: datetime, name: str = "now") -> datetime:
 
 def _epoch(ts: float | None) -> datetime | None:
     return None if ts is None else datetime.fromtimestamp(ts, UTC)
-
-
-def _names(items: Sequence[str]) -> str:
-    shown = ", ".join(items[:_NAMES_SHOWN])
-    more = len(items) - _NAMES_SHOWN
-    return f"{shown} (+{more} more)" if more > 0 else shown
 
 
 def _parent(prefix: str) -> str:
