@@ -107,9 +107,12 @@ def run_shell(cmd: str) -> None:
 
 def cli_timer(root: Path) -> tuple[Callable[[], object] | None, str]:
     """A callable running ``ckptier verify --deep`` on a scanned catalog, or None and why not."""
-    exe = shutil.which("ckptier")
+    # The ckptier of this interpreter's environment (not a wrapper on PATH, such as a version
+    # manager's shim, which adds its own start-up to every run).
+    script = Path(sys.executable).parent / "ckptier"
+    exe = str(script) if script.exists() else shutil.which("ckptier")
     if exe is None:
-        return None, "no ckptier executable on PATH"
+        return None, "no ckptier executable beside this Python or on PATH"
     tmp = Path(tempfile.mkdtemp(prefix="ckptier-bench-cli-"))
     env = {**os.environ, "CKPTIER_CATALOG_URL": f"sqlite:///{tmp}/catalog.db"}
     env.pop("PREFECT_API_URL", None)
