@@ -31,8 +31,12 @@ the legacy ``language_model`` models; non-tensor entries such as
 or wrapped under ``optimizer`` by the fp16/bf16 optimizer), ``rng_state``.
 Megatron enums that ``args`` may hold are read as inert records. A
 ``torch_dist`` iteration restores its model tensors through the safe DCP
-reader (no optimizer state: Megatron shards it its own way). A factory is
-needed, with the optimizer's parameter groups built as Megatron built them.
+reader, whole (DCP's metadata has the global shapes, so tensor- and
+pipeline-parallel shards come back as one tensor each), and in the module
+names of a model built on one rank (:func:`torch_dist_modules`); no
+optimizer state (Megatron shards it its own way): the drill's optimizer
+starts fresh and says so. A factory is needed, with the optimizer's
+parameter groups built as Megatron built them.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ from ckptier.storage.structure import Checker
 if TYPE_CHECKING:
     from ckptier.formats.safe_load import LoadedCheckpoint
 
-__all__ = ["PLUGIN", "legacy_shortfalls"]
+__all__ = ["PLUGIN", "legacy_shortfalls", "torch_dist_modules"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
 _ITER = re.compile(r"^iter_(\d+)$")
@@ -200,6 +204,52 @@ def legacy_shortfalls(relpaths: Sequence[str]) -> list[Shortfall]:
     return out
 
 
+#: megatron-core's local layer spec saves its layer norms under Transformer
+#: Engine's names (the spec's ``sharded_state_dict_keys_map``): checkpoint
+#: name prefix -> the module's own, within one transformer layer.
+TE_LAYER_NORMS = {
+    "self_attention.linear_qkv.layer_norm_": "input_layernorm.",
+    "mlp.linear_fc1.layer_norm_": "pre_mlp_layernorm.",
+}
+_STACKED = re.compile(r"^((?:.*\.)?(?:decoder|encoder)\.layers\.)(?!\d+\.)(.+)$")
+
+
+def torch_dist_modules(tensors: Mapping[str, Any], layer_norms: Mapping[str, str] = TE_LAYER_NORMS) -> dict[str, Any]:
+    """A torch_dist checkpoint's model tensors under the state-dict names of
+    the same model built on one rank; pure (any value with ``shape`` and
+    ``value[i]``).
+
+    megatron-core saves a transformer block's layers as one tensor per
+    parameter with the layer as its first dimension, over every pipeline
+    stage (``decoder.layers.mlp.linear_fc1.weight`` of shape ``(L, ...)``):
+    layer ``i`` becomes ``decoder.layers.{i}.mlp.linear_fc1.weight``; the
+    layer norms saved under Transformer Engine's fused names
+    (:data:`TE_LAYER_NORMS`) get the local modules' names. Everything else
+    keeps its name. Raises ValueError naming a stacked key whose first
+    dimension disagrees with the others' (not one stack of layers)."""
+    out: dict[str, Any] = {}
+    layers: int | None = None
+    for key, value in tensors.items():
+        m = _STACKED.match(key)
+        if m is None:
+            out[key] = value
+            continue
+        head, rest = m.groups()
+        count = int(value.shape[0]) if len(value.shape) else 0
+        if layers is None:
+            layers = count
+        if count != layers or count == 0:
+            raise ValueError(f"{key}: shape {tuple(value.shape)} is not a stack of the {layers} layers the other "
+                             "decoder.layers.* tensors have; not a torch_dist layout ckptier knows")
+        for old, new in layer_norms.items():
+            if rest.startswith(old):
+                rest = new + rest[len(old):]
+                break
+        for i in range(count):
+            out[f"{head}{i}.{rest}"] = value[i]
+    return out
+
+
 # -- loading (torch, lazily) ----------------------------------------------------
 
 
@@ -224,7 +274,10 @@ def _load(path: Path, allow: Sequence[Any]) -> LoadedCheckpoint:
     step = int(m.group(1)) if m else None
     if (path / ".metadata").is_file():
         tensors = load_dcp_tensors(path)
-        model = {k: v for k, v in tensors.items() if not k.startswith("optimizer.")}
+        try:
+            model = torch_dist_modules({k: v for k, v in tensors.items() if not k.startswith("optimizer.")})
+        except ValueError as exc:
+            raise UnsupportedCheckpoint(f"{path}: not supported yet: {exc}") from None
         return LoadedCheckpoint(model, None, {"iteration": step, "ckpt_format": "torch_dist"}, "torch", step, None)
     ranks = sorted((p for p in path.iterdir() if p.is_dir() and _RANK_DIR.match(p.name)), key=lambda p: _rank_key(p.name))
     if not ranks:
