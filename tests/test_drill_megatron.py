@@ -7,6 +7,8 @@
   the catalog's steps with a fresh (stateless) optimizer and retraces the
   run's ``losses.jsonl``: ``passed``; the run's batches fed from the first
   fail ``trajectory`` alone.
+* A save over 2 pipeline stages restores whole: every stage's weights,
+  the second stage's layers renumbered after the first's.
 * A save in flight (newer than the tracker) or a torn one (a shard gone)
   is not committed, so it is never drilled.
 * :func:`torch_dist_modules`, table-tested (always runs).
@@ -94,6 +96,18 @@ def test_megatron_tp2_run_drills_on_one_rank_and_retraces_and_wrong_steps_fail(
     (wrong,) = json.loads(out)
     assert code == 1 and wrong["verdict"] == "failed" and wrong["trained_steps"] == [7, 9]
     assert [c["name"] for c in wrong["checks"] if not c["ok"]] == ["trajectory"], wrong["checks"]
+
+
+@pytest.mark.slow
+def test_megatron_pp2_save_restores_every_stages_weights_whole(megatron_pp_save: Path) -> None:
+    from ckptier.formats.megatron import PLUGIN
+
+    loaded = PLUGIN.load(megatron_pp_save / "mega/pp2/iter_0000001", [])
+    want = {**torch.load(megatron_pp_save / "reference/stage0.pt"), **torch.load(megatron_pp_save / "reference/stage1.pt")}
+    assert "decoder.layers.1.input_layernorm.weight" in want and "output_layer.weight" in want  # layer 1 is stage 1's
+    assert sorted(loaded.model_state) == sorted(want)
+    assert all(torch.equal(loaded.model_state[k], v) for k, v in want.items())
+    assert loaded.optimizer_state is None and loaded.step == 1
 
 
 @pytest.mark.slow

@@ -1,14 +1,15 @@
 """Megatron-LM checkpoints: recognised, complete, verified and drilled (ckptier.formats.megatron).
 
-Megatron-LM's legacy writer is its training code (not a package), and
-megatron-core 0.16's ``dist_checkpointing.save`` needs CUDA, so the
+Megatron-LM's legacy writer is its training code (not a package), so the
 checkpoints here are built following Megatron-LM's own source
 (``megatron/training/checkpointing.py`` of NVIDIA/Megatron-LM at commit
 0032978f: ``get_checkpoint_name``, ``generate_state_dict``,
 ``get_rng_state``, the tracker ``save_checkpoint`` writes last; and
 ``megatron/core/dist_checkpointing/serialization.py``'s ``save_config`` for
 ``torch_dist``'s ``metadata.json``) by ``megatron_run`` and the listings
-below. The DCP shards of the ``torch_dist`` case are written by torch.
+below. The DCP shards of the ``torch_dist`` case are written by torch;
+``tests/test_drill_megatron.py`` drills ``torch_dist`` saves that
+megatron-core itself wrote on CPU.
 """
 
 from __future__ import annotations
