@@ -28,7 +28,8 @@ Drills restore one rank of a legacy checkpoint: ``model_optim_rng.pt`` holds
 is), ``iteration``, ``model`` (its state dict, flattened when nested as in
 the legacy ``language_model`` models; non-tensor entries such as
 ``_extra_state`` are left out), ``optimizer`` (``Optimizer.state_dict()``,
-or wrapped under ``optimizer`` by the fp16/bf16 optimizer), ``rng_state``.
+or wrapped under ``optimizer`` by the fp16/bf16 optimizer), ``rng_state``
+(the drill continues its Python, numpy and CPU streams: :func:`megatron_rng`).
 Megatron enums that ``args`` may hold are read as inert records. A
 ``torch_dist`` iteration restores its model tensors through the safe DCP
 reader, whole (DCP's metadata has the global shapes, so tensor- and
@@ -55,7 +56,7 @@ from ckptier.storage.structure import Checker
 if TYPE_CHECKING:
     from ckptier.formats.safe_load import LoadedCheckpoint
 
-__all__ = ["PLUGIN", "legacy_shortfalls", "torch_dist_modules"]
+__all__ = ["PLUGIN", "legacy_shortfalls", "megatron_rng", "torch_dist_modules"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
 _ITER = re.compile(r"^iter_(\d+)$")
@@ -250,6 +251,36 @@ def torch_dist_modules(tensors: Mapping[str, Any], layer_norms: Mapping[str, str
     return out
 
 
+#: ``get_rng_state``'s entries that a CPU drill continues, by ckptier's stream name.
+RNG_STREAMS = {"python": "random_rng_state", "numpy": "np_rng_state", "cpu": "torch_rng_state"}
+
+
+def megatron_rng(saved: Any, data_parallel_rank: int = 0) -> dict[str, Any] | None:
+    """The random streams a drill continues from a legacy checkpoint's
+    ``rng_state``; pure.
+
+    Megatron-LM's ``get_rng_state`` saves a list, one entry per
+    data-parallel rank (all-gathered), each with ``random_rng_state``,
+    ``np_rng_state``, ``torch_rng_state``, ``cuda_rng_state`` and
+    ``rng_tracker_states``; its loader takes entry 0 (the data-parallel
+    rank's own only with ``--data-parallel-random-init``), and so does a
+    drill of one rank by default. Python's, numpy's and torch's CPU streams
+    are continued (:data:`RNG_STREAMS`); the CUDA generator and the
+    model-parallel CUDA tracker's forks (dropout inside tensor-parallel
+    regions) are not: a CPU drill has no CUDA generator, and on a GPU they
+    are the states of that rank's device. None when there is nothing to
+    continue (no list, no such rank, no known entry)."""
+    if isinstance(saved, Mapping):  # one rank's, unwrapped
+        saved = [saved]
+    if not isinstance(saved, Sequence) or isinstance(saved, (str, bytes)) or not 0 <= data_parallel_rank < len(saved):
+        return None
+    entry = saved[data_parallel_rank]
+    if not isinstance(entry, Mapping):
+        return None
+    out = {name: entry[key] for name, key in RNG_STREAMS.items() if key in entry}
+    return out or None
+
+
 # -- loading (torch, lazily) ----------------------------------------------------
 
 
@@ -305,4 +336,5 @@ def _load(path: Path, allow: Sequence[Any]) -> LoadedCheckpoint:
     extra = {"iteration": state.get("iteration"), "checkpoint_version": state.get("checkpoint_version"),
              "args": {k: v for k, v in settings.items() if isinstance(v, (int, float, str, bool, type(None)))}}
     iteration = state.get("iteration")
-    return LoadedCheckpoint(model, optimizer, extra, "torch", iteration if isinstance(iteration, int) else step, None)
+    return LoadedCheckpoint(model, optimizer, extra, "torch", iteration if isinstance(iteration, int) else step, None,
+                            rng_state=megatron_rng(state.get("rng_state")))
