@@ -497,6 +497,9 @@ _DCP_METADATA_GLOBALS = {
         "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
     )
 } | {
+    # the save plans megatron-core's torch_dist writer keeps in the metadata (``all_local_plans``): plain records
+    ("torch.distributed.checkpoint.planner", n) for n in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")
+} | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch.serialization", "_get_layout"),
     ("torch", "Size"),

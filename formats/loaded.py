@@ -58,7 +58,8 @@ class LoadedCheckpoint:
     safely loaded to prove they restore (scheduler, RNG states).
     ``rng_state``: the run's random-number states at the save, where the
     format keeps them for one process (Hugging Face Trainer's
-    ``rng_state.pth``: ``python``, ``numpy``, ``cpu``...), for the drill to
+    ``rng_state.pth``: ``python``, ``numpy``, ``cpu``...; a legacy Megatron
+    file's ``rng_state``, :func:`ckptier.formats.megatron.megatron_rng`), for the drill to
     continue the run's random stream (dropout masks); None elsewhere.
     """
 

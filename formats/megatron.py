@@ -28,11 +28,16 @@ Drills restore one rank of a legacy checkpoint: ``model_optim_rng.pt`` holds
 is), ``iteration``, ``model`` (its state dict, flattened when nested as in
 the legacy ``language_model`` models; non-tensor entries such as
 ``_extra_state`` are left out), ``optimizer`` (``Optimizer.state_dict()``,
-or wrapped under ``optimizer`` by the fp16/bf16 optimizer), ``rng_state``.
+or wrapped under ``optimizer`` by the fp16/bf16 optimizer), ``rng_state``
+(the drill continues its Python, numpy and CPU streams: :func:`megatron_rng`).
 Megatron enums that ``args`` may hold are read as inert records. A
 ``torch_dist`` iteration restores its model tensors through the safe DCP
-reader (no optimizer state: Megatron shards it its own way). A factory is
-needed, with the optimizer's parameter groups built as Megatron built them.
+reader, whole (DCP's metadata has the global shapes, so tensor- and
+pipeline-parallel shards come back as one tensor each), and in the module
+names of a model built on one rank (:func:`torch_dist_modules`); no
+optimizer state (Megatron shards it its own way): the drill's optimizer
+starts fresh and says so. A factory is needed, with the optimizer's
+parameter groups built as Megatron built them.
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ from ckptier.storage.structure import Checker
 if TYPE_CHECKING:
     from ckptier.formats.safe_load import LoadedCheckpoint
 
-__all__ = ["PLUGIN", "legacy_shortfalls"]
+__all__ = ["PLUGIN", "legacy_shortfalls", "megatron_rng", "torch_dist_modules"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
 _ITER = re.compile(r"^iter_(\d+)$")
@@ -200,6 +205,82 @@ def legacy_shortfalls(relpaths: Sequence[str]) -> list[Shortfall]:
     return out
 
 
+#: megatron-core's local layer spec saves its layer norms under Transformer
+#: Engine's names (the spec's ``sharded_state_dict_keys_map``): checkpoint
+#: name prefix -> the module's own, within one transformer layer.
+TE_LAYER_NORMS = {
+    "self_attention.linear_qkv.layer_norm_": "input_layernorm.",
+    "mlp.linear_fc1.layer_norm_": "pre_mlp_layernorm.",
+}
+_STACKED = re.compile(r"^((?:.*\.)?(?:decoder|encoder)\.layers\.)(?!\d+\.)(.+)$")
+
+
+def torch_dist_modules(tensors: Mapping[str, Any], layer_norms: Mapping[str, str] = TE_LAYER_NORMS) -> dict[str, Any]:
+    """A torch_dist checkpoint's model tensors under the state-dict names of
+    the same model built on one rank; pure (any value with ``shape`` and
+    ``value[i]``).
+
+    megatron-core saves a transformer block's layers as one tensor per
+    parameter with the layer as its first dimension, over every pipeline
+    stage (``decoder.layers.mlp.linear_fc1.weight`` of shape ``(L, ...)``):
+    layer ``i`` becomes ``decoder.layers.{i}.mlp.linear_fc1.weight``; the
+    layer norms saved under Transformer Engine's fused names
+    (:data:`TE_LAYER_NORMS`) get the local modules' names. Everything else
+    keeps its name. Raises ValueError naming a stacked key whose first
+    dimension disagrees with the others' (not one stack of layers)."""
+    out: dict[str, Any] = {}
+    layers: int | None = None
+    for key, value in tensors.items():
+        m = _STACKED.match(key)
+        if m is None:
+            out[key] = value
+            continue
+        head, rest = m.groups()
+        count = int(value.shape[0]) if len(value.shape) else 0
+        if layers is None:
+            layers = count
+        if count != layers or count == 0:
+            raise ValueError(f"{key}: shape {tuple(value.shape)} is not a stack of the {layers} layers the other "
+                             "decoder.layers.* tensors have; not a torch_dist layout ckptier knows")
+        for old, new in layer_norms.items():
+            if rest.startswith(old):
+                rest = new + rest[len(old):]
+                break
+        for i in range(count):
+            out[f"{head}{i}.{rest}"] = value[i]
+    return out
+
+
+#: ``get_rng_state``'s entries that a CPU drill continues, by ckptier's stream name.
+RNG_STREAMS = {"python": "random_rng_state", "numpy": "np_rng_state", "cpu": "torch_rng_state"}
+
+
+def megatron_rng(saved: Any, data_parallel_rank: int = 0) -> dict[str, Any] | None:
+    """The random streams a drill continues from a legacy checkpoint's
+    ``rng_state``; pure.
+
+    Megatron-LM's ``get_rng_state`` saves a list, one entry per
+    data-parallel rank (all-gathered), each with ``random_rng_state``,
+    ``np_rng_state``, ``torch_rng_state``, ``cuda_rng_state`` and
+    ``rng_tracker_states``; its loader takes entry 0 (the data-parallel
+    rank's own only with ``--data-parallel-random-init``), and so does a
+    drill of one rank by default. Python's, numpy's and torch's CPU streams
+    are continued (:data:`RNG_STREAMS`); the CUDA generator and the
+    model-parallel CUDA tracker's forks (dropout inside tensor-parallel
+    regions) are not: a CPU drill has no CUDA generator, and on a GPU they
+    are the states of that rank's device. None when there is nothing to
+    continue (no list, no such rank, no known entry)."""
+    if isinstance(saved, Mapping):  # one rank's, unwrapped
+        saved = [saved]
+    if not isinstance(saved, Sequence) or isinstance(saved, (str, bytes)) or not 0 <= data_parallel_rank < len(saved):
+        return None
+    entry = saved[data_parallel_rank]
+    if not isinstance(entry, Mapping):
+        return None
+    out = {name: entry[key] for name, key in RNG_STREAMS.items() if key in entry}
+    return out or None
+
+
 # -- loading (torch, lazily) ----------------------------------------------------
 
 
@@ -224,7 +305,10 @@ def _load(path: Path, allow: Sequence[Any]) -> LoadedCheckpoint:
     step = int(m.group(1)) if m else None
     if (path / ".metadata").is_file():
         tensors = load_dcp_tensors(path)
-        model = {k: v for k, v in tensors.items() if not k.startswith("optimizer.")}
+        try:
+            model = torch_dist_modules({k: v for k, v in tensors.items() if not k.startswith("optimizer.")})
+        except ValueError as exc:
+            raise UnsupportedCheckpoint(f"{path}: not supported yet: {exc}") from None
         return LoadedCheckpoint(model, None, {"iteration": step, "ckpt_format": "torch_dist"}, "torch", step, None)
     ranks = sorted((p for p in path.iterdir() if p.is_dir() and _RANK_DIR.match(p.name)), key=lambda p: _rank_key(p.name))
     if not ranks:
@@ -252,4 +336,5 @@ def _load(path: Path, allow: Sequence[Any]) -> LoadedCheckpoint:
     extra = {"iteration": state.get("iteration"), "checkpoint_version": state.get("checkpoint_version"),
              "args": {k: v for k, v in settings.items() if isinstance(v, (int, float, str, bool, type(None)))}}
     iteration = state.get("iteration")
-    return LoadedCheckpoint(model, optimizer, extra, "torch", iteration if isinstance(iteration, int) else step, None)
+    return LoadedCheckpoint(model, optimizer, extra, "torch", iteration if isinstance(iteration, int) else step, None,
+                            rng_state=megatron_rng(state.get("rng_state")))

@@ -5,8 +5,8 @@ its losses for those steps, the drill's K losses must retrace them: the same
 weights, optimizer state and batches give the same losses (bit for bit on
 the same hardware, within float rounding of a different reduction order
 elsewhere; random draws such as dropout are the run's own only where the
-checkpoint saved its random-number states, Hugging Face's ``rng_state.pth``,
-and otherwise start from the drill's seed, within the tolerance). A drill on the wrong steps, a shard restored into the wrong
+checkpoint saved its random-number states, Hugging Face's ``rng_state.pth``
+or a legacy Megatron ``model_optim_rng.pt``'s ``rng_state``, and otherwise start from the drill's seed, within the tolerance). A drill on the wrong steps, a shard restored into the wrong
 rows or an optimizer state that did not take moves them by far more.
 
 Where a run records its losses (first found wins, in this order):

@@ -121,9 +121,12 @@ def state_dict_problems(expected: Mapping[str, torch.Tensor], loaded: Mapping[st
     is ``expected``; empty when it can.
 
     A missing key is forgiven when it is tied to (shares storage with) a
-    present key, since tied weights are often stored once.
+    present key, since tied weights are often stored once. Entries of
+    ``expected`` that are no tensors (a module's ``_extra_state``, such as
+    megatron-core's, None) are no weights and are not asked of ``loaded``.
     """
     problems: list[str] = []
+    expected = {k: v for k, v in expected.items() if isinstance(v, torch.Tensor)}
     present_ptrs = {expected[k].data_ptr() for k in expected if k in loaded and expected[k].numel()}
     for key, tensor in expected.items():
         if key not in loaded:

@@ -490,6 +490,9 @@ def test_state_dict_problems_forgive_tied_weights_only() -> None:
     untied = torch.nn.ModuleDict({"emb": torch.nn.Embedding(10, 4), "head": torch.nn.Linear(4, 10, bias=False)}).state_dict()
     assert state_dict_problems(untied, {"emb.weight": torch.zeros(10, 4)}) == ["missing key head.weight (model expects [10, 4])"]
     assert state_dict_problems(expected, {"emb.weight": torch.zeros(10, 4), "extra": torch.zeros(1)}) == ["unexpected key extra [1] in the checkpoint"]
+    with_extra = {**untied, "head._extra_state": None}  # megatron-core's modules: non-tensor extra state, no weight
+    assert state_dict_problems(with_extra, dict(untied)) == []
+    assert state_dict_problems(with_extra, {"emb.weight": torch.zeros(10, 4)}) == ["missing key head.weight (model expects [10, 4])"]
 
 
 def test_factory_resolution_errors_name_the_spec(factories: Path) -> None:

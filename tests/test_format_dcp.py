@@ -170,3 +170,28 @@ def test_step_names_are_read_from_the_directory_name_only() -> None:
              "checkpoint-100": 100, "checkpoint_100": 100, "epoch=3-step=100": 100, "ckpt-100": 100,
              "final": None, "epoch_3": None, "step-1-step-2": None, "v2-step-7": 7, "model-v3": None}
     assert {name: step_in_name(name) for name in table} == table
+
+
+def test_dcp_metadata_with_megatron_cores_save_plans_reads_as_data(tmp_path: Path) -> None:
+    """megatron-core's torch_dist writer keeps every rank's SavePlan in the Metadata
+    (``all_local_plans``): DCP's own planner records are admitted, nothing else is."""
+    from fractions import Fraction
+
+    import torch
+    from ckptier.formats.dcp import read_dcp_metadata
+    from ckptier.formats.loaded import UnsafeCheckpoint
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+    chunk = ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([4]))
+    item = WriteItem(MetadataIndex("w", torch.Size([0])), WriteItemType.SHARD,
+                     TensorWriteData(chunk, TensorProperties(dtype=torch.float32), torch.Size([8])))
+    meta = Metadata(state_dict_metadata={})
+    meta.all_local_plans = [SavePlan([item])]  # type: ignore[attr-defined]  # as megatron-core sets it
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(meta))
+    got = read_dcp_metadata(tmp_path)
+    assert got.all_local_plans[0].items[0].type is WriteItemType.SHARD
+    meta.all_local_plans = [SavePlan([item], planner_data=Fraction(1, 2))]  # type: ignore[attr-defined]
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(meta))
+    with pytest.raises(UnsafeCheckpoint, match="refers to the global fractions.Fraction"):
+        read_dcp_metadata(tmp_path)

@@ -1,14 +1,15 @@
 """Megatron-LM checkpoints: recognised, complete, verified and drilled (ckptier.formats.megatron).
 
-Megatron-LM's legacy writer is its training code (not a package), and
-megatron-core 0.16's ``dist_checkpointing.save`` needs CUDA, so the
+Megatron-LM's legacy writer is its training code (not a package), so the
 checkpoints here are built following Megatron-LM's own source
 (``megatron/training/checkpointing.py`` of NVIDIA/Megatron-LM at commit
 0032978f: ``get_checkpoint_name``, ``generate_state_dict``,
 ``get_rng_state``, the tracker ``save_checkpoint`` writes last; and
 ``megatron/core/dist_checkpointing/serialization.py``'s ``save_config`` for
 ``torch_dist``'s ``metadata.json``) by ``megatron_run`` and the listings
-below. The DCP shards of the ``torch_dist`` case are written by torch.
+below. The DCP shards of the ``torch_dist`` case are written by torch;
+``tests/test_drill_megatron.py`` drills ``torch_dist`` saves that
+megatron-core itself wrote on CPU.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ckptier.formats.megatron import LIBRARY_GLOBALS, TRACKER, legacy_shortfalls
+from ckptier.formats.megatron import LIBRARY_GLOBALS, TRACKER, legacy_shortfalls, megatron_rng
 from ckptier.formats.safe_load import (
     UnsafeCheckpoint,
     load_checkpoint_dir,
@@ -120,6 +121,42 @@ def test_args_namespace_and_enums_load_as_plain_data_never_megatron_code(megatro
     assert loaded.extra["args"]["hidden_size"] == 16 and "attention_backend" not in loaded.extra["args"]
     assert loaded.optimizer_state is not None and len(loaded.optimizer_state["state"]) == 4
     assert "megatron.core.transformer.enums.AttnBackend" in LIBRARY_GLOBALS
+    import sys
+
+    assert not [m for m in sys.modules if m.split(".")[0] == "megatron"]
+
+
+@pytest.mark.parametrize(("saved", "rank", "want"), [
+    ([{"random_rng_state": 1, "np_rng_state": 2, "torch_rng_state": 3, "cuda_rng_state": 4, "rng_tracker_states": {}}], 0,
+     {"python": 1, "numpy": 2, "cpu": 3}),  # CUDA generator and tracker forks: not on a CPU drill
+    ([{"torch_rng_state": "a"}, {"torch_rng_state": "b"}], 1, {"cpu": "b"}),  # the data-parallel rank's own
+    ({"random_rng_state": 1}, 0, {"python": 1}),  # one rank's, not in a list
+    ([{"torch_rng_state": "a"}], 1, None),  # no such rank
+    ([{"cuda_rng_state": 4}], 0, None),
+    (None, 0, None), ("x", 0, None), ([7], 0, None),
+])
+def test_megatron_rng_streams_a_cpu_drill_continues(saved: object, rank: int, want: object) -> None:
+    assert megatron_rng(saved, rank) == want
+
+
+def test_a_megatron_drill_continues_the_runs_cpu_random_streams(megatron_run: CheckpointRun) -> None:
+    import random
+
+    from ckptier.tasks.drill_worker import resume_rng
+
+    file = megatron_run.path(6) / "mp_rank_00" / "model_optim_rng.pt"
+    from ckptier.formats.stubs import stub_allowlist
+
+    saved = safe_torch_load(file, extra_allowlist=["argparse.Namespace", *stub_allowlist(LIBRARY_GLOBALS)])["rng_state"][0]
+    loaded = load_checkpoint_dir(megatron_run.path(6), Format.MEGATRON)
+    assert loaded.rng_state is not None and sorted(loaded.rng_state) == ["cpu", "numpy", "python"]
+    torch.manual_seed(0)
+    random.seed(0)
+    assert resume_rng(loaded.rng_state) == ["python", "numpy", "cpu"]
+    drawn = (torch.rand(3), random.random())
+    torch.set_rng_state(saved["torch_rng_state"])
+    random.setstate(saved["random_rng_state"])
+    assert torch.equal(drawn[0], torch.rand(3)) and drawn[1] == random.random()
     import sys
 
     assert not [m for m in sys.modules if m.split(".")[0] == "megatron"]
