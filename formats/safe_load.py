@@ -24,8 +24,10 @@ import copyreg
 import pickle
 import pickletools
 import re
+import threading
 import zipfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -138,12 +140,43 @@ def _allowed_names(allow: Sequence[Any]) -> set[str] | None:
     if builtin is None:  # pragma: no cover - depends on the torch release
         return None
     names = set(builtin())
-    for item in [*allow, *torch.serialization.get_safe_globals()]:
+    for item in allow:
         if isinstance(item, tuple):
             names.add(item[1])
         else:
             names.add(f"{item.__module__}.{item.__qualname__}")
     return names
+
+
+def _torch_own(item: Any) -> bool:
+    """Whether a process-wide safe global is one torch registered for its own types."""
+    obj = item[0] if isinstance(item, tuple) else item
+    module = getattr(obj, "__module__", None) or ""
+    return module == "torch" or module.startswith("torch.")
+
+
+#: Held while a load narrows torch's process-wide list of safe globals (one list per process).
+_GLOBALS_LOCK = threading.Lock()
+
+
+@contextmanager
+def exactly_these_globals(allow: Sequence[Any]) -> Iterator[None]:
+    """Torch's weights-only unpickler admits exactly ``allow`` (besides its built-in
+    tensor types and what torch itself registers, such as nested tensors) while this
+    runs: the globals any other library added process-wide
+    (``torch.serialization.add_safe_globals``; megatron-core adds its configs and
+    ``argparse.Namespace`` on import) are set aside and put back afterwards, so what a
+    checkpoint may name does not depend on what the process imported. Loads in
+    other threads wait (the list is the process's)."""
+    with _GLOBALS_LOCK:
+        before = torch.serialization.get_safe_globals()
+        torch.serialization.clear_safe_globals()
+        try:
+            torch.serialization.add_safe_globals([*(g for g in before if _torch_own(g)), *allow])
+            yield
+        finally:
+            torch.serialization.clear_safe_globals()
+            torch.serialization.add_safe_globals(before)
 
 
 # --- what a pickle names, without running it ------------------------------------
@@ -455,7 +488,7 @@ def safe_torch_load(
     _refuse_named_globals(p, scan, _allowed_names(allow))
     use_mmap = mmap and zipfile.is_zipfile(p)
     try:
-        with torch.serialization.safe_globals(allow):
+        with exactly_these_globals(allow):
             return torch.load(p, map_location=map_location, weights_only=True, mmap=use_mmap)
     except pickle.UnpicklingError as exc:
         raise _explain_torch_refusal(p, str(exc), scan) from None

@@ -28,6 +28,7 @@ from ckptier.tasks.drill_launch import run_drill_subprocess
 from ckptier.tasks.drill_worker import run_request
 from ckptier.tasks.drill_models import demo_model
 from ckptier.formats.safe_load import (
+    exactly_these_globals,
     CheckpointLoadError,
     UnsafeCheckpoint,
     load_checkpoint_dir,
@@ -385,3 +386,36 @@ def test_archive_with_a_member_twice_is_hostile(tmp_path: Path) -> None:
                       extra_members=[("archive/data.pkl", dumps(Call(Global("os.system"), ("true",))))])
     refused = _refused(path)
     assert "'archive/data.pkl' appears twice" in str(refused) and "hostile" in str(refused)
+
+
+def test_a_class_another_library_allowlisted_for_the_process_is_still_refused(tmp_path: Path) -> None:
+    """Libraries widen torch's process-wide weights-only list on import (megatron-core adds
+    argparse.Namespace and its configs): the safe loader admits its own list and the caller's
+    extra globals only, and leaves the process-wide list as it found it."""
+    path = tmp_path / "with_config.pt"
+    torch.save({"weight": torch.ones(3), "config": TrainConfig(lr=0.1, name="run")}, path)
+    before = torch.serialization.get_safe_globals()  # torch's own (nested tensors, device meshes)
+    torch.serialization.add_safe_globals([TrainConfig])
+    try:
+        with pytest.raises(UnsafeCheckpoint) as info:
+            safe_torch_load(path)
+        assert info.value.global_name == f"{__name__}.TrainConfig"
+        # torch's weights-only unpickler itself refuses it too, past the name check
+        with pytest.raises(pickle.UnpicklingError, match="TrainConfig"), exactly_these_globals([]):
+            torch.load(path, weights_only=True)
+        assert set(torch.serialization.get_safe_globals()) == {*before, TrainConfig}
+        loaded = safe_torch_load(path, extra_allowlist=[f"{__name__}.TrainConfig"])
+        assert loaded["config"] == TrainConfig(lr=0.1, name="run")
+        assert set(torch.serialization.get_safe_globals()) == {*before, TrainConfig}
+    finally:
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(before)
+
+
+def test_a_nested_tensor_torch_allowlists_for_itself_still_loads(tmp_path: Path) -> None:
+    path = tmp_path / "njt.pt"
+    njt = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged)
+    torch.save({"njt": njt}, path)
+    with exactly_these_globals([]):
+        loaded = torch.load(path, weights_only=True)
+    assert torch.equal(loaded["njt"].values(), njt.values())
