@@ -61,6 +61,10 @@ class LoadedCheckpoint:
     ``rng_state.pth``: ``python``, ``numpy``, ``cpu``...; a legacy Megatron
     file's ``rng_state``, :func:`ckptier.formats.megatron.megatron_rng`), for the drill to
     continue the run's random stream (dropout masks); None elsewhere.
+    ``optimizer_left``: optimizer state the checkpoint holds that this loader
+    does not restore, and why (a Megatron ``torch_dist`` save's optimizer
+    shards); the drill's optimizer then starts fresh, and the drill says so
+    rather than blame the checkpoint for what a fresh optimizer changes.
     """
 
     model_state: dict[str, torch.Tensor]
@@ -71,6 +75,7 @@ class LoadedCheckpoint:
     recorded_loss: float | None = None
     also_loaded: list[str] = field(default_factory=list)
     rng_state: dict[str, Any] | None = None
+    optimizer_left: str | None = None
 
 
 def read_json(path: Path) -> dict[str, Any]:

@@ -309,7 +309,10 @@ def _load(path: Path, allow: Sequence[Any]) -> LoadedCheckpoint:
             model = torch_dist_modules({k: v for k, v in tensors.items() if not k.startswith("optimizer.")})
         except ValueError as exc:
             raise UnsupportedCheckpoint(f"{path}: not supported yet: {exc}") from None
-        return LoadedCheckpoint(model, None, {"iteration": step, "ckpt_format": "torch_dist"}, "torch", step, None)
+        left = sum(1 for k in tensors if k.startswith("optimizer."))
+        return LoadedCheckpoint(model, None, {"iteration": step, "ckpt_format": "torch_dist"}, "torch", step, None,
+                                optimizer_left=(f"its torch_dist optimizer state ({left} tensors) is not restored yet"
+                                                if left else None))
     ranks = sorted((p for p in path.iterdir() if p.is_dir() and _RANK_DIR.match(p.name)), key=lambda p: _rank_key(p.name))
     if not ranks:
         raise CheckpointLoadError(f"{path}: no mp_rank_* directory; expected iter_NNNNNNN/mp_rank_00/{_FILE}")

@@ -239,6 +239,11 @@ class WorkerResult(JsonRecord):
     tolerance the factory asked for (0: bit-exact; None: the policy's).
     ``synthetic_batches``: the drill trained on batches of its own (a
     Hugging Face model built without a factory), not the run's.
+    ``optimizer_left``: optimizer state the checkpoint holds that was not
+    restored, and why (:attr:`LoadedCheckpoint.optimizer_left`);
+    ``optimizer_keeps_state``: whether the drill's optimizer kept state of its
+    own while training (momentum, Adam's moments: a fresh one then departs
+    from the run's).
     """
 
     checkpoint: str
@@ -281,6 +286,8 @@ class WorkerResult(JsonRecord):
     stack: Mapping[str, str | None] = field(default_factory=dict)
     trajectory_rtol: float | None = None
     synthetic_batches: bool = False
+    optimizer_left: str | None = None
+    optimizer_keeps_state: bool = False
 
     @property
     def trained_steps(self) -> tuple[int, int] | None:
@@ -483,7 +490,8 @@ def judge(
     checks.append(Check("gradients", grad is None, grad or grad_ok))
 
     if not zero.optimizer_loaded:
-        checks.append(Check("optimizer_continues", True, "skipped: the checkpoint has no optimizer state"))
+        checks.append(Check("optimizer_continues", True, f"skipped: {zero.optimizer_left}; the drill's optimizer starts fresh"
+                            if zero.optimizer_left else "skipped: the checkpoint has no optimizer state"))
     else:
         problem: str | None = None
         for r in ordered:
@@ -538,7 +546,9 @@ def judge(
     if trajectory is not None:
         rtol = zero.trajectory_rtol if zero.trajectory_rtol is not None else trajectory.rtol
         skip = ("the drill trained on batches of its own (a Hugging Face model built without a factory), "
-                "not the run's; give a factory whose batch(step) is the run's" if zero.synthetic_batches else None)
+                "not the run's; give a factory whose batch(step) is the run's" if zero.synthetic_batches else
+                f"{zero.optimizer_left}, and the drill's fresh optimizer keeps state of its own, so its losses "
+                "cannot retrace the run's" if zero.optimizer_left and zero.optimizer_keeps_state else None)
         outcome = compare_trajectory(list(zero.losses), (zero.first_step or 0) + 1, trajectory.recorded,
                                      rtol=rtol, skip_reason=skip)
         checks.append(Check("trajectory", outcome.status != "failed", outcome.detail))

@@ -634,6 +634,8 @@ def train(spec: DrillSpec, request: DrillRequest, device: torch.device, start: i
         torch.cuda.synchronize(device)
     info["steps_s"] = time.perf_counter() - t0
     info["optimizer_step_after"] = _optimizer_steps(spec.optimizer) if spec.optimizer else None
+    info["optimizer_keeps_state"] = spec.optimizer is not None and any(
+        isinstance(v, torch.Tensor) for s in spec.optimizer.state.values() for v in s.values())
     anywhere = nonzero.to(device)
     if dist.is_initialized() and request.world_size > 1:
         dist.all_reduce(anywhere, op=dist.ReduceOp.MAX)
@@ -697,7 +699,8 @@ def run_request(request: DrillRequest) -> WorkerResult:
             base["parallel"] = "ddp" if request.world_size > 1 else "none"
             spec, loaded, digest, times = restore_replica(request, device, progress)
             base.update(recorded_loss=loaded.recorded_loss, checkpoint_step=loaded.step,
-                        optimizer_loaded=loaded.optimizer_state is not None, also_loaded=tuple(loaded.also_loaded))
+                        optimizer_loaded=loaded.optimizer_state is not None, also_loaded=tuple(loaded.also_loaded),
+                        optimizer_left=loaded.optimizer_left)
             rng = loaded.rng_state
         start = request.step if request.step is not None else (base.get("checkpoint_step") or 0)
         base.update(first_step=start, trajectory_rtol=spec.trajectory_rtol,
@@ -715,6 +718,7 @@ def run_request(request: DrillRequest) -> WorkerResult:
             **base, losses=tuple(losses), losses_repeat=tuple(repeat), restored_digest=digest,
             optimizer_step_before=info["optimizer_step_before"], optimizer_step_after=info["optimizer_step_after"],
             trainable_params=info["trainable_params"], frozen_params=info["frozen_params"],
+            optimizer_keeps_state=info["optimizer_keeps_state"],
             grad_problems=tuple(info["grad_problems"]),
             timings={**times, "rendezvous_s": rendezvous_s, "first_step_s": info["first_step_s"],
                      "first_step_done_at": info["first_step_done_at"], "steps_s": info["steps_s"],

@@ -232,6 +232,7 @@ def test_first_restored_loss_matches_recorded_and_random_weights_do_not(tmp_path
     spec, loss = trained
     ok = drill_in_process(write_guide(tmp_path / "a", spec, loss), "guide")
     assert judge([ok]).ok
+    assert ok.optimizer_keeps_state and ok.optimizer_left is None  # AdamW's moments, restored
     # Weights that did not really restore (a fresh init) miss the recorded loss by far.
     fresh = demo_model()
     with torch.no_grad():

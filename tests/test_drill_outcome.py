@@ -144,3 +144,26 @@ def test_judge_checks_the_trajectory_with_the_policy_or_the_factory_tolerance() 
                       trajectory=Expected(TRAJ))
     assert synthetic.ok and "skipped: the drill trained on batches of its own" in synthetic.checks[-1].detail
     assert _result().trained_steps == (21, 23) and _result(losses=()).trained_steps is None
+
+
+@pytest.mark.parametrize(("left", "keeps_state", "ok", "trajectory", "optimizer"), [
+    # the checkpoint's optimizer state was not restored and the fresh optimizer keeps state (Adam):
+    # the losses cannot retrace the run, which is no fault of the checkpoint
+    ("its torch_dist optimizer state (6 tensors) is not restored yet", True, True,
+     "skipped: its torch_dist optimizer state (6 tensors) is not restored yet, and the drill's fresh optimizer",
+     "skipped: its torch_dist optimizer state (6 tensors) is not restored yet; the drill's optimizer starts fresh"),
+    # a stateless optimizer (plain SGD) continues the run exactly from fresh: the trajectory still judges
+    ("its torch_dist optimizer state (6 tensors) is not restored yet", False, False,
+     "the drill does not retrace the run", "skipped: its torch_dist optimizer state"),
+    # a checkpoint without optimizer state, whose drill departs from the run: judged, as before
+    (None, True, False, "the drill does not retrace the run", "skipped: the checkpoint has no optimizer state"),
+])
+def test_optimizer_state_the_drill_did_not_restore_skips_the_trajectory_only_where_it_matters(
+        left: str | None, keeps_state: bool, ok: bool, trajectory: str, optimizer: str) -> None:
+    off = (1.0, 0.8, 0.62)  # 3% off the run at step 23
+    got = judge([_result(losses=off, losses_repeat=off, optimizer_left=left, optimizer_keeps_state=keeps_state)],
+                trajectory=Expected(TRAJ))
+    checks = {c.name: c for c in got.checks}
+    assert got.ok is ok, got.summary
+    assert trajectory in checks["trajectory"].detail
+    assert checks["optimizer_continues"].detail.startswith(optimizer) and checks["optimizer_continues"].ok
