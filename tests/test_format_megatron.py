@@ -202,6 +202,22 @@ def test_torch_dist_iteration_restores_its_model_tensors(tmp_path: Path) -> None
     assert (c.format, c.step, c.committed) == (Format.MEGATRON, 3, True), c.reason
     loaded = load_checkpoint_dir(it, Format.MEGATRON)
     assert loaded.optimizer_state is None and set(loaded.model_state) == set(model.state_dict())
+    assert loaded.optimizer_left is None  # the save holds no optimizer state
+
+
+def test_torch_dist_optimizer_shards_not_restored_are_named(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    model = tiny_mlp()
+    it = tmp_path / "m" / "iter_0000003"
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state |= {f"optimizer.state.exp_avg.{k}": torch.zeros_like(v) for k, v in state.items()}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*single process.*")
+        dcp.save(state, checkpoint_id=str(it))
+    loaded = load_checkpoint_dir(it, Format.MEGATRON)
+    assert set(loaded.model_state) == set(model.state_dict()) and loaded.optimizer_state is None
+    assert loaded.optimizer_left == f"its torch_dist optimizer state ({len(model.state_dict())} tensors) is not restored yet"
 
 
 @pytest.mark.slow
