@@ -42,7 +42,7 @@ from ckptier.tasks.resume import recovery_rates as resume_rates
 
 from . import alerts as al
 from . import queries as q
-from .history import storage_history
+from .history import from_deltas
 from .security import redact
 from .source import Source
 
@@ -147,6 +147,12 @@ class Snapshot:
         df = q.frames(self.source.engine, [q.recent_saves(name) for name in self.jobs["job"]], ["job", "step", "saved_at"])
         df["saved_at"] = pd.to_datetime(df["saved_at"], utc=True)
         return df
+
+    @cached_property
+    def storage(self) -> pd.DataFrame:
+        """Bytes held per tier over time, of ``job`` or of every job (:func:`.history.storage_history`'s
+        series, aggregated in the database: :func:`.queries.storage_series`)."""
+        return from_deltas(self._frame(q.storage_series(self.job)), now=self.now)
 
     @cached_property
     def problems(self) -> pd.DataFrame:
@@ -514,9 +520,7 @@ def build_storage(s: Snapshot) -> pd.DataFrame:
     """Bytes held per tier over time (see :mod:`.history`)."""
     s.jobs  # noqa: B018 - raises for an unknown job
     assert s.job is not None
-    copies = q.frame(s.source.engine, q.storage_copies(s.job))
-    events = q.frame(s.source.engine, q.storage_events(s.job))
-    return storage_history(copies, events, now=s.now)
+    return s.storage
 
 
 def build_costs(s: Snapshot) -> pd.DataFrame:
@@ -610,9 +614,7 @@ def build_cost_history(s: Snapshot) -> pd.DataFrame:
     ``costs`` table over its bytes; one rate per tier across the jobs)."""
     if s.job is not None:
         s.jobs  # noqa: B018 - raises for an unknown job
-    copies = q.frame(s.source.engine, q.storage_copies(s.job))
-    events = q.frame(s.source.engine, q.storage_events(s.job))
-    history = storage_history(copies, events, now=s.now)
+    history = s.storage
     costs = s.table("costs")
     rates = {}
     for tier in ("hot", "archive"):
