@@ -605,6 +605,40 @@ def _client(source: Any, **kw: Any) -> TestClient:
     return TestClient(create_app(source, clock=lambda: NOW, **kw), base_url="http://127.0.0.1:8765")
 
 
+def test_job_page_reads_no_file_rows_and_a_fixed_number_of_statements(sqlite_facts: Any) -> None:
+    """The job page costs what its checkpoints and events cost, never a row per file: no statement reads the
+    files table, and the statements it runs are as many with 12 files a checkpoint as with 2."""
+    from sqlalchemy import event, insert, select
+
+    from ckptier.storage.catalog.tables import checkpoints as ck
+    from ckptier.storage.catalog.tables import files as fl
+
+    def statements() -> list[str]:
+        seen: list[str] = []
+
+        def listen(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+            if not statement.lstrip().upper().startswith(("BEGIN", "COMMIT", "ROLLBACK", "PRAGMA", "SAVEPOINT", "RELEASE")):
+                seen.append(" ".join(statement.split()))
+
+        event.listen(sqlite_facts.engine, "before_cursor_execute", listen)
+        try:
+            assert client.get("/jobs/alpha").status_code == 200
+        finally:
+            event.remove(sqlite_facts.engine, "before_cursor_execute", listen)
+        return seen
+
+    client = _client(sqlite_facts)
+    client.get("/jobs/alpha")
+    before = statements()
+    assert not [sql for sql in before if " files" in sql.lower()], before
+    with sqlite_facts.engine.begin() as conn:
+        ids = list(conn.execute(select(ck.c.id)).scalars())
+        conn.execute(insert(fl), [{"checkpoint_id": cid, "relpath": f"rank-{r:04d}/extra.pt", "size": 1, "mtime": 0.0,
+                                   "etag": "e", "status": "ok"} for cid in ids for r in range(10)])
+    after = statements()
+    assert len(after) == len(before) and not [sql for sql in after if " files" in sql.lower()]
+
+
 def test_pages_render_with_security_headers(sqlite_facts: Any) -> None:
     client = _client(sqlite_facts)
     for path in ("/", "/jobs/alpha", "/checkpoint?job=alpha&step=600", "/jobs/beta"):
