@@ -7,6 +7,8 @@ The browser walkthrough (Chromium, a real ``prefect server``) lives in
 
 from __future__ import annotations
 
+import re
+
 import csv
 import io
 import json
@@ -902,6 +904,17 @@ def test_step_chart_is_compact_for_thousands_of_checkpoints() -> None:
     assert rects <= 2 * charts.MAX_MARK_COLUMNS and len(svg) < 200_000, (rects, len(svg))
     assert svg.count("st-corrupt") == 1  # the worst state of a merged column still shows
     assert "checkpoints, steps" in svg  # a merged column says what it holds
+
+
+def test_step_chart_draws_a_run_of_one_state_as_a_few_bars() -> None:
+    marks = [charts.Mark(s, "deleted", "deleted", f"step {s}", f"/checkpoint?job=j&step={s}") for s in range(1, 5001)]
+    marks.append(charts.Mark(2500, "deleted", "corrupt", "step 2500", "/checkpoint?job=j&step=2500"))
+    svg = str(charts.step_chart(marks))
+    bars = svg.count('<rect class="mark')
+    assert bars <= charts.MAX_MARK_COLUMNS // charts.MAX_RUN_COLUMNS + 4, bars
+    assert svg.count("st-corrupt") == 1 and "step=2500" in svg and "step=1&" not in svg and 'step=1"' in svg
+    covered = sum(int(n.replace(",", "")) for n in re.findall(r"<title>([\d,]+) checkpoints", svg))
+    assert covered + svg.count("<title>step ") == 5001  # every checkpoint is in one bar
 
 
 def test_time_chart_lines_are_decimated_but_keep_their_peaks() -> None:
