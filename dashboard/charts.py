@@ -25,6 +25,8 @@ MAX_MARK_COLUMNS = 300
 #: Columns of a time chart's line at most: changes within one column merge (it keeps the value it
 #: starts from, its lowest and highest, and the one it ends on), so a line has a few hundred vertices.
 MAX_LINE_COLUMNS = 200
+#: Neighbouring columns of one state drawn as one bar, at most: a long run still offers a link every few columns.
+MAX_RUN_COLUMNS = 8
 #: Which state wins a pixel shared by several checkpoints (first wins).
 STATE_PRIORITY = ("corrupt", "degraded", "missing", "incomplete", "committed", "verified", "drilled", "present", "deleted")
 
@@ -109,21 +111,34 @@ def step_chart(marks: Sequence[Mark], *, milestones: Sequence[int] = (), recover
         out.append(f'<path class="milestone" d="M{xm - 4:.1f},{top - 9} L{xm + 4:.1f},{top - 9} L{xm:.1f},{top - 2} Z">'
                    f'<title>milestone: step {m:,}</title></path>')
 
-    # Ticks, merged per column (at most MAX_MARK_COLUMNS per lane).
+    # Ticks, merged per column (at most MAX_MARK_COLUMNS per lane), and neighbouring columns of one
+    # state merged into one bar of up to MAX_RUN_COLUMNS columns (a lane of 5,000 tombstones is a few
+    # dozen bars, not 300 ticks with a link and a title each).
     tick_w = max(1.5, min(8.0, plot_w / max(len(set(steps)), 1) * 0.7))
     column_w = max(tick_w, 1.0, plot_w / MAX_MARK_COLUMNS)
     buckets: dict[tuple[str, int], list[Mark]] = {}
     for mark in marks:
         buckets.setdefault((mark.lane, int(x(mark.step) // column_w)), []).append(mark)
-    for (lane, _px), group in sorted(buckets.items(), key=lambda kv: (kv[0][0], kv[1][0].step)):
-        y = top + lanes.index(lane) * lane_height
+    runs: list[tuple[str, list[int], list[list[Mark]]]] = []  # lane, its columns, each column's marks
+    for (lane, px), group in sorted(buckets.items(), key=lambda kv: (kv[0][0], kv[1][0].step)):
         group.sort(key=lambda m: (STATE_PRIORITY.index(m.cls) if m.cls in STATE_PRIORITY else 99, m.step))
-        shown = group[0]
+        last = runs[-1] if runs else None
+        if (last is not None and last[0] == lane and last[2][-1][0].cls == group[0].cls
+                and px == last[1][-1] + 1 and len(last[1]) < MAX_RUN_COLUMNS):
+            last[1].append(px)
+            last[2].append(group)
+        else:
+            runs.append((lane, [px], [group]))
+    for lane, _cols, groups in runs:
+        y = top + lanes.index(lane) * lane_height
+        shown = groups[0][0]
+        every = [m for g in groups for m in g]
         xs = x(shown.step) - tick_w / 2
-        title = shown.title if len(group) == 1 else f"{len(group)} checkpoints, steps {min(g.step for g in group):,}–" \
-                                                    f"{max(g.step for g in group):,}; worst: {shown.title}"
+        w = x(max(m.step for m in groups[-1])) + tick_w / 2 - xs if len(groups) > 1 else tick_w
+        title = shown.title if len(every) == 1 else f"{len(every)} checkpoints, steps {min(g.step for g in every):,}–" \
+                                                    f"{max(g.step for g in every):,}; worst: {shown.title}"
         out.append(f'<a href="{escape(shown.href)}"><rect class="mark st-{escape(shown.cls)}" x="{xs:.1f}" y="{y + 4}" '
-                   f'width="{tick_w:.1f}" height="{lane_height - 8}"><title>{escape(title)}</title></rect></a>')
+                   f'width="{w:.1f}" height="{lane_height - 8}"><title>{escape(title)}</title></rect></a>')
 
     if recovery_step is not None:
         xr = x(recovery_step)

@@ -17,7 +17,11 @@ event that brought them back.
   event), the difference is booked at the copy's last known change, or,
   when it never changed, at the newest moment the input records at all.
 
-Pure: no database, no clock (``now`` is passed in).
+Pure: no database, no clock (``now`` is passed in). :func:`storage_history`
+is the definition, over the rows it is given; the pages read the same series
+aggregated in the database (:func:`ckptier.dashboard.queries.storage_series`,
+one row per moment instead of one per copy and event, summed up by
+:func:`from_deltas`), and the tests hold the two equal.
 """
 
 from __future__ import annotations
@@ -154,3 +158,22 @@ def storage_history(copies: pd.DataFrame, events: pd.DataFrame, *, now: datetime
     for col in COLUMNS[1:]:
         per_moment[col] = per_moment[col].astype("int64")
     return per_moment[list(COLUMNS)]
+
+
+def from_deltas(deltas: pd.DataFrame, *, now: datetime) -> pd.DataFrame:
+    """The series :func:`storage_history` returns, from the changes per moment that
+    :func:`ckptier.dashboard.queries.storage_series` aggregates in the database (``at`` as
+    stored, oldest first): their running sums, plus a last row at ``now``. Empty (with
+    :data:`COLUMNS`) when there are none."""
+    if deltas.empty:
+        return pd.DataFrame(columns=list(COLUMNS))
+    out = pd.DataFrame({"at": pd.to_datetime(deltas["at"], utc=True)})
+    for col in COLUMNS[1:]:
+        out[col] = deltas[col].astype("int64").cumsum()
+    now_ts = pd.Timestamp(now).tz_convert("UTC")
+    if now_ts > out["at"].iloc[-1]:
+        last = {col: out[col].iloc[-1] for col in COLUMNS[1:]}
+        out = pd.concat([out, pd.DataFrame([{"at": now_ts, **last}])], ignore_index=True)
+    for col in COLUMNS[1:]:
+        out[col] = out[col].astype("int64")
+    return out[list(COLUMNS)]

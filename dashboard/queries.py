@@ -10,10 +10,10 @@ it costs what the database costs. Drills are read through
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import pandas as pd
-from sqlalchemy import Engine, Select, String, and_, case, exists, func, literal, or_, select, true, type_coerce
+from sqlalchemy import Engine, Select, String, and_, case, exists, func, literal, or_, select, true, type_coerce, union_all
 
 from ckptier.storage.catalog import db
 from ckptier.storage.catalog.tables import checkpoints as ck
@@ -235,3 +235,105 @@ def file_hashes(checkpoint_id: int) -> Select[Any]:
         .where(fl.c.checkpoint_id == checkpoint_id)
         .order_by(fl.c.relpath)
     )
+
+
+def _later(a: Any, b: Any) -> Any:
+    """The later of two times (NULL ``a``: ``b``), in SQL every catalog backend runs."""
+    return case((a > b, a), else_=b)
+
+
+def storage_series(job: str | None) -> Select[Any]:
+    """Storage over time of ``job`` (None: every job), as :func:`.history.storage_history` defines it,
+    aggregated in the database: one row per moment the totals changed, oldest first, with the change
+    at that moment: ``at`` (as stored: see :func:`_as_stored`), ``hot_bytes``, ``archive_stored_bytes``,
+    ``archive_logical_bytes`` (deltas; their running sums are the series: :func:`.history.from_deltas`).
+
+    The same definition, step by step: a *slot* is a checkpoint's copies in one tier
+    (``start``: the earliest ``created_at``, for the hot tier the checkpoint's ``saved_at`` when
+    earlier; ``stored``: the newest copy's ``stored_bytes``, else the logical size; ``held_now``: some
+    copy present or degraded). Storage events (oldest first, then in insertion order) set their slot
+    out or in; a *change* is an event whose target differs from the slot's state before it (held at
+    first). When the state after the last event disagrees with ``held_now``, the difference is booked
+    at the slot's last event, or (none) at the newest start or event of any slot. Every moment is at
+    least the slot's start.
+    """
+    where_ck = true() if job is None else jb.c.name == job
+    newest = cp.alias("newest_copy")
+    newest_stored = (  # the newest copy's size, read only for a slot of several copies (a moved location)
+        select(newest.c.stored_bytes)
+        .where(newest.c.checkpoint_id == cp.c.checkpoint_id, newest.c.tier == cp.c.tier)
+        .order_by(newest.c.created_at.desc(), newest.c.id.desc())
+        .limit(1)
+        .scalar_subquery()
+    )
+    hot_start = case((and_(cp.c.tier == "hot", ck.c.saved_at.is_not(None), ck.c.saved_at < cp.c.created_at),
+                      ck.c.saved_at), else_=cp.c.created_at)
+    slots = (
+        select(
+            cp.c.checkpoint_id, cp.c.tier,
+            func.min(hot_start).label("start"),
+            func.max(case((cp.c.state.in_(HELD), 1), else_=0)).label("held_now"),
+            func.max(ck.c.bytes).label("logical"),
+            case((func.count() == 1, func.max(func.coalesce(cp.c.stored_bytes, ck.c.bytes))),
+                 else_=func.coalesce(newest_stored, func.max(ck.c.bytes))).label("stored"),
+        )
+        .select_from(cp.join(ck, ck.c.id == cp.c.checkpoint_id).join(jb, jb.c.id == ck.c.job_id))
+        .where(where_ck)
+        .group_by(cp.c.checkpoint_id, cp.c.tier)
+        .cte("slots")
+    )
+    kind = ev.c.kind
+    tier = case((kind.in_(("deleted", "vanished", "reappeared", "resurrected")), literal("hot")),
+                else_=ev.c.data["tier"].as_string())
+    target = case((kind.in_(("deleted", "vanished", "copy-deleted", "copy-missing")), 0),
+                  (kind.in_(("reappeared", "resurrected", "copy-present", "copy-degraded")), 1))
+    moved = (
+        select(ev.c.id, ev.c.checkpoint_id, tier.label("tier"), ev.c.at, target.label("target"))
+        .select_from(ev.join(jb, jb.c.id == ev.c.job_id))
+        .where(true() if job is None else jb.c.name == job, ev.c.checkpoint_id.is_not(None), target.is_not(None))
+        .subquery("moved")
+    )
+    se = moved.c
+    slot_key, order = (se.checkpoint_id, se.tier), (se.at, se.id)
+    moves = select(
+        se.checkpoint_id, se.tier, se.at, se.target,
+        func.lag(se.target, 1, 1).over(partition_by=slot_key, order_by=order).label("before"),
+        func.lead(se.id).over(partition_by=slot_key, order_by=order).label("next_id"),
+    ).subquery("moves")
+    # Only events of a slot that exists move anything (and count as its last change).
+    slot_moves = (
+        select(moves, slots.c.start, slots.c.stored, slots.c.logical, slots.c.held_now)
+        .select_from(moves.join(slots, and_(slots.c.checkpoint_id == moves.c.checkpoint_id, slots.c.tier == moves.c.tier)))
+        .cte("slot_moves")
+    )
+    # Each slot's state after its last event and that event's time (no event: held, and NULL).
+    last = select(slot_moves.c.checkpoint_id, slot_moves.c.tier, slot_moves.c.target, slot_moves.c.at) \
+        .where(slot_moves.c.next_id.is_(None)).subquery("last_move")
+    latest = select(func.max(_later(slot_moves.c.at, slots.c.start))).select_from(
+        slots.outerjoin(slot_moves, and_(slot_moves.c.checkpoint_id == slots.c.checkpoint_id,
+                                         slot_moves.c.tier == slots.c.tier))).scalar_subquery()
+    ended = func.coalesce(last.c.target, 1)
+    sign_now = case((slots.c.held_now == 1, 1), else_=-1)
+    sign_move = case((slot_moves.c.target == 1, 1), else_=-1)
+    deltas = union_all(
+        select(slots.c.start.label("at"), slots.c.tier, slots.c.stored, slots.c.logical),
+        select(_later(slot_moves.c.at, slot_moves.c.start), slot_moves.c.tier,
+               sign_move * slot_moves.c.stored, sign_move * slot_moves.c.logical)
+        .where(slot_moves.c.target != slot_moves.c.before),
+        select(_later(func.coalesce(last.c.at, latest), slots.c.start), slots.c.tier,
+               sign_now * slots.c.stored, sign_now * slots.c.logical)
+        .select_from(slots.outerjoin(last, and_(last.c.checkpoint_id == slots.c.checkpoint_id, last.c.tier == slots.c.tier)))
+        .where(ended != slots.c.held_now),
+    ).subquery("deltas")
+    hot = deltas.c.tier == "hot"
+    stmt = (
+        select(
+            type_coerce(deltas.c.at, String).label("at"),
+            func.sum(case((hot, deltas.c.stored), else_=0)).label("hot_bytes"),
+            func.sum(case((hot, 0), else_=deltas.c.stored)).label("archive_stored_bytes"),
+            func.sum(case((hot, 0), else_=deltas.c.logical)).label("archive_logical_bytes"),
+        )
+        .group_by(deltas.c.at)
+        .order_by(deltas.c.at)
+    )
+    return cast("Select[Any]", stmt)  # four typed columns; the module's statements are all Select[Any]

@@ -42,7 +42,7 @@ from ckptier.tasks.resume import recovery_rates as resume_rates
 
 from . import alerts as al
 from . import queries as q
-from .history import storage_history
+from .history import from_deltas
 from .security import redact
 from .source import Source
 
@@ -147,6 +147,12 @@ class Snapshot:
         df = q.frames(self.source.engine, [q.recent_saves(name) for name in self.jobs["job"]], ["job", "step", "saved_at"])
         df["saved_at"] = pd.to_datetime(df["saved_at"], utc=True)
         return df
+
+    @cached_property
+    def storage(self) -> pd.DataFrame:
+        """Bytes held per tier over time, of ``job`` or of every job (:func:`.history.storage_history`'s
+        series, aggregated in the database: :func:`.queries.storage_series`)."""
+        return from_deltas(self._frame(q.storage_series(self.job)), now=self.now)
 
     @cached_property
     def problems(self) -> pd.DataFrame:
@@ -430,29 +436,39 @@ def _copy_cells(record: CheckpointRecord) -> dict[str, Any]:
 
 
 def build_checkpoints(s: Snapshot) -> pd.DataFrame:
-    """Every checkpoint of the job, tombstones included, by step."""
+    """Every checkpoint of the job, tombstones included, by step.
+
+    Built column by column in one pass over the records (a dict per row and
+    a frame of dicts cost more than the rest of the page's tables together
+    at 5,000 checkpoints); a reason is redacted once per distinct text, and
+    the policy's milestone rules are asked once per step
+    (:meth:`Milestones.is_milestone`, what :meth:`Policy.is_milestone` asks).
+    """
     policy = s.policies.get(s.job or "")
-    rows = []
-    for r in s.records:
-        if s.step is not None and r.step != s.step:
-            continue
-        drill = s.latest_drill.get(r.id)
-        rows.append({
-            "job": r.job,
-            "step": r.step,
-            "state": r.state.value,
-            "proof": s.proof(r),
-            "last_drill": ("passed" if drill.ok else "failed") if drill else "",
-            "format": r.format.value,
-            "bytes": r.bytes,
-            **_copy_cells(r),
-            "milestone": policy is not None and policy.is_milestone(r.step),
-            "saved_at": r.saved_at,
-            "verified_at": r.verified_at,
-            "missing_since": r.missing_since,
-            "reason": redact(r.state_reason) or "",
-        })
-    df = _records(rows, "checkpoints")
+    rules = policy.milestones if policy is not None else ()
+    records = [r for r in s.records if s.step is None or r.step == s.step]
+    latest = s.latest_drill
+    reasons: dict[str | None, str] = {}
+    cols: dict[str, list[Any]] = {name: [] for name in TABLES["checkpoints"].column_names}
+    for r in records:
+        drill = latest.get(r.id)
+        state = r.state.value
+        cells = _copy_cells(r)
+        reason = reasons.get(r.state_reason)
+        if reason is None:
+            reason = reasons[r.state_reason] = redact(r.state_reason) or ""
+        for name, value in (
+            ("job", r.job), ("step", r.step), ("state", state),
+            ("proof", al.proof_level(state, drill.ok if drill is not None else None)),
+            ("last_drill", ("passed" if drill.ok else "failed") if drill else ""), ("format", r.format.value),
+            ("bytes", r.bytes), ("hot", cells["hot"]), ("archive", cells["archive"]),
+            ("archive_stored_bytes", cells["archive_stored_bytes"]),
+            ("milestone", policy is not None and any(m.is_milestone(r.step) for m in rules)),
+            ("saved_at", r.saved_at), ("verified_at", r.verified_at), ("missing_since", r.missing_since),
+            ("reason", reason),
+        ):
+            cols[name].append(value)
+    df = pd.DataFrame(cols, columns=TABLES["checkpoints"].column_names)
     df["archive_stored_bytes"] = df["archive_stored_bytes"].astype("Int64")
     return df
 
@@ -514,9 +530,7 @@ def build_storage(s: Snapshot) -> pd.DataFrame:
     """Bytes held per tier over time (see :mod:`.history`)."""
     s.jobs  # noqa: B018 - raises for an unknown job
     assert s.job is not None
-    copies = q.frame(s.source.engine, q.storage_copies(s.job))
-    events = q.frame(s.source.engine, q.storage_events(s.job))
-    return storage_history(copies, events, now=s.now)
+    return s.storage
 
 
 def build_costs(s: Snapshot) -> pd.DataFrame:
@@ -610,9 +624,7 @@ def build_cost_history(s: Snapshot) -> pd.DataFrame:
     ``costs`` table over its bytes; one rate per tier across the jobs)."""
     if s.job is not None:
         s.jobs  # noqa: B018 - raises for an unknown job
-    copies = q.frame(s.source.engine, q.storage_copies(s.job))
-    events = q.frame(s.source.engine, q.storage_events(s.job))
-    history = storage_history(copies, events, now=s.now)
+    history = s.storage
     costs = s.table("costs")
     rates = {}
     for tier in ("hot", "archive"):

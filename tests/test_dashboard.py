@@ -7,6 +7,8 @@ The browser walkthrough (Chromium, a real ``prefect server``) lives in
 
 from __future__ import annotations
 
+import re
+
 import csv
 import io
 import json
@@ -380,6 +382,48 @@ def test_job_tables(facts: Any) -> None:
     assert storage["hot_bytes"].max() == 10000 and storage.iloc[-1]["at"] == pd.Timestamp(NOW)
 
 
+def test_storage_over_time_in_sql_is_storage_history(facts: Any) -> None:
+    """The series the pages read (aggregated in the database) is :func:`storage_history`'s, on the facts
+    catalog and with what it lacks: a second hot copy of one checkpoint (a moved location: the newest
+    size counts), a copy deleted with no event (booked at the newest moment recorded), an archive copy
+    that comes back (copy-present), and an event of a tier that holds no copy of it (moves nothing)."""
+    from sqlalchemy import insert, select
+
+    from ckptier.dashboard import queries as q
+    from ckptier.dashboard.history import from_deltas
+    from ckptier.storage.catalog.tables import checkpoints as ck
+    from ckptier.storage.catalog.tables import copies as cp
+    from ckptier.storage.catalog.tables import events as ev
+
+    engine = facts.engine
+    with engine.begin() as conn:
+        ids = dict(conn.execute(select(ck.c.step, ck.c.id).where(ck.c.step.in_([700, 800, 900]))).tuples().all())
+        conn.execute(insert(cp), [
+            {"checkpoint_id": ids[700], "tier": "hot", "url": f"{STORE}/moved/step-700", "state": "present",
+             "stored_bytes": 1500, "created_at": hours(12.5)},
+            {"checkpoint_id": ids[800], "tier": "archive", "url": f"{ARCHIVE}/alpha/step-800", "state": "deleted",
+             "stored_bytes": 300, "created_at": hours(12.6)},
+            {"checkpoint_id": ids[700], "tier": "archive", "url": f"{ARCHIVE}/alpha/step-700", "state": "deleted",
+             "stored_bytes": 200, "created_at": hours(12.4)},
+        ])
+        conn.execute(insert(ev), [
+            {"at": hours(12.7), "kind": "copy-deleted", "message": "m", "checkpoint_id": ids[900],
+             "data": {"tier": "archive"}},
+            {"at": hours(12.8), "kind": "copy-missing", "message": "m", "checkpoint_id": ids[800],
+             "data": {"tier": "archive"}},
+            {"at": hours(12.9), "kind": "copy-present", "message": "m", "checkpoint_id": ids[800],
+             "data": {"tier": "archive"}},
+        ])
+        job_id = conn.execute(select(ck.c.job_id).where(ck.c.id == ids[800])).scalar_one()
+        conn.execute(ev.update().where(ev.c.checkpoint_id.in_(list(ids.values())), ev.c.job_id.is_(None))
+                     .values(job_id=job_id))
+    for job in ("alpha", "beta", None):
+        expected = storage_history(q.frame(engine, q.storage_copies(job)), q.frame(engine, q.storage_events(job)), now=NOW)
+        got = from_deltas(q.frame(engine, q.storage_series(job)), now=NOW)
+        assert len(got) > 1 or job == "beta"
+        pd.testing.assert_frame_equal(got, expected, check_dtype=False, check_index_type=False)
+
+
 def test_drills_and_events_across_the_catalog(facts: Any) -> None:
     snap = Snapshot(facts, now=NOW)
     drills = snap.table("drills")
@@ -561,6 +605,40 @@ def sqlite_facts(tmp_path: Path) -> Iterator[Any]:
 
 def _client(source: Any, **kw: Any) -> TestClient:
     return TestClient(create_app(source, clock=lambda: NOW, **kw), base_url="http://127.0.0.1:8765")
+
+
+def test_job_page_reads_no_file_rows_and_a_fixed_number_of_statements(sqlite_facts: Any) -> None:
+    """The job page costs what its checkpoints and events cost, never a row per file: no statement reads the
+    files table, and the statements it runs are as many with 12 files a checkpoint as with 2."""
+    from sqlalchemy import event, insert, select
+
+    from ckptier.storage.catalog.tables import checkpoints as ck
+    from ckptier.storage.catalog.tables import files as fl
+
+    def statements() -> list[str]:
+        seen: list[str] = []
+
+        def listen(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+            if not statement.lstrip().upper().startswith(("BEGIN", "COMMIT", "ROLLBACK", "PRAGMA", "SAVEPOINT", "RELEASE")):
+                seen.append(" ".join(statement.split()))
+
+        event.listen(sqlite_facts.engine, "before_cursor_execute", listen)
+        try:
+            assert client.get("/jobs/alpha").status_code == 200
+        finally:
+            event.remove(sqlite_facts.engine, "before_cursor_execute", listen)
+        return seen
+
+    client = _client(sqlite_facts)
+    client.get("/jobs/alpha")
+    before = statements()
+    assert not [sql for sql in before if " files" in sql.lower()], before
+    with sqlite_facts.engine.begin() as conn:
+        ids = list(conn.execute(select(ck.c.id)).scalars())
+        conn.execute(insert(fl), [{"checkpoint_id": cid, "relpath": f"rank-{r:04d}/extra.pt", "size": 1, "mtime": 0.0,
+                                   "etag": "e", "status": "ok"} for cid in ids for r in range(10)])
+    after = statements()
+    assert len(after) == len(before) and not [sql for sql in after if " files" in sql.lower()]
 
 
 def test_pages_render_with_security_headers(sqlite_facts: Any) -> None:
@@ -826,6 +904,17 @@ def test_step_chart_is_compact_for_thousands_of_checkpoints() -> None:
     assert rects <= 2 * charts.MAX_MARK_COLUMNS and len(svg) < 200_000, (rects, len(svg))
     assert svg.count("st-corrupt") == 1  # the worst state of a merged column still shows
     assert "checkpoints, steps" in svg  # a merged column says what it holds
+
+
+def test_step_chart_draws_a_run_of_one_state_as_a_few_bars() -> None:
+    marks = [charts.Mark(s, "deleted", "deleted", f"step {s}", f"/checkpoint?job=j&step={s}") for s in range(1, 5001)]
+    marks.append(charts.Mark(2500, "deleted", "corrupt", "step 2500", "/checkpoint?job=j&step=2500"))
+    svg = str(charts.step_chart(marks))
+    bars = svg.count('<rect class="mark')
+    assert bars <= charts.MAX_MARK_COLUMNS // charts.MAX_RUN_COLUMNS + 4, bars
+    assert svg.count("st-corrupt") == 1 and "step=2500" in svg and "step=1&" not in svg and 'step=1"' in svg
+    covered = sum(int(n.replace(",", "")) for n in re.findall(r"<title>([\d,]+) checkpoints", svg))
+    assert covered + svg.count("<title>step ") == 5001  # every checkpoint is in one bar
 
 
 def test_time_chart_lines_are_decimated_but_keep_their_peaks() -> None:
