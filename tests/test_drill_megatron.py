@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -28,22 +27,10 @@ import torch
 from ckptier.formats.megatron import TRACKER, torch_dist_modules
 
 from tests.fixtures.listing import scan
-from tests.test_drill_steps import cli  # noqa: F401 - the command line in a fresh catalog
+from tests.test_drill_steps import batches_from_one, cli  # noqa: F401 - cli: the command line in a fresh catalog
 
 FACTORY = "tests.fixtures.megatron_gpt:megatron_gpt_drill_spec"
-BATCHES_FROM_ONE = textwrap.dedent(
-    '''
-    from tests.fixtures.megatron_gpt import gpt_batch, megatron_gpt_drill_spec
-
-
-    def batches_from_one(metadata):
-        """Trains on the run's batches 1, 2, 3... whatever the step."""
-        spec = megatron_gpt_drill_spec(metadata)
-        start = metadata["step"]
-        spec.batch = lambda step, device: gpt_batch(step - start, device)
-        return spec
-    '''
-)
+BATCHES_FROM_ONE = batches_from_one("tests.fixtures.megatron_gpt", "megatron_gpt_drill_spec", "gpt_batch")
 
 
 @pytest.mark.parametrize(("tensors", "want"), [

@@ -27,19 +27,26 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 FACTORY = "tests.fixtures.checkpoints:tiny_mlp_drill_spec"
 
-OFF_BY_THE_STEP = textwrap.dedent(
-    '''
-    from tests.fixtures.checkpoints import tiny_batch, tiny_mlp_drill_spec
+def batches_from_one(module: str, spec: str, batch: str) -> str:
+    """The source of a factory ``batches_from_one`` that builds ``module.spec`` and trains
+    on the run's batches 1, 2, 3... (``module.batch``) whatever the step: what every drill
+    of a DCP save did before the catalog's step reached the ranks."""
+    return textwrap.dedent(
+        f'''
+        from {module} import {batch}, {spec}
 
 
-    def batches_from_one(metadata):
-        """Trains on batches 1, 2, 3... whatever the step: what every drill of a DCP save did."""
-        spec = tiny_mlp_drill_spec(metadata)
-        start = metadata["step"]
-        spec.batch = lambda step, device: tiny_batch(step - start, device)
-        return spec
-    '''
-)
+        def batches_from_one(metadata):
+            """Trains on the run's batches 1, 2, 3... whatever the step."""
+            spec = {spec}(metadata)
+            start = metadata["step"]
+            spec.batch = lambda step, device: {batch}(step - start, device)
+            return spec
+        '''
+    )
+
+
+OFF_BY_THE_STEP = batches_from_one("tests.fixtures.checkpoints", "tiny_mlp_drill_spec", "tiny_batch")
 
 
 @pytest.fixture()
