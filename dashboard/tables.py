@@ -34,8 +34,8 @@ import pandas as pd
 
 from ckptier.storage.catalog.api import DrillRecord, RecoveryRecord
 from ckptier.storage.errors import ConfigError
-from ckptier.storage.records import CheckpointRecord
-from ckptier.storage.transitions import latest_drill, latest_drills
+from ckptier.storage.records import CheckpointRecord, DrillOutcome
+from ckptier.storage.transitions import latest_drill
 from ckptier.tasks.costs import JobCosts
 from ckptier.tasks.drill_history import ALL_JOBS, WINDOWS_DAYS, environment_drift, recovery_rate, recovery_rates
 from ckptier.tasks.resume import recovery_rates as resume_rates
@@ -187,19 +187,22 @@ class Snapshot:
         return out
 
     @cached_property
-    def latest_drill(self) -> dict[int, DrillRecord]:
-        """The most recent drill of each drilled checkpoint (by id; :func:`ckptier.storage.transitions.latest_drill`)."""
-        return latest_drills(d for records in self.drills.values() for d in records)
+    def last_drills(self) -> dict[str, dict[int, DrillOutcome]]:
+        """Per job shown, the most recent drill of each of its drilled checkpoints (by
+        id), over all of the job's drills, not only the :data:`DRILL_WINDOW` the pages
+        list: what each record's ``last_drill`` holds and ``latest --drilled`` goes by
+        (:meth:`Catalog.last_drills`)."""
+        return {name: self.catalog.last_drills(job=name) for name in self.jobs["job"]}
 
     @cached_property
     def drill_passed(self) -> pd.DataFrame:
         """Checkpoints whose most recent drill passed, with ``job``, ``step``,
         ``state``, ``saved_at`` and ``held`` (1 when a copy holds them)."""
-        passed = {cid: d for cid, d in self.latest_drill.items() if d.ok}
+        passed = {cid: name for name, outcomes in self.last_drills.items() for cid, d in outcomes.items() if d.ok}
         if not passed:
             return pd.DataFrame(columns=["id", "step", "state", "saved_at", "held", "job"])
         df = self._frame(q.restorable(sorted(passed)))
-        df["job"] = [passed[int(cid)].job for cid in df["id"]]
+        df["job"] = [passed[int(cid)] for cid in df["id"]]
         return df
 
     @cached_property
@@ -244,7 +247,7 @@ class Snapshot:
 
     def proof(self, record: CheckpointRecord) -> str:
         """The proof level of a checkpoint (:func:`alerts.proof_level`)."""
-        drill = self.latest_drill.get(record.id)
+        drill = record.last_drill
         return al.proof_level(record.state.value, drill.ok if drill is not None else None)
 
 
@@ -447,11 +450,10 @@ def build_checkpoints(s: Snapshot) -> pd.DataFrame:
     policy = s.policies.get(s.job or "")
     rules = policy.milestones if policy is not None else ()
     records = [r for r in s.records if s.step is None or r.step == s.step]
-    latest = s.latest_drill
     reasons: dict[str | None, str] = {}
     cols: dict[str, list[Any]] = {name: [] for name in TABLES["checkpoints"].column_names}
     for r in records:
-        drill = latest.get(r.id)
+        drill = r.last_drill  # the catalog's most recent drill of it, over all its drills
         state = r.state.value
         cells = _copy_cells(r)
         reason = reasons.get(r.state_reason)

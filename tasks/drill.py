@@ -243,7 +243,9 @@ class WorkerResult(JsonRecord):
     restored, and why (:attr:`LoadedCheckpoint.optimizer_left`);
     ``optimizer_keeps_state``: whether the drill's optimizer kept state of its
     own while training (momentum, Adam's moments: a fresh one then departs
-    from the run's).
+    from the run's). ``rng_saved``: the random streams the checkpoint saved
+    (``python``, ``numpy``, ``cpu``, ``cuda``...); ``rng_resumed``: those the
+    drill continued (:func:`~ckptier.tasks.drill_worker.resume_rng`).
     """
 
     checkpoint: str
@@ -288,6 +290,8 @@ class WorkerResult(JsonRecord):
     synthetic_batches: bool = False
     optimizer_left: str | None = None
     optimizer_keeps_state: bool = False
+    rng_saved: tuple[str, ...] = ()
+    rng_resumed: tuple[str, ...] = ()
 
     @property
     def trained_steps(self) -> tuple[int, int] | None:
@@ -384,6 +388,19 @@ def _agree(a: float | None, b: float | None, exact: bool, rtol: float) -> bool:
     if a is None or b is None:
         return a is None and b is None
     return a == b if exact else abs(a - b) <= rtol * max(abs(a), abs(b))
+
+
+def random_streams_text(saved: Sequence[str], resumed: Sequence[str]) -> str:
+    """What a drill did with the random streams its checkpoint saved; pure. Informative
+    only: a stream not continued is no fault of the checkpoint (dropout then draws
+    other masks, which the ``trajectory`` tolerance allows)."""
+    if not saved:
+        return "skipped: the checkpoint saved no random state; dropout draws the drill's own masks"
+    left = [name for name in saved if name not in resumed]
+    if not resumed:
+        return f"skipped: none of the saved streams ({', '.join(saved)}) fits this drill's generators"
+    text = f"continued the run's {', '.join(resumed)} random streams"
+    return text + (f"; not {', '.join(left)} (left at the drill's seed)" if left else "")
 
 
 def judge(
@@ -542,6 +559,8 @@ def judge(
 
     if reference is not None:
         checks.append(_resumes(ordered, reference, on_cuda, reshard_rtol))
+
+    checks.append(Check("random_streams", True, random_streams_text(zero.rng_saved, zero.rng_resumed)))
 
     if trajectory is not None:
         rtol = zero.trajectory_rtol if zero.trajectory_rtol is not None else trajectory.rtol

@@ -604,13 +604,14 @@ def train(spec: DrillSpec, request: DrillRequest, device: torch.device, start: i
 
     progress("train")
     _seed(request.seed)
-    resume_rng(rng)
+    resumed = resume_rng(rng)
     params = [(n, p) for n, p in _inner(spec.model).named_parameters() if p.requires_grad]
     present = torch.zeros(len(params), dtype=torch.bool)
     nonzero = torch.zeros(len(params), dtype=torch.float32)
     nonfinite = torch.zeros(len(params), dtype=torch.bool)
     losses: list[float] = []
-    info: dict[str, Any] = {"optimizer_step_before": _optimizer_steps(spec.optimizer) if spec.optimizer else None}
+    info: dict[str, Any] = {"optimizer_step_before": _optimizer_steps(spec.optimizer) if spec.optimizer else None,
+                            "rng_saved": tuple(sorted(rng)) if rng else (), "rng_resumed": tuple(resumed)}
     t0 = time.perf_counter()
     for i in range(request.steps):
         value = train_step(spec, start + i + 1, device)
@@ -719,6 +720,7 @@ def run_request(request: DrillRequest) -> WorkerResult:
             optimizer_step_before=info["optimizer_step_before"], optimizer_step_after=info["optimizer_step_after"],
             trainable_params=info["trainable_params"], frozen_params=info["frozen_params"],
             optimizer_keeps_state=info["optimizer_keeps_state"],
+            rng_saved=info["rng_saved"], rng_resumed=info["rng_resumed"],
             grad_problems=tuple(info["grad_problems"]),
             timings={**times, "rendezvous_s": rendezvous_s, "first_step_s": info["first_step_s"],
                      "first_step_done_at": info["first_step_done_at"], "steps_s": info["steps_s"],

@@ -382,6 +382,24 @@ def test_job_tables(facts: Any) -> None:
     assert storage["hot_bytes"].max() == 10000 and storage.iloc[-1]["at"] == pd.Timestamp(NOW)
 
 
+def test_a_checkpoint_drilled_before_the_recent_drills_keeps_its_proof_and_recovery_point(
+        facts: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The drills the pages list are the newest few; a checkpoint's most recent drill is the
+    catalog's (``latest --drilled``), however many drills came after it."""
+    from ckptier.dashboard import tables
+
+    monkeypatch.setattr(tables, "DRILL_WINDOW", 2)  # step 900's two drills; 800's (passed) is older
+    snap = Snapshot(facts, now=NOW, job="alpha")
+    assert len(snap.drills["alpha"]) == 2
+    cks = snap.table("checkpoints").set_index("step")
+    assert cks.loc[800, "proof"] == "drilled" and cks.loc[800, "last_drill"] == "passed"
+    assert cks.loc[700, "last_drill"] == "failed" and cks.loc[900, "last_drill"] == "failed"
+    record = snap.catalog.get("alpha", 800)
+    assert record is not None and snap.proof(record) == "drilled"
+    jobs = Snapshot(facts, now=NOW).table("jobs").set_index("job")
+    assert jobs.loc["alpha", "recovery_step"] == 800 and jobs.loc["alpha", "drilled"] == 1
+
+
 def test_storage_over_time_in_sql_is_storage_history(facts: Any) -> None:
     """The series the pages read (aggregated in the database) is :func:`storage_history`'s, on the facts
     catalog and with what it lacks: a second hot copy of one checkpoint (a moved location: the newest

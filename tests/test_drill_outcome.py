@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 import pytest
 
 from ckptier.storage.records import CheckpointRecord, FileRecord, Format, State
-from ckptier.tasks.drill import Expected, WorkerResult, factory_needed, judge
+from ckptier.tasks.drill import Expected, WorkerResult, factory_needed, judge, random_streams_text
 from ckptier.tasks.reports import NOT_JUDGED, drill_outcome
 from ckptier.tasks.drill_trajectory import (
     RecordedLoss,
@@ -167,3 +167,16 @@ def test_optimizer_state_the_drill_did_not_restore_skips_the_trajectory_only_whe
     assert got.ok is ok, got.summary
     assert trajectory in checks["trajectory"].detail
     assert checks["optimizer_continues"].detail.startswith(optimizer) and checks["optimizer_continues"].ok
+
+
+@pytest.mark.parametrize(("saved", "resumed", "text"), [
+    ((), (), "skipped: the checkpoint saved no random state; dropout draws the drill's own masks"),
+    (("cpu", "numpy", "python"), ("python", "numpy", "cpu"), "continued the run's python, numpy, cpu random streams"),
+    (("cpu", "cuda", "numpy", "python"), ("python", "numpy", "cpu"),
+     "continued the run's python, numpy, cpu random streams; not cuda (left at the drill's seed)"),
+    (("cpu",), (), "skipped: none of the saved streams (cpu) fits this drill's generators"),
+])
+def test_random_streams_say_what_the_drill_continued(saved: tuple[str, ...], resumed: tuple[str, ...], text: str) -> None:
+    assert random_streams_text(saved, resumed) == text
+    verdict = judge([_result(rng_saved=saved, rng_resumed=resumed)])
+    assert verdict.ok and [c.detail for c in verdict.checks if c.name == "random_streams"] == [text]

@@ -168,6 +168,9 @@ def test_megatron_checkpoint_drills_and_resumes_exactly(megatron_run: Checkpoint
     verdict = judge([result])
     assert verdict.ok, verdict.summary
     assert result.optimizer_step_before == step and result.optimizer_step_after == step + 3
+    assert result.rng_saved == ("cpu", "numpy", "python") and result.rng_resumed == ("python", "numpy", "cpu")
+    streams = next(c for c in verdict.checks if c.name == "random_streams")
+    assert streams.ok and streams.detail == "continued the run's python, numpy, cpu random streams"
     model = tiny_mlp()
     model.load_state_dict(load_checkpoint_dir(megatron_run.path(step), Format.MEGATRON).model_state)
     with torch.no_grad():

@@ -20,7 +20,7 @@ from datetime import datetime, timedelta
 from typing import Any, Protocol
 
 from .. import transitions
-from ..records import CheckpointRecord, CopyState, FileCheck, Recognition, State, Tier
+from ..records import CheckpointRecord, CopyState, DrillOutcome, FileCheck, Recognition, State, Tier
 from .entries import (
     DeleteIntent,
     DirStampRecord,
@@ -91,6 +91,8 @@ class QueryCatalog(CheckpointReads, LatestChoice, Protocol):
     def latest(self, job: str, *, drilled: bool = ...) -> CheckpointRecord | None: ...
 
     def file_counts(self, *, job: str | None = ...) -> dict[int, int]: ...
+
+    def last_drills(self, *, job: str) -> dict[int, DrillOutcome]: ...
 
     def jobs(self) -> list[str]: ...
 

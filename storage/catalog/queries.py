@@ -182,20 +182,7 @@ class CatalogQueries(CatalogCore):
                     FileRecord(relpath=rel, size=size, mtime=mtime, etag=etag, crc64nvme=crc,
                                sha256_expected=exp, status=status, detail=detail, link=link)
                 )
-        # The most recent drill of each by the one rule (transitions.latest_drill: a drill
-        # that was not judged is history only); read newest recorded first, so that of two
-        # equal drills the later recorded speaks.
-        drills = [_DrillRow(*row) for row in conn.execute(
-            select(dr.c.checkpoint_id, dr.c.ok, dr.c.started_at, dr.c.finished_at, dr.c.error, dr.c.verdict,
-                   dr.c.outcome)
-            .where(dr.c.checkpoint_id.in_(ids))
-            .order_by(dr.c.id.desc())
-        ).tuples()]
-        last_drill: dict[int, DrillOutcome] = {}
-        for cid, d in transitions.latest_drills(drills).items():
-            summary = d.verdict.get("summary") if isinstance(d.verdict, dict) else None
-            last_drill[cid] = DrillOutcome(ok=bool(d.ok), at=d.finished_at or d.started_at,
-                                           detail=None if d.ok else (d.error or summary))
+        last_drill = _last_drills(conn, dr.c.checkpoint_id.in_(ids))
         copies: dict[int, list[CopyRecord]] = {}
         for ccid, tier, url, cstate, stored, cverified, codec, sclass in conn.execute(
             select(cp.c.checkpoint_id, cp.c.tier, cp.c.url, cp.c.state, cp.c.stored_bytes, cp.c.verified_at,
@@ -218,6 +205,14 @@ class CatalogQueries(CatalogCore):
             for (cid, job, step, fmt, state, location, size, saved_at, first_seen, last_seen, missing_since,
                  verified_at, reason, loss, generation, metrics) in rows
         ]
+
+    def last_drills(self, *, job: str) -> dict[int, DrillOutcome]:
+        """Checkpoint id -> its most recent drill, for every drilled checkpoint of
+        ``job`` (tombstones too): the outcome each record's ``last_drill`` holds, by
+        the one rule (:func:`ckptier.storage.transitions.latest_drill`) over all of
+        the job's drills, without loading the records."""
+        with self._read() as conn:
+            return _last_drills(conn, dr.c.job_id == select(jb.c.id).where(jb.c.name == job).scalar_subquery())
 
     def links(self, scope: str) -> list[LinkedFile]:
         """Every file that is a symlink (:attr:`FileRecord.link`) of a checkpoint whose
@@ -279,3 +274,22 @@ class CatalogQueries(CatalogCore):
             }
             for name, state, count, total in per_state
         ]
+
+
+def _last_drills(conn: Connection, where: ColumnElement[bool]) -> dict[int, DrillOutcome]:
+    """The most recent drill of each checkpoint among the drills ``where`` selects, by
+    the one rule (:func:`~ckptier.storage.transitions.latest_drill`: a drill that was not
+    judged is history only); read newest recorded first, so that of two equal drills
+    the later recorded speaks."""
+    drills = [_DrillRow(*row) for row in conn.execute(
+        select(dr.c.checkpoint_id, dr.c.ok, dr.c.started_at, dr.c.finished_at, dr.c.error, dr.c.verdict,
+               dr.c.outcome)
+        .where(where)
+        .order_by(dr.c.id.desc())
+    ).tuples()]
+    out: dict[int, DrillOutcome] = {}
+    for cid, d in transitions.latest_drills(drills).items():
+        summary = d.verdict.get("summary") if isinstance(d.verdict, dict) else None
+        out[cid] = DrillOutcome(ok=bool(d.ok), at=d.finished_at or d.started_at,
+                                detail=None if d.ok else (d.error or summary))
+    return out
