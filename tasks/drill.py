@@ -557,10 +557,10 @@ def judge(
     else:
         checks.append(Check("recorded_loss", False, f"first loss {_fmt(first)} vs recorded {_fmt(recorded)}: off by more than {loss_tolerance:g} relative"))
 
+    checks.append(Check("random_streams", True, random_streams_text(zero.rng_saved, zero.rng_resumed)))
+
     if reference is not None:
         checks.append(_resumes(ordered, reference, on_cuda, reshard_rtol))
-
-    checks.append(Check("random_streams", True, random_streams_text(zero.rng_saved, zero.rng_resumed)))
 
     if trajectory is not None:
         rtol = zero.trajectory_rtol if zero.trajectory_rtol is not None else trajectory.rtol
