@@ -21,9 +21,9 @@ from ckptier.formats.dcp import dcp_layout
 from ckptier.formats.safe_load import load_checkpoint_dir, safe_torch_load
 from ckptier.tasks.drill_launch import Fetched, RankedDrill, cuda_device_count, run_ranked_drill
 from tests.fixtures.checkpoints import CheckpointRun, tiny_batch, tiny_loss, tiny_mlp
-from tests.fixtures.dist_checkpoints import DIST_STEPS, DistRuns
+from tests.fixtures.dist_checkpoints import DIST_STEPS, DIST_TIMEOUT_S, DistRuns
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(DIST_TIMEOUT_S)]  # the runs may be written twice
 
 REPO = Path(__file__).resolve().parents[1]
 FACTORY = "tests.fixtures.checkpoints:tiny_mlp_drill_spec"

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures.dist_checkpoints import TITAN_LAST, TITAN_STEP, DistRuns
+from tests.fixtures.dist_checkpoints import DIST_TIMEOUT_S, TITAN_LAST, TITAN_STEP, DistRuns
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(DIST_TIMEOUT_S)]  # the runs may be written twice
 
 REPO = Path(__file__).resolve().parents[1]
 FACTORY = "tests.fixtures.checkpoints:tiny_mlp_drill_spec"
