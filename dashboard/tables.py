@@ -444,11 +444,10 @@ def build_checkpoints(s: Snapshot) -> pd.DataFrame:
     Built column by column in one pass over the records (a dict per row and
     a frame of dicts cost more than the rest of the page's tables together
     at 5,000 checkpoints); a reason is redacted once per distinct text, and
-    the policy's milestone rules are asked once per step
-    (:meth:`Milestones.is_milestone`, what :meth:`Policy.is_milestone` asks).
+    the policy is asked once per step (:meth:`Policy.is_milestone`) and the proof
+    level comes from :meth:`Snapshot.proof`.
     """
     policy = s.policies.get(s.job or "")
-    rules = policy.milestones if policy is not None else ()
     records = [r for r in s.records if s.step is None or r.step == s.step]
     reasons: dict[str | None, str] = {}
     cols: dict[str, list[Any]] = {name: [] for name in TABLES["checkpoints"].column_names}
@@ -461,11 +460,11 @@ def build_checkpoints(s: Snapshot) -> pd.DataFrame:
             reason = reasons[r.state_reason] = redact(r.state_reason) or ""
         for name, value in (
             ("job", r.job), ("step", r.step), ("state", state),
-            ("proof", al.proof_level(state, drill.ok if drill is not None else None)),
+            ("proof", s.proof(r)),
             ("last_drill", ("passed" if drill.ok else "failed") if drill else ""), ("format", r.format.value),
             ("bytes", r.bytes), ("hot", cells["hot"]), ("archive", cells["archive"]),
             ("archive_stored_bytes", cells["archive_stored_bytes"]),
-            ("milestone", policy is not None and any(m.is_milestone(r.step) for m in rules)),
+            ("milestone", policy is not None and policy.is_milestone(r.step)),
             ("saved_at", r.saved_at), ("verified_at", r.verified_at), ("missing_since", r.missing_since),
             ("reason", reason),
         ):
