@@ -42,13 +42,15 @@ import argparse
 import json
 import os
 import resource
-import shutil
 import sqlite3
 import subprocess
 import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import process
 
 ROOT = Path("/tmp/ckptier-bench-cli")
 FILES = ("rank-0000/model.pt", "rank-0000/optimizer.pt", "metadata.json")
@@ -206,8 +208,8 @@ def main() -> int:
                 p.unlink()
             build_catalog(catalog, args.checkpoints, jobs, runs)
     catalog, one_job = catalogs[args.jobs], catalogs[1]
-    script = Path(sys.executable).parent / "ckptier"
-    ckptier = str(script) if script.exists() else shutil.which("ckptier") or "ckptier"
+    ckptier = process.executable() or "ckptier"
+    process.byte_compiled()  # as an install leaves them: the runs time the commands, not the compiler
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CKPTIER_", "PREFECT_"))}
     env.update(CKPTIER_CATALOG_URL=f"sqlite:///{catalog}", HOME=str(root))
     plan_env = {**env, "CKPTIER_CATALOG_URL": f"sqlite:///{one_job}"}

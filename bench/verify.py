@@ -40,6 +40,8 @@ from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import process
 from ckptier.storage.hashing import DEFAULT_CHUNK
 from ckptier.storage.local import LocalStore
 from ckptier.storage.records import CheckpointRecord, FileRecord, Format, State
@@ -107,12 +109,10 @@ def run_shell(cmd: str) -> None:
 
 def cli_timer(root: Path) -> tuple[Callable[[], object] | None, str]:
     """A callable running ``ckptier verify --deep`` on a scanned catalog, or None and why not."""
-    # The ckptier of this interpreter's environment (not a wrapper on PATH, such as a version
-    # manager's shim, which adds its own start-up to every run).
-    script = Path(sys.executable).parent / "ckptier"
-    exe = str(script) if script.exists() else shutil.which("ckptier")
+    exe = process.executable()
     if exe is None:
         return None, "no ckptier executable beside this Python or on PATH"
+    process.byte_compiled()  # as an install leaves them: the runs time verify, not the compiler
     tmp = Path(tempfile.mkdtemp(prefix="ckptier-bench-cli-"))
     env = {**os.environ, "CKPTIER_CATALOG_URL": f"sqlite:///{tmp}/catalog.db"}
     env.pop("PREFECT_API_URL", None)
