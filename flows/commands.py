@@ -252,7 +252,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     sample = runner.resolve_sample(args.sample) if args.sample else None
     settings = settings_of(args)
     announce(args, settings.location)
-    from ckptier.tasks.pipeline import VerifyOptions  # lazy: the acting commands' imports, only when one runs
+    from ckptier.tasks.verify_run import VerifyOptions  # lazy: the acting commands' imports, only when one runs
 
     options = VerifyOptions(job=args.job, deep=args.deep, sample=sample, workers=args.workers)
     report = runner.verify(options, settings=settings, use_prefect=_use_prefect(args), progress=not args.json,

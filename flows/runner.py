@@ -149,7 +149,7 @@ def verify(options: VerifyOptions, *, settings: Settings, use_prefect: bool, pro
     ``claim_rows`` and ``since`` are the command line's ``--runner``, ``--claim-rows``
     and ``--since`` (``options.claims`` is made from them and ``[runner]``)."""
     def direct() -> VerifyReport:
-        from ckptier.tasks.pipeline import run_verify  # lazy: the command line checks its input before the operations load
+        from ckptier.tasks.verify_run import run_verify  # lazy: the command line checks its input before the operations load
         from ckptier.tasks.run import open_run  # lazy: likewise
 
         with open_run(settings, owner="ckptier-cli") as run:  # each job's grace comes from its [[policy]]

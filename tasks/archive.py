@@ -124,6 +124,13 @@ class HotCopyMismatch(IntegrityError):
 archive_dir = copy_dir
 
 
+def archive_root(copy_url: str, record: CheckpointRecord) -> str:
+    """The archive store URL from a copy URL ending in ``{job}/step-{step:08d}[/...]``."""
+    marker = "/" + archive_dir(record.job, record.step)
+    head, sep, _ = copy_url.partition(marker)
+    return head if sep else copy_url
+
+
 def data_key(job: str, step: int, relpath: str) -> str:
     """Key of the archived (encoded) copy of one checkpoint file."""
     return join_key(archive_dir(job, step), relpath + DATA_SUFFIX)

@@ -138,10 +138,12 @@ def test_version_and_help_import_no_handler_and_stay_in_budget(argv: list[str], 
 
 def test_verify_imports_the_codec_only_when_it_needs_it(catalog: str, tmp_path: Path) -> None:
     """``verify --deep`` of checkpoints with no archive copy and no torch file hashes them without the
-    archive codec (numpy, zstandard), torch or Prefect."""
+    archive codec (numpy, zstandard), torch, Prefect or the other operations' modules."""
     proc, modules = _modules(["verify", "--deep", "--json", "--no-prefect", "--catalog", catalog], tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["totals"]["verified"] == 2  # it read both checkpoints
-    assert "ckptier.tasks.pipeline" in modules  # the acting path really ran
-    codec = ("numpy", "zstandard", "torch", "prefect", "ckptier.storage.codec", "ckptier.storage.codec_planes")
+    assert "ckptier.tasks.verify_run" in modules  # the acting path really ran
+    # Nor the other operations: promotion and its read-back, deletion, the catalog's backup.
+    codec = ("numpy", "zstandard", "torch", "prefect", "ckptier.storage.codec", "ckptier.storage.codec_planes",
+             "ckptier.tasks.pipeline", "ckptier.tasks.apply", "ckptier.tasks.archive", "ckptier.tasks.backup")
     assert [m for m in modules if any(m == h or m.startswith(h + ".") for h in codec)] == []
