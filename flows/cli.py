@@ -3,7 +3,9 @@
 The parser is built from a lazy command table: each command names its
 handler (in :mod:`ckptier.flows.commands` unless said otherwise), imported
 only once the command is chosen, so ``--version``, ``--help`` and a usage
-error load the standard library and the argument rules only. Commands that
+error load the standard library and the argument rules only. A command line
+that names a command builds the top level and that command alone
+(:func:`parser_for`), which reads it as the whole parser would. Commands that
 only read the catalog (``ls``, ``latest``, ``plan``) never import Prefect or
 torch (``ls`` and ``latest`` not even the formats, the archive codec or
 SQLAlchemy's ORM), so they answer at once, and they never create a
