@@ -306,3 +306,35 @@ def test_a_read_back_failure_stops_the_pipeline_and_commits_nothing(tmp_path: Pa
     with archive.open_read(data_key("llm", 100, first)) as src:
         codec.decode(src, out)
     assert out.getvalue() == files[first] and not copy.already_archived
+
+
+def test_at_most_one_encoder_and_one_decoder_run_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    files = several_files()
+    write_hot(tmp_path / "hot", PREFIX, files)
+    hot = LocalStore(tmp_path / "hot")
+    record = make_record(files, location=f"{hot.url}/{PREFIX}")
+    lock = threading.Lock()
+    running = {"encode": 0, "decode": 0}
+    most = {"encode": 0, "decode": 0}
+    both = []
+
+    def counted(name: str, fn: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with lock:
+                running[name] += 1
+                most[name] = max(most[name], running[name])
+                both.append(running["encode"] and running["decode"])
+            try:
+                time.sleep(0.05)  # long enough for the stages to meet
+                return fn(*args, **kwargs)
+            finally:
+                with lock:
+                    running[name] -= 1
+
+        return call
+
+    monkeypatch.setattr(codec, "encode", counted("encode", codec.encode))
+    monkeypatch.setattr(codec, "decode", counted("decode", codec.decode))
+    promote(hot, PREFIX, record, LocalStore(tmp_path / "archive"), now=NOW, owner="run-1", threads=2)
+    assert most == {"encode": 1, "decode": 1}  # bounded: one encoder's and one decoder's buffers at most
+    assert any(both)  # and the two stages did overlap
