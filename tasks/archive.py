@@ -365,7 +365,6 @@ def promote(
     level: int = 1,
     threads: int = 2,
     block_size: int = BLOCK_SIZE,
-    spool_dir: str | os.PathLike[str] | None = None,
 ) -> ArchiveCopy:
     """Copy one checkpoint into the archive tier, proven bit-exact, and commit it.
 
@@ -394,9 +393,9 @@ def promote(
     read-back also confirms each object's class by HEAD; the manifest goes
     to the bucket's default class so that it stays readable. In a class that
     cannot be read without a restore (``GLACIER``, ``DEEP_ARCHIVE``) the
-    read-back cannot GET: each file is encoded into a temporary spool file
-    (in ``spool_dir``; one file at a time), the spool is decoded locally and
-    compared with the hot bytes before upload, and the HEAD must show the size and the
+    read-back cannot GET: the encoded stream is also decoded locally as the
+    store reads it, and the store sees its end (and commits the object) only
+    once it decoded to the hot bytes; the HEAD must then show the size and the
     full-object CRC64NVME of the bytes sent (the store's own checksum, so
     ``CKPTIER_S3_CHECKSUMS=when_required`` cannot archive to those classes).
 
@@ -453,13 +452,8 @@ def promote(
                           tuple(sorted(f.relpath + DATA_SUFFIX for f in record.files)))
     plain.write(upload_marker_key(record.job, record.step), marker.to_json())
     files = sorted(record.files, key=lambda f: f.relpath)
-    if sealed:
-        assert data_class is not None
-        hot_digests, stored = _spool_and_confirm(hot, hot_prefix, record, archive, files, data_class, level=level,
-                                                 threads=threads, block_size=block_size, spool_dir=spool_dir)
-    else:
-        hot_digests, stored = _stream_and_prove(hot, hot_prefix, record, archive, files, data_class,
-                                                level=level, threads=threads, block_size=block_size)
+    hot_digests, stored = _stream_and_prove(hot, hot_prefix, record, archive, files, data_class, level=level,
+                                            threads=threads, block_size=block_size, sealed=sealed)
 
     # 4. Commit: the manifest, last, created only if absent.
     # The manifest lists the CRCs the hot bytes just proved; a sha256 from the format's
@@ -574,6 +568,152 @@ class _UploadStream(io.RawIOBase):
                 super().close()
 
 
+class _DecoderGone(Exception):
+    """The decoder reading a :class:`_Pipe` stopped (it failed); nothing more can be fed to it."""
+
+
+class _Pipe:
+    """A bounded in-memory pipe between one writer thread and one reader thread.
+
+    :meth:`write` blocks while ``limit`` bytes wait unread (one write larger
+    than ``limit`` is let in when the pipe is empty) and raises
+    :class:`_DecoderGone` once the reader has left (:meth:`leave`);
+    :meth:`read` blocks until there are bytes or the writer has closed the
+    pipe (then ``b""``). Memory is bounded by about ``limit`` plus one write.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._cond = threading.Condition()
+        self._chunks: list[bytes] = []
+        self._held = 0
+        self._closed = False
+        self._gone = False
+
+    def write(self, data: bytes) -> None:
+        with self._cond:
+            while self._held and self._held + len(data) > self._limit and not self._gone:
+                self._cond.wait()
+            if self._gone:
+                raise _DecoderGone("the decoder stopped")
+            self._chunks.append(data)
+            self._held += len(data)
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """No more writes: the reader sees EOF once it has read what is held."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def leave(self) -> None:
+        """The reader is done (or failed): drop what is held and refuse further writes."""
+        with self._cond:
+            self._gone = True
+            self._chunks, self._held = [], 0
+            self._cond.notify_all()
+
+    def read(self, size: int = -1) -> bytes:
+        with self._cond:
+            while not self._chunks and not self._closed:
+                self._cond.wait()
+            if not self._chunks:
+                return b""
+            head = self._chunks[0]
+            if 0 <= size < len(head):
+                self._chunks[0] = head[size:]
+                head = head[:size]
+            else:
+                self._chunks.pop(0)
+            self._held -= len(head)
+            self._cond.notify_all()
+            return head
+
+
+class _ProvingTee(io.RawIOBase):
+    """What the store reads of an object it cannot give back until restored (``GLACIER``...):
+    the encoded stream, decoded on the way by a thread of its own (fed through a
+    bounded :class:`_Pipe`, one decoder worker); the store sees EOF only once the
+    decoded bytes matched ``want()`` (the hot bytes' digests, known by then), so
+    bytes that do not decode to the hot file are never uploaded whole.
+    :attr:`hasher` hashes the encoded bytes (what the store's checksum must show).
+    """
+
+    def __init__(self, inner: io.RawIOBase, want: Callable[[], Digests], where: str, limit: int = 4 << 20) -> None:
+        super().__init__()
+        self._inner = inner
+        self._want = want
+        self._where = where
+        self._pipe = _Pipe(limit)
+        self._out = _HashingSink()
+        self._error: BaseException | None = None
+        self.hasher = Hasher()
+        self._thread = threading.Thread(target=self._decode, name="ckptier-prove-upload", daemon=True)
+        self._thread.start()
+
+    def _decode(self) -> None:
+        try:
+            _codec.decode(self._pipe, self._out, threads=1)  # type: ignore[arg-type]
+        except BaseException as exc:  # noqa: BLE001 - raised by the store's read, see _finish
+            self._error = exc
+        finally:
+            self._pipe.leave()
+
+    def _finish(self) -> None:
+        """At the encoded stream's end: wait for the decoder; raise unless it gave the hot bytes."""
+        self._pipe.close()
+        self._thread.join()
+        if self._error is not None:
+            raise IntegrityError(f"{self._where}: the encoded copy does not decode ({self._error}); "
+                                 f"not uploaded, hot copy kept") from self._error
+        back, want = self._out.hasher.digests(), self._want()
+        if back.size != want.size or back.crc64nvme != want.crc64nvme:
+            raise IntegrityError(
+                f"{self._where}: the encoded copy decodes to {back.size} bytes crc64nvme {back.crc64nvme}, the hot "
+                f"file has {want.size} bytes crc64nvme {want.crc64nvme}; not uploaded, hot copy kept"
+            )
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int | None = -1) -> bytes:
+        if size is None or size < 0:
+            return self.readall()
+        data = self._inner.read(size) or b""
+        if not data:
+            self._finish()
+            return b""
+        self.hasher.update(data)
+        try:
+            self._pipe.write(data)
+        except _DecoderGone:
+            self._finish()  # raises the decoder's error, if it failed
+            raise IntegrityError(f"{self._where}: bytes follow the end of the encoded archive; not uploaded, "
+                                 f"hot copy kept") from None
+        return data
+
+    def readinto(self, buf: Any) -> int:
+        view = memoryview(buf).cast("B")
+        data = self.read(view.nbytes)
+        view[: len(data)] = data
+        return len(data)
+
+    def readall(self) -> bytes:
+        parts = []
+        while chunk := self.read(CHUNK):
+            parts.append(chunk)
+        return b"".join(parts)
+
+    def close(self) -> None:
+        if not self.closed:
+            try:
+                self._pipe.close()  # an unfinished stream: the decoder sees a truncated archive and stops
+                self._thread.join()
+                self._inner.close()
+            finally:
+                super().close()
+
+
 def _stream_and_prove(
     hot: Store,
     hot_prefix: str,
@@ -585,6 +725,7 @@ def _stream_and_prove(
     level: int,
     threads: int,
     block_size: int,
+    sealed: bool = False,
 ) -> tuple[dict[str, Digests], dict[str, StoredObject]]:
     """Encode each of ``files`` from ``hot`` straight into ``archive`` and prove each object by
     reading it back; the hot bytes' digests and the stored objects, by relpath.
@@ -606,6 +747,13 @@ def _stream_and_prove(
       bytes (and its storage class confirmed, when ``data_class`` is set)
       while later files are still encoded.
 
+    ``sealed``: ``data_class`` cannot be read without a restore (``GLACIER``,
+    ``DEEP_ARCHIVE``). Then the proof moves before the commit of each object:
+    the encoded stream is decoded as the store reads it (:class:`_ProvingTee`)
+    and the store sees EOF only once it gave the hot bytes; the read-back
+    stage HEADs the object, which must be in ``data_class`` and show the size
+    and full-object CRC64NVME of the bytes sent (:func:`_confirm_class`).
+
     The first failure stops the pipeline: no further file is started, writes
     in flight are abandoned (their next read raises :class:`_Stopped`, so the
     store discards them) and that first error is raised once every stage has
@@ -615,6 +763,7 @@ def _stream_and_prove(
     from ckptier.storage.codec_stream import EncodingReader  # lazy: the codec is imported on first use
 
     hot_digests: dict[str, Digests] = {}
+    sent: dict[str, Digests] = {}  # the encoded bytes handed to the store (sealed classes)
     stored: dict[str, StoredObject] = {}
     errors: list[BaseException] = []
     lock = threading.Lock()
@@ -637,6 +786,13 @@ def _stream_and_prove(
         # decoding is the lighter half); the last file's read-back has the machine to itself.
         workers = threads if f.relpath == last else max(1, threads // 2)
         try:
+            if sealed:
+                assert data_class is not None
+                info = _confirm_class(archive, dkey, data_class, sent[f.relpath])
+                with lock:
+                    stored[f.relpath] = StoredObject(key=f.relpath + DATA_SUFFIX, size=info.size,
+                                                     crc64nvme=sent[f.relpath].crc64nvme)
+                return
             if data_class is not None:
                 _confirm_class(archive, dkey, data_class, None)
             back, enc = _decode_check(archive, dkey, threads=workers)
@@ -671,8 +827,14 @@ def _stream_and_prove(
 
                 encoding = EncodingReader(reader, name=f.relpath, level=level, threads=threads,  # type: ignore[arg-type]
                                           block_size=block_size, before_eof=accept)
-                with _UploadStream(encoding, stop, encoded, _store_url(archive, dkey)) as stream:
+                stream: io.RawIOBase = _UploadStream(encoding, stop, encoded, _store_url(archive, dkey))
+                if sealed:
+                    stream = _ProvingTee(stream, lambda: hot_digests[f.relpath], _store_url(archive, dkey))
+                with stream:
                     archive.write(dkey, stream)  # type: ignore[arg-type]
+                if isinstance(stream, _ProvingTee):
+                    with lock:
+                        sent[f.relpath] = stream.hasher.digests()
             readers.submit(read_back, f)
         except BaseException as exc:  # noqa: BLE001 - handed to the calling thread, which raises it
             fail(exc)
@@ -697,72 +859,6 @@ def _stream_and_prove(
     if errors:
         raise errors[0]
     return hot_digests, stored
-
-
-def _spool_and_confirm(
-    hot: Store,
-    hot_prefix: str,
-    record: CheckpointRecord,
-    archive: Store,
-    files: Sequence[FileRecord],
-    data_class: str,
-    *,
-    level: int,
-    threads: int,
-    block_size: int,
-    spool_dir: str | os.PathLike[str] | None,
-) -> tuple[dict[str, Digests], dict[str, StoredObject]]:
-    """Upload ``files`` into a storage class that cannot be read back without a restore;
-    the hot bytes' digests and the stored objects, by relpath.
-
-    One file at a time: encode it into a temporary spool file (in
-    ``spool_dir``), decode the spool and compare it with the hot bytes, upload
-    the spool; then HEAD every object, which must be in ``data_class`` and
-    hold exactly the bytes sent by the store's own full-object CRC64NVME.
-    """
-    hot_digests: dict[str, Digests] = {}
-    enc_digests: dict[str, Digests] = {}
-    for f in files:
-        hkey = hot_file_key(hot_prefix, record, f.relpath)
-        dkey = data_key(record.job, record.step, f.relpath)
-        with tempfile.TemporaryFile(dir=spool_dir) as spool:
-            with hot.open_read(hkey) as src:
-                reader = _HashingReader(src)
-                _codec.encode(reader, spool, name=f.relpath, level=level, threads=threads,  # type: ignore[arg-type]
-                              block_size=block_size)
-            got = reader.hasher.digests()
-            _check_hot_digest(record, f, got, _store_url(hot, hkey))
-            hot_digests[f.relpath] = got
-            spool.seek(0)
-            enc_digests[f.relpath] = _decode_spool(spool, got, _store_url(archive, dkey))
-            spool.seek(0)
-            archive.write(dkey, spool)
-    stored: dict[str, StoredObject] = {}
-    for f in files:
-        dkey = data_key(record.job, record.step, f.relpath)
-        info = _confirm_class(archive, dkey, data_class, enc_digests[f.relpath])
-        stored[f.relpath] = StoredObject(key=f.relpath + DATA_SUFFIX, size=info.size,
-                                         crc64nvme=enc_digests[f.relpath].crc64nvme)
-    return hot_digests, stored
-
-
-def _decode_spool(spool: BinaryIO, want: Digests, where: str) -> Digests:
-    """Decode a local spool and check it gives ``want`` (the hot bytes); return the spool's digests.
-
-    The proof for a storage class that cannot be read back: the bytes about
-    to be uploaded decode to the hot file, and the store must then report
-    the same size and CRC64NVME for what it received.
-    """
-    out = _HashingSink()
-    counted = _HashingReader(spool)
-    _codec.decode(counted, out)  # type: ignore[arg-type]
-    back = out.hasher.digests()
-    if back.size != want.size or back.crc64nvme != want.crc64nvme:
-        raise IntegrityError(
-            f"{where}: the encoded copy decodes to {back.size} bytes crc64nvme {back.crc64nvme}, the hot file "
-            f"has {want.size} bytes crc64nvme {want.crc64nvme}; not uploaded, hot copy kept"
-        )
-    return counted.hasher.digests()
 
 
 def _confirm_class(archive: Store, key: str, storage_class: str, sent: Digests | None) -> ObjectInfo:

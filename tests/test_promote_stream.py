@@ -338,3 +338,46 @@ def test_at_most_one_encoder_and_one_decoder_run_at_once(tmp_path: Path, monkeyp
     promote(hot, PREFIX, record, LocalStore(tmp_path / "archive"), now=NOW, owner="run-1", threads=2)
     assert most == {"encode": 1, "decode": 1}  # bounded: one encoder's and one decoder's buffers at most
     assert any(both)  # and the two stages did overlap
+
+
+# ------------------------------------------------------------------ classes that cannot be read back
+
+
+@pytest.mark.s3_needs("restore")
+def test_a_glacier_promotion_is_proven_as_it_streams_multipart(s3_bucket: Any, tmp_path: Path) -> None:
+    files = {"model.pt": tensor_file(3_000_000, 6), "noise.bin": os.urandom(7 << 20), "metadata.json": b"{}"}
+    write_hot(tmp_path / "hot", PREFIX, files)
+    hot = LocalStore(tmp_path / "hot")
+    record = make_record(files, location=f"{hot.url}/{PREFIX}")
+    archive = s3_store(s3_bucket, multipart_threshold=5 << 20, part_size=5 << 20, storage_class="GLACIER")
+    copy = promote(hot, PREFIX, record, archive, now=NOW, owner="run-1")
+    assert copy.storage_class == "GLACIER" and archive.list_multipart_uploads() == []
+    m = Manifest.from_json(archive.in_class(None).open_read(manifest_key("llm", 100)).read())
+    for f in m.files:
+        info = archive.stat(data_key("llm", 100, f.relpath))
+        assert f.stored is not None and info.storage_class == "GLACIER"
+        assert (info.size, info.checksum) == (f.stored.size, f"crc64nvme:{f.stored.crc64nvme}")
+
+
+@pytest.mark.s3_needs("restore")
+def test_a_glacier_upload_that_does_not_decode_to_the_hot_bytes_is_never_committed(
+    s3_bucket: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    files = {"model.pt": os.urandom(12 << 20), "metadata.json": b"{}"}
+    write_hot(tmp_path / "hot", PREFIX, files)
+    hot = LocalStore(tmp_path / "hot")
+    record = make_record(files, location=f"{hot.url}/{PREFIX}")
+    archive = s3_store(s3_bucket, multipart_threshold=5 << 20, part_size=5 << 20, storage_class="GLACIER")
+    real = codec.decode
+
+    def decodes_one_byte_more(src: BinaryIO, dst: BinaryIO, **kw: Any) -> Any:  # an encoder/decoder that disagree
+        stats = real(src, dst, **kw)
+        dst.write(b"\0")
+        return stats
+
+    monkeypatch.setattr(codec, "decode", decodes_one_byte_more)
+    with pytest.raises(IntegrityError, match="decodes to .* not uploaded"):
+        promote(hot, PREFIX, record, archive, now=NOW, owner="run-1")
+    assert archive.list_multipart_uploads() == []
+    listed = {i.key for i in archive.list()}
+    assert data_key("llm", 100, "model.pt") not in listed and manifest_key("llm", 100) not in listed
