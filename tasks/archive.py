@@ -742,8 +742,8 @@ def _stream_and_prove(
       no spool, no buffer beyond the encoder's own); it reaches EOF only
       after the hot bytes' size and CRC64NVME matched the catalog, so a
       mismatch leaves no object;
-    * one read-back at a time (``threads`` decoder workers): each object, once
-      written, is read back from the store, decoded and compared with the hot
+    * one read-back at a time (one decoder worker beside a running encoder,
+      ``threads`` for the last file): each object, once written, is read back from the store, decoded and compared with the hot
       bytes (and its storage class confirmed, when ``data_class`` is set)
       while later files are still encoded.
 
