@@ -734,9 +734,11 @@ def _stream_and_prove(
 
     * one encoder at a time (``threads`` codec workers): file *i + 1* is
       read and encoded as soon as file *i*'s encoder has finished, while the
-      store still makes file *i* durable (fsync and rename, or the multipart
-      completion): at most two writes are in flight, and only one of them
-      holds codec buffers;
+      store still makes file *i* durable (a local store's fsync and rename):
+      at most two writes are in flight, and only one of them holds codec
+      buffers. A store with multipart uploads (S3) writes one file at a time:
+      each write holds up to its ``multipart_threshold`` plus one part in
+      memory until it is acknowledged, and two would hold twice that;
     * the store's ``write`` consumes the encoder's output as it comes
       (:class:`~ckptier.storage.codec_stream.EncodingReader`, a rendezvous:
       no spool, no buffer beyond the encoder's own); it reaches EOF only
@@ -842,7 +844,8 @@ def _stream_and_prove(
             encoded()
 
     readers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptier-read-back")
-    writers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckptier-upload")
+    in_flight = 1 if isinstance(archive, MultipartUploads) else 2  # S3 buffers a part per write, see above
+    writers = ThreadPoolExecutor(max_workers=in_flight, thread_name_prefix="ckptier-upload")
     try:
         for f in files:
             encoder_free.acquire()

@@ -381,3 +381,48 @@ def test_a_glacier_upload_that_does_not_decode_to_the_hot_bytes_is_never_committ
     assert archive.list_multipart_uploads() == []
     listed = {i.key for i in archive.list()}
     assert data_key("llm", 100, "model.pt") not in listed and manifest_key("llm", 100) not in listed
+
+
+class SlowDurable(PassThroughStore):
+    """Each write takes a while after its stream's end (an fsync, an upload's acknowledgement);
+    counts how many writes were in flight at once."""
+
+    def __init__(self, inner: Store) -> None:
+        super().__init__(inner)
+        self.running = self.most = 0
+        self._lock = threading.Lock()
+
+    def write(self, key: str, data: bytes | BinaryIO, *, if_absent: bool = False) -> ObjectInfo:
+        with self._lock:
+            self.running += 1
+            self.most = max(self.most, self.running)
+        try:
+            info = self.inner.write(key, data, if_absent=if_absent)
+            time.sleep(0.2)
+            return info
+        finally:
+            with self._lock:
+                self.running -= 1
+
+
+class SlowMultipart(SlowDurable):
+    """The same, for a store with multipart uploads (as S3 is)."""
+
+    def list_multipart_uploads(self, prefix: str = "") -> list[tuple[str, str, Any]]:
+        return []
+
+    def abort_multipart(self, key: str, upload_id: str) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("store", "in_flight"), [(SlowDurable, 2), (SlowMultipart, 1)])
+def test_writes_in_flight_are_bounded(tmp_path: Path, store: type[SlowDurable], in_flight: int) -> None:
+    # a local write's fsync overlaps the next file's encoding; an S3 write, which buffers up to a part
+    # of its own until acknowledged, does not
+    files = several_files()
+    write_hot(tmp_path / "hot", PREFIX, files)
+    hot = LocalStore(tmp_path / "hot")
+    record = make_record(files, location=f"{hot.url}/{PREFIX}")
+    archive = store(LocalStore(tmp_path / "archive"))
+    promote(hot, PREFIX, record, archive, now=NOW, owner="run-1")
+    assert archive.most == in_flight
