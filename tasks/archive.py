@@ -23,14 +23,17 @@ clock: times are passed in.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
 import shutil
 import socket
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -95,6 +98,12 @@ DATA_SUFFIX = _DATA_SUFFIX
 MANIFEST_LIMIT = 64 << 20
 #: Read size for streaming copies, bytes.
 CHUNK = 8 << 20
+#: Codec block size of archived objects, bytes. Smaller than the codec's default (2 MiB): a
+#: promotion holds one encoder's and one decoder's buffers at once, and the encoder's pool and
+#: scratch arrays scale with the block. Measured on bench/refdata.py's reference checkpoint
+#: (2 threads): 512 KiB blocks halve the promotion's memory over the idle process (about 67 ->
+#: 31 MiB) for a ratio 0.016% lower (1.24862 -> 1.24842), coding as fast.
+BLOCK_SIZE = 512 << 10
 #: The upload marker, relative to a step directory (under ``.ckptier/``, which
 #: format recognition skips as ckptier's own).
 UPLOAD_MARKER = _UPLOAD_MARKER
@@ -322,7 +331,7 @@ def _store_url(store: Store, key: str) -> str:
 _stored_key = stored_key
 
 
-def _decode_check(archive: Store, key: str) -> tuple[Digests, Digests]:
+def _decode_check(archive: Store, key: str, *, threads: int = 2) -> tuple[Digests, Digests]:
     """Stream ``key`` from ``archive`` through the codec; return digests of the decoded and the stored bytes.
 
     Transient and access errors propagate unchanged; anything else that goes
@@ -333,7 +342,7 @@ def _decode_check(archive: Store, key: str) -> tuple[Digests, Digests]:
     with archive.open_read(key) as raw:
         counted = _HashingReader(raw)
         try:
-            _codec.decode(counted, out)  # type: ignore[arg-type]
+            _codec.decode(counted, out, threads=threads)  # type: ignore[arg-type]
         except StoreError as exc:
             if isinstance(exc, IntegrityError):
                 raise IntegrityError(
@@ -362,18 +371,28 @@ def promote(
     owner: str,
     level: int = 1,
     threads: int = 2,
-    spool_dir: str | os.PathLike[str] | None = None,
+    block_size: int = BLOCK_SIZE,
 ) -> ArchiveCopy:
     """Copy one checkpoint into the archive tier, proven bit-exact, and commit it.
 
     For each file (in relpath order): stream it from ``hot`` through the
-    codec into a temporary spool file (memory stays bounded whatever the
-    file size; disk use is one encoded file at a time, in ``spool_dir``),
-    hashing the raw bytes on the way; check size and CRC64NVME against the
-    catalog record (when recorded); upload it to :func:`data_key` (S3 stores
-    switch to multipart above their threshold). Then read every object back,
-    decode it and compare size and CRC64NVME with the hot bytes. Only when
-    every file matches is ``ckptier-manifest.json`` created with ``if_absent=True``.
+    codec straight into the archive store's ``write`` (no spool: the store
+    consumes the encoder's output as it is produced, through
+    :class:`~ckptier.storage.codec_stream.EncodingReader`), hashing the raw
+    bytes on the way; the store sees the end of the stream only once the
+    size and CRC64NVME of those bytes matched the catalog record (when
+    recorded), so a file that fails (hot bytes changed, a read error, the
+    encoder, another file's failure) is never committed as an object: a
+    local store removes its temporary file, S3 aborts the multipart upload
+    (S3 stores switch to multipart above their threshold). Each object is
+    then read back from the store, decoded and compared (size and
+    CRC64NVME) with the hot bytes. Files overlap (:func:`_stream_and_prove`):
+    the next file is encoded while the last one's write finishes (fsync,
+    multipart completion) and while earlier ones are read back, each stage
+    with ``threads`` codec threads; memory stays bounded whatever the file
+    sizes (one encoder's and one decoder's buffers, see
+    :mod:`ckptier.storage.codec`). Only when every file matches is
+    ``ckptier-manifest.json`` created with ``if_absent=True``.
 
     Storage classes: when ``archive`` writes to a storage class
     (:class:`~ckptier.storage.base.StorageClasses`, e.g. an S3 archive
@@ -381,8 +400,9 @@ def promote(
     read-back also confirms each object's class by HEAD; the manifest goes
     to the bucket's default class so that it stays readable. In a class that
     cannot be read without a restore (``GLACIER``, ``DEEP_ARCHIVE``) the
-    read-back cannot GET: the spool is decoded locally and compared with the
-    hot bytes before upload, and the HEAD must show the size and the
+    read-back cannot GET: the encoded stream is also decoded locally as the
+    store reads it, and the store sees its end (and commits the object) only
+    once it decoded to the hot bytes; the HEAD must then show the size and the
     full-object CRC64NVME of the bytes sent (the store's own checksum, so
     ``CKPTIER_S3_CHECKSUMS=when_required`` cannot archive to those classes).
 
@@ -402,7 +422,10 @@ def promote(
     Raises :class:`IntegrityError` when the hot bytes do not match the
     catalog or the read-back does not match the hot bytes (nothing is
     committed), and store errors unchanged. The hot copy is only read.
-    ``owner`` names the promoting run in error messages.
+    ``owner`` names the promoting run in error messages. ``level``,
+    ``threads`` and ``block_size`` are the codec's (:func:`ckptier.storage.codec.encode`);
+    ``threads`` is also the read-back's decoder threads (one while an
+    encoder runs beside it).
     """
     t0 = time.monotonic()
     if record.state != State.VERIFIED:
@@ -420,7 +443,6 @@ def promote(
     # Bookkeeping objects (the upload marker, the manifest) stay in the bucket's
     # default class, so that the janitor and every reader can always read them.
     plain = archive.in_class(None) if isinstance(archive, StorageClasses) and data_class is not None else archive
-    enc_digests: dict[str, Digests] = {}
 
     # 1. Already committed? Then compare instead of uploading over it.
     try:
@@ -431,48 +453,14 @@ def promote(
         return _existing_copy(archive, record, existing, mkey, copy_url, now=now, t0=t0, owner=owner)
 
     # 2. Say what we are about to write (the janitor's proof that it is ours), then
-    #    encode + upload each file, hashing the raw bytes as they stream by.
+    #    encode + upload each file, hashing the raw bytes as they stream by, and
+    # 3. read every object back: each must decode to the hot bytes.
     marker = UploadMarker(record.job, record.step, owner, now,
                           tuple(sorted(f.relpath + DATA_SUFFIX for f in record.files)))
     plain.write(upload_marker_key(record.job, record.step), marker.to_json())
-    hot_digests: dict[str, Digests] = {}
-    for f in sorted(record.files, key=lambda f: f.relpath):
-        hkey = hot_file_key(hot_prefix, record, f.relpath)
-        dkey = data_key(record.job, record.step, f.relpath)
-        with tempfile.TemporaryFile(dir=spool_dir) as spool:
-            with hot.open_read(hkey) as src:
-                reader = _HashingReader(src)
-                _codec.encode(reader, spool, name=f.relpath, level=level, threads=threads)  # type: ignore[arg-type]
-            got = reader.hasher.digests()
-            _check_hot_digest(record, f, got, _store_url(hot, hkey))
-            hot_digests[f.relpath] = got
-            if sealed:
-                spool.seek(0)
-                enc_digests[f.relpath] = _decode_spool(spool, got, _store_url(archive, dkey))
-            spool.seek(0)
-            archive.write(dkey, spool)
-
-    # 3. Read back: every archived object must decode to the hot bytes.
-    stored: dict[str, StoredObject] = {}
-    for f in sorted(record.files, key=lambda f: f.relpath):
-        dkey = data_key(record.job, record.step, f.relpath)
-        if data_class is not None:
-            info = _confirm_class(archive, dkey, data_class, enc_digests.get(f.relpath))
-        if sealed:
-            stored[f.relpath] = StoredObject(key=f.relpath + DATA_SUFFIX, size=info.size,
-                                             crc64nvme=enc_digests[f.relpath].crc64nvme)
-            continue
-        back, enc = _decode_check(archive, dkey)
-        want = hot_digests[f.relpath]
-        if back.size != want.size or back.crc64nvme != want.crc64nvme:
-            raise IntegrityError(
-                f"{_store_url(archive, dkey)}: read-back decodes to {back.size} bytes crc64nvme "
-                f"{back.crc64nvme}, the hot file has {want.size} bytes crc64nvme {want.crc64nvme}; "
-                f"archive copy not committed, hot copy kept",
-                url=archive.url,
-                key=dkey,
-            )
-        stored[f.relpath] = StoredObject(key=f.relpath + DATA_SUFFIX, size=enc.size, crc64nvme=enc.crc64nvme)
+    files = sorted(record.files, key=lambda f: f.relpath)
+    hot_digests, stored = _stream_and_prove(hot, hot_prefix, record, archive, files, data_class, level=level,
+                                            threads=threads, block_size=block_size, sealed=sealed)
 
     # 4. Commit: the manifest, last, created only if absent.
     # The manifest lists the CRCs the hot bytes just proved; a sha256 from the format's
@@ -503,23 +491,384 @@ def promote(
     )
 
 
-def _decode_spool(spool: BinaryIO, want: Digests, where: str) -> Digests:
-    """Decode a local spool and check it gives ``want`` (the hot bytes); return the spool's digests.
+class _Stopped(StoreError):
+    """Another file of the same promotion failed: this file's unfinished write is abandoned."""
 
-    The proof for a storage class that cannot be read back: the bytes about
-    to be uploaded decode to the hot file, and the store must then report
-    the same size and CRC64NVME for what it received.
+
+class _Release:
+    """Releases a semaphore exactly once, from whichever thread gets there first."""
+
+    def __init__(self, gate: threading.Semaphore) -> None:
+        self._gate = gate
+        self._lock = threading.Lock()
+        self._done = False
+
+    def __call__(self) -> None:
+        with self._lock:
+            if self._done:
+                return
+            self._done = True
+        self._gate.release()
+
+
+class _UploadStream(io.RawIOBase):
+    """The encoded stream of one file as the archive store reads it.
+
+    Reads go to ``inner`` (an :class:`~ckptier.storage.codec_stream.EncodingReader`);
+    ``encoded()`` is called once the encoder is finished, whichever way (EOF,
+    an error raised by a read, or :meth:`close`), so that the next file's
+    encoder may start while the store is still making this object durable.
+    A read after ``stop`` is set raises :class:`_Stopped`, so that the store
+    discards what it wrote (another file failed: finishing this one is wasted).
     """
-    out = _HashingSink()
-    counted = _HashingReader(spool)
-    _codec.decode(counted, out)  # type: ignore[arg-type]
-    back = out.hasher.digests()
-    if back.size != want.size or back.crc64nvme != want.crc64nvme:
-        raise IntegrityError(
-            f"{where}: the encoded copy decodes to {back.size} bytes crc64nvme {back.crc64nvme}, the hot file "
-            f"has {want.size} bytes crc64nvme {want.crc64nvme}; not uploaded, hot copy kept"
-        )
-    return counted.hasher.digests()
+
+    def __init__(self, inner: io.RawIOBase, stop: threading.Event, encoded: Callable[[], None], where: str) -> None:
+        super().__init__()
+        self._inner = inner
+        self._stop = stop
+        self._encoded = encoded
+        self._where = where
+
+    def readable(self) -> bool:
+        return True
+
+    def _check(self) -> None:
+        if self._stop.is_set():
+            self._encoded()
+            raise _Stopped(f"{self._where}: upload abandoned, another file of the same promotion failed; "
+                           f"not committed")
+
+    def read(self, size: int | None = -1) -> bytes:
+        self._check()
+        try:
+            data = self._inner.read(-1 if size is None else size) or b""
+        except BaseException:
+            self._encoded()
+            raise
+        if not data:
+            self._encoded()
+        return data
+
+    def readinto(self, buf: Any) -> int:
+        self._check()
+        try:
+            n = self._inner.readinto(buf)
+        except BaseException:
+            self._encoded()
+            raise
+        if not n:
+            self._encoded()
+        return n or 0
+
+    def readall(self) -> bytes:
+        parts = []
+        while chunk := self.read(CHUNK):
+            parts.append(chunk)
+        return b"".join(parts)
+
+    def close(self) -> None:
+        if not self.closed:
+            try:
+                self._inner.close()
+            finally:
+                self._encoded()
+                super().close()
+
+
+class _DecoderGone(Exception):
+    """The decoder reading a :class:`_Pipe` stopped (it failed); nothing more can be fed to it."""
+
+
+class _Pipe:
+    """A bounded in-memory pipe between one writer thread and one reader thread.
+
+    :meth:`write` blocks while ``limit`` bytes wait unread (one write larger
+    than ``limit`` is let in when the pipe is empty) and raises
+    :class:`_DecoderGone` once the reader has left (:meth:`leave`);
+    :meth:`read` blocks until there are bytes or the writer has closed the
+    pipe (then ``b""``). Memory is bounded by about ``limit`` plus one write.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._cond = threading.Condition()
+        self._chunks: list[bytes] = []
+        self._held = 0
+        self._closed = False
+        self._gone = False
+
+    def write(self, data: bytes) -> None:
+        with self._cond:
+            while self._held and self._held + len(data) > self._limit and not self._gone:
+                self._cond.wait()
+            if self._gone:
+                raise _DecoderGone("the decoder stopped")
+            self._chunks.append(data)
+            self._held += len(data)
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """No more writes: the reader sees EOF once it has read what is held."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def leave(self) -> None:
+        """The reader is done (or failed): drop what is held and refuse further writes."""
+        with self._cond:
+            self._gone = True
+            self._chunks, self._held = [], 0
+            self._cond.notify_all()
+
+    def read(self, size: int = -1) -> bytes:
+        with self._cond:
+            while not self._chunks and not self._closed:
+                self._cond.wait()
+            if not self._chunks:
+                return b""
+            head = self._chunks[0]
+            if 0 <= size < len(head):
+                self._chunks[0] = head[size:]
+                head = head[:size]
+            else:
+                self._chunks.pop(0)
+            self._held -= len(head)
+            self._cond.notify_all()
+            return head
+
+
+class _ProvingTee(io.RawIOBase):
+    """What the store reads of an object it cannot give back until restored (``GLACIER``...):
+    the encoded stream, decoded on the way by a thread of its own (fed through a
+    bounded :class:`_Pipe`, one decoder worker); the store sees EOF only once the
+    decoded bytes matched ``want()`` (the hot bytes' digests, known by then), so
+    bytes that do not decode to the hot file are never uploaded whole.
+    :attr:`hasher` hashes the encoded bytes (what the store's checksum must show).
+    """
+
+    def __init__(self, inner: io.RawIOBase, want: Callable[[], Digests], where: str, limit: int = 4 << 20) -> None:
+        super().__init__()
+        self._inner = inner
+        self._want = want
+        self._where = where
+        self._pipe = _Pipe(limit)
+        self._out = _HashingSink()
+        self._error: BaseException | None = None
+        self.hasher = Hasher()
+        self._thread = threading.Thread(target=self._decode, name="ckptier-prove-upload", daemon=True)
+        self._thread.start()
+
+    def _decode(self) -> None:
+        try:
+            _codec.decode(self._pipe, self._out, threads=1)  # type: ignore[arg-type]
+        except BaseException as exc:  # noqa: BLE001 - raised by the store's read, see _finish
+            self._error = exc
+        finally:
+            self._pipe.leave()
+
+    def _finish(self) -> None:
+        """At the encoded stream's end: wait for the decoder; raise unless it gave the hot bytes."""
+        self._pipe.close()
+        self._thread.join()
+        if self._error is not None:
+            raise IntegrityError(f"{self._where}: the encoded copy does not decode ({self._error}); "
+                                 f"not uploaded, hot copy kept") from self._error
+        back, want = self._out.hasher.digests(), self._want()
+        if back.size != want.size or back.crc64nvme != want.crc64nvme:
+            raise IntegrityError(
+                f"{self._where}: the encoded copy decodes to {back.size} bytes crc64nvme {back.crc64nvme}, the hot "
+                f"file has {want.size} bytes crc64nvme {want.crc64nvme}; not uploaded, hot copy kept"
+            )
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int | None = -1) -> bytes:
+        if size is None or size < 0:
+            return self.readall()
+        data = self._inner.read(size) or b""
+        if not data:
+            self._finish()
+            return b""
+        self.hasher.update(data)
+        try:
+            self._pipe.write(data)
+        except _DecoderGone:
+            self._finish()  # raises the decoder's error, if it failed
+            raise IntegrityError(f"{self._where}: bytes follow the end of the encoded archive; not uploaded, "
+                                 f"hot copy kept") from None
+        return data
+
+    def readinto(self, buf: Any) -> int:
+        view = memoryview(buf).cast("B")
+        data = self.read(view.nbytes)
+        view[: len(data)] = data
+        return len(data)
+
+    def readall(self) -> bytes:
+        parts = []
+        while chunk := self.read(CHUNK):
+            parts.append(chunk)
+        return b"".join(parts)
+
+    def close(self) -> None:
+        if not self.closed:
+            try:
+                self._pipe.close()  # an unfinished stream: the decoder sees a truncated archive and stops
+                self._thread.join()
+                self._inner.close()
+            finally:
+                super().close()
+
+
+def _stream_and_prove(
+    hot: Store,
+    hot_prefix: str,
+    record: CheckpointRecord,
+    archive: Store,
+    files: Sequence[FileRecord],
+    data_class: str | None,
+    *,
+    level: int,
+    threads: int,
+    block_size: int,
+    sealed: bool = False,
+) -> tuple[dict[str, Digests], dict[str, StoredObject]]:
+    """Encode each of ``files`` from ``hot`` straight into ``archive`` and prove each object by
+    reading it back; the hot bytes' digests and the stored objects, by relpath.
+
+    A pipeline of three overlapping stages, each bounded:
+
+    * one encoder at a time (``threads`` codec workers): file *i + 1* is
+      read and encoded as soon as file *i*'s encoder has finished, while the
+      store still makes file *i* durable (a local store's fsync and rename):
+      at most two writes are in flight, and only one of them holds codec
+      buffers. A store with multipart uploads (S3) writes one file at a time:
+      each write holds up to its ``multipart_threshold`` plus one part in
+      memory until it is acknowledged, and two would hold twice that;
+    * the store's ``write`` consumes the encoder's output as it comes
+      (:class:`~ckptier.storage.codec_stream.EncodingReader`, a rendezvous:
+      no spool, no buffer beyond the encoder's own); it reaches EOF only
+      after the hot bytes' size and CRC64NVME matched the catalog, so a
+      mismatch leaves no object;
+    * one read-back at a time (one decoder worker beside a running encoder,
+      ``threads`` for the last file): each object, once written, is read back from the store, decoded and compared with the hot
+      bytes (and its storage class confirmed, when ``data_class`` is set)
+      while later files are still encoded.
+
+    ``sealed``: ``data_class`` cannot be read without a restore (``GLACIER``,
+    ``DEEP_ARCHIVE``). Then the proof moves before the commit of each object:
+    the encoded stream is decoded as the store reads it (:class:`_ProvingTee`)
+    and the store sees EOF only once it gave the hot bytes; the read-back
+    stage HEADs the object, which must be in ``data_class`` and show the size
+    and full-object CRC64NVME of the bytes sent (:func:`_confirm_class`).
+
+    The first failure stops the pipeline: no further file is started, writes
+    in flight are abandoned (their next read raises :class:`_Stopped`, so the
+    store discards them) and that first error is raised once every stage has
+    stopped. Objects already written stay uncommitted (no manifest) for a
+    re-run to overwrite or :func:`janitor` to remove, as the upload marker allows.
+    """
+    from ckptier.storage.codec_stream import EncodingReader  # lazy: the codec is imported on first use
+
+    hot_digests: dict[str, Digests] = {}
+    sent: dict[str, Digests] = {}  # the encoded bytes handed to the store (sealed classes)
+    stored: dict[str, StoredObject] = {}
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+    stop = threading.Event()
+    encoder_free = threading.Semaphore(1)
+
+    def fail(exc: BaseException) -> None:
+        with lock:
+            if not stop.is_set():
+                errors.append(exc)
+            stop.set()
+
+    last = files[-1].relpath if files else None
+
+    def read_back(f: FileRecord) -> None:
+        if stop.is_set():
+            return
+        dkey = data_key(record.job, record.step, f.relpath)
+        # Beside a running encoder, one decoder thread (the encoder has ``threads`` of its own and
+        # decoding is the lighter half); the last file's read-back has the machine to itself.
+        workers = threads if f.relpath == last else max(1, threads // 2)
+        try:
+            if sealed:
+                assert data_class is not None
+                info = _confirm_class(archive, dkey, data_class, sent[f.relpath])
+                with lock:
+                    stored[f.relpath] = StoredObject(key=f.relpath + DATA_SUFFIX, size=info.size,
+                                                     crc64nvme=sent[f.relpath].crc64nvme)
+                return
+            if data_class is not None:
+                _confirm_class(archive, dkey, data_class, None)
+            back, enc = _decode_check(archive, dkey, threads=workers)
+            want = hot_digests[f.relpath]
+            if back.size != want.size or back.crc64nvme != want.crc64nvme:
+                raise IntegrityError(
+                    f"{_store_url(archive, dkey)}: read-back decodes to {back.size} bytes crc64nvme "
+                    f"{back.crc64nvme}, the hot file has {want.size} bytes crc64nvme {want.crc64nvme}; "
+                    f"archive copy not committed, hot copy kept",
+                    url=archive.url,
+                    key=dkey,
+                )
+            with lock:
+                stored[f.relpath] = StoredObject(key=f.relpath + DATA_SUFFIX, size=enc.size, crc64nvme=enc.crc64nvme)
+        except BaseException as exc:  # noqa: BLE001 - handed to the calling thread, which raises it
+            fail(exc)
+
+    def write(f: FileRecord, encoded: _Release, readers: ThreadPoolExecutor) -> None:
+        hkey = hot_file_key(hot_prefix, record, f.relpath)
+        dkey = data_key(record.job, record.step, f.relpath)
+        try:
+            if stop.is_set():
+                return
+            with hot.open_read(hkey) as src:
+                reader = _HashingReader(src)
+
+                def accept(_: Any) -> None:  # on the encoder's thread, before the store may see EOF
+                    got = reader.hasher.digests()
+                    _check_hot_digest(record, f, got, _store_url(hot, hkey))
+                    with lock:
+                        hot_digests[f.relpath] = got
+
+                encoding = EncodingReader(reader, name=f.relpath, level=level, threads=threads,  # type: ignore[arg-type]
+                                          block_size=block_size, before_eof=accept)
+                stream: io.RawIOBase = _UploadStream(encoding, stop, encoded, _store_url(archive, dkey))
+                if sealed:
+                    stream = _ProvingTee(stream, lambda: hot_digests[f.relpath], _store_url(archive, dkey))
+                with stream:
+                    archive.write(dkey, stream)  # type: ignore[arg-type]
+                if isinstance(stream, _ProvingTee):
+                    with lock:
+                        sent[f.relpath] = stream.hasher.digests()
+            readers.submit(read_back, f)
+        except BaseException as exc:  # noqa: BLE001 - handed to the calling thread, which raises it
+            fail(exc)
+        finally:
+            encoded()
+
+    readers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptier-read-back")
+    in_flight = 1 if isinstance(archive, MultipartUploads) else 2  # S3 buffers a part per write, see above
+    writers = ThreadPoolExecutor(max_workers=in_flight, thread_name_prefix="ckptier-upload")
+    try:
+        for f in files:
+            encoder_free.acquire()
+            if stop.is_set():
+                encoder_free.release()
+                break
+            writers.submit(write, f, _Release(encoder_free), readers)
+    except BaseException as exc:  # interrupted while waiting: stop the stages, then re-raise
+        fail(exc)
+        raise
+    finally:
+        writers.shutdown(wait=True)
+        readers.shutdown(wait=True)
+    if errors:
+        raise errors[0]
+    return hot_digests, stored
 
 
 def _confirm_class(archive: Store, key: str, storage_class: str, sent: Digests | None) -> ObjectInfo:
