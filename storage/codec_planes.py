@@ -260,7 +260,7 @@ def _encode_nibbles(
     packed = scratch.get("nib.packed", half)
     step = min(_CHUNK_BYTES, n + n % 2)  # even, so chunks pair up
     codes = scratch.get("nib.codes", step)
-    mask = scratch.get("nib.mask", step, np.bool_)
+    mask = scratch.get("nib.mask", -(-step // 8) * 8, np.bool_)  # whole 8-byte lanes for _true_positions
     hi = scratch.get("nib.hi", step // 2, np.uint16)
     fifteen = scratch.get("nib.fifteen", step)
     fifteen.fill(15)  # np.minimum against an array vectorises; against a scalar it runs 10x slower
@@ -270,10 +270,12 @@ def _encode_nibbles(
         c = codes[: e - s]
         np.subtract(plane[s:e], np.uint8(base), out=c)  # wraps: values below base become >= 241
         np.minimum(c, fifteen[: e - s], out=c)
-        mk = mask[: e - s]
-        np.equal(c, 15, out=mk)
-        if mk.any():
-            escapes.append(plane[s:e][mk])
+        lanes = -(-(e - s) // 8) * 8
+        np.equal(c, 15, out=mask[: e - s])
+        mask[e - s : lanes] = False
+        at = _true_positions(mask[:lanes], scratch, "nib")
+        if at.size:
+            escapes.append(plane[s:e][at])
         if (e - s) % 2:
             c = codes[: e - s + 1]
             c[-1] = 0
