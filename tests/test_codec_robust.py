@@ -4,8 +4,7 @@ Property: any tensor ``torch.save`` or safetensors can hold (every dtype the
 codec treats as planes and some it does not, any shape including empty and
 odd sizes, values from zeros to noise, infinities and NaNs) round-trips
 exactly, whatever the block size and thread counts, with the decoder's chunk
-size shrunk so that its chunk loops, nibble pairs and escapes cross chunk
-boundaries.
+size shrunk so that its merging loop ends on partial chunks.
 
 Fuzz: a truncated, bit-flipped, overwritten, cut or spliced archive makes
 ``decode`` raise ``IntegrityError`` with one line naming the archive (or, if
