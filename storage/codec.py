@@ -26,11 +26,15 @@ bounded by about ``block size x (5 x threads + 3)`` whatever the input size
 (input is read in blocks of at most :data:`BLOCK_SIZE` bytes into pooled
 buffers, at most ``2 x threads`` segments wait for the writer). Decoding
 needs no reader or writer thread: each of ``threads`` workers (the calling
-thread among them) reads the next segment, decodes and checks it, and writes
-it when its turn comes (:class:`_Relay`), so at most ``threads`` segments
-are held, about ``2 x block size x threads`` of buffers. Each worker keeps
-one set of scratch arrays. Up to :data:`SPARE_BYTES` of buffers and a few
-scratch sets are kept for the next call.
+thread among them) reads the next segment, decodes and checks it and parks
+it; whoever parks the segment whose turn it is writes it and the parked ones
+that follow it in order (:class:`_Relay`), so no worker waits behind a
+slower one's segment. A worker reads no further while ``8 x threads``
+segments or ``2 x threads`` blocks of raw bytes are read and not yet
+written, so buffers stay within about ``block size x 3 x threads``. Each
+worker keeps one set of scratch arrays (decoding: about 1.5 block sizes, a
+block's planes being decoded whole). Up to :data:`SPARE_BYTES` of buffers,
+and a few scratch sets within it, are kept for the next call.
 """
 
 from __future__ import annotations
@@ -142,14 +146,12 @@ class _Workers:
             cctx = self._local.plane = zstandard.ZstdCompressor(compression_params=planes.plane_params())
         return cctx
 
-    def decompressors(self, n: int) -> list[zstandard.ZstdDecompressor]:
-        """At least ``n`` decompression contexts: the planes of a block are decoded as parallel streams."""
-        dctxs: list[zstandard.ZstdDecompressor] | None = getattr(self._local, "dctxs", None)
-        if dctxs is None:
-            dctxs = self._local.dctxs = []
-        while len(dctxs) < n:
-            dctxs.append(zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW))
-        return dctxs
+    def decompressor(self) -> zstandard.ZstdDecompressor:
+        """This thread's decompression context (planes are decoded one after the other, each in one call)."""
+        dctx = getattr(self._local, "dctx", None)
+        if dctx is None:
+            dctx = self._local.dctx = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW)
+        return dctx
 
     def scratch(self) -> planes.Scratch:
         scratch = getattr(self._local, "scratch", None)
@@ -191,14 +193,21 @@ class _Spares:
             return self._scratch.pop() if self._scratch else planes.Scratch()
 
     def keep(self, buffers: list[np.ndarray], scratch: list[planes.Scratch]) -> None:
-        """Keep as many ``buffers`` as fit under :data:`SPARE_BYTES`, and the last few scratch sets."""
+        """Keep as many ``buffers`` as fit under :data:`SPARE_BYTES`, and the last few scratch sets
+        that fit under it too (a decoder's scratch grows with the block size)."""
         with self._lock:
             held = sum(b.size for b in self._buffers)
             for b in buffers:
                 if held + b.size <= SPARE_BYTES:
                     self._buffers.append(b)
                     held += b.size
-            self._scratch = (self._scratch + scratch)[-_SPARE_SCRATCH:]
+            kept: list[planes.Scratch] = []
+            held = 0
+            for sc in reversed(self._scratch + scratch):
+                if len(kept) < _SPARE_SCRATCH and held + sc.nbytes <= SPARE_BYTES:
+                    kept.append(sc)
+                    held += sc.nbytes
+            self._scratch = kept[::-1]
 
 
 _SPARES = _Spares()
@@ -208,7 +217,9 @@ class _Pool:
     """Free uint8 buffers handed between the I/O thread and the workers, reused to avoid page faults.
 
     :meth:`take` returns a buffer of at least ``need`` bytes (``size`` when
-    that is more); :meth:`give` returns it for reuse. The pool never holds
+    that is more, unless ``need`` is under a quarter of ``size``: then a
+    fresh buffer of ``need`` bytes, which :meth:`give` drops); :meth:`give`
+    returns it for reuse. The pool never holds
     more buffers than were in use at once, so it is bounded by the window of
     segments in flight. It starts with the spares of earlier calls and hands
     its free buffers back to them on :meth:`close`.
@@ -219,7 +230,9 @@ class _Pool:
         self._free: list[np.ndarray] = _SPARES.buffers(size)
         self._lock = threading.Lock()
 
-    def take(self, need: int = 0) -> np.ndarray:
+    def take(self, need: int) -> np.ndarray:
+        if need < self.size // 4:  # small segments (a zip header, a pickle): the heap has room, no page faults
+            return np.empty(need, dtype=np.uint8)
         with self._lock:
             for i in range(len(self._free) - 1, -1, -1):
                 if self._free[i].size >= need:
@@ -228,7 +241,7 @@ class _Pool:
 
     def give(self, *bufs: np.ndarray) -> None:
         with self._lock:
-            self._free.extend(bufs)
+            self._free.extend(b for b in bufs if b.size >= self.size)
 
     def close(self, workers: _Workers) -> None:
         """Hand the free buffers and the workers' scratch sets to later calls (only once every user is done)."""
@@ -599,7 +612,7 @@ def _decode_segment(
     raw_crc: int, modes: list[int], payloads: list[memoryview], inbuf: np.ndarray,
 ) -> _Decoded:
     """Decode and verify one segment; return its bytes and the pooled buffers that hold them."""
-    dctxs = workers.decompressors(len(modes))
+    dctx = workers.decompressor()
     scratch = workers.scratch()
     used = [inbuf]
     in_place = kind == KIND_GENERIC and modes[0] == planes.PLANE_RAW
@@ -614,11 +627,11 @@ def _decode_segment(
             used.append(outbuf)
             target = outbuf[:raw_len]
             if kind == KIND_GENERIC and modes[0] == planes.PLANE_ZSTD:
-                planes._decompress_into(dctxs[0], payloads[0], target)
+                planes._decompress_into(dctx, payloads[0], target, "segment data")
             elif kind == KIND_GENERIC:
-                np.copyto(target, planes.decode_plane(modes[0], payloads[0], raw_len, dctxs[0], scratch))
+                np.copyto(target, planes.decode_plane(modes[0], payloads[0], raw_len, dctx, scratch))
             else:
-                crc = planes.decode_planes(modes, payloads, width, transform, target, dctxs, scratch)
+                crc = planes.decode_planes(modes, payloads, width, transform, target, dctx, scratch)
             out = target.data
     except ValueError as exc:
         buffers.give(*used)
@@ -697,77 +710,120 @@ def _decode(workers: _Workers, buffers: _Pool, label: str, seg: _Segment) -> _De
 
 class _Relay:
     """Decoding without reader and writer threads: each of ``threads`` workers (the calling thread is one)
-    takes the next segment from the archive, decodes and checks it, waits for its turn and writes it.
+    takes the next segment from the archive, decodes and checks it, and hands it on to be written in order.
 
-    Reading is serialised by one lock and writing by turns in segment order, so
-    the stream is still read strictly forward and written in order, a segment
-    only after every one before it; one worker reads or writes while the others
-    decode. The first failure (by segment number) stops every worker at its next
-    step and is the one raised. Each worker holds at most one segment.
+    Reading is serialised by one lock, so the archive is read strictly
+    forward. A decoded segment whose turn has not come is parked and its
+    worker goes on with the next one, instead of waiting: segments differ
+    widely in cost (a small generic segment between two 2 MiB tensor blocks),
+    and a worker that waited behind each one would leave the others' cores
+    idle. Whoever parks the segment whose turn it is writes it, and every
+    parked one that follows in order, one writer at a time, so each segment
+    is written only after every one before it. A worker reads no further
+    while ``window`` segments, or ``window_bytes`` raw bytes of them, are
+    read and not yet written (some always may be: the one whose turn it is). The first
+    failure (by segment number) stops every worker at its next step and is
+    the one raised; the segments before it are still written (the longest
+    verified prefix), those after it are dropped.
     """
 
     def __init__(self, reader: _ArchiveReader, dst: BinaryIO, workers: _Workers, buffers: _Pool,
-                 stats: CodecStats, label: str) -> None:
+                 stats: CodecStats, label: str, window: int, window_bytes: int) -> None:
         self.reader, self.dst, self.workers, self.buffers, self.stats, self.label = (
             reader, dst, workers, buffers, stats, label)
+        self.window, self.window_bytes = window, window_bytes
+        self.pending_bytes = 0  # raw bytes of the segments read and not yet written
         self.read_lock = threading.Lock()
-        self.turn = threading.Condition()
-        self.next_read = 0  # segment number the next read gets
+        self.state = threading.Condition()  # guards everything below but the reading fields
+        self.next_read = 0  # segment number the next read gets (under read_lock)
+        self.expected_offset = 0  # (under read_lock)
+        self.ended = False  # the trailer tag was read (under read_lock)
         self.next_write = 0  # segment number whose turn it is to be written
-        self.expected_offset = 0
-        self.ended = False  # the trailer tag was read
+        self.parked: dict[int, _Decoded] = {}
+        self.writing = False  # a worker is writing parked segments
         self.error: tuple[int, BaseException] | None = None
         self.crc = 0
         self.offset = 0
 
     def fail(self, index: int, exc: BaseException) -> None:
-        with self.turn:
+        with self.state:
             if self.error is None or index < self.error[0]:
                 self.error = (index, exc)
-            self.turn.notify_all()
+            self.state.notify_all()
+
+    def _read(self) -> tuple[int, _Segment] | None:
+        """The next segment and its number, or None at the end, after a failure, or on a read failure."""
+        with self.read_lock:
+            with self.state:
+                while self.error is None and self.next_read > self.next_write and (
+                        self.next_read - self.next_write >= self.window or self.pending_bytes >= self.window_bytes):
+                    self.state.wait()
+                if self.error is not None:
+                    return None
+            if self.ended:
+                return None
+            index = self.next_read
+            try:
+                seg = _read_segment(self.reader, self.buffers, self.stats, self.expected_offset)
+            except BaseException as exc:
+                self.fail(index, exc)
+                return None
+            if seg is None:
+                self.ended = True
+                return None
+            self.next_read += 1
+            self.expected_offset += seg.raw_len
+            with self.state:
+                self.pending_bytes += seg.raw_len
+            return index, seg
 
     def run(self) -> None:
-        while True:
-            with self.read_lock:
-                if self.ended or self.error is not None:
-                    return
-                index = self.next_read
-                try:
-                    seg = _read_segment(self.reader, self.buffers, self.stats, self.expected_offset)
-                except BaseException as exc:
-                    self.fail(index, exc)
-                    return
-                if seg is None:
-                    self.ended = True
-                    return
-                self.next_read += 1
-                self.expected_offset += seg.raw_len
+        while (item := self._read()) is not None:
+            index, seg = item
             try:
                 decoded = _decode(self.workers, self.buffers, self.label, seg)
             except BaseException as exc:
                 self.fail(index, exc)
                 return
-            with self.turn:  # segments before a failure are still written: the longest verified prefix
-                while self.next_write != index and (self.error is None or self.error[0] > index):
-                    self.turn.wait()
-                if self.error is not None and self.error[0] < index:
-                    self.buffers.give(*decoded.used)
+            self._park(index, decoded)
+
+    def _park(self, index: int, decoded: _Decoded) -> None:
+        """Hand a decoded segment on; write it and those parked after it if its turn has come."""
+        with self.state:
+            if self.error is not None and self.error[0] < index:
+                self.buffers.give(*decoded.used)  # never to be written
+                return
+            self.parked[index] = decoded
+            if self.writing:
+                return  # the worker writing now will reach it, or the one that parks its predecessor
+            self.writing = True
+        while True:
+            with self.state:
+                turn = self.next_write
+                item = self.parked.pop(turn, None)
+                if item is None or (self.error is not None and self.error[0] <= turn):
+                    if item is not None:
+                        self.buffers.give(*item.used)
+                    self.writing = False
                     return
             try:
-                _write(self.dst, decoded.data)
+                _write(self.dst, item.data)
             except BaseException as exc:
-                self.fail(index, exc)
+                self.buffers.give(*item.used)
+                with self.state:
+                    self.writing = False
+                self.fail(turn, exc)
                 return
-            finally:
-                self.buffers.give(*decoded.used)
-            with self.turn:
+            self.buffers.give(*item.used)
+            with self.state:
                 if _combine_crc64 is not None:
-                    self.crc = _combine_crc64(self.crc, decoded.crc64, len(decoded.data))
+                    self.crc = _combine_crc64(self.crc, item.crc64, len(item.data))
                 else:
-                    self.crc = checksums.crc64nvme(decoded.data, self.crc)
-                self.offset += len(decoded.data)
+                    self.crc = checksums.crc64nvme(item.data, self.crc)
+                self.offset += len(item.data)
+                self.pending_bytes -= len(item.data)
                 self.next_write += 1
-                self.turn.notify_all()
+                self.state.notify_all()
 
     def go(self, threads: int) -> int:
         """Run ``threads`` workers to the end of the segments; return the segment count or raise the first error."""
@@ -779,6 +835,10 @@ class _Relay:
         finally:
             for t in helpers:
                 t.join()
+            with self.state:
+                left, self.parked = list(self.parked.values()), {}
+            for item in left:  # after a failure: segments that came after it
+                self.buffers.give(*item.used)
         if self.error is not None:
             raise self.error[1]
         return self.next_read
@@ -805,7 +865,8 @@ def decode(src: BinaryIO, dst: BinaryIO, *, threads: int = 2) -> CodecStats:
     workers = _Workers(1)
     block = header.get("block_size")
     buffers = _Pool(block if isinstance(block, int) and 0 < block <= MAX_SEGMENT else BLOCK_SIZE)
-    relay = _Relay(reader, dst, workers, buffers, stats, label)
+    relay = _Relay(reader, dst, workers, buffers, stats, label, window=8 * threads,
+                   window_bytes=2 * threads * buffers.size)
     try:
         count = relay.go(threads)
     finally:
