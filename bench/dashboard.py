@@ -37,6 +37,7 @@ import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
 from ckptier.dashboard.app import create_app
+from ckptier.dashboard.cli import freeze_startup_heap
 from ckptier.dashboard.source import open_source
 from ckptier.storage.catalog.api import Catalog, DrillRecord
 from ckptier.tasks.config import parse_config
@@ -312,6 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("catalog: " + ", ".join(f"{v:,} {k}" for k, v in counts.items()))
 
     app = create_app(source, clock=lambda: now)
+    freeze_startup_heap()  # as `ckptier dashboard` does before it serves (the background tables are made after)
     # Tonight's plan and the cost history are built in the background (seconds here): built once,
     # before anything is measured, and not again during the run, as between a dashboard's rebuilds.
     app.state.background.ttl = float("inf")

@@ -195,11 +195,11 @@ def create_app(source: Source, *, token: str | None = None, prefect: PrefectDril
         recovery = row.get("recovery_step")
         milestones = [int(s) for s in cks.loc[cks["milestone"].astype(bool), "step"]]  # the policy's, per row
         step_svg = charts.step_chart(_marks(cks, job), milestones=milestones, recovery_step=recovery)
-        times = list(storage["at"])
-        storage_svg = charts.time_chart(times, [
-            charts.Series("tier-hot", "hot", list(storage["hot_bytes"])),
-            charts.Series("tier-archive", "archive stored", list(storage["archive_stored_bytes"]), fill=True),
-            charts.Series("tier-archive-logical", "archive logical", list(storage["archive_logical_bytes"])),
+        # Columns handed over whole (times as one index, values as Python ints): no Timestamp per point.
+        storage_svg = charts.time_chart(pd.DatetimeIndex(storage["at"]), [
+            charts.Series("tier-hot", "hot", storage["hot_bytes"].tolist()),
+            charts.Series("tier-archive", "archive stored", storage["archive_stored_bytes"].tolist(), fill=True),
+            charts.Series("tier-archive-logical", "archive logical", storage["archive_logical_bytes"].tolist()),
         ])
         newest_first = cks.sort_values("step", ascending=False)
 
@@ -424,7 +424,7 @@ def _marks(cks: pd.DataFrame, job: str) -> list[charts.Mark]:
     base = checkpoint_url(job, 0).removesuffix("0")  # every step's link is this plus the step
     out = []
     for step, state, proof, hot, archive, missing_since in zip(
-            cks["step"], cks["state"], cks["proof"], cks["hot"], cks["archive"], cks["missing_since"], strict=True):
+            *(cks[c].tolist() for c in ("step", "state", "proof", "hot", "archive", "missing_since")), strict=True):
         step, state = int(step), str(state)
         cls = proof if proof == "drilled" else state
         href = f"{base}{step}"

@@ -207,7 +207,7 @@ class Series:
     fill: bool = False
 
 
-def time_chart(times: Sequence[datetime], series: Sequence[Series], *, width: int = 1100, height: int = 200,
+def time_chart(times: Sequence[datetime] | pd.DatetimeIndex, series: Sequence[Series], *, width: int = 1100, height: int = 200,
                fmt: Callable[[float], str] = human_bytes, label: str = "storage over time") -> Markup:
     """Step lines over time (a value holds until the next point), y from 0.
 
@@ -217,6 +217,8 @@ def time_chart(times: Sequence[datetime], series: Sequence[Series], *, width: in
     (so a burst of activity is not squeezed into the left edge). ``label``
     names the chart (its ``aria-label``). Each line has at most a few
     hundred vertices (:func:`step_points`), however many points it has.
+    ``times`` may be a :class:`pandas.DatetimeIndex` (a table's column, read
+    without a Timestamp per point).
     """
     if len(times) == 0:
         return Markup(f'<svg class="chart" viewBox="0 0 {width} 60" role="img" aria-label="no history">'

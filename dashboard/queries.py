@@ -44,6 +44,12 @@ def frame(engine: Engine, stmt: Select[Any], columns: Sequence[str] | None = Non
         return pd.DataFrame.from_records([tuple(r) for r in result.all()], columns=names)
 
 
+def tuples(engine: Engine, stmt: Select[Any]) -> list[tuple[Any, ...]]:
+    """Run ``stmt`` in a read transaction; its rows as plain tuples."""
+    with db.read_transaction(engine) as conn:
+        return [tuple(r) for r in conn.execute(stmt).all()]
+
+
 def frames(engine: Engine, stmts: Sequence[Select[Any]], columns: Sequence[str]) -> pd.DataFrame:
     """Run several statements with the same columns in one read transaction; their rows concatenated."""
     rows: list[Any] = []
@@ -182,6 +188,35 @@ def _as_stored(column: Any) -> Any:
     datetime), without the per-value conversion to an aware datetime: for a statement
     whose times are converted in one vectorized pass (``pd.to_datetime(utc=True)``)."""
     return type_coerce(column, String).label(column.name)
+
+
+def checkpoint_columns(job: str, step: int | None = None) -> Select[Any]:
+    """The columns of ``job``'s checkpoints (tombstones included; of ``step`` alone when given)
+    that the checkpoints table and the step chart show, by step, a tuple per row and no record
+    built: ``id``, ``step``, ``format``, ``state``, ``bytes``, ``state_reason``, and ``saved_at``,
+    ``verified_at``, ``missing_since`` as stored (see :func:`_as_stored`). Their copies:
+    :func:`checkpoint_copy_columns`."""
+    stmt = (
+        select(ck.c.id, ck.c.step, ck.c.format, ck.c.state, ck.c.bytes, ck.c.state_reason,
+               _as_stored(ck.c.saved_at), _as_stored(ck.c.verified_at), _as_stored(ck.c.missing_since))
+        .select_from(ck.join(jb, jb.c.id == ck.c.job_id))
+        .where(jb.c.name == job)
+        .order_by(ck.c.step, ck.c.id)
+    )
+    return stmt if step is None else stmt.where(ck.c.step == step)
+
+
+def checkpoint_copy_columns(job: str, step: int | None = None) -> Select[Any]:
+    """The copies of the checkpoints :func:`checkpoint_columns` reads: ``checkpoint_id``,
+    ``tier``, ``state``, ``stored_bytes``, in the order a record holds them (by checkpoint,
+    tier, URL: :meth:`Catalog.checkpoints`)."""
+    stmt = (
+        select(cp.c.checkpoint_id, cp.c.tier, cp.c.state, cp.c.stored_bytes)
+        .select_from(cp.join(ck, ck.c.id == cp.c.checkpoint_id).join(jb, jb.c.id == ck.c.job_id))
+        .where(jb.c.name == job)
+        .order_by(cp.c.checkpoint_id, cp.c.tier, cp.c.url)
+    )
+    return stmt if step is None else stmt.where(ck.c.step == step)
 
 
 def storage_copies(job: str | None) -> Select[Any]:

@@ -422,53 +422,58 @@ def build_alerts(s: Snapshot) -> pd.DataFrame:
 # ------------------------------------------------------------------ job tables
 
 
-def _copy_cells(record: CheckpointRecord) -> dict[str, Any]:
-    hot = [c for c in record.copies if c.tier.value == "hot"]
-    arch = [c for c in record.copies if c.tier.value == "archive"]
-
-    def best(cs: Sequence[Any]) -> Any:
-        held = [c for c in cs if c.state in q.HELD]
-        return (held or cs or [None])[0]
-
-    h, a = best(hot), best(arch)
-    return {
-        "hot": str(h.state) if h else "",
-        "archive": str(a.state) if a else "",
-        "archive_stored_bytes": a.stored_bytes if a is not None and a.state in q.HELD else None,
-    }
+def _shown_copy(copies: Sequence[tuple[str, int | None]]) -> tuple[str, int | None] | None:
+    """The copy of one tier a checkpoint's row shows, of its copies there as ``(state, stored_bytes)``
+    in the catalog's order: the first that holds the bytes (:data:`queries.HELD`), else the first."""
+    for copy in copies:
+        if copy[0] in q.HELD:
+            return copy
+    return copies[0] if copies else None
 
 
 def build_checkpoints(s: Snapshot) -> pd.DataFrame:
-    """Every checkpoint of the job, tombstones included, by step.
+    """Every checkpoint of the job (of ``step`` alone when given), tombstones included, by step.
 
-    Built column by column in one pass over the records (a dict per row and
-    a frame of dicts cost more than the rest of the page's tables together
-    at 5,000 checkpoints); a reason is redacted once per distinct text, and
-    the policy is asked once per step (:meth:`Policy.is_milestone`) and the proof
-    level comes from :meth:`Snapshot.proof`.
+    Built from the columns the table shows, read straight from the database
+    (:func:`.queries.checkpoint_columns` and the copies'
+    :func:`.queries.checkpoint_copy_columns`: tuples, no record per row, times
+    converted in one vectorized pass), column by column: a reason is redacted
+    once per distinct text, the proof level (:func:`alerts.proof_level`) computed once
+    per state and drill verdict, the policy asked of every step at once
+    (:meth:`Policy.are_milestones`), and each checkpoint's most recent drill is the
+    catalog's over all its drills (:attr:`Snapshot.last_drills`, what each record's
+    ``last_drill`` holds).
     """
-    policy = s.policies.get(s.job or "")
-    records = [r for r in s.records if s.step is None or r.step == s.step]
-    reasons: dict[str | None, str] = {}
-    cols: dict[str, list[Any]] = {name: [] for name in TABLES["checkpoints"].column_names}
-    for r in records:
-        drill = r.last_drill  # the catalog's most recent drill of it, over all its drills
-        state = r.state.value
-        cells = _copy_cells(r)
-        reason = reasons.get(r.state_reason)
-        if reason is None:
-            reason = reasons[r.state_reason] = redact(r.state_reason) or ""
-        for name, value in (
-            ("job", r.job), ("step", r.step), ("state", state),
-            ("proof", s.proof(r)),
-            ("last_drill", ("passed" if drill.ok else "failed") if drill else ""), ("format", r.format.value),
-            ("bytes", r.bytes), ("hot", cells["hot"]), ("archive", cells["archive"]),
-            ("archive_stored_bytes", cells["archive_stored_bytes"]),
-            ("milestone", policy is not None and policy.is_milestone(r.step)),
-            ("saved_at", r.saved_at), ("verified_at", r.verified_at), ("missing_since", r.missing_since),
-            ("reason", reason),
-        ):
-            cols[name].append(value)
+    s.jobs  # noqa: B018 - raises for an unknown job
+    assert s.job is not None
+    policy = s.policies.get(s.job)
+    engine = s.source.engine
+    rows = q.tuples(engine, q.checkpoint_columns(s.job, s.step))
+    copies: dict[tuple[int, str], list[tuple[str, int | None]]] = {}
+    for cid, tier, state, stored in q.tuples(engine, q.checkpoint_copy_columns(s.job, s.step)):
+        copies.setdefault((cid, tier), []).append((state, stored))
+    drills = s.last_drills.get(s.job, {})
+    ids, steps, fmts, states, sizes, reasons, saved, verified, gone = (list(c) for c in zip(*rows, strict=True)) \
+        if rows else ([] for _ in range(9))
+    oks = [d.ok if (d := drills.get(cid)) is not None else None for cid in ids]
+    proofs: dict[tuple[str, bool | None], str] = {}
+    for key in zip(states, oks, strict=True):
+        if key not in proofs:
+            proofs[key] = al.proof_level(*key)
+    redacted = {reason: redact(reason) or "" for reason in set(reasons)}
+    hot = [_shown_copy(copies.get((cid, "hot"), ())) for cid in ids]
+    archive = [_shown_copy(copies.get((cid, "archive"), ())) for cid in ids]
+    cols: dict[str, Any] = {
+        "job": [s.job] * len(ids), "step": steps, "state": states,
+        "proof": [proofs[key] for key in zip(states, oks, strict=True)],
+        "last_drill": ["" if ok is None else "passed" if ok else "failed" for ok in oks], "format": fmts, "bytes": sizes,
+        "hot": [c[0] if c else "" for c in hot], "archive": [c[0] if c else "" for c in archive],
+        "archive_stored_bytes": [c[1] if c is not None and c[0] in q.HELD else None for c in archive],
+        "milestone": policy.are_milestones(steps) if policy is not None else [False] * len(ids),
+        "reason": [redacted[reason] for reason in reasons],
+    }
+    for name, values in (("saved_at", saved), ("verified_at", verified), ("missing_since", gone)):
+        cols[name] = pd.to_datetime(pd.Series(values, dtype=object), utc=True)
     df = pd.DataFrame(cols, columns=TABLES["checkpoints"].column_names)
     df["archive_stored_bytes"] = df["archive_stored_bytes"].astype("Int64")
     return df

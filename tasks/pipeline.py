@@ -154,8 +154,11 @@ def _policy_groups(catalog: Catalog, config: Config, *, job: str | None,
         raise unknown_job(job)
     passed = _drill_passed(catalog, config, job)
     groups: dict[int, tuple[Policy | None, list[CheckpointRecord]]] = {}
+    policies: dict[str, Policy | None] = {}  # a job's policy matched once, not once per checkpoint
     for c in [*live, *tombstones]:
-        policy = config.policy_for(c.job)
+        if c.job not in policies:
+            policies[c.job] = config.policy_for(c.job)
+        policy = policies[c.job]
         groups.setdefault(id(policy), (policy, []))[1].append(c)
     return list(groups.values()), passed
 

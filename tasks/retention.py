@@ -800,6 +800,13 @@ class Policy:
         which checkpoint *holds* a milestone is :meth:`Milestones.keeps`, as planning asks it."""
         return any(m.is_milestone(step) for m in self.milestones)
 
+    def are_milestones(self, steps: Iterable[int]) -> list[bool]:
+        """:meth:`is_milestone` of each of ``steps``, in order (the rules looked up once, not per step)."""
+        rules = self.milestones
+        if len(rules) == 1:
+            return [rules[0].is_milestone(step) for step in steps]
+        return [any(m.is_milestone(step) for m in rules) for step in steps]
+
 
 # ---------------------------------------------------------------------------- plan
 

@@ -139,6 +139,20 @@ def test_times_come_back_aware_utc_and_naive_times_are_refused(cat: Catalog) -> 
         cat.record_scan(STORE, recog(found("a", 2)), now=datetime(2026, 1, 1))
 
 
+
+@pytest.mark.parametrize(("stored", "micro"), [("2026-06-01 10:30:00.250000", 250_000), ("2026-06-01 10:30:00", 0),
+                                               ("2026-06-01T10:30:00.25", 250_000),
+                                               ("2026-06-01 12:30:00.250000+02:00", 250_000),
+                                               ("2026-06-01 10:30:00.25Z", 250_000)])
+def test_sqlite_time_text_of_any_iso_form_reads_as_the_same_aware_utc_moment(stored: str, micro: int) -> None:
+    from ckptier.storage.catalog.tables import UTCDateTime
+
+    process = UTCDateTime().result_processor(sa.create_engine("sqlite://").dialect, None)
+    got = process(stored)
+    want = datetime(2026, 6, 1, 10, 30, 0, micro, tzinfo=UTC)
+    assert got == want and got is not None and got.utcoffset() == timedelta(0) and got.tzinfo is UTC
+    assert process(None) is None
+
 # -- scanning ------------------------------------------------------------------------
 
 

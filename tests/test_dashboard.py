@@ -400,6 +400,59 @@ def test_a_checkpoint_drilled_before_the_recent_drills_keeps_its_proof_and_recov
     assert jobs.loc["alpha", "recovery_step"] == 800 and jobs.loc["alpha", "drilled"] == 1
 
 
+def test_checkpoints_table_read_as_columns_says_what_the_records_say(facts: Any) -> None:
+    """The table is read from the database as columns, not as records: each row still says what the
+    catalog's record of that checkpoint says (state, proof, last drill, the copy shown per tier and its
+    stored bytes, times, reason, milestone), for every checkpoint of every job, tombstones included
+    (and copies that moved: a held copy listed after one that holds nothing is the one shown), and a
+    step asked alone gives that row alone."""
+    from sqlalchemy import insert, select
+
+    from ckptier.dashboard.alerts import proof_level
+    from ckptier.dashboard.format import missing
+    from ckptier.storage.catalog.tables import copies as cp
+
+    with facts.engine.begin() as conn:  # a second copy in a tier, listed after one that holds nothing
+        for cid, tier, url in conn.execute(select(cp.c.checkpoint_id, cp.c.tier, cp.c.url)
+                                           .where(cp.c.state.not_in(["present", "degraded"]))).tuples().all():
+            conn.execute(insert(cp), [{"checkpoint_id": cid, "tier": tier, "url": url + "-moved", "state": "present",
+                                       "stored_bytes": 123, "created_at": NOW}])
+
+    def shown(record: Any, tier: str) -> Any:
+        cs = [c for c in record.copies if c.tier.value == tier]
+        return next((c for c in cs if c.state in ("present", "degraded")), cs[0] if cs else None)
+
+    checked = 0
+    for job in facts.catalog.jobs():
+        snap = Snapshot(facts, now=NOW, job=job)
+        policy = facts.config.policy_for(job)
+        rows = {int(r["step"]): r for r in snap.table("checkpoints").to_dict("records")}
+        records = facts.catalog.checkpoints(job=job, include_deleted=True, with_files=False)
+        assert sorted(rows) == [r.step for r in records]
+        for r in records:
+            row, drill = rows[r.step], r.last_drill
+            hot, archive = shown(r, "hot"), shown(r, "archive")
+            want = {
+                "job": job, "state": r.state.value, "format": r.format.value, "bytes": r.bytes,
+                "proof": proof_level(r.state.value, drill.ok if drill else None),
+                "last_drill": ("passed" if drill.ok else "failed") if drill else "",
+                "hot": hot.state.value if hot else "", "archive": archive.state.value if archive else "",
+                "archive_stored_bytes": archive.stored_bytes if archive and archive.state in ("present", "degraded")
+                else None,
+                "milestone": policy is not None and policy.is_milestone(r.step),
+                "reason": security.redact(r.state_reason) or "",
+            }
+            got = {k: None if missing(row[k]) else row[k] for k in want}
+            assert got == want, (job, r.step)
+            for name in ("saved_at", "verified_at", "missing_since"):
+                value = getattr(r, name)
+                assert (missing(row[name]) and value is None) or row[name] == value, (job, r.step, name)
+            checked += 1
+        one = Snapshot(facts, now=NOW, job=job, step=records[-1].step).table("checkpoints")
+        assert list(one["step"]) == [records[-1].step]
+    assert checked >= 10
+
+
 def test_storage_over_time_in_sql_is_storage_history(facts: Any) -> None:
     """The series the pages read (aggregated in the database) is :func:`storage_history`'s, on the facts
     catalog and with what it lacks: a second hot copy of one checkpoint (a moved location: the newest

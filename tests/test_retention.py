@@ -958,6 +958,15 @@ def test_step_zero_is_an_every_n_steps_milestone_held_only_by_a_save_at_step_zer
     assert Milestones(every=3000).is_milestone(0) and not Milestones(log=True).is_milestone(0)
 
 
+def test_policy_asks_every_step_at_once_as_it_asks_each() -> None:
+    steps = [0, 1, 2, 3, 5, 7, 10, 20, 50, 3000, 6000, 7000, 10_000, 12_000]
+    for rules in [(KeepLast(1),), (Milestones(log=True),), (KeepLast(2), Milestones(every=3000)),
+                  (Milestones(log=True), Milestones(steps=(7, 7000)))]:
+        policy = Policy(rules)
+        assert policy.are_milestones(steps) == [policy.is_milestone(s) for s in steps], rules
+    assert Policy((Milestones(log=True), Milestones(steps=(7,)))).are_milestones([7, 8, 10]) == [True, False, True]
+
+
 def test_max_to_keep_holds_the_newest_milestones_only() -> None:
     cs = [ckpt(i + 1, "run", s, NOW - (10 - i) * H) for i, s in enumerate([0, 1, 2, 3, 4])]
     assert _kept_steps(Milestones(every=1, max_to_keep=3), cs) == [2, 3, 4]

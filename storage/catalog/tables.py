@@ -85,7 +85,20 @@ class UTCDateTime(TypeDecorator[datetime]):
             moment: datetime = value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
             return moment
 
-        return process
+        if dialect.name != "sqlite":
+            return process
+
+        def process_text(value: Any) -> datetime | None:
+            # SQLite keeps naive UTC as ISO text: read it as UTC in one C call, about a fifth of
+            # parsing and then replacing the zone; anything else (an offset, not text) goes the long way.
+            if value is None:
+                return None
+            try:
+                return datetime.fromisoformat(value + "+00:00")
+            except (TypeError, ValueError):
+                return process(value)
+
+        return process_text
 
 
 metadata = MetaData()
