@@ -81,14 +81,6 @@ HELPERS = 2
 SPREAD = 64
 
 
-#: What checking one directory stamp in the walk counts for, in files listed,
-#: towards :data:`HANDOFF_FILES` (an ``openat``, a ``stat`` per directory of
-#: the checkpoint and a read of its entries: a dozen calls into the kernel,
-#: where listing a file is one), so that a rescan that checks many stamps
-#: and lists few files shares them with the helpers too.
-STAMP_WEIGHT = 8
-
-
 def file_mode() -> int:
     """Mode for new files: 0o666 less the process umask (``mkstemp`` alone gives 0o600)."""
     mask = os.umask(0)
@@ -430,8 +422,6 @@ class LocalStore:
                     walked[rel] = facts
                 yield from self._listed(rel, records, prefix, on_skip, skip_dir, on_link, walked, root, hooks)
                 listed += len(records)
-                if hooks.stamps:  # a stamp checked costs about as much as STAMP_WEIGHT files listed
-                    listed += STAMP_WEIGHT * sum(1 for r in records if r[0] == UNCHANGED)
                 if listed >= self.handoff_files and stack and candidates is not None:
                     if len(stack) >= SPREAD * HELPERS or listed >= 4 * self.handoff_files:
                         break

@@ -321,9 +321,9 @@ class _ReadingAhead:
     def __init__(self, skip_dir: Callable[[str], bool] | None, fetcher: Prefetcher) -> None:
         self.skip_dir = skip_dir
         self.candidates = _enter.candidates if skip_dir is None else getattr(skip_dir, "candidates", None)
+        # The skipper's stamps and what the walk tells it (LocalStore.list reads both, or neither).
         self.stamps = getattr(skip_dir, "stamps", None)
-        if self.stamps is not None:
-            self.stamp_unchanged = getattr(skip_dir, "stamp_unchanged")
+        self.stamp_unchanged = getattr(skip_dir, "stamp_unchanged", None)
         self.reads = (METADATA_NAMES, READ_AHEAD_LIMIT)
         self.read_ahead = fetcher.give
 
