@@ -376,8 +376,10 @@ class LocalStore:
         symlinks, links and errors as walking here. Only when ``skip_dir`` is
         None or carries a ``candidates`` attribute (a collection of the only
         keys it may return True for): the helpers hand those directories back
-        unentered, and ``skip_dir`` is asked here. Where no helper can start,
-        the walk goes on here.
+        unentered, and ``skip_dir`` is asked here, unless ``skip_dir``
+        carries their stamps, which the walk then checks itself, and reads
+        the small files it names as it lists them (:class:`_Hooks`). Where
+        no helper can start, the walk goes on here.
 
         Processes, not threads: walking subtrees in 4 threads took twice as
         long here (1M files, 2 cores: 15 s against 7.5 s), the stat calls
