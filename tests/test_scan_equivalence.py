@@ -164,3 +164,33 @@ def test_metadata_read_by_the_walk_is_what_recognition_reads(tmp_path: Path, mon
     finally:
         new.close()
         old.close()
+
+
+@pytest.mark.parametrize("handoff", [0, HERE], ids=["helpers", "here"])
+def test_a_stamped_directory_swapped_for_a_link_to_its_copy_is_not_followed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, handoff: int) -> None:
+    """The walk checks a stamp relative to the parent it has open, with O_NOFOLLOW: a checkpoint
+    directory replaced by a symlink to an exact copy outside the root (the same names, mtimes and
+    link counts, so the same stamp if it were followed) is neither skipped nor entered."""
+    root = tmp_path / "tree"
+    for step in (100, 200):
+        write_step(root, step)
+    settle(root, 120)
+    monkeypatch.setattr(LocalStore, "handoff_files", handoff)
+    cat = Catalog.open(f"sqlite:///{tmp_path / 'c.db'}")
+    try:
+        t0 = datetime(2026, 12, 1, 12, tzinfo=UTC)
+        scan_url(str(root), cat, now=t0)
+        step = root / "job/step-00000100"
+        outside = tmp_path / "outside" / "step-00000100"
+        shutil.copytree(step, outside, symlinks=True)  # copystat: the directories' mtimes to the nanosecond
+        assert os.stat(outside).st_mtime_ns == os.stat(step).st_mtime_ns
+        shutil.rmtree(step)
+        os.symlink(outside, step)
+        report = scan_url(str(root), cat, now=t0 + timedelta(minutes=5))
+        assert report.unchanged_dirs == 1  # step 200 only
+        assert any(u.key == "job/step-00000100" and "not followed" in u.reason for u in report.unrecognised)
+        (gone,) = [r for r in rows(cat) if r.step == 100]
+        assert gone.missing_since is not None
+    finally:
+        cat.close()
