@@ -560,10 +560,10 @@ class CatalogScans(CatalogCore):
                     cp.c.state == "present",
                 )
             ).all()
+        # Rows unpacked by position (a rescan reads one per checkpoint: 10,000 and more).
         return {
-            r.location: DirStampRecord(int(r.checkpoint_id), r.location, r.stamp, tuple(r.dirs.split("\n")),
-                                       r.taken_at, int(r.file_count))
-            for r in rows
+            location: DirStampRecord(int(cid), location, stamp, tuple(dirs.split("\n")), taken_at, int(files))
+            for cid, location, stamp, dirs, taken_at, files in rows
         }
 
     def put_dir_stamps(self, stamps: Mapping[str, tuple[str, Sequence[str]]], *, now: datetime) -> int:
