@@ -12,7 +12,9 @@ has already received.
 
 The helper reads one request from stdin (``marshal``: the directories still
 to walk, the key prefix, the temporary-file prefix, the directory keys it
-must not enter but hand back, the scanned root) and writes frames to stdout: a 4-byte
+must not enter but hand back, the scanned root, the directory stamps it
+checks itself and the small files it reads ahead, see :func:`walk_dirs`)
+and writes frames to stdout: a 4-byte
 little-endian length, then a ``marshal``-ed list of ``(rel, records,
 facts)`` batches as :func:`walk_dirs` yields them, an ``("error", errno, strerror,
 rel)`` tuple for a directory that cannot be read, or ``("end",)``.
@@ -37,16 +39,21 @@ from __future__ import annotations
 
 import errno
 import gc
+import hashlib
 import marshal
 import os
 import stat
 import struct
 import sys
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from typing import Any
 
 #: Record kinds in a directory's batch (see :func:`walk_dirs`).
-FILE, LINK, SKIPPED, DEFER = 0, 1, 2, 3
+FILE, LINK, SKIPPED, DEFER, UNCHANGED, DATA = 0, 1, 2, 3, 4, 5
+
+#: How a file the walk reads ahead is opened: never through a symlink, never
+#: blocking (a FIFO swapped in), its type checked on the open descriptor.
+READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 
 #: How a directory is opened (its entries are then read relative to it): never through a symlink.
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
@@ -62,9 +69,17 @@ Root = tuple[str, int, int, tuple[str, ...]]
 #: Frames are flushed to the pipe once they hold this many records.
 FRAME_RECORDS = 4096
 
-#: A record: ``(FILE, name, size, mtime)``, ``(LINK, name, size, mtime, target)``,
-#: ``(SKIPPED, name, reason)`` or ``(DEFER, name, path, ident)``.
+#: A record: ``(FILE, name, size, mtime)``, ``(DATA, name, size, mtime, data)``,
+#: ``(LINK, name, size, mtime, target)``, ``(SKIPPED, name, reason)``,
+#: ``(DEFER, name, path, ident)`` or ``(UNCHANGED, name)``.
 Record = tuple[Any, ...]
+
+#: The stamps a walk checks itself: a directory's key (no trailing ``/``) ->
+#: ``(stamp, dirs)`` as :func:`tree_stamp` makes them.
+Stamps = dict[str, tuple[str, tuple[str, ...]]]
+
+#: The files a walk reads ahead: their names, and the most bytes read of one.
+Reads = tuple[frozenset[str], int]
 
 #: What the walk saw of a directory it read: ``(mtime_ns, entries, subdirs,
 #: token)``: its mtime, from a ``stat`` taken just before reading it; the
@@ -80,6 +95,45 @@ def dir_token(rel: str, mtime_ns: int, nlink: int) -> str:
     count. Made here by the walk (in the helper processes, for a big tree)
     and by a stamp read from the tree, which must agree to the byte."""
     return f"{rel}\0{mtime_ns}\0{nlink}"
+
+
+def digest(entries: int, tokens: Iterable[str]) -> str:
+    """The stamp of a tree: the top directory's number of entries, then the
+    :func:`dir_token` of each of its directories, sorted (whatever order
+    they come in)."""
+    text = "\0".join([str(entries), *sorted(tokens)])
+    return hashlib.sha1(text.encode("utf-8", "surrogateescape"), usedforsecurity=False).hexdigest()
+
+
+def tree_stamp(fd: int, key: str, dirs: Sequence[str]) -> str | None:
+    """The stamp the directory ``key`` (no trailing ``/``; ``""`` for the
+    root), open as ``fd``, and its subdirectories ``dirs`` (relative to it,
+    ``""`` for itself) have now; None when one of them is gone or is not a
+    directory.
+
+    One ``fstat`` of ``fd``, one ``fstatat(AT_SYMLINK_NOFOLLOW)`` relative to
+    ``fd`` per subdirectory (a deeper one reached through :func:`open_below`,
+    never through a link), and one read of ``fd``'s entries for their
+    number. Shared by :meth:`~ckptier.storage.local.LocalStore.check_stamp`
+    and a walk that checks stamps itself (:func:`walk_dirs`), so both give
+    the same stamp to the byte."""
+    top = key + "/" if key else ""
+    tokens: list[str] = []
+    try:
+        for d in dirs:
+            if not d:
+                st = os.fstat(fd)
+            elif "/" in d:
+                st = stat_below(fd, d)
+            else:
+                st = os.stat(d, dir_fd=fd, follow_symlinks=False)
+            if not stat.S_ISDIR(st.st_mode):
+                return None
+            tokens.append(dir_token(f"{top}{d}/" if d else top, st.st_mtime_ns, st.st_nlink))
+        entries = len(os.listdir(fd))
+    except OSError:
+        return None
+    return digest(entries, tokens)
 
 
 class WalkError(Exception):
@@ -206,6 +260,8 @@ def walk_dirs(
     temp_prefix: str,
     enter: Callable[[str], bool | None],
     root: Root,
+    stamps: Stamps | None = None,
+    reads: Reads | None = None,
 ) -> Generator[tuple[str, list[Record], DirFacts], None, None]:
     """Walk depth-first from ``stack`` (``(path, rel, ident)`` triples, ``rel``
     the directory's key with a trailing ``/`` or ``""``, ``ident`` what its
@@ -220,7 +276,20 @@ def walk_dirs(
     * ``(SKIPPED, name, reason)``: any other symlink (outside the root,
       loop, dangling, chain, to a directory...);
     * ``(DEFER, name, path, ident)``: a subdirectory ``enter(key)`` returned
-      None for (the caller decides, and walks it itself if it wants it).
+      None for (the caller decides, and walks it itself if it wants it);
+    * ``(UNCHANGED, name)``: a subdirectory whose key is in ``stamps`` and
+      whose stamp now (:func:`tree_stamp`, relative to this directory's
+      descriptor, the subdirectory opened with ``O_NOFOLLOW``) is the one
+      given: not entered, ``enter`` not asked. A subdirectory of ``stamps``
+      whose stamp differs (or cannot be taken) is entered, ``enter`` not
+      asked either;
+    * ``(DATA, name, size, mtime, data)``: a regular file named in
+      ``reads`` (``(names, limit)``) of 1 to ``limit`` bytes, read here
+      (opened relative to this directory with ``O_NOFOLLOW|O_NONBLOCK``, its
+      type checked on the open descriptor): ``data``, its bytes. A file that
+      cannot be read so, is no longer a regular file, or now holds more than
+      ``limit`` bytes is a plain ``FILE`` record (its reader reads it later,
+      and meets what stopped this read).
 
     Each directory is opened with ``O_NOFOLLOW`` and entered only when it is
     still the directory its parent listed (same ``ident``): one replaced
@@ -264,7 +333,8 @@ def walk_dirs(
                     continue  # replaced by a symlink since its parent was read: never entered
                 raise WalkError(rel, exc) from exc
             try:
-                read = _read_dir(fd, path, rel, ident, stack, prefix, temp_prefix, enter, root, root_fd)
+                read = _read_dir(fd, path, rel, ident, stack, prefix, temp_prefix, enter, root, root_fd, stamps,
+                                 reads)
             finally:
                 os.close(fd)
             if read is not None:
@@ -285,6 +355,8 @@ def _read_dir(
     enter: Callable[[str], bool | None],
     root: Root,
     root_fd: Callable[[], int],
+    stamps: Stamps | None = None,
+    reads: Reads | None = None,
 ) -> tuple[str, list[Record], DirFacts] | None:
     """One directory of :func:`walk_dirs`, open as ``fd``: its batch, its
     subdirectories to enter pushed on ``stack``; None when the directory
@@ -308,6 +380,7 @@ def _read_dir(
     subdirs: list[str] = []
     count = 0
     everything = not prefix  # every key starts with "": no key to build for a file
+    read_names, read_limit = reads if reads is not None else (frozenset(), 0)
     with entries:
         for entry in entries:
             count += 1
@@ -318,7 +391,14 @@ def _read_dir(
                 subdirs.append(name)
                 key = rel + name
                 if everything or key.startswith(prefix) or prefix.startswith(key + "/"):
-                    go = enter(key)
+                    stamped = stamps.get(key) if stamps else None
+                    if stamped is not None:
+                        if _stamp_holds(fd, name, key, stamped):
+                            records.append((UNCHANGED, name))
+                            continue
+                        go: bool | None = True
+                    else:
+                        go = enter(key)
                     if go or go is None:
                         try:
                             dst = entry.stat(follow_symlinks=False)
@@ -343,7 +423,13 @@ def _read_dir(
                     continue  # deleted while listing
                 except OSError as exc:
                     raise WalkError(rel + name, exc) from exc
-                records.append((FILE, name, fst.st_size, fst.st_mtime))
+                size = fst.st_size
+                if name in read_names and 0 < size <= read_limit:
+                    data = _read_small(fd, name, read_limit)
+                    if data is not None:
+                        records.append((DATA, name, size, fst.st_mtime, data))
+                        continue
+                records.append((FILE, name, size, fst.st_mtime))
             elif entry.is_symlink():
                 try:
                     target = os.readlink(name, dir_fd=fd)
@@ -358,6 +444,47 @@ def _read_dir(
     return rel, records, (mtime_ns, count, subdirs, dir_token(rel, mtime_ns, st.st_nlink))
 
 
+def _stamp_holds(fd: int, name: str, key: str, stamped: tuple[str, tuple[str, ...]]) -> bool:
+    """Whether the subdirectory ``name`` (key ``key``) of the directory open as
+    ``fd`` still has the stamp ``stamped`` (``(stamp, dirs)``), opened
+    relative to ``fd`` with ``O_NOFOLLOW`` (a symlink there: it does not)."""
+    try:
+        sub = os.open(name, DIR_FLAGS, dir_fd=fd)
+    except OSError:
+        return False
+    try:
+        return tree_stamp(sub, key, stamped[1]) == stamped[0]
+    finally:
+        os.close(sub)
+
+
+def _read_small(fd: int, name: str, limit: int) -> bytes | None:
+    """The bytes of the regular file ``name`` in the directory open as ``fd``
+    (opened with ``O_NOFOLLOW|O_NONBLOCK``, its type checked on the open
+    descriptor), or None when it cannot be read so or holds more than
+    ``limit`` bytes."""
+    try:
+        rfd = os.open(name, READ_FLAGS, dir_fd=fd)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(rfd).st_mode):
+            return None
+        chunks: list[bytes] = []
+        got = 0
+        while got <= limit:
+            chunk = os.read(rfd, limit + 1 - got)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            got += len(chunk)
+    except OSError:
+        return None
+    finally:
+        os.close(rfd)
+    return None if got > limit else b"".join(chunks)
+
+
 def _write_frame(out: Any, obj: Any) -> None:
     data = marshal.dumps(obj)
     out.write(struct.pack("<I", len(data)))
@@ -367,8 +494,10 @@ def _write_frame(out: Any, obj: Any) -> None:
 def main() -> int:
     """The helper process: one request on stdin, frames on stdout (module docstring)."""
     gc.disable()  # the walk makes no cycles; collections would only cost time
-    stack, prefix, temp_prefix, deferred, root = marshal.loads(sys.stdin.buffer.read())
+    stack, prefix, temp_prefix, deferred, root, stamps, reads = marshal.loads(sys.stdin.buffer.read())
     deferred = frozenset(deferred)
+    if reads is not None:
+        reads = (frozenset(reads[0]), reads[1])
     out = sys.stdout.buffer
     try:
         import fcntl
@@ -383,7 +512,7 @@ def main() -> int:
     batch: list[tuple[str, list[Record], DirFacts]] = []
     pending = 0
     try:
-        for batched in walk_dirs(stack, prefix, temp_prefix, enter, root):
+        for batched in walk_dirs(stack, prefix, temp_prefix, enter, root, stamps, reads):
             batch.append(batched)
             pending += len(batched[1]) + 1
             if pending >= FRAME_RECORDS:

@@ -78,6 +78,10 @@ PREFETCH_WORKERS = 16
 #: Bytes of prefetched metadata held at once at most; beyond it, files are
 #: read when recognition asks for them, as without prefetching.
 PREFETCH_BYTES = 256 << 20
+#: Metadata files up to this size are read by a local listing's walk as it
+#: lists them (in its helper processes, for a big tree), not one by one by
+#: recognition afterwards; bigger ones are read when recognition asks.
+READ_AHEAD_LIMIT = 64 << 10
 #: A local directory stamp older than this is not trusted: the directory is
 #: listed again (and stamped anew), so every checkpoint is listed completely
 #: at least this often.
@@ -191,6 +195,7 @@ class Prefetcher:
         self.budget = max_bytes
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="ckptier-prefetch") if workers > 0 else None
         self._pending: dict[str, Future[bytes]] = {}
+        self._given: dict[str, bytes] = {}
 
     def __enter__(self) -> Self:
         return self
@@ -199,6 +204,7 @@ class Prefetcher:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
         self._pending.clear()
+        self._given.clear()
 
     def watch(self, listing: Iterable[ObjectInfo], tick: Callable[[int], None] | None = None,
               every: int = 1000) -> Iterator[ObjectInfo]:
@@ -227,8 +233,20 @@ class Prefetcher:
         if tick is not None:
             tick(n)
 
+    def give(self, key: str, data: bytes) -> None:
+        """Hold ``data``, the bytes of ``key`` that its listing read as it listed
+        it (at most ``limit``), for :meth:`read`: what ``read_bytes`` would
+        have returned at that moment. Beyond the byte budget it is dropped
+        (:meth:`read` then reads the file)."""
+        if len(data) <= self.limit and len(data) <= self.budget and key not in self._given:
+            self.budget -= len(data)
+            self._given[key] = data
+
     def read(self, key: str) -> bytes:
         """The whole object ``key`` (at most ``limit`` bytes); each prefetch is used once."""
+        given = self._given.pop(key, None)
+        if given is not None:
+            return given
         future = self._pending.pop(key, None)
         if future is None:
             return read_bytes(self.store, key, limit=self.limit)
@@ -269,17 +287,17 @@ def recognise_store(
     def on_skip(key: str, why: str) -> None:
         skipped.append(Unrecognised(key, why))
 
-    if listing is not None:
-        pass
-    elif isinstance(store, DirectoryStamps) and (skip_dir is not None or on_link is not None or walked is not None):
-        listing = store.list_pruned("", skip_dir or _enter, on_skip, on_link or _ignore, walked)
-    elif isinstance(store, ListingSkips):
-        listing = store.list_with_skips("", on_skip)
-    else:
-        listing = store.list("")
     if prefetch is None:
         prefetch = 0 if isinstance(store, LocalPaths) else PREFETCH_WORKERS
     with Prefetcher(store, workers=prefetch, limit=METADATA_LIMIT) as fetcher:
+        if listing is not None:
+            pass
+        elif isinstance(store, DirectoryStamps) and (skip_dir is not None or on_link is not None or walked is not None):
+            listing = store.list_pruned("", _ReadingAhead(skip_dir, fetcher), on_skip, on_link or _ignore, walked)
+        elif isinstance(store, ListingSkips):
+            listing = store.list_with_skips("", on_skip)
+        else:
+            listing = store.list("")
         found = recognise(
             fetcher.watch(listing, tick),
             fetcher.read,
@@ -290,6 +308,27 @@ def recognise_store(
     if not skipped:
         return found
     return replace(found, unrecognised=tuple(sorted(found.unrecognised + tuple(skipped), key=lambda u: u.key)))
+
+
+class _ReadingAhead:
+    """The ``skip_dir`` a local listing is given: ``skip_dir``'s decisions
+    (none: every directory is entered), its stamps for the walk to check
+    (see :class:`_Skipper`), and the files recognition reads
+    (:data:`METADATA_NAMES` of at most :data:`READ_AHEAD_LIMIT` bytes), which
+    the walk reads as it lists them and hands to ``fetcher``
+    (:meth:`Prefetcher.give`), in the helper processes for a big tree."""
+
+    def __init__(self, skip_dir: Callable[[str], bool] | None, fetcher: Prefetcher) -> None:
+        self.skip_dir = skip_dir
+        self.candidates = _enter.candidates if skip_dir is None else getattr(skip_dir, "candidates", None)
+        # The skipper's stamps and what the walk tells it (LocalStore.list reads both, or neither).
+        self.stamps = getattr(skip_dir, "stamps", None)
+        self.stamp_unchanged = getattr(skip_dir, "stamp_unchanged", None)
+        self.reads = (METADATA_NAMES, READ_AHEAD_LIMIT)
+        self.read_ahead = fetcher.give
+
+    def __call__(self, key: str) -> bool:
+        return self.skip_dir is not None and self.skip_dir(key)
 
 
 class _EnterAll:
@@ -324,6 +363,10 @@ class _Skipper:
         self.unchanged: dict[str, DirStampRecord] = {}
         #: The only directories this may skip (see :meth:`LocalStore.list`).
         self.candidates = self.by_key.keys()
+        #: The stamps a local listing checks itself as it meets each directory
+        #: (relative to its open parent), telling :meth:`stamp_unchanged`
+        #: about the unchanged ones instead of calling this for each.
+        self.stamps = {key: (rec.stamp, rec.dirs) for key, rec in self.by_key.items()}
 
     def __call__(self, key: str) -> bool:
         rec = self.by_key.get(key)
@@ -331,6 +374,11 @@ class _Skipper:
             return False
         self.unchanged[rec.location] = rec
         return True
+
+    def stamp_unchanged(self, key: str) -> None:
+        """The listing found ``key``'s stamp unchanged and did not enter it."""
+        rec = self.by_key[key]
+        self.unchanged[rec.location] = rec
 
 
 def _ancestors(key: str) -> Iterator[str]:
