@@ -20,7 +20,8 @@ Contenders, interleaved (baseline, ours, baseline, ...), best of ``--repeat``:
   into a ``LocalStore`` archive (encode, write each object by temporary file,
   fsync and rename, read back, decode, compare with the hot bytes' CRC64NVME,
   commit the manifest), in a child process under ``/usr/bin/time`` with
-  ``--threads`` codec threads.
+  ``--threads`` codec threads and malloc set up as the ``apply`` command
+  sets it (``limit_malloc_arenas``: one glibc arena).
 
 Printed: wall seconds, CPU seconds (user + system) and peak RSS of each, the
 ratios, and for ckptier also its peak RSS over the child's own RSS just
@@ -119,7 +120,7 @@ def child(root: Path, threads: int) -> int:
     """Promote the built checkpoint into ROOT/archive; print what it measured of itself as JSON."""
     from ckptier.storage.local import LocalStore
     from ckptier.storage.records import CheckpointRecord, CopyRecord, FileRecord, Format, State, Tier
-    from ckptier.tasks.archive import promote
+    from ckptier.tasks.archive import limit_malloc_arenas, promote
 
     doc = json.loads(next(root.glob("built-*.json")).read_text())
     hot = LocalStore(root / "hot")
@@ -133,6 +134,7 @@ def child(root: Path, threads: int) -> int:
         bytes=sum(f.size for f in files), saved_at=now, first_seen=now, last_seen=now, missing_since=None,
         verified_at=now, state_reason=None, files=files, copies=(CopyRecord(Tier.HOT, location, "present", None, now),),
     )
+    limit_malloc_arenas()  # as the apply command does before it promotes
     before = _status_kib("VmRSS")
     try:
         with open("/proc/self/clear_refs", "w") as f:

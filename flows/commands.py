@@ -274,7 +274,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_apply(args: argparse.Namespace) -> int:
     from ckptier.flows import runner  # lazy: the acting commands' imports, only when one runs
+    from ckptier.tasks.archive import limit_malloc_arenas  # lazy: likewise
 
+    limit_malloc_arenas()  # a promotion's many short-lived threads would each get an arena (docs/benchmarks.md)
     settings = settings_of(args, config=True)
     announce(args, settings.location)
     report = runner.apply(job=args.job, dry_run=args.dry_run, settings=settings, use_prefect=_use_prefect(args),

@@ -34,7 +34,8 @@ segments or ``2 x threads`` blocks of raw bytes are read and not yet
 written, so buffers stay within about ``block size x 3 x threads``. Each
 worker keeps one set of scratch arrays (decoding: about 1.5 block sizes, a
 block's planes being decoded whole). Up to :data:`SPARE_BYTES` of buffers,
-and a few scratch sets within it, are kept for the next call.
+and a few scratch sets within it, are kept for the next call (scratch sets
+for the next call of the same kind, encoding or decoding).
 """
 
 from __future__ import annotations
@@ -124,11 +125,17 @@ class CodecStats:
 
 
 class _Workers:
-    """Per-thread zstd contexts and scratch arrays (none of them may be shared between threads)."""
+    """Per-thread zstd contexts and scratch arrays (none of them may be shared between threads).
 
-    def __init__(self, level: int) -> None:
+    ``kind`` (``"encode"`` or ``"decode"``) names whose spare scratch sets the workers take and
+    give back: encoding and decoding fill a set with different arrays, so a set passed from one
+    to the other would come to hold both (see :class:`_Spares`).
+    """
+
+    def __init__(self, level: int, kind: str) -> None:
         self._local = threading.local()
         self._level = level
+        self.kind = kind
         self._lock = threading.Lock()
         self._scratch: list[planes.Scratch] = []
 
@@ -156,7 +163,7 @@ class _Workers:
     def scratch(self) -> planes.Scratch:
         scratch = getattr(self._local, "scratch", None)
         if scratch is None:
-            scratch = self._local.scratch = _SPARES.scratch()
+            scratch = self._local.scratch = _SPARES.scratch(self.kind)
             with self._lock:
                 self._scratch.append(scratch)
         return scratch
@@ -174,12 +181,18 @@ _SPARE_SCRATCH = 4
 
 
 class _Spares:
-    """Block buffers and scratch sets left over from earlier calls, shared by all threads."""
+    """Block buffers and scratch sets left over from earlier calls, shared by all threads.
+
+    Scratch sets are kept apart by the kind of call that filled them (encoding's split and
+    nibble arrays, decoding's merge and plane arrays): handed to the other kind, a set would
+    grow by that kind's arrays and keep both, about twice the memory per worker while an
+    encoder and a decoder run side by side (as in a promotion's pipeline).
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._buffers: list[np.ndarray] = []
-        self._scratch: list[planes.Scratch] = []
+        self._scratch: dict[str, list[planes.Scratch]] = {}
 
     def buffers(self, size: int) -> list[np.ndarray]:
         """Take every spare buffer of at least ``size`` bytes."""
@@ -188,13 +201,15 @@ class _Spares:
             self._buffers = [b for b in self._buffers if b.size < size]
         return fit
 
-    def scratch(self) -> planes.Scratch:
+    def scratch(self, kind: str) -> planes.Scratch:
+        """A spare scratch set last used by a call of ``kind``, or a new one."""
         with self._lock:
-            return self._scratch.pop() if self._scratch else planes.Scratch()
+            sets = self._scratch.get(kind)
+            return sets.pop() if sets else planes.Scratch()
 
-    def keep(self, buffers: list[np.ndarray], scratch: list[planes.Scratch]) -> None:
+    def keep(self, buffers: list[np.ndarray], scratch: list[planes.Scratch], kind: str) -> None:
         """Keep as many ``buffers`` as fit under :data:`SPARE_BYTES`, and the last few scratch sets
-        that fit under it too (a decoder's scratch grows with the block size)."""
+        of ``kind`` that fit under it too (a decoder's scratch grows with the block size)."""
         with self._lock:
             held = sum(b.size for b in self._buffers)
             for b in buffers:
@@ -203,11 +218,11 @@ class _Spares:
                     held += b.size
             kept: list[planes.Scratch] = []
             held = 0
-            for sc in reversed(self._scratch + scratch):
+            for sc in reversed(self._scratch.get(kind, []) + scratch):
                 if len(kept) < _SPARE_SCRATCH and held + sc.nbytes <= SPARE_BYTES:
                     kept.append(sc)
                     held += sc.nbytes
-            self._scratch = kept[::-1]
+            self._scratch[kind] = kept[::-1]
 
 
 _SPARES = _Spares()
@@ -247,7 +262,7 @@ class _Pool:
         """Hand the free buffers and the workers' scratch sets to later calls (only once every user is done)."""
         with self._lock:
             free, self._free = self._free, []
-        _SPARES.keep(free, workers.scratch_sets())
+        _SPARES.keep(free, workers.scratch_sets(), workers.kind)
 
 
 class _InOrder(Generic[_T]):
@@ -460,7 +475,7 @@ def encode(
     header_json = json.dumps(header, sort_keys=True).encode("utf-8")
     head = _FILE_HEAD.pack(CODEC_VERSION, len(header_json)) + header_json
     written = _write(dst, MAGIC + head + _U32.pack(checksums.crc32c(head)))
-    workers = _Workers(level)
+    workers = _Workers(level, "encode")
     buffers = _Pool(block_size)
     crc = 0  # of the raw bytes read so far, or (with combine) of those written so far
     offset = 0
@@ -862,7 +877,7 @@ def decode(src: BinaryIO, dst: BinaryIO, *, threads: int = 2) -> CodecStats:
     label = str(header.get("name") or reader.label)
     reader.label = label
     stats = CodecStats(name=label, payload=str(header.get("payload", "")))
-    workers = _Workers(1)
+    workers = _Workers(1, "decode")
     block = header.get("block_size")
     buffers = _Pool(block if isinstance(block, int) and 0 < block <= MAX_SEGMENT else BLOCK_SIZE)
     relay = _Relay(reader, dst, workers, buffers, stats, label, window=8 * threads,
