@@ -93,6 +93,35 @@ def test_read_only_commands_import_no_heavy_module(argv: list[str], catalog: str
     assert _heavy(modules, sqlalchemy_modules) == []
 
 
+#: The catalog's writing concerns and the record types only they build: ``ls`` and ``latest`` open the
+#: read-only composition (:class:`~ckptier.storage.catalog.reads.ReadCatalog`) and load none of them.
+WRITE_SIDE = ("ckptier.storage.catalog.api", "ckptier.storage.catalog.scans", "ckptier.storage.catalog.copies",
+              "ckptier.storage.catalog.leases", "ckptier.storage.catalog.deletes",
+              "ckptier.storage.catalog.history", "ckptier.storage.catalog.entries")
+
+
+@pytest.mark.parametrize("argv", [
+    ["latest", "--job", "imports-run", "--json"],
+    ["latest", "--job", "imports-run"],
+    ["ls", "--job", "imports-run", "--json"],
+    ["ls"],
+], ids=" ".join)
+def test_read_only_commands_open_the_read_catalog_only(argv: list[str], catalog: str, tmp_path: Path) -> None:
+    proc, modules = _modules([*argv, "--catalog", catalog], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "200" in proc.stdout
+    assert "ckptier.storage.catalog.reads" in modules and "ckptier.storage.catalog.queries" in modules
+    assert [m for m in modules if m in WRITE_SIDE] == []
+
+
+def test_the_read_catalog_check_sees_the_write_side(catalog: str, tmp_path: Path) -> None:
+    """``verify`` writes through the whole :class:`~ckptier.storage.catalog.api.Catalog`: the check above
+    would see it."""
+    proc, modules = _modules(["verify", "--json", "--no-prefect", "--catalog", catalog], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert set(WRITE_SIDE) <= set(modules)
+
+
 def test_the_check_sees_a_heavy_import(catalog: str, sqlalchemy_modules: set[str], tmp_path: Path) -> None:
     """The same check fails for a command that does load the formats (``plan``'s pipeline)."""
     proc, modules = _modules(["plan", "--json", "--catalog", catalog], tmp_path)
