@@ -129,6 +129,40 @@ def test_the_check_sees_a_heavy_import(catalog: str, sqlalchemy_modules: set[str
     assert _heavy(modules, sqlalchemy_modules) != []
 
 
+#: Runs ``main()`` as the console script does (``sys.argv``), printing at exit, after ``SystemExit``
+#: and before the interpreter's teardown: how many objects are frozen, and whether the collector is on.
+AS_PROGRAM = (
+    "import atexit, gc, sys; from ckptier.flows.cli import main; "
+    "atexit.register(lambda: print('gc', gc.get_freeze_count() > 0, gc.isenabled(), file=sys.stderr)); "
+    "sys.argv[1:] = sys.argv[2:]; sys.exit(main())"
+)
+
+
+@pytest.mark.parametrize(("argv", "frozen"), [
+    (["latest", "--job", "imports-run", "--json"], True),
+    (["ls", "--json"], True),
+    (["resume", "--job", "imports-run", "--quick", "--json"], False),  # it writes: left as it was
+], ids=lambda v: " ".join(v) if isinstance(v, list) else str(v))
+def test_the_program_freezes_before_exit_after_a_short_read(argv: list[str], frozen: bool, catalog: str,
+                                                            tmp_path: Path) -> None:
+    """Run as the program, ``ls`` and ``latest`` leave what they imported out of the exit's last
+    collection (``gc.freeze``), with the collector on again; a caller of ``main(ARGV)`` is left alone."""
+    proc = subprocess.run([sys.executable, "-c", AS_PROGRAM, "ckptier", *argv, "--catalog", catalog],
+                          capture_output=True, text=True, env=_clean_env(tmp_path), timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "200" in proc.stdout  # it answered from the catalog
+    assert f"gc {frozen} True" in proc.stderr.splitlines()
+
+
+def test_main_with_argv_leaves_the_collector_as_it_was(catalog: str, capsys: pytest.CaptureFixture[str]) -> None:
+    import gc
+
+    before = gc.get_freeze_count()
+    assert main(["latest", "--job", "imports-run", "--json", "--catalog", catalog]) == 0
+    assert '"step": 200' in capsys.readouterr().out
+    assert gc.get_freeze_count() == before and gc.isenabled()
+
+
 #: ckptier's own imports for ``--version`` (cumulative, microseconds, as ``-X importtime`` counts them):
 #: about 20 ms on a loaded 2-core machine; the handlers, SQLAlchemy and the formats cost over 100 ms more.
 VERSION_IMPORT_BUDGET_US = 120_000
