@@ -5,7 +5,8 @@ modules it registers (:mod:`ckptier.flows.planning`): the settings in force
 (:class:`~ckptier.tasks.settings.Settings`, from ``--catalog`` and
 ``--config``: the file read at most once per command), the first line of
 human output that names the catalog, and the existing catalog opened
-without creating it.
+without creating it: the whole catalog, or (:func:`open_reading`, for the
+commands that only read it) its reads and verification alone.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ckptier.storage.catalog.api import Catalog
     from ckptier.storage.catalog.db import CatalogLocation
+    from ckptier.storage.catalog.reads import ReadCatalog
     from ckptier.tasks.settings import Settings
 
 
@@ -44,3 +46,15 @@ def open_existing(args: argparse.Namespace, settings: Settings) -> Catalog:
     location = settings.location
     announce(args, location)
     return Catalog.open(location.url, create=False)
+
+
+def open_reading(args: argparse.Namespace, settings: Settings) -> ReadCatalog:
+    """The existing catalog ``settings`` name, as :func:`open_existing` opens it (announced, never
+    created), composed of the reads and the verification concern only
+    (:class:`~ckptier.storage.catalog.reads.ReadCatalog`): for ``ls`` and ``latest``, which import
+    none of the writing concerns."""
+    from ckptier.storage.catalog.reads import ReadCatalog  # lazy: as above; and not the whole Catalog
+
+    location = settings.location
+    announce(args, location)
+    return ReadCatalog.open(location.url, create=False)

@@ -18,7 +18,7 @@ from pathlib import Path
 from ckptier.storage.errors import ConfigError
 
 from .arguments import UsageError, verbosity
-from .command import announce, open_existing, settings_of
+from .command import announce, open_existing, open_reading, settings_of
 from .exits import EXIT_BUSY, EXIT_NOT_FOUND
 from .exits import one_line as _one_line
 from .output import checkpoint_json, current_location, human_bytes, iso, print_checkpoints, print_json, table
@@ -43,7 +43,7 @@ def _use_prefect(args: argparse.Namespace) -> bool:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    with open_existing(args, settings_of(args)) as cat:
+    with open_reading(args, settings_of(args)) as cat:
         # Files are counted, not loaded: a listing of 100,000 checkpoints needs no 300,000 file rows.
         records = cat.checkpoints(job=args.job, include_deleted=args.all, with_files=False)
         counts = cat.file_counts(job=args.job) if records else {}
@@ -64,7 +64,7 @@ def cmd_latest(args: argparse.Namespace) -> int:
     from ckptier.tasks.prove import latest_proven  # lazy: likewise
     from ckptier.tasks.run import StoreCache, utcnow  # lazy: likewise
 
-    with open_existing(args, settings_of(args)) as cat:
+    with open_reading(args, settings_of(args)) as cat:
         # The verdict is trusted only once each file was looked at now (a stat, never a read).
         latest = latest_proven(cat, StoreCache(roots=cat.hot_locations).for_record, args.job,
                                drilled=args.drilled, now=utcnow)

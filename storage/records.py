@@ -301,6 +301,10 @@ class CopyRecord:
     storage_class: str | None = None
 
 
+#: The outcome of a drill that could not judge the checkpoint.
+NOT_JUDGED = "not judged"
+
+
 @dataclass(frozen=True)
 class DrillOutcome:
     """The most recent restore drill of a checkpoint: whether it passed,

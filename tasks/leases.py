@@ -22,10 +22,12 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Self, cast
+from typing import TYPE_CHECKING, Self, cast
 
-from ckptier.storage.catalog.api import LeaseHolder, ProcessId
 from ckptier.storage.catalog.protocols import LeaseCatalog, RowClaimCatalog
+
+if TYPE_CHECKING:
+    from ckptier.storage.catalog.entries import LeaseHolder, ProcessId
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +84,8 @@ def process_start(pid: int) -> str | None:
 
 def this_process() -> ProcessId:
     """This process as a lease records it."""
+    from ckptier.storage.catalog.entries import ProcessId  # lazy: `ckptier latest` imports DEFAULT_TTL only
+
     start = process_start(os.getpid())
     return ProcessId(host=socket.gethostname(), pid=os.getpid(), started=start or None)
 

@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from ckptier.storage.base import Store
-from ckptier.storage.catalog.api import Catalog
 from ckptier.storage.catalog.db import refuse_in_memory
 from ckptier.storage.errors import ConfigError
 from ckptier.storage.records import CheckpointRecord
@@ -42,6 +41,8 @@ from .leases import DEFAULT_TTL as DEFAULT_LEASE_TTL
 from .settings import Settings
 
 if TYPE_CHECKING:  # the config's imports (formats, S3) only when a run reads it: `ckptier latest` stays light
+    from ckptier.storage.catalog.api import Catalog  # likewise: `latest` opens the read-only catalog
+
     from .config import Config, RunnerSettings
 
 #: What the operations are given to tell the time: aware UTC.
@@ -301,5 +302,7 @@ def open_run(settings: Settings | None = None, *, owner: str = "ckptier", dry_ru
     config: Config | Callable[[], Config] = (lambda: settings.config) if config_on_use else settings.config
     if create:
         refuse_in_memory(settings.location.url)  # a catalog a run creates outlives the run
+    from ckptier.storage.catalog.api import Catalog  # lazy: `ckptier latest` uses StoreCache without it
+
     with Catalog.open(settings.location.url, create=create) as catalog:
         yield Run.of(catalog, config=config, now=now or utcnow, owner=run_owner(owner), dry_run=dry_run)

@@ -61,6 +61,17 @@ def test_the_catalog_is_the_concerns_and_no_method_is_in_two() -> None:
     assert public_of_catalog == set().union(*(_public(c) for c, _ in CONCERNS)) | _public(CatalogCore)
 
 
+def test_the_read_catalog_is_the_read_and_verification_concerns() -> None:
+    """What ``ls`` and ``latest`` open: the same methods as :class:`Catalog`'s, of two concerns only."""
+    from ckptier.storage.catalog.reads import ReadCatalog
+
+    assert ReadCatalog.__bases__ == (CatalogQueries, CatalogVerification)
+    for name in _public(CatalogQueries) | _public(CatalogVerification):
+        assert getattr(ReadCatalog, name) is getattr(Catalog, name), name
+    assert {n for n in dir(ReadCatalog) if not n.startswith("_")} == \
+        _public(CatalogQueries) | _public(CatalogVerification) | _public(CatalogCore)
+
+
 def test_no_protocol_method_is_declared_twice() -> None:
     declared: dict[str, str] = {}
     for name, proto in vars(protocols).items():

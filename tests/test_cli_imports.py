@@ -93,11 +93,74 @@ def test_read_only_commands_import_no_heavy_module(argv: list[str], catalog: str
     assert _heavy(modules, sqlalchemy_modules) == []
 
 
+#: The catalog's writing concerns and the record types only they build: ``ls`` and ``latest`` open the
+#: read-only composition (:class:`~ckptier.storage.catalog.reads.ReadCatalog`) and load none of them.
+WRITE_SIDE = ("ckptier.storage.catalog.api", "ckptier.storage.catalog.scans", "ckptier.storage.catalog.copies",
+              "ckptier.storage.catalog.leases", "ckptier.storage.catalog.deletes",
+              "ckptier.storage.catalog.history", "ckptier.storage.catalog.entries")
+
+
+@pytest.mark.parametrize("argv", [
+    ["latest", "--job", "imports-run", "--json"],
+    ["latest", "--job", "imports-run"],
+    ["ls", "--job", "imports-run", "--json"],
+    ["ls"],
+], ids=" ".join)
+def test_read_only_commands_open_the_read_catalog_only(argv: list[str], catalog: str, tmp_path: Path) -> None:
+    proc, modules = _modules([*argv, "--catalog", catalog], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "200" in proc.stdout
+    assert "ckptier.storage.catalog.reads" in modules and "ckptier.storage.catalog.queries" in modules
+    assert [m for m in modules if m in WRITE_SIDE] == []
+
+
+def test_the_read_catalog_check_sees_the_write_side(catalog: str, tmp_path: Path) -> None:
+    """``verify`` writes through the whole :class:`~ckptier.storage.catalog.api.Catalog`: the check above
+    would see it."""
+    proc, modules = _modules(["verify", "--json", "--no-prefect", "--catalog", catalog], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert set(WRITE_SIDE) <= set(modules)
+
+
 def test_the_check_sees_a_heavy_import(catalog: str, sqlalchemy_modules: set[str], tmp_path: Path) -> None:
     """The same check fails for a command that does load the formats (``plan``'s pipeline)."""
     proc, modules = _modules(["plan", "--json", "--catalog", catalog], tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert _heavy(modules, sqlalchemy_modules) != []
+
+
+#: Runs ``main()`` as the console script does (``sys.argv``), printing at exit, after ``SystemExit``
+#: and before the interpreter's teardown: how many objects are frozen, and whether the collector is on.
+AS_PROGRAM = (
+    "import atexit, gc, sys; from ckptier.flows.cli import main; "
+    "atexit.register(lambda: print('gc', gc.get_freeze_count() > 0, gc.isenabled(), file=sys.stderr)); "
+    "sys.argv[1:] = sys.argv[2:]; sys.exit(main())"
+)
+
+
+@pytest.mark.parametrize(("argv", "frozen"), [
+    (["latest", "--job", "imports-run", "--json"], True),
+    (["ls", "--json"], True),
+    (["resume", "--job", "imports-run", "--quick", "--json"], False),  # it writes: left as it was
+], ids=lambda v: " ".join(v) if isinstance(v, list) else str(v))
+def test_the_program_freezes_before_exit_after_a_short_read(argv: list[str], frozen: bool, catalog: str,
+                                                            tmp_path: Path) -> None:
+    """Run as the program, ``ls`` and ``latest`` leave what they imported out of the exit's last
+    collection (``gc.freeze``), with the collector on again; a caller of ``main(ARGV)`` is left alone."""
+    proc = subprocess.run([sys.executable, "-c", AS_PROGRAM, "ckptier", *argv, "--catalog", catalog],
+                          capture_output=True, text=True, env=_clean_env(tmp_path), timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "200" in proc.stdout  # it answered from the catalog
+    assert f"gc {frozen} True" in proc.stderr.splitlines()
+
+
+def test_main_with_argv_leaves_the_collector_as_it_was(catalog: str, capsys: pytest.CaptureFixture[str]) -> None:
+    import gc
+
+    before = gc.get_freeze_count()
+    assert main(["latest", "--job", "imports-run", "--json", "--catalog", catalog]) == 0
+    assert '"step": 200' in capsys.readouterr().out
+    assert gc.get_freeze_count() == before and gc.isenabled()
 
 
 #: ckptier's own imports for ``--version`` (cumulative, microseconds, as ``-X importtime`` counts them):

@@ -38,12 +38,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..records import FileCheck
+from ..records import NOT_JUDGED, FileCheck
 from .copies import CatalogCopies
 from .core import COPY_STATES, DELETE_SCOPES, FILE_STATUSES
 from .deletes import CatalogDeletes
 from .entries import (
-    NOT_JUDGED,
     DeleteIntent,
     DirStampRecord,
     DrillRecord,

@@ -34,7 +34,6 @@ from ..records import (
 from . import db
 from .tables import checkpoints as ck
 from .tables import jobs as jb
-from .entries import UnknownCheckpoint
 
 
 COPY_STATES = tuple(s.value for s in CopyState)
@@ -178,6 +177,8 @@ class CatalogCore:
     @staticmethod
     def _require(conn: Connection, checkpoint_id: int) -> None:
         if conn.execute(select(ck.c.id).where(ck.c.id == checkpoint_id)).first() is None:
+            from .entries import UnknownCheckpoint  # lazy: the read path never raises it
+
             raise UnknownCheckpoint(f"checkpoint id {checkpoint_id} is not in the catalog; rescan first")
 
     @staticmethod

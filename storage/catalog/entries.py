@@ -1,5 +1,11 @@
 """The record types the catalog returns and takes besides those of
 :mod:`ckptier.storage.records`, and the catalog's own errors.
+
+Only the writing concerns (and the history) import this module at module
+level; the read and verification concerns (:mod:`.queries`,
+:mod:`.verification`, :mod:`.core`) import it where they build or raise one
+of its types, so ``ckptier ls`` and ``ckptier latest`` never pay for its
+dataclasses.
 """
 
 from __future__ import annotations
@@ -7,12 +13,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, NamedTuple
+from typing import Any
 
 
 from .. import transitions
 from ..errors import CkptierError
 from ..records import (
+    NOT_JUDGED,
     FileCheck,
 )
 
@@ -160,22 +167,6 @@ class EventRecord:
     data: Mapping[str, Any] | None
 
 
-class _DrillRow(NamedTuple):
-    """What a checkpoint's record reads of each of its drills (a ``transitions.DrillLike``)."""
-
-    checkpoint_id: int | None
-    ok: bool
-    started_at: datetime
-    finished_at: datetime | None
-    error: str | None
-    verdict: Any
-    outcome: str | None
-
-    @property
-    def judged(self) -> bool:
-        return self.outcome != NOT_JUDGED
-
-
 @dataclass(frozen=True)
 class DrillRecord:
     """One restore drill. ``timings`` maps phase name to seconds;
@@ -210,10 +201,6 @@ class DrillRecord:
     def verdict_name(self) -> str:
         """``passed``, ``failed`` or ``not judged``."""
         return self.outcome or ("passed" if self.ok else "failed")
-
-
-#: The outcome of a drill that could not judge the checkpoint.
-NOT_JUDGED = "not judged"
 
 
 @dataclass(frozen=True)

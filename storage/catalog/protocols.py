@@ -17,23 +17,25 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import transitions
 from ..records import CheckpointRecord, CopyState, DrillOutcome, FileCheck, Recognition, State, Tier
-from .entries import (
-    DeleteIntent,
-    DirStampRecord,
-    DrillRecord,
-    EventRecord,
-    LeaseHolder,
-    LeaseLost,
-    LinkedFile,
-    ProcessId,
-    ReadBack,
-    RecoveryRecord,
-    ScanSummary,
-)
+
+if TYPE_CHECKING:  # annotations only: the read-only commands import the protocols without the record types
+    from .entries import (
+        DeleteIntent,
+        DirStampRecord,
+        DrillRecord,
+        EventRecord,
+        LeaseHolder,
+        LeaseLost,
+        LinkedFile,
+        ProcessId,
+        ReadBack,
+        RecoveryRecord,
+        ScanSummary,
+    )
 
 
 class LeaseCatalog(Protocol):

@@ -6,7 +6,8 @@ per-job summary.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
-from typing import Any
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from sqlalchemy import (
     ColumnElement,
@@ -25,6 +26,7 @@ from ..records import (
     DrillOutcome,
     FileRecord,
     HELD_COPY_STATES,
+    NOT_JUDGED,
     State,
     Tier,
     metrics_from_json,
@@ -35,8 +37,10 @@ from .tables import drills as dr
 from .tables import files as fl
 from .tables import jobs as jb
 from .tables import scans as sc
-from .entries import LinkedFile, _DrillRow
 from .core import CatalogCore, _FORMATS, _STATES, _TIERS, _COPY_STATES
+
+if TYPE_CHECKING:
+    from .entries import LinkedFile
 
 
 class CatalogQueries(CatalogCore):
@@ -234,6 +238,8 @@ class CatalogQueries(CatalogCore):
                        ck.c.location.startswith(scope, autoescape=True), held)
                 .order_by(jb.c.name, ck.c.step, fl.c.relpath)
             ).tuples().all()
+        from .entries import LinkedFile  # lazy: the record types' dataclasses only where one is built
+
         return [LinkedFile(int(i), job, int(step), loc, rel, link) for i, job, step, loc, rel, link in rows]
 
     def summary(self) -> list[dict[str, Any]]:
@@ -274,6 +280,22 @@ class CatalogQueries(CatalogCore):
             }
             for name, state, count, total in per_state
         ]
+
+
+class _DrillRow(NamedTuple):
+    """What a checkpoint's record reads of each of its drills (a ``transitions.DrillLike``)."""
+
+    checkpoint_id: int | None
+    ok: bool
+    started_at: datetime
+    finished_at: datetime | None
+    error: str | None
+    verdict: Any
+    outcome: str | None
+
+    @property
+    def judged(self) -> bool:
+        return self.outcome != NOT_JUDGED
 
 
 def _last_drills(conn: Connection, where: ColumnElement[bool]) -> dict[int, DrillOutcome]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import (
     Connection,
@@ -31,8 +31,10 @@ from .tables import checkpoints as ck
 from .tables import copies as cp
 from .tables import events as ev
 from .tables import files as fl
-from .entries import UnknownCheckpoint, LeaseLost, ReadBack
 from .core import CatalogCore, _aware, _row, _bulk_update
+
+if TYPE_CHECKING:
+    from .entries import LeaseLost, ReadBack
 
 
 class CatalogVerification(CatalogCore):
@@ -57,6 +59,8 @@ class CatalogVerification(CatalogCore):
                 .where(ck.c.id == checkpoint_id)
             ).first()
             if head is None:
+                from .entries import UnknownCheckpoint  # lazy: `ckptier latest` settles without the record types
+
                 raise UnknownCheckpoint(f"checkpoint id {checkpoint_id} is not in the catalog; rescan first")
             t = transitions.on_files_changed(_row(head), changes,
                                              label=f"checkpoint {checkpoint_id} (step {head.step})")
@@ -114,6 +118,8 @@ class CatalogVerification(CatalogCore):
         change. Raises :class:`UnknownCheckpoint` for an unknown id and
         ``ValueError`` for a result naming a file the catalog does not list.
         """
+        from .entries import LeaseLost, ReadBack  # lazy: as in record_verifications
+
         (outcome,) = self.record_verifications(
             [ReadBack(checkpoint_id, tuple(results), grace=grace, extra=tuple(extra), claim=claim)], now=now)
         if isinstance(outcome, LeaseLost):
@@ -133,6 +139,8 @@ class CatalogVerification(CatalogCore):
         ``ValueError`` for a result naming a file the catalog does not
         list; then nothing of the batch is recorded.
         """
+        from .entries import LeaseLost, UnknownCheckpoint  # lazy: `ckptier latest` imports this concern to settle
+
         now = _aware(now)
         if not items:
             return []
