@@ -551,7 +551,18 @@ class _Release:
         self._gate.release()
 
 
-class _UploadStream(io.RawIOBase):
+class _ChunkedStream(io.RawIOBase):
+    """A readable stream whose ``readall`` reads in :data:`CHUNK`-sized reads (not
+    io's 8 KiB default), so a store that reads a whole small object pays few calls."""
+
+    def readall(self) -> bytes:
+        parts = []
+        while chunk := self.read(CHUNK):
+            parts.append(chunk)
+        return b"".join(parts)
+
+
+class _UploadStream(_ChunkedStream):
     """The encoded stream of one file as the archive store reads it.
 
     Reads go to ``inner`` (an :class:`~ckptier.storage.codec_stream.EncodingReader`);
@@ -599,12 +610,6 @@ class _UploadStream(io.RawIOBase):
         if not n:
             self._encoded()
         return n or 0
-
-    def readall(self) -> bytes:
-        parts = []
-        while chunk := self.read(CHUNK):
-            parts.append(chunk)
-        return b"".join(parts)
 
     def close(self) -> None:
         if not self.closed:
@@ -677,7 +682,7 @@ class _Pipe:
             return head
 
 
-class _ProvingTee(io.RawIOBase):
+class _ProvingTee(_ChunkedStream):
     """What the store reads of an object it cannot give back until restored (``GLACIER``...):
     the encoded stream, decoded on the way by a thread of its own (fed through a
     bounded :class:`_Pipe`, one decoder worker); the store sees EOF only once the
@@ -744,12 +749,6 @@ class _ProvingTee(io.RawIOBase):
         data = self.read(view.nbytes)
         view[: len(data)] = data
         return len(data)
-
-    def readall(self) -> bytes:
-        parts = []
-        while chunk := self.read(CHUNK):
-            parts.append(chunk)
-        return b"".join(parts)
 
     def close(self) -> None:
         if not self.closed:
