@@ -7,7 +7,6 @@ edited between scans."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -22,18 +21,9 @@ from ckptier.storage.records import CheckpointRecord, FileRecord
 from ckptier.storage.local import LocalStore
 from ckptier.tasks import scan as scan_module
 from ckptier.tasks.scan import scan_url
+from tests.test_scan_skip import write_step
 
-RANKS = 3
 HERE = 10**9  # handoff_files that keeps every walk in the listing process
-
-
-def write_step(root: Path, step: int) -> None:
-    d = root / "job" / f"step-{step:08d}"
-    for r in range(RANKS):
-        (d / f"rank-{r:04d}").mkdir(parents=True)
-        (d / f"rank-{r:04d}" / "model.pt").write_bytes(b"w" * (r + 1))
-        (d / f"rank-{r:04d}" / "optimizer.pt").write_bytes(b"o")
-    (d / "metadata.json").write_text(json.dumps({"step": step, "loss": 1.0 / step}))
 
 
 def settle(root: Path, age: float) -> None:
