@@ -468,10 +468,14 @@ class CatalogScans(CatalogCore):
         if new_ck:
             # One executemany, then the new ids by (job, step), which is unique: an INSERT ...
             # RETURNING whose ids must come back in parameter order runs one statement per
-            # row on SQLite (10,000 statements for a first scan of 10,000 checkpoints).
+            # row on SQLite (10,000 statements for a first scan of 10,000 checkpoints). The ids
+            # are read for the new steps' range only: a rescan that finds the newest few of a
+            # job of 100,000 reads a few rows back, not the job's every row.
             conn.execute(insert(ck), new_ck)
-            id_of = dict(_plain_rows(conn, select(ck.c.step, ck.c.id).where(ck.c.job_id == job_id)))
-            ids = [int(id_of[row["step"]]) for row in new_ck]
+            steps = [row["step"] for row in new_ck]
+            id_of = dict(_plain_rows(conn, select(ck.c.step, ck.c.id).where(
+                ck.c.job_id == job_id, ck.c.step.between(min(steps), max(steps)))))
+            ids = [int(id_of[step]) for step in steps]
             for cid, found, found_events in zip(ids, new_found, new_events, strict=True):
                 for e in found_events:
                     event(e, cid)
