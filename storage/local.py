@@ -25,7 +25,7 @@ import stat
 import struct
 import subprocess
 import sys
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -56,9 +56,9 @@ from .walker import (
     Stamps,
     WalkError,
     digest,
-    dir_token,
     link_record,
     open_below,
+    stamp_token,
     stat_below,
     tree_stamp,
     walk_dirs,
@@ -656,7 +656,7 @@ class LocalStore:
         if seen is not None:
             if seen.newest_ns >= int(changed_before * 1_000_000_000):
                 return None
-            return self._digest(seen.entries, seen.tokens), seen.dirs
+            return digest(seen.entries, seen.tokens), seen.dirs
         dirs: set[str] = {""}
         for rel in relpaths:
             head = rel.rpartition("/")[0]
@@ -710,7 +710,7 @@ class LocalStore:
                 return None
         finally:
             os.close(fd)
-        return self._digest(entries, self._tokens(key, covered, stats)), covered
+        return digest(entries, [stamp_token(key, d, stats[d]) for d in covered]), covered
 
     def check_stamp(self, key: str, dirs: Sequence[str]) -> str | None:
         """The stamp the directory ``key`` and its subdirectories ``dirs`` have now
@@ -739,20 +739,6 @@ class LocalStore:
             return None
         finally:
             os.close(root_fd)
-
-    @staticmethod
-    def _tokens(key: str, dirs: Sequence[str], stats: Mapping[str, os.stat_result]) -> builtins.list[str]:
-        """The :func:`.walker.dir_token` of each directory of ``dirs`` (relative
-        to ``key``), from its ``lstat``."""
-        top = key + "/" if key else ""
-        return [dir_token(f"{top}{d}/" if d else top, stats[d].st_mtime_ns, stats[d].st_nlink) for d in dirs]
-
-    @staticmethod
-    def _digest(entries: int, tokens: Iterable[str]) -> str:
-        """The stamp of a tree: the top directory's number of entries, then the
-        token (key, mtime in ns, link count) of each of its directories,
-        sorted (whatever order they come in)."""
-        return digest(entries, tokens)
 
     def stat(self, key: str) -> ObjectInfo:
         """The info of ``key``, from an ``fstatat(AT_SYMLINK_NOFOLLOW)`` relative to

@@ -97,6 +97,15 @@ def dir_token(rel: str, mtime_ns: int, nlink: int) -> str:
     return f"{rel}\0{mtime_ns}\0{nlink}"
 
 
+def stamp_token(key: str, d: str, st: os.stat_result) -> str:
+    """The :func:`dir_token` of the directory ``d`` (relative to ``key``, ``""``
+    for ``key`` itself; ``key`` without a trailing ``/``, ``""`` for the root)
+    from its ``lstat``: one definition, so that taking a stamp and checking it
+    name each directory alike."""
+    top = key + "/" if key else ""
+    return dir_token(f"{top}{d}/" if d else top, st.st_mtime_ns, st.st_nlink)
+
+
 def digest(entries: int, tokens: Iterable[str]) -> str:
     """The stamp of a tree: the top directory's number of entries, then the
     :func:`dir_token` of each of its directories, sorted (whatever order
@@ -117,7 +126,6 @@ def tree_stamp(fd: int, key: str, dirs: Sequence[str]) -> str | None:
     number. Shared by :meth:`~ckptier.storage.local.LocalStore.check_stamp`
     and a walk that checks stamps itself (:func:`walk_dirs`), so both give
     the same stamp to the byte."""
-    top = key + "/" if key else ""
     tokens: list[str] = []
     try:
         for d in dirs:
@@ -129,7 +137,7 @@ def tree_stamp(fd: int, key: str, dirs: Sequence[str]) -> str | None:
                 st = os.stat(d, dir_fd=fd, follow_symlinks=False)
             if not stat.S_ISDIR(st.st_mode):
                 return None
-            tokens.append(dir_token(f"{top}{d}/" if d else top, st.st_mtime_ns, st.st_nlink))
+            tokens.append(stamp_token(key, d, st))
         entries = len(os.listdir(fd))
     except OSError:
         return None
