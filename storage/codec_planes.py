@@ -272,7 +272,6 @@ def _encode_nibbles(
     packed = scratch.get("nib.packed", half)
     step = min(_CHUNK_BYTES, n + n % 2)  # even, so chunks pair up
     codes = scratch.get("nib.codes", step)
-    mask = scratch.get("nib.mask", -(-step // 8) * 8, np.bool_)  # whole 8-byte lanes for _true_positions
     hi = scratch.get("nib.hi", step // 2, np.uint16)
     fifteen = scratch.get("nib.fifteen", step)
     fifteen.fill(15)  # np.minimum against an array vectorises; against a scalar it runs 10x slower
@@ -282,10 +281,7 @@ def _encode_nibbles(
         c = codes[: e - s]
         np.subtract(plane[s:e], np.uint8(base), out=c)  # wraps: values below base become >= 241
         np.minimum(c, fifteen[: e - s], out=c)
-        lanes = -(-(e - s) // 8) * 8
-        np.equal(c, 15, out=mask[: e - s])
-        mask[e - s : lanes] = False
-        at = _true_positions(mask[:lanes], scratch, "nib")
+        at = _positions_of(c, 15, scratch, "nib")
         if at.size:
             escapes.append(plane[s:e][at])
         if (e - s) % 2:
@@ -331,6 +327,18 @@ def _decompress_into(
         raise ValueError(f"{what}: zstd frame decoded to {got + extra}{'+' if extra else ''} bytes, expected {size}")
 
 
+def _positions_of(values: np.ndarray, value: int, scratch: Scratch, name: str) -> np.ndarray:
+    """Ascending indices of the bytes of ``values`` (uint8) equal to ``value``: the mask
+    (from ``scratch`` under ``name``) padded with False to whole 8-byte lanes, then
+    :func:`_true_positions`."""
+    n = values.size
+    lanes = -(-n // 8) * 8
+    mask = scratch.get(f"{name}.mask", lanes, np.bool_)
+    np.equal(values, value, out=mask[:n])
+    mask[n:] = False
+    return _true_positions(mask, scratch, name)
+
+
 def _true_positions(mask: np.ndarray, scratch: Scratch, name: str) -> np.ndarray:
     """Ascending indices of the True entries of the bool array ``mask``, whose size is a multiple of 8.
 
@@ -372,11 +380,7 @@ def _decode_nibbles(
     np.right_shift(pairs, 4, out=pairs)
     np.add(pairs, np.uint16(base * 0x0101), out=pairs)
     out = pairs.view(np.uint8)[:size]
-    padded = -(-size // 8) * 8
-    mask = scratch.get(f"{name}.mask", padded, np.bool_)
-    np.equal(out, base + 15, out=mask[:size])
-    mask[size:] = False
-    at = _true_positions(mask, scratch, name)
+    at = _positions_of(out, base + 15, scratch, name)
     if at.size != n_escapes:
         raise ValueError(f"{name}: nibble plane has {at.size} escapes, its header says {n_escapes}")
     out[at] = escapes
