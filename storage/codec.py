@@ -32,8 +32,10 @@ that follow it in order (:class:`_Relay`), so no worker waits behind a
 slower one's segment. A worker reads no further while ``8 x threads``
 segments or ``2 x threads`` blocks of raw bytes are read and not yet
 written, so buffers stay within about ``block size x 3 x threads``. Each
-worker keeps one set of scratch arrays (decoding: about 1.5 block sizes, a
-block's planes being decoded whole). Up to :data:`SPARE_BYTES` of buffers,
+worker keeps one set of scratch arrays (decoding: a block's planes, decoded
+whole, and the merge's temporaries, which are sized by the merging loop's
+chunk, not the block: measured on the reference checkpoint, about 2.5 block
+sizes at 2 MiB blocks, 4 at 512 KiB). Up to :data:`SPARE_BYTES` of buffers,
 and a few scratch sets within it, are kept for the next call (scratch sets
 for the next call of the same kind, encoding or decoding).
 """
