@@ -12,10 +12,11 @@ commands that only read it) its reads and verification alone.
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
     from ckptier.storage.catalog.api import Catalog
+    from ckptier.storage.catalog.core import CatalogCore
     from ckptier.storage.catalog.db import CatalogLocation
     from ckptier.storage.catalog.reads import ReadCatalog
     from ckptier.tasks.settings import Settings
@@ -43,9 +44,7 @@ def open_existing(args: argparse.Namespace, settings: Settings) -> Catalog:
     """The existing catalog ``settings`` name, announced first in human output (never created)."""
     from ckptier.storage.catalog.api import Catalog  # lazy: --version and --help answer without SQLAlchemy
 
-    location = settings.location
-    announce(args, location)
-    return Catalog.open(location.url, create=False)
+    return _announced(args, settings, Catalog)
 
 
 def open_reading(args: argparse.Namespace, settings: Settings) -> ReadCatalog:
@@ -55,6 +54,15 @@ def open_reading(args: argparse.Namespace, settings: Settings) -> ReadCatalog:
     none of the writing concerns."""
     from ckptier.storage.catalog.reads import ReadCatalog  # lazy: as above; and not the whole Catalog
 
+    return _announced(args, settings, ReadCatalog)
+
+
+_C = TypeVar("_C", bound="CatalogCore")
+
+
+def _announced(args: argparse.Namespace, settings: Settings, kind: type[_C]) -> _C:
+    """The existing catalog ``settings`` name, opened as ``kind`` (never created), once
+    :func:`announce` named it."""
     location = settings.location
     announce(args, location)
-    return ReadCatalog.open(location.url, create=False)
+    return kind.open(location.url, create=False)
