@@ -801,10 +801,9 @@ class Policy:
         return any(m.is_milestone(step) for m in self.milestones)
 
     def are_milestones(self, steps: Iterable[int]) -> list[bool]:
-        """:meth:`is_milestone` of each of ``steps``, in order (the rules looked up once, not per step)."""
+        """:meth:`is_milestone` of each of ``steps``, in order (:attr:`milestones`, a new tuple per
+        call, read once)."""
         rules = self.milestones
-        if len(rules) == 1:
-            return [rules[0].is_milestone(step) for step in steps]
         return [any(m.is_milestone(step) for m in rules) for step in steps]
 
 
